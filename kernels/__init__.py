@@ -1,0 +1,1 @@
+"""Triton kernels (imported as `radixmesh.kernels`); they import only torch and triton."""

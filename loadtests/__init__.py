@@ -1,0 +1,1 @@
+"""The serving benchmark client, workloads and plots (see the loadtests issue)."""

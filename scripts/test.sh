@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Install radixmesh with its test tools and run lint, type checks and the test suite.
+#   scripts/test.sh                 everything that runs here (GPU tests skip without CUDA)
+#   scripts/test.sh -m "not slow"   extra arguments go to pytest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh test
+export PATH="$PWD/.venv/bin:$PATH"
+echo "== ruff"; ruff check services kernels tests loadtests
+echo "== mypy"; mypy services kernels
+echo "== pytest"
+set +e
+python -m pytest -q "$@"
+rc=$?
+set -e
+if [ $rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
+exit $rc

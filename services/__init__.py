@@ -1,0 +1,29 @@
+"""radixmesh: LLM serving with radix prefix caching, split into gRPC services.
+
+`radixmesh.Engine` is the in-process Python API; it starts the scheduler in its own process.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from radixmesh.engine.engine import Engine
+    from radixmesh.engine.sampling.params import SamplingParams
+
+__all__ = ["Engine", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so `import radixmesh` stays cheap (no torch) for CLI help and clients.
+    if name == "Engine":
+        from radixmesh.engine.engine import Engine
+
+        return Engine
+    if name == "SamplingParams":
+        from radixmesh.engine.sampling.params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

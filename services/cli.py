@@ -1,0 +1,110 @@
+"""The `radixmesh` command."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from radixmesh.common.errors import RadixMeshError
+
+_SKIP_FLAGS = {"model", "log_level"}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (kebab-case), help text from the field docstrings."""
+    from radixmesh.engine.config import EngineConfig
+
+    parser.add_argument("--model", default=None,
+                        help="model name (smollm2-135m, the default), HF directory or .gguf file; with "
+                             "--load-format dummy also a named shape such as llama-3.1-8b")
+    docs = _field_docs(EngineConfig)
+    for field in dataclasses.fields(EngineConfig):
+        if field.name in _SKIP_FLAGS:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        help_text = docs.get(field.name, "")
+        if field.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", help=help_text)
+            continue
+        kind = {"int": int, "float": float, "int | None": int}.get(str(field.type), str)
+        parser.add_argument(flag, type=kind, default=field.default, help=help_text)
+    parser.add_argument("--log-level", default="warning", help="logging level of the engine")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from radixmesh.engine.config import EngineConfig
+
+    return {name: getattr(args, name) for name in EngineConfig.field_names() if hasattr(args, name)}
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cls))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value).replace("%", "%%")
+    return docs
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from radixmesh.engine.engine import Engine
+
+    params = {"max_new_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    if args.seed is not None:
+        params["seed"] = args.seed
+    with Engine(**engine_kwargs(args)) as engine:
+        has_template = bool(getattr(engine.tokenizer, "chat_template", None))
+        prompt: str | list[int] = args.prompt
+        if has_template and not args.raw:
+            prompt = engine.apply_chat_template([{"role": "user", "content": args.prompt}])
+        if args.stream:
+            for chunk in engine.generate_stream(prompt, params):
+                print(chunk["text"], end="", flush=True)
+            print()
+            return 0
+        result = engine.generate(prompt, params)
+        assert isinstance(result, dict)
+        print(result["text"])
+        if args.verbose:
+            print(result["meta_info"], file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixmesh", description="LLM serving with radix prefix caching")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate one completion and print it")
+    gen.add_argument("--prompt", required=True, help="the user's message (or raw text with --raw)")
+    gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    gen.add_argument("--verbose", action="store_true", help="print token counts to stderr")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+        return code
+    except RadixMeshError as exc:
+        print(f"radixmesh: error: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

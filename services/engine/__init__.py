@@ -1,0 +1,1 @@
+"""The worker runtime: model, loader, memory pools, radix cache, scheduler, sampling."""

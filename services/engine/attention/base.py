@@ -1,0 +1,88 @@
+"""The attention-backend contract and the per-step batch description models see.
+
+Models never touch KV memory themselves: each attention layer hands q/k/v to the
+backend, which writes k/v into the KV pool at `out_cache_loc` and attends over the
+request's whole sequence as listed in `req_to_token`.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from radixmesh.engine.memory import ReqToTokenPool, TokenToKVPool
+
+
+class ForwardMode(enum.Enum):
+    """EXTEND runs new prompt tokens after a cached prefix; DECODE runs one token per request."""
+
+    EXTEND = "extend"
+    DECODE = "decode"
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one forward pass needs; tensors live on the model's device.
+
+    Tokens of all requests are packed along one axis (`num_tokens`), request by
+    request. In DECODE mode every request contributes exactly one token.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64, position of each token in its sequence
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot each new token's k/v is written to
+    req_pool_indices: torch.Tensor  # [batch] int64, row of each request in req_to_token
+    seq_lens: torch.Tensor  # [batch] int64, tokens with KV after this pass (prefix + new)
+    extend_prefix_lens: torch.Tensor  # [batch] int64, cached tokens before the new ones (EXTEND)
+    extend_seq_lens: torch.Tensor  # [batch] int64, new tokens per request (1 each in DECODE)
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: TokenToKVPool
+    attn_backend: AttentionBackend
+    seq_lens_cpu: list[int]  # host copies, so backends can plan without a device sync
+    extend_prefix_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE
+
+
+class AttentionLayerSpec:
+    """Static description of one attention layer, created by the model."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scaling: float) -> None:
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+
+
+class AttentionBackend(abc.ABC):
+    """Computes attention for packed tokens and stores their k/v in the KV pool.
+
+    `forward` takes q `[num_tokens, num_heads, head_dim]` and k, v
+    `[num_tokens, num_kv_heads, head_dim]` for the batch's new tokens, writes
+    k/v into `forward_batch.token_to_kv_pool` at `out_cache_loc`, and returns
+    the attention output `[num_tokens, num_heads * head_dim]`. Each new token
+    attends causally to its own request's tokens only: the cached prefix, the
+    earlier new tokens and itself.
+    """
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:  # noqa: B027
+        """Plan a pass once before the model runs (index tensors, splits); optional."""
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+                forward_batch: ForwardBatch) -> torch.Tensor: ...

@@ -1,0 +1,72 @@
+"""A scheduled batch: which requests run, which tokens they feed, where their KV goes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixmesh.engine.attention.base import ForwardMode
+from radixmesh.engine.kv_manager import KVCacheManager
+from radixmesh.engine.request import Req
+
+
+@dataclass
+class ScheduleBatch:
+    """Host-side description of one pass; the model runner turns it into a ForwardBatch."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    input_ids: list[int]
+    positions: list[int]
+    out_cache_loc: torch.Tensor  # [num_tokens] int64 KV slots on the pool's device
+    prefix_lens: list[int]
+    extend_lens: list[int]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE
+
+
+def build_extend_batch(reqs: list[Req], kv: KVCacheManager) -> ScheduleBatch | None:
+    """Rows and slots for each request's `extend_len` new tokens; None if memory ran out."""
+    for req in reqs:
+        if not kv.assign_row(req):
+            return None
+    slots = kv.alloc_slots(sum(r.extend_len for r in reqs))
+    if slots is None:
+        return None
+    input_ids: list[int] = []
+    positions: list[int] = []
+    offset = 0
+    for req in reqs:
+        start, end = req.kv_len, req.kv_len + req.extend_len
+        input_ids.extend(req.all_ids[start:end])
+        positions.extend(range(start, end))
+        assert req.req_pool_idx is not None
+        kv.req_pool.req_to_token[req.req_pool_idx, start:end] = slots[offset:offset + req.extend_len]
+        offset += req.extend_len
+    return ScheduleBatch(ForwardMode.EXTEND, reqs, input_ids, positions, slots,
+                         [r.kv_len for r in reqs], [r.extend_len for r in reqs])
+
+
+def build_decode_batch(reqs: list[Req], kv: KVCacheManager) -> ScheduleBatch | None:
+    """One slot per request for its last sampled token; None if memory ran out."""
+    slots = kv.alloc_slots(len(reqs))
+    if slots is None:
+        return None
+    rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=slots.device)
+    cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=slots.device)
+    kv.req_pool.req_to_token[rows, cols] = slots
+    return ScheduleBatch(ForwardMode.DECODE, reqs, [r.output_ids[-1] for r in reqs],
+                         [r.kv_len for r in reqs], slots, [r.kv_len for r in reqs], [1] * len(reqs))
+
+
+def commit_batch(batch: ScheduleBatch) -> None:
+    """The pass ran: its tokens now have KV."""
+    for req in batch.reqs:
+        req.kv_len += 1 if batch.is_decode else req.extend_len

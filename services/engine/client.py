@@ -1,0 +1,255 @@
+"""Async front end of one scheduler process: start it, stream requests through it, stop it.
+
+Every front end (the Python `Engine`, the HTTP gateway, the gRPC worker) talks to
+the scheduler through this class only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
+from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.loader import PreparedModel, prepare_model
+from radixmesh.engine.messages import (
+    AbortReqMsg,
+    BatchOutMsg,
+    FatalMsg,
+    FlushCacheReqMsg,
+    GenerateReqMsg,
+    QueryOutMsg,
+    ReadyMsg,
+    ServerInfoReqMsg,
+    ShutdownReqMsg,
+    TokenOut,
+    encoder,
+    from_scheduler_decoder,
+)
+from radixmesh.engine.output import GenerationChunk, TextAssembler
+from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.engine.scheduler_process import run_scheduler_process
+from radixmesh.engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+STARTUP_TIMEOUT_S = 900.0
+
+
+class EngineClient:
+    """Owns the scheduler process and the two ZMQ sockets to it."""
+
+    def __init__(self, config: EngineConfig, prepared: PreparedModel, tokenizer: Any) -> None:
+        self.config = config
+        self.prepared = prepared
+        self.tokenizer = tokenizer
+        self.model_config = prepared.config
+        self.context_len = config.context_length or prepared.config.context_len
+        self.server_info: dict[str, Any] = {}
+        self._queues: dict[str, asyncio.Queue[TokenOut | RadixMeshError]] = {}
+        self._queries: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._fatal: str | None = None
+        self._proc: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ctx = zmq.asyncio.Context()
+        self._ipc_dir = tempfile.mkdtemp(prefix="radixmesh-")
+        self._send = self._ctx.socket(zmq.PUSH)
+        self._recv = self._ctx.socket(zmq.PULL)
+
+    @classmethod
+    async def start(cls, config: EngineConfig) -> EngineClient:
+        """Prepare the model (downloading/converting the default one if needed) and start the scheduler."""
+        config = config.resolve()
+        prepared = await asyncio.to_thread(prepare_model, config.model, config.load_format)
+        tokenizer = await asyncio.to_thread(load_tokenizer, prepared.tokenizer_path) \
+            if prepared.tokenizer_path else None
+        client = cls(config, prepared, tokenizer)
+        await client._spawn()
+        return client
+
+    async def _spawn(self) -> None:
+        to_sched = f"ipc://{self._ipc_dir}/to-scheduler"
+        from_sched = f"ipc://{self._ipc_dir}/from-scheduler"
+        self._send.bind(to_sched)
+        self._recv.bind(from_sched)
+        ctx = mp.get_context("spawn")
+        self._proc = ctx.Process(target=run_scheduler_process, name="radixmesh-scheduler",
+                                 args=(self.config, self.prepared, to_sched, from_sched), daemon=True)
+        self._proc.start()
+        first = await self._wait_ready()
+        if isinstance(first, FatalMsg):
+            await self.shutdown()
+            raise RadixMeshError(ErrorCode.UNAVAILABLE, first.message)
+        self.server_info = first.info
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watch_process())]
+
+    async def _wait_ready(self) -> ReadyMsg | FatalMsg:
+        deadline = asyncio.get_running_loop().time() + STARTUP_TIMEOUT_S
+        while asyncio.get_running_loop().time() < deadline:
+            if await self._recv.poll(500):
+                msg = from_scheduler_decoder.decode(await self._recv.recv())
+                if isinstance(msg, ReadyMsg | FatalMsg):
+                    return msg
+            elif not self._proc.is_alive():
+                return FatalMsg(f"the scheduler process exited with code {self._proc.exitcode} while starting")
+        return FatalMsg("the scheduler process did not start in time")
+
+    # ---- requests -----------------------------------------------------------------------------
+    def validate(self, input_ids: list[int], params: SamplingParams) -> None:
+        """Reject bad input before admission, naming the parameter."""
+        params.validate(self.model_config.vocab_size)
+        if not input_ids:
+            raise invalid_argument("the prompt is empty", "prompt")
+        if len(input_ids) >= self.context_len:
+            raise invalid_argument(f"the prompt has {len(input_ids)} tokens, but the context length is "
+                                   f"{self.context_len}", "prompt")
+        vocab = self.model_config.vocab_size
+        if min(input_ids) < 0 or max(input_ids) >= vocab:
+            raise invalid_argument(f"input_ids must be in [0, {vocab})", "input_ids")
+
+    async def generate(self, input_ids: list[int], params: SamplingParams,
+                       rid: str | None = None) -> AsyncIterator[GenerationChunk]:
+        """Stream one completion; leaving the iterator early aborts the request and frees its KV."""
+        self.validate(input_ids, params)
+        rid = rid or uuid.uuid4().hex
+        assembler = TextAssembler(self.tokenizer, params) if self.tokenizer is not None else None
+        finished = False
+        async for out in self._stream(GenerateReqMsg(rid, list(input_ids), params)):
+            finished = out.finish_reason is not None
+            if assembler is not None:
+                yield assembler.feed(out)
+            else:
+                yield GenerationChunk(rid, "", list(out.token_ids), out.prompt_tokens, out.cached_tokens,
+                                      out.completion_tokens, out.logprobs, out.top_logprobs,
+                                      out.finish_reason, out.matched_stop)
+        assert finished
+
+    async def cache_prefix(self, input_ids: list[int]) -> None:
+        """Compute and cache a prompt's KV without generating (shared by n > 1 branches)."""
+        params = SamplingParams(max_new_tokens=0)
+        async for _ in self._stream(GenerateReqMsg(uuid.uuid4().hex, list(input_ids), params, True)):
+            pass
+
+    def branch_params(self, params: SamplingParams) -> list[SamplingParams]:
+        """n > 1: one parameter set per branch, each with its own derived seed."""
+        if params.n == 1:
+            return [params]
+        return [msgspec.structs.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+                for i in range(params.n)]
+
+    async def _stream(self, msg: GenerateReqMsg) -> AsyncIterator[TokenOut]:
+        self._check_alive()
+        queue: asyncio.Queue[TokenOut | RadixMeshError] = asyncio.Queue()
+        self._queues[msg.rid] = queue
+        done = False
+        try:
+            await self._send.send(encoder.encode(msg))
+            while not done:
+                item = await queue.get()
+                if isinstance(item, RadixMeshError):
+                    raise item
+                if item.finish_reason == "error":
+                    raise RadixMeshError(ErrorCode.INVALID_ARGUMENT, item.error or "request failed")
+                done = item.finish_reason is not None
+                yield item
+        finally:
+            self._queues.pop(msg.rid, None)
+            if not done and self._fatal is None:
+                await self.abort(msg.rid)
+
+    async def abort(self, rid: str) -> None:
+        if self._fatal is None:
+            await self._send.send(encoder.encode(AbortReqMsg(rid)))
+
+    async def flush_cache(self) -> bool:
+        return bool((await self._query(FlushCacheReqMsg(uuid.uuid4().hex)))["success"])
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return await self._query(ServerInfoReqMsg(uuid.uuid4().hex))
+
+    async def _query(self, msg: FlushCacheReqMsg | ServerInfoReqMsg) -> dict[str, Any]:
+        self._check_alive()
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._queries[msg.query_id] = fut
+        await self._send.send(encoder.encode(msg))
+        try:
+            return await asyncio.wait_for(fut, timeout=60)
+        finally:
+            self._queries.pop(msg.query_id, None)
+
+    # ---- background ---------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = from_scheduler_decoder.decode(await self._recv.recv())
+            if isinstance(msg, BatchOutMsg):
+                for out in msg.outputs:
+                    queue = self._queues.get(out.rid)
+                    if queue is not None:
+                        queue.put_nowait(out)
+            elif isinstance(msg, QueryOutMsg):
+                fut = self._queries.get(msg.query_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.result)
+            elif isinstance(msg, FatalMsg):
+                self._die(msg.message)
+                return
+
+    async def _watch_process(self) -> None:
+        while self._proc.is_alive():
+            await asyncio.sleep(1.0)
+        self._die(f"the scheduler process exited with code {self._proc.exitcode}")
+
+    def _die(self, message: str) -> None:
+        if self._fatal is not None:
+            return
+        self._fatal = message
+        logger.error("engine failed: %s", message)
+        err = RadixMeshError(ErrorCode.UNAVAILABLE, message)
+        for queue in self._queues.values():
+            queue.put_nowait(err)
+        for fut in self._queries.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+    def _check_alive(self) -> None:
+        if self._fatal is not None:
+            raise RadixMeshError(ErrorCode.UNAVAILABLE, f"the engine is not running: {self._fatal}")
+
+    @property
+    def is_alive(self) -> bool:
+        return self._fatal is None and self._proc is not None and self._proc.is_alive()
+
+    async def shutdown(self) -> None:
+        """Stop the scheduler process (gracefully, then by force) and close the sockets."""
+        for task in self._tasks:
+            task.cancel()
+        if self._proc is not None and self._proc.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                await self._send.send(encoder.encode(ShutdownReqMsg()))
+            await asyncio.to_thread(self._proc.join, 10)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                await asyncio.to_thread(self._proc.join, 5)
+        self._fatal = self._fatal or "shut down"
+        self._send.close(0)
+        self._recv.close(0)
+        self._ctx.term()
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self._ipc_dir):
+                os.unlink(os.path.join(self._ipc_dir, name))
+            os.rmdir(self._ipc_dir)
+
+    def describe(self) -> dict[str, Any]:
+        return {"model_name": self.prepared.name, "model_path": str(self.prepared.model_path or ""),
+                "context_len": self.context_len, "config": dataclasses.asdict(self.config)}

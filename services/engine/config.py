@@ -1,0 +1,105 @@
+"""Engine configuration: frozen once built; `resolve()` turns "auto" values into concrete ones."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from radixmesh.common.errors import invalid_argument
+
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the scheduler process needs to build the model and run requests."""
+
+    model: str | None = None
+    """Model name, local HF directory or .gguf file; None means the default model."""
+    load_format: str = "auto"
+    """auto | safetensors | gguf | dummy (random weights of the model's shape)."""
+    device: str = "auto"
+    """auto (cuda when available) | cpu | cuda."""
+    dtype: str = "auto"
+    """auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16."""
+    attention_backend: str = "torch-native"
+    """Attention backend id (see engine/attention/registry.py)."""
+    mem_fraction_static: float = 0.85
+    """Fraction of device memory for weights plus KV pool (GPU); of free RAM for KV (CPU: 0.1 of it)."""
+    max_total_tokens: int | None = None
+    """KV pool capacity in tokens; overrides mem_fraction_static."""
+    max_running_requests: int = 256
+    """Most requests decoding at once."""
+    chunked_prefill_size: int = 4096
+    """Most prompt tokens per prefill pass; longer prompts are split; -1 disables chunking."""
+    max_prefill_tokens: int = 16384
+    """Most prompt tokens per prefill pass when chunking is disabled."""
+    schedule_policy: str = "lpm"
+    """lpm (longest cached prefix first) | fcfs."""
+    disable_radix_cache: bool = False
+    """Turn prefix caching off (every prompt is computed from scratch)."""
+    context_length: int | None = None
+    """Override the model's context length (max prompt + output tokens)."""
+    init_new_token_ratio: float = 0.7
+    """Share of each running request's remaining max_new_tokens reserved at admission."""
+    min_new_token_ratio: float = 0.14
+    """Floor the reservation ratio decays to while no retraction happens."""
+    new_token_ratio_decay_steps: int = 600
+    """Decode steps over which the ratio decays from init to min."""
+    random_seed: int = 0
+    """Seed of the engine's shared generator (requests without their own seed)."""
+    log_level: str = "warning"
+    """Python logging level of the scheduler process."""
+
+    def __post_init__(self) -> None:
+        _in(self.device, DEVICES, "device")
+        _in(self.dtype, DTYPES, "dtype")
+        _in(self.schedule_policy, SCHEDULE_POLICIES, "schedule_policy")
+        _in(self.load_format, ("auto", "safetensors", "gguf", "dummy"), "load_format")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise invalid_argument("mem_fraction_static must be in (0, 1)", "mem_fraction_static")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            raise invalid_argument("max_total_tokens must be >= 2", "max_total_tokens")
+        if self.max_running_requests < 1:
+            raise invalid_argument("max_running_requests must be >= 1", "max_running_requests")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise invalid_argument("chunked_prefill_size must be -1 (off) or >= 1", "chunked_prefill_size")
+        if self.max_prefill_tokens < 1:
+            raise invalid_argument("max_prefill_tokens must be >= 1", "max_prefill_tokens")
+        if not 0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
+            raise invalid_argument("need 0 < min_new_token_ratio <= init_new_token_ratio <= 1",
+                                   "init_new_token_ratio")
+        if self.context_length is not None and self.context_length < 2:
+            raise invalid_argument("context_length must be >= 2", "context_length")
+
+    @property
+    def prefill_token_budget(self) -> int:
+        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else self.max_prefill_tokens
+
+    @property
+    def chunking_enabled(self) -> bool:
+        return self.chunked_prefill_size > 0
+
+    def resolve(self) -> EngineConfig:
+        """A copy with `device` and `dtype` made concrete."""
+        device = self.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "float32" if device == "cpu" else "bfloat16"
+        return dataclasses.replace(self, device=device, dtype=dtype)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+
+def _in(value: str, allowed: tuple[str, ...], name: str) -> None:
+    if value not in allowed:
+        raise invalid_argument(f"{name} must be one of {', '.join(allowed)} (got {value!r})", name)
+

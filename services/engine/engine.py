@@ -1,0 +1,149 @@
+"""`radixmesh.Engine`: the in-process Python API for offline batches and streaming.
+
+The scheduler runs in its own process; this object keeps an asyncio loop on a
+background thread that talks to it through `EngineClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterator
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import msgspec
+
+from radixmesh.common.errors import invalid_argument
+from radixmesh.engine.client import EngineClient
+from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.output import GenerationResult
+from radixmesh.engine.sampling.params import SamplingParams
+
+T = TypeVar("T")
+Prompt = str | list[int]
+
+
+class Engine:
+    """Offline generation: `Engine(model=None).generate("Hello", {"max_new_tokens": 16})`.
+
+    Keyword arguments are `EngineConfig` fields (max_total_tokens, chunked_prefill_size, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        unknown = set(kwargs) - EngineConfig.field_names()
+        if unknown:
+            raise invalid_argument(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="radixmesh-engine", daemon=True)
+        self._thread.start()
+        self.client: EngineClient = self._run(EngineClient.start(EngineConfig(model=model, **kwargs)))
+        self.tokenizer = self.client.tokenizer
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return fut.result()
+
+    # ---- generation -------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise invalid_argument("this model has no tokenizer; pass input_ids", "prompt")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat conversation, ready for the assistant's turn."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise invalid_argument("this model has no chat template", "messages")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def generate(self, prompt: Prompt | list[Prompt], sampling_params: dict[str, Any] | SamplingParams
+                 | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+        """One result dict for one prompt (a list when n > 1); a list for a list of prompts."""
+        params = _as_params(sampling_params)
+        single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
+        prompts: list[Prompt] = [prompt] if single else list(prompt)  # type: ignore[list-item]
+        ids = [self.encode(p) for p in prompts]
+        for one in ids:
+            self.client.validate(one, params)
+        results = self._run(self._generate_all(ids, params))
+        if single and params.n == 1:
+            return results[0]
+        return results
+
+    async def _generate_all(self, ids: list[list[int]], params: SamplingParams) -> list[dict[str, Any]]:
+        if params.n > 1:
+            await asyncio.gather(*(self.client.cache_prefix(one) for one in ids))
+        jobs = [self._collect(one, branch) for one in ids for branch in self.client.branch_params(params)]
+        return list(await asyncio.gather(*jobs))
+
+    async def _collect(self, input_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+        result: GenerationResult | None = None
+        async for chunk in self.client.generate(input_ids, params):
+            result = result or GenerationResult(chunk.rid)
+            result.add(chunk)
+        assert result is not None
+        return result.to_dict()
+
+    def generate_stream(self, prompt: Prompt, sampling_params: dict[str, Any] | SamplingParams
+                        | None = None) -> Iterator[dict[str, Any]]:
+        """Yield {"text": delta, "token_ids": [...], "finish_reason": ...} as tokens arrive."""
+        params = _as_params(sampling_params)
+        if params.n != 1:
+            raise invalid_argument("streaming supports n=1 only", "n")
+        agen = self.client.generate(self.encode(prompt), params)
+        try:
+            while True:
+                try:
+                    chunk = self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield {"text": chunk.text, "token_ids": chunk.token_ids,
+                       "finish_reason": chunk.finish_reason, "cached_tokens": chunk.cached_tokens}
+        finally:
+            self._run(agen.aclose())
+
+    # ---- control ----------------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        return self._run(self.client.flush_cache())
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self._run(self.client.get_server_info())
+
+    def shutdown(self) -> None:
+        if self._thread.is_alive():
+            self._run(self.client.shutdown())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _as_params(params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    fields = set(SamplingParams.__struct_fields__)
+    unknown = set(params) - fields
+    if unknown:
+        raise invalid_argument(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}",
+                               sorted(unknown)[0])
+    converted = dict(params)
+    if isinstance(converted.get("stop"), str):
+        converted["stop"] = (converted["stop"],)
+    for key in ("stop", "stop_token_ids"):
+        if key in converted and converted[key] is not None:
+            converted[key] = tuple(converted[key])
+    if "logit_bias" in converted:
+        converted["logit_bias"] = {int(k): float(v) for k, v in (converted["logit_bias"] or {}).items()}
+    try:
+        return msgspec.convert(converted, SamplingParams)
+    except msgspec.ValidationError as exc:
+        raise invalid_argument(f"invalid sampling parameters: {exc}") from None

@@ -1,0 +1,90 @@
+"""Random weights for benchmarks: named model shapes and an in-place initializer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from radixmesh.common.errors import not_found
+from radixmesh.engine.model_config import ModelConfig
+
+
+def _llama3_rope(factor: float) -> dict[str, Any]:
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+
+
+def _shape(arch: str, layers: int, hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int,
+           vocab: int, **extra: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "architectures": [arch], "num_hidden_layers": layers, "hidden_size": hidden,
+        "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "vocab_size": vocab, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    }
+    cfg.update(extra)
+    return cfg
+
+
+_LLAMA3_TOKENS = {"bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]}
+_QWEN_TOKENS = {"bos_token_id": 151643, "eos_token_id": [151645, 151643]}
+
+# Published config.json dims of each model (instruct variants' special tokens).
+NAMED_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": _shape("LlamaForCausalLM", 32, 4096, 14336, 32, 8, 128, 128256, rope_theta=500000.0,
+                           rope_scaling=_llama3_rope(8.0), max_position_embeddings=131072,
+                           **_LLAMA3_TOKENS),
+    "llama-3.1-70b": _shape("LlamaForCausalLM", 80, 8192, 28672, 64, 8, 128, 128256, rope_theta=500000.0,
+                            rope_scaling=_llama3_rope(8.0), max_position_embeddings=131072,
+                            **_LLAMA3_TOKENS),
+    "llama-3.2-1b": _shape("LlamaForCausalLM", 16, 2048, 8192, 32, 8, 64, 128256, rope_theta=500000.0,
+                           rope_scaling=_llama3_rope(32.0), max_position_embeddings=131072,
+                           tie_word_embeddings=True, **_LLAMA3_TOKENS),
+    "llama-3.2-3b": _shape("LlamaForCausalLM", 28, 3072, 8192, 24, 8, 128, 128256, rope_theta=500000.0,
+                           rope_scaling=_llama3_rope(32.0), max_position_embeddings=131072,
+                           tie_word_embeddings=True, **_LLAMA3_TOKENS),
+    "qwen2.5-7b": _shape("Qwen2ForCausalLM", 28, 3584, 18944, 28, 4, 128, 152064, rope_theta=1000000.0,
+                         rms_norm_eps=1e-6, max_position_embeddings=32768, attention_bias=True,
+                         **_QWEN_TOKENS),
+    "qwen3-8b": _shape("Qwen3ForCausalLM", 36, 4096, 12288, 32, 8, 128, 151936, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, max_position_embeddings=40960, **_QWEN_TOKENS),
+    # Mistral-7B-v0.3 (v0.1/v0.2 differ: vocab 32000, rope_theta 10000, sliding window).
+    "mistral-7b": _shape("MistralForCausalLM", 32, 4096, 14336, 32, 8, 128, 32768, rope_theta=1000000.0,
+                         max_position_embeddings=32768, bos_token_id=1, eos_token_id=2),
+    "smollm2-135m": _shape("LlamaForCausalLM", 30, 576, 1536, 9, 3, 64, 49152, rope_theta=100000.0,
+                           max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
+                           eos_token_id=2),
+}
+
+
+def named_shape_config(name: str) -> ModelConfig:
+    """The ModelConfig of a named shape; unknown names list the known ones."""
+    cfg = NAMED_SHAPES.get(name.lower())
+    if cfg is None:
+        raise not_found(f"unknown model shape {name!r} (known: {', '.join(sorted(NAMED_SHAPES))})")
+    return ModelConfig.from_hf_dict(cfg)
+
+
+@torch.no_grad()
+def init_dummy_(model: nn.Module, seed: int = 0) -> None:
+    """Fill every parameter in place: N(0, 0.02) matrices, ones for norm weights, zero biases.
+
+    Works on whatever device the parameters live on (one generator per device), so GPU
+    models are filled on the GPU without a host copy. Tied parameters are filled once.
+    """
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if param.device.type == "meta":
+            continue
+        if param.dim() >= 2:
+            gen = generators.get(param.device)
+            if gen is None:
+                gen = generators[param.device] = torch.Generator(device=param.device)
+                gen.manual_seed(seed)
+            param.normal_(0.0, 0.02, generator=gen)
+        elif name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.zero_()

@@ -1,0 +1,78 @@
+"""Typed messages between the engine client and the scheduler process (msgpack via msgspec)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from radixmesh.engine.sampling.params import SamplingParams
+
+
+class GenerateReqMsg(msgspec.Struct, tag="generate", frozen=True):
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    prefill_only: bool = False
+    """Compute and cache the prompt's KV, generate nothing (used to share a prompt across n branches)."""
+
+
+class AbortReqMsg(msgspec.Struct, tag="abort", frozen=True):
+    rid: str
+
+
+class FlushCacheReqMsg(msgspec.Struct, tag="flush_cache", frozen=True):
+    query_id: str
+
+
+class ServerInfoReqMsg(msgspec.Struct, tag="server_info", frozen=True):
+    query_id: str
+
+
+class ShutdownReqMsg(msgspec.Struct, tag="shutdown", frozen=True):
+    pass
+
+
+ToSchedulerMsg = GenerateReqMsg | AbortReqMsg | FlushCacheReqMsg | ServerInfoReqMsg | ShutdownReqMsg
+
+
+class TokenOut(msgspec.Struct, frozen=True):
+    """New tokens of one request in one step; `finish_reason` is set on its last message."""
+
+    rid: str
+    token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    """stop | length | abort | error"""
+    matched_stop: str | int | None = None
+    """The stop string or stop token id that ended the request."""
+    error: str | None = None
+    error_code: str | None = None
+
+
+class BatchOutMsg(msgspec.Struct, tag="batch_out", frozen=True):
+    outputs: list[TokenOut]
+
+
+class QueryOutMsg(msgspec.Struct, tag="query_out", frozen=True):
+    query_id: str
+    result: dict[str, Any]
+
+
+class ReadyMsg(msgspec.Struct, tag="ready", frozen=True):
+    info: dict[str, Any]
+
+
+class FatalMsg(msgspec.Struct, tag="fatal", frozen=True):
+    message: str
+
+
+FromSchedulerMsg = BatchOutMsg | QueryOutMsg | ReadyMsg | FatalMsg
+
+to_scheduler_decoder = msgspec.msgpack.Decoder(ToSchedulerMsg)
+from_scheduler_decoder = msgspec.msgpack.Decoder(FromSchedulerMsg)
+encoder = msgspec.msgpack.Encoder()

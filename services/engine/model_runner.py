@@ -1,0 +1,123 @@
+"""Owns the model, the KV memory and the sampler; runs one batch forward and samples."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from radixmesh.common.errors import invalid_argument
+from radixmesh.engine.attention.base import ForwardBatch
+from radixmesh.engine.attention.registry import create_backend
+from radixmesh.engine.batch import ScheduleBatch
+from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.loader import PreparedModel, iter_weights
+from radixmesh.engine.loader.dummy import init_dummy_
+from radixmesh.engine.memory import KVSlotAllocator, ReqToTokenPool, TokenToKVPool
+from radixmesh.engine.models.registry import model_class
+from radixmesh.engine.sampling.batch_info import SamplingBatchInfo
+from radixmesh.engine.sampling.sampler import SampleOutput, Sampler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_RAM_SHARE = 0.1  # of free RAM, scaled by mem_fraction_static, when no size is given
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    max_total_tokens: int
+    max_running_requests: int
+    context_len: int
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, prepared: PreparedModel) -> None:
+        self.config = config
+        self.model_config = prepared.config
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        self.context_len = config.context_length or prepared.config.context_len
+        self.model = self._load_model(prepared)
+        self.plan = self._plan_memory()
+        mc = self.model_config
+        self.req_pool = ReqToTokenPool(self.plan.max_running_requests + 1, self.context_len + 1, self.device)
+        self.kv_pool = TokenToKVPool(self.plan.max_total_tokens, mc.num_layers, mc.num_kv_heads,
+                                     mc.head_dim, self.dtype, self.device)
+        self.allocator = KVSlotAllocator(self.plan.max_total_tokens, self.device)
+        self.attn_backend = create_backend(config.attention_backend)
+        self.sampler = Sampler(seed=config.random_seed)
+
+    def _load_model(self, prepared: PreparedModel) -> torch.nn.Module:
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise invalid_argument("--device cuda was asked for but no CUDA device is available", "device")
+        start = time.perf_counter()
+        torch.manual_seed(self.config.random_seed)
+        with torch.device(self.device):
+            model = model_class(self.model_config)(self.model_config)
+        model = model.to(self.dtype)
+        if prepared.load_format == "dummy":
+            init_dummy_(model, seed=self.config.random_seed)
+        else:
+            model.load_weights(iter_weights(prepared))  # type: ignore[operator]
+        model.eval()
+        logger.info("model loaded in %.2f s", time.perf_counter() - start)
+        return model
+
+    def _plan_memory(self) -> MemoryPlan:
+        mc = self.model_config
+        per_token = TokenToKVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        if self.config.max_total_tokens is not None:
+            total = self.config.max_total_tokens
+        elif self.device.type == "cuda":
+            free, all_bytes = torch.cuda.mem_get_info(self.device)
+            budget = free - all_bytes * (1 - self.config.mem_fraction_static)
+            total = int(budget // per_token)
+        else:
+            free_ram = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            total = int(free_ram * CPU_KV_RAM_SHARE * self.config.mem_fraction_static // per_token)
+        if total < 2:
+            raise invalid_argument("not enough memory for a KV cache; lower the model size or free memory",
+                                   "mem_fraction_static")
+        max_running = min(self.config.max_running_requests, max(total // 2, 1))
+        return MemoryPlan(total, max_running, self.context_len)
+
+    def forward(self, batch: ScheduleBatch) -> torch.Tensor:
+        """Logits `[batch, vocab]` (float32) for each request's last new token."""
+        dev = self.device
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=dev)
+
+        seq_lens = batch.seq_lens
+        fb = ForwardBatch(
+            mode=batch.mode,
+            input_ids=tensor(batch.input_ids),
+            positions=tensor(batch.positions),
+            out_cache_loc=batch.out_cache_loc.to(dev),
+            req_pool_indices=tensor([r.req_pool_idx for r in batch.reqs]),  # type: ignore[misc]
+            seq_lens=tensor(seq_lens),
+            extend_prefix_lens=tensor(batch.prefix_lens),
+            extend_seq_lens=tensor(batch.extend_lens),
+            req_to_token_pool=self.req_pool,
+            token_to_kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=batch.prefix_lens,
+            extend_seq_lens_cpu=batch.extend_lens,
+        )
+        self.attn_backend.init_forward_metadata(fb)
+        logits: torch.Tensor = self.model(fb.input_ids, fb.positions, fb)
+        return logits
+
+    def sample(self, batch: ScheduleBatch, logits: torch.Tensor) -> SampleOutput:
+        reqs = batch.reqs
+        info = SamplingBatchInfo.build(
+            [r.params for r in reqs], [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],
+            list(self.model_config.eos_token_ids), self.model_config.vocab_size, self.device)
+        top_n = max((r.params.top_logprobs for r in reqs), default=0)
+        want = any(r.wants_logprobs for r in reqs)
+        return self.sampler(logits, info, return_logprobs=want, top_logprobs_num=top_n)

@@ -1,0 +1,26 @@
+"""Model family id -> model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from torch import nn
+
+from radixmesh.common.errors import unsupported
+from radixmesh.engine.model_config import ModelConfig
+
+_MODELS: dict[str, str] = {
+    "llama": "radixmesh.engine.models.llama:CausalLM",
+    "qwen2": "radixmesh.engine.models.llama:CausalLM",
+    "qwen3": "radixmesh.engine.models.llama:CausalLM",
+}
+
+
+def model_class(config: ModelConfig) -> Callable[[ModelConfig], nn.Module]:
+    target = _MODELS.get(config.family)
+    if target is None:
+        raise unsupported(f"no model implementation for family {config.family!r}")
+    module, _, attr = target.partition(":")
+    cls: Callable[[ModelConfig], nn.Module] = getattr(importlib.import_module(module), attr)
+    return cls

@@ -1,0 +1,103 @@
+"""Turns the scheduler's token stream into text and SGLang-style result dicts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixmesh.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from radixmesh.engine.messages import TokenOut
+from radixmesh.engine.sampling.params import SamplingParams
+
+
+@dataclass
+class GenerationChunk:
+    """What one scheduler message adds to a request, with its text already stop-trimmed."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class TextAssembler:
+    """Per request: incremental detokenization, stop-string hold-back and trimming."""
+
+    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.stop = StopStringMatcher(params.stop) if params.stop else None
+        self.stop_ids = set(params.stop_token_ids)
+        self.stopped = False
+
+    def feed(self, out: TokenOut) -> GenerationChunk:
+        ids = out.token_ids
+        if out.finish_reason == "stop" and isinstance(out.matched_stop, int) and ids:
+            ids = ids[:-1]  # the stop token itself is not part of the text
+        text = self.detok.add(ids) if ids else ""
+        if out.finish_reason is not None:
+            text += self.detok.flush()
+        text = self._apply_stop(text, final=out.finish_reason is not None)
+        return GenerationChunk(out.rid, text, list(out.token_ids), out.prompt_tokens, out.cached_tokens,
+                               out.completion_tokens, out.logprobs, out.top_logprobs, out.finish_reason,
+                               out.matched_stop)
+
+    def _apply_stop(self, text: str, final: bool) -> str:
+        if self.stop is None or self.stopped:
+            return "" if self.stopped else text
+        safe, hit = self.stop.feed(text)
+        if hit:
+            self.stopped = True
+            return safe
+        return safe + self.stop.flush() if final else safe
+
+
+@dataclass
+class GenerationResult:
+    """A whole completion, accumulated from its chunks."""
+
+    rid: str
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.text += chunk.text
+        self.output_ids += chunk.token_ids
+        self.prompt_tokens, self.cached_tokens = chunk.prompt_tokens, chunk.cached_tokens
+        self.completion_tokens = chunk.completion_tokens
+        self.logprobs += chunk.logprobs or []
+        self.top_logprobs += chunk.top_logprobs or []
+        if chunk.finish_reason is not None:
+            self.finish_reason, self.matched_stop = chunk.finish_reason, chunk.matched_stop
+
+    def to_dict(self) -> dict[str, Any]:
+        """The SGLang native-API shape: text, output_ids and meta_info."""
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": ({"type": self.finish_reason, "matched": self.matched_stop}
+                              if self.finish_reason else None),
+        }
+        if self.logprobs:
+            meta["output_token_logprobs"] = list(zip(self.logprobs, self.output_ids))
+        if self.top_logprobs:
+            meta["output_top_logprobs"] = self.top_logprobs
+        return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}

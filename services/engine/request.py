@@ -1,0 +1,80 @@
+"""A request's state inside the scheduler process."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixmesh.engine.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from radixmesh.engine.radix_cache import TreeNode
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class Req:
+    """One sequence being generated.
+
+    KV bookkeeping (page size 1): row `req_pool_idx` of `req_to_token` lists the KV
+    slots of the first `kv_len` tokens of `all_ids`; the first `len(prefix_indices)`
+    of them belong to the radix tree and are locked through `last_node`.
+    """
+
+    rid: str
+    origin_input_ids: list[int]
+    params: SamplingParams
+    prefill_only: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    req_pool_idx: int | None = None
+    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    last_node: TreeNode | None = None
+    """The tree node whose path this request has locked (None while waiting)."""
+    matched_node: TreeNode | None = None
+    """Where the last prefix match ended, before admission locks it."""
+    kv_len: int = 0
+    """Tokens whose KV is in the pool for this request."""
+    extend_len: int = 0
+    """New tokens in the current extend pass (a whole prompt or one chunk)."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first admission."""
+    is_chunked: bool = False
+    num_retractions: int = 0
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    error: str | None = None
+    # per-step outputs not yet sent to the client
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[float] = field(default_factory=list)
+    pending_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    @property
+    def all_ids(self) -> list[int]:
+        """Prompt followed by generated tokens: what the KV must eventually cover."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def fill_len(self) -> int:
+        """Tokens that need KV before the next token can be sampled."""
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(self.params.max_new_tokens - len(self.output_ids), 0)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.params.logprobs or self.params.top_logprobs > 0

@@ -1,0 +1,102 @@
+"""Per-request sampling parameters: the typed message that crosses into the scheduler."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from radixmesh.common.errors import invalid_argument
+
+MAX_TOP_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to pick tokens for one request. Defaults follow SGLang's native API."""
+
+    max_new_tokens: int = 128
+    """Upper bound on generated tokens (>= 1; the engine uses 0 internally to cache a prompt)."""
+    min_new_tokens: int = 0
+    """EOS and stop token ids are masked until this many tokens were generated."""
+    temperature: float = 1.0
+    """0 means greedy; must be >= 0."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 (or 0) disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top probability; in [0, 1]."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per previous occurrence in the output; in [-2, 2]."""
+    presence_penalty: float = 0.0
+    """Subtracted once if the token occurred in the output; in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """Divides positive (multiplies negative) logits of tokens seen in prompt or output; > 0."""
+    stop: tuple[str, ...] = ()
+    """Stop strings; the output text is cut before the first match."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that finish the request (kept out of the text)."""
+    ignore_eos: bool = False
+    """Keep generating past the model's EOS token."""
+    seed: int | None = None
+    """Same seed, same prompt, same parameters: same output, whatever else is batched."""
+    n: int = 1
+    """Number of completions; branches share the prompt's KV cache."""
+    logprobs: bool = False
+    """Return the log probability of each generated token."""
+    top_logprobs: int = 0
+    """Also return this many most likely alternatives per position (0..20)."""
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    """Token id -> additive bias in [-100, 100] applied to the logits."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the detokenized text."""
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise `RadixMeshError(INVALID_ARGUMENT)` naming the first bad field."""
+        _check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)
+        _check(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+               "must be in [0, max_new_tokens]", self.min_new_tokens)
+        _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0",
+               self.temperature)
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
+        _check(self.top_k >= -1, "top_k", "must be -1 (disabled) or >= 1", self.top_k)
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2 <= value <= 2, name, "must be in [-2, 2]", value)
+        _check(_finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
+               "repetition_penalty", "must be in (0, 10]", self.repetition_penalty)
+        _check(1 <= self.n <= 128, "n", "must be in [1, 128]", self.n)
+        _check(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
+               f"must be in [0, {MAX_TOP_LOGPROBS}]", self.top_logprobs)
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings",
+               self.stop)
+        _check(len(self.stop) <= 16, "stop", "at most 16 stop strings", len(self.stop))
+        for token_id, bias in self.logit_bias.items():
+            _check(_finite(bias) and -100 <= bias <= 100, "logit_bias", "biases must be in [-100, 100]",
+                   bias)
+            if vocab_size is not None:
+                _check(0 <= token_id < vocab_size, "logit_bias", f"token ids must be in [0, {vocab_size})",
+                       token_id)
+        if vocab_size is not None:
+            for token_id in self.stop_token_ids:
+                _check(0 <= token_id < vocab_size, "stop_token_ids",
+                       f"token ids must be in [0, {vocab_size})", token_id)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.frequency_penalty != 0 or self.presence_penalty != 0
+                or self.repetition_penalty != 1.0)
+
+
+def _finite(value: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _check(ok: bool, param: str, rule: str, value: object) -> None:
+    if not ok:
+        raise invalid_argument(f"invalid {param}={value!r}: {rule}", param=param)

@@ -1,0 +1,236 @@
+"""The scheduler: continuous batching with chunked prefill, prefix reuse and retraction.
+
+`step()` is the whole core loop: pick a batch, run it, process its output.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from radixmesh.engine.batch import ScheduleBatch, build_decode_batch, build_extend_batch, commit_batch
+from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.kv_manager import KVCacheManager
+from radixmesh.engine.messages import TokenOut
+from radixmesh.engine.model_runner import ModelRunner
+from radixmesh.engine.radix_cache import RadixCache
+from radixmesh.engine.request import FinishReason, Req
+from radixmesh.engine.schedule_policy import PrefillAdder, order_waiting
+from radixmesh.engine.sampling.sampler import SampleOutput
+from radixmesh.engine.stop import check_finished
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Runs requests to completion on one model replica; outputs go to `emit`."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: object,
+                 emit: Callable[[list[TokenOut]], None]) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.emit = emit
+        tree = RadixCache(runner.allocator, disable=config.disable_radix_cache)
+        self.kv = KVCacheManager(runner.req_pool, runner.kv_pool, runner.allocator, tree)
+        self.context_len = runner.context_len
+        self.eos_ids = set(runner.model_config.eos_token_ids)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = config.init_new_token_ratio
+        self._ratio_decay = ((config.init_new_token_ratio - config.min_new_token_ratio)
+                             / config.new_token_ratio_decay_steps)
+        self.num_retractions = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+
+    # ---- the core loop ----------------------------------------------------------------------
+    def step(self) -> bool:
+        """Run one batch; False when there was nothing to do."""
+        batch = self.get_next_batch()
+        if batch is None:
+            return False
+        logits = self.runner.forward(batch)
+        self.process_batch_result(batch, logits)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    # ---- intake -----------------------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        prompt_len = len(req.origin_input_ids)
+        if prompt_len == 0:
+            self._fail(req, "the prompt is empty")
+        elif prompt_len >= self.context_len:
+            self._fail(req, f"the prompt has {prompt_len} tokens; the context length is {self.context_len}")
+        elif prompt_len + 1 > self.kv.capacity:
+            self._fail(req, f"the prompt has {prompt_len} tokens; the KV cache holds {self.kv.capacity}")
+        else:
+            self.waiting.append(req)
+
+    def abort(self, rid: str) -> None:
+        for queue in (self.waiting, self.running):
+            for req in [r for r in queue if r.rid == rid]:
+                queue.remove(req)
+                self._finish(req, FinishReason.ABORT)
+        if self.chunked_req is not None and self.chunked_req.rid == rid:
+            req, self.chunked_req = self.chunked_req, None
+            self._finish(req, FinishReason.ABORT)
+
+    def flush_cache(self) -> bool:
+        if self.has_work:
+            return False
+        return self.kv.flush()
+
+    # ---- scheduling -------------------------------------------------------------------------
+    def get_next_batch(self) -> ScheduleBatch | None:
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch
+        if not self.running:
+            return None
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        adder = PrefillAdder(self.config, self.kv, self.running, self.new_token_ratio)
+        if self.chunked_req is not None:
+            adder.add_chunked(self.chunked_req)
+        for req in order_waiting(self.waiting, self.config.schedule_policy, self.kv):
+            if not adder.try_add(req):
+                break
+        if not adder.can_run:
+            return None
+        admitted = {id(r) for r in adder.can_run}
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        self.chunked_req = None
+        for req in adder.can_run:
+            if req.num_retractions == 0 and req.kv_len == 0:
+                req.cached_tokens = len(req.prefix_indices)
+                self.num_cached_tokens += req.cached_tokens
+                self.num_prompt_tokens += len(req.origin_input_ids)
+        batch = build_extend_batch(adder.can_run, self.kv)
+        assert batch is not None, "admission budget allowed a prefill that memory could not hold"
+        return batch
+
+    def _schedule_decode(self) -> ScheduleBatch | None:
+        self._retract_until_fits()
+        if not self.running:
+            return None
+        self.new_token_ratio = max(self.config.min_new_token_ratio, self.new_token_ratio - self._ratio_decay)
+        batch = build_decode_batch(list(self.running), self.kv)
+        assert batch is not None, "decode slots were checked before allocation"
+        return batch
+
+    def _retract_until_fits(self) -> None:
+        """Send requests back to the queue (KV cached, evictable) until every survivor gets a slot."""
+        retracted = False
+        while self.running and self.kv.available_tokens() < len(self.running):
+            if len(self.running) == 1:
+                req = self.running.pop()
+                logger.warning("request %s stopped early: the KV cache cannot hold it", req.rid)
+                self._finish(req, FinishReason.LENGTH)
+                break
+            # Retract the request with the least output (and then the longest prompt): least lost work.
+            victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+            self.running.remove(victim)
+            self.kv.release(victim)
+            victim.num_retractions += 1
+            self.num_retractions += 1
+            self.waiting.insert(0, victim)
+            retracted = True
+        if retracted:
+            self.new_token_ratio = min(1.0, max(self.config.init_new_token_ratio, 1.5 * self.new_token_ratio))
+            logger.info("retracted requests; new_token_ratio=%.2f", self.new_token_ratio)
+
+    # ---- results ----------------------------------------------------------------------------
+    def process_batch_result(self, batch: ScheduleBatch, logits: object) -> None:
+        commit_batch(batch)
+        sample_reqs = [r for r in batch.reqs if not r.is_chunked and not r.prefill_only]
+        sampled: SampleOutput | None = None
+        if sample_reqs:
+            sampled = self.runner.sample(batch, logits)  # type: ignore[arg-type]
+        outputs: list[TokenOut] = []
+        token_ids = sampled.next_token_ids.tolist() if sampled is not None else []
+        for i, req in enumerate(batch.reqs):
+            if req.is_chunked:
+                self.kv.cache_unfinished(req)
+                self.chunked_req = req
+                continue
+            if req.prefill_only:
+                self._finish(req, FinishReason.LENGTH, emit=False)
+                outputs.append(self._token_out(req))
+                continue
+            assert sampled is not None
+            self._append_token(req, token_ids[i], sampled, i)
+            if req.finished:
+                self.kv.release(req)
+                if req in self.running:
+                    self.running.remove(req)
+            elif not batch.is_decode:
+                self.running.append(req)
+            outputs.append(self._token_out(req))
+        if outputs:
+            self.emit(outputs)
+
+    def _append_token(self, req: Req, token_id: int, sampled: SampleOutput, row: int) -> None:
+        req.output_ids.append(token_id)
+        req.pending_ids.append(token_id)
+        self.num_generated_tokens += 1
+        if req.wants_logprobs and sampled.logprobs is not None:
+            req.pending_logprobs.append(float(sampled.logprobs[row]))
+            if req.params.top_logprobs and sampled.top_logprobs is not None:
+                req.pending_top_logprobs.append(sampled.top_logprobs[row][: req.params.top_logprobs])
+        reason, matched = check_finished(req, self.eos_ids, self.context_len, self.tokenizer)
+        if reason is not None:
+            req.finish_reason, req.matched_stop = reason, matched
+
+    def _token_out(self, req: Req) -> TokenOut:
+        out = TokenOut(
+            rid=req.rid, token_ids=req.pending_ids, prompt_tokens=len(req.origin_input_ids),
+            cached_tokens=req.cached_tokens, completion_tokens=len(req.output_ids),
+            logprobs=req.pending_logprobs if req.wants_logprobs else None,
+            top_logprobs=req.pending_top_logprobs if req.params.top_logprobs else None,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            matched_stop=req.matched_stop, error=req.error,
+        )
+        req.pending_ids, req.pending_logprobs, req.pending_top_logprobs = [], [], []
+        return out
+
+    def _finish(self, req: Req, reason: FinishReason, emit: bool = True) -> None:
+        req.finish_reason = reason
+        self.kv.release(req)
+        if emit:
+            self.emit([self._token_out(req)])
+
+    def _fail(self, req: Req, message: str) -> None:
+        req.error = message
+        req.finish_reason = FinishReason.ERROR
+        self.emit([self._token_out(req)])
+
+    # ---- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict[str, float | int]:
+        kv = self.kv
+        return {
+            "num_running_reqs": len(self.running) + (1 if self.chunked_req else 0),
+            "num_waiting_reqs": len(self.waiting),
+            "max_total_num_tokens": kv.capacity,
+            "kv_used_tokens": kv.used_tokens(),
+            "kv_free_tokens": kv.allocator.available_size(),
+            "kv_cached_tokens": kv.tree.total_size(),
+            "kv_usage": kv.used_tokens() / kv.capacity,
+            "new_token_ratio": round(self.new_token_ratio, 4),
+            "num_retractions": self.num_retractions,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
+            "cache_hit_rate": self.num_cached_tokens / max(self.num_prompt_tokens, 1),
+            "context_len": self.context_len,
+            "max_running_requests": self.runner.plan.max_running_requests,
+        }
+

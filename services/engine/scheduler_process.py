@@ -1,0 +1,130 @@
+"""Entry point of the scheduler process: builds the model and serves the local channel.
+
+The client (engine front end) PUSHes typed requests; this process PUSHes batched
+token outputs back. Nothing else shares this process's GIL.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import traceback
+from typing import Any
+
+import zmq
+
+from radixmesh.common.errors import RadixMeshError
+from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.loader import PreparedModel
+from radixmesh.engine.messages import (
+    AbortReqMsg,
+    BatchOutMsg,
+    FatalMsg,
+    FlushCacheReqMsg,
+    GenerateReqMsg,
+    QueryOutMsg,
+    ReadyMsg,
+    ServerInfoReqMsg,
+    ShutdownReqMsg,
+    TokenOut,
+    encoder,
+    to_scheduler_decoder,
+)
+from radixmesh.engine.request import Req
+
+IDLE_POLL_MS = 50
+
+
+def run_scheduler_process(config: EngineConfig, prepared: PreparedModel, recv_addr: str,
+                          send_addr: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s scheduler %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    recv = ctx.socket(zmq.PULL)
+    recv.connect(recv_addr)
+    send = ctx.socket(zmq.PUSH)
+    send.connect(send_addr)
+    try:
+        loop = _build(config, prepared, send)
+    except RadixMeshError as exc:
+        send.send(encoder.encode(FatalMsg(str(exc))))
+        return
+    except Exception as exc:  # any load failure must reach the client as one line
+        traceback.print_exc()
+        send.send(encoder.encode(FatalMsg(f"{type(exc).__name__}: {exc}")))
+        return
+    send.send(encoder.encode(ReadyMsg(loop.info())))
+    try:
+        loop.run(recv)
+    except Exception as exc:
+        traceback.print_exc()
+        send.send(encoder.encode(FatalMsg(f"scheduler crashed: {type(exc).__name__}: {exc}")))
+    finally:
+        recv.close(0)
+        send.close(linger=1000)
+        ctx.term()
+
+
+def _build(config: EngineConfig, prepared: PreparedModel, send: zmq.Socket) -> SchedulerLoop:
+    import torch
+
+    from radixmesh.engine.model_runner import ModelRunner
+    from radixmesh.engine.scheduler import Scheduler
+    from radixmesh.engine.tokenizer import load_tokenizer
+
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    tokenizer = load_tokenizer(prepared.tokenizer_path) if prepared.tokenizer_path else None
+    runner = ModelRunner(config, prepared)
+
+    def emit(outputs: list[TokenOut]) -> None:
+        send.send(encoder.encode(BatchOutMsg(outputs)), copy=False)
+
+    return SchedulerLoop(Scheduler(config, runner, tokenizer, emit), send)
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Any, send: zmq.Socket) -> None:
+        self.scheduler = scheduler
+        self.send = send
+        self.stopping = False
+
+    def info(self) -> dict[str, Any]:
+        stats: dict[str, Any] = self.scheduler.stats()
+        return stats
+
+    def run(self, recv: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(recv, zmq.POLLIN)
+        while not self.stopping:
+            self._drain(recv)
+            if self.stopping:
+                break
+            if not self.scheduler.step():
+                poller.poll(IDLE_POLL_MS)
+
+    def _drain(self, recv: zmq.Socket) -> None:
+        while True:
+            try:
+                raw = recv.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(to_scheduler_decoder.decode(raw.buffer))
+
+    def _handle(self, msg: object) -> None:
+        sched = self.scheduler
+        if isinstance(msg, GenerateReqMsg):
+            sched.add_request(Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), params=msg.params,
+                                  prefill_only=msg.prefill_only))
+        elif isinstance(msg, AbortReqMsg):
+            sched.abort(msg.rid)
+        elif isinstance(msg, FlushCacheReqMsg):
+            self._reply(msg.query_id, {"success": sched.flush_cache()})
+        elif isinstance(msg, ServerInfoReqMsg):
+            self._reply(msg.query_id, sched.stats())
+        elif isinstance(msg, ShutdownReqMsg):
+            self.stopping = True
+
+    def _reply(self, query_id: str, result: dict[str, Any]) -> None:
+        self.send.send(encoder.encode(QueryOutMsg(query_id, result)))
