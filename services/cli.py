@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 from typing import Any
 
@@ -46,7 +47,7 @@ def _field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(inspect.getsource(cls))
     docs: dict[str, str] = {}
     body = tree.body[0].body  # type: ignore[attr-defined]
-    for node, nxt in zip(body, body[1:]):
+    for node, nxt in itertools.pairwise(body):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
                 and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             docs[node.target.id] = str(nxt.value.value).replace("%", "%%")

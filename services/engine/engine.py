@@ -64,7 +64,7 @@ class Engine:
         """One result dict for one prompt (a list when n > 1); a list for a list of prompts."""
         params = _as_params(sampling_params)
         single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
-        prompts: list[Prompt] = [prompt] if single else list(prompt)  # type: ignore[list-item]
+        prompts: list[Prompt] = [prompt] if single else list(prompt)  # type: ignore[arg-type, list-item]
         ids = [self.encode(p) for p in prompts]
         for one in ids:
             self.client.validate(one, params)

@@ -55,14 +55,16 @@ class ModelRunner:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise invalid_argument("--device cuda was asked for but no CUDA device is available", "device")
         start = time.perf_counter()
-        torch.manual_seed(self.config.random_seed)
-        with torch.device(self.device):
+        with torch.device("meta"):  # no memory and no init: every parameter is filled below
             model = model_class(self.model_config)(self.model_config)
-        model = model.to(self.dtype)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        for module in model.modules():
+            if hasattr(module, "init_buffers"):
+                module.init_buffers()
         if prepared.load_format == "dummy":
             init_dummy_(model, seed=self.config.random_seed)
         else:
-            model.load_weights(iter_weights(prepared))  # type: ignore[operator]
+            model.load_weights(iter_weights(prepared))
         model.eval()
         logger.info("model loaded in %.2f s", time.perf_counter() - start)
         return model
@@ -98,7 +100,7 @@ class ModelRunner:
             input_ids=tensor(batch.input_ids),
             positions=tensor(batch.positions),
             out_cache_loc=batch.out_cache_loc.to(dev),
-            req_pool_indices=tensor([r.req_pool_idx for r in batch.reqs]),  # type: ignore[misc]
+            req_pool_indices=tensor([r.req_pool_idx for r in batch.reqs if r.req_pool_idx is not None]),
             seq_lens=tensor(seq_lens),
             extend_prefix_lens=tensor(batch.prefix_lens),
             extend_seq_lens=tensor(batch.extend_lens),

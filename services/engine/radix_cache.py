@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import torch
+
 from radixmesh.engine.memory import KVSlotAllocator
 
 _clock = itertools.count()

@@ -8,7 +8,6 @@ decoding goes well and jumps back up when decode runs out of KV and retracts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.kv_manager import KVCacheManager

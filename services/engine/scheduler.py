@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import torch
+
 from radixmesh.engine.batch import ScheduleBatch, build_decode_batch, build_extend_batch, commit_batch
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.kv_manager import KVCacheManager
@@ -15,8 +17,8 @@ from radixmesh.engine.messages import TokenOut
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import FinishReason, Req
-from radixmesh.engine.schedule_policy import PrefillAdder, order_waiting
 from radixmesh.engine.sampling.sampler import SampleOutput
+from radixmesh.engine.schedule_policy import PrefillAdder, order_waiting
 from radixmesh.engine.stop import check_finished
 
 logger = logging.getLogger(__name__)
@@ -149,12 +151,12 @@ class Scheduler:
             logger.info("retracted requests; new_token_ratio=%.2f", self.new_token_ratio)
 
     # ---- results ----------------------------------------------------------------------------
-    def process_batch_result(self, batch: ScheduleBatch, logits: object) -> None:
+    def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
         commit_batch(batch)
         sample_reqs = [r for r in batch.reqs if not r.is_chunked and not r.prefill_only]
         sampled: SampleOutput | None = None
         if sample_reqs:
-            sampled = self.runner.sample(batch, logits)  # type: ignore[arg-type]
+            sampled = self.runner.sample(batch, logits)
         outputs: list[TokenOut] = []
         token_ids = sampled.next_token_ids.tolist() if sampled is not None else []
         for i, req in enumerate(batch.reqs):

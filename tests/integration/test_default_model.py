@@ -56,9 +56,10 @@ def test_transformers_answers_paris(model_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     chat = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok.encode(str(prompt), add_special_tokens=False)])
     with torch.no_grad():
-        out = model.generate(**ids, max_new_tokens=30, do_sample=False, pad_token_id=tok.eos_token_id)
-    answer = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model.generate(ids, max_new_tokens=30, do_sample=False, pad_token_id=tok.eos_token_id)
+    answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     print(f"\nSmolLM2-135M-Instruct (GGUF -> safetensors, transformers): {answer!r}")
     assert "Paris" in answer

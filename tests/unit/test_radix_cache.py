@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from radixmesh.engine.memory import KVSlotAllocator
 from radixmesh.engine.radix_cache import RadixCache, TreeNode
 

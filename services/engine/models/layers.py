@@ -55,11 +55,22 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.float32)
+        self.head_dim, self.max_positions = head_dim, max_positions
+        self.theta, self.scaling = theta, scaling
+        self.register_buffer("cos_cache", torch.empty(0), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """(Re)compute the float32 cos/sin cache on the module's device, e.g. after `to_empty`."""
+        device = self.get_buffer("cos_cache").device
+        if device.type == "meta":
+            return
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.cos_cache = freqs.cos()
+        self.sin_cache = freqs.sin()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
