@@ -65,10 +65,13 @@ def test_prefix_cache_hit_matches_hf(reference):
     with Engine() as engine:
         first = _check(engine, prompts[:1], expected[:1], batched=False)[0]
         assert first["meta_info"]["cached_tokens"] == 0
+        chat = _check(engine, prompts[3:4], expected[3:4], batched=False)[0]
+        assert chat["meta_info"]["cached_tokens"] == 0
         again = _check(engine, prompts, expected, batched=True)
         assert again[0]["meta_info"]["cached_tokens"] == len(prompts[0]) - 1
-        # the chat prompts share the system prompt: the second one hits it
-        assert again[-1]["meta_info"]["cached_tokens"] > 10
+        assert again[3]["meta_info"]["cached_tokens"] == len(prompts[3]) - 1
+        # the other chat prompt shares the system prompt with the cached one
+        assert again[4]["meta_info"]["cached_tokens"] > 10
 
 
 def test_chunked_prefill_matches_hf(reference):

@@ -82,7 +82,11 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """Re-tie the LM head to the embedding (moving a model with `to_empty` unties them)."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
