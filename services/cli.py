@@ -78,9 +78,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# Subcommands living in other packages: "module:function" taking the subparsers object.
+# Those modules must import nothing heavy at module level (the CLI starts fast).
+EXTERNAL_COMMANDS = [
+    "radixmesh.gateway.commands:register",
+    "loadtests.commands:register",
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
     parser = argparse.ArgumentParser(prog="radixmesh", description="LLM serving with radix prefix caching")
     sub = parser.add_subparsers(dest="command", required=True)
+    _register_generate(sub)
+    for target in EXTERNAL_COMMANDS:
+        module, _, func = target.partition(":")
+        try:
+            register = getattr(importlib.import_module(module), func)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not module.startswith(exc.name):
+                raise
+            continue  # that part of the platform is not installed
+        register(sub)
+    return parser
+
+
+def _register_generate(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="generate one completion and print it")
     gen.add_argument("--prompt", required=True, help="the user's message (or raw text with --raw)")
     gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
@@ -92,7 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--verbose", action="store_true", help="print token counts to stderr")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
