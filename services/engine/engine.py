@@ -37,7 +37,11 @@ class Engine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixmesh-engine", daemon=True)
         self._thread.start()
-        self.client: EngineClient = self._run(EngineClient.start(EngineConfig(model=model, **kwargs)))
+        try:
+            self.client: EngineClient = self._run(EngineClient.start(EngineConfig(model=model, **kwargs)))
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
         self.tokenizer = self.client.tokenizer
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
