@@ -22,6 +22,8 @@ class ScheduleBatch:
     out_cache_loc: torch.Tensor  # [num_tokens] int64 KV slots on the pool's device
     prefix_lens: list[int]
     extend_lens: list[int]
+    future_rows: list[int] | None = None
+    """DECODE under overlap: row of each input token in the previous launch's output, or -1."""
 
     @property
     def seq_lens(self) -> list[int]:
@@ -62,8 +64,11 @@ def build_decode_batch(reqs: list[Req], kv: KVCacheManager) -> ScheduleBatch | N
     rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=slots.device)
     cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=slots.device)
     kv.req_pool.req_to_token[rows, cols] = slots
-    return ScheduleBatch(ForwardMode.DECODE, reqs, [r.output_ids[-1] for r in reqs],
-                         [r.kv_len for r in reqs], slots, [r.kv_len for r in reqs], [1] * len(reqs))
+    input_ids = [r.output_ids[-1] if not r.futures else 0 for r in reqs]
+    future_rows = [r.futures[-1][1] if r.futures else -1 for r in reqs]
+    return ScheduleBatch(ForwardMode.DECODE, reqs, input_ids, [r.kv_len for r in reqs], slots,
+                         [r.kv_len for r in reqs], [1] * len(reqs),
+                         future_rows if any(row >= 0 for row in future_rows) else None)
 
 
 def commit_batch(batch: ScheduleBatch) -> None:

@@ -48,6 +48,12 @@ class EngineConfig:
     """Floor the reservation ratio decays to while no retraction happens."""
     new_token_ratio_decay_steps: int = 600
     """Decode steps over which the ratio decays from init to min."""
+    overlap_schedule: str = "auto"
+    """auto (on for CUDA) | on | off: schedule batch N+1 on the CPU while the device runs batch N."""
+    disable_cuda_graph: bool = False
+    """Run decode eagerly instead of replaying captured CUDA graphs."""
+    cuda_graph_max_bs: int = 160
+    """Largest decode batch captured in a CUDA graph; larger batches run eagerly."""
     random_seed: int = 0
     """Seed of the engine's shared generator (requests without their own seed)."""
     log_level: str = "warning"
@@ -57,6 +63,9 @@ class EngineConfig:
         _in(self.device, DEVICES, "device")
         _in(self.dtype, DTYPES, "dtype")
         _in(self.schedule_policy, SCHEDULE_POLICIES, "schedule_policy")
+        _in(self.overlap_schedule, ("auto", "on", "off"), "overlap_schedule")
+        if self.cuda_graph_max_bs < 1:
+            raise invalid_argument("cuda_graph_max_bs must be >= 1", "cuda_graph_max_bs")
         _in(self.load_format, ("auto", "safetensors", "gguf", "dummy"), "load_format")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise invalid_argument("mem_fraction_static must be in (0, 1)", "mem_fraction_static")
@@ -92,7 +101,14 @@ class EngineConfig:
         dtype = self.dtype
         if dtype == "auto":
             dtype = "float32" if device == "cpu" else "bfloat16"
-        return dataclasses.replace(self, device=device, dtype=dtype)
+        overlap = self.overlap_schedule
+        if overlap == "auto":
+            overlap = "on" if device == "cuda" else "off"
+        return dataclasses.replace(self, device=device, dtype=dtype, overlap_schedule=overlap)
+
+    @property
+    def overlap_enabled(self) -> bool:
+        return self.overlap_schedule == "on"
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -50,6 +50,7 @@ class ModelRunner:
         self.allocator = KVSlotAllocator(self.plan.max_total_tokens, self.device)
         self.attn_backend = create_backend(config.attention_backend)
         self.sampler = Sampler(seed=config.random_seed)
+        self.last_tokens: torch.Tensor | None = None
 
     def _load_model(self, prepared: PreparedModel) -> torch.nn.Module:
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -87,6 +88,12 @@ class ModelRunner:
         max_running = min(self.config.max_running_requests, max(total // 2, 1))
         return MemoryPlan(total, max_running, self.context_len)
 
+    def launch(self, batch: ScheduleBatch) -> SampleOutput:
+        """Forward and sample without waiting for the device; tokens stay on the device."""
+        sampled = self.sample(batch, self.forward(batch))
+        self.last_tokens = sampled.next_token_ids
+        return sampled
+
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:
         """Logits `[batch, vocab]` (float32) for each request's last new token."""
         dev = self.device
@@ -94,10 +101,16 @@ class ModelRunner:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=dev)
 
+        input_ids = tensor(batch.input_ids)
+        if batch.future_rows is not None:
+            # tokens the previous launch sampled, resolved on the device: no host sync
+            rows = tensor(batch.future_rows)
+            assert self.last_tokens is not None, "future tokens without a previous launch"
+            input_ids = torch.where(rows >= 0, self.last_tokens[rows.clamp(min=0)], input_ids)
         seq_lens = batch.seq_lens
         fb = ForwardBatch(
             mode=batch.mode,
-            input_ids=tensor(batch.input_ids),
+            input_ids=input_ids,
             positions=tensor(batch.positions),
             out_cache_loc=batch.out_cache_loc.to(dev),
             req_pool_indices=tensor([r.req_pool_idx for r in batch.reqs if r.req_pool_idx is not None]),
@@ -119,7 +132,8 @@ class ModelRunner:
         reqs = batch.reqs
         info = SamplingBatchInfo.build(
             [r.params for r in reqs], [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],
-            list(self.model_config.eos_token_ids), self.model_config.vocab_size, self.device)
+            list(self.model_config.eos_token_ids), self.model_config.vocab_size, self.device,
+            output_lens=[r.num_output_tokens for r in reqs])
         top_n = max((r.params.top_logprobs for r in reqs), default=0)
         want = any(r.wants_logprobs for r in reqs)
         return self.sampler(logits, info, return_logprobs=want, top_logprobs_num=top_n)

@@ -52,6 +52,8 @@ class Req:
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     error: str | None = None
+    futures: list[tuple[int, int]] = field(default_factory=list)
+    """(launch id, row) of tokens sampled on the device but not yet appended, oldest first (overlap)."""
     # per-step outputs not yet sent to the client
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[float] = field(default_factory=list)
@@ -68,12 +70,17 @@ class Req:
         return len(self.origin_input_ids) + len(self.output_ids)
 
     @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens, counting one still on the device."""
+        return len(self.output_ids) + len(self.futures)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     @property
     def remaining_new_tokens(self) -> int:
-        return max(self.params.max_new_tokens - len(self.output_ids), 0)
+        return max(self.params.max_new_tokens - self.num_output_tokens, 0)
 
     @property
     def wants_logprobs(self) -> bool:

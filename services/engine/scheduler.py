@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-
-import torch
+from dataclasses import dataclass
 
 from radixmesh.engine.batch import ScheduleBatch, build_decode_batch, build_extend_batch, commit_batch
 from radixmesh.engine.config import EngineConfig
@@ -22,6 +21,15 @@ from radixmesh.engine.schedule_policy import PrefillAdder, order_waiting
 from radixmesh.engine.stop import check_finished
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LaunchedBatch:
+    """A batch whose forward and sampling are enqueued; its tokens are read back later."""
+
+    launch_id: int
+    batch: ScheduleBatch
+    sampled: SampleOutput
 
 
 class Scheduler:
@@ -40,6 +48,8 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
+        self.in_flight: LaunchedBatch | None = None
+        self.launch_id = 0
         self.new_token_ratio = config.init_new_token_ratio
         self._ratio_decay = ((config.init_new_token_ratio - config.min_new_token_ratio)
                              / config.new_token_ratio_decay_steps)
@@ -50,17 +60,25 @@ class Scheduler:
 
     # ---- the core loop ----------------------------------------------------------------------
     def step(self) -> bool:
-        """Run one batch; False when there was nothing to do."""
+        """Launch one batch and process the previous one; False when there was nothing to do.
+
+        With overlap on, batch N+1 is scheduled and launched before batch N's tokens are read
+        back, so the host never waits on the device with nothing queued behind.
+        """
+        if self.in_flight is not None and self._needs_host_tokens():
+            self.process_batch_result(self._take_in_flight())
         batch = self.get_next_batch()
-        if batch is None:
-            return False
-        logits = self.runner.forward(batch)
-        self.process_batch_result(batch, logits)
-        return True
+        launched = self.launch(batch) if batch is not None else None
+        previous, self.in_flight = self.in_flight, launched
+        if previous is not None:
+            self.process_batch_result(previous)
+        if not self.config.overlap_enabled and self.in_flight is not None:
+            self.process_batch_result(self._take_in_flight())
+        return batch is not None or previous is not None
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req)
+        return bool(self.waiting or self.running or self.chunked_req or self.in_flight)
 
     # ---- intake -----------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -124,8 +142,13 @@ class Scheduler:
         self._retract_until_fits()
         if not self.running:
             return None
+        # Under overlap, requests whose in-flight token is certainly their last sit this step out.
+        reqs = [r for r in self.running if r.remaining_new_tokens > 0
+                and len(r.origin_input_ids) + r.num_output_tokens < self.context_len]
+        if not reqs:
+            return None
         self.new_token_ratio = max(self.config.min_new_token_ratio, self.new_token_ratio - self._ratio_decay)
-        batch = build_decode_batch(list(self.running), self.kv)
+        batch = build_decode_batch(reqs, self.kv)
         assert batch is not None, "decode slots were checked before allocation"
         return batch
 
@@ -141,6 +164,7 @@ class Scheduler:
             # Retract the request with the least output (and then the longest prompt): least lost work.
             victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
             self.running.remove(victim)
+            victim.futures.clear()  # its in-flight token is dropped and sampled again on re-admission
             self.kv.release(victim)
             victim.num_retractions += 1
             self.num_retractions += 1
@@ -150,35 +174,50 @@ class Scheduler:
             self.new_token_ratio = min(1.0, max(self.config.init_new_token_ratio, 1.5 * self.new_token_ratio))
             logger.info("retracted requests; new_token_ratio=%.2f", self.new_token_ratio)
 
-    # ---- results ----------------------------------------------------------------------------
-    def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
+    # ---- launch and results -----------------------------------------------------------------
+    def launch(self, batch: ScheduleBatch) -> LaunchedBatch:
+        """Enqueue the batch on the device and do all bookkeeping that needs no sampled token."""
+        sampled = self.runner.launch(batch)
+        self.launch_id += 1
         commit_batch(batch)
-        sample_reqs = [r for r in batch.reqs if not r.is_chunked and not r.prefill_only]
-        sampled: SampleOutput | None = None
-        if sample_reqs:
-            sampled = self.runner.sample(batch, logits)
-        outputs: list[TokenOut] = []
-        token_ids = sampled.next_token_ids.tolist() if sampled is not None else []
-        for i, req in enumerate(batch.reqs):
+        for row, req in enumerate(batch.reqs):
             if req.is_chunked:
                 self.kv.cache_unfinished(req)
                 self.chunked_req = req
-                continue
-            if req.prefill_only:
-                self._finish(req, FinishReason.LENGTH, emit=False)
-                outputs.append(self._token_out(req))
-                continue
-            assert sampled is not None
-            self._append_token(req, token_ids[i], sampled, i)
+            elif req.prefill_only:
+                self._finish(req, FinishReason.LENGTH)
+            else:
+                req.futures.append((self.launch_id, row))
+                if not batch.is_decode:
+                    self.running.append(req)
+        return LaunchedBatch(self.launch_id, batch, sampled)
+
+    def process_batch_result(self, launched: LaunchedBatch) -> None:
+        """Append the batch's sampled tokens (a host sync) and finish requests that are done."""
+        sampled = launched.sampled
+        token_ids = sampled.next_token_ids.tolist()
+        outputs: list[TokenOut] = []
+        for row, req in enumerate(launched.batch.reqs):
+            if not req.futures or req.futures[0] != (launched.launch_id, row):
+                continue  # chunk, prefill-only, or finished/retracted/aborted since launch
+            req.futures.pop(0)
+            self._append_token(req, token_ids[row], sampled, row)
             if req.finished:
+                req.futures.clear()
                 self.kv.release(req)
-                if req in self.running:
-                    self.running.remove(req)
-            elif not batch.is_decode:
-                self.running.append(req)
+                self.running.remove(req)
             outputs.append(self._token_out(req))
         if outputs:
             self.emit(outputs)
+
+    def _take_in_flight(self) -> LaunchedBatch:
+        launched, self.in_flight = self.in_flight, None
+        assert launched is not None
+        return launched
+
+    def _needs_host_tokens(self) -> bool:
+        """Penalties need every generated token on the host before the next step is sampled."""
+        return any(r.params.has_penalties and r.futures for r in self.running)
 
     def _append_token(self, req: Req, token_id: int, sampled: SampleOutput, row: int) -> None:
         req.output_ids.append(token_id)
@@ -204,11 +243,11 @@ class Scheduler:
         req.pending_ids, req.pending_logprobs, req.pending_top_logprobs = [], [], []
         return out
 
-    def _finish(self, req: Req, reason: FinishReason, emit: bool = True) -> None:
+    def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
+        req.futures.clear()
         self.kv.release(req)
-        if emit:
-            self.emit([self._token_out(req)])
+        self.emit([self._token_out(req)])
 
     def _fail(self, req: Req, message: str) -> None:
         req.error = message

@@ -93,6 +93,13 @@ def test_forced_retraction_matches_hf(reference):
         assert info["kv_used_tokens"] == 0
 
 
+def test_overlap_schedule_matches_hf(reference):
+    prompts, expected = reference
+    with Engine(overlap_schedule="on", chunked_prefill_size=16) as engine:
+        _check(engine, prompts, expected, batched=True)
+        _check(engine, prompts[:2], expected[:2], batched=False)
+
+
 def test_radix_cache_disabled_matches_hf(reference):
     prompts, expected = reference
     with Engine(disable_radix_cache=True, schedule_policy="fcfs") as engine:

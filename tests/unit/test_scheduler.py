@@ -36,7 +36,11 @@ def workload() -> tuple[list[Req], dict[str, list[int]]]:
     {"max_total_tokens": 90, "init_new_token_ratio": 0.05, "min_new_token_ratio": 0.05},
     {"max_total_tokens": 90, "chunked_prefill_size": 4, "max_running_requests": 3},
     {"disable_radix_cache": True},
-], ids=["lpm", "fcfs", "chunked", "retract", "retract-chunked", "no-cache"])
+    {"overlap_schedule": "on"},
+    {"overlap_schedule": "on", "chunked_prefill_size": 5},
+    {"overlap_schedule": "on", "max_total_tokens": 90, "init_new_token_ratio": 0.05, "min_new_token_ratio": 0.05},
+], ids=["lpm", "fcfs", "chunked", "retract", "retract-chunked", "no-cache", "overlap", "overlap-chunked",
+        "overlap-retract"])
 def test_batched_outputs_equal_single_runs(workload, overrides):
     reqs, expected = workload
     sched, col = make_scheduler(**overrides)
@@ -87,8 +91,9 @@ def test_prompt_longer_than_context_is_rejected():
     assert not sched.has_work
 
 
-def test_request_stops_at_context_end():
-    sched, col = make_scheduler()
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_request_stops_at_context_end(overlap):
+    sched, col = make_scheduler(overlap_schedule=overlap)
     req = Req(rid="edge", origin_input_ids=[3] * 250, params=SamplingParams(max_new_tokens=100, temperature=0))
     sched.add_request(req)
     run_until_idle(sched)
@@ -115,6 +120,7 @@ def test_prefill_only_request_caches_prompt():
 def test_random_traffic_with_aborts_never_leaks(seed):
     rng = random.Random(seed)
     sched, col = make_scheduler(max_total_tokens=rng.choice([80, 150, 400]),
+                                overlap_schedule=rng.choice(["on", "off"]),
                                 chunked_prefill_size=rng.choice([-1, 3, 16]),
                                 schedule_policy=rng.choice(["lpm", "fcfs"]),
                                 max_running_requests=rng.choice([2, 8]))

@@ -66,8 +66,12 @@ class SamplingBatchInfo:
     @classmethod
     def build(cls, params: Sequence[SamplingParams], prompt_ids: Sequence[list[int]],
               output_ids: Sequence[list[int]], eos_token_ids: Sequence[int], vocab_size: int,
-              device: torch.device | str) -> SamplingBatchInfo:
-        """Tensors for one step; `prompt_ids[i]` and `output_ids[i]` belong to `params[i]`."""
+              device: torch.device | str, output_lens: Sequence[int] | None = None) -> SamplingBatchInfo:
+        """Tensors for one step; `prompt_ids[i]` and `output_ids[i]` belong to `params[i]`.
+
+        `output_lens` overrides `len(output_ids[i])` where tokens were sampled on the device but
+        are not on the host yet (overlap scheduling); it drives seeds and min_new_tokens.
+        """
         assert len(params) == len(prompt_ids) == len(output_ids), (
             f"batch mismatch: {len(params)} params, {len(prompt_ids)} prompts, {len(output_ids)} outputs")
         assert len(params) > 0, "empty sampling batch"
@@ -91,11 +95,11 @@ class SamplingBatchInfo:
             need_top_p=any(p.top_p < 1.0 for p, g in zip(params, greedy) if not g),
             need_min_p=any(p.min_p > 0.0 for p, g in zip(params, greedy) if not g),
             seeds=[p.seed for p in params],
-            output_lens=[len(ids) for ids in output_ids],
+            output_lens=list(output_lens) if output_lens is not None else [len(ids) for ids in output_ids],
         )
         info._build_logit_bias(params, device)
         info._build_penalties(params, prompt_ids, output_ids, device)
-        info._build_min_tokens_mask(params, output_ids, eos_token_ids, device)
+        info._build_min_tokens_mask(params, info.output_lens, eos_token_ids, device)
         return info
 
     def _build_logit_bias(self, params: Sequence[SamplingParams], device: torch.device) -> None:
@@ -132,12 +136,12 @@ class SamplingBatchInfo:
             self.seen_mask = seen
             self.repetition_penalties = _column([p.repetition_penalty for p in params], device)
 
-    def _build_min_tokens_mask(self, params: Sequence[SamplingParams], output_ids: Sequence[list[int]],
+    def _build_min_tokens_mask(self, params: Sequence[SamplingParams], output_lens: Sequence[int],
                                eos_token_ids: Sequence[int], device: torch.device) -> None:
         vocab = self.vocab_size
         banned = [[t for t in (*eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
-                  if len(out) < p.min_new_tokens else []
-                  for p, out in zip(params, output_ids)]
+                  if out_len < p.min_new_tokens else []
+                  for p, out_len in zip(params, output_lens)]
         if not any(banned):
             return
         rows, cols = _scatter_indices(banned, device)
