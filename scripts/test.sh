@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh test
 export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff"; ruff check services kernels tests loadtests
-echo "== mypy"; mypy services kernels
+echo "== mypy"; mypy services kernels loadtests
 echo "== pytest"
 set +e
 python -m pytest -q "$@"

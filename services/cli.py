@@ -31,6 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         kind = {"int": int, "float": float, "int | None": int}.get(str(field.type), str)
         parser.add_argument(flag, type=kind, default=field.default, help=help_text)
+    parser.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_const", const="off",
+                        help="same as --overlap-schedule off")
     parser.add_argument("--log-level", default="warning", help="logging level of the engine")
 
 

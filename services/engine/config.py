@@ -24,8 +24,8 @@ class EngineConfig:
     """auto (cuda when available) | cpu | cuda."""
     dtype: str = "auto"
     """auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16."""
-    attention_backend: str = "torch-native"
-    """Attention backend id (see engine/attention/registry.py)."""
+    attention_backend: str = "auto"
+    """auto (triton on CUDA, torch-native on CPU) | torch-native | triton | flashinfer."""
     mem_fraction_static: float = 0.85
     """Fraction of device memory for weights plus KV pool (GPU); of free RAM for KV (CPU: 0.1 of it)."""
     max_total_tokens: int | None = None
@@ -101,10 +101,14 @@ class EngineConfig:
         dtype = self.dtype
         if dtype == "auto":
             dtype = "float32" if device == "cpu" else "bfloat16"
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = "triton" if device == "cuda" else "torch-native"
         overlap = self.overlap_schedule
         if overlap == "auto":
             overlap = "on" if device == "cuda" else "off"
-        return dataclasses.replace(self, device=device, dtype=dtype, overlap_schedule=overlap)
+        return dataclasses.replace(self, device=device, dtype=dtype, overlap_schedule=overlap,
+                                   attention_backend=backend)
 
     @property
     def overlap_enabled(self) -> bool:

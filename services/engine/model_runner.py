@@ -14,6 +14,7 @@ from radixmesh.engine.attention.base import ForwardBatch
 from radixmesh.engine.attention.registry import create_backend
 from radixmesh.engine.batch import ScheduleBatch
 from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.cuda_graph_runner import CudaGraphRunner
 from radixmesh.engine.loader import PreparedModel, iter_weights
 from radixmesh.engine.loader.dummy import init_dummy_
 from radixmesh.engine.memory import KVSlotAllocator, ReqToTokenPool, TokenToKVPool
@@ -50,6 +51,9 @@ class ModelRunner:
         self.allocator = KVSlotAllocator(self.plan.max_total_tokens, self.device)
         self.attn_backend = create_backend(config.attention_backend)
         self.sampler = Sampler(seed=config.random_seed)
+        self.graph_runner: CudaGraphRunner | None = None
+        if self.device.type == "cuda" and not config.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
+            self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, self.plan.max_running_requests))
         self.last_tokens: torch.Tensor | None = None
 
     def _load_model(self, prepared: PreparedModel) -> torch.nn.Module:
@@ -107,6 +111,8 @@ class ModelRunner:
             rows = tensor(batch.future_rows)
             assert self.last_tokens is not None, "future tokens without a previous launch"
             input_ids = torch.where(rows >= 0, self.last_tokens[rows.clamp(min=0)], input_ids)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch, input_ids)
         seq_lens = batch.seq_lens
         fb = ForwardBatch(
             mode=batch.mode,

@@ -80,8 +80,20 @@ class AttentionBackend(abc.ABC):
     earlier new tokens and itself.
     """
 
+    supports_cuda_graph: bool = False
+    """Whether `init_cuda_graph_state` / `init_forward_metadata_graph` are implemented."""
+
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:  # noqa: B027
         """Plan a pass once before the model runs (index tensors, splits); optional."""
+
+    def init_cuda_graph_state(self, max_bs: int, context_len: int, kv_pool: TokenToKVPool, num_heads: int) -> int:
+        """Allocate static planning buffers for DECODE graphs up to `max_bs`; return the most KV
+        indices (sum of sequence lengths) one graph replay can take."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_graph(self, forward_batch: ForwardBatch, batch_size: int) -> None:
+        """Plan a DECODE pass into the static buffers, with device work only (it is captured)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,

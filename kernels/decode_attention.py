@@ -1,0 +1,281 @@
+"""Decode attention: one query token per request over its KV slots (page size 1), split-KV.
+
+Decode is bound by reading K and V. A batch of few long requests would leave most SMs
+idle with one program per (request, KV head), so each request's sequence is cut into
+up to `num_kv_splits` chunks, processed in parallel:
+
+- stage 1, grid (batch, kv_heads, num_kv_splits): one program takes every query head
+  that shares a KV head (GQA group, padded to >= 16 rows for `tl.dot`), streams its
+  chunk's K/V tiles once for the whole group, and writes a normalized partial output
+  and its log-sum-exp (base 2) to scratch;
+- stage 2, grid (batch, heads): merges a request's chunks, weighting each by exp(lse).
+
+The chunk length is decided on the device from the request's own length
+(`ceil(seq_len / num_kv_splits)` rounded up to the KV tile), so a short request only
+uses a few of the launched splits and the launch shape depends on host ints alone:
+fixed `num_kv_splits` and scratch buffers make the pair CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from radixmesh.kernels._checks import (
+    check_device,
+    check_float,
+    check_index,
+    check_last_dim_contiguous,
+    check_shape,
+    dot_dtype,
+    dot_precision,
+    next_power_of_2,
+)
+
+LOG2E = 1.4426950408889634
+DEFAULT_MAX_KV_SPLITS = 64
+# below this many tokens per split, another split costs more (partial writes, merge) than it saves
+MIN_TOKENS_PER_SPLIT = 256
+# programs per SM to aim for before splitting stops paying
+_WAVES_PER_SM = 2
+_CPU_NUM_SMS = 4
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_buf_ptr, v_buf_ptr, kv_indptr_ptr, kv_indices_ptr, mid_o_ptr, mid_lse_ptr,
+    qk_scale, num_kv_splits,
+    stride_q_tok, stride_q_head,
+    stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
+    stride_mo_req, stride_mo_head, stride_mo_split, stride_ml_req, stride_ml_head,
+    head_dim,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    kv_start = tl.load(kv_indptr_ptr + req).to(tl.int64)
+    seq_len = tl.load(kv_indptr_ptr + req + 1).to(tl.int64) - kv_start
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + offs_g
+    mask_h = offs_g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < head_dim
+    # [BLOCK_H, BLOCK_D]: the group's query heads; padded rows are zero
+    q = tl.load(q_ptr + req.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    k_base = k_buf_ptr + kv_head * stride_kb_head
+    v_base = v_buf_ptr + kv_head * stride_vb_head
+    for n in range(lo, hi, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        slots = tl.load(kv_indices_ptr + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+        mask_kv = mask_n[:, None] & mask_d[None, :]
+        # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_base + slots[:, None] * stride_kb_slot + offs_d[None, :], mask=mask_kv, other=0.0)
+        # [BLOCK_H, BLOCK_N], in log2 units
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + slots[:, None] * stride_vb_slot + offs_d[None, :], mask=mask_kv, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # an empty split (past the end of a short request) writes lse = -inf and a zero partial
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    req64 = req.to(tl.int64)
+    tl.store(mid_o_ptr + req64 * stride_mo_req + heads[:, None] * stride_mo_head + split * stride_mo_split
+             + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(mid_lse_ptr + req64 * stride_ml_req + heads * stride_ml_head + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    kv_indptr_ptr, mid_o_ptr, mid_lse_ptr, o_ptr,
+    num_kv_splits,
+    stride_mo_req, stride_mo_head, stride_mo_split, stride_ml_req, stride_ml_head,
+    stride_o_tok, stride_o_head,
+    head_dim,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(kv_indptr_ptr + req + 1).to(tl.int64) - tl.load(kv_indptr_ptr + req).to(tl.int64)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N
+
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < head_dim
+    has_keys = (offs_s < num_kv_splits) & (offs_s * split_len < seq_len)
+    req64 = req.to(tl.int64)
+    # [BLOCK_S]
+    lse = tl.load(mid_lse_ptr + req64 * stride_ml_req + head * stride_ml_head + offs_s, mask=has_keys,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a request with no keys: weights all 0, output 0
+    w = tl.where(has_keys, tl.exp2(lse - m), 0.0)
+    # [BLOCK_S, BLOCK_D]
+    part = tl.load(mid_o_ptr + req64 * stride_mo_req + head * stride_mo_head + offs_s[:, None] * stride_mo_split
+                   + offs_d[None, :], mask=has_keys[:, None] & mask_d[None, :], other=0.0)
+    denom = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(o_ptr + req64 * stride_o_tok + head * stride_o_head + offs_d, out.to(o_ptr.dtype.element_ty),
+             mask=mask_d)
+
+
+class DecodeScratch:
+    """Reusable stage-1 outputs: flat fp32 buffers viewed per launch as
+    mid_out `[batch, num_heads, num_kv_splits, head_dim]` (normalized partial outputs) and
+    mid_lse `[batch, num_heads, num_kv_splits]` (base-2 log-sum-exp of each split).
+
+    Sized by element count, so one buffer serves a large batch with few splits and a small
+    batch with many; views need no allocation, so launches stay CUDA-graph capturable.
+    """
+
+    def __init__(self, max_rows: int, head_dim: int, device: torch.device | str) -> None:
+        assert max_rows > 0 and head_dim > 0, f"scratch sizes must be positive: rows {max_rows}, head_dim {head_dim}"
+        self.max_rows = max_rows  # batch * num_heads * num_kv_splits it can hold
+        self.head_dim = head_dim
+        self.mid_out = torch.empty(max_rows * head_dim, dtype=torch.float32, device=device)
+        self.mid_lse = torch.empty(max_rows, dtype=torch.float32, device=device)
+        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def allocate(cls, max_batch: int, num_heads: int, head_dim: int, max_kv_splits: int,
+                 device: torch.device | str) -> DecodeScratch:
+        return cls(max_batch * num_heads * max_kv_splits, head_dim, device)
+
+    def fits(self, batch: int, num_heads: int, head_dim: int, num_kv_splits: int) -> bool:
+        return head_dim == self.head_dim and batch * num_heads * num_kv_splits <= self.max_rows
+
+    def views(self, batch: int, num_heads: int, head_dim: int,
+              num_kv_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.fits(batch, num_heads, head_dim, num_kv_splits), (
+            f"scratch of {self.max_rows} rows x head_dim {self.head_dim} does not fit batch {batch}, "
+            f"heads {num_heads}, splits {num_kv_splits}, head_dim {head_dim}")
+        key = (batch, num_heads, num_kv_splits)
+        views = self._views.get(key)
+        if views is None:  # cached: slicing costs host time on every layer of every step
+            rows = batch * num_heads * num_kv_splits
+            views = (self.mid_out[:rows * head_dim].view(batch, num_heads, num_kv_splits, head_dim),
+                     self.mid_lse[:rows].view(batch, num_heads, num_kv_splits))
+            self._views[key] = views
+        return views
+
+
+def get_num_sms(device: torch.device | str) -> int:
+    """Streaming multiprocessors of a CUDA device; a small constant on CPU (the interpreter)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return _CPU_NUM_SMS
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def choose_num_kv_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                         max_kv_splits: int = DEFAULT_MAX_KV_SPLITS) -> int:
+    """Splits per request: enough programs for ~2 waves over the SMs, but >= 256 tokens per split.
+
+    All host ints (e.g. `max(seq_lens_cpu)`), so choosing needs no device sync.
+    """
+    assert batch_size > 0 and num_kv_heads > 0 and num_sms > 0 and max_kv_splits > 0
+    programs_per_split = batch_size * num_kv_heads
+    by_occupancy = math.ceil(_WAVES_PER_SM * num_sms / programs_per_split)
+    by_length = math.ceil(max(max_seq_len, 1) / MIN_TOKENS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, max_kv_splits))
+
+
+def _block_sizes(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for stage 1."""
+    block_d = next_power_of_2(head_dim)
+    if block_d >= 256:
+        return 32, 4, 2
+    return 64, 4, 2
+
+
+def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
+                         kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float, num_kv_splits: int,
+                         scratch: DecodeScratch | None = None) -> None:
+    """Attention of one query per request over its KV, written to `out`.
+
+    q, out: `[batch, num_heads, head_dim]`; k_buffer, v_buffer: `[num_slots, kv_heads, head_dim]`;
+    request i attends to slots `kv_indices[kv_indptr[i]:kv_indptr[i + 1]]` (`kv_indptr` `[batch + 1]`).
+    `num_kv_splits` (host int, e.g. from `choose_num_kv_splits`) is the launched split count; a
+    request uses fewer when it is short. `scratch` must fit (batch, heads, head_dim, num_kv_splits);
+    without it, scratch is allocated per call (not CUDA-graph safe). No host sync.
+    """
+    _check_decode_args(q, k_buffer, v_buffer, out, kv_indptr, kv_indices, num_kv_splits)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    if batch == 0:
+        return
+    if scratch is None:
+        scratch = DecodeScratch.allocate(batch, num_heads, head_dim, num_kv_splits, q.device)
+    check_device("scratch.mid_out", scratch.mid_out, q.device)
+    mid_o, mid_lse = scratch.views(batch, num_heads, head_dim, num_kv_splits)
+
+    group = num_heads // num_kv_heads
+    operand_dtype = dot_dtype(q.dtype, q.device)
+    block_d = next_power_of_2(head_dim)
+    block_n, num_warps, num_stages = _block_sizes(head_dim)
+    _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, mid_o, mid_lse,
+        sm_scale * LOG2E, num_kv_splits,
+        q.stride(0), q.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        head_dim,
+        GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision(operand_dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    _decode_merge_kernel[(batch, num_heads)](
+        kv_indptr, mid_o, mid_lse, out,
+        num_kv_splits,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        head_dim,
+        BLOCK_S=next_power_of_2(num_kv_splits), BLOCK_D=block_d, BLOCK_N=block_n,
+        num_warps=4 if block_d >= 128 else 2,
+    )
+
+
+def _check_decode_args(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
+                       kv_indptr: torch.Tensor, kv_indices: torch.Tensor, num_kv_splits: int) -> None:
+    device = q.device
+    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("out", out),
+                    ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
+        check_device(name, t, device)
+    assert q.dim() == 3, f"q must be [batch, num_heads, head_dim], got {tuple(q.shape)}"
+    assert k_buffer.dim() == 3, f"k_buffer must be [num_slots, kv_heads, head_dim], got {tuple(k_buffer.shape)}"
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    assert k_buffer.shape[2] == head_dim, f"k_buffer head_dim {k_buffer.shape[2]} != q head_dim {head_dim}"
+    check_shape("v_buffer", v_buffer, tuple(k_buffer.shape))
+    check_shape("out", out, tuple(q.shape))
+    assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} is not a multiple of kv_heads {num_kv_heads}"
+    assert head_dim >= 16, f"head_dim {head_dim} < 16 is not supported (tl.dot needs K >= 16)"
+    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("out", out)):
+        check_float(name, t)
+        check_last_dim_contiguous(name, t)
+    check_index("kv_indptr", kv_indptr)
+    check_index("kv_indices", kv_indices)
+    assert kv_indptr.shape[0] >= batch + 1, f"kv_indptr has {kv_indptr.shape[0]} entries, need batch + 1 = {batch + 1}"
+    assert num_kv_splits >= 1, f"num_kv_splits must be >= 1, got {num_kv_splits}"

@@ -1,0 +1,197 @@
+"""Extend attention: each request's new tokens attend to its cached prefix and, causally, to themselves.
+
+Where K/V come from: everything is read from the KV pool through the request's slot list
+(`kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`, prefix then new tokens), so the new tokens'
+K/V must be stored (`store_kv`) before this runs. Attention therefore sees exactly the
+values the pool holds (cast to the pool dtype), as the PyTorch reference does, and one
+index list serves extend and decode alike.
+
+Grid (batch, kv_heads, query blocks). GQA: a program owns BLOCK_T new tokens of one
+request and every query head of one KV head, flattened into BLOCK_M = BLOCK_T * G rows
+(row r is token r // G, head r % G, with G the group padded to a power of two), so each
+K/V tile is loaded once per group and feeds one `tl.dot` of BLOCK_M rows. Two loops:
+the prefix (no mask), then the new tokens up to the block's last query (causal mask).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radixmesh.kernels._checks import (
+    check_device,
+    check_float,
+    check_index,
+    check_last_dim_contiguous,
+    check_shape,
+    dot_dtype,
+    dot_precision,
+    next_power_of_2,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, hi, rows_t, new_start,
+                 stride_kb_slot, stride_vb_slot, offs_d, mask_d, qk_scale,
+                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over keys [n, n + BLOCK_N) ∩ [.., hi) of the request's slot list."""
+    offs_n = n + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hi
+    slots = tl.load(kv_indices_ptr + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+    mask_kv = mask_n[:, None] & mask_d[None, :]
+    # [BLOCK_N, BLOCK_D]
+    k = tl.load(k_base + slots[:, None] * stride_kb_slot + offs_d[None, :], mask=mask_kv, other=0.0)
+    # [BLOCK_M, BLOCK_N], log2 units
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+    visible = mask_n[None, :]
+    if CAUSAL:
+        visible = visible & ((offs_n - new_start)[None, :] <= rows_t[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + slots[:, None] * stride_vb_slot + offs_d[None, :], mask=mask_kv, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_buf_ptr, v_buf_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+    qk_scale,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
+    head_dim,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    t0 = tl.program_id(2) * BLOCK_T
+
+    q_start = tl.load(qo_indptr_ptr + req).to(tl.int64)
+    ext_len = tl.load(qo_indptr_ptr + req + 1).to(tl.int64) - q_start
+    kv_start = tl.load(kv_indptr_ptr + req).to(tl.int64)
+    prefix_len = tl.load(kv_indptr_ptr + req + 1).to(tl.int64) - kv_start - ext_len
+    # blocks past this request's last new token run no loop and store nothing
+    is_live = t0 < ext_len
+    prefix_hi = tl.where(is_live, prefix_len, 0)
+    new_hi = tl.where(is_live, prefix_len + tl.minimum(ext_len, t0 + BLOCK_T), prefix_len)
+
+    offs_r = tl.arange(0, BLOCK_M)
+    rows_t = t0 + offs_r // GROUP_PAD
+    rows_g = offs_r % GROUP_PAD
+    mask_r = (rows_t < ext_len) & (rows_g < GROUP)
+    heads = kv_head * GROUP + rows_g
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < head_dim
+    mask_rd = mask_r[:, None] & mask_d[None, :]
+    q_rows = (q_start + rows_t) * stride_q_tok + heads * stride_q_head
+    # [BLOCK_M, BLOCK_D]
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=mask_rd, other=0.0).to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    k_base = k_buf_ptr + kv_head * stride_kb_head
+    v_base = v_buf_ptr + kv_head * stride_vb_head
+    for n in range(0, prefix_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, prefix_hi,
+                                     rows_t, prefix_len, stride_kb_slot, stride_vb_slot, offs_d, mask_d, qk_scale,
+                                     False, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
+    for n in range(prefix_len, new_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, new_hi,
+                                     rows_t, prefix_len, stride_kb_slot, stride_vb_slot, offs_d, mask_d, qk_scale,
+                                     True, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_rows = (q_start + rows_t) * stride_o_tok + heads * stride_o_head
+    tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=mask_rd)
+
+
+def _block_sizes(head_dim: int, group_pad: int, dtype: torch.dtype,
+                 device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_N, num_warps, num_stages); BLOCK_M = BLOCK_T * group_pad query rows."""
+    block_d = next_power_of_2(head_dim)
+    if device.type == "cpu":
+        block_m, block_n, num_warps, num_stages = 64, 32, 4, 1
+    elif dtype == torch.float32:
+        # exact fp32 products run on FMAs, not tensor cores: small tiles compile and run better
+        block_m, block_n, num_warps, num_stages = 64, 32, 4, 2
+    elif block_d <= 64:
+        block_m, block_n, num_warps, num_stages = 128, 64, 4, 3
+    elif block_d <= 128:
+        # H100, bf16, GQA 4: 250 TFLOP/s causal without prefix, 310 with a 4K prefix; (128, 64, 8, 2): 210, 230
+        block_m, block_n, num_warps, num_stages = 128, 32, 4, 3
+    else:
+        block_m, block_n, num_warps, num_stages = 64, 32, 4, 2
+    # a group wider than block_m gets one token per block: still >= 16 rows, as tl.dot needs
+    block_t = max(1, block_m // group_pad)
+    return block_t, block_n, num_warps, num_stages
+
+
+def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
+                         qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                         max_extend_len: int, sm_scale: float) -> None:
+    """Causal attention of packed new tokens over their requests' prefix plus themselves.
+
+    q, out: `[num_tokens, num_heads, head_dim]`, request i's new tokens at rows
+    `qo_indptr[i]:qo_indptr[i + 1]`; k_buffer, v_buffer: `[num_slots, kv_heads, head_dim]`, already
+    holding the new tokens' K/V; request i's slots (prefix, then new tokens) are
+    `kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`. `max_extend_len` (host int) bounds the new
+    tokens of any request and sizes the grid. No host sync.
+    """
+    _check_extend_args(q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices, max_extend_len)
+    num_tokens, num_heads, head_dim = q.shape
+    batch = qo_indptr.shape[0] - 1
+    num_kv_heads = k_buffer.shape[1]
+    if num_tokens == 0 or batch == 0 or max_extend_len == 0:
+        return
+    group = num_heads // num_kv_heads
+    group_pad = next_power_of_2(group)
+    block_t, block_n, num_warps, num_stages = _block_sizes(head_dim, group_pad, q.dtype, q.device)
+    operand_dtype = dot_dtype(q.dtype, q.device)
+    grid = (batch, num_kv_heads, triton.cdiv(max_extend_len, block_t))
+    _extend_kernel[grid](
+        q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices,
+        sm_scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        head_dim,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_t * group_pad,
+        BLOCK_D=next_power_of_2(head_dim), BLOCK_N=block_n,
+        DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision(operand_dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def _check_extend_args(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
+                       qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                       max_extend_len: int) -> None:
+    device = q.device
+    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("out", out),
+                    ("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
+        check_device(name, t, device)
+    assert q.dim() == 3, f"q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}"
+    assert k_buffer.dim() == 3, f"k_buffer must be [num_slots, kv_heads, head_dim], got {tuple(k_buffer.shape)}"
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    assert k_buffer.shape[2] == head_dim, f"k_buffer head_dim {k_buffer.shape[2]} != q head_dim {head_dim}"
+    check_shape("v_buffer", v_buffer, tuple(k_buffer.shape))
+    check_shape("out", out, tuple(q.shape))
+    assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} is not a multiple of kv_heads {num_kv_heads}"
+    assert head_dim >= 16, f"head_dim {head_dim} < 16 is not supported (tl.dot needs K >= 16)"
+    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("out", out)):
+        check_float(name, t)
+        check_last_dim_contiguous(name, t)
+    for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
+        check_index(name, t)
+    assert qo_indptr.shape[0] >= 1, "qo_indptr must have batch + 1 >= 1 entries"
+    assert kv_indptr.shape[0] >= qo_indptr.shape[0], (
+        f"kv_indptr has {kv_indptr.shape[0]} entries, fewer than qo_indptr's {qo_indptr.shape[0]}")
+    assert max_extend_len >= 0, f"max_extend_len must be >= 0, got {max_extend_len}"

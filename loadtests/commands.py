@@ -1,0 +1,30 @@
+"""`radixmesh bench ...`: benchmark subcommands, each registered from its own module.
+
+Modules named here must import nothing heavy at module level: the CLI builds every parser
+on start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCH_COMMANDS = [
+    "loadtests.serving:register",
+    "radixmesh.engine.bench:register_one_batch",
+    "radixmesh.engine.bench:register_offline",
+]
+"""`module:function` taking the `bench` subparsers object; one per `radixmesh bench` subcommand."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `bench` to the `radixmesh` command."""
+    bench = sub.add_parser("bench", help="benchmarks: serving (online), one-batch and offline (engine)")
+    add_bench_commands(bench)
+
+
+def add_bench_commands(parser: argparse.ArgumentParser) -> None:
+    bench_sub = parser.add_subparsers(dest="bench_command", required=True)
+    for target in BENCH_COMMANDS:
+        module, _, func = target.partition(":")
+        getattr(importlib.import_module(module), func)(bench_sub)

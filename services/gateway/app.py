@@ -1,0 +1,120 @@
+"""The FastAPI application: routes, the API-key check, per-route metrics and error bodies."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from radixmesh import __version__
+from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
+from radixmesh.gateway import native_api, openai_api
+from radixmesh.gateway.backend import Backend
+from radixmesh.gateway.config import GatewayConfig
+from radixmesh.gateway.dispatch import Dispatcher
+from radixmesh.gateway.errors import error_response, framework_error_response
+from radixmesh.gateway.metrics import GatewayMetrics
+from radixmesh.gateway.state import GatewayState
+
+logger = logging.getLogger(__name__)
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
+"""Paths served without the API key: probes and Prometheus scrapes."""
+
+
+def create_app(backend: Backend, config: GatewayConfig) -> FastAPI:
+    """The gateway over `backend`; the caller owns the backend's lifetime."""
+    metrics = GatewayMetrics(backend.card.name)
+    state = GatewayState(backend, config, metrics, Dispatcher(backend, metrics, config.max_queued_requests))
+    app = FastAPI(title="radixmesh", version=__version__,
+                  description="OpenAI-compatible and SGLang-native LLM serving API")
+    app.state.gateway = state
+    app.include_router(openai_api.router)
+    app.include_router(native_api.router)
+    _add_exception_handlers(app)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    routes = frozenset(getattr(route, "path", "") for router in (openai_api.router, native_api.router)
+                       for route in router.routes)
+    app.add_middleware(RouteMetricsMiddleware, metrics=metrics, routes=routes)
+    return app
+
+
+def _add_exception_handlers(app: FastAPI) -> None:
+    async def domain_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RadixMeshError)
+        return error_response(exc)
+
+    async def validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
+        return error_response(invalid_argument(f"invalid request: {first.get('msg', exc)}",
+                                                loc[0] if loc else None))
+
+    async def framework_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return framework_error_response(exc.status_code, str(exc.detail))
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(RadixMeshError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"))
+
+    app.add_exception_handler(RadixMeshError, domain_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, framework_error)
+    app.add_exception_handler(Exception, internal_error)
+
+
+class ApiKeyMiddleware:
+    """Requires `Authorization: Bearer <key>` on every path but `OPEN_PATHS` (pure ASGI: streams untouched)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization")
+        if given is None:
+            exc = RadixMeshError(ErrorCode.UNAUTHENTICATED, "Missing API key: send it as 'Authorization: Bearer <key>'")
+        elif not hmac.compare_digest(given.strip(), self.expected):
+            exc = RadixMeshError(ErrorCode.UNAUTHENTICATED, "Incorrect API key provided")
+        else:
+            await self.app(scope, receive, send)
+            return
+        await error_response(exc)(scope, receive, send)
+
+
+class RouteMetricsMiddleware:
+    """Counts responses by route and status; unknown paths count as one route so labels stay few."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, routes: frozenset[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in self.routes else "other"
+        status = 500
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            self.metrics.observe_http(route, status)

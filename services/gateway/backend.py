@@ -1,0 +1,122 @@
+"""The contract between the HTTP layer and whatever runs the model.
+
+The HTTP layer (OpenAI and native APIs) only ever calls a `Backend`. `LocalBackend`
+(`local`) drives a scheduler process on this machine; a later `grpc` backend sends the
+same calls to a router. Requests cross this boundary as token ids plus `SamplingParams`;
+results come back as `GenerationChunk`s (text deltas already detokenized and stop-trimmed).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixmesh.engine.output import GenerationChunk
+from radixmesh.engine.sampling.params import SamplingParams
+
+__all__ = ["Backend", "GenerationChunk", "ModelCard", "SamplingParams"]
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What the gateway knows about the one model it serves."""
+
+    name: str
+    """Served name: what `/v1/models` lists and clients pass as `model`."""
+    aliases: frozenset[str]
+    """Other names accepted as `model` (the model's own name, its directory, the --model value)."""
+    model_path: str
+    """Local directory of the weights ("" for random weights of a named shape)."""
+    tokenizer_path: str
+    """Local directory of the tokenizer ("" when there is none)."""
+    context_len: int
+    """Most prompt + output tokens per sequence."""
+    vocab_size: int
+    """Token ids are in [0, vocab_size)."""
+    max_running_requests: int
+    """Sequences the engine decodes at once; more wait in its queue."""
+    created: int
+    """Unix time the backend started (OpenAI's `created` of the model)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Backend-specific facts shown by /server_info (engine flags, device)."""
+
+    def accepts(self, name: str) -> bool:
+        return name == self.name or name in self.aliases
+
+
+class Backend(ABC):
+    """Runs generation for the gateway; every method may be called concurrently from one event loop.
+
+    Errors are `RadixMeshError`s: INVALID_ARGUMENT naming the bad parameter, UNAVAILABLE when
+    the model runtime is gone. `generate` must abort the request (and free its KV) when the
+    caller stops iterating early, whether by `aclose()` or by task cancellation.
+    """
+
+    @property
+    @abstractmethod
+    def card(self) -> ModelCard:
+        """The served model."""
+
+    @property
+    @abstractmethod
+    def is_healthy(self) -> bool:
+        """False once the model runtime died or was shut down."""
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return True
+
+    # ---- text <-> tokens ------------------------------------------------------------------------
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a raw prompt, with the special tokens the model expects at its start."""
+
+    @abstractmethod
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation in the model's chat template, ready for the assistant's turn."""
+
+    @abstractmethod
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of token ids (special tokens skipped)."""
+
+    @abstractmethod
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text (special tokens kept), for logprobs."""
+
+    # ---- generation -----------------------------------------------------------------------------
+    @abstractmethod
+    def validate(self, input_ids: list[int], params: SamplingParams) -> None:
+        """Raise INVALID_ARGUMENT, naming the parameter, for a request the backend would refuse."""
+
+    @abstractmethod
+    def generate(self, input_ids: list[int], params: SamplingParams,
+                 rid: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
+        """Stream one sequence (params.n == 1); its last chunk carries the finish reason."""
+
+    @abstractmethod
+    async def cache_prefix(self, input_ids: list[int]) -> None:
+        """Compute and cache a prompt's KV without generating, so n > 1 branches share it."""
+
+    @abstractmethod
+    def branch_params(self, params: SamplingParams) -> list[SamplingParams]:
+        """Split params with n > 1 into n single-sequence params (derived seeds)."""
+
+    @abstractmethod
+    async def abort(self, rid: str) -> None:
+        """Stop one sequence by id; its stream ends with finish_reason 'abort'. Unknown ids are ignored."""
+
+    # ---- control ---------------------------------------------------------------------------------
+    @abstractmethod
+    async def flush_cache(self) -> bool:
+        """Drop the prefix cache; False when requests are running and nothing was flushed."""
+
+    @abstractmethod
+    async def server_info(self) -> dict[str, Any]:
+        """Live load statistics: num_running_reqs, num_waiting_reqs, kv_used_tokens, kv_usage,
+        max_total_num_tokens, cache_hit_rate, ... (names as in SGLang's /get_server_info)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop the model runtime; idempotent."""

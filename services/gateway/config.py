@@ -1,0 +1,50 @@
+"""Gateway configuration: the HTTP-side flags of `radixmesh serve`, frozen once built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixmesh.common.errors import invalid_argument
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """How the HTTP gateway listens, authenticates and limits load."""
+
+    host: str = "127.0.0.1"
+    """Interface to listen on (0.0.0.0 for all)."""
+    port: int = 8000
+    """TCP port; 0 picks a free one (the printed URL names it)."""
+    api_key: str | None = None
+    """When set, every API call needs `Authorization: Bearer <key>` (health and metrics stay open)."""
+    served_model_name: str | None = None
+    """Name clients pass as `model`; defaults to the model's own name."""
+    max_queued_requests: int | None = None
+    """Sequences allowed to wait beyond the engine's running slots; more get 429. None: unlimited."""
+    max_default_tokens: int = 4096
+    """Output cap when a chat or native request gives no max_tokens (the context end also applies)."""
+    graceful_shutdown_s: float = 5.0
+    """On SIGINT/SIGTERM, how long open requests may finish before they are aborted."""
+    log_level: str = "warning"
+    """Log level of the HTTP server (info also logs each request)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise invalid_argument(f"port must be in [0, 65535] (got {self.port})", "port")
+        if self.api_key is not None and not self.api_key.strip():
+            raise invalid_argument("api_key must not be empty", "api_key")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise invalid_argument("max_queued_requests must be >= 0", "max_queued_requests")
+        if self.max_default_tokens < 1:
+            raise invalid_argument("max_default_tokens must be >= 1", "max_default_tokens")
+        if self.graceful_shutdown_s < 0:
+            raise invalid_argument("graceful_shutdown_s must be >= 0", "graceful_shutdown_s")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise invalid_argument(f"log_level must be one of {', '.join(LOG_LEVELS)}", "log_level")
+
+    def url(self, port: int | None = None) -> str:
+        """Base URL for clients; a wildcard host is shown as itself."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port if port is None else port}"

@@ -1,0 +1,118 @@
+"""`local` backend: the tokenizer in this process, the scheduler in its own process (no gRPC, no router)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any, cast
+
+from radixmesh.common.errors import invalid_argument
+from radixmesh.engine.client import EngineClient
+from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
+from radixmesh.gateway.backend import Backend, GenerationChunk, ModelCard, SamplingParams
+
+
+class LocalBackend(Backend):
+    """Owns one `EngineClient` (and through it the scheduler process)."""
+
+    def __init__(self, client: EngineClient, served_model_name: str | None = None) -> None:
+        self.client = client
+        self._card = _make_card(client, served_model_name)
+        self._closed = False
+
+    @classmethod
+    async def start(cls, config: EngineConfig, served_model_name: str | None = None) -> LocalBackend:
+        """Prepare the model (first use downloads and converts the default one) and start the scheduler."""
+        return cls(await EngineClient.start(config), served_model_name)
+
+    @property
+    def card(self) -> ModelCard:
+        return self._card
+
+    @property
+    def is_healthy(self) -> bool:
+        return not self._closed and self.client.is_alive
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.client.tokenizer is not None
+
+    # ---- text <-> tokens ------------------------------------------------------------------------
+    def _tokenizer(self, param: str) -> Any:
+        if self.client.tokenizer is None:
+            raise invalid_argument("this model has no tokenizer; send token ids", param)
+        return self.client.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer("prompt").encode(text, add_special_tokens=True))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        tokenizer = self._tokenizer("messages")
+        if not getattr(tokenizer, "chat_template", None):
+            raise invalid_argument("this model has no chat template; use /v1/completions", "messages")
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja2 raises its own errors for conversations a template rejects
+            raise invalid_argument(f"the chat template rejected the messages: {exc}", "messages") from None
+        return list(tokenizer.encode(str(text), add_special_tokens=False))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self._tokenizer("prompt").decode(token_ids, skip_special_tokens=True))
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        if self.client.tokenizer is None:
+            return [f"<{tid}>" for tid in token_ids]
+        return [str(t) for t in self.client.tokenizer.batch_decode([[tid] for tid in token_ids],
+                                                                   skip_special_tokens=False)]
+
+    # ---- generation -----------------------------------------------------------------------------
+    def validate(self, input_ids: list[int], params: SamplingParams) -> None:
+        self.client.validate(input_ids, params)
+
+    def generate(self, input_ids: list[int], params: SamplingParams,
+                 rid: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
+        return cast(AsyncGenerator[GenerationChunk, None], self.client.generate(input_ids, params, rid))
+
+    async def cache_prefix(self, input_ids: list[int]) -> None:
+        await self.client.cache_prefix(input_ids)
+
+    def branch_params(self, params: SamplingParams) -> list[SamplingParams]:
+        return self.client.branch_params(params)
+
+    async def abort(self, rid: str) -> None:
+        await self.client.abort(rid)
+
+    # ---- control ---------------------------------------------------------------------------------
+    async def flush_cache(self) -> bool:
+        return await self.client.flush_cache()
+
+    async def server_info(self) -> dict[str, Any]:
+        return await self.client.get_server_info()
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self.client.shutdown()
+
+
+def _make_card(client: EngineClient, served_model_name: str | None) -> ModelCard:
+    prepared = client.prepared
+    aliases = {prepared.name}
+    if client.config.model:
+        aliases.add(client.config.model)
+    if prepared.model_path is not None:
+        aliases |= {str(prepared.model_path), Path(prepared.model_path).name}
+    if prepared.name == DEFAULT_MODEL_NAME:
+        aliases |= DEFAULT_MODEL_ALIASES
+    name = served_model_name or prepared.name
+    running = int(client.server_info.get("max_running_requests", client.config.max_running_requests))
+    return ModelCard(
+        name=name, aliases=frozenset(aliases - {name}),
+        model_path=str(prepared.model_path or ""), tokenizer_path=str(prepared.tokenizer_path or ""),
+        context_len=client.context_len, vocab_size=client.model_config.vocab_size,
+        max_running_requests=running, created=int(time.time()),
+        extra={"backend": "local", **dataclasses.asdict(client.config)},
+    )

@@ -1,0 +1,90 @@
+"""Prometheus metrics of the gateway (prefix `radixmesh_`), in a registry of its own.
+
+Counters and histograms move as requests run; the engine gauges (running and queued
+sequences, KV usage) are read from the backend when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["CONTENT_TYPE_LATEST", "GatewayMetrics"]
+
+_TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+_E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class GatewayMetrics:
+    """Owns the metric objects; the HTTP layer calls the `observe_*` methods."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg, p = self.registry, "radixmesh_"
+        self.http_requests = Counter(p + "http_requests", "HTTP responses by route and status",
+                                     ["route", "status"], registry=reg)
+        self.requests = Counter(p + "requests", "Generation requests admitted, by API endpoint",
+                                ["endpoint"], registry=reg)
+        self.finished = Counter(p + "requests_finished", "Sequences finished, by finish reason",
+                                ["finish_reason"], registry=reg)
+        self.rejected = Counter(p + "requests_rejected", "Generation requests refused because the queue was full",
+                                registry=reg)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=reg)
+        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens", registry=reg)
+        self.cached_tokens = Counter(p + "cached_tokens", "Prompt tokens served from the prefix cache",
+                                     registry=reg)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time from arrival to the first output token",
+                              buckets=_TTFT_BUCKETS_S, registry=reg)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between output tokens of a sequence",
+                             buckets=_ITL_BUCKETS_S, registry=reg)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from arrival to the last output token",
+                             buckets=_E2E_BUCKETS_S, registry=reg)
+        self.running = Gauge(p + "num_running_requests", "Sequences the engine is running", registry=reg)
+        self.queued = Gauge(p + "num_queued_requests", "Sequences waiting in the engine's queue", registry=reg)
+        self.in_flight = Gauge(p + "num_gateway_requests", "Sequences admitted by the gateway and not finished",
+                               registry=reg)
+        self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Share of KV slots held by running requests",
+                              registry=reg)
+        self.kv_used = Gauge(p + "kv_used_tokens", "KV slots held by running requests", registry=reg)
+        self.kv_capacity = Gauge(p + "kv_capacity_tokens", "KV slots in the pool", registry=reg)
+        self.cache_hit_rate = Gauge(p + "cache_hit_rate", "Share of prompt tokens served from the prefix cache",
+                                    registry=reg)
+        info = Gauge(p + "model_info", "The served model (value is always 1)", ["model_name"], registry=reg)
+        info.labels(model_name=model_name).set(1)
+
+    def observe_http(self, route: str, status: int) -> None:
+        self.http_requests.labels(route=route, status=str(status)).inc()
+
+    def observe_admitted(self, endpoint: str, prompt_tokens: int) -> None:
+        self.requests.labels(endpoint=endpoint).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def observe_first_token(self, elapsed_s: float, cached_tokens: int) -> None:
+        self.ttft.observe(elapsed_s)
+        self.cached_tokens.inc(cached_tokens)
+
+    def observe_tokens(self, num_tokens: int, gap_s: float | None) -> None:
+        """`num_tokens` new tokens arrived together, `gap_s` after the sequence's previous ones."""
+        self.generation_tokens.inc(num_tokens)
+        if gap_s is not None and num_tokens > 0:
+            per_token_s = gap_s / num_tokens
+            for _ in range(num_tokens):
+                self.itl.observe(per_token_s)
+
+    def observe_finished(self, finish_reason: str, elapsed_s: float) -> None:
+        self.finished.labels(finish_reason=finish_reason).inc()
+        self.e2e.observe(elapsed_s)
+
+    def update_engine(self, stats: dict[str, Any], in_flight: int) -> None:
+        self.running.set(float(stats.get("num_running_reqs", 0)))
+        self.queued.set(float(stats.get("num_waiting_reqs", 0)))
+        self.kv_usage.set(float(stats.get("kv_usage", 0.0)))
+        self.kv_used.set(float(stats.get("kv_used_tokens", 0)))
+        self.kv_capacity.set(float(stats.get("max_total_num_tokens", 0)))
+        self.cache_hit_rate.set(float(stats.get("cache_hit_rate", 0.0)))
+        self.in_flight.set(in_flight)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

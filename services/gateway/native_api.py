@@ -1,0 +1,283 @@
+"""SGLang-compatible native routes, so a worker can sit behind routers built for SGLang.
+
+/generate streams cumulative text and output_ids per event (SGLang's default, non-incremental
+mode), ending in `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from radixmesh import __version__
+from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument, unsupported
+from radixmesh.gateway import openai_convert as conv
+from radixmesh.gateway.backend import SamplingParams
+from radixmesh.gateway.dispatch import Generation, PromptJob
+from radixmesh.gateway.metrics import CONTENT_TYPE_LATEST
+from radixmesh.gateway.protocol import Request as Body
+from radixmesh.gateway.protocol import parse_body
+from radixmesh.gateway.sse import DONE, EventStreamResponse, with_error_events
+from radixmesh.gateway.state import GatewayState, get_state, unless_disconnected
+
+router = APIRouter(tags=["native"])
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+_GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+class NativeSamplingParams(Body):
+    """SGLang's sampling_params; max_new_tokens None means up to the context end (capped)."""
+
+    max_new_tokens: int | None = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = None
+    sampling_seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+
+
+class GenerateRequest(Body):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    image_data: Any = None
+    lora_path: Any = None
+
+
+class AbortRequest(Body):
+    rid: str = ""
+    abort_all: bool = False
+
+
+# ---- /generate -----------------------------------------------------------------------------------
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    state = get_state(request)
+    req = parse_body(await request.body(), GenerateRequest)
+    prompts, batched = _prompts(state, req)
+    per_prompt = req.sampling_params if isinstance(req.sampling_params, list) \
+        else [req.sampling_params or NativeSamplingParams()] * len(prompts)
+    if len(per_prompt) != len(prompts):
+        raise invalid_argument(f"got {len(per_prompt)} sampling_params for {len(prompts)} prompts", "sampling_params")
+    jobs = [PromptJob(ids, _params(state, req, sp, len(ids))) for ids, sp in zip(prompts, per_prompt)]
+    rid = req.rid if isinstance(req.rid, str) else None
+    rids = req.rid if isinstance(req.rid, list) else None
+    generation = state.dispatcher.open("generate", jobs, request_id=rid, rids=rids)
+    run = _NativeRun(state, req, generation, batched or len(generation.rids) > 1)
+    if req.stream:
+        return EventStreamResponse(with_error_events(run.events()), on_close=generation.aclose)
+    try:
+        return JSONResponse(await unless_disconnected(request, run.collect()))
+    finally:
+        await generation.aclose()
+
+
+def _prompts(state: GatewayState, req: GenerateRequest) -> tuple[list[list[int]], bool]:
+    if req.image_data is not None or req.lora_path is not None:
+        raise unsupported("image_data and lora_path are not supported", "image_data" if req.image_data else "lora_path")
+    if (req.text is None) == (req.input_ids is None):
+        raise invalid_argument("give exactly one of text and input_ids", "text")
+    if req.text is not None:
+        texts = [req.text] if isinstance(req.text, str) else req.text
+        return [state.backend.encode(t) for t in texts], isinstance(req.text, list)
+    ids = req.input_ids or []
+    if ids and isinstance(ids[0], list):
+        return [list(p) for p in ids], True
+    return [list(ids)], False
+
+
+def _params(state: GatewayState, req: GenerateRequest, sp: NativeSamplingParams, prompt_len: int) -> SamplingParams:
+    for name in _GRAMMAR_FIELDS:
+        if getattr(sp, name) is not None:
+            raise unsupported(f"sampling_params.{name} is not supported yet (grammar decoding comes later)", name)
+    fields = sp.model_dump(exclude=set(_GRAMMAR_FIELDS) | {"sampling_seed", "stop", "stop_token_ids", "logit_bias"})
+    fields["max_new_tokens"] = conv.resolve_max_new_tokens(
+        sp.max_new_tokens, prompt_len, state.backend.card.context_len, state.config.max_default_tokens,
+        "max_new_tokens", "input_ids" if req.input_ids is not None else "text")
+    fields["seed"] = sp.seed if sp.seed is not None else sp.sampling_seed
+    fields["stop"] = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
+    fields["stop_token_ids"] = tuple(sp.stop_token_ids or ())
+    fields["logit_bias"] = conv.logit_bias(sp.logit_bias or {})
+    fields["logprobs"] = req.return_logprob
+    fields["top_logprobs"] = req.top_logprobs_num if req.return_logprob else 0
+    return SamplingParams(**fields)
+
+
+class _NativeRun:
+    """One /generate request: SGLang result dicts (text, output_ids, meta_info)."""
+
+    def __init__(self, state: GatewayState, req: GenerateRequest, generation: Generation, as_list: bool) -> None:
+        self.state, self.req, self.generation, self.as_list = state, req, generation, as_list
+        self.states = [conv.ChoiceState() for _ in range(generation.num_seqs)]
+
+    def _result(self, index: int) -> dict[str, Any]:
+        st = self.states[index]
+        meta: dict[str, Any] = {
+            "id": self.generation.rids[index], "prompt_tokens": st.prompt_tokens,
+            "completion_tokens": st.completion_tokens, "cached_tokens": st.cached_tokens,
+            "finish_reason": _finish_reason(st), "e2e_latency": time.perf_counter() - self.generation.start_s,
+        }
+        if self.req.return_logprob:
+            meta.update(self._logprobs(st))
+        return {"text": st.text, "output_ids": list(st.token_ids), "meta_info": meta}
+
+    def _logprobs(self, st: conv.ChoiceState) -> dict[str, Any]:
+        texts: dict[int, str | None] = {}
+        if self.req.return_text_in_logprobs:
+            ids = sorted(set(st.token_ids) | {t for row in st.top_logprobs for t, _ in row})
+            texts = dict(zip(ids, self.state.backend.token_texts(ids)))
+        return {
+            "output_token_logprobs": [[lp, t, texts.get(t)] for lp, t in zip(st.logprobs, st.token_ids)],
+            "output_top_logprobs": [[[lp, t, texts.get(t)] for t, lp in row] for row in st.top_logprobs],
+        }
+
+    async def collect(self) -> Any:
+        async for index, chunk in self.generation.stream():
+            self.states[index].add(chunk)
+        results = [self._result(i) for i in range(len(self.states))]
+        return results if self.as_list else results[0]
+
+    async def events(self) -> AsyncGenerator[str, None]:
+        async for index, chunk in self.generation.stream():
+            self.states[index].add(chunk)
+            if chunk.text or chunk.token_ids or chunk.finished:
+                result = self._result(index)
+                if self.as_list:
+                    result["index"] = index
+                yield f"data: {json.dumps(result)}\n\n"
+        yield DONE
+
+
+def _finish_reason(st: conv.ChoiceState) -> dict[str, Any] | None:
+    if st.finish_reason is None:
+        return None
+    if st.finish_reason == "length":
+        return {"type": "length", "length": st.completion_tokens}
+    if st.finish_reason == "abort":
+        return {"type": "abort", "message": "the request was aborted"}
+    return {"type": st.finish_reason, "matched": st.matched_stop}
+
+
+# ---- health, info and control --------------------------------------------------------------------
+def _unavailable(state: GatewayState) -> None:
+    if not state.backend.is_healthy:
+        raise RadixMeshError(ErrorCode.UNAVAILABLE, "the engine is not running")
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    _unavailable(get_state(request))
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """Generate one token end to end: proves the scheduler process is stepping, not only alive."""
+    backend = get_state(request).backend
+    _unavailable(get_state(request))
+    input_ids = backend.encode("Hi") if backend.has_tokenizer else [0]
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+
+    async def one_token() -> None:
+        async with contextlib.aclosing(backend.generate(input_ids or [0], params)) as chunks:
+            async for _ in chunks:
+                pass
+
+    try:
+        await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise RadixMeshError(ErrorCode.UNAVAILABLE, "the engine did not generate a token in time") from None
+    return Response(status_code=200)
+
+
+def _model_info(state: GatewayState) -> dict[str, Any]:
+    card = state.backend.card
+    return {"model_path": card.model_path, "tokenizer_path": card.tokenizer_path, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
+            "has_audio_understanding": False, "served_model_name": card.name, "context_len": card.context_len,
+            "vocab_size": card.vocab_size}
+
+
+@router.get("/model_info")
+@router.get("/get_model_info")
+async def model_info(request: Request) -> Response:
+    return JSONResponse(_model_info(get_state(request)))
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def server_info(request: Request) -> Response:
+    state = get_state(request)
+    _unavailable(state)
+    stats = await state.backend.server_info()
+    info = {**state.backend.card.extra, **_model_info(state), "version": __version__,
+            "host": state.config.host, "port": state.config.port, "api_key_set": state.config.api_key is not None,
+            "max_queued_requests": state.config.max_queued_requests,
+            "num_gateway_requests": state.dispatcher.num_in_flight, **stats, "internal_states": [stats]}
+    return JSONResponse(info)
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    state = get_state(request)
+    _unavailable(state)
+    if not await state.backend.flush_cache():
+        raise invalid_argument("cannot flush the cache while requests are running or waiting; retry when idle")
+    return PlainTextResponse("Cache flushed.\n")
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    state = get_state(request)
+    body = await request.body()
+    req = parse_body(body, AbortRequest) if body else AbortRequest()
+    if req.abort_all:
+        await state.dispatcher.abort_all()
+    elif req.rid:
+        await state.dispatcher.abort(req.rid)
+    else:
+        raise invalid_argument("give rid or abort_all", "rid")
+    return JSONResponse({})
+
+
+@router.get("/version")
+async def version() -> Response:
+    return JSONResponse({"version": __version__})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = get_state(request)
+    if state.backend.is_healthy:
+        with contextlib.suppress(RadixMeshError, asyncio.TimeoutError):
+            stats = await asyncio.wait_for(state.backend.server_info(), 5.0)
+            state.metrics.update_engine(stats, state.dispatcher.num_in_flight)
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

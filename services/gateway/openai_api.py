@@ -1,0 +1,221 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixmesh.common.errors import invalid_argument
+from radixmesh.gateway import openai_convert as conv
+from radixmesh.gateway.backend import GenerationChunk
+from radixmesh.gateway.dispatch import Generation, PromptJob
+from radixmesh.gateway.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    ModelList,
+    ModelObject,
+    parse_body,
+)
+from radixmesh.gateway.sse import DONE, EventStreamResponse, event, with_error_events
+from radixmesh.gateway.state import GatewayState, get_state, unless_disconnected
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+_COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
+
+
+def _json(model: CompletionResponse | ChatCompletionResponse | ModelList | ModelObject) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+# ---- models --------------------------------------------------------------------------------------
+def _model_object(state: GatewayState) -> ModelObject:
+    card = state.backend.card
+    return ModelObject(id=card.name, created=card.created, root=card.model_path or card.name,
+                       max_model_len=card.context_len)
+
+
+@router.get("/models")
+async def list_models(request: Request) -> Response:
+    return _json(ModelList(data=[_model_object(get_state(request))]))
+
+
+@router.get("/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> Response:
+    state = get_state(request)
+    state.resolve_model(model_id)
+    return _json(_model_object(state))
+
+
+# ---- completions ---------------------------------------------------------------------------------
+@router.post("/completions")
+async def completions(request: Request) -> Response:
+    state = get_state(request)
+    req = parse_body(await request.body(), CompletionRequest)
+    model = state.resolve_model(req.model)
+    conv.check_completion_supported(req)
+    prompts = _completion_prompts(state, req)
+    echoes = [state.backend.decode(ids) if req.echo else "" for ids in prompts]
+    jobs = []
+    with conv.openai_names(_COMPLETION_NAMES):
+        for ids in prompts:
+            max_new = conv.resolve_max_new_tokens(req.max_tokens, len(ids), state.backend.card.context_len,
+                                                  16, "max_tokens", "prompt")
+            jobs.append(PromptJob(ids, conv.sampling_params(req, max_new, req.logprobs)))
+        generation = state.dispatcher.open("completions", jobs)
+    run = _CompletionRun(state, req, model, generation, echoes)
+    if req.stream:
+        return EventStreamResponse(with_error_events(run.events()), on_close=generation.aclose)
+    try:
+        return _json(await unless_disconnected(request, run.collect()))
+    finally:
+        await generation.aclose()
+
+
+def _completion_prompts(state: GatewayState, req: CompletionRequest) -> list[list[int]]:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [state.backend.encode(prompt)]
+    if not prompt:
+        raise invalid_argument("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return [state.backend.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+
+class _CompletionRun:
+    """One /v1/completions request turned into a response or a stream of chunks."""
+
+    def __init__(self, state: GatewayState, req: CompletionRequest, model: str, generation: Generation,
+                 echoes: list[str]) -> None:
+        self.state, self.req, self.model, self.generation = state, req, model, generation
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.echoes = echoes
+        self.states = [conv.ChoiceState() for _ in range(generation.num_seqs)]
+
+    def _logprobs(self, chunk_ids: list[int], chunk: GenerationChunk, offset: int) \
+            -> CompletionLogprobs | None:
+        if self.req.logprobs is None:
+            return None
+        return conv.completion_logprobs(self.state.backend, chunk_ids, chunk.logprobs or [],
+                                        chunk.top_logprobs or [], offset)
+
+    async def collect(self) -> CompletionResponse:
+        async for index, chunk in self.generation.stream():
+            self.states[index].add(chunk)
+        choices = []
+        for index, st in enumerate(self.states):
+            echo = self.echoes[index // self.req.n]
+            logprobs = None
+            if self.req.logprobs is not None:
+                logprobs = conv.completion_logprobs(self.state.backend, st.token_ids, st.logprobs,
+                                                    st.top_logprobs, len(echo))
+            choices.append(CompletionChoice(index=index, text=echo + st.text, logprobs=logprobs,
+                                            finish_reason=st.finish_reason))
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                  usage=conv.usage(self.states, self.req.n))
+
+    def _chunk(self, choice: CompletionChoice) -> str:
+        return event(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice]))
+
+    async def events(self) -> AsyncGenerator[str, None]:
+        if self.req.echo:
+            for index in range(len(self.states)):
+                yield self._chunk(CompletionChoice(index=index, text=self.echoes[index // self.req.n]))
+        async for index, chunk in self.generation.stream():
+            st = self.states[index]
+            offset = len(self.echoes[index // self.req.n]) + len(st.text)
+            st.add(chunk)
+            if chunk.text or chunk.token_ids or chunk.finished:
+                yield self._chunk(CompletionChoice(index=index, text=chunk.text, finish_reason=chunk.finish_reason,
+                                                   logprobs=self._logprobs(chunk.token_ids, chunk, offset)))
+        if self.req.stream_options is not None and self.req.stream_options.include_usage:
+            yield event(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
+                                           usage=conv.usage(self.states, self.req.n)))
+        yield DONE
+
+
+# ---- chat ----------------------------------------------------------------------------------------
+@router.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = get_state(request)
+    req = parse_body(await request.body(), ChatCompletionRequest)
+    model = state.resolve_model(req.model)
+    conv.check_chat_supported(req)
+    input_ids = state.backend.apply_chat_template(conv.chat_messages(req.messages))
+    max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    names = {"max_new_tokens": max_param, "min_new_tokens": "min_tokens", "prompt": "messages"}
+    with conv.openai_names(names):
+        max_new = conv.resolve_max_new_tokens(requested, len(input_ids), state.backend.card.context_len,
+                                              state.config.max_default_tokens, max_param, "messages")
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        generation = state.dispatcher.open("chat_completions", [PromptJob(input_ids, conv.sampling_params(
+            req, max_new, top))])
+    run = _ChatRun(state, req, model, generation)
+    if req.stream:
+        return EventStreamResponse(with_error_events(run.events()), on_close=generation.aclose)
+    try:
+        return _json(await unless_disconnected(request, run.collect()))
+    finally:
+        await generation.aclose()
+
+
+class _ChatRun:
+    """One /v1/chat/completions request turned into a response or a stream of chunks."""
+
+    def __init__(self, state: GatewayState, req: ChatCompletionRequest, model: str,
+                 generation: Generation) -> None:
+        self.state, self.req, self.model, self.generation = state, req, model, generation
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.states = [conv.ChoiceState() for _ in range(generation.num_seqs)]
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[float] | None,
+                  top: list[list[tuple[int, float]]] | None) -> ChatLogprobs | None:
+        if not self.req.logprobs:
+            return None
+        return ChatLogprobs(content=conv.chat_logprobs(self.state.backend, token_ids, logprobs or [], top or []))
+
+    async def collect(self) -> ChatCompletionResponse:
+        async for index, chunk in self.generation.stream():
+            self.states[index].add(chunk)
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=st.text), finish_reason=st.finish_reason,
+                              logprobs=self._logprobs(st.token_ids, st.logprobs, st.top_logprobs))
+                   for i, st in enumerate(self.states)]
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                      usage=conv.usage(self.states, self.req.n))
+
+    def _chunk(self, choice: ChatChunkChoice) -> str:
+        return event(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]))
+
+    async def events(self) -> AsyncGenerator[str, None]:
+        for index in range(len(self.states)):
+            yield self._chunk(ChatChunkChoice(index=index, delta=Delta(role="assistant", content="")))
+        async for index, chunk in self.generation.stream():
+            self.states[index].add(chunk)
+            if chunk.text or (self.req.logprobs and chunk.token_ids):
+                logprobs = self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
+                yield self._chunk(ChatChunkChoice(index=index, delta=Delta(content=chunk.text), logprobs=logprobs))
+            if chunk.finished:
+                yield self._chunk(ChatChunkChoice(index=index, delta=Delta(), finish_reason=chunk.finish_reason))
+        if self.req.stream_options is not None and self.req.stream_options.include_usage:
+            yield event(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
+                                            usage=conv.usage(self.states, self.req.n)))
+        yield DONE

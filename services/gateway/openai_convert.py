@@ -1,0 +1,198 @@
+"""OpenAI request fields -> `SamplingParams`, and engine chunks -> OpenAI logprobs and usage."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from radixmesh.common.errors import RadixMeshError, invalid_argument, unsupported
+from radixmesh.gateway.backend import Backend, GenerationChunk, SamplingParams
+from radixmesh.gateway.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionLogprobs,
+    CompletionRequest,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@contextlib.contextmanager
+def openai_names(renames: dict[str, str]) -> Iterator[None]:
+    """Report engine parameter names (max_new_tokens, ...) under the names the client used."""
+    try:
+        yield
+    except RadixMeshError as exc:
+        if exc.param in renames:
+            new = renames[exc.param]
+            exc.message = exc.message.replace(exc.param, new)
+            exc.param = new
+        raise
+
+
+def resolve_max_new_tokens(requested: int | None, prompt_len: int, context_len: int, default: int,
+                           param: str, prompt_param: str) -> int:
+    """The output budget: what was asked, else `default` clipped to the context end."""
+    if prompt_len >= context_len:
+        raise invalid_argument(f"the prompt has {prompt_len} tokens, but the model's context length is "
+                               f"{context_len} tokens; shorten the prompt", prompt_param)
+    room = context_len - prompt_len
+    if requested is None:
+        return min(room, default)
+    if requested < 1:
+        raise invalid_argument(f"invalid {param}={requested}: must be >= 1", param)
+    if requested > room:
+        raise invalid_argument(f"{param}={requested} is too large: the prompt has {prompt_len} tokens and the "
+                               f"context length is {context_len}, so at most {room} tokens can be generated",
+                               param)
+    return requested
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_new_tokens: int,
+                    top_logprobs: int | None) -> SamplingParams:
+    """`top_logprobs` None means no logprobs; 0 means the chosen tokens' logprobs only."""
+    fields: dict[str, object] = {"max_new_tokens": max_new_tokens, "n": req.n,
+                                 "logprobs": top_logprobs is not None, "top_logprobs": top_logprobs or 0}
+    optional = {
+        "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,
+        "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+        "top_k": req.top_k, "min_p": req.min_p, "repetition_penalty": req.repetition_penalty,
+        "min_new_tokens": req.min_tokens, "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+    }
+    fields.update({name: value for name, value in optional.items() if value is not None})
+    if req.stop is not None:
+        fields["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    if req.stop_token_ids:
+        fields["stop_token_ids"] = tuple(req.stop_token_ids)
+    if req.logit_bias:
+        fields["logit_bias"] = logit_bias(req.logit_bias)
+    return SamplingParams(**fields)
+
+
+def logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    try:
+        return {int(token_id): float(value) for token_id, value in bias.items()}
+    except ValueError:
+        raise invalid_argument("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Plain {role, content} dicts for the chat template; text content parts are joined by newlines."""
+    out = []
+    for i, msg in enumerate(messages):
+        role = CHAT_ROLES.get(msg.role)
+        if role is None:
+            raise unsupported(f"messages[{i}].role {msg.role!r} is not supported (use system, user or assistant; "
+                              "tools are not supported yet)", "messages")
+        if msg.tool_calls:
+            raise unsupported(f"messages[{i}] has tool_calls; tools are not supported yet", "messages")
+        out.append({"role": role, "content": _text_content(msg, i)})
+    return out
+
+
+def _text_content(msg: ChatMessage, i: int) -> str:
+    if msg.content is None or isinstance(msg.content, str):
+        return msg.content or ""
+    texts = []
+    for part in msg.content:
+        if part.type != "text" or part.text is None:
+            raise unsupported(f"messages[{i}] has a content part of type {part.type!r}; only text is supported",
+                              "messages")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def check_chat_supported(req: ChatCompletionRequest) -> None:
+    if req.tools:
+        raise unsupported("tools are not supported yet", "tools")
+    if req.functions:
+        raise unsupported("functions are not supported yet", "functions")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise unsupported(f"response_format of type {req.response_format.type!r} is not supported yet "
+                          "(structured output comes with grammar decoding); use type 'text'", "response_format")
+    if req.top_logprobs and not req.logprobs:
+        raise invalid_argument("top_logprobs needs logprobs set to true", "top_logprobs")
+
+
+def check_completion_supported(req: CompletionRequest) -> None:
+    if req.suffix:
+        raise unsupported("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise unsupported("best_of other than n is not supported", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise unsupported("echo with logprobs needs prompt logprobs, which are not supported", "echo")
+
+
+# ---- results -------------------------------------------------------------------------------------
+@dataclass
+class ChoiceState:
+    """What one choice (sequence) has produced so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.text += chunk.text
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs or []
+        self.top_logprobs += chunk.top_logprobs or []
+        self.prompt_tokens, self.cached_tokens = chunk.prompt_tokens, chunk.cached_tokens
+        self.completion_tokens = chunk.completion_tokens
+        if chunk.finish_reason is not None:
+            self.finish_reason, self.matched_stop = chunk.finish_reason, chunk.matched_stop
+
+
+def usage(states: list[ChoiceState], n: int) -> Usage:
+    """Prompts count once per prompt (not per branch); cached tokens are the least any branch reused."""
+    prompt = cached = 0
+    for start in range(0, len(states), n):
+        branches = states[start:start + n]
+        prompt += branches[0].prompt_tokens
+        cached += min(s.cached_tokens for s in branches)
+    completion = sum(s.completion_tokens for s in states)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def completion_logprobs(backend: Backend, token_ids: list[int], logprobs: list[float],
+                        top: list[list[tuple[int, float]]], text_offset: int) -> CompletionLogprobs:
+    """Legacy completions shape; `text_offset` is where these tokens start in the choice's text."""
+    texts = _texts(backend, token_ids, top)
+    out = CompletionLogprobs()
+    for i, token_id in enumerate(token_ids):
+        out.tokens.append(texts[token_id])
+        out.token_logprobs.append(logprobs[i] if i < len(logprobs) else None)
+        out.top_logprobs.append({texts[t]: lp for t, lp in top[i]} if i < len(top) else None)
+        out.text_offset.append(text_offset)
+        text_offset += len(texts[token_id])
+    return out
+
+
+def chat_logprobs(backend: Backend, token_ids: list[int], logprobs: list[float],
+                  top: list[list[tuple[int, float]]]) -> list[TokenLogprob]:
+    texts = _texts(backend, token_ids, top)
+    out = []
+    for i, token_id in enumerate(token_ids):
+        alternatives = [TopLogprob(token=texts[t], logprob=lp, bytes=list(texts[t].encode()))
+                        for t, lp in (top[i] if i < len(top) else [])]
+        out.append(TokenLogprob(token=texts[token_id], logprob=logprobs[i] if i < len(logprobs) else 0.0,
+                                bytes=list(texts[token_id].encode()), top_logprobs=alternatives))
+    return out
+
+
+def _texts(backend: Backend, token_ids: list[int], top: list[list[tuple[int, float]]]) -> dict[int, str]:
+    ids = sorted(set(token_ids) | {t for row in top for t, _ in row})
+    return dict(zip(ids, backend.token_texts(ids)))

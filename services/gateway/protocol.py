@@ -1,0 +1,232 @@
+"""Typed OpenAI request and response bodies (pydantic).
+
+Requests ignore unknown fields (`extra="ignore"`): OpenAI clients send fields such as
+`user`, `store`, `metadata` or `service_tier` that do not change what is generated.
+Fields that would change the output but are not supported yet (`tools`, JSON
+`response_format`, `suffix`) are declared so the handlers can reject them by name.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, model_serializer
+
+from radixmesh.common.errors import invalid_argument
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_body(raw: bytes, model: type[M]) -> M:
+    """Parse and validate a JSON request body; failures are 400s naming the field."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid_argument(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise invalid_argument("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = [str(part) for part in first["loc"]]
+        param = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        raise invalid_argument(f"invalid '{where}': {first['msg']}", param) from None
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(Request):
+    include_usage: bool = False
+
+
+class SamplingExtensions(Request):
+    """Sampling fields of vLLM and SGLang that OpenAI lacks, accepted on both OpenAI endpoints."""
+
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+
+
+class CompletionRequest(SamplingExtensions):
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Request):
+    role: str
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[Any] | None = None
+
+
+class ResponseFormat(Request):
+    type: str
+
+
+class ChatCompletionRequest(SamplingExtensions):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    seed: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+
+
+# ---- responses ----------------------------------------------------------------------------------
+class Response(BaseModel):
+    pass
+
+
+class PromptTokensDetails(Response):
+    cached_tokens: int = 0
+
+
+class Usage(Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionLogprobs(Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(Response):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(Response):
+    """Only the fields a chunk carries are sent (role on the first, content after it)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatChunkChoice(Response):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelObject(Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "radixmesh"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(Response):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]

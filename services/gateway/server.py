@@ -1,0 +1,98 @@
+"""`radixmesh serve`: bind, start the engine, serve HTTP with uvicorn, stop everything on a signal.
+
+The listening socket is bound first, so a busy port fails in a second rather than after the
+model has loaded. SIGINT/SIGTERM stop the engine start, or let uvicorn drain open requests
+for `graceful_shutdown_s`; the scheduler process is shut down last, in every case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+
+import uvicorn
+
+from radixmesh.common.errors import ErrorCode, RadixMeshError
+from radixmesh.engine.config import EngineConfig
+from radixmesh.gateway.app import create_app
+from radixmesh.gateway.config import GatewayConfig
+from radixmesh.gateway.local_backend import LocalBackend
+from radixmesh.gateway.state import GatewayState
+
+logger = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, minus its own signal handling (`serve` installs handlers that also cover engine start)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise RadixMeshError(ErrorCode.UNAVAILABLE, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(config: GatewayConfig, engine_config: EngineConfig) -> int:
+    """Run until SIGINT/SIGTERM; returns the process exit code."""
+    sock = bind_socket(config.host, config.port)
+    port = sock.getsockname()[1]
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    server: _Server | None = None
+
+    def on_signal() -> None:
+        if server is None:
+            main_task.cancel()  # still starting the engine
+        elif server.should_exit:
+            server.force_exit = True
+        else:
+            server.should_exit = True
+            # Requests still open at the deadline end with finish_reason "abort" rather than a reset.
+            loop.call_later(config.graceful_shutdown_s, lambda: loop.create_task(state.dispatcher.abort_all()))
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    backend: LocalBackend | None = None
+    try:
+        print(f"radixmesh: loading {engine_config.model or 'the default model'} ...", file=sys.stderr, flush=True)
+        backend = await LocalBackend.start(engine_config, config.served_model_name)
+        app = create_app(backend, config)
+        state: GatewayState = app.state.gateway
+        server = _Server(uvicorn.Config(app, log_level=config.log_level.lower(), lifespan="off",
+                                        timeout_graceful_shutdown=round(config.graceful_shutdown_s) + 5))
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            device = backend.card.extra.get("device", "?")
+            print(f"radixmesh: serving {backend.card.name} on {device} at {config.url(port)} "
+                  "(OpenAI API under /v1)", flush=True)
+        await serving
+        return 0
+    except asyncio.CancelledError:
+        print("radixmesh: interrupted while starting", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        if backend is not None:
+            await backend.close()
+        sock.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

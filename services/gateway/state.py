@@ -1,0 +1,65 @@
+"""What every route handler needs: the backend, the dispatcher, metrics, config."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from radixmesh.common.errors import ErrorCode, RadixMeshError, not_found
+from radixmesh.gateway.backend import Backend
+from radixmesh.gateway.config import GatewayConfig
+from radixmesh.gateway.dispatch import Dispatcher
+from radixmesh.gateway.metrics import GatewayMetrics
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class GatewayState:
+    backend: Backend
+    config: GatewayConfig
+    metrics: GatewayMetrics
+    dispatcher: Dispatcher
+
+    def resolve_model(self, requested: str | None) -> str:
+        """The served name for a request's `model` (absent means the served model); 404 otherwise."""
+        card = self.backend.card
+        if requested is None or requested == "" or card.accepts(requested):
+            return card.name
+        raise not_found(f"The model '{requested}' does not exist; this server serves '{card.name}'", "model")
+
+
+def get_state(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (so its sequences are aborted) if the client disconnects first.
+
+    The body must have been read already: from then on the only message ASGI delivers is the
+    disconnect.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise RadixMeshError(ErrorCode.ABORTED, "the client disconnected before the response was ready")
+    finally:
+        for pending in (task, watcher):
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await pending
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
