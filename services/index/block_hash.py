@@ -1,0 +1,51 @@
+"""Chained 64-bit keys of a prompt's full token blocks, shared by every service.
+
+The prompt's token ids are cut into blocks of `block_size` tokens; only full blocks get a
+key. Block i's key is the first 8 bytes (little-endian integer) of
+blake2b(digest_size=8) over:
+
+    parent key (block i-1's key; 0 for block 0) as 8 bytes little-endian
+    len(extra_key) as 4 bytes little-endian
+    extra_key (e.g. model id and cache salt; usually empty)
+    the block's token ids, each as uint32 little-endian
+
+Chaining makes a key stand for the whole prefix up to and including its block, so two
+prompts share block i's key exactly when they share their first (i + 1) * block_size tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+DEFAULT_BLOCK_SIZE = 16
+_MASK_32 = 0xFFFFFFFF
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE, extra_key: bytes = b"") -> list[int]:
+    """Keys of the full blocks of `token_ids`, in order (len(token_ids) // block_size of them)."""
+    assert block_size >= 1, f"block_size must be >= 1, got {block_size}"
+    num_blocks = len(token_ids) // block_size
+    if num_blocks == 0:
+        return []
+    salt = struct.pack("<I", len(extra_key)) + extra_key
+    block_format = f"<{block_size}I"
+    keys: list[int] = []
+    parent = 0
+    for i in range(num_blocks):
+        block = token_ids[i * block_size:(i + 1) * block_size]
+        try:
+            packed = struct.pack(block_format, *block)
+        except struct.error as exc:
+            bad = next((t for t in block if not 0 <= t <= _MASK_32), None)
+            raise ValueError(f"token id {bad} does not fit in uint32") from exc
+        digest = hashlib.blake2b(struct.pack("<Q", parent) + salt + packed, digest_size=8).digest()
+        parent = int.from_bytes(digest, "little")
+        keys.append(parent)
+    return keys
+
+
+def num_full_blocks(num_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """How many full blocks `num_tokens` tokens make."""
+    return num_tokens // block_size
