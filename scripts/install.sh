@@ -22,6 +22,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 py=.venv/bin/python
 if [ "$want" = test ]; then
+  apt_install redis-server  # the integration tests start a real Redis on 127.0.0.1
   spec=".[test]"
 else
   spec="."
