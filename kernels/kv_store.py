@@ -111,7 +111,7 @@ def compute_kv_indptr(seq_lens: torch.Tensor, out: torch.Tensor | None = None) -
     check_index("kv_indptr", out)
     assert out.shape[0] >= batch + 1, f"kv_indptr has {out.shape[0]} entries, need batch + 1 = {batch + 1}"
     out[0] = 0
-    torch.cumsum(seq_lens, dim=0, out=out[1:batch + 1])
+    torch.cumsum(seq_lens, dim=0, dtype=out.dtype, out=out[1:batch + 1])
     return out
 
 

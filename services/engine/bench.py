@@ -54,7 +54,7 @@ def build_scheduler(args: argparse.Namespace, emit: Timeline) -> Any:
     kwargs = engine_kwargs(args)
     kwargs["model"] = args.model_shape or args.model or DEFAULT_SHAPE
     config = EngineConfig(**kwargs).resolve()
-    prepared = prepare_model(config.model, config.load_format)
+    prepared = prepare_model(config.model, config.load_format, lend_tokenizer=False)
     runner = ModelRunner(config, prepared)
     return Scheduler(config, runner, None, emit)
 

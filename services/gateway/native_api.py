@@ -23,8 +23,7 @@ from radixmesh.gateway import openai_convert as conv
 from radixmesh.gateway.backend import SamplingParams
 from radixmesh.gateway.dispatch import Generation, PromptJob
 from radixmesh.gateway.metrics import CONTENT_TYPE_LATEST
-from radixmesh.gateway.protocol import Request as Body
-from radixmesh.gateway.protocol import parse_body
+from radixmesh.gateway.protocol import RequestBody, parse_body
 from radixmesh.gateway.sse import DONE, EventStreamResponse, with_error_events
 from radixmesh.gateway.state import GatewayState, get_state, unless_disconnected
 
@@ -33,7 +32,7 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 _GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
-class NativeSamplingParams(Body):
+class NativeSamplingParams(RequestBody):
     """SGLang's sampling_params; max_new_tokens None means up to the context end (capped)."""
 
     max_new_tokens: int | None = 128
@@ -59,7 +58,7 @@ class NativeSamplingParams(Body):
     structural_tag: str | None = None
 
 
-class GenerateRequest(Body):
+class GenerateRequest(RequestBody):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
@@ -72,7 +71,7 @@ class GenerateRequest(Body):
     lora_path: Any = None
 
 
-class AbortRequest(Body):
+class AbortRequest(RequestBody):
     rid: str = ""
     abort_all: bool = False
 

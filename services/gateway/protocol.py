@@ -37,15 +37,15 @@ def parse_body(raw: bytes, model: type[M]) -> M:
         raise invalid_argument(f"invalid '{where}': {first['msg']}", param) from None
 
 
-class Request(BaseModel):
+class RequestBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(Request):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class SamplingExtensions(Request):
+class SamplingExtensions(RequestBody):
     """Sampling fields of vLLM and SGLang that OpenAI lacks, accepted on both OpenAI endpoints."""
 
     top_k: int | None = None
@@ -77,18 +77,18 @@ class CompletionRequest(SamplingExtensions):
     suffix: str | None = None
 
 
-class ContentPart(Request):
+class ContentPart(RequestBody):
     type: str
     text: str | None = None
 
 
-class ChatMessage(Request):
+class ChatMessage(RequestBody):
     role: str
     content: str | list[ContentPart] | None = None
     tool_calls: list[Any] | None = None
 
 
-class ResponseFormat(Request):
+class ResponseFormat(RequestBody):
     type: str
 
 

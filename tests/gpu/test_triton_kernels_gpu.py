@@ -201,5 +201,63 @@ def test_backend_matches_torch_native_gpu() -> None:
             outs.append(backend.forward(q, k, v, layer, fb))
         results.append(outs)
     for step, (got, want) in enumerate(zip(*results)):
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2,
-                                   msg=lambda m, s=step: f"step {s}: {m}")
+        try:
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        except AssertionError as err:
+            raise AssertionError(f"step {step}: {err}") from None
+
+
+def test_backend_decode_replays_in_cuda_graph() -> None:
+    """TritonBackend's graph planning captured with the layer, replayed on new ragged batches."""
+    heads, kv_heads, head_dim, dtype, bs, context = 32, 8, 128, torch.bfloat16, 8, 4096
+    layer = AttentionLayerSpec(0, heads, kv_heads, head_dim, head_dim**-0.5)
+    req_pool = ReqToTokenPool(bs, context, DEVICE)
+    kv_pool = TokenToKVPool(bs * context, 1, kv_heads, head_dim, dtype, DEVICE)
+    kv_pool.k_buffers[0].normal_()
+    kv_pool.v_buffers[0].normal_()
+    req_pool.req_to_token.copy_((torch.randperm(bs * context, device=DEVICE) + 1).view(bs, context))
+    backend = TritonBackend()
+    assert backend.init_cuda_graph_state(bs, context, kv_pool, heads) >= bs * 2000
+
+    def zeros(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dt, device=DEVICE)
+
+    seq_lens, rows, loc = torch.ones(bs, dtype=torch.int64, device=DEVICE), zeros(bs), zeros(bs)
+    q, k, v = zeros(bs, heads, head_dim, dt=dtype), zeros(bs, kv_heads, head_dim, dt=dtype), zeros(
+        bs, kv_heads, head_dim, dt=dtype)
+    fb = ForwardBatch(mode=ForwardMode.DECODE, input_ids=zeros(bs), positions=zeros(bs), out_cache_loc=loc,
+                      req_pool_indices=rows, seq_lens=seq_lens, extend_prefix_lens=seq_lens - 1,
+                      extend_seq_lens=torch.ones_like(seq_lens), req_to_token_pool=req_pool, token_to_kv_pool=kv_pool,
+                      attn_backend=backend, seq_lens_cpu=[1] * bs, extend_prefix_lens_cpu=[0] * bs,
+                      extend_seq_lens_cpu=[1] * bs)
+
+    def run() -> torch.Tensor:
+        backend.init_forward_metadata_graph(fb, bs)
+        return backend.forward(q, k, v, layer, fb)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # compiles outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = run()
+    for lens in ([1, 4096, 37, 2000, 64, 65, 3999, 512], [4096] * bs):
+        order = torch.randperm(bs).tolist()
+        seq_lens.copy_(torch.tensor(lens))
+        rows.copy_(torch.tensor(order))
+        loc.copy_(req_pool.req_to_token[order, [n - 1 for n in lens]])
+        for t in (q, k, v):
+            t.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = TorchNativeBackend()
+        eager = ForwardBatch(mode=ForwardMode.DECODE, input_ids=zeros(bs), positions=seq_lens - 1, out_cache_loc=loc,
+                             req_pool_indices=rows, seq_lens=seq_lens, extend_prefix_lens=seq_lens - 1,
+                             extend_seq_lens=torch.ones_like(seq_lens), req_to_token_pool=req_pool,
+                             token_to_kv_pool=kv_pool, attn_backend=ref, seq_lens_cpu=lens,
+                             extend_prefix_lens_cpu=[n - 1 for n in lens], extend_seq_lens_cpu=[1] * bs)
+        ref.init_forward_metadata(eager)
+        want = ref.forward(q, k, v, layer, eager)
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)

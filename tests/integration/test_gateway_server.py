@@ -8,6 +8,7 @@ overload is reachable with a handful of requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -119,8 +120,11 @@ def _unique(text: str) -> str:
 
 # ---- startup and listing -------------------------------------------------------------------------
 def test_serve_prints_the_url(server: Server) -> None:
-    log = server.log_path.read_text()
-    assert f"at {server.url} (OpenAI API under /v1)" in log, log
+    expected = f"radixmesh: serving smollm2-135m-instruct on cpu at {server.url} (OpenAI API under /v1)"
+    deadline = time.monotonic() + 10
+    while expected not in server.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)  # /health may answer a moment before the line is printed
+    assert expected in server.log_path.read_text()
 
 
 def test_models(client: openai.OpenAI, model: str) -> None:
@@ -284,18 +288,25 @@ def test_api_key_is_required(server: Server, model: str) -> None:
 
 
 def test_overload_is_429(server: Server, model: str) -> None:
-    body = {"model": model, "messages": QUESTION, "max_tokens": 24, "ignore_eos": True}
-
-    async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120) as http:
-            return list(await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(10))))
-
-    responses = asyncio.run(burst())
-    statuses = sorted(r.status_code for r in responses)
-    assert set(statuses) == {200, 429}, statuses
-    assert statuses.count(200) == 6  # 4 running + 2 queued sequences
-    error = _error(next(r for r in responses if r.status_code == 429), 429)
-    assert "overloaded" in error["message"]
+    """Six open streams fill 4 running + 2 queued sequences; the next requests are refused at once."""
+    long_story = {"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}],
+                  "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with contextlib.ExitStack() as streams, httpx.Client(timeout=120, headers=server.headers) as http:
+        for _ in range(6):
+            response = streams.enter_context(http.stream("POST", server.url + "/v1/chat/completions",
+                                                         json=long_story))
+            assert response.status_code == 200
+        assert server.server_info()["num_gateway_requests"] == 6
+        refused = server.post("/v1/chat/completions", {"model": model, "messages": QUESTION, "max_tokens": 2})
+        assert "overloaded" in _error(refused, 429)["message"]
+        _error(server.post("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}), 429)
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0).completions.create(
+                model=model, prompt="Hi", max_tokens=2)
+    info = _wait_kv_free(server)  # closing the streams aborted them
+    assert info["num_gateway_requests"] == 0 and info["kv_used_tokens"] == 0, info
+    assert server.post("/v1/chat/completions", {"model": model, "messages": QUESTION, "max_tokens": 2}) \
+        .status_code == 200
 
 
 # ---- disconnects ---------------------------------------------------------------------------------

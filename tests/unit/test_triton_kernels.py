@@ -13,11 +13,12 @@ if not torch.cuda.is_available():
     # must precede the first import of triton (radixmesh.kernels): @triton.jit reads it then
     os.environ["TRITON_INTERPRET"] = "1"
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 
-from radixmesh.engine.attention.base import AttentionLayerSpec, ForwardBatch, ForwardMode
+from radixmesh.engine.attention.base import AttentionBackend, AttentionLayerSpec, ForwardBatch, ForwardMode
 from radixmesh.engine.attention.torch_native import TorchNativeBackend
 from radixmesh.engine.attention.triton_backend import TritonBackend
 from radixmesh.engine.memory import ReqToTokenPool, TokenToKVPool
@@ -216,7 +217,7 @@ def test_extend_half_precision(dtype: torch.dtype) -> None:
 # ---- backend -----------------------------------------------------------------------------------
 
 def make_batch(mode: ForwardMode, prefix_lens: list[int], new_lens: list[int], rows: list[int],
-               req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, backend: object) -> ForwardBatch:
+               req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, backend: AttentionBackend) -> ForwardBatch:
     """A batch whose requests own `rows`; new tokens' slots are taken from the rows' tables."""
     seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
     loc = torch.cat([req_pool.req_to_token[r, p:s] for r, p, s in zip(rows, prefix_lens, seq_lens)])
@@ -229,12 +230,21 @@ def make_batch(mode: ForwardMode, prefix_lens: list[int], new_lens: list[int], r
                         positions=positions, out_cache_loc=loc, req_pool_indices=t(rows),
                         seq_lens=t(seq_lens), extend_prefix_lens=t(prefix_lens), extend_seq_lens=t(new_lens),
                         req_to_token_pool=req_pool, token_to_kv_pool=kv_pool,
-                        attn_backend=backend,  # type: ignore[arg-type]
+                        attn_backend=backend,
                         seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=prefix_lens, extend_seq_lens_cpu=new_lens)
 
 
-def run_layer(backend_cls: type, dtype: torch.dtype) -> tuple[list[torch.Tensor], TokenToKVPool]:
-    """Extend (one request with a cached prefix, one without), then two decode steps; layer 1 of 2."""
+def prefixed(context: str) -> Callable[[str], str]:
+    """An assert_close message that keeps torch's own text."""
+    return lambda msg: f"{context}: {msg}"
+
+
+def run_layer(backend_cls: type, dtype: torch.dtype,
+              graph_plan: bool = False) -> tuple[list[torch.Tensor], TokenToKVPool]:
+    """Extend (one request with a cached prefix, one without), then two decode steps; layer 1 of 2.
+
+    `graph_plan`: plan decode steps as a CUDA-graph replay does (static buffers, no host lengths).
+    """
     torch.manual_seed(0)
     heads, kv_heads, head_dim = 6, 2, 64
     layer = AttentionLayerSpec(1, heads, kv_heads, head_dim, head_dim**-0.5)
@@ -250,6 +260,8 @@ def run_layer(backend_cls: type, dtype: torch.dtype) -> tuple[list[torch.Tensor]
     kv_pool.set_kv(1, prefix, torch.randn(40, kv_heads, head_dim, device=DEVICE),
                    torch.randn(40, kv_heads, head_dim, device=DEVICE))
     backend = backend_cls()
+    if graph_plan:
+        backend.init_cuda_graph_state(4, 128, kv_pool, heads)
     outs = []
     steps = [(ForwardMode.EXTEND, [40, 0], [9, 17])] + [(ForwardMode.DECODE, [49 + i, 17 + i], [1, 1])
                                                        for i in range(2)]
@@ -259,19 +271,23 @@ def run_layer(backend_cls: type, dtype: torch.dtype) -> tuple[list[torch.Tensor]
         q = torch.randn(n, heads, head_dim, device=DEVICE).to(dtype)
         k = torch.randn(n, kv_heads, head_dim, device=DEVICE).to(dtype)
         v = torch.randn(n, kv_heads, head_dim, device=DEVICE).to(dtype)
-        backend.init_forward_metadata(fb)
+        if graph_plan and mode is ForwardMode.DECODE:
+            backend.init_forward_metadata_graph(fb, fb.batch_size)
+        else:
+            backend.init_forward_metadata(fb)
         outs.append(backend.forward(q, k, v, layer, fb))
     return outs, kv_pool
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_matches_torch_native(dtype: torch.dtype) -> None:
-    got, got_pool = run_layer(TritonBackend, dtype)
+@pytest.mark.parametrize("dtype,graph_plan", [(torch.float32, False), (torch.bfloat16, False),
+                                              (torch.float32, True)], ids=["fp32", "bf16", "fp32-graph-plan"])
+def test_backend_matches_torch_native(dtype: torch.dtype, graph_plan: bool) -> None:
+    got, got_pool = run_layer(TritonBackend, dtype, graph_plan)
     want, want_pool = run_layer(TorchNativeBackend, dtype)
     atol, rtol = TOLERANCE[dtype]
     for step, (g, w) in enumerate(zip(got, want)):
         assert g.shape == w.shape, f"step {step}: shape {tuple(g.shape)} != {tuple(w.shape)}"
-        torch.testing.assert_close(g.float(), w.float(), atol=atol, rtol=rtol, msg=lambda m, s=step: f"step {s}: {m}")
+        torch.testing.assert_close(g.float(), w.float(), atol=atol, rtol=rtol, msg=prefixed(f"step {step}"))
     assert torch.equal(got_pool.k_buffers[1], want_pool.k_buffers[1])
     assert torch.equal(got_pool.v_buffers[1], want_pool.v_buffers[1])
 
@@ -282,13 +298,14 @@ def test_registry_creates_triton_backend() -> None:
     assert isinstance(create_backend("triton"), TritonBackend)
 
 
-@pytest.mark.skipif(DEVICE.type == "cuda", reason="the scheduler factory runs on CPU, where triton needs the interpreter")
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the scheduler factory runs on CPU: triton needs the interpreter")
 def test_scheduler_greedy_tokens_match_torch_native() -> None:
     """A tiny model end to end: prefill, radix-cache prefix hits and decode give the same greedy tokens."""
     from .scheduler_factory import clone, make_requests, make_scheduler, run_until_idle, tiny_model_config
 
     reqs = make_requests(4, seed=1, shared_prefix_len=12, max_new_tokens=4)
-    tokens, cached = {}, {}
+    tokens: dict[str, dict[str, list[int]]] = {}
+    cached: dict[str, dict[str, int]] = {}
     for backend in ("torch-native", "triton"):
         sched, col = make_scheduler(tiny_model_config(head_dim=16), attention_backend=backend)
         sched.add_request(clone(reqs[0]))

@@ -10,6 +10,7 @@ from radixmesh.engine.attention.base import AttentionBackend
 BACKENDS: dict[str, str] = {
     "torch-native": "radixmesh.engine.attention.torch_native:TorchNativeBackend",
     "triton": "radixmesh.engine.attention.triton_backend:TritonBackend",
+    "flashinfer": "radixmesh.engine.attention.flashinfer_backend:FlashInferBackend",
 }
 
 

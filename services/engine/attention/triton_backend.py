@@ -5,11 +5,17 @@ Per forward pass, `init_forward_metadata` flattens every request's slot list onc
 the decode split count from host-side lengths; all layers share that plan. Per layer,
 `forward` stores the new k/v into the pool, then runs the decode or extend kernel, both
 reading K/V from the pool. Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (slow; tests).
+
+CUDA graphs (DECODE): `init_cuda_graph_state` allocates static index and scratch buffers
+once; `init_forward_metadata_graph` plans into them with device work only, and the split
+count per captured batch size is fixed from the context length (each request then uses
+as many of those splits as its own length needs, decided on the device).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,7 +28,10 @@ from radixmesh.kernels.decode_attention import (
     get_num_sms,
 )
 from radixmesh.kernels.extend_attention import extend_attention_fwd
-from radixmesh.kernels.kv_store import build_kv_indices, compute_kv_indptr, store_kv
+from radixmesh.kernels.kv_store import build_kv_indices, compute_kv_indptr, fill_kv_indices, store_kv
+
+if TYPE_CHECKING:
+    from radixmesh.engine.memory import TokenToKVPool
 
 
 @dataclass
@@ -30,14 +39,29 @@ class TritonForwardMetadata:
     """One pass's plan, shared by all layers."""
 
     kv_indptr: torch.Tensor  # [batch + 1] int64, request i's slots are kv_indices[kv_indptr[i]:kv_indptr[i + 1]]
-    kv_indices: torch.Tensor  # [sum(seq_lens)] int64, KV slots, prefix then new tokens per request
+    kv_indices: torch.Tensor  # [>= sum(seq_lens)] int64 (int32 in graphs), slots: prefix, then new tokens
     qo_indptr: torch.Tensor | None  # [batch + 1] int64, request i's new tokens (EXTEND only)
     max_extend_len: int  # most new tokens of any request (EXTEND only)
     num_kv_splits: int  # splits per request launched by decode (DECODE only)
+    scratch: DecodeScratch | None = None  # decode scratch to use; None: the backend's grow-only one
+
+
+@dataclass
+class _GraphState:
+    """Static buffers that captured decode graphs read and write; they live as long as the backend."""
+
+    kv_indptr: torch.Tensor  # [max_bs + 1] int64
+    kv_indices: torch.Tensor  # [max_kv_indices] int32
+    scratch: DecodeScratch
+    num_kv_splits: dict[int, int]  # batch size -> splits launched (fixed at capture)
 
 
 class TritonBackend(AttentionBackend):
     """Attention through the kernels in `radixmesh.kernels`; same results as `TorchNativeBackend`."""
+
+    supports_cuda_graph = True
+    # graph-mode kv_indices capacity, as a multiple of the pool's slots (shared prefixes repeat slots)
+    GRAPH_INDICES_PER_SLOT = 4
 
     def __init__(self, max_kv_splits: int = DEFAULT_MAX_KV_SPLITS) -> None:
         assert max_kv_splits >= 1, f"max_kv_splits must be >= 1, got {max_kv_splits}"
@@ -45,6 +69,7 @@ class TritonBackend(AttentionBackend):
         self.metadata: TritonForwardMetadata | None = None
         self._scratch: DecodeScratch | None = None
         self._num_sms: dict[torch.device, int] = {}
+        self._graph: _GraphState | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
@@ -63,6 +88,34 @@ class TritonBackend(AttentionBackend):
             max_extend_len = max(fb.extend_seq_lens_cpu, default=0)
             self.metadata = TritonForwardMetadata(kv_indptr, kv_indices, qo_indptr, max_extend_len, 1)
 
+    def init_cuda_graph_state(self, max_bs: int, context_len: int, kv_pool: TokenToKVPool, num_heads: int) -> int:
+        assert max_bs >= 1 and context_len >= 1, f"max_bs {max_bs} and context_len {context_len} must be >= 1"
+        device = kv_pool.device
+        num_sms = get_num_sms(device)
+        splits = {bs: choose_num_kv_splits(bs, kv_pool.num_kv_heads, context_len, num_sms, self.max_kv_splits)
+                  for bs in range(1, max_bs + 1)}
+        max_rows = max(bs * num_heads * n for bs, n in splits.items())
+        max_kv_indices = min(max_bs * context_len, max(self.GRAPH_INDICES_PER_SLOT * kv_pool.size, context_len))
+        self._graph = _GraphState(
+            kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int64, device=device),
+            kv_indices=torch.zeros(max_kv_indices, dtype=torch.int32, device=device),
+            scratch=DecodeScratch(max_rows, kv_pool.head_dim, device),
+            num_kv_splits=splits,
+        )
+        return max_kv_indices
+
+    def init_forward_metadata_graph(self, forward_batch: ForwardBatch, batch_size: int) -> None:
+        graph = self._graph
+        assert graph is not None, "init_forward_metadata_graph called before init_cuda_graph_state"
+        assert forward_batch.is_decode, "CUDA graphs cover DECODE passes only"
+        assert batch_size in graph.num_kv_splits, f"batch size {batch_size} is beyond the graph state's max_bs"
+        fb = forward_batch
+        kv_indptr = compute_kv_indptr(fb.seq_lens, out=graph.kv_indptr[:batch_size + 1])
+        fill_kv_indices(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
+                        graph.kv_indices)
+        self.metadata = TritonForwardMetadata(kv_indptr, graph.kv_indices, None, 0,
+                                              graph.num_kv_splits[batch_size], graph.scratch)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
                 forward_batch: ForwardBatch) -> torch.Tensor:
         meta = self.metadata
@@ -78,7 +131,9 @@ class TritonBackend(AttentionBackend):
         if forward_batch.is_decode:
             assert num_tokens == forward_batch.batch_size, (
                 f"decode expects one token per request: {num_tokens} tokens, {forward_batch.batch_size} requests")
-            scratch = self._decode_scratch(num_tokens, layer, meta.num_kv_splits, q.device)
+            scratch = meta.scratch
+            if scratch is None:
+                scratch = self._decode_scratch(num_tokens, layer, meta.num_kv_splits, q.device)
             decode_attention_fwd(q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, layer.scaling,
                                  meta.num_kv_splits, scratch)
         else:

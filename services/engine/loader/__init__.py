@@ -59,17 +59,19 @@ class PreparedModel:
     only token-id prompts."""
 
 
-def prepare_model(model: str | None, load_format: str = "auto", progress: bool = True) -> PreparedModel:
+def prepare_model(model: str | None, load_format: str = "auto", progress: bool = True,
+                  lend_tokenizer: bool = True) -> PreparedModel:
     """Resolve `model` (name, directory, .gguf file or named shape) under `load_format`.
 
     Downloads and converts the default model on first use. Every user-facing failure is a
     RadixMeshError with one line (missing path, unsupported architecture, corrupt file).
+    `lend_tokenizer=False` keeps dummy shapes without a tokenizer (benchmarks feed token ids).
     """
     if load_format not in LOAD_FORMATS:
         known = ", ".join(sorted(LOAD_FORMATS))
         raise invalid_argument(f"unknown load format {load_format!r} (known: {known})", "load_format")
     if load_format == "dummy":
-        return _prepare_dummy(model, progress)
+        return _prepare_dummy(model, progress, lend_tokenizer)
     from_gguf = model is None or model.lower() in DEFAULT_MODEL_ALIASES or model.lower().endswith(".gguf")
     if load_format == "gguf" and not from_gguf:
         raise invalid_argument(f"load format gguf needs a .gguf file, got {model!r}", "load_format")
@@ -89,11 +91,12 @@ def iter_weights(prepared: PreparedModel, progress: bool = True) -> Iterator[tup
     return iter_safetensors_weights(prepared.model_path, progress)
 
 
-def _prepare_dummy(model: str | None, progress: bool) -> PreparedModel:
+def _prepare_dummy(model: str | None, progress: bool, lend_tokenizer: bool) -> PreparedModel:
     key = "smollm2-135m" if model is None or model.lower() in DEFAULT_MODEL_ALIASES else model.lower()
     if key in NAMED_SHAPES:
         config = named_shape_config(key)
-        return PreparedModel(key, config, "dummy", None, _default_tokenizer_for(config, progress))
+        tokenizer = _default_tokenizer_for(config, progress) if lend_tokenizer else None
+        return PreparedModel(key, config, "dummy", None, tokenizer)
     path = Path(model or "").expanduser()
     if path.is_file() and path.suffix == ".json":
         config = ModelConfig.from_hf_dict(_read_json(path))
@@ -103,7 +106,7 @@ def _prepare_dummy(model: str | None, progress: bool) -> PreparedModel:
     else:
         raise not_found(f"dummy model {model!r} not found: not a model directory, a config.json or a "
                         f"named shape ({', '.join(sorted(NAMED_SHAPES))})")
-    tokenizer = _tokenizer_dir(path) or _default_tokenizer_for(config, progress)
+    tokenizer = _tokenizer_dir(path) or (_default_tokenizer_for(config, progress) if lend_tokenizer else None)
     return PreparedModel(path.resolve().name, config, "dummy", path, tokenizer)
 
 
