@@ -1,0 +1,1 @@
+"""The gRPC router: policies, discovery, health checks, retries and circuit breakers."""
