@@ -1,0 +1,221 @@
+"""The worker side of the index: publishes what the worker's radix cache holds, under a lease.
+
+The writer mirrors the set of full blocks the cache holds, so it can always republish
+everything. Incremental changes are queued and sent in pipelined batches. Any Redis
+failure (or a lapsed lease) triggers a resync: a new epoch, the lease rewritten, the
+whole mirror republished, and the old epoch's entries cleaned. Readers count only entries
+of the lease's current epoch, so a resync never shows a mix of old and new state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from radixmesh.index.config import IndexConfig
+from radixmesh.index.janitor import IndexJanitor
+from radixmesh.index.keys import IndexKeys
+from radixmesh.index.lease import WorkerLease
+
+logger = logging.getLogger(__name__)
+
+RETRY_S = 0.5
+"""Pause after a failed Redis round trip before the next try."""
+
+
+@dataclass(frozen=True)
+class WriterIdentity:
+    """Who the writer publishes as."""
+
+    worker_id: str
+    """The worker's stable id (host:port by default)."""
+    address: str
+    """host:port routers dial."""
+    role: str = "unified"
+    """unified | prefill | decode."""
+
+
+def connect(config: IndexConfig) -> Redis:
+    """An asyncio Redis client with the index's timeouts (connects lazily)."""
+    return Redis.from_url(config.redis_url, socket_timeout=config.op_timeout_s,
+                          socket_connect_timeout=config.op_timeout_s, health_check_interval=0)
+
+
+class KVIndexWriter:
+    """Publishes one worker's block events; `stored`/`removed`/`cleared` are cheap and never block."""
+
+    def __init__(self, config: IndexConfig, identity: WriterIdentity, redis: Redis | None = None) -> None:
+        self.config = config
+        self.identity = identity
+        self.keys = IndexKeys(config.namespace)
+        self.redis = redis if redis is not None else connect(config)
+        self.janitor = IndexJanitor(self.redis, self.keys)
+        self.epoch = 0
+        """Epoch of the entries in Redis; 0 until the first publish."""
+        self.held: set[int] = set()
+        self._pending: list[tuple[bool, int]] = []  # (stored?, block hash), in event order
+        self._needs_resync = True
+        self._in_resync = False
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self._last_error_log = 0.0
+        self.num_resyncs = 0
+        self.num_flushed_events = 0
+
+    # ---- events (called from the worker's receive loop) --------------------------------------
+    def stored(self, block_hashes: Iterable[int]) -> None:
+        for h in block_hashes:
+            if h not in self.held:
+                self.held.add(h)
+                self._pending.append((True, h))
+        self._maybe_wake()
+
+    def removed(self, block_hashes: Iterable[int]) -> None:
+        for h in block_hashes:
+            if h in self.held:
+                self.held.discard(h)
+                self._pending.append((False, h))
+        self._maybe_wake()
+
+    def cleared(self) -> None:
+        """The cache was emptied: start a new epoch, which drops every old entry at once."""
+        self.held.clear()
+        self._pending.clear()
+        self._needs_resync = True
+        self._wake.set()
+
+    def _maybe_wake(self) -> None:
+        if len(self._pending) >= self.config.max_batch_events:
+            self._wake.set()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start publishing in the background; a Redis that is down now is retried, never fatal."""
+        assert not self._tasks, "writer already started"
+        self._tasks = [asyncio.create_task(self._flush_loop(), name="index-flush"),
+                       asyncio.create_task(self._heartbeat_loop(), name="index-heartbeat")]
+
+    async def wait_published(self, timeout_s: float = 5.0) -> bool:
+        """Wait until everything queued so far is in Redis (tests, shutdown); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._needs_resync or self._in_resync or self._pending:
+            if time.monotonic() > deadline:
+                return False
+            self._wake.set()
+            await asyncio.sleep(0.01)
+        return True
+
+    async def close(self, withdraw: bool = True) -> None:
+        """Stop; with `withdraw`, delete the lease and this worker's entries (graceful shutdown)."""
+        self._stopping = True
+        self._wake.set()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        if withdraw and self.epoch:
+            try:
+                await self.redis.delete(self.keys.lease(self.identity.worker_id))
+                await self.janitor.clean_worker(self.identity.worker_id, keep_epoch=None)
+            except RedisError as exc:
+                logger.warning("index: could not withdraw worker %s: %s", self.identity.worker_id, exc)
+        await self.redis.aclose()
+
+    # ---- background --------------------------------------------------------------------------
+    async def _flush_loop(self) -> None:
+        while not self._stopping:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.flush_interval_s)
+            self._wake.clear()
+            try:
+                if self._needs_resync:
+                    await self._resync()
+                while self._pending and not self._needs_resync:
+                    await self._flush_batch()
+            except (RedisError, OSError) as exc:
+                self._on_error(exc)
+                await asyncio.sleep(RETRY_S)
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.config.heartbeat_s)
+            if self._needs_resync or not self.epoch:
+                continue
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.pexpire(self.keys.lease(self.identity.worker_id), self.config.lease_ttl_ms)
+                pipe.sadd(self.keys.workers, self.identity.worker_id)
+                alive, _ = await pipe.execute()
+                if not alive:
+                    logger.warning("index: lease of worker %s lapsed; republishing", self.identity.worker_id)
+                    self._needs_resync = True
+                    self._wake.set()
+            except (RedisError, OSError) as exc:
+                self._on_error(exc)
+
+    def _on_error(self, exc: BaseException) -> None:
+        # Writes may be lost and the lease may lapse while Redis is away: republish on return.
+        self._needs_resync = True
+        self._pending.clear()
+        now = time.monotonic()
+        if now - self._last_error_log > 10.0:
+            self._last_error_log = now
+            logger.warning("index: Redis unavailable for worker %s (%s); will resync", self.identity.worker_id, exc)
+
+    async def _resync(self) -> None:
+        # A clear or an error during the awaits below sets _needs_resync again, for another round.
+        self._needs_resync = False
+        self._pending.clear()
+        snapshot = list(self.held)
+        self._in_resync = True
+        try:
+            await self._publish_snapshot(snapshot)
+        finally:
+            self._in_resync = False
+
+    async def _publish_snapshot(self, snapshot: list[int]) -> None:
+        wid = self.identity.worker_id
+        epoch = int(await self.redis.incr(self.keys.epoch(wid)))
+        lease = WorkerLease(wid, epoch, self.identity.address, self.identity.role, self.config.block_size)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(self.keys.lease(wid))
+        pipe.hset(self.keys.lease(wid), mapping=lease.to_fields())
+        pipe.pexpire(self.keys.lease(wid), self.config.lease_ttl_ms)
+        pipe.sadd(self.keys.workers, wid)
+        pipe.sadd(self.keys.worker_epochs(wid), str(epoch))
+        await pipe.execute()
+        previous, self.epoch = self.epoch, epoch
+        for start in range(0, len(snapshot), self.config.max_batch_events):
+            await self._write([(True, h) for h in snapshot[start:start + self.config.max_batch_events]])
+        self.num_resyncs += 1
+        logger.info("index: worker %s published %d blocks in epoch %d (was %d)", wid, len(snapshot), epoch, previous)
+        await self.janitor.clean_worker(wid, keep_epoch=epoch)
+
+    async def _flush_batch(self) -> None:
+        batch = self._pending[: self.config.max_batch_events]
+        del self._pending[: len(batch)]
+        await self._write(batch)
+
+    async def _write(self, batch: list[tuple[bool, int]]) -> None:
+        wid, epoch = self.identity.worker_id, str(self.epoch)
+        members_key = self.keys.worker_blocks(wid, self.epoch)
+        pipe = self.redis.pipeline(transaction=False)
+        for is_stored, h in batch:
+            if is_stored:
+                pipe.hset(self.keys.block(h), wid, epoch)
+                pipe.sadd(members_key, f"{h:016x}")
+            else:
+                pipe.hdel(self.keys.block(h), wid)
+                pipe.srem(members_key, f"{h:016x}")
+        await pipe.execute()
+        self.num_flushed_events += len(batch)

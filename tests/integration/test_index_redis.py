@@ -1,0 +1,261 @@
+"""The KV-cache index against a real Redis: writer leases and epochs, reader chains, cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+
+import pytest
+import redis as sync_redis
+
+from radixmesh.index.block_hash import block_hashes
+from radixmesh.index.config import IndexConfig
+from radixmesh.index.keys import IndexKeys
+from radixmesh.index.reader import KVIndexReader
+from radixmesh.index.redis_server import LocalRedis
+from radixmesh.index.writer import KVIndexWriter, WriterIdentity, connect
+from tests.redis_helpers import local_redis  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.integration
+_ns = itertools.count()
+
+
+def make_config(server: LocalRedis, **overrides: object) -> IndexConfig:
+    """A fresh namespace per test so tests never see each other's keys."""
+    base = IndexConfig(redis_url=server.url, namespace=f"t{next(_ns)}", block_size=4, lease_ttl_s=1.5,
+                       flush_interval_s=0.005, speculative_ttl_s=0.3, lease_cache_s=0.0)
+    return dataclasses.replace(base, **overrides)
+
+
+def make_writer(config: IndexConfig, name: str) -> KVIndexWriter:
+    return KVIndexWriter(config, WriterIdentity(worker_id=name, address=f"127.0.0.1:{5000 + len(name)}"))
+
+
+def prompt(prefix: int, num_blocks: int, tail: int = 0) -> list[int]:
+    """Token ids: `num_blocks` blocks of 4 determined by `prefix`, then `tail` more tokens."""
+    return [prefix * 1000 + i for i in range(num_blocks * 4 + tail)]
+
+
+async def published(*writers: KVIndexWriter) -> None:
+    for writer in writers:
+        assert await writer.wait_published(), "writer did not publish in time"
+
+
+def test_lookup_counts_leading_blocks_per_worker(local_redis: LocalRedis) -> None:  # noqa: F811
+    async def run() -> None:
+        config = make_config(local_redis)
+        a, b = make_writer(config, "a"), make_writer(config, "b")
+        await a.start()
+        await b.start()
+        hashes = block_hashes(prompt(1, 6, tail=3), 4)
+        assert len(hashes) == 6
+        a.stored(hashes[:5])
+        b.stored(hashes[:2])
+        b.stored(hashes[3:5])  # b holds blocks 3 and 4 but not 2: its prefix is 2 blocks
+        await published(a, b)
+        reader = KVIndexReader(config, connect(config))
+        match = await reader.lookup(hashes)
+        assert match.cached_blocks == {"a": 5, "b": 2}
+        assert match.tokens_of("a") == 20 and match.tokens_of("zzz") == 0
+        other = await reader.lookup(block_hashes(prompt(2, 3), 4))
+        assert other.cached_blocks == {}
+        a.removed(hashes[2:])
+        await published(a)
+        assert (await reader.lookup(hashes)).cached_blocks == {"a": 2, "b": 2}
+        await a.close()
+        await b.close()
+        assert (await reader.lookup(hashes)).cached_blocks == {}
+        await reader.redis.aclose()
+
+    asyncio.run(run())
+
+
+def test_lookup_reads_long_chains_in_rounds(local_redis: LocalRedis) -> None:  # noqa: F811
+    async def run() -> None:
+        config = make_config(local_redis)
+        writer = make_writer(config, "w")
+        await writer.start()
+        hashes = block_hashes(prompt(3, 300), 4)
+        writer.stored(hashes[:250])
+        await published(writer)
+        reader = KVIndexReader(config, connect(config))
+        assert (await reader.lookup(hashes)).cached_blocks == {"w": 250}
+        await writer.close()
+        await reader.redis.aclose()
+
+    asyncio.run(run())
+
+
+def test_clear_and_restart_start_new_epochs_and_clean_old_ones(local_redis: LocalRedis) -> None:  # noqa: F811
+    async def run() -> None:
+        config = make_config(local_redis)
+        keys = IndexKeys(config.namespace)
+        raw = sync_redis.Redis.from_url(config.redis_url)
+        hashes = block_hashes(prompt(4, 4), 4)
+        first = make_writer(config, "w")
+        await first.start()
+        first.stored(hashes)
+        await published(first)
+        epoch1 = first.epoch
+        first.cleared()
+        await published(first)
+        assert first.epoch > epoch1
+        reader = KVIndexReader(config, connect(config))
+        assert (await reader.lookup(hashes)).cached_blocks == {}
+        assert not raw.exists(keys.block(hashes[0])), "clearing must clean the old epoch's entries"
+        first.stored(hashes[:2])
+        await published(first)
+        await first.close(withdraw=False)  # a crash: lease and entries stay behind
+
+        second = make_writer(config, "w")
+        await second.start()
+        await published(second)
+        assert second.epoch > first.epoch, "every restart must use a higher epoch"
+        assert (await reader.lookup(hashes)).cached_blocks == {}, "a restarted worker's old entries must not count"
+        assert not raw.exists(keys.block(hashes[0]))
+        second.stored(hashes[:3])
+        await published(second)
+        assert (await reader.lookup(hashes)).cached_blocks == {"w": 3}
+        await second.close()
+        await reader.redis.aclose()
+        raw.close()
+
+    asyncio.run(run())
+
+
+def test_lapsed_lease_is_ignored_then_swept(local_redis: LocalRedis) -> None:  # noqa: F811
+    async def run() -> None:
+        config = make_config(local_redis, lease_ttl_s=0.4)
+        keys = IndexKeys(config.namespace)
+        raw = sync_redis.Redis.from_url(config.redis_url)
+        hashes = block_hashes(prompt(5, 3), 4)
+        live, dying = make_writer(config, "live"), make_writer(config, "dying")
+        for w in (live, dying):
+            await w.start()
+            w.stored(hashes)
+        await published(live, dying)
+        reader = KVIndexReader(config, connect(config))
+        assert (await reader.lookup(hashes)).cached_blocks == {"live": 3, "dying": 3}
+        await dying.close(withdraw=False)  # heartbeats stop; the lease lapses after its TTL
+        await asyncio.sleep(0.7)
+        assert (await reader.lookup(hashes)).cached_blocks == {"live": 3}
+        assert raw.hexists(keys.block(hashes[0]), "dying"), "entries stay until cleaned"
+        await reader.sweep()
+        assert not raw.hexists(keys.block(hashes[0]), "dying")
+        assert raw.hexists(keys.block(hashes[0]), "live")
+        assert b"dying" not in raw.smembers(keys.workers)
+        assert set(await reader.live_leases()) == {"live"}
+        await live.close()
+        await reader.redis.aclose()
+        raw.close()
+
+    asyncio.run(run())
+
+
+def test_malformed_and_unknown_entries_are_ignored(local_redis: LocalRedis, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    async def run() -> None:
+        config = make_config(local_redis)
+        keys = IndexKeys(config.namespace)
+        raw = sync_redis.Redis.from_url(config.redis_url)
+        hashes = block_hashes(prompt(6, 3), 4)
+        writer = make_writer(config, "w")
+        await writer.start()
+        writer.stored(hashes)
+        await published(writer)
+        raw.hset(keys.block(hashes[0]), "ghost", "1")  # a worker that has no lease
+        raw.hset(keys.block(hashes[1]), "junk", "not-an-epoch")
+        raw.hset(keys.lease("broken"), mapping={"epoch": "x", "address": "nohostport"})
+        raw.sadd(keys.workers, "broken")
+        raw.hset(keys.block(hashes[0]), "broken", "1")
+        reader = KVIndexReader(config, connect(config))
+        match = await reader.lookup(hashes)
+        assert match.cached_blocks == {"w": 3}
+        assert reader.num_malformed == 1
+        assert await reader.clean_stale() >= 1
+        assert not raw.hexists(keys.block(hashes[0]), "ghost")
+        await writer.close()
+        await reader.redis.aclose()
+        raw.close()
+
+    with caplog.at_level("WARNING"):
+        asyncio.run(run())
+    assert "malformed entry" in caplog.text and "malformed lease" in caplog.text
+
+
+def test_speculative_entries_count_until_they_expire(local_redis: LocalRedis) -> None:  # noqa: F811
+    async def run() -> None:
+        config = make_config(local_redis)
+        hashes = block_hashes(prompt(7, 5), 4)
+        a, b = make_writer(config, "a"), make_writer(config, "b")
+        await a.start()
+        await b.start()
+        a.stored(hashes[:1])
+        await published(a, b)
+        reader = KVIndexReader(config, connect(config))
+        other = block_hashes(prompt(9, 2), 4)
+        await reader.record_speculative(other, "nobody")  # no lease: never counts
+        assert (await reader.lookup(other)).cached_blocks == {}
+        await reader.record_speculative(hashes, "a", from_block=1)
+        match = await reader.lookup(hashes)
+        assert match.cached_blocks == {"a": 5} and match.speculative == {"a"}
+        await reader.record_speculative(hashes, "b", from_block=1)  # the latest decision wins
+        assert (await reader.lookup(hashes)).cached_blocks == {"a": 1}
+        await reader.record_speculative(hashes, "b", from_block=0)
+        assert (await reader.lookup(hashes)).cached_blocks == {"a": 1, "b": 5}
+        await asyncio.sleep(0.45)
+        assert (await reader.lookup(hashes)).cached_blocks == {"a": 1}
+        for w in (a, b):
+            await w.close()
+        await reader.redis.aclose()
+
+    asyncio.run(run())
+
+
+def test_two_readers_agree(local_redis: LocalRedis) -> None:  # noqa: F811
+    async def run() -> None:
+        config = make_config(local_redis)
+        writers = [make_writer(config, f"w{i}") for i in range(3)]
+        prompts = [block_hashes(prompt(10 + i, 6), 4) for i in range(4)]
+        for i, w in enumerate(writers):
+            await w.start()
+            for j, hashes in enumerate(prompts):
+                w.stored(hashes[: (i * 3 + j) % 7])
+        await published(*writers)
+        r1, r2 = KVIndexReader(config, connect(config)), KVIndexReader(config, connect(config))
+        for hashes in prompts:
+            assert (await r1.lookup(hashes)) == (await r2.lookup(hashes))
+        for w in writers:
+            await w.close()
+        await r1.redis.aclose()
+        await r2.redis.aclose()
+
+    asyncio.run(run())
+
+
+def test_writer_republishes_after_redis_restart(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from tests.redis_helpers import start_local_redis
+
+    async def run(server: LocalRedis) -> None:
+        config = make_config(server)
+        hashes = block_hashes(prompt(8, 4), 4)
+        writer = make_writer(config, "w")
+        await writer.start()
+        writer.stored(hashes[:2])
+        await published(writer)
+        server.stop()  # Redis loses everything (no persistence)
+        writer.stored(hashes[2:3])
+        await asyncio.sleep(0.3)
+        server.start()
+        assert await writer.wait_published(timeout_s=10)
+        reader = KVIndexReader(config, connect(config))
+        assert (await reader.lookup(hashes)).cached_blocks == {"w": 3}
+        assert writer.num_resyncs >= 2
+        await writer.close()
+        await reader.redis.aclose()
+
+    server = start_local_redis(tmp_path_factory.mktemp("redis-restart"))
+    try:
+        asyncio.run(run(server))
+    finally:
+        server.stop()
