@@ -4,6 +4,7 @@ isort:skip_file
 Sampling parameters as they cross service boundaries.
 Field meanings and bounds match radixmesh.engine.sampling.params.SamplingParams; a field left
 unset (or 0 where noted) takes the engine's default, so an empty message is valid.
+Floats are doubles so a request samples exactly as it would in-process.
 Conversion in one place: radixmesh.common.convert.
 """
 
@@ -64,6 +65,7 @@ class SamplingParams(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    LOGPROB_START_LEN_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """>= 1; unset = 128"""
     min_new_tokens: _builtins.int
@@ -92,6 +94,8 @@ class SamplingParams(_message.Message):
     """[0, 20]"""
     skip_special_tokens: _builtins.bool
     """unset = true"""
+    logprob_start_len: _builtins.int
+    """also score prompt tokens from this position on; unset = -1 (none)"""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """output text is cut before the first match"""
@@ -123,11 +127,14 @@ class SamplingParams(_message.Message):
         top_logprobs: _builtins.int = ...,
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
         skip_special_tokens: _builtins.bool | None = ...,
+        logprob_start_len: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "max_new_tokens", b"max_new_tokens", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob_start_len", b"_logprob_start_len", "_max_new_tokens", b"_max_new_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "logprob_start_len", b"logprob_start_len", "max_new_tokens", b"max_new_tokens", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob_start_len", b"_logprob_start_len", "_max_new_tokens", b"_max_new_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprob_start_len", b"logprob_start_len", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprob_start_len: _TypeAlias = _typing.Literal["logprob_start_len"]  # noqa: Y015
+    _WhichOneofArgType__logprob_start_len: _TypeAlias = _typing.Literal["_logprob_start_len", b"_logprob_start_len"]  # noqa: Y015
     _WhichOneofReturnType__max_new_tokens: _TypeAlias = _typing.Literal["max_new_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_new_tokens: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens"]  # noqa: Y015
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
@@ -140,6 +147,8 @@ class SamplingParams(_message.Message):
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprob_start_len) -> _WhichOneofReturnType__logprob_start_len | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_new_tokens) -> _WhichOneofReturnType__max_new_tokens | None: ...
     @_typing.overload

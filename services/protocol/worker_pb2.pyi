@@ -82,6 +82,7 @@ class GenerateResponse(_message.Message):
     MATCHED_STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
     ROUTING_FIELD_NUMBER: _builtins.int
     WORKER_ID_FIELD_NUMBER: _builtins.int
+    INPUT_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_tokens: _builtins.int
     cached_tokens: _builtins.int
@@ -109,6 +110,12 @@ class GenerateResponse(_message.Message):
     def routing(self) -> _common_pb2.RoutingInfo:
         """set by a router on the first message it forwards"""
 
+    @_builtins.property
+    def input_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___InputLogprob]:
+        """Prompt-token log-probs from sampling_params.logprob_start_len on, in prompt order over the
+        messages of the stream.
+        """
+
     def __init__(
         self,
         *,
@@ -124,16 +131,46 @@ class GenerateResponse(_message.Message):
         matched_stop_token_id: _builtins.int = ...,
         routing: _common_pb2.RoutingInfo | None = ...,
         worker_id: _builtins.str = ...,
+        input_logprobs: _abc.Iterable[Global___InputLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop", "matched_stop_str", b"matched_stop_str", "matched_stop_token_id", b"matched_stop_token_id", "routing", b"routing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_str", b"matched_stop_str", "matched_stop_token_id", b"matched_stop_token_id", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "routing", b"routing", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "input_logprobs", b"input_logprobs", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_str", b"matched_stop_str", "matched_stop_token_id", b"matched_stop_token_id", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "routing", b"routing", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_matched_stop: _TypeAlias = _typing.Literal["matched_stop_str", "matched_stop_token_id"]  # noqa: Y015
     _WhichOneofArgType_matched_stop: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_matched_stop) -> _WhichOneofReturnType_matched_stop | None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
+
+@_typing.final
+class InputLogprob(_message.Message):
+    """One prompt token's log-prob; the prompt's first token has none (logprob unset)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_FIELD_NUMBER: _builtins.int
+    logprob: _builtins.float
+    @_builtins.property
+    def top(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """when sampling_params.top_logprobs > 0"""
+
+    def __init__(
+        self,
+        *,
+        logprob: _builtins.float | None = ...,
+        top: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "logprob", b"logprob"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "logprob", b"logprob", "top", b"top"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprob: _TypeAlias = _typing.Literal["logprob"]  # noqa: Y015
+    _WhichOneofArgType__logprob: _TypeAlias = _typing.Literal["_logprob", b"_logprob"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprob) -> _WhichOneofReturnType__logprob | None: ...
+
+Global___InputLogprob: _TypeAlias = InputLogprob  # noqa: Y015
 
 @_typing.final
 class AbortRequest(_message.Message):

@@ -1,0 +1,122 @@
+"""Conversions between protobuf messages and the engine's plain Python types, in one place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixmesh.engine.messages import TokenOut
+from radixmesh.engine.output import GenerationChunk
+from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.protocol import common_pb2, sampling_pb2, worker_pb2
+
+_FINISH_TO_PROTO = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PROTO = {value: key for key, value in _FINISH_TO_PROTO.items()}
+
+ROLE_TO_PROTO = {
+    "unified": common_pb2.WORKER_ROLE_UNIFIED,
+    "prefill": common_pb2.WORKER_ROLE_PREFILL,
+    "decode": common_pb2.WORKER_ROLE_DECODE,
+}
+ROLE_FROM_PROTO = {value: key for key, value in ROLE_TO_PROTO.items()}
+
+
+def finish_reason_to_proto(reason: str | None) -> int:
+    return _FINISH_TO_PROTO[reason]
+
+
+def finish_reason_from_proto(value: int) -> str | None:
+    return _FINISH_FROM_PROTO.get(value, "error")
+
+
+# ---- sampling parameters --------------------------------------------------------------------------
+def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
+    msg = sampling_pb2.SamplingParams(
+        max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens,
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+        frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
+        repetition_penalty=params.repetition_penalty, stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, n=params.n,
+        logprobs=params.logprobs, top_logprobs=params.top_logprobs, logit_bias=dict(params.logit_bias),
+        skip_special_tokens=params.skip_special_tokens)
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields (and n = 0) take the engine defaults; validation is the engine's."""
+    defaults = SamplingParams()
+    kwargs: dict[str, Any] = {
+        "min_new_tokens": msg.min_new_tokens, "top_k": msg.top_k or -1, "min_p": msg.min_p,
+        "frequency_penalty": msg.frequency_penalty, "presence_penalty": msg.presence_penalty,
+        "stop": tuple(msg.stop), "stop_token_ids": tuple(msg.stop_token_ids), "ignore_eos": msg.ignore_eos,
+        "n": msg.n or 1, "logprobs": msg.logprobs, "top_logprobs": msg.top_logprobs,
+        "logit_bias": dict(msg.logit_bias),
+    }
+    for name in ("max_new_tokens", "temperature", "top_p", "repetition_penalty", "skip_special_tokens", "seed"):
+        kwargs[name] = getattr(msg, name) if msg.HasField(name) else getattr(defaults, name)
+    return SamplingParams(**kwargs)
+
+
+# ---- generation stream ----------------------------------------------------------------------------
+def token_out_to_proto(out: TokenOut, worker_id: str = "") -> worker_pb2.GenerateResponse:
+    msg = worker_pb2.GenerateResponse(
+        request_id=out.rid, token_ids=out.token_ids, logprobs=out.logprobs or [],
+        prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
+        completion_tokens=out.completion_tokens, finish_reason=finish_reason_to_proto(out.finish_reason),
+        worker_id=worker_id)
+    for entries in out.top_logprobs or []:
+        msg.top_logprobs.add(entries=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in entries])
+    if isinstance(out.matched_stop, str):
+        msg.matched_stop_str = out.matched_stop
+    elif isinstance(out.matched_stop, int):
+        msg.matched_stop_token_id = out.matched_stop
+    return msg
+
+
+def matched_stop_from_proto(msg: worker_pb2.GenerateResponse) -> str | int | None:
+    which = msg.WhichOneof("matched_stop")
+    return None if which is None else getattr(msg, which)
+
+
+def proto_to_chunk(msg: worker_pb2.GenerateResponse, text: str) -> GenerationChunk:
+    """A gateway-side chunk of a streamed response, with its text detokenized elsewhere."""
+    top = [[(e.token_id, e.logprob) for e in position.entries] for position in msg.top_logprobs]
+    return GenerationChunk(
+        rid=msg.request_id, text=text, token_ids=list(msg.token_ids), prompt_tokens=msg.prompt_tokens,
+        cached_tokens=msg.cached_tokens, completion_tokens=msg.completion_tokens,
+        logprobs=list(msg.logprobs) or None, top_logprobs=top or None,
+        finish_reason=finish_reason_from_proto(msg.finish_reason), matched_stop=matched_stop_from_proto(msg))
+
+
+# ---- load -----------------------------------------------------------------------------------------
+def load_to_proto(stats: dict[str, Any]) -> common_pb2.WorkerLoad:
+    """A worker's load from the scheduler's stats dict (keys as in Scheduler.stats)."""
+    return common_pb2.WorkerLoad(
+        num_running_reqs=int(stats.get("num_running_reqs", 0)),
+        num_waiting_reqs=int(stats.get("num_waiting_reqs", 0)),
+        num_queued_prefill_tokens=int(stats.get("num_queued_prefill_tokens", 0)),
+        num_running_decode_tokens=int(stats.get("num_running_decode_tokens", 0)),
+        kv_used_tokens=int(stats.get("kv_used_tokens", 0)),
+        max_total_tokens=int(stats.get("max_total_num_tokens", 0)),
+        kv_usage=float(stats.get("kv_usage", 0.0)),
+        cache_hit_rate=float(stats.get("cache_hit_rate", 0.0)),
+        max_running_requests=int(stats.get("max_running_requests", 0)))
+
+
+def load_from_proto(load: common_pb2.WorkerLoad) -> dict[str, Any]:
+    """The stats dict shape (SGLang's /get_server_info names) from a WorkerLoad."""
+    return {
+        "num_running_reqs": load.num_running_reqs, "num_waiting_reqs": load.num_waiting_reqs,
+        "num_queued_prefill_tokens": load.num_queued_prefill_tokens,
+        "num_running_decode_tokens": load.num_running_decode_tokens,
+        "kv_used_tokens": load.kv_used_tokens, "max_total_num_tokens": load.max_total_tokens,
+        "kv_usage": load.kv_usage, "cache_hit_rate": load.cache_hit_rate,
+        "max_running_requests": load.max_running_requests,
+    }
