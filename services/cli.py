@@ -10,7 +10,7 @@ from typing import Any
 
 from radixmesh.common.errors import RadixMeshError
 
-_SKIP_FLAGS = {"model", "log_level"}
+_SKIP_FLAGS = {"model", "log_level", "kv_events_block_size"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import multiprocessing as mp
 import os
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.kv_events import KVEventsMsg
 from radixmesh.engine.loader import PreparedModel, prepare_model
 from radixmesh.engine.messages import (
     AbortReqMsg,
@@ -60,6 +61,8 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue[TokenOut | RadixMeshError]] = {}
         self._queries: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._fatal: str | None = None
+        self.on_kv_events: Callable[[KVEventsMsg], None] | None = None
+        """Receives the radix cache's block events (only sent when config.kv_events_block_size > 0)."""
         self._proc: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._ctx = zmq.asyncio.Context()
@@ -201,6 +204,9 @@ class EngineClient:
                 fut = self._queries.get(msg.query_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg.result)
+            elif isinstance(msg, KVEventsMsg):
+                if self.on_kv_events is not None:
+                    self.on_kv_events(msg)
             elif isinstance(msg, FatalMsg):
                 self._die(msg.message)
                 return

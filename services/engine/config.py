@@ -58,6 +58,8 @@ class EngineConfig:
     """Seed of the engine's shared generator (requests without their own seed)."""
     log_level: str = "warning"
     """Python logging level of the scheduler process."""
+    kv_events_block_size: int = 0
+    """Report full blocks of this many tokens the radix cache stores/evicts to the front end (0: off)."""
 
     def __post_init__(self) -> None:
         _in(self.device, DEVICES, "device")
@@ -80,6 +82,8 @@ class EngineConfig:
         if not 0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
             raise invalid_argument("need 0 < min_new_token_ratio <= init_new_token_ratio <= 1",
                                    "init_new_token_ratio")
+        if self.kv_events_block_size < 0:
+            raise invalid_argument("kv_events_block_size must be >= 0", "kv_events_block_size")
         if self.context_length is not None and self.context_length < 2:
             raise invalid_argument("context_length must be >= 2", "context_length")
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 
+from radixmesh.engine.kv_events import KVEventsMsg
 from radixmesh.engine.sampling.params import SamplingParams
 
 
@@ -71,7 +72,7 @@ class FatalMsg(msgspec.Struct, tag="fatal", frozen=True):
     message: str
 
 
-FromSchedulerMsg = BatchOutMsg | QueryOutMsg | ReadyMsg | FatalMsg
+FromSchedulerMsg = BatchOutMsg | QueryOutMsg | ReadyMsg | FatalMsg | KVEventsMsg
 
 to_scheduler_decoder = msgspec.msgpack.Decoder(ToSchedulerMsg)
 from_scheduler_decoder = msgspec.msgpack.Decoder(FromSchedulerMsg)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -53,6 +54,22 @@ class MatchResult:
     """Node whose path from the root is exactly the matched prefix (root if none)."""
 
 
+class CacheListener(Protocol):
+    """Told about every change to the set of cached token paths (e.g. to publish them to an index).
+
+    A node's token path is the concatenation of the keys from the root down to it.
+    """
+
+    def on_insert(self, leaf: TreeNode) -> None:
+        """A new leaf now caches its path; the tokens before `leaf.key` were cached already."""
+
+    def on_evict(self, leaf: TreeNode) -> None:
+        """`leaf` is about to be removed; it is still linked to its parent."""
+
+    def on_reset(self) -> None:
+        """The whole tree was emptied."""
+
+
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -86,10 +103,13 @@ class RadixCache:
     its slots; locking the root, `evict` and `reset` are no-ops.
     """
 
-    def __init__(self, allocator: KVSlotAllocator, disable: bool = False) -> None:
+    def __init__(self, allocator: KVSlotAllocator, disable: bool = False,
+                 listener: CacheListener | None = None) -> None:
         self.allocator = allocator
         self.device = allocator.device
         self.disable = disable
+        self.listener = listener
+        """Optional observer of inserted and evicted paths; None costs nothing."""
         self.root = TreeNode(value=self._empty(), lock_ref=1)
         self._evictable_size = 0
         self._protected_size = 0
@@ -103,6 +123,8 @@ class RadixCache:
         self.root = TreeNode(value=self._empty(), lock_ref=1)
         self._evictable_size = 0
         self._protected_size = 0
+        if self.listener is not None:
+            self.listener.on_reset()
 
     def match_prefix(self, key: list[int]) -> MatchResult:
         """Longest cached prefix of `key`; splits an edge so `last_node` ends exactly at the match.
@@ -206,6 +228,8 @@ class RadixCache:
         freed = 0
         while freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
+            if self.listener is not None:
+                self.listener.on_evict(leaf)
             self.allocator.free(leaf.value)
             freed += len(leaf.key)
             parent = self._remove_leaf(leaf)
@@ -251,6 +275,8 @@ class RadixCache:
         leaf = TreeNode(key=list(key), value=value, parent=parent, last_access_time=now)
         parent.children[key[0]] = leaf
         self._evictable_size += len(key)
+        if self.listener is not None:
+            self.listener.on_insert(leaf)
 
     def _split(self, node: TreeNode, split_len: int) -> TreeNode:
         """Cut `node`'s edge after `split_len` tokens; return the new upper node.

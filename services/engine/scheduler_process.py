@@ -10,7 +10,7 @@ import logging
 import signal
 import sys
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -32,6 +32,9 @@ from radixmesh.engine.messages import (
     to_scheduler_decoder,
 )
 from radixmesh.engine.request import Req
+
+if TYPE_CHECKING:
+    from radixmesh.engine.kv_events import BlockEventRecorder
 
 IDLE_POLL_MS = 50
 
@@ -81,13 +84,21 @@ def _build(config: EngineConfig, prepared: PreparedModel, send: zmq.Socket) -> S
     def emit(outputs: list[TokenOut]) -> None:
         send.send(encoder.encode(BatchOutMsg(outputs)), copy=False)
 
-    return SchedulerLoop(Scheduler(config, runner, tokenizer, emit), send)
+    scheduler = Scheduler(config, runner, tokenizer, emit)
+    recorder = None
+    if config.kv_events_block_size > 0:
+        from radixmesh.engine.kv_events import BlockEventRecorder
+
+        recorder = BlockEventRecorder(config.kv_events_block_size)
+        scheduler.kv.tree.listener = recorder
+    return SchedulerLoop(scheduler, send, recorder)
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Any, send: zmq.Socket) -> None:
+    def __init__(self, scheduler: Any, send: zmq.Socket, kv_events: BlockEventRecorder | None = None) -> None:
         self.scheduler = scheduler
         self.send = send
+        self.kv_events = kv_events
         self.stopping = False
 
     def info(self) -> dict[str, Any]:
@@ -101,8 +112,17 @@ class SchedulerLoop:
             self._drain(recv)
             if self.stopping:
                 break
-            if not self.scheduler.step():
+            stepped = self.scheduler.step()
+            if self.kv_events is not None:
+                self._send_kv_events()
+            if not stepped:
                 poller.poll(IDLE_POLL_MS)
+
+    def _send_kv_events(self) -> None:
+        assert self.kv_events is not None
+        msg = self.kv_events.drain()
+        if msg is not None:
+            self.send.send(encoder.encode(msg))
 
     def _drain(self, recv: zmq.Socket) -> None:
         while True:
