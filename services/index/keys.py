@@ -2,7 +2,7 @@
 
     {ns}:workers              SET   ids of workers that ever published (the janitor prunes it)
     {ns}:epoch:{worker}       INT   incremented on every writer start (and resync); never expires
-    {ns}:lease:{worker}       HASH  epoch, address, role, block_size; PEXPIRE lease_ttl, kept by heartbeat
+    {ns}:lease:{worker}       STR   a serialized radixmesh.v1.WorkerLease; PX lease_ttl, renewed by heartbeat
     {ns}:b:{hash}             HASH  worker id -> epoch in which the worker stored the block
     {ns}:spec:{hash}          STR   worker id a router just sent this prefix to; PEXPIRE speculative_ttl
     {ns}:wb:{worker}:{epoch}  SET   block hashes a worker stored in one epoch (for cleanup)

@@ -77,10 +77,10 @@ class KVIndexReader:
         ids = sorted(_text(m) for m in await self.redis.smembers(self.keys.workers))
         pipe = self.redis.pipeline(transaction=False)
         for wid in ids:
-            pipe.hgetall(self.keys.lease(wid))
+            pipe.get(self.keys.lease(wid))
         leases = {}
-        for wid, fields in zip(ids, await pipe.execute() if ids else []):
-            lease = parse_lease(wid, fields)
+        for wid, raw in zip(ids, await pipe.execute() if ids else []):
+            lease = parse_lease(wid, raw)
             if lease is not None:
                 leases[wid] = lease
         self._leases, self._leases_read_s = leases, time.monotonic()

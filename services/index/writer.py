@@ -40,6 +40,8 @@ class WriterIdentity:
     """host:port routers dial."""
     role: str = "unified"
     """unified | prefill | decode."""
+    metrics_port: int = 0
+    """Prometheus port to advertise (0: none)."""
 
 
 def connect(config: IndexConfig) -> Redis:
@@ -67,6 +69,7 @@ class KVIndexWriter:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._last_error_log = 0.0
+        self._started_ms = int(time.time() * 1000)
         self.num_resyncs = 0
         self.num_flushed_events = 0
 
@@ -153,7 +156,8 @@ class KVIndexWriter:
                 continue
             try:
                 pipe = self.redis.pipeline(transaction=False)
-                pipe.pexpire(self.keys.lease(self.identity.worker_id), self.config.lease_ttl_ms)
+                pipe.set(self.keys.lease(self.identity.worker_id), self._lease(self.epoch).to_bytes(),
+                         px=self.config.lease_ttl_ms, xx=True)
                 pipe.sadd(self.keys.workers, self.identity.worker_id)
                 alive, _ = await pipe.execute()
                 if not alive:
@@ -186,11 +190,8 @@ class KVIndexWriter:
     async def _publish_snapshot(self, snapshot: list[int]) -> None:
         wid = self.identity.worker_id
         epoch = int(await self.redis.incr(self.keys.epoch(wid)))
-        lease = WorkerLease(wid, epoch, self.identity.address, self.identity.role, self.config.block_size)
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(self.keys.lease(wid))
-        pipe.hset(self.keys.lease(wid), mapping=lease.to_fields())
-        pipe.pexpire(self.keys.lease(wid), self.config.lease_ttl_ms)
+        pipe.set(self.keys.lease(wid), self._lease(epoch).to_bytes(), px=self.config.lease_ttl_ms)
         pipe.sadd(self.keys.workers, wid)
         pipe.sadd(self.keys.worker_epochs(wid), str(epoch))
         await pipe.execute()
@@ -200,6 +201,11 @@ class KVIndexWriter:
         self.num_resyncs += 1
         logger.info("index: worker %s published %d blocks in epoch %d (was %d)", wid, len(snapshot), epoch, previous)
         await self.janitor.clean_worker(wid, keep_epoch=epoch)
+
+    def _lease(self, epoch: int) -> WorkerLease:
+        ident = self.identity
+        return WorkerLease(ident.worker_id, epoch, ident.address, ident.role, self.config.block_size,
+                           ident.metrics_port, self._started_ms)
 
     async def _flush_batch(self) -> None:
         batch = self._pending[: self.config.max_batch_events]

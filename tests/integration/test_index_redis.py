@@ -12,6 +12,7 @@ import redis as sync_redis
 from radixmesh.index.block_hash import block_hashes
 from radixmesh.index.config import IndexConfig
 from radixmesh.index.keys import IndexKeys
+from radixmesh.index.lease import WorkerLease
 from radixmesh.index.reader import KVIndexReader
 from radixmesh.index.redis_server import LocalRedis
 from radixmesh.index.writer import KVIndexWriter, WriterIdentity, connect
@@ -165,8 +166,9 @@ def test_malformed_and_unknown_entries_are_ignored(local_redis: LocalRedis, capl
         await published(writer)
         raw.hset(keys.block(hashes[0]), "ghost", "1")  # a worker that has no lease
         raw.hset(keys.block(hashes[1]), "junk", "not-an-epoch")
-        raw.hset(keys.lease("broken"), mapping={"epoch": "x", "address": "nohostport"})
-        raw.sadd(keys.workers, "broken")
+        raw.set(keys.lease("broken"), b"\xff\x00 not a protobuf")
+        raw.set(keys.lease("noaddr"), WorkerLease("noaddr", 1, "nohostport").to_bytes())
+        raw.sadd(keys.workers, "broken", "noaddr")
         raw.hset(keys.block(hashes[0]), "broken", "1")
         reader = KVIndexReader(config, connect(config))
         match = await reader.lookup(hashes)
@@ -180,7 +182,7 @@ def test_malformed_and_unknown_entries_are_ignored(local_redis: LocalRedis, capl
 
     with caplog.at_level("WARNING"):
         asyncio.run(run())
-    assert "malformed entry" in caplog.text and "malformed lease" in caplog.text
+    assert "malformed entry" in caplog.text and "malformed lease" in caplog.text and "undecodable lease" in caplog.text
 
 
 def test_speculative_entries_count_until_they_expire(local_redis: LocalRedis) -> None:  # noqa: F811
