@@ -84,6 +84,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # Those modules must import nothing heavy at module level (the CLI starts fast).
 EXTERNAL_COMMANDS = [
     "radixmesh.gateway.commands:register",
+    "radixmesh.tokenizer.commands:register",
+    "radixmesh.worker.commands:register",
     "loadtests.commands:register",
 ]
 

@@ -138,6 +138,19 @@ class EngineClient:
                                       out.finish_reason, out.matched_stop)
         assert finished
 
+    async def generate_tokens(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+                              prefill_only: bool = False) -> AsyncIterator[TokenOut]:
+        """Stream one request's token messages without text (for front ends that detokenize elsewhere).
+
+        `prefill_only` computes and caches the prompt's KV and generates nothing. Leaving the
+        iterator early aborts the request and frees its KV.
+        """
+        self.validate(input_ids, SamplingParams() if prefill_only else params)
+        if prefill_only:
+            params = SamplingParams(max_new_tokens=0)
+        async for out in self._stream(GenerateReqMsg(rid or uuid.uuid4().hex, list(input_ids), params, prefill_only)):
+            yield out
+
     async def cache_prefix(self, input_ids: list[int]) -> None:
         """Compute and cache a prompt's KV without generating (shared by n > 1 branches)."""
         params = SamplingParams(max_new_tokens=0)

@@ -12,6 +12,7 @@ from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
+from radixmesh.engine.tokenizer import decode_text, encode_chat, encode_text, token_texts
 from radixmesh.gateway.backend import Backend, GenerationChunk, ModelCard, SamplingParams
 
 
@@ -47,26 +48,18 @@ class LocalBackend(Backend):
         return self.client.tokenizer
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer("prompt").encode(text, add_special_tokens=True))
+        return encode_text(self._tokenizer("prompt"), text)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        tokenizer = self._tokenizer("messages")
-        if not getattr(tokenizer, "chat_template", None):
-            raise invalid_argument("this model has no chat template; use /v1/completions", "messages")
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # jinja2 raises its own errors for conversations a template rejects
-            raise invalid_argument(f"the chat template rejected the messages: {exc}", "messages") from None
-        return list(tokenizer.encode(str(text), add_special_tokens=False))
+        return encode_chat(self._tokenizer("messages"), messages)
 
     def decode(self, token_ids: list[int]) -> str:
-        return str(self._tokenizer("prompt").decode(token_ids, skip_special_tokens=True))
+        return decode_text(self._tokenizer("prompt"), token_ids)
 
     def token_texts(self, token_ids: list[int]) -> list[str]:
         if self.client.tokenizer is None:
             return [f"<{tid}>" for tid in token_ids]
-        return [str(t) for t in self.client.tokenizer.batch_decode([[tid] for tid in token_ids],
-                                                                   skip_special_tokens=False)]
+        return token_texts(self.client.tokenizer, token_ids)
 
     # ---- generation -----------------------------------------------------------------------------
     def validate(self, input_ids: list[int], params: SamplingParams) -> None:

@@ -1,0 +1,1 @@
+"""The gRPC tokenizer service: tokenize once at the edge, detokenize streams incrementally."""

@@ -1,0 +1,26 @@
+"""Run the tokenizer service until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+
+from radixmesh.common.errors import invalid_argument
+from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
+from radixmesh.engine.loader import prepare_model
+from radixmesh.engine.tokenizer import load_tokenizer
+from radixmesh.protocol import tokenizer_pb2_grpc
+from radixmesh.tokenizer.service import SERVICE_NAME, TokenizerServicer
+
+
+async def serve_tokenizer(config: GrpcServerConfig, model: str | None, load_format: str = "auto",
+                          block_size: int = 16) -> int:
+    prepared = await asyncio.to_thread(prepare_model, model, load_format)
+    if prepared.tokenizer_path is None:
+        raise invalid_argument(f"model {prepared.name} has no tokenizer", "model")
+    tokenizer = await asyncio.to_thread(load_tokenizer, prepared.tokenizer_path)
+    servicer = TokenizerServicer(tokenizer, prepared.name, block_size)
+    server = GrpcServer(config, "tokenizer", [SERVICE_NAME])
+    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server.server)
+    await server.start()
+    await server.run_until_signal()
+    return 0

@@ -1,0 +1,1 @@
+"""The gRPC worker service: one engine (its scheduler process) behind WorkerService."""

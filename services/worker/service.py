@@ -1,0 +1,139 @@
+"""WorkerService over one EngineClient: token ids in, token ids out (the worker never detokenizes)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc.aio
+
+from radixmesh.common.convert import ROLE_TO_PROTO, load_to_proto, sampling_from_proto, token_out_to_proto
+from radixmesh.common.errors import invalid_argument, unsupported
+from radixmesh.common.grpc_errors import abort_with, map_errors
+from radixmesh.engine.client import EngineClient
+from radixmesh.engine.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
+from radixmesh.protocol import worker_pb2, worker_pb2_grpc
+from radixmesh.worker import metrics
+from radixmesh.worker.config import WorkerConfig
+from radixmesh.worker.load import LoadTracker
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    """Streams a sequence's tokens from the scheduler process; cancelling the call aborts it."""
+
+    def __init__(self, client: EngineClient, config: WorkerConfig) -> None:
+        self.client = client
+        self.config = config
+        self.load = LoadTracker()
+
+    @map_errors("worker")
+    async def Generate(self, request: worker_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        params = sampling_from_proto(request.sampling_params)
+        if params.n != 1:
+            raise invalid_argument("a Generate call is one sequence: n must be 1 (split branches before)", "n")
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in self.load.active:
+            raise invalid_argument(f"request id {rid!r} is already running on this worker", "request_id")
+        ids = list(request.token_ids)
+        start, worker_id = time.perf_counter(), self.config.worker_id
+        metrics.RUNNING.inc()
+        try:
+            with self.load.track(rid, len(ids)) as seq:
+                stream = self.client.generate_tokens(ids, params, rid, request.prefill_only)
+                async with contextlib.aclosing(stream) as outs:
+                    async for out in outs:
+                        if not seq.started:
+                            metrics.TTFT.observe(time.perf_counter() - start)
+                        self.load.update(seq, len(out.token_ids))
+                        metrics.GENERATED_TOKENS.inc(len(out.token_ids))
+                        if out.finish_reason is not None:
+                            _count_finished(out.finish_reason, out.prompt_tokens, out.cached_tokens, start)
+                        yield token_out_to_proto(out, worker_id)
+                        worker_id = ""  # named on the first message only
+        finally:
+            metrics.RUNNING.dec()
+
+    @map_errors("worker")
+    async def Abort(self, request: worker_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:
+        found = request.request_id in self.load.active
+        if found:
+            await self.client.abort(request.request_id)
+        return worker_pb2.AbortResponse(found=found)
+
+    @map_errors("worker")
+    async def GetLoad(self, request: worker_pb2.GetLoadRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.GetLoadResponse:
+        stats = await self.client.get_server_info()
+        stats["num_queued_prefill_tokens"] = self.load.num_queued_prefill_tokens
+        stats["num_running_decode_tokens"] = self.load.num_running_decode_tokens
+        metrics.KV_USAGE.set(float(stats.get("kv_usage", 0.0)))
+        return worker_pb2.GetLoadResponse(worker_id=self.config.worker_id, role=ROLE_TO_PROTO[self.config.role],
+                                          load=load_to_proto(stats))
+
+    @map_errors("worker")
+    async def FlushCache(self, request: worker_pb2.FlushCacheRequest,
+                         context: grpc.aio.ServicerContext) -> worker_pb2.FlushCacheResponse:
+        return worker_pb2.FlushCacheResponse(flushed=await self.client.flush_cache())
+
+    @map_errors("worker")
+    async def GetModelInfo(self, request: worker_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> worker_pb2.GetModelInfoResponse:
+        client, prepared = self.client, self.client.prepared
+        info = client.server_info
+        return worker_pb2.GetModelInfoResponse(
+            model_name=prepared.name, model_path=str(prepared.model_path or ""), context_len=client.context_len,
+            vocab_size=client.model_config.vocab_size,
+            max_running_requests=int(info.get("max_running_requests", client.config.max_running_requests)),
+            max_total_tokens=int(info.get("max_total_num_tokens", 0)), worker_id=self.config.worker_id,
+            role=ROLE_TO_PROTO[self.config.role], block_size=self.config.block_size,
+            aliases=sorted(model_aliases(client) - {prepared.name}),
+            engine_config_json=json.dumps(dataclasses.asdict(client.config), default=str))
+
+    # ---- disaggregation: declared in worker.proto, implemented by a later issue ------------------
+    async def Reserve(self, request: worker_pb2.ReserveRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.ReserveResponse:
+        await _not_yet(context, "Reserve")
+        raise AssertionError("unreachable")
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.GenerateResponse:
+        await _not_yet(context, "Prefill")
+        raise AssertionError("unreachable")
+
+    async def TransferKV(self, request_iterator: AsyncIterator[worker_pb2.KVTransferChunk],
+                         context: grpc.aio.ServicerContext) -> worker_pb2.TransferKVResponse:
+        await _not_yet(context, "TransferKV")
+        raise AssertionError("unreachable")
+
+
+async def _not_yet(context: grpc.aio.ServicerContext, rpc: str) -> None:
+    await abort_with(context, unsupported(f"{rpc}: prefill/decode disaggregation is not implemented yet"), "worker")
+
+
+def _count_finished(reason: str, prompt_tokens: int, cached_tokens: int, start: float) -> None:
+    metrics.REQUESTS.labels(reason).inc()
+    metrics.PROMPT_TOKENS.inc(prompt_tokens)
+    metrics.CACHED_TOKENS.inc(cached_tokens)
+    metrics.E2E.observe(time.perf_counter() - start)
+
+
+def model_aliases(client: EngineClient) -> set[str]:
+    """Every name a client may use for the served model (as `radixmesh serve` accepts)."""
+    prepared = client.prepared
+    aliases = {prepared.name}
+    if client.config.model:
+        aliases.add(client.config.model)
+    if prepared.model_path is not None:
+        aliases |= {str(prepared.model_path), Path(prepared.model_path).name}
+    if prepared.name == DEFAULT_MODEL_NAME:
+        aliases |= DEFAULT_MODEL_ALIASES
+    return aliases
