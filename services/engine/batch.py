@@ -24,6 +24,8 @@ class ScheduleBatch:
     extend_lens: list[int]
     future_rows: list[int] | None = None
     """DECODE under overlap: row of each input token in the previous launch's output, or -1."""
+    prompt_logprobs: PromptLogprobPlan | None = None
+    """EXTEND: which packed tokens' logits score owed prompt tokens (None when no request owes any)."""
 
     @property
     def seq_lens(self) -> list[int]:
@@ -32,6 +34,45 @@ class ScheduleBatch:
     @property
     def is_decode(self) -> bool:
         return self.mode is ForwardMode.DECODE
+
+
+@dataclass
+class PromptLogprobPlan:
+    """Prompt log-probs of one extend pass: the logits at packed row `rows[i]` score `targets[i]`."""
+
+    rows: list[int]
+    """Packed index of the token before each scored prompt token."""
+    targets: list[int]
+    """The scored prompt token ids."""
+    counts: list[int]
+    """Scored tokens per request, in batch order (rows are grouped the same way)."""
+    next_pos: list[int]
+    """Each request's `input_logprob_pos` once this pass ran."""
+
+
+def plan_prompt_logprobs(reqs: list[Req]) -> PromptLogprobPlan | None:
+    """Score every owed prompt token whose preceding position is among this pass's new tokens.
+
+    Admission limits the cached prefix (`Req.max_prefix_len`) so that no owed token's
+    preceding position is skipped; chunks each score their own stretch.
+    """
+    if not any(r.owes_input_logprobs for r in reqs):
+        return None
+    plan = PromptLogprobPlan([], [], [], [])
+    offset = 0
+    for req in reqs:
+        start, end = req.kv_len, req.kv_len + req.extend_len
+        first = max(req.input_logprob_pos, 1)  # the first prompt token has no log-prob
+        last = min(len(req.origin_input_ids), end + 1)
+        if req.owes_input_logprobs:
+            assert start <= first - 1, f"request {req.rid}: prompt log-prob position {first} fell into the cache"
+        scored = range(first, last) if req.owes_input_logprobs else range(0)
+        plan.rows += [offset + pos - 1 - start for pos in scored]
+        plan.targets += [req.origin_input_ids[pos] for pos in scored]
+        plan.counts.append(len(scored))
+        plan.next_pos.append(max(first, last) if req.owes_input_logprobs else req.input_logprob_pos)
+        offset += req.extend_len
+    return plan
 
 
 def build_extend_batch(reqs: list[Req], kv: KVCacheManager) -> ScheduleBatch | None:
@@ -53,7 +94,8 @@ def build_extend_batch(reqs: list[Req], kv: KVCacheManager) -> ScheduleBatch | N
         kv.req_pool.req_to_token[req.req_pool_idx, start:end] = slots[offset:offset + req.extend_len]
         offset += req.extend_len
     return ScheduleBatch(ForwardMode.EXTEND, reqs, input_ids, positions, slots,
-                         [r.kv_len for r in reqs], [r.extend_len for r in reqs])
+                         [r.kv_len for r in reqs], [r.extend_len for r in reqs],
+                         prompt_logprobs=plan_prompt_logprobs(reqs))
 
 
 def build_decode_batch(reqs: list[Req], kv: KVCacheManager) -> ScheduleBatch | None:
@@ -72,6 +114,14 @@ def build_decode_batch(reqs: list[Req], kv: KVCacheManager) -> ScheduleBatch | N
 
 
 def commit_batch(batch: ScheduleBatch) -> None:
-    """The pass ran: its tokens now have KV."""
+    """The pass ran: its tokens now have KV, and its prompt log-probs are on their way."""
     for req in batch.reqs:
         req.kv_len += 1 if batch.is_decode else req.extend_len
+    plan = batch.prompt_logprobs
+    if plan is None:
+        return
+    for req, next_pos in zip(batch.reqs, plan.next_pos):
+        if req.input_logprob_pos == 0:
+            req.pending_input_logprobs.append(None)
+            req.pending_input_top_logprobs.append(None)
+        req.input_logprob_pos = next_pos

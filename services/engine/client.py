@@ -120,6 +120,9 @@ class EngineClient:
         vocab = self.model_config.vocab_size
         if min(input_ids) < 0 or max(input_ids) >= vocab:
             raise invalid_argument(f"input_ids must be in [0, {vocab})", "input_ids")
+        if params.logprob_start_len >= len(input_ids):
+            raise invalid_argument(f"logprob_start_len={params.logprob_start_len} must be below the prompt's "
+                                   f"{len(input_ids)} tokens", "logprob_start_len")
 
     async def generate(self, input_ids: list[int], params: SamplingParams,
                        rid: str | None = None) -> AsyncIterator[GenerationChunk]:
@@ -133,9 +136,7 @@ class EngineClient:
             if assembler is not None:
                 yield assembler.feed(out)
             else:
-                yield GenerationChunk(rid, "", list(out.token_ids), out.prompt_tokens, out.cached_tokens,
-                                      out.completion_tokens, out.logprobs, out.top_logprobs,
-                                      out.finish_reason, out.matched_stop)
+                yield GenerationChunk.of(out)
         assert finished
 
     async def generate_tokens(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,

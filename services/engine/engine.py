@@ -86,7 +86,7 @@ class Engine:
     async def _collect(self, input_ids: list[int], params: SamplingParams) -> dict[str, Any]:
         result: GenerationResult | None = None
         async for chunk in self.client.generate(input_ids, params):
-            result = result or GenerationResult(chunk.rid)
+            result = result or GenerationResult(chunk.rid, input_ids=input_ids)
             result.add(chunk)
         assert result is not None
         return result.to_dict()

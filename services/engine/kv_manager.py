@@ -33,12 +33,12 @@ class KVCacheManager:
 
     # ---- admission --------------------------------------------------------------------------
     def match(self, req: Req) -> None:
-        """Find a waiting request's cached prefix (at most fill_len - 1 tokens), without locking it.
+        """Find a waiting request's cached prefix (at most `req.max_prefix_len` tokens), without locking it.
 
         Only eviction can invalidate the match, and nothing evicts before admission locks it.
         """
         assert req.last_node is None, "a waiting request must not hold a lock"
-        match = self.tree.match_prefix(req.all_ids[: req.fill_len - 1])
+        match = self.tree.match_prefix(req.all_ids[: req.max_prefix_len])
         req.prefix_indices = match.indices
         req.matched_node = match.last_node
 

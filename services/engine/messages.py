@@ -53,6 +53,9 @@ class TokenOut(msgspec.Struct, frozen=True):
     """The stop string or stop token id that ended the request."""
     error: str | None = None
     error_code: str | None = None
+    input_logprobs: list[float | None] | None = None
+    """Prompt-token log-probs from `logprob_start_len` on, in order over the messages (None: the first token)."""
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 class BatchOutMsg(msgspec.Struct, tag="batch_out", frozen=True):

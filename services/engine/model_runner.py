@@ -20,6 +20,7 @@ from radixmesh.engine.loader.dummy import init_dummy_
 from radixmesh.engine.memory import KVSlotAllocator, ReqToTokenPool, TokenToKVPool
 from radixmesh.engine.models.registry import model_class
 from radixmesh.engine.sampling.batch_info import SamplingBatchInfo
+from radixmesh.engine.sampling.prompt_logprobs import score_prompt_tokens
 from radixmesh.engine.sampling.sampler import SampleOutput, Sampler
 
 logger = logging.getLogger(__name__)
@@ -94,12 +95,19 @@ class ModelRunner:
 
     def launch(self, batch: ScheduleBatch) -> SampleOutput:
         """Forward and sample without waiting for the device; tokens stay on the device."""
-        sampled = self.sample(batch, self.forward(batch))
+        logits = self.forward(batch)
+        num_reqs = len(batch.reqs)
+        sampled = self.sample(batch, logits[:num_reqs])
+        plan = batch.prompt_logprobs
+        if plan is not None and plan.rows:
+            top_n = max((r.params.top_logprobs for r, n in zip(batch.reqs, plan.counts) if n), default=0)
+            sampled.prompt_logprobs = score_prompt_tokens(logits[num_reqs:], plan.targets, top_n)
         self.last_tokens = sampled.next_token_ids
         return sampled
 
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:
-        """Logits `[batch, vocab]` (float32) for each request's last new token."""
+        """Logits (float32) for each request's last new token `[batch, vocab]`, then for the packed
+        tokens that score prompt log-probs `[num_scored, vocab]` (EXTEND only)."""
         dev = self.device
 
         def tensor(values: list[int]) -> torch.Tensor:
@@ -129,6 +137,8 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=batch.prefix_lens,
             extend_seq_lens_cpu=batch.extend_lens,
+            extra_logit_rows=tensor(batch.prompt_logprobs.rows) if batch.prompt_logprobs and batch.prompt_logprobs.rows
+            else None,
         )
         self.attn_backend.init_forward_metadata(fb)
         logits: torch.Tensor = self.model(fb.input_ids, fb.positions, fb)

@@ -24,6 +24,16 @@ class GenerationChunk:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
     matched_stop: str | int | None = None
+    input_logprobs: list[float | None] | None = None
+    """Prompt-token log-probs (from `logprob_start_len` on) that arrived with this chunk."""
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+    @classmethod
+    def of(cls, out: TokenOut, text: str = "") -> GenerationChunk:
+        """The chunk of one scheduler message, with its (already trimmed) text."""
+        return cls(out.rid, text, list(out.token_ids), out.prompt_tokens, out.cached_tokens, out.completion_tokens,
+                   out.logprobs, out.top_logprobs, out.finish_reason, out.matched_stop, out.input_logprobs,
+                   out.input_top_logprobs)
 
     @property
     def finished(self) -> bool:
@@ -47,9 +57,7 @@ class TextAssembler:
         if out.finish_reason is not None:
             text += self.detok.flush()
         text = self._apply_stop(text, final=out.finish_reason is not None)
-        return GenerationChunk(out.rid, text, list(out.token_ids), out.prompt_tokens, out.cached_tokens,
-                               out.completion_tokens, out.logprobs, out.top_logprobs, out.finish_reason,
-                               out.matched_stop)
+        return GenerationChunk.of(out, text)
 
     def _apply_stop(self, text: str, final: bool) -> str:
         if self.stop is None or self.stopped:
@@ -75,6 +83,10 @@ class GenerationResult:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     matched_stop: str | int | None = None
+    input_ids: list[int] = field(default_factory=list)
+    """The prompt, to pair prompt-token log-probs with their tokens."""
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
     def add(self, chunk: GenerationChunk) -> None:
         self.text += chunk.text
@@ -83,6 +95,8 @@ class GenerationResult:
         self.completion_tokens = chunk.completion_tokens
         self.logprobs += chunk.logprobs or []
         self.top_logprobs += chunk.top_logprobs or []
+        self.input_logprobs += chunk.input_logprobs or []
+        self.input_top_logprobs += chunk.input_top_logprobs or []
         if chunk.finish_reason is not None:
             self.finish_reason, self.matched_stop = chunk.finish_reason, chunk.matched_stop
 
@@ -100,4 +114,9 @@ class GenerationResult:
             meta["output_token_logprobs"] = list(zip(self.logprobs, self.output_ids))
         if self.top_logprobs:
             meta["output_top_logprobs"] = self.top_logprobs
+        if self.input_logprobs:
+            scored = self.input_ids[len(self.input_ids) - len(self.input_logprobs):]
+            meta["input_token_logprobs"] = list(zip(self.input_logprobs, scored))
+        if self.input_top_logprobs:
+            meta["input_top_logprobs"] = self.input_top_logprobs
         return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}

@@ -58,6 +58,15 @@ class Req:
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[float] = field(default_factory=list)
     pending_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprob_pos: int = -1
+    """Next prompt position whose log-prob is still owed; len(prompt) when none is (set on creation)."""
+    pending_input_logprobs: list[float | None] = field(default_factory=list)
+    """Prompt-token log-probs computed but not yet sent; None for the first prompt token."""
+    pending_input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        start = self.params.logprob_start_len
+        self.input_logprob_pos = start if 0 <= start < len(self.origin_input_ids) else len(self.origin_input_ids)
 
     @property
     def all_ids(self) -> list[int]:
@@ -81,6 +90,19 @@ class Req:
     @property
     def remaining_new_tokens(self) -> int:
         return max(self.params.max_new_tokens - self.num_output_tokens, 0)
+
+    @property
+    def max_prefix_len(self) -> int:
+        """Most cached tokens admission may reuse: one token is always computed, and the position
+        before the first owed prompt log-prob must run so that its logits exist."""
+        limit = self.fill_len - 1
+        if self.owes_input_logprobs:
+            limit = min(limit, max(self.input_logprob_pos - 1, 0))
+        return limit
+
+    @property
+    def owes_input_logprobs(self) -> bool:
+        return self.input_logprob_pos < len(self.origin_input_ids)
 
     @property
     def wants_logprobs(self) -> bool:

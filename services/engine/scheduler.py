@@ -16,6 +16,7 @@ from radixmesh.engine.messages import TokenOut
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import FinishReason, Req
+from radixmesh.engine.sampling.prompt_logprobs import PromptLogprobs
 from radixmesh.engine.sampling.sampler import SampleOutput
 from radixmesh.engine.schedule_policy import PrefillAdder, order_waiting
 from radixmesh.engine.stop import check_finished
@@ -196,6 +197,8 @@ class Scheduler:
         """Append the batch's sampled tokens (a host sync) and finish requests that are done."""
         sampled = launched.sampled
         token_ids = sampled.next_token_ids.tolist()
+        if sampled.prompt_logprobs is not None:
+            self._add_prompt_logprobs(launched.batch, sampled.prompt_logprobs)
         outputs: list[TokenOut] = []
         for row, req in enumerate(launched.batch.reqs):
             if not req.futures or req.futures[0] != (launched.launch_id, row):
@@ -231,6 +234,18 @@ class Scheduler:
         if reason is not None:
             req.finish_reason, req.matched_stop = reason, matched
 
+    def _add_prompt_logprobs(self, batch: ScheduleBatch, scored: PromptLogprobs) -> None:
+        plan = batch.prompt_logprobs
+        assert plan is not None, "prompt log-probs without a plan"
+        values, tops = scored.to_lists()
+        offset = 0
+        for req, count in zip(batch.reqs, plan.counts):
+            req.pending_input_logprobs += values[offset:offset + count]
+            if tops is not None and req.params.top_logprobs:
+                req.pending_input_top_logprobs += [row[: req.params.top_logprobs]
+                                                   for row in tops[offset:offset + count]]
+            offset += count
+
     def _token_out(self, req: Req) -> TokenOut:
         out = TokenOut(
             rid=req.rid, token_ids=req.pending_ids, prompt_tokens=len(req.origin_input_ids),
@@ -239,8 +254,12 @@ class Scheduler:
             top_logprobs=req.pending_top_logprobs if req.params.top_logprobs else None,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             matched_stop=req.matched_stop, error=req.error,
+            input_logprobs=req.pending_input_logprobs or None,
+            input_top_logprobs=req.pending_input_top_logprobs if req.params.top_logprobs
+            and req.pending_input_logprobs else None,
         )
         req.pending_ids, req.pending_logprobs, req.pending_top_logprobs = [], [], []
+        req.pending_input_logprobs, req.pending_input_top_logprobs = [], []
         return out
 
     def _finish(self, req: Req, reason: FinishReason) -> None:

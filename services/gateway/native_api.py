@@ -65,7 +65,9 @@ class GenerateRequest(RequestBody):
     rid: str | list[str] | None = None
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = 0
+    logprob_start_len: int | list[int] = -1
+    """With return_logprob: also score prompt tokens from this position on (per prompt when a list); -1: none."""
+    top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
     image_data: Any = None
     lora_path: Any = None
@@ -86,7 +88,8 @@ async def generate(request: Request) -> Response:
         else [req.sampling_params or NativeSamplingParams()] * len(prompts)
     if len(per_prompt) != len(prompts):
         raise invalid_argument(f"got {len(per_prompt)} sampling_params for {len(prompts)} prompts", "sampling_params")
-    jobs = [PromptJob(ids, _params(state, req, sp, len(ids))) for ids, sp in zip(prompts, per_prompt)]
+    asks = _logprob_asks(req, len(prompts))
+    jobs = [PromptJob(ids, _params(state, req, sp, len(ids), ask)) for ids, sp, ask in zip(prompts, per_prompt, asks)]
     rid = req.rid if isinstance(req.rid, str) else None
     rids = req.rid if isinstance(req.rid, list) else None
     generation = state.dispatcher.open("generate", jobs, request_id=rid, rids=rids)
@@ -113,7 +116,24 @@ def _prompts(state: GatewayState, req: GenerateRequest) -> tuple[list[list[int]]
     return [list(ids)], False
 
 
-def _params(state: GatewayState, req: GenerateRequest, sp: NativeSamplingParams, prompt_len: int) -> SamplingParams:
+def _per_prompt(value: int | list[int], num_prompts: int, param: str) -> list[int]:
+    if isinstance(value, int):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise invalid_argument(f"got {len(value)} values of {param} for {num_prompts} prompts", param)
+    return value
+
+
+def _logprob_asks(req: GenerateRequest, num_prompts: int) -> list[tuple[int, int]]:
+    """(logprob_start_len, top_logprobs) of each prompt; (-1, 0) without return_logprob."""
+    if not req.return_logprob:
+        return [(-1, 0)] * num_prompts
+    starts = _per_prompt(req.logprob_start_len, num_prompts, "logprob_start_len")
+    return list(zip(starts, _per_prompt(req.top_logprobs_num, num_prompts, "top_logprobs_num")))
+
+
+def _params(state: GatewayState, req: GenerateRequest, sp: NativeSamplingParams, prompt_len: int,
+            logprob_ask: tuple[int, int]) -> SamplingParams:
     for name in _GRAMMAR_FIELDS:
         if getattr(sp, name) is not None:
             raise unsupported(f"sampling_params.{name} is not supported yet (grammar decoding comes later)", name)
@@ -126,7 +146,7 @@ def _params(state: GatewayState, req: GenerateRequest, sp: NativeSamplingParams,
     fields["stop_token_ids"] = tuple(sp.stop_token_ids or ())
     fields["logit_bias"] = conv.logit_bias(sp.logit_bias or {})
     fields["logprobs"] = req.return_logprob
-    fields["top_logprobs"] = req.top_logprobs_num if req.return_logprob else 0
+    fields["logprob_start_len"], fields["top_logprobs"] = logprob_ask
     return SamplingParams(**fields)
 
 
@@ -145,17 +165,26 @@ class _NativeRun:
             "finish_reason": _finish_reason(st), "e2e_latency": time.perf_counter() - self.generation.start_s,
         }
         if self.req.return_logprob:
-            meta.update(self._logprobs(st))
+            meta.update(self._logprobs(st, self.generation.seqs[index][0]))
         return {"text": st.text, "output_ids": list(st.token_ids), "meta_info": meta}
 
-    def _logprobs(self, st: conv.ChoiceState) -> dict[str, Any]:
+    def _logprobs(self, st: conv.ChoiceState, input_ids: list[int]) -> dict[str, Any]:
+        """SGLang's [logprob, token_id, text-or-None] triples; prompt ones from logprob_start_len on."""
+        scored_ids = input_ids[len(input_ids) - len(st.input_logprobs):] if st.input_logprobs else []
         texts: dict[int, str | None] = {}
         if self.req.return_text_in_logprobs:
-            ids = sorted(set(st.token_ids) | {t for row in st.top_logprobs for t, _ in row})
-            texts = dict(zip(ids, self.state.backend.token_texts(ids)))
+            ids = set(st.token_ids) | set(scored_ids)
+            ids |= {t for row in st.top_logprobs + st.input_top_logprobs for t, _ in row or ()}
+            texts = dict(zip(sorted(ids), self.state.backend.token_texts(sorted(ids))))
+
+        def triples(row: list[tuple[int, float]] | None) -> list[list[Any]] | None:
+            return None if row is None else [[lp, t, texts.get(t)] for t, lp in row]
+
         return {
+            "input_token_logprobs": [[lp, t, texts.get(t)] for lp, t in zip(st.input_logprobs, scored_ids)],
             "output_token_logprobs": [[lp, t, texts.get(t)] for lp, t in zip(st.logprobs, st.token_ids)],
-            "output_top_logprobs": [[[lp, t, texts.get(t)] for t, lp in row] for row in st.top_logprobs],
+            "input_top_logprobs": [triples(row) for row in st.input_top_logprobs],
+            "output_top_logprobs": [triples(row) for row in st.top_logprobs],
         }
 
     async def collect(self) -> Any:

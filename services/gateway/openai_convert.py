@@ -143,12 +143,17 @@ class ChoiceState:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    input_logprobs: list[float | None] = field(default_factory=list)
+    """Prompt-token log-probs from `logprob_start_len` on (None for the prompt's first token)."""
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
     def add(self, chunk: GenerationChunk) -> None:
         self.text += chunk.text
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs or []
         self.top_logprobs += chunk.top_logprobs or []
+        self.input_logprobs += chunk.input_logprobs or []
+        self.input_top_logprobs += chunk.input_top_logprobs or []
         self.prompt_tokens, self.cached_tokens = chunk.prompt_tokens, chunk.cached_tokens
         self.completion_tokens = chunk.completion_tokens
         if chunk.finish_reason is not None:

@@ -47,6 +47,8 @@ class ForwardBatch:
     seq_lens_cpu: list[int]  # host copies, so backends can plan without a device sync
     extend_prefix_lens_cpu: list[int]
     extend_seq_lens_cpu: list[int]
+    extra_logit_rows: torch.Tensor | None = None
+    """EXTEND: [num_extra] int64 packed token indices whose logits are returned too (prompt log-probs)."""
 
     @property
     def batch_size(self) -> int:

@@ -75,7 +75,8 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Returns next-token logits `[batch, vocab]` for the last new token of each request."""
+    """Returns next-token logits `[batch, vocab]` for the last new token of each request, followed by
+    the logits of `batch.extra_logit_rows` when an extend pass asks for them."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -94,8 +95,10 @@ class CausalLM(nn.Module):
                 batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(input_ids, positions, batch)  # [num_tokens, hidden]
         if not batch.is_decode:
-            last = torch.cumsum(batch.extend_seq_lens, 0) - 1  # [batch]
-            hidden = hidden[last]
+            rows = torch.cumsum(batch.extend_seq_lens, 0) - 1  # [batch]
+            if batch.extra_logit_rows is not None:
+                rows = torch.cat([rows, batch.extra_logit_rows])  # [batch + num_extra]
+            hidden = hidden[rows]
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -46,6 +46,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """Return the log probability of each generated token."""
     top_logprobs: int = 0
     """Also return this many most likely alternatives per position (0..20)."""
+    logprob_start_len: int = -1
+    """Also return the log-probs of prompt tokens from this position on (raw model logits); -1: none."""
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     """Token id -> additive bias in [-100, 100] applied to the logits."""
     skip_special_tokens: bool = True
@@ -69,6 +71,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         _check(1 <= self.n <= 128, "n", "must be in [1, 128]", self.n)
         _check(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
                f"must be in [0, {MAX_TOP_LOGPROBS}]", self.top_logprobs)
+        _check(self.logprob_start_len >= -1, "logprob_start_len", "must be -1 (none) or >= 0",
+               self.logprob_start_len)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings",
                self.stop)
         _check(len(self.stop) <= 16, "stop", "at most 16 stop strings", len(self.stop))

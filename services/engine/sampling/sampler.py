@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from radixmesh.engine.sampling.batch_info import SamplingBatchInfo
+from radixmesh.engine.sampling.prompt_logprobs import PromptLogprobs
 
 SEED_STEP_MULTIPLIER = 1_000_003
 SEED_MASK = (1 << 63) - 1
@@ -36,6 +37,8 @@ class SampleOutput:
     """[batch] float32 log-prob of each chosen token under the processed logits."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """Per row, the most likely (token, logprob) pairs in descending order; callers slice to their k."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """Log-probs of prompt tokens scored in this pass (set by the model runner, not the sampler)."""
 
 
 class Sampler:
