@@ -132,6 +132,18 @@ class KVIndexReader:
                 self._queue_stale(worker, epoch_text, self.keys.block(block_hash))
         return holders
 
+    async def footprints(self, worker_ids: Sequence[str]) -> dict[str, int]:
+        """Blocks each live worker holds in total (its cache footprint); workers without a lease get 0."""
+        leases = await self.live_leases()
+        live = [w for w in worker_ids if w in leases]
+        pipe = self.redis.pipeline(transaction=False)
+        for w in live:
+            pipe.scard(self.keys.worker_blocks(w, leases[w].epoch))
+        counts = await pipe.execute() if live else []
+        result = dict.fromkeys(worker_ids, 0)
+        result.update({w: int(n) for w, n in zip(live, counts)})
+        return result
+
     async def record_speculative(self, block_hashes: Sequence[int], worker_id: str, from_block: int = 0) -> None:
         """Mark blocks [from_block:] as about to be held by `worker_id` (short-lived)."""
         if from_block >= len(block_hashes):

@@ -1,0 +1,124 @@
+"""Router configuration: frozen, checked at build time, one docstring per field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radixmesh.common.errors import invalid_argument
+from radixmesh.index.block_hash import DEFAULT_BLOCK_SIZE
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """Active health checking of workers."""
+
+    interval_s: float = 1.0
+    """Seconds between two probes of one worker."""
+    timeout_s: float = 1.0
+    """A probe that takes longer fails."""
+    failure_threshold: int = 2
+    """Consecutive failed probes that mark a healthy worker unhealthy."""
+    success_threshold: int = 1
+    """Consecutive passed probes that mark an unhealthy worker healthy."""
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.timeout_s <= 0:
+            raise invalid_argument("health interval_s and timeout_s must be > 0", "health")
+        if self.failure_threshold < 1 or self.success_threshold < 1:
+            raise invalid_argument("health thresholds must be >= 1", "health")
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    """Per-worker circuit breaker on request failures."""
+
+    failure_threshold: int = 3
+    """Consecutive failed requests that open the circuit."""
+    open_s: float = 5.0
+    """How long an open circuit refuses requests before letting one trial through."""
+    max_open_s: float = 60.0
+    """Each reopening after a failed trial doubles the open time, up to this."""
+
+    def __post_init__(self) -> None:
+        if self.failure_threshold < 1 or self.open_s <= 0 or self.max_open_s < self.open_s:
+            raise invalid_argument("breaker needs failure_threshold >= 1 and 0 < open_s <= max_open_s", "breaker")
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    """Retries of a request on another worker, only before its first token was forwarded."""
+
+    max_attempts: int = 3
+    """Tries per request, the first one included."""
+    base_backoff_s: float = 0.02
+    """Backoff before the second try; doubles per try, with full jitter."""
+    max_backoff_s: float = 0.5
+    """Cap of one backoff."""
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or self.base_backoff_s < 0 or self.max_backoff_s < self.base_backoff_s:
+            raise invalid_argument("retry needs max_attempts >= 1 and 0 <= base_backoff_s <= max_backoff_s", "retry")
+
+
+@dataclass(frozen=True)
+class ScoringConfig:
+    """How cache-aware policies weigh cached prefix against load."""
+
+    cache_threshold: float = 0.3
+    """Below this cached fraction of the prompt on every worker, the prompt counts as a new prefix."""
+    load_weight: float = 0.7
+    """Score = cached fraction - load_weight * load, where load is in [0, 1]."""
+    prefill_norm_tokens: int = 8192
+    """Queued prefill tokens that count as a fully loaded worker."""
+    balance_abs_reqs: int = 16
+    """Load is badly imbalanced (and alone decides) when the busiest worker has this many more requests..."""
+    balance_rel: float = 2.0
+    """...and this many times as many as the idlest one."""
+    approx_blocks_per_worker: int = 65536
+    """approx-tree: blocks remembered per worker (least recently routed forgotten first)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.cache_threshold <= 1 or self.load_weight < 0 or self.prefill_norm_tokens < 1:
+            raise invalid_argument("scoring needs cache_threshold in [0, 1], load_weight >= 0, "
+                                   "prefill_norm_tokens >= 1", "scoring")
+        if self.balance_abs_reqs < 0 or self.balance_rel < 1 or self.approx_blocks_per_worker < 1:
+            raise invalid_argument("scoring needs balance_abs_reqs >= 0, balance_rel >= 1, "
+                                   "approx_blocks_per_worker >= 1", "scoring")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything the router needs besides its server address."""
+
+    policy: str = "cache-aware"
+    """Routing policy id: cache-aware | approx-tree | power-of-two | round-robin | random."""
+    block_size: int = DEFAULT_BLOCK_SIZE
+    """Tokens per block of the prompts' hashes (as the tokenizer and workers use)."""
+    redis_url: str | None = None
+    """Redis of the KV-cache index; cache-aware without it runs as approx-tree."""
+    index_namespace: str = "radixmesh"
+    """Key prefix of the index in Redis."""
+    redis_probe_s: float = 1.0
+    """While Redis is down, how often the router checks whether it is back."""
+    sweep_interval_s: float = 10.0
+    """How often the router cleans stale index entries (0 turns it off)."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """Active health checks."""
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    """Per-worker circuit breakers."""
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    """Retries before the first token."""
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    """Cache-aware scoring."""
+    seed: int | None = None
+    """Seed of the random and power-of-two policies (None: from the OS)."""
+
+    def __post_init__(self) -> None:
+        from radixmesh.router.policies import POLICY_IDS
+
+        if self.policy not in POLICY_IDS:
+            raise invalid_argument(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICY_IDS)}", "policy")
+        if self.block_size < 1:
+            raise invalid_argument("block_size must be >= 1", "block_size")
+        if self.redis_probe_s <= 0 or self.sweep_interval_s < 0:
+            raise invalid_argument("redis_probe_s must be > 0 and sweep_interval_s >= 0", "redis_probe_s")

@@ -1,0 +1,122 @@
+"""cache-aware: the Redis KV-cache index (what workers really hold) plus load.
+
+Index entries are keyed by the id a worker publishes under (`WorkerHandle.index_id`),
+which the router maps back to its registry ids. After each decision the router writes a
+short-lived speculative entry for the blocks the chosen worker does not hold yet.
+
+When Redis fails, the policy switches to its approx-tree (kept warm with every decision)
+and probes Redis in the background; the first good probe switches back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+from redis.exceptions import RedisError
+
+from radixmesh.index.reader import KVIndexReader
+from radixmesh.router.config import RouterConfig
+from radixmesh.router.policies.approx_tree import ApproxTreePolicy
+from radixmesh.router.policies.base import BaseRoutingPolicy, RouteRequest, RoutingDecision
+from radixmesh.router.policies.scoring import decide
+from radixmesh.router.workers import WorkerHandle
+
+logger = logging.getLogger(__name__)
+
+REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+class CacheAwarePolicy(BaseRoutingPolicy):
+    policy_id = "cache-aware"
+
+    def __init__(self, config: RouterConfig, reader: KVIndexReader | None = None, **_: object) -> None:
+        self.config = config
+        self.reader = reader
+        self.fallback = ApproxTreePolicy(config)
+        self.redis_up = reader is not None
+        self._probe_task: asyncio.Task[None] | None = None
+        self._sweep_task: asyncio.Task[None] | None = None
+        self.num_fallback_decisions = 0
+        if reader is None:
+            logger.warning("router: cache-aware without --redis-url routes as approx-tree")
+
+    def active_policy(self) -> str:
+        return self.policy_id if self.redis_up else self.fallback.policy_id
+
+    async def start(self) -> None:
+        if self.reader is not None and self.config.sweep_interval_s > 0:
+            self._sweep_task = asyncio.create_task(self._sweep_loop(), name="index-sweep")
+
+    async def close(self) -> None:
+        for task in (self._probe_task, self._sweep_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._probe_task = self._sweep_task = None
+
+    async def choose(self, request: RouteRequest, candidates: Sequence[WorkerHandle]) -> RoutingDecision:
+        if self.reader is not None and self.redis_up:
+            try:
+                return await self._choose_with_index(self.reader, request, candidates)
+            except REDIS_ERRORS as exc:
+                self._redis_failed(exc)
+        self.num_fallback_decisions += 1
+        return await self.fallback.choose(request, candidates)
+
+    async def _choose_with_index(self, reader: KVIndexReader, request: RouteRequest,
+                                 candidates: Sequence[WorkerHandle]) -> RoutingDecision:
+        by_index = {(w.index_id or w.worker_id): w for w in candidates}
+        match = await reader.lookup(request.block_hashes)
+        cached = {by_index[i].worker_id: n for i, n in match.cached_blocks.items() if i in by_index}
+        footprint: dict[str, int] = {}
+        if not cached:
+            held = await reader.footprints(list(by_index))
+            footprint = {by_index[i].worker_id: n for i, n in held.items()}
+        return decide(self.policy_id, request, candidates, cached, footprint, self.config.scoring)
+
+    async def on_routed(self, request: RouteRequest, decision: RoutingDecision) -> None:
+        await self.fallback.on_routed(request, decision)
+        if self.reader is None or not self.redis_up or decision.policy != self.policy_id:
+            return
+        worker = decision.worker
+        try:
+            await self.reader.record_speculative(request.block_hashes, worker.index_id or worker.worker_id,
+                                                 from_block=decision.cached_blocks)
+        except REDIS_ERRORS as exc:
+            self._redis_failed(exc)
+
+    def _redis_failed(self, exc: BaseException) -> None:
+        if not self.redis_up:
+            return
+        self.redis_up = False
+        logger.warning("router: Redis unavailable (%s: %s); routing with approx-tree until it returns",
+                       type(exc).__name__, exc)
+        self._probe_task = asyncio.create_task(self._probe_until_up(), name="redis-probe")
+
+    async def _probe_until_up(self) -> None:
+        assert self.reader is not None
+        while True:
+            await asyncio.sleep(self.config.redis_probe_s)
+            try:
+                await self.reader.redis.ping()
+                await self.reader.live_leases(max_age_s=0)
+            except REDIS_ERRORS:
+                continue
+            self.redis_up = True
+            logger.warning("router: Redis is back; routing with cache-aware again")
+            return
+
+    async def _sweep_loop(self) -> None:
+        assert self.reader is not None
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            if not self.redis_up:
+                continue
+            try:
+                await self.reader.sweep()
+            except REDIS_ERRORS as exc:
+                logger.info("router: index sweep failed: %s", exc)

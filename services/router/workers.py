@@ -1,0 +1,167 @@
+"""The router's view of its workers: endpoint, health, circuit breaker, last load, in-flight work.
+
+`WorkerRegistry.apply` is the discovery callback: it diffs the reported set against the
+current one, creating a handle (and its transport client, through a factory) for each new
+worker and closing the clients of workers that disappeared.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixmesh.router.breaker import CircuitBreaker, CircuitState
+from radixmesh.router.config import BreakerConfig, HealthConfig
+from radixmesh.router.discovery.base import WorkerEndpoint
+from radixmesh.router.health import HealthState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """A worker's load as its last GetLoad reported it (token counts unless named num_*_reqs)."""
+
+    num_running_reqs: int = 0
+    """Sequences running (decode or chunked prefill)."""
+    num_waiting_reqs: int = 0
+    """Sequences queued for admission."""
+    num_queued_prefill_tokens: int = 0
+    """Uncached prompt tokens still to prefill."""
+    num_running_decode_tokens: int = 0
+    """Tokens held by running sequences."""
+    kv_used_tokens: int = 0
+    """KV slots in use."""
+    max_total_tokens: int = 0
+    """KV capacity (0: unknown)."""
+    kv_usage: float = 0.0
+    """kv_used_tokens / max_total_tokens."""
+    cache_hit_rate: float = 0.0
+    """Cached prompt tokens / prompt tokens since the worker started."""
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """One worker as the router tracks it."""
+
+    endpoint: WorkerEndpoint
+    health: HealthState
+    breaker: CircuitBreaker
+    client: Any = None
+    """Transport to the worker (a gRPC client in the service, a fake in tests)."""
+    load: LoadSnapshot = field(default_factory=LoadSnapshot)
+    index_id: str = ""
+    """The id the worker publishes index entries under (from its GetLoad; defaults to worker_id)."""
+    num_inflight: int = 0
+    """Requests this router has open on the worker."""
+    inflight_prefill_tokens: int = 0
+    """Uncached prompt tokens of open requests that have not produced a token yet."""
+
+    @property
+    def worker_id(self) -> str:
+        return self.endpoint.worker_id
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+    @property
+    def is_available(self) -> bool:
+        """Healthy and its circuit lets a request through."""
+        return self.health.healthy and self.breaker.can_route()
+
+    @property
+    def circuit_state(self) -> CircuitState:
+        return self.breaker.state
+
+    def begin_request(self, uncached_tokens: int) -> None:
+        self.num_inflight += 1
+        self.inflight_prefill_tokens += uncached_tokens
+        self.breaker.on_dispatch()
+
+    def first_token(self, uncached_tokens: int) -> None:
+        self.inflight_prefill_tokens = max(0, self.inflight_prefill_tokens - uncached_tokens)
+
+    def end_request(self, uncached_tokens: int, first_token_seen: bool) -> None:
+        self.num_inflight = max(0, self.num_inflight - 1)
+        if not first_token_seen:
+            self.first_token(uncached_tokens)
+
+
+ClientFactory = Callable[[WorkerEndpoint], Any]
+
+
+class WorkerRegistry:
+    """Workers by id; fed by one discovery source."""
+
+    def __init__(self, health: HealthConfig, breaker: BreakerConfig, client_factory: ClientFactory,
+                 clock: Callable[[], float] | None = None) -> None:
+        self.health_config = health
+        self.breaker_config = breaker
+        self.client_factory = client_factory
+        self.clock = clock
+        self._workers: dict[str, WorkerHandle] = {}
+        self.on_added: list[Callable[[WorkerHandle], None]] = []
+        """Called for every new handle (the health checker starts probing it)."""
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def get(self, worker_id: str) -> WorkerHandle | None:
+        return self._workers.get(worker_id)
+
+    def all(self) -> list[WorkerHandle]:
+        return [self._workers[k] for k in sorted(self._workers)]
+
+    def available(self, role: str = "unified") -> list[WorkerHandle]:
+        """Workers of `role` that may take a request now, in id order."""
+        return [w for w in self.all() if w.endpoint.role == role and w.is_available]
+
+    def by_index_id(self) -> dict[str, WorkerHandle]:
+        return {(w.index_id or w.worker_id): w for w in self._workers.values()}
+
+    async def apply(self, endpoints: list[WorkerEndpoint]) -> None:
+        """Make the registry hold exactly `endpoints` (the discovery callback); closes removed clients."""
+        for handle in self.replace(endpoints):
+            await _close_client(handle)
+
+    def replace(self, endpoints: list[WorkerEndpoint]) -> list[WorkerHandle]:
+        """The synchronous part of `apply`: returns the removed handles, whose clients the caller closes."""
+        wanted = {e.worker_id: e for e in endpoints}
+        removed = [self._remove(w) for w in list(self._workers) if w not in wanted]
+        for worker_id, endpoint in wanted.items():
+            current = self._workers.get(worker_id)
+            if current is not None and current.endpoint == endpoint:
+                continue
+            if current is not None:
+                removed.append(self._remove(worker_id))
+            self._add(endpoint)
+        return removed
+
+    def _add(self, endpoint: WorkerEndpoint) -> None:
+        breaker = CircuitBreaker(self.breaker_config, self.clock) if self.clock else CircuitBreaker(self.breaker_config)
+        handle = WorkerHandle(endpoint, HealthState(self.health_config), breaker, self.client_factory(endpoint))
+        self._workers[endpoint.worker_id] = handle
+        logger.info("router: worker %s at %s (%s) added", endpoint.worker_id, endpoint.address, endpoint.role)
+        for callback in self.on_added:
+            callback(handle)
+
+    def _remove(self, worker_id: str) -> WorkerHandle:
+        handle = self._workers.pop(worker_id)
+        logger.info("router: worker %s at %s removed", worker_id, handle.address)
+        return handle
+
+    async def close(self) -> None:
+        for handle in self.replace([]):
+            await _close_client(handle)
+
+
+async def _close_client(handle: WorkerHandle) -> None:
+    close = getattr(handle.client, "close", None)
+    if close is not None:
+        result = close()
+        if inspect.isawaitable(result):
+            await result
