@@ -1,10 +1,14 @@
-"""`radixmesh serve`. Imports nothing heavy at module level: the CLI must start fast."""
+"""`radixmesh serve` and `radixmesh gateway`. Imports nothing heavy at module level: the CLI must start fast."""
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from radixmesh.common.env import env_str
+
+if TYPE_CHECKING:
+    from radixmesh.gateway.config import GatewayConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -15,21 +19,35 @@ def register(sub: argparse._SubParsersAction) -> None:
                            description="Serve a model over HTTP: OpenAI API under /v1, SGLang-native "
                                        "/generate, /health, /metrics. With no flags: the default model, "
                                        "on CUDA when available, else CPU, at http://127.0.0.1:8000.")
-    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one)")
-    serve.add_argument("--api-key", default=env_str("API_KEY"),
-                       help="require 'Authorization: Bearer <key>' (default: $RADIXMESH_API_KEY; none: open)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="name clients pass as 'model' (default: the model's own name)")
-    serve.add_argument("--max-queued-requests", type=int, default=None,
-                       help="sequences that may wait beyond the engine's running slots; more get HTTP 429 "
-                            "(default: unlimited)")
-    serve.add_argument("--max-default-tokens", type=int, default=4096,
-                       help="output cap for chat and /generate requests that give no max tokens")
-    serve.add_argument("--graceful-shutdown-s", type=float, default=5.0,
-                       help="on SIGINT/SIGTERM, seconds open requests may finish before they are aborted")
+    _add_http_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+    _register_gateway(sub)
+
+
+def _add_http_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one)")
+    parser.add_argument("--api-key", default=env_str("API_KEY"),
+                        help="require 'Authorization: Bearer <key>' (default: $RADIXMESH_API_KEY; none: open)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="name clients pass as 'model' (default: the model's own name)")
+    parser.add_argument("--max-queued-requests", type=int, default=None,
+                        help="sequences that may wait beyond the engine's running slots; more get HTTP 429 "
+                             "(default: unlimited)")
+    parser.add_argument("--max-default-tokens", type=int, default=4096,
+                        help="output cap for chat and /generate requests that give no max tokens")
+    parser.add_argument("--graceful-shutdown-s", type=float, default=5.0,
+                        help="on SIGINT/SIGTERM, seconds open requests may finish before they are aborted")
+
+
+def _gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    from radixmesh.gateway.config import GatewayConfig
+
+    return GatewayConfig(host=args.host, port=args.port, api_key=args.api_key,
+                         served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
+                         max_default_tokens=args.max_default_tokens, graceful_shutdown_s=args.graceful_shutdown_s,
+                         log_level=args.log_level)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -38,12 +56,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from radixmesh.cli import engine_kwargs
     from radixmesh.engine.config import EngineConfig
-    from radixmesh.gateway.config import GatewayConfig
     from radixmesh.gateway.server import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = GatewayConfig(host=args.host, port=args.port, api_key=args.api_key,
-                           served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
-                           max_default_tokens=args.max_default_tokens, graceful_shutdown_s=args.graceful_shutdown_s,
-                           log_level=args.log_level)
-    return asyncio.run(serve(config, EngineConfig(**engine_kwargs(args))))
+    return asyncio.run(serve(_gateway_config(args), EngineConfig(**engine_kwargs(args))))
+
+
+def _register_gateway(sub: argparse._SubParsersAction) -> None:
+    gateway = sub.add_parser("gateway", help="serve the HTTP API over the cluster's gRPC services",
+                             description="The same OpenAI-compatible and native HTTP API as `radixmesh serve`, "
+                                         "over a tokenizer service and a router (or one worker).")
+    target = gateway.add_mutually_exclusive_group(required=True)
+    target.add_argument("--router", help="host:port of the router service")
+    target.add_argument("--worker", help="host:port of one worker, for a cluster without a router")
+    gateway.add_argument("--tokenizer", required=True, help="host:port of the tokenizer service")
+    _add_http_args(gateway)
+    gateway.add_argument("--log-level", default="warning", help="logging level")
+    gateway.set_defaults(func=cmd_gateway)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from radixmesh.gateway.grpc_backend import GrpcBackend
+    from radixmesh.gateway.server import serve_backend
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = _gateway_config(args)
+    kind, address = ("router", args.router) if args.router else ("worker", args.worker)
+    return asyncio.run(serve_backend(
+        config, lambda: GrpcBackend.start(args.tokenizer, address, kind, config.served_model_name),
+        f"connecting to the {kind} at {address} and the tokenizer at {args.tokenizer}"))

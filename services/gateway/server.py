@@ -13,13 +13,14 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import uvicorn
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.engine.config import EngineConfig
 from radixmesh.gateway.app import create_app
+from radixmesh.gateway.backend import Backend
 from radixmesh.gateway.config import GatewayConfig
 from radixmesh.gateway.local_backend import LocalBackend
 from radixmesh.gateway.state import GatewayState
@@ -50,7 +51,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 async def serve(config: GatewayConfig, engine_config: EngineConfig) -> int:
-    """Run until SIGINT/SIGTERM; returns the process exit code."""
+    """`radixmesh serve`: the gateway over a local scheduler process, until SIGINT/SIGTERM."""
+    return await serve_backend(config, lambda: LocalBackend.start(engine_config, config.served_model_name),
+                               f"loading {engine_config.model or 'the default model'}")
+
+
+async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Awaitable[Backend]], starting: str) -> int:
+    """Start a backend, serve HTTP over it until SIGINT/SIGTERM; returns the process exit code."""
     sock = bind_socket(config.host, config.port)
     port = sock.getsockname()[1]
     loop = asyncio.get_running_loop()
@@ -70,10 +77,10 @@ async def serve(config: GatewayConfig, engine_config: EngineConfig) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    backend: LocalBackend | None = None
+    backend: Backend | None = None
     try:
-        print(f"radixmesh: loading {engine_config.model or 'the default model'} ...", file=sys.stderr, flush=True)
-        backend = await LocalBackend.start(engine_config, config.served_model_name)
+        print(f"radixmesh: {starting} ...", file=sys.stderr, flush=True)
+        backend = await start_backend()
         app = create_app(backend, config)
         state: GatewayState = app.state.gateway
         server = _Server(uvicorn.Config(app, log_level=config.log_level.lower(), lifespan="off",
