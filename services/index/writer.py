@@ -130,6 +130,7 @@ class KVIndexWriter:
             try:
                 await self.redis.delete(self.keys.lease(self.identity.worker_id))
                 await self.janitor.clean_worker(self.identity.worker_id, keep_epoch=None)
+                await self.redis.srem(self.keys.workers, self.identity.worker_id)
             except RedisError as exc:
                 logger.warning("index: could not withdraw worker %s: %s", self.identity.worker_id, exc)
         await self.redis.aclose()

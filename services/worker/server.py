@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
 from radixmesh.engine.client import EngineClient
@@ -18,20 +20,26 @@ from radixmesh.protocol import worker_pb2_grpc
 from radixmesh.worker.config import WorkerConfig
 from radixmesh.worker.service import SERVICE_NAME, WorkerServicer
 
+if TYPE_CHECKING:
+    from radixmesh.index.writer import KVIndexWriter
+
 logger = logging.getLogger(__name__)
 ENGINE_WATCH_S = 1.0
 
 
 async def serve_worker(server_config: GrpcServerConfig, config: WorkerConfig, engine_config: EngineConfig) -> int:
     print(f"radixmesh worker: loading {engine_config.model or 'the default model'} ...", file=sys.stderr, flush=True)
+    if config.redis_url is not None:
+        engine_config = dataclasses.replace(engine_config, kv_events_block_size=config.block_size)
     client = await EngineClient.start(engine_config)
+    publisher = None
     try:
         server = GrpcServer(server_config, "worker", [SERVICE_NAME])
         servicer = WorkerServicer(client, config)
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server.server)
         await server.start()
         servicer.config = config = config.resolve(server.address)
-        await attach_kv_events(client, config)
+        publisher = await attach_kv_events(client, config, server.metrics_port or 0)
         watcher = asyncio.create_task(_watch_engine(client, server))
         await server.run_until_signal()
         watcher.cancel()
@@ -39,16 +47,23 @@ async def serve_worker(server_config: GrpcServerConfig, config: WorkerConfig, en
             await watcher
         return 0
     finally:
+        if publisher is not None:
+            await publisher.close()  # withdraws the lease and this worker's index entries
         await client.shutdown()
 
 
-async def attach_kv_events(client: EngineClient, config: WorkerConfig) -> None:
-    """Hook for the KV-cache index: publish the scheduler's block events (stored / removed / cleared)
-    under this worker's lease. The scheduler sends them when EngineConfig.kv_events_block_size > 0;
-    they arrive through `client.on_kv_events`. With no --redis-url nothing is published."""
+async def attach_kv_events(client: EngineClient, config: WorkerConfig, metrics_port: int = 0) -> KVIndexWriter | None:
+    """Publish the scheduler's block events (stored / removed / cleared) to the KV-cache index under
+    this worker's lease; with no --redis-url nothing is published and None is returned."""
     if config.redis_url is None:
-        return
-    logger.warning("worker %s: --redis-url given, but KV-event publishing is not wired in yet", config.worker_id)
+        return None
+    from radixmesh.index.config import IndexConfig
+    from radixmesh.index.publisher import start_publisher
+    from radixmesh.index.writer import WriterIdentity
+
+    identity = WriterIdentity(config.worker_id, config.advertise_address, config.role, metrics_port)
+    return await start_publisher(client, IndexConfig(redis_url=config.redis_url, block_size=config.block_size),
+                                 identity)
 
 
 async def _watch_engine(client: EngineClient, server: GrpcServer) -> None:
