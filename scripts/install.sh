@@ -34,3 +34,24 @@ if [ ! -f "$stamp" ]; then
   $py -m pip install -q -e "$spec"
   touch "$stamp"
 fi
+
+# The chart tests run a real helm. There is no Debian package: build it from the Go module proxy
+# into .venv/bin once (a few minutes on 2 cores; the Go build cache makes rebuilds seconds).
+# The ldflags are those of helm's own Makefile: version string and default Kubernetes version.
+HELM_VERSION=v3.22.0
+HELM_KUBE_MINOR=37
+if [ "$want" = test ]; then
+  if .venv/bin/helm version --short 2>/dev/null | grep -q "^$HELM_VERSION"; then
+    :
+  elif command -v go >/dev/null 2>&1; then
+    echo "radixmesh: building helm $HELM_VERSION with go install (once, a few minutes)" >&2
+    p=helm.sh/helm/v3
+    GOBIN="$PWD/.venv/bin" GOFLAGS=-buildvcs=false go install -ldflags "-s -w \
+      -X $p/internal/version.version=$HELM_VERSION \
+      -X $p/pkg/chartutil.k8sVersionMajor=1 -X $p/pkg/chartutil.k8sVersionMinor=$HELM_KUBE_MINOR \
+      -X $p/pkg/lint/rules.k8sVersionMajor=1 -X $p/pkg/lint/rules.k8sVersionMinor=$HELM_KUBE_MINOR" \
+      "$p/cmd/helm@$HELM_VERSION"
+  else
+    echo "radixmesh: Go is not installed: cannot build helm $HELM_VERSION; the chart tests (tests/helm) will fail" >&2
+  fi
+fi

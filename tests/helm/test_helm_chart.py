@@ -1,0 +1,400 @@
+"""The Helm chart, checked with a real helm: lint, render, Kubernetes schemas, RBAC, probes, values schema.
+
+helm comes from `scripts/install.sh test` (built with `go install` into .venv/bin). A missing
+helm fails these tests: they are the only check of the chart.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .chart import (
+    CHART,
+    EXAMPLES,
+    KUBE_VERSION,
+    NAMESPACE,
+    RELEASE,
+    component_of,
+    container,
+    find_helm,
+    flag,
+    load_yaml,
+    of_kind,
+    parse_selector,
+    render,
+    run_helm,
+    template_args,
+)
+
+pytestmark = pytest.mark.helm
+
+VALUE_SETS = [pytest.param(None, id="defaults")] + [pytest.param(p, id=p.stem) for p in EXAMPLES]
+CRD_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1"}
+"""Kinds of custom resources the chart may render; the Kubernetes schemas do not cover them."""
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    path = find_helm()
+    if path is None:
+        pytest.fail("helm not found (next to python or on PATH): run `scripts/install.sh test`, which builds it "
+                    "with `go install helm.sh/helm/v3/cmd/helm@...` into .venv/bin")
+    version = run_helm(path, "version", "--short")
+    assert version.returncode == 0 and version.stdout.startswith("v3."), version
+    return path
+
+
+def _files(values_file: Path | None) -> list[Path]:
+    return [values_file] if values_file else []
+
+
+@pytest.fixture(scope="module")
+def rendered(helm: str) -> dict[str, list[dict[str, Any]]]:
+    """Manifests of the defaults and of every example (rendered once per module)."""
+    out = {"defaults": render(helm)}
+    for path in EXAMPLES:
+        out[path.stem] = render(helm, [path])
+    return out
+
+
+def _docs(rendered: dict[str, list[dict[str, Any]]], values_file: Path | None) -> list[dict[str, Any]]:
+    return rendered[values_file.stem if values_file else "defaults"]
+
+
+def test_examples_exist() -> None:
+    assert {p.stem for p in EXAMPLES} >= {"unified-1gpu", "pd-2p4d", "external-redis", "autoscaling"}
+
+
+@pytest.mark.parametrize("values_file", VALUE_SETS)
+def test_helm_lint_strict(helm: str, values_file: Path | None) -> None:
+    args = ["lint", str(CHART), "--strict", "--kube-version", KUBE_VERSION]
+    for path in _files(values_file):
+        args += ["-f", str(path)]
+    result = run_helm(helm, *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize("values_file", VALUE_SETS)
+def test_manifests_match_kubernetes_schemas(rendered: dict[str, list[dict[str, Any]]],
+                                            values_file: Path | None) -> None:
+    import kubernetes_validate
+
+    docs = _docs(rendered, values_file)
+    assert docs
+    errors = []
+    for doc in docs:
+        if doc["kind"] in CRD_KINDS:
+            assert doc["apiVersion"] == CRD_KINDS[doc["kind"]], doc["apiVersion"]
+            continue
+        try:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"{doc['kind']}/{doc['metadata']['name']} at {list(exc.path)}: {exc.message}")
+    assert not errors, "\n".join(errors)
+
+
+def test_schema_validation_catches_a_bad_manifest(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The validator itself is strict: a misspelled field and a wrong type are errors."""
+    import copy
+
+    import kubernetes_validate
+
+    deployment = copy.deepcopy(next(d for d in rendered["defaults"] if d["kind"] == "Deployment"))
+    deployment["spec"]["replica"] = 2
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBE_VERSION, strict=True)
+    deployment = copy.deepcopy(next(d for d in rendered["defaults"] if d["kind"] == "Deployment"))
+    container(deployment)["ports"][0]["containerPort"] = "grpc"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("values_file", VALUE_SETS)
+def test_objects_refer_to_each_other_consistently(rendered: dict[str, list[dict[str, Any]]],
+                                                  values_file: Path | None) -> None:
+    """Selectors, named ports, volumes and Secrets line up (the schemas cannot see across objects)."""
+    docs = _docs(rendered, values_file)
+    deployments = of_kind(docs, "Deployment")
+    secrets = set(of_kind(docs, "Secret"))
+    values = load_yaml(values_file) if values_file else {}
+    external_secrets = {values.get("redis", {}).get("external", {}).get("existingSecret"),
+                        values.get("gateway", {}).get("apiKey", {}).get("existingSecret")} - {None, ""}
+    for name, dep in deployments.items():
+        pod = dep["spec"]["template"]
+        labels = pod["metadata"]["labels"]
+        assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
+        volumes = {v["name"] for v in pod["spec"].get("volumes", [])}
+        for c in pod["spec"]["containers"] + pod["spec"].get("initContainers", []):
+            assert {m["name"] for m in c.get("volumeMounts", [])} <= volumes, f"{name}/{c['name']}"
+            for env in c.get("env", []):
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["name"] in secrets | external_secrets, f"{name}: Secret {ref['name']} is not rendered"
+    for name, svc in of_kind(docs, "Service").items():
+        matches = [d for d in deployments.values()
+                   if svc["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert matches, f"Service {name} selects no pods"
+        for port in svc["spec"]["ports"]:
+            for dep in matches:
+                names = {p["name"] for p in container(dep)["ports"]}
+                assert port["targetPort"] in names, f"Service {name} port {port['name']} -> {dep['metadata']['name']}"
+
+
+@pytest.mark.parametrize("values_file", VALUE_SETS)
+def test_router_rbac_grants_only_reading_pods(rendered: dict[str, list[dict[str, Any]]],
+                                              values_file: Path | None) -> None:
+    docs = _docs(rendered, values_file)
+    assert not of_kind(docs, "ClusterRole") and not of_kind(docs, "ClusterRoleBinding")
+    roles = of_kind(docs, "Role")
+    for role in roles.values():
+        assert role["metadata"]["namespace"] == NAMESPACE
+        for rule in role["rules"]:
+            assert set(rule) <= {"apiGroups", "resources", "verbs"}, rule  # no resourceNames / nonResourceURLs
+            assert rule["apiGroups"] == [""] and rule["resources"] == ["pods"], rule
+            assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule
+    deployments = of_kind(docs, "Deployment")
+    router = next(d for d in deployments.values() if component_of(d) == "router")
+    router_sa = router["spec"]["template"]["spec"].get("serviceAccountName")
+    uses_kubernetes = flag(container(router)["args"], "discovery") == "kubernetes"
+    bindings = of_kind(docs, "RoleBinding")
+    if uses_kubernetes:
+        assert roles and bindings and router_sa
+        for binding in bindings.values():
+            assert binding["roleRef"]["name"] in roles and binding["roleRef"]["kind"] == "Role"
+            assert binding["subjects"] == [{"kind": "ServiceAccount", "name": router_sa, "namespace": NAMESPACE}]
+    else:
+        assert not roles and not bindings
+    for dep in deployments.values():  # nobody else gets an API token
+        if dep is not router:
+            assert dep["spec"]["template"]["spec"]["automountServiceAccountToken"] is False, dep["metadata"]["name"]
+
+
+@pytest.mark.parametrize("values_file", VALUE_SETS)
+def test_workers_carry_discovery_labels_gpus_and_shm(rendered: dict[str, list[dict[str, Any]]],
+                                                     values_file: Path | None) -> None:
+    docs = _docs(rendered, values_file)
+    deployments = of_kind(docs, "Deployment")
+    workers = [d for d in deployments.values() if component_of(d) == "worker"]
+    assert workers
+    router = next(d for d in deployments.values() if component_of(d) == "router")
+    selector = flag(container(router)["args"], "selector")
+    for dep in workers:
+        pod = dep["spec"]["template"]
+        labels, annotations = pod["metadata"]["labels"], pod["metadata"]["annotations"]
+        c = container(dep)
+        role = labels["radixmesh.io/role"]
+        assert role in ("unified", "prefill", "decode")
+        assert flag(c["args"], "role") == role
+        grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+        assert annotations["radixmesh.io/grpc-port"] == str(grpc_port)
+        assert flag(c["args"], "port") == str(grpc_port)
+        if selector is not None:
+            assert parse_selector(selector).items() <= labels.items(), "the router's selector misses this worker"
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == c["resources"]["requests"]["nvidia.com/gpu"] >= 1
+        shm = next(v for v in pod["spec"]["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        assert any(t.get("key") == "nvidia.com/gpu" for t in pod["spec"]["tolerations"])
+        assert flag(c["args"], "model")
+
+
+@pytest.mark.parametrize("values_file", VALUE_SETS)
+def test_probes(rendered: dict[str, list[dict[str, Any]]], values_file: Path | None) -> None:
+    """gRPC probes on each gRPC service's own port; HTTP probes on the gateway; a long startup window for workers."""
+    for dep in of_kind(_docs(rendered, values_file), "Deployment").values():
+        component, c = component_of(dep), container(dep)
+        if component == "redis":
+            continue
+        probes = [c[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")]
+        if component == "gateway":
+            assert all(p["httpGet"] == {"path": "/health", "port": "http"} for p in probes)
+            continue
+        grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+        assert all(p["grpc"]["port"] == grpc_port for p in probes), component
+        startup_window_s = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
+        assert startup_window_s >= (1200 if component == "worker" else 120), (component, startup_window_s)
+
+
+def test_pd_example_runs_2_prefill_and_4_decode(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    deployments = of_kind(rendered["pd-2p4d"], "Deployment")
+    by_role = {d["spec"]["template"]["metadata"]["labels"]["radixmesh.io/role"]: d
+               for d in deployments.values() if component_of(d) == "worker"}
+    assert set(by_role) == {"prefill", "decode"}
+    assert by_role["prefill"]["spec"]["replicas"] == 2 and by_role["decode"]["spec"]["replicas"] == 4
+    prefill_args = container(by_role["prefill"])["args"]
+    assert flag(prefill_args, "chunked-prefill-size") == "8192"  # role override
+    assert flag(prefill_args, "mem-fraction-static") == "0.88"  # shared worker.engine
+    assert "--disable-cuda-graph" in prefill_args
+    assert "--disable-cuda-graph" not in container(by_role["decode"])["args"]
+    assert by_role["decode"]["spec"]["template"]["spec"]["nodeSelector"] == {"node-pool": "gpu-decode"}
+    volumes = by_role["decode"]["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "llama-3-1-8b", "readOnly": True}} in volumes
+
+
+def test_network_policies_only_when_enabled(helm: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    assert not of_kind(rendered["defaults"], "NetworkPolicy")
+    policies = of_kind(rendered["pd-2p4d"], "NetworkPolicy")
+
+    def callers(name: str) -> list[dict[str, str]]:
+        rules = policies[f"{RELEASE}-radixmesh-{name}"]["spec"]["ingress"]
+        assert len(rules) == 1, rules  # metricsFrom is empty in the example
+        return [peer["podSelector"]["matchLabels"] for peer in rules[0]["from"]]
+
+    def component_role(labels: dict[str, str]) -> tuple[str, str | None]:
+        return labels["app.kubernetes.io/component"], labels.get("radixmesh.io/role")
+
+    assert [component_role(p) for p in callers("router")] == [("gateway", None)]
+    assert [component_role(p) for p in callers("tokenizer")] == [("gateway", None)]
+    assert [component_role(p) for p in callers("worker-decode")] == [("router", None), ("worker", "prefill")]
+    assert [component_role(p) for p in callers("worker-prefill")] == [("router", None), ("worker", "decode")]
+    assert {component_role(p) for p in callers("redis")} == {("router", None), ("worker", None), ("grammar", None)}
+    gateway_rules = policies[f"{RELEASE}-radixmesh-gateway"]["spec"]["ingress"]
+    assert gateway_rules == [{"ports": [{"port": 8000, "protocol": "TCP"}]}]
+    unified = of_kind(render(helm, sets=["networkPolicy.enabled=true"]), "NetworkPolicy")
+    assert [component_role(p["podSelector"]["matchLabels"])
+            for p in unified[f"{RELEASE}-radixmesh-worker-unified"]["spec"]["ingress"][0]["from"]] == [("router", None)]
+
+
+def test_pdbs_render_when_enabled_and_not_when_disabled(helm: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    pdbs = of_kind(rendered["defaults"], "PodDisruptionBudget")
+    names = {n.removeprefix(f"{RELEASE}-radixmesh-") for n in pdbs}
+    assert names == {"gateway", "router", "tokenizer", "grammar", "worker-unified"}
+    assert all(p["spec"]["maxUnavailable"] == 1 for p in pdbs.values())
+    worker_pdb = pdbs[f"{RELEASE}-radixmesh-worker-unified"]["spec"]["selector"]["matchLabels"]
+    assert worker_pdb["radixmesh.io/role"] == "unified"
+    off = render(helm, sets=[f"{c}.pdb.enabled=false" for c in ("gateway", "router", "tokenizer", "grammar")]
+                 + ["workers.unified.pdb.enabled=false"])
+    assert not of_kind(off, "PodDisruptionBudget")
+    min_available = of_kind(render(helm, sets=["workers.unified.pdb.minAvailable=1"]), "PodDisruptionBudget")
+    assert min_available[f"{RELEASE}-radixmesh-worker-unified"]["spec"] == {
+        "minAvailable": 1, "selector": {"matchLabels": worker_pdb}}
+
+
+def test_autoscaling_example(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered["autoscaling"]
+    hpas = of_kind(docs, "HorizontalPodAutoscaler")
+    deployments = of_kind(docs, "Deployment")
+    assert {h.removeprefix(f"{RELEASE}-radixmesh-") for h in hpas} == {
+        "gateway", "router", "tokenizer", "worker-prefill", "worker-decode"}
+    for name, hpa in hpas.items():
+        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
+        assert "replicas" not in deployments[name]["spec"], f"{name}: the HPA owns replicas"
+    decode = hpas[f"{RELEASE}-radixmesh-worker-decode"]["spec"]
+    assert decode["metrics"][0]["pods"]["metric"]["name"] == "radixmesh_queued_requests"
+    assert (decode["minReplicas"], decode["maxReplicas"]) == (2, 16)
+    monitors = of_kind(docs, "ServiceMonitor")
+    services = of_kind(docs, "Service")
+    for monitor in monitors.values():
+        selected = [s for s in services.values()
+                    if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+        assert selected, monitor["metadata"]["name"]
+        port = monitor["spec"]["endpoints"][0]["port"]
+        assert all(port in {p["name"] for p in s["spec"]["ports"]} for s in selected)
+
+
+def test_redis_modes(helm: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    bundled = rendered["defaults"]
+    secret = of_kind(bundled, "Secret")[f"{RELEASE}-radixmesh-redis"]
+    assert len(secret["data"]["redis-password"]) > 20
+    worker = next(d for d in of_kind(bundled, "Deployment").values() if component_of(d) == "worker")
+    env = {e["name"]: e for e in container(worker)["env"]}
+    assert env["RADIXMESH_REDIS_URL"]["value"] == f"redis://:$(REDIS_PASSWORD)@{RELEASE}-radixmesh-redis:6379/0"
+    assert "--redis-url=$(RADIXMESH_REDIS_URL)" in container(worker)["args"]
+
+    external = rendered["external-redis"]
+    assert not any(component_of(d) == "redis" for d in of_kind(external, "Deployment").values())
+    for dep in of_kind(external, "Deployment").values():
+        for e in container(dep).get("env", []):
+            if e["name"] == "RADIXMESH_REDIS_URL":
+                assert e["valueFrom"]["secretKeyRef"] == {"name": "radixmesh-redis", "key": "redis-url"}
+
+    url_docs = render(helm, sets=["redis.mode=external", "redis.external.url=redis://cache.example:6379/2"])
+    url_secret = of_kind(url_docs, "Secret")[f"{RELEASE}-radixmesh-redis-url"]
+    assert url_secret["data"]["redis-url"] == "cmVkaXM6Ly9jYWNoZS5leGFtcGxlOjYzNzkvMg=="
+
+    none = render(helm, sets=["redis.mode=none"])
+    for dep in of_kind(none, "Deployment").values():
+        assert component_of(dep) != "redis"
+        assert flag(container(dep).get("args", []), "redis-url") is None
+
+
+def test_engine_flags_render_as_the_engine_parses_them(helm: str) -> None:
+    docs = render(helm, sets=["worker.engine.memFractionStatic=0.9", "worker.engine.maxTotalTokens=1000000",
+                              "worker.engine.disableRadixCache=true", "workers.unified.extraArgs={--foo,bar}"])
+    worker = next(d for d in of_kind(docs, "Deployment").values() if component_of(d) == "worker")
+    args = container(worker)["args"]
+    assert flag(args, "mem-fraction-static") == "0.9"
+    assert flag(args, "max-total-tokens") == "1000000"
+    assert "--disable-radix-cache" in args and "--disable-cuda-graph" not in args
+    assert flag(args, "context-length") is None  # null: the engine's default
+    assert args[-2:] == ["--foo", "bar"]
+
+
+def test_model_init_step_fetches_into_the_cache_volume(helm: str) -> None:
+    docs = render(helm, sets=["model.source.type=init", "model.name=Qwen/Qwen2.5-1.5B-Instruct"])
+    for dep in of_kind(docs, "Deployment").values():
+        if component_of(dep) not in ("worker", "tokenizer", "grammar"):
+            assert "initContainers" not in dep["spec"]["template"]["spec"]
+            continue
+        init = dep["spec"]["template"]["spec"]["initContainers"][0]
+        assert init["command"][-1] == "Qwen/Qwen2.5-1.5B-Instruct"
+        main_env = {e["name"]: e.get("value") for e in container(dep)["env"]}
+        init_env = {e["name"]: e.get("value") for e in init["env"]}
+        assert init_env["RADIXMESH_CACHE_DIR"] == main_env["RADIXMESH_CACHE_DIR"] == "/var/cache/radixmesh"
+        assert main_env["HF_HUB_OFFLINE"] == "1" and "HF_HUB_OFFLINE" not in init_env
+        assert {"name": "cache", "mountPath": "/var/cache/radixmesh"} in init["volumeMounts"]
+
+
+BAD_VALUES = [
+    (["workers.unified.replicas=-1"], "/workers/unified/replicas"),
+    (["workers.draft.enabled=true"], "additional properties 'draft' not allowed"),
+    (["redis.mode=cluster"], "/redis/mode"),
+    (["gateway.replicas=two"], "/gateway/replicas"),
+    (["router.policy=fastest"], "/router/policy"),
+    (["worker.engine.attentionBackend=flash"], "/worker/engine/attentionBackend"),
+    (["worker.engine.memFractionStatic=1.5"], "/worker/engine/memFractionStatic"),
+    (["worker.engine.maxRunningRequest=8"], "additional properties 'maxRunningRequest' not allowed"),
+    (["worker.gpus=-1"], "/worker/gpus"),
+    (["worker.port=70000"], "/worker/port"),
+    (["model.source.type=s3"], "/model/source/type"),
+    (["redis.external.url=http://x"], "/redis/external/url"),
+    (["workers.decode.enabled=true"], "enable both workers.prefill and workers.decode"),
+    (["workers.unified.enabled=false"], "enable at least one role"),
+    (["redis.mode=external"], "redis.mode=external needs redis.external.url or redis.external.existingSecret"),
+    (["model.source.type=pvc"], "model.source.pvc.claimName"),
+    (["redis.mode=none", "router.discovery=redis"], "router.discovery=redis needs a Redis"),
+    (["workers.unified.autoscaling.enabled=true"], "workers.unified.autoscaling: give targetCPUUtilizationPercentage"),
+]
+
+
+@pytest.mark.parametrize(("sets", "message"), BAD_VALUES, ids=[s[0][0] for s in BAD_VALUES])
+def test_bad_values_fail_with_a_clear_message(helm: str, sets: list[str], message: str) -> None:
+    """`helm template` is `helm install` without a cluster: the same schema and template checks run."""
+    result = run_helm(helm, *template_args(sets=sets))
+    assert result.returncode != 0, f"{sets} rendered without error"
+    assert message in result.stderr, result.stderr
+
+
+def test_notes_tell_how_to_call_the_api(helm: str, tmp_path: Path) -> None:
+    """NOTES.txt rendered through a copy of the chart that puts it in a ConfigMap (helm template skips NOTES)."""
+    chart = tmp_path / "radixmesh"
+    shutil.copytree(CHART, chart)
+    shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes.txt")
+    (chart / "templates" / "notes-render.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n  notes: |\n'
+        '{{ tpl (.Files.Get "notes.txt") . | indent 4 }}\n')
+    docs = render(helm, chart=chart, sets=["gateway.apiKey.value=k"], show_only="templates/notes-render.yaml")
+    notes = docs[0]["data"]["notes"]
+    assert f"port-forward svc/{RELEASE}-radixmesh-gateway 8000:8000" in notes
+    assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in notes
+    assert 'Authorization: Bearer $RADIXMESH_API_KEY' in notes
+    assert '"model": "smollm2-135m-instruct"' in notes
+    plain = render(helm, chart=chart, values_files=[CHART / "examples" / "pd-2p4d.yaml"],
+                   show_only="templates/notes-render.yaml")[0]["data"]["notes"]
+    assert "Authorization" not in plain and '"model": "llama-3.1-8b-instruct"' in plain
+    assert "prefill: 2 pod(s)" in plain and "decode: 4 pod(s)" in plain
