@@ -60,6 +60,18 @@ class EngineConfig:
     """Python logging level of the scheduler process."""
     kv_events_block_size: int = 0
     """Report full blocks of this many tokens the radix cache stores/evicts to the front end (0: off)."""
+    grammar_backend: str = "xgrammar"
+    """Engine of structured outputs (json_schema, regex, ebnf, response_format): xgrammar."""
+    grammar_compile_timeout: float = 30.0
+    """Seconds a request may wait for its grammar to compile; past that, only that request fails."""
+    grammar_compile_threads: int = 2
+    """Threads compiling grammars beside the scheduler loop (which never waits on them)."""
+    grammar_cache_size: int = 256
+    """Compiled grammars kept (LRU by content); an identical spec compiles once."""
+    enable_jump_forward: bool = False
+    """Append text a grammar forces without one forward pass per token (re-tokenized at the boundary)."""
+    grammar_service: str | None = None
+    """host:port of `radixmesh grammar`: fetch compiled grammars from it (compile here if it is unreachable)."""
 
     def __post_init__(self) -> None:
         _in(self.device, DEVICES, "device")
@@ -86,6 +98,18 @@ class EngineConfig:
             raise invalid_argument("kv_events_block_size must be >= 0", "kv_events_block_size")
         if self.context_length is not None and self.context_length < 2:
             raise invalid_argument("context_length must be >= 2", "context_length")
+        self._check_grammar_options()
+
+    def _check_grammar_options(self) -> None:
+        from radixmesh.engine.grammar.registry import GRAMMAR_BACKENDS
+
+        _in(self.grammar_backend, tuple(GRAMMAR_BACKENDS), "grammar_backend")
+        if not self.grammar_compile_timeout > 0:
+            raise invalid_argument("grammar_compile_timeout must be > 0 seconds", "grammar_compile_timeout")
+        if self.grammar_compile_threads < 1:
+            raise invalid_argument("grammar_compile_threads must be >= 1", "grammar_compile_threads")
+        if self.grammar_cache_size < 1:
+            raise invalid_argument("grammar_cache_size must be >= 1", "grammar_cache_size")
 
     @property
     def prefill_token_budget(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from radixmesh.engine.attention.registry import create_backend
 from radixmesh.engine.batch import ScheduleBatch
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.cuda_graph_runner import CudaGraphRunner
+from radixmesh.engine.grammar.vocab_mask import VocabMask
 from radixmesh.engine.loader import PreparedModel, iter_weights
 from radixmesh.engine.loader.dummy import init_dummy_
 from radixmesh.engine.memory import KVSlotAllocator, ReqToTokenPool, TokenToKVPool
@@ -93,11 +95,17 @@ class ModelRunner:
         max_running = min(self.config.max_running_requests, max(total // 2, 1))
         return MemoryPlan(total, max_running, self.context_len)
 
-    def launch(self, batch: ScheduleBatch) -> SampleOutput:
-        """Forward and sample without waiting for the device; tokens stay on the device."""
+    def launch(self, batch: ScheduleBatch,
+               before_sample: Callable[[], VocabMask | None] | None = None) -> SampleOutput:
+        """Forward and sample without waiting for the device; tokens stay on the device.
+
+        `before_sample` runs on the host while the forward pass is queued on the device and
+        returns the grammar masks of this batch (built from host state it may first update).
+        """
         logits = self.forward(batch)
         num_reqs = len(batch.reqs)
-        sampled = self.sample(batch, logits[:num_reqs])
+        vocab_mask = before_sample() if before_sample is not None else None
+        sampled = self.sample(batch, logits[:num_reqs], vocab_mask)
         plan = batch.prompt_logprobs
         if plan is not None and plan.rows:
             top_n = max((r.params.top_logprobs for r, n in zip(batch.reqs, plan.counts) if n), default=0)
@@ -144,12 +152,13 @@ class ModelRunner:
         logits: torch.Tensor = self.model(fb.input_ids, fb.positions, fb)
         return logits
 
-    def sample(self, batch: ScheduleBatch, logits: torch.Tensor) -> SampleOutput:
+    def sample(self, batch: ScheduleBatch, logits: torch.Tensor, vocab_mask: VocabMask | None = None) -> SampleOutput:
         reqs = batch.reqs
         info = SamplingBatchInfo.build(
             [r.params for r in reqs], [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],
             list(self.model_config.eos_token_ids), self.model_config.vocab_size, self.device,
             output_lens=[r.num_output_tokens for r in reqs])
+        info.vocab_mask = vocab_mask
         top_n = max((r.params.top_logprobs for r in reqs), default=0)
         want = any(r.wants_logprobs for r in reqs)
         return self.sampler(logits, info, return_logprobs=want, top_logprobs_num=top_n)

@@ -11,6 +11,7 @@ import torch
 from radixmesh.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    from radixmesh.engine.grammar.base import GrammarMatcher
     from radixmesh.engine.radix_cache import TreeNode
 
 
@@ -54,6 +55,10 @@ class Req:
     error: str | None = None
     futures: list[tuple[int, int]] = field(default_factory=list)
     """(launch id, row) of tokens sampled on the device but not yet appended, oldest first (overlap)."""
+    grammar: GrammarMatcher | None = None
+    """Matcher of the request's grammar (structured output), set once the grammar is compiled."""
+    num_jumps: int = 0
+    """Jump-forwards so far: each sent the request back to the queue to prefill the forced tokens."""
     # per-step outputs not yet sent to the client
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[float] = field(default_factory=list)

@@ -9,8 +9,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from radixmesh.common.errors import RadixMeshError
 from radixmesh.engine.batch import ScheduleBatch, build_decode_batch, build_extend_batch, commit_batch
 from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.grammar.manager import GrammarManager
+from radixmesh.engine.grammar.vocab_mask import VocabMask
 from radixmesh.engine.kv_manager import KVCacheManager
 from radixmesh.engine.messages import TokenOut
 from radixmesh.engine.model_runner import ModelRunner
@@ -22,6 +25,8 @@ from radixmesh.engine.schedule_policy import PrefillAdder, order_waiting
 from radixmesh.engine.stop import check_finished
 
 logger = logging.getLogger(__name__)
+GRAMMAR_IDLE_WAIT_S = 0.01
+"""With nothing to run but grammars compiling, how long one step waits for a compilation."""
 
 
 @dataclass
@@ -58,6 +63,9 @@ class Scheduler:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
+        self.num_forward_passes = 0
+        self.grammar = GrammarManager(config, tokenizer, runner.model_config.vocab_size,
+                                      runner.model_config.eos_token_ids, self.context_len)
 
     # ---- the core loop ----------------------------------------------------------------------
     def step(self) -> bool:
@@ -66,6 +74,7 @@ class Scheduler:
         With overlap on, batch N+1 is scheduled and launched before batch N's tokens are read
         back, so the host never waits on the device with nothing queued behind.
         """
+        self._admit_compiled_grammars()
         if self.in_flight is not None and self._needs_host_tokens():
             self.process_batch_result(self._take_in_flight())
         batch = self.get_next_batch()
@@ -75,11 +84,15 @@ class Scheduler:
             self.process_batch_result(previous)
         if not self.config.overlap_enabled and self.in_flight is not None:
             self.process_batch_result(self._take_in_flight())
+        if batch is None and previous is None and self.grammar.has_compiling:
+            self.grammar.wait(GRAMMAR_IDLE_WAIT_S)
+            return True
         return batch is not None or previous is not None
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self.in_flight)
+        return bool(self.waiting or self.running or self.chunked_req or self.in_flight
+                    or self.grammar.has_compiling)
 
     # ---- intake -----------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -90,8 +103,19 @@ class Scheduler:
             self._fail(req, f"the prompt has {prompt_len} tokens; the context length is {self.context_len}")
         elif prompt_len + 1 > self.kv.capacity:
             self._fail(req, f"the prompt has {prompt_len} tokens; the KV cache holds {self.kv.capacity}")
+        elif req.params.has_grammar:
+            try:
+                self.grammar.submit(req)  # it joins the queue once its grammar is compiled
+            except RadixMeshError as exc:
+                self._fail(req, exc.message)
         else:
             self.waiting.append(req)
+
+    def _admit_compiled_grammars(self) -> None:
+        ready, failed = self.grammar.collect()
+        self.waiting.extend(ready)
+        for req, message in failed:
+            self._fail(req, message)
 
     def abort(self, rid: str) -> None:
         for queue in (self.waiting, self.running):
@@ -100,6 +124,8 @@ class Scheduler:
                 self._finish(req, FinishReason.ABORT)
         if self.chunked_req is not None and self.chunked_req.rid == rid:
             req, self.chunked_req = self.chunked_req, None
+            self._finish(req, FinishReason.ABORT)
+        for req in self.grammar.remove(rid):
             self._finish(req, FinishReason.ABORT)
 
     def flush_cache(self) -> bool:
@@ -131,7 +157,7 @@ class Scheduler:
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
         self.chunked_req = None
         for req in adder.can_run:
-            if req.num_retractions == 0 and req.kv_len == 0:
+            if req.num_retractions == 0 and req.num_jumps == 0 and req.kv_len == 0:
                 req.cached_tokens = len(req.prefix_indices)
                 self.num_cached_tokens += req.cached_tokens
                 self.num_prompt_tokens += len(req.origin_input_ids)
@@ -177,9 +203,22 @@ class Scheduler:
 
     # ---- launch and results -----------------------------------------------------------------
     def launch(self, batch: ScheduleBatch) -> LaunchedBatch:
-        """Enqueue the batch on the device and do all bookkeeping that needs no sampled token."""
-        sampled = self.runner.launch(batch)
+        """Enqueue the batch on the device and do all bookkeeping that needs no sampled token.
+
+        Grammar masks are built while the forward pass runs, just before sampling is queued.
+        """
         self.launch_id += 1
+        self.num_forward_passes += 1
+        launch_id = self.launch_id
+
+        def before_sample() -> VocabMask | None:
+            self._commit_launch(batch, launch_id)
+            return self._grammar_mask(batch, launch_id)
+
+        sampled = self.runner.launch(batch, before_sample)
+        return LaunchedBatch(launch_id, batch, sampled)
+
+    def _commit_launch(self, batch: ScheduleBatch, launch_id: int) -> None:
         commit_batch(batch)
         for row, req in enumerate(batch.reqs):
             if req.is_chunked:
@@ -188,10 +227,23 @@ class Scheduler:
             elif req.prefill_only:
                 self._finish(req, FinishReason.LENGTH)
             else:
-                req.futures.append((self.launch_id, row))
+                req.futures.append((launch_id, row))
                 if not batch.is_decode:
                     self.running.append(req)
-        return LaunchedBatch(self.launch_id, batch, sampled)
+
+    def _grammar_mask(self, batch: ScheduleBatch, launch_id: int) -> VocabMask | None:
+        """Masks of the rows that sample under a grammar; None (no cost) when there are none."""
+        rows = _grammar_rows(batch, launch_id)
+        if not rows:
+            return None
+        if self.in_flight is not None and any(len(batch.reqs[row].futures) > 1 for row in rows):
+            # Overlap: a matcher must accept the previous batch's token before it can mask this one.
+            # This batch's forward pass is already queued, so the device keeps busy meanwhile.
+            self.process_batch_result(self._take_in_flight())
+            rows = _grammar_rows(batch, launch_id)
+            if not rows:
+                return None
+        return self.grammar.build_mask(batch.reqs, rows, self.runner.device)
 
     def process_batch_result(self, launched: LaunchedBatch) -> None:
         """Append the batch's sampled tokens (a host sync) and finish requests that are done."""
@@ -205,6 +257,8 @@ class Scheduler:
                 continue  # chunk, prefill-only, or finished/retracted/aborted since launch
             req.futures.pop(0)
             self._append_token(req, token_ids[row], sampled, row)
+            if not req.finished and self.grammar.may_jump(req):
+                self._jump_forward(req)
             if req.finished:
                 req.futures.clear()
                 self.kv.release(req)
@@ -219,8 +273,9 @@ class Scheduler:
         return launched
 
     def _needs_host_tokens(self) -> bool:
-        """Penalties need every generated token on the host before the next step is sampled."""
-        return any(r.params.has_penalties and r.futures for r in self.running)
+        """Penalties need every generated token on the host before the next step is sampled;
+        jump-forward needs it before the next step is scheduled (it may re-queue the request)."""
+        return any((r.params.has_penalties or self.grammar.may_jump(r)) and r.futures for r in self.running)
 
     def _append_token(self, req: Req, token_id: int, sampled: SampleOutput, row: int) -> None:
         req.output_ids.append(token_id)
@@ -231,8 +286,42 @@ class Scheduler:
             if req.params.top_logprobs and sampled.top_logprobs is not None:
                 req.pending_top_logprobs.append(sampled.top_logprobs[row][: req.params.top_logprobs])
         reason, matched = check_finished(req, self.eos_ids, self.context_len, self.tokenizer)
+        if reason is None and req.grammar is not None:
+            reason, matched = self._grammar_verdict(req, token_id)
         if reason is not None:
             req.finish_reason, req.matched_stop = reason, matched
+
+    def _grammar_verdict(self, req: Req, token_id: int) -> tuple[FinishReason | None, int | None]:
+        """Advance the request's matcher; its grammar may end the request (a stop token accepted)."""
+        if not self.grammar.accept(req, token_id):
+            req.error = f"the grammar refused token {token_id} (internal error)"
+            logger.error("request %s: %s", req.rid, req.error)
+            return FinishReason.ERROR, None
+        if req.grammar is not None and req.grammar.is_terminated():
+            return FinishReason.STOP, token_id
+        return None, None
+
+    def _jump_forward(self, req: Req) -> None:
+        """Append the text the grammar forces; the request re-queues to prefill it in one pass."""
+        new_ids = self.grammar.jump_forward(req)
+        if new_ids is None:
+            return
+        last = req.output_ids.pop()
+        assert req.pending_ids and req.pending_ids[-1] == last, "the re-tokenized token was already sent"
+        req.pending_ids.pop()
+        req.output_ids += new_ids
+        req.pending_ids += new_ids
+        req.num_jumps += 1
+        self.num_generated_tokens += len(new_ids) - 1
+        reason, matched = check_finished(req, self.eos_ids, self.context_len, self.tokenizer)
+        if reason is not None:  # a stop string inside the forced text
+            req.finish_reason, req.matched_stop = reason, matched
+            return
+        # The KV of the unchanged prefix goes to the radix cache; re-admission matches it and
+        # prefills the forced tokens.
+        self.running.remove(req)
+        self.kv.release(req)
+        self.waiting.insert(0, req)
 
     def _add_prompt_logprobs(self, batch: ScheduleBatch, scored: PromptLogprobs) -> None:
         plan = batch.prompt_logprobs
@@ -289,8 +378,15 @@ class Scheduler:
             "num_generated_tokens": self.num_generated_tokens,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_cached_tokens": self.num_cached_tokens,
+            "num_forward_passes": self.num_forward_passes,
+            **self.grammar.stats(),
             "cache_hit_rate": self.num_cached_tokens / max(self.num_prompt_tokens, 1),
             "context_len": self.context_len,
             "max_running_requests": self.runner.plan.max_running_requests,
         }
 
+
+def _grammar_rows(batch: ScheduleBatch, launch_id: int) -> list[int]:
+    """Rows of `batch` that sample a token under a grammar in launch `launch_id`."""
+    return [row for row, req in enumerate(batch.reqs)
+            if req.grammar is not None and req.futures and req.futures[-1] == (launch_id, row)]

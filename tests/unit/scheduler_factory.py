@@ -48,7 +48,8 @@ class Collector:
                 self.errors[out.rid] = out.error
 
 
-def make_scheduler(model_config: ModelConfig | None = None, **overrides: Any) -> tuple[Scheduler, Collector]:
+def make_scheduler(model_config: ModelConfig | None = None, tokenizer: Any = None,
+                   **overrides: Any) -> tuple[Scheduler, Collector]:
     settings: dict[str, Any] = dict(device="cpu", dtype="float32", max_total_tokens=4096,
                                     max_running_requests=32, load_format="dummy")
     settings.update(overrides)
@@ -63,7 +64,7 @@ def make_scheduler(model_config: ModelConfig | None = None, **overrides: Any) ->
             if "norm" not in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
     collector = Collector()
-    return Scheduler(config, runner, None, collector), collector
+    return Scheduler(config, runner, tokenizer, collector), collector
 
 
 def make_requests(num: int, seed: int = 0, shared_prefix_len: int = 0, max_new_tokens: int = 12,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixmesh.engine.grammar.vocab_mask import VocabMask
 from radixmesh.engine.sampling.params import SamplingParams
 
 
@@ -54,6 +55,8 @@ class SamplingBatchInfo:
     """[batch, 1] float32; set together with `seen_mask`."""
     min_tokens_mask: torch.Tensor | None = None
     """[batch, vocab] bool: EOS and stop ids banned until min_new_tokens were generated."""
+    vocab_mask: VocabMask | None = None
+    """Grammar rows' allowed tokens (packed bits, on the device); None when no row follows a grammar."""
 
     @property
     def batch_size(self) -> int:
@@ -140,7 +143,7 @@ class SamplingBatchInfo:
                                eos_token_ids: Sequence[int], device: torch.device) -> None:
         vocab = self.vocab_size
         banned = [[t for t in (*eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
-                  if out_len < p.min_new_tokens else []
+                  if out_len < p.min_new_tokens and not p.has_grammar else []  # a grammar decides when to end
                   for p, out_len in zip(params, output_lens)]
         if not any(banned):
             return

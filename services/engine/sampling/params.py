@@ -52,6 +52,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """Token id -> additive bias in [-100, 100] applied to the logits."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
+    json_schema: str | None = None
+    """Structured output: JSON matching this JSON Schema (text); "$$ANY$$" means any JSON object or array."""
+    regex: str | None = None
+    """Structured output: text that fully matches this regular expression."""
+    ebnf: str | None = None
+    """Structured output: a sentence of this EBNF grammar (start rule `root`)."""
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise `RadixMeshError(INVALID_ARGUMENT)` naming the first bad field."""
@@ -86,10 +92,17 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             for token_id in self.stop_token_ids:
                 _check(0 <= token_id < vocab_size, "stop_token_ids",
                        f"token ids must be in [0, {vocab_size})", token_id)
+        if self.has_grammar:
+            _check_grammar(self)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_grammar(self) -> bool:
+        """The output is constrained by json_schema, regex or ebnf."""
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
 
     @property
     def has_penalties(self) -> bool:
@@ -99,6 +112,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
 def _finite(value: float) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _check_grammar(params: SamplingParams) -> None:
+    """One grammar at most, and one the grammar backend can read (no tokenizer needed)."""
+    from radixmesh.engine.grammar.registry import check_grammar_syntax
+    from radixmesh.engine.grammar.spec import grammar_spec
+
+    spec = grammar_spec(params)
+    if spec is not None:
+        check_grammar_syntax(spec)
 
 
 def _check(ok: bool, param: str, rule: str, value: object) -> None:

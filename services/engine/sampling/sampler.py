@@ -5,7 +5,8 @@ Order of operations on each row of `[batch, vocab]` logits:
 1. cast to float32, add `logit_bias`;
 2. repetition penalty (HF: positive logits divided, negative multiplied), then
    frequency and presence penalties (OpenAI: over generated tokens only);
-3. ban EOS and stop ids while fewer than `min_new_tokens` were generated;
+3. ban EOS and stop ids while fewer than `min_new_tokens` were generated, then set
+   tokens a row's grammar does not allow to -inf (grammar rows only);
 4. log-probs = log_softmax of these processed logits, i.e. BEFORE temperature and
    truncation, so they describe the model's (penalised) distribution and do not
    depend on how the token was drawn;
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixmesh.engine.grammar.vocab_mask import apply_vocab_mask
 from radixmesh.engine.sampling.batch_info import SamplingBatchInfo
 from radixmesh.engine.sampling.prompt_logprobs import PromptLogprobs
 
@@ -103,7 +105,7 @@ def seeded_step_key(seed: int, step: int) -> int:
 
 
 def process_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """Float32 copy of `logits` with bias, penalties and the min_new_tokens ban applied."""
+    """Float32 copy of `logits` with bias, penalties, the min_new_tokens ban and grammar masks applied."""
     logits = logits.to(torch.float32, copy=True)
     if info.logit_bias is not None:
         logits += info.logit_bias
@@ -118,6 +120,8 @@ def process_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tenso
         logits -= info.presence_penalties * (info.output_counts > 0).to(torch.float32)
     if info.min_tokens_mask is not None:
         logits.masked_fill_(info.min_tokens_mask, float("-inf"))
+    if info.vocab_mask is not None:
+        apply_vocab_mask(logits, info.vocab_mask)
     return logits
 
 

@@ -1,0 +1,1 @@
+"""Structured outputs: grammar specs, backends (xgrammar), compilation and jump-forward decoding."""

@@ -1,0 +1,111 @@
+"""The `xgrammar` grammar backend: JSON schema, regex, EBNF and the built-in any-JSON grammar.
+
+JSON is generated compactly (`{"a": 1, "b": [2, 3]}`: one space after ':' and ','; no
+other whitespace) and strictly (objects take only the properties the schema declares
+unless it allows more). Free whitespace would let a sampling model wander in blank
+space; fixed separators also give jump-forward longer forced strings.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from radixmesh.common.errors import invalid_argument
+from radixmesh.engine.grammar.base import BaseGrammarBackend, GrammarMatcher
+from radixmesh.engine.grammar.spec import GrammarSpec
+
+BATCH_FILL_MIN_ROWS = 8
+"""From this many grammar rows on, masks are filled by xgrammar's thread pool."""
+_LOG_PREFIX = re.compile(r"^\[[0-9:. ]+\]\s*\S+:\d+:\s*")
+
+
+def _clean(exc: BaseException) -> str:
+    """xgrammar's message without its C++ log prefix (timestamp, file, line)."""
+    lines = [_LOG_PREFIX.sub("", line).strip() for line in str(exc).strip().splitlines()]
+    return next((line for line in lines if line), type(exc).__name__)
+
+
+@functools.lru_cache(maxsize=512)
+def _syntax_error(kind: str, source: str) -> str | None:
+    import xgrammar as xgr
+
+    try:
+        if kind == "json_schema":
+            xgr.Grammar.from_json_schema(source, any_whitespace=False, strict_mode=True)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(source)
+        elif kind == "ebnf":
+            xgr.Grammar.from_ebnf(source)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        return _clean(exc)
+    return None
+
+
+class XGrammarBackend(BaseGrammarBackend):
+    """xgrammar compiler and matchers for one tokenizer and the model's vocabulary width."""
+
+    id = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], num_threads: int = 1) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=list(stop_token_ids) or None)
+        # Caching is ours (by content key), so xgrammar's own cache would only hold copies.
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=max(num_threads, 1), cache_enabled=False)
+        self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=max(num_threads, 1))
+
+    @classmethod
+    def check_syntax(cls, spec: GrammarSpec) -> None:
+        error = _syntax_error(spec.kind, spec.source)
+        if error is not None:
+            raise invalid_argument(f"invalid {spec.param}: {error}", spec.param)
+
+    @property
+    def serialization_version(self) -> str:
+        return f"xgrammar-{self._xgr.get_serialization_version()}"
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        compiler = self._compiler
+        try:
+            if spec.kind == "json_schema":
+                return compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.source)
+            if spec.kind == "ebnf":
+                return compiler.compile_grammar(spec.source)
+            return compiler.compile_builtin_json_grammar()
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise invalid_argument(f"invalid {spec.param}: {_clean(exc)}", spec.param) from None
+
+    def serialize(self, compiled: Any) -> bytes:
+        return str(compiled.serialize_json()).encode()
+
+    def deserialize(self, data: bytes) -> Any:
+        try:
+            return self._xgr.CompiledGrammar.deserialize_json(data.decode(), self.info)
+        except (RuntimeError, ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot load the compiled grammar: {_clean(exc)}") from None
+
+    def new_matcher(self, compiled: Any) -> GrammarMatcher:
+        matcher: GrammarMatcher = self._xgr.GrammarMatcher(compiled)
+        return matcher
+
+    def allocate_mask(self, batch_size: int) -> torch.Tensor:
+        mask: torch.Tensor = self._xgr.allocate_token_bitmask(batch_size, self.vocab_size)
+        return mask
+
+    def fill_masks(self, matchers: list[GrammarMatcher], mask: torch.Tensor, rows: list[int]) -> None:
+        assert len(matchers) == len(rows), f"{len(matchers)} matchers for {len(rows)} rows"
+        if len(rows) >= BATCH_FILL_MIN_ROWS:
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, mask, rows)
+            return
+        for matcher, row in zip(matchers, rows):
+            matcher.fill_next_token_bitmask(mask, row)

@@ -1,0 +1,184 @@
+"""Grammar pieces without a model: specs and their checks, the mask launcher, the compile pool,
+jump-forward re-tokenization (on the default model's tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from radixmesh.common.errors import ErrorCode, RadixMeshError
+from radixmesh.engine.grammar.compile_pool import GrammarCompilePool
+from radixmesh.engine.grammar.jump_forward import advance_matcher, retokenize_jump
+from radixmesh.engine.grammar.registry import check_grammar_syntax
+from radixmesh.engine.grammar.spec import ANY_JSON, GrammarSpec, grammar_spec
+from radixmesh.engine.grammar.vocab_mask import VocabMask, apply_vocab_mask, apply_vocab_mask_reference, unpack_mask
+from radixmesh.engine.grammar.xgrammar_backend import XGrammarBackend
+from radixmesh.engine.sampling.params import SamplingParams
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+# ---- specs -----------------------------------------------------------------------------------------
+def test_spec_from_params_compacts_json_and_keeps_property_order():
+    spec = grammar_spec(SamplingParams(json_schema=json.dumps(SCHEMA, indent=2)))
+    assert spec == GrammarSpec("json_schema", json.dumps(SCHEMA, separators=(",", ":")))
+    assert list(json.loads(spec.source)["properties"]) == ["name", "age"]
+    assert grammar_spec(SamplingParams(json_schema=ANY_JSON)) == GrammarSpec("json", "")
+    assert grammar_spec(SamplingParams(regex="[a-z]+")) == GrammarSpec("regex", "[a-z]+")
+    assert grammar_spec(SamplingParams()) is None
+
+
+def test_content_key_depends_on_spec_tokenizer_and_version():
+    spec = GrammarSpec("regex", "a+")
+    key = spec.content_key("tok1", "v1")
+    assert len(key) == 64 and key == GrammarSpec("regex", "a+").content_key("tok1", "v1")
+    others = {GrammarSpec("regex", "a*").content_key("tok1", "v1"), spec.content_key("tok2", "v1"),
+              spec.content_key("tok1", "v2"), GrammarSpec("ebnf", "a+").content_key("tok1", "v1")}
+    assert key not in others and len(others) == 4
+
+
+@pytest.mark.parametrize("params, param, words", [
+    ({"json_schema": "{not json"}, "json_schema", "not valid JSON"),
+    ({"json_schema": "[1, 2]"}, "json_schema", "JSON object"),
+    ({"json_schema": '{"type": "frobnicate"}'}, "json_schema", "frobnicate"),
+    ({"regex": "a[b"}, "regex", "regex"),
+    ({"ebnf": 'root ::= "a" missing'}, "ebnf", "missing"),
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf", "at most one"),
+    ({"regex": "  "}, "regex", "must not be empty"),
+])
+def test_invalid_specs_are_invalid_argument_naming_the_field(params, param, words):
+    with pytest.raises(RadixMeshError) as info:
+        SamplingParams(**params).validate(vocab_size=100)
+    assert info.value.code is ErrorCode.INVALID_ARGUMENT
+    assert info.value.param == param
+    assert words.lower() in info.value.message.lower(), info.value.message
+    assert ".cc:" not in info.value.message  # no C++ log prefix
+
+
+def test_valid_specs_pass_the_check():
+    for spec in (GrammarSpec("json_schema", json.dumps(SCHEMA)), GrammarSpec("regex", r"\d{3}-[a-z]+"),
+                 GrammarSpec("ebnf", 'root ::= "yes" | "no"'), GrammarSpec("json", "")):
+        check_grammar_syntax(spec)
+
+
+# ---- the mask launcher -----------------------------------------------------------------------------
+@pytest.mark.parametrize("batch, vocab, rows", [(1, 32, [0]), (4, 100, [1, 3]), (5, 49152, [0, 2, 3, 4])])
+def test_apply_vocab_mask_matches_reference(batch, vocab, rows):
+    gen = torch.Generator().manual_seed(batch * vocab)
+    words = (vocab + 31) // 32
+    mask = torch.randint(-(2 ** 31), 2 ** 31 - 1, (batch, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(batch, vocab, generator=gen)
+    expected = logits.clone()
+    apply_vocab_mask_reference(expected, VocabMask(mask, rows))
+    apply_vocab_mask(logits, VocabMask(mask, rows))
+    assert torch.equal(logits, expected)
+    untouched = [r for r in range(batch) if r not in rows]
+    assert torch.isfinite(logits[untouched]).all()
+    allowed = unpack_mask(mask, vocab)
+    assert torch.equal(torch.isfinite(logits[rows]), allowed[rows])
+
+
+def test_apply_vocab_mask_checks_its_inputs():
+    logits = torch.zeros(2, 64)
+    with pytest.raises(AssertionError, match="int32"):
+        apply_vocab_mask(logits, VocabMask(torch.zeros(2, 2, dtype=torch.int64), [0]))
+    with pytest.raises(AssertionError, match="does not pack"):
+        apply_vocab_mask(logits, VocabMask(torch.zeros(2, 3, dtype=torch.int32), [0]))
+    with pytest.raises(AssertionError, match="rows must be"):
+        apply_vocab_mask(logits, VocabMask(torch.zeros(2, 2, dtype=torch.int32), [1, 0]))
+
+
+# ---- the compile pool ------------------------------------------------------------------------------
+class _CountingBackend:
+    """Stands in for a backend: compiles slowly, counts compilations, refuses 'bad' specs."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.gate = threading.Event()
+
+    def compile(self, spec: GrammarSpec) -> object:
+        self.gate.wait(5)
+        self.calls.append(spec.source)
+        if spec.source == "bad":
+            raise RadixMeshError(ErrorCode.INVALID_ARGUMENT, "bad grammar")
+        return ("compiled", spec.source)
+
+
+def test_pool_compiles_identical_specs_once_and_caches_lru():
+    backend = _CountingBackend()
+    pool = GrammarCompilePool(lambda: backend, num_threads=2, cache_size=2)  # type: ignore[arg-type, return-value]
+    first, second = pool.get(GrammarSpec("regex", "a")), pool.get(GrammarSpec("regex", "a"))
+    assert first is second and not first.done()  # the second joined the compilation in flight
+    backend.gate.set()
+    assert first.result(5) == ("compiled", "a")
+    time.sleep(0.05)
+    assert pool.get(GrammarSpec("regex", "a")).result(0) == ("compiled", "a")
+    assert backend.calls == ["a"] and pool.num_compiled == 1
+    for source in ("b", "c"):  # the LRU holds 2: "a" is evicted
+        pool.get(GrammarSpec("regex", source)).result(5)
+    time.sleep(0.05)
+    pool.get(GrammarSpec("regex", "a")).result(5)
+    assert backend.calls == ["a", "b", "c", "a"]
+    pool.shutdown()
+
+
+def test_pool_does_not_cache_failures():
+    backend = _CountingBackend()
+    backend.gate.set()
+    pool = GrammarCompilePool(lambda: backend, num_threads=1, cache_size=4)  # type: ignore[arg-type, return-value]
+    for _ in range(2):
+        with pytest.raises(RadixMeshError, match="bad grammar"):
+            pool.get(GrammarSpec("regex", "bad")).result(5)
+        time.sleep(0.05)
+    assert backend.calls == ["bad", "bad"]
+    pool.shutdown()
+
+
+# ---- xgrammar and jump-forward on the real tokenizer -------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from radixmesh.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    return XGrammarBackend(tokenizer, 49152, [2])
+
+
+def test_serialized_grammar_round_trips(backend):
+    compiled = backend.compile(GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    again = backend.deserialize(backend.serialize(compiled))
+    matcher = backend.new_matcher(again)
+    assert matcher.find_jump_forward_string() == '{"name": "'
+    with pytest.raises(ValueError, match="cannot load"):
+        backend.deserialize(b"{}")
+
+
+def test_retokenized_jump_joins_the_boundary_token(tokenizer, backend):
+    matcher = backend.new_matcher(backend.compile(GrammarSpec("json_schema", json.dumps(SCHEMA))))
+    brace = tokenizer.encode("{", add_special_tokens=False)
+    assert len(brace) == 1 and matcher.accept_token(brace[0])
+    forced = matcher.find_jump_forward_string()
+    assert forced == '"name": "'
+    new_ids = retokenize_jump(tokenizer, brace[0], forced)
+    assert new_ids is not None and tokenizer.decode(new_ids) == '{"name": "'
+    assert new_ids[0] != brace[0], "the boundary was not re-tokenized"  # `{"` is one token in this vocab
+    assert advance_matcher(matcher, brace[0], new_ids)
+    assert matcher.find_jump_forward_string() == ""  # inside the free string now
+    assert matcher.accept_token(tokenizer.encode("Bo", add_special_tokens=False)[0])
+
+
+def test_advance_matcher_refusal_keeps_the_state(tokenizer, backend):
+    matcher = backend.new_matcher(backend.compile(GrammarSpec("regex", "ab(c|d)")))
+    a_id = tokenizer.encode("a", add_special_tokens=False)[0]
+    assert matcher.accept_token(a_id)
+    wrong = tokenizer.encode("ax", add_special_tokens=False)
+    assert not advance_matcher(matcher, a_id, wrong)
+    assert matcher.find_jump_forward_string() == "b"  # still right after "a"
