@@ -9,6 +9,9 @@ from radixmesh.engine.output import GenerationChunk
 from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.protocol import common_pb2, sampling_pb2, worker_pb2
 
+InputLogprobs = list[float | None] | None
+InputTopLogprobs = list[list[tuple[int, float]] | None] | None
+
 _FINISH_TO_PROTO = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -35,6 +38,10 @@ def finish_reason_from_proto(value: int) -> str | None:
 
 
 # ---- sampling parameters --------------------------------------------------------------------------
+_OPTIONAL_NONE_FIELDS = ("seed", "json_schema", "regex", "ebnf")
+"""Fields whose engine default is None: unset on the wire."""
+
+
 def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
     msg = sampling_pb2.SamplingParams(
         max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens,
@@ -43,9 +50,11 @@ def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
         repetition_penalty=params.repetition_penalty, stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, n=params.n,
         logprobs=params.logprobs, top_logprobs=params.top_logprobs, logit_bias=dict(params.logit_bias),
-        skip_special_tokens=params.skip_special_tokens)
-    if params.seed is not None:
-        msg.seed = params.seed
+        skip_special_tokens=params.skip_special_tokens, logprob_start_len=params.logprob_start_len)
+    for name in _OPTIONAL_NONE_FIELDS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
     return msg
 
 
@@ -59,7 +68,8 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
         "n": msg.n or 1, "logprobs": msg.logprobs, "top_logprobs": msg.top_logprobs,
         "logit_bias": dict(msg.logit_bias),
     }
-    for name in ("max_new_tokens", "temperature", "top_p", "repetition_penalty", "skip_special_tokens", "seed"):
+    for name in ("max_new_tokens", "temperature", "top_p", "repetition_penalty", "skip_special_tokens",
+                 "logprob_start_len", *_OPTIONAL_NONE_FIELDS):
         kwargs[name] = getattr(msg, name) if msg.HasField(name) else getattr(defaults, name)
     return SamplingParams(**kwargs)
 
@@ -73,11 +83,32 @@ def token_out_to_proto(out: TokenOut, worker_id: str = "") -> worker_pb2.Generat
         worker_id=worker_id)
     for entries in out.top_logprobs or []:
         msg.top_logprobs.add(entries=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in entries])
+    _input_logprobs_to_proto(msg, out.input_logprobs, out.input_top_logprobs)
     if isinstance(out.matched_stop, str):
         msg.matched_stop_str = out.matched_stop
     elif isinstance(out.matched_stop, int):
         msg.matched_stop_token_id = out.matched_stop
     return msg
+
+
+def _input_logprobs_to_proto(msg: worker_pb2.GenerateResponse, logprobs: InputLogprobs,
+                             tops: InputTopLogprobs) -> None:
+    for i, logprob in enumerate(logprobs or []):
+        entry = msg.input_logprobs.add()
+        if logprob is not None:
+            entry.logprob = logprob
+        top = tops[i] if tops is not None and i < len(tops) else None
+        entry.top.extend(common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in top or [])
+
+
+def _input_logprobs_from_proto(msg: worker_pb2.GenerateResponse) -> tuple[InputLogprobs, InputTopLogprobs]:
+    if not msg.input_logprobs:
+        return None, None
+    logprobs = [e.logprob if e.HasField("logprob") else None for e in msg.input_logprobs]
+    if not any(e.top for e in msg.input_logprobs):
+        return logprobs, None
+    tops = [[(t.token_id, t.logprob) for t in e.top] if e.HasField("logprob") else None for e in msg.input_logprobs]
+    return logprobs, tops
 
 
 def matched_stop_from_proto(msg: worker_pb2.GenerateResponse) -> str | int | None:
@@ -88,11 +119,13 @@ def matched_stop_from_proto(msg: worker_pb2.GenerateResponse) -> str | int | Non
 def proto_to_chunk(msg: worker_pb2.GenerateResponse, text: str) -> GenerationChunk:
     """A gateway-side chunk of a streamed response, with its text detokenized elsewhere."""
     top = [[(e.token_id, e.logprob) for e in position.entries] for position in msg.top_logprobs]
+    input_logprobs, input_tops = _input_logprobs_from_proto(msg)
     return GenerationChunk(
         rid=msg.request_id, text=text, token_ids=list(msg.token_ids), prompt_tokens=msg.prompt_tokens,
         cached_tokens=msg.cached_tokens, completion_tokens=msg.completion_tokens,
         logprobs=list(msg.logprobs) or None, top_logprobs=top or None,
-        finish_reason=finish_reason_from_proto(msg.finish_reason), matched_stop=matched_stop_from_proto(msg))
+        finish_reason=finish_reason_from_proto(msg.finish_reason), matched_stop=matched_stop_from_proto(msg),
+        input_logprobs=input_logprobs, input_top_logprobs=input_tops)
 
 
 # ---- load -----------------------------------------------------------------------------------------

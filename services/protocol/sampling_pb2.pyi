@@ -66,6 +66,9 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     LOGPROB_START_LEN_FIELD_NUMBER: _builtins.int
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    EBNF_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """>= 1; unset = 128"""
     min_new_tokens: _builtins.int
@@ -96,6 +99,15 @@ class SamplingParams(_message.Message):
     """unset = true"""
     logprob_start_len: _builtins.int
     """also score prompt tokens from this position on; unset = -1 (none)"""
+    json_schema: _builtins.str
+    """Structured outputs (at most one): the grammar the output must follow. Field numbers up to 29
+    are kept for more constraint kinds.
+    JSON Schema text; "$$ANY$$" = any JSON object or array
+    """
+    regex: _builtins.str
+    """the whole output matches this regular expression"""
+    ebnf: _builtins.str
+    """a sentence of this EBNF grammar (start rule `root`)"""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """output text is cut before the first match"""
@@ -128,15 +140,24 @@ class SamplingParams(_message.Message):
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
         skip_special_tokens: _builtins.bool | None = ...,
         logprob_start_len: _builtins.int | None = ...,
+        json_schema: _builtins.str | None = ...,
+        regex: _builtins.str | None = ...,
+        ebnf: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob_start_len", b"_logprob_start_len", "_max_new_tokens", b"_max_new_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "logprob_start_len", b"logprob_start_len", "max_new_tokens", b"max_new_tokens", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ebnf", b"_ebnf", "_json_schema", b"_json_schema", "_logprob_start_len", b"_logprob_start_len", "_max_new_tokens", b"_max_new_tokens", "_regex", b"_regex", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "ebnf", b"ebnf", "json_schema", b"json_schema", "logprob_start_len", b"logprob_start_len", "max_new_tokens", b"max_new_tokens", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob_start_len", b"_logprob_start_len", "_max_new_tokens", b"_max_new_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprob_start_len", b"logprob_start_len", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ebnf", b"_ebnf", "_json_schema", b"_json_schema", "_logprob_start_len", b"_logprob_start_len", "_max_new_tokens", b"_max_new_tokens", "_regex", b"_regex", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "json_schema", b"json_schema", "logit_bias", b"logit_bias", "logprob_start_len", b"logprob_start_len", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__ebnf: _TypeAlias = _typing.Literal["ebnf"]  # noqa: Y015
+    _WhichOneofArgType__ebnf: _TypeAlias = _typing.Literal["_ebnf", b"_ebnf"]  # noqa: Y015
+    _WhichOneofReturnType__json_schema: _TypeAlias = _typing.Literal["json_schema"]  # noqa: Y015
+    _WhichOneofArgType__json_schema: _TypeAlias = _typing.Literal["_json_schema", b"_json_schema"]  # noqa: Y015
     _WhichOneofReturnType__logprob_start_len: _TypeAlias = _typing.Literal["logprob_start_len"]  # noqa: Y015
     _WhichOneofArgType__logprob_start_len: _TypeAlias = _typing.Literal["_logprob_start_len", b"_logprob_start_len"]  # noqa: Y015
     _WhichOneofReturnType__max_new_tokens: _TypeAlias = _typing.Literal["max_new_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_new_tokens: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__regex: _TypeAlias = _typing.Literal["regex"]  # noqa: Y015
+    _WhichOneofArgType__regex: _TypeAlias = _typing.Literal["_regex", b"_regex"]  # noqa: Y015
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
@@ -148,9 +169,15 @@ class SamplingParams(_message.Message):
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ebnf) -> _WhichOneofReturnType__ebnf | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__json_schema) -> _WhichOneofReturnType__json_schema | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprob_start_len) -> _WhichOneofReturnType__logprob_start_len | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_new_tokens) -> _WhichOneofReturnType__max_new_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__regex) -> _WhichOneofReturnType__regex | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload

@@ -52,9 +52,17 @@ def test_sampling_params_round_trip() -> None:
     params = SamplingParams(max_new_tokens=7, min_new_tokens=2, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05,
                             frequency_penalty=0.5, presence_penalty=-0.5, repetition_penalty=1.1, stop=("\n", "END"),
                             stop_token_ids=(2, 3), ignore_eos=True, seed=-5, n=3, logprobs=True, top_logprobs=4,
-                            logit_bias={11: -100.0, 12: 2.5}, skip_special_tokens=False)
+                            logit_bias={11: -100.0, 12: 2.5}, skip_special_tokens=False, logprob_start_len=3)
     wire = sampling_pb2.SamplingParams.FromString(convert.sampling_to_proto(params).SerializeToString())
     assert convert.sampling_from_proto(wire) == params
+    for grammar in ({"json_schema": '{"type": "object"}'}, {"regex": "[a-z]+"}, {"ebnf": 'root ::= "yes"'}):
+        constrained = SamplingParams(**grammar)
+        assert convert.sampling_from_proto(convert.sampling_to_proto(constrained)) == constrained
+
+
+def test_every_sampling_field_crosses_the_wire() -> None:
+    """A field added to the engine's SamplingParams must be added to sampling.proto too (nothing dropped)."""
+    assert set(SamplingParams.__struct_fields__) == set(sampling_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
 
 
 def test_empty_sampling_message_takes_engine_defaults() -> None:
@@ -79,6 +87,17 @@ def test_token_out_to_chunk() -> None:
     stopped = convert.proto_to_chunk(convert.token_out_to_proto(
         TokenOut("r3", [], 3, 0, 1, finish_reason="stop", matched_stop="END")), "")
     assert stopped.matched_stop == "END"
+
+
+def test_prompt_logprobs_round_trip() -> None:
+    out = TokenOut(rid="r", token_ids=[7], prompt_tokens=4, cached_tokens=0, completion_tokens=1,
+                   input_logprobs=[None, -1.5, -0.25], input_top_logprobs=[None, [(3, -1.5), (8, -2.0)], [(4, -0.25)]])
+    chunk = convert.proto_to_chunk(convert.token_out_to_proto(out), "")
+    assert chunk.input_logprobs == [None, -1.5, -0.25]
+    assert chunk.input_top_logprobs == [None, [(3, -1.5), (8, -2.0)], [(4, -0.25)]]
+    plain = convert.proto_to_chunk(convert.token_out_to_proto(
+        TokenOut("r", [7], 4, 0, 1, input_logprobs=[None, -1.5])), "")
+    assert plain.input_logprobs == [None, -1.5] and plain.input_top_logprobs is None
 
 
 def test_load_round_trip() -> None:
