@@ -20,7 +20,6 @@ from .chart import (
     RELEASE,
     component_of,
     container,
-    find_helm,
     flag,
     load_yaml,
     of_kind,
@@ -35,17 +34,6 @@ pytestmark = pytest.mark.helm
 VALUE_SETS = [pytest.param(None, id="defaults")] + [pytest.param(p, id=p.stem) for p in EXAMPLES]
 CRD_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1"}
 """Kinds of custom resources the chart may render; the Kubernetes schemas do not cover them."""
-
-
-@pytest.fixture(scope="module")
-def helm() -> str:
-    path = find_helm()
-    if path is None:
-        pytest.fail("helm not found (next to python or on PATH): run `scripts/install.sh test`, which builds it "
-                    "with `go install helm.sh/helm/v3/cmd/helm@...` into .venv/bin")
-    version = run_helm(path, "version", "--short")
-    assert version.returncode == 0 and version.stdout.startswith("v3."), version
-    return path
 
 
 def _files(values_file: Path | None) -> list[Path]:
