@@ -386,3 +386,22 @@ def test_notes_tell_how_to_call_the_api(helm: str, tmp_path: Path) -> None:
                    show_only="templates/notes-render.yaml")[0]["data"]["notes"]
     assert "Authorization" not in plain and '"model": "llama-3.1-8b-instruct"' in plain
     assert "prefill: 2 pod(s)" in plain and "decode: 4 pod(s)" in plain
+
+
+def test_docs_values_example_renders_and_validates(helm: str, tmp_path: Path) -> None:
+    """The values example of docs/kubernetes.md is a working one."""
+    import re
+
+    import kubernetes_validate
+
+    text = (CHART.parents[1] / "docs" / "kubernetes.md").read_text()
+    example = re.search(r"```yaml\n(.*?)```", text, re.S)
+    assert example, "docs/kubernetes.md has no yaml example"
+    values = tmp_path / "my-values.yaml"
+    values.write_text(example.group(1))
+    docs = render(helm, [values])
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+    worker = next(d for d in of_kind(docs, "Deployment").values() if component_of(d) == "worker")
+    assert worker["spec"]["template"]["spec"]["initContainers"][0]["command"][-1] == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert container(worker)["image"] == "REGISTRY/radixmesh-worker:0.1.0"
