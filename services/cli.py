@@ -86,6 +86,7 @@ EXTERNAL_COMMANDS = [
     "radixmesh.gateway.commands:register",
     "radixmesh.tokenizer.commands:register",
     "radixmesh.worker.commands:register",
+    "radixmesh.router.commands:register",
     "loadtests.commands:register",
 ]
 
@@ -99,12 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     for target in EXTERNAL_COMMANDS:
         module, _, func = target.partition(":")
         try:
-            register = getattr(importlib.import_module(module), func)
+            getattr(importlib.import_module(module), func)(sub)
         except ModuleNotFoundError as exc:
-            if exc.name is None or not module.startswith(exc.name):
+            if exc.name is None or exc.name.split(".")[0] in ("radixmesh", "loadtests"):
                 raise
-            continue  # that part of the platform is not installed
-        register(sub)
+            continue  # a dependency of that part of the platform is not installed here
     return parser
 
 

@@ -142,3 +142,22 @@ def test_approx_index_matches_leading_blocks_and_forgets_lru() -> None:
     assert index.footprint(["w0", "w1"]) == {"w0": 6, "w1": 0}
     index.retain(["w1"])
     assert index.match(b, ["w0"]) == {}
+
+
+def test_recent_decisions_match_chains_and_expire() -> None:
+    from radixmesh.router.policies.cache_aware import RecentDecisions
+    from tests.unit.router_factory import FakeClock
+
+    clock = FakeClock()
+    recent = RecentDecisions(ttl_s=2.0, clock=clock, max_entries=10)
+    a = make_request(1, 4).block_hashes
+    recent.record("w0", a)
+    assert recent.match(a) == {"w0": 4}
+    recent.record("w1", a[2:])  # the latest decision owns blocks 2 and 3; w1 lacks 0 and 1
+    assert recent.match(a) == {"w0": 2}
+    clock.now = 2.5
+    assert recent.match(a) == {}
+    for i in range(5):  # 20 blocks into a map of 10: the oldest go
+        recent.record("w0", make_request(10 + i, 4).block_hashes)
+    assert recent.match(make_request(14, 4).block_hashes) == {"w0": 4}
+    assert recent.match(make_request(10, 4).block_hashes) == {}

@@ -4,6 +4,10 @@ Index entries are keyed by the id a worker publishes under (`WorkerHandle.index_
 which the router maps back to its registry ids. After each decision the router writes a
 short-lived speculative entry for the blocks the chosen worker does not hold yet.
 
+Concurrent requests race their index lookups, so the policy also remembers its own
+decisions for the same short time and merges them into every lookup (recorded before
+any await, so the next request of a burst always sees the previous one's choice).
+
 When Redis fails, the policy switches to its approx-tree (kept warm with every decision)
 and probes Redis in the background; the first good probe switches back.
 """
@@ -13,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from redis.exceptions import RedisError
 
@@ -29,6 +34,44 @@ logger = logging.getLogger(__name__)
 REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 
+class RecentDecisions:
+    """block key -> (worker id, expiry) of this router's latest decisions: a local speculative index."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, max_entries: int = 200_000) -> None:
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self.max_entries = max_entries
+        self._owner: dict[int, tuple[str, float]] = {}
+
+    def record(self, worker_id: str, block_hashes: Sequence[int]) -> None:
+        expires = self.clock() + self.ttl_s
+        for h in block_hashes:
+            self._owner.pop(h, None)  # re-insert at the end: dict order is expiry order
+            self._owner[h] = (worker_id, expires)
+        if len(self._owner) > self.max_entries:
+            self._prune(force=True)
+
+    def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Leading blocks each worker was just sent (the chain as one owner per block)."""
+        now = self.clock()
+        counts: dict[str, int] = {}
+        for i, h in enumerate(block_hashes):
+            entry = self._owner.get(h)
+            if entry is None or entry[1] < now or counts.get(entry[0], 0) != i:
+                break
+            counts[entry[0]] = i + 1
+        self._prune()
+        return counts
+
+    def _prune(self, force: bool = False) -> None:
+        now = self.clock()
+        while self._owner:
+            h, (_, expires) = next(iter(self._owner.items()))
+            if expires >= now and not (force and len(self._owner) > self.max_entries // 2):
+                return
+            del self._owner[h]
+
+
 class CacheAwarePolicy(BaseRoutingPolicy):
     policy_id = "cache-aware"
 
@@ -36,6 +79,8 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         self.config = config
         self.reader = reader
         self.fallback = ApproxTreePolicy(config)
+        speculative_ttl_s = reader.config.speculative_ttl_s if reader is not None else 3.0
+        self.recent = RecentDecisions(speculative_ttl_s)
         self.redis_up = reader is not None
         self._probe_task: asyncio.Task[None] | None = None
         self._sweep_task: asyncio.Task[None] | None = None
@@ -76,7 +121,13 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         if not cached:
             held = await reader.footprints(list(by_index))
             footprint = {by_index[i].worker_id: n for i, n in held.items()}
-        return decide(self.policy_id, request, candidates, cached, footprint, self.config.scoring)
+        ids = {w.worker_id for w in candidates}
+        for worker_id, n in self.recent.match(request.block_hashes).items():
+            if worker_id in ids:
+                cached[worker_id] = max(cached.get(worker_id, 0), n)
+        decision = decide(self.policy_id, request, candidates, cached, footprint, self.config.scoring)
+        self.recent.record(decision.worker.worker_id, request.block_hashes)
+        return decision
 
     async def on_routed(self, request: RouteRequest, decision: RoutingDecision) -> None:
         await self.fallback.on_routed(request, decision)

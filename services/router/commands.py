@@ -1,0 +1,90 @@
+"""`radixmesh router`. Imports nothing heavy at module level: the CLI must start fast."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixmesh.router.config import RouterConfig
+    from radixmesh.router.discovery.base import BaseDiscovery
+
+DEFAULT_PORT = 50053
+POLICIES = ("cache-aware", "approx-tree", "power-of-two", "round-robin", "random")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `router` subcommand to the `radixmesh` command."""
+    from radixmesh.common.grpc_server import add_server_args
+
+    cmd = sub.add_parser("router", help="route Generate calls to workers (RouterService)",
+                         description="Pick a worker per request by the KV-cache index and load, health-check "
+                                     "workers, retry before the first token, and stream the answer back.")
+    cmd.add_argument("--policy", default="cache-aware", choices=POLICIES,
+                     help="routing policy (cache-aware needs --redis-url, else it runs as approx-tree)")
+    cmd.add_argument("--workers", default="", help="static worker list host:port,... (implies --discovery static)")
+    cmd.add_argument("--discovery", default=None, choices=("static", "redis", "kubernetes"),
+                     help="where workers come from (default: static with --workers, else redis)")
+    cmd.add_argument("--selector", default="app.kubernetes.io/component=worker",
+                     help="kubernetes discovery: label selector of the worker pods")
+    cmd.add_argument("--namespace", default=None, help="kubernetes discovery: namespace (default: the router's)")
+    cmd.add_argument("--block-size", type=int, default=16, help="tokens per block of the prompts' hashes")
+    cmd.add_argument("--index-namespace", default="radixmesh", help="key prefix of the KV-cache index in Redis")
+    cmd.add_argument("--health-interval-s", type=float, default=1.0, help="seconds between health probes")
+    cmd.add_argument("--health-failure-threshold", type=int, default=2,
+                     help="failed probes in a row that mark a worker unhealthy")
+    cmd.add_argument("--health-success-threshold", type=int, default=1,
+                     help="passed probes in a row that mark a worker healthy again")
+    cmd.add_argument("--max-attempts", type=int, default=3, help="tries per request before its first token")
+    cmd.add_argument("--seed", type=int, default=None, help="seed of the random and power-of-two policies")
+    add_server_args(cmd, DEFAULT_PORT)
+    cmd.set_defaults(func=cmd_router)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from radixmesh.common.grpc_server import server_config, setup_logging
+
+    setup_logging(args.log_level, "router")
+    config = router_config(args)
+    discovery = make_discovery(args)
+    from radixmesh.router.server import serve_router
+
+    return asyncio.run(serve_router(server_config(args), config, discovery))
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    from radixmesh.router.config import HealthConfig, RetryConfig, RouterConfig
+
+    return RouterConfig(policy=args.policy, block_size=args.block_size, redis_url=args.redis_url,
+                        index_namespace=args.index_namespace, seed=args.seed,
+                        health=HealthConfig(interval_s=args.health_interval_s,
+                                            failure_threshold=args.health_failure_threshold,
+                                            success_threshold=args.health_success_threshold),
+                        retry=RetryConfig(max_attempts=args.max_attempts))
+
+
+def make_discovery(args: argparse.Namespace) -> BaseDiscovery:
+    from radixmesh.common.errors import invalid_argument
+
+    kind = args.discovery or ("static" if args.workers else "redis")
+    if kind == "static":
+        from radixmesh.router.discovery.static import StaticDiscovery, parse_workers
+
+        return StaticDiscovery(parse_workers(args.workers))
+    if args.workers:
+        raise invalid_argument(f"--workers is for static discovery, not {kind}", "workers")
+    if kind == "redis":
+        if not args.redis_url:
+            raise invalid_argument("redis discovery needs --redis-url (or give --workers)", "redis_url")
+        from radixmesh.index.config import IndexConfig
+        from radixmesh.index.reader import KVIndexReader
+        from radixmesh.index.writer import connect
+        from radixmesh.router.discovery.redis_leases import RedisLeaseDiscovery
+
+        index = IndexConfig(redis_url=args.redis_url, namespace=args.index_namespace, block_size=args.block_size)
+        return RedisLeaseDiscovery(KVIndexReader(index, connect(index)))
+    from radixmesh.router.discovery.kubernetes import make_kubernetes_discovery
+
+    return make_kubernetes_discovery(args.selector, args.namespace)

@@ -1,0 +1,92 @@
+"""Run a router: discovery -> registry -> health checks, a policy, and RouterService until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
+from radixmesh.index.reader import KVIndexReader
+from radixmesh.protocol import router_pb2_grpc
+from radixmesh.router import metrics
+from radixmesh.router.config import RouterConfig
+from radixmesh.router.discovery.base import BaseDiscovery
+from radixmesh.router.dispatch import RequestRouter
+from radixmesh.router.health_checker import HealthChecker
+from radixmesh.router.policies import create_policy
+from radixmesh.router.service import SERVICE_NAME, RouterServicer
+from radixmesh.router.worker_client import WorkerClient
+from radixmesh.router.workers import WorkerRegistry
+
+logger = logging.getLogger(__name__)
+GAUGE_INTERVAL_S = 1.0
+
+
+def make_reader(config: RouterConfig) -> KVIndexReader | None:
+    """A KV-index reader when the router has a Redis URL (connects lazily)."""
+    if not config.redis_url:
+        return None
+    from radixmesh.index.config import IndexConfig
+    from radixmesh.index.writer import connect
+
+    index_config = IndexConfig(redis_url=config.redis_url, namespace=config.index_namespace,
+                               block_size=config.block_size)
+    return KVIndexReader(index_config, connect(index_config))
+
+
+class RouterApp:
+    """All parts of one router, started and stopped together (in a process, or inside a test)."""
+
+    def __init__(self, server_config: GrpcServerConfig, config: RouterConfig, discovery: BaseDiscovery,
+                 reader: KVIndexReader | None = None) -> None:
+        self.config = config
+        self.discovery = discovery
+        self.reader = reader if reader is not None else make_reader(config)
+        self.registry = WorkerRegistry(config.health, config.breaker, WorkerClient)
+        self.checker = HealthChecker(self.registry, config.health)
+        self.policy = create_policy(config.policy, config, reader=self.reader)
+        self.router = RequestRouter(config, self.registry, self.policy)
+        self.server = GrpcServer(server_config, "router", [SERVICE_NAME])
+        router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(self.router), self.server.server)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        await self.policy.start()
+        self._tasks = [asyncio.create_task(self.discovery.run(self.registry.apply), name="discovery"),
+                       asyncio.create_task(self._update_gauges(), name="router-gauges")]
+        await self.server.start()
+        print(f"radixmesh router: policy {self.config.policy}, index {'on' if self.reader else 'off'}", flush=True)
+
+    async def stop(self) -> None:
+        """Drain the server, then stop discovery, probes, the policy and the worker channels."""
+        await self.server.drain()
+        await self.close_parts()
+
+    async def close_parts(self) -> None:
+        await self.discovery.stop()
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.checker.close()
+        await self.policy.close()
+        await self.registry.close()
+        if self.reader is not None:
+            await self.reader.redis.aclose()
+
+    async def _update_gauges(self) -> None:
+        while True:
+            metrics.HEALTHY_WORKERS.set(sum(1 for w in self.registry.all() if w.health.healthy))
+            metrics.FALLBACK.set(1 if self.policy.active_policy() != self.policy.policy_id else 0)
+            await asyncio.sleep(GAUGE_INTERVAL_S)
+
+
+async def serve_router(server_config: GrpcServerConfig, config: RouterConfig, discovery: BaseDiscovery) -> int:
+    app = RouterApp(server_config, config, discovery)
+    try:
+        await app.start()
+        await app.server.run_until_signal()
+        return 0
+    finally:
+        await app.close_parts()

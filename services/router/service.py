@@ -1,0 +1,163 @@
+"""RouterService: Generate routed to a worker (with retries), plus the fan-out control RPCs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc.aio
+
+from radixmesh.common.convert import ROLE_TO_PROTO
+from radixmesh.common.errors import ErrorCode, RadixMeshError
+from radixmesh.common.grpc_errors import map_errors
+from radixmesh.index.block_hash import block_hashes
+from radixmesh.protocol import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+from radixmesh.router import metrics
+from radixmesh.router.dispatch import RequestRouter
+from radixmesh.router.policies.base import RouteRequest, RoutingDecision
+from radixmesh.router.workers import LoadSnapshot, WorkerHandle
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
+MODEL_INFO_WAIT_S = 30.0
+
+
+def route_request(request: worker_pb2.GenerateRequest, block_size: int) -> RouteRequest:
+    """What the policy sees; the request's own block hashes when their block size matches ours."""
+    hashes = list(request.block_hashes.hashes)
+    if (request.block_hashes.block_size or 16) != block_size or (not hashes and len(request.token_ids) >= block_size):
+        hashes = block_hashes(request.token_ids, block_size)  # ids from a client that did not hash them
+    return RouteRequest(request.request_id, len(request.token_ids), tuple(hashes), block_size)
+
+
+def routing_info(decision: RoutingDecision, attempt: int) -> common_pb2.RoutingInfo:
+    info = common_pb2.RoutingInfo(worker_id=decision.worker.worker_id, worker_address=decision.worker.address,
+                                  policy=decision.policy, attempt=attempt)
+    for worker_id, score in sorted(decision.scores.items()):
+        info.candidates.add(worker_id=worker_id, score=score,
+                            cached_prefix_tokens=decision.cached_tokens.get(worker_id, 0))
+    return info
+
+
+class _RoutedCall:
+    """What one Generate call learns while it is routed: the decision to report and timings."""
+
+    def __init__(self) -> None:
+        self.decision: RoutingDecision | None = None
+        self.attempt = 0
+        self.worker_call_s = 0.0
+
+    def on_decision(self, decision: RoutingDecision, attempt: int) -> None:
+        self.decision, self.attempt = decision, attempt
+        metrics.DECISIONS.labels(decision.policy, decision.reason, decision.worker.worker_id).inc()
+        if attempt > 1:
+            metrics.RETRIES.inc()
+
+
+class RouterServicer(router_pb2_grpc.RouterServiceServicer):
+    def __init__(self, router: RequestRouter) -> None:
+        self.router = router
+        self.registry = router.registry
+
+    @map_errors("router")
+    async def Generate(self, request: worker_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        received = time.perf_counter()
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        call = _RoutedCall()
+
+        async def open_stream(worker: WorkerHandle, decision: RoutingDecision,
+                              attempt: int) -> AsyncIterator[worker_pb2.GenerateResponse]:
+            call.worker_call_s = time.perf_counter()
+            async for msg in worker.client.generate(request):
+                yield msg
+
+        stream = self.router.stream(route_request(request, self.router.config.block_size), open_stream,
+                                    call.on_decision)
+        try:
+            async for msg in stream:
+                if call.decision is not None:
+                    arrived = time.perf_counter()
+                    msg.routing.CopyFrom(routing_info(call.decision, call.attempt))
+                    call.decision = None
+                    metrics.OVERHEAD.observe(call.worker_call_s - received + time.perf_counter() - arrived)
+                yield msg
+        except RadixMeshError as exc:
+            metrics.FAILURES.labels(exc.code.value).inc()
+            raise
+        finally:
+            await stream.aclose()
+
+    @map_errors("router")
+    async def Abort(self, request: worker_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:
+        worker = self.router.inflight.get(request.request_id)
+        if worker is None:
+            return worker_pb2.AbortResponse(found=False)
+        return worker_pb2.AbortResponse(found=await worker.client.abort(request.request_id))
+
+    @map_errors("router")
+    async def GetLoad(self, request: worker_pb2.GetLoadRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.GetLoadResponse:
+        loads = [w.load for w in self.registry.all() if w.health.healthy]
+        return worker_pb2.GetLoadResponse(load=sum_loads(loads))
+
+    @map_errors("router")
+    async def FlushCache(self, request: worker_pb2.FlushCacheRequest,
+                         context: grpc.aio.ServicerContext) -> worker_pb2.FlushCacheResponse:
+        workers = [w for w in self.registry.all() if w.health.healthy]
+        if not workers:
+            raise RadixMeshError(ErrorCode.UNAVAILABLE, "no healthy worker to flush")
+        results = await asyncio.gather(*(w.client.flush_cache() for w in workers))
+        return worker_pb2.FlushCacheResponse(flushed=all(results))
+
+    @map_errors("router")
+    async def GetModelInfo(self, request: worker_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> worker_pb2.GetModelInfoResponse:
+        deadline = time.monotonic() + MODEL_INFO_WAIT_S
+        while True:  # at startup the workers may still be loading: wait a while for one
+            healthy = [w for w in self.registry.all() if w.health.healthy]
+            if healthy:
+                info = await healthy[0].client.get_model_info()
+                info.worker_id, info.role = "", common_pb2.WORKER_ROLE_UNSPECIFIED
+                return info
+            if time.monotonic() > deadline:
+                raise RadixMeshError(ErrorCode.UNAVAILABLE, f"no healthy worker ({len(self.registry)} known)")
+            await asyncio.sleep(0.2)
+
+    @map_errors("router")
+    async def ListWorkers(self, request: router_pb2.ListWorkersRequest,
+                          context: grpc.aio.ServicerContext) -> router_pb2.ListWorkersResponse:
+        reply = router_pb2.ListWorkersResponse(policy=self.router.policy.active_policy())
+        for w in self.registry.all():
+            reply.workers.add(worker_id=w.worker_id, address=w.address, role=ROLE_TO_PROTO[w.endpoint.role],
+                              healthy=w.health.healthy, circuit_state=w.circuit_state.value,
+                              num_inflight=w.num_inflight, load=load_to_proto(w.load))
+        return reply
+
+
+def load_to_proto(load: LoadSnapshot) -> common_pb2.WorkerLoad:
+    return common_pb2.WorkerLoad(
+        num_running_reqs=load.num_running_reqs, num_waiting_reqs=load.num_waiting_reqs,
+        num_queued_prefill_tokens=load.num_queued_prefill_tokens,
+        num_running_decode_tokens=load.num_running_decode_tokens, kv_used_tokens=load.kv_used_tokens,
+        max_total_tokens=load.max_total_tokens, kv_usage=load.kv_usage, cache_hit_rate=load.cache_hit_rate)
+
+
+def sum_loads(loads: list[LoadSnapshot]) -> common_pb2.WorkerLoad:
+    total = common_pb2.WorkerLoad()
+    for load in loads:
+        total.num_running_reqs += load.num_running_reqs
+        total.num_waiting_reqs += load.num_waiting_reqs
+        total.num_queued_prefill_tokens += load.num_queued_prefill_tokens
+        total.num_running_decode_tokens += load.num_running_decode_tokens
+        total.kv_used_tokens += load.kv_used_tokens
+        total.max_total_tokens += load.max_total_tokens
+    total.kv_usage = total.kv_used_tokens / total.max_total_tokens if total.max_total_tokens else 0.0
+    if loads:
+        total.cache_hit_rate = sum(load.cache_hit_rate for load in loads) / len(loads)
+    return total

@@ -1,0 +1,118 @@
+"""The router's gRPC client of one worker: Generate stream, probes, and the control RPCs.
+
+Every failure comes out as a `RadixMeshError` (rebuilt from the worker's error trailer when
+there is one), so the dispatch logic never sees a transport exception.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from radixmesh.common.errors import RadixMeshError
+from radixmesh.common.grpc_errors import from_rpc_error
+from radixmesh.common.grpc_server import MAX_MESSAGE_BYTES
+from radixmesh.protocol import common_pb2, worker_pb2, worker_pb2_grpc
+from radixmesh.router.discovery.base import WorkerEndpoint
+from radixmesh.router.workers import LoadSnapshot
+
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One active health check: grpc.health.v1 Check, then GetLoad."""
+
+    ok: bool
+    """SERVING and GetLoad answered."""
+    error: str = ""
+    """Why not, when not ok."""
+    load: LoadSnapshot | None = None
+    """The load GetLoad reported."""
+    worker_id: str = ""
+    """The id the worker reports (its index id)."""
+
+
+def load_from_proto(load: common_pb2.WorkerLoad) -> LoadSnapshot:
+    return LoadSnapshot(num_running_reqs=load.num_running_reqs, num_waiting_reqs=load.num_waiting_reqs,
+                        num_queued_prefill_tokens=load.num_queued_prefill_tokens,
+                        num_running_decode_tokens=load.num_running_decode_tokens,
+                        kv_used_tokens=load.kv_used_tokens, max_total_tokens=load.max_total_tokens,
+                        kv_usage=load.kv_usage, cache_hit_rate=load.cache_hit_rate)
+
+
+class WorkerClient:
+    def __init__(self, endpoint: WorkerEndpoint) -> None:
+        self.endpoint = endpoint
+        self.channel = grpc.aio.insecure_channel(endpoint.address, options=CHANNEL_OPTIONS)
+        self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def _error(self, exc: grpc.RpcError) -> RadixMeshError:
+        return from_rpc_error(exc, peer=f"worker {self.endpoint.worker_id} at {self.endpoint.address}")
+
+    async def generate(self, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        """The worker's stream; closing the iterator early cancels the call (the worker aborts)."""
+        call = self.stub.Generate(request)
+        try:
+            async for msg in call:
+                yield msg
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        finally:
+            if not call.done():
+                call.cancel()
+
+    async def probe(self, timeout_s: float) -> ProbeResult:
+        """Health from grpc.health.v1 (answered by the front end even while the engine is busy); the load
+        from GetLoad, best effort: a busy scheduler may answer late, which leaves the last load in place."""
+        try:
+            health = await self.health.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return ProbeResult(False, f"{exc.code().name}: {exc.details()}")
+        if health.status != health_pb2.HealthCheckResponse.SERVING:
+            status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
+            return ProbeResult(False, f"health status {status}")
+        try:
+            reply = await self.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return ProbeResult(True, f"GetLoad: {exc.code().name}")
+        return ProbeResult(True, load=load_from_proto(reply.load), worker_id=reply.worker_id)
+
+    async def abort(self, request_id: str, timeout_s: float = 5.0) -> bool:
+        try:
+            reply = await self.stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        return bool(reply.found)
+
+    async def flush_cache(self, timeout_s: float = 30.0) -> bool:
+        try:
+            reply = await self.stub.FlushCache(worker_pb2.FlushCacheRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        return bool(reply.flushed)
+
+    async def get_model_info(self, timeout_s: float = 10.0) -> worker_pb2.GetModelInfoResponse:
+        try:
+            reply: worker_pb2.GetModelInfoResponse = await self.stub.GetModelInfo(worker_pb2.GetModelInfoRequest(),
+                                                                                   timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        return reply
+
+    async def close(self) -> None:
+        await self.channel.close()
