@@ -110,7 +110,7 @@ def compute_kv_indptr(seq_lens: torch.Tensor, out: torch.Tensor | None = None) -
         out = torch.empty(batch + 1, dtype=torch.int64, device=seq_lens.device)
     check_index("kv_indptr", out)
     assert out.shape[0] >= batch + 1, f"kv_indptr has {out.shape[0]} entries, need batch + 1 = {batch + 1}"
-    out[0] = 0
+    out[:1].zero_()  # a device fill: no host copy, so it may be captured in a CUDA graph
     torch.cumsum(seq_lens, dim=0, dtype=out.dtype, out=out[1:batch + 1])
     return out
 

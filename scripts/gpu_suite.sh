@@ -21,31 +21,39 @@ RM="python3 -m radixmesh.cli"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/device.txt"
 
-for stage in $STAGES; do
+STAGE_TIMEOUT_S=${STAGE_TIMEOUT_S:-240}
+run_stage() {  # every stage is time-boxed and logged whole under $OUT
+  local stage=$1
   echo "=== stage $stage"
   case $stage in
     tests)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -40
-      python3 -m pytest -q -p no:cacheprovider tests/unit/test_triton_kernels.py 2>&1 | tail -5 ;;
+      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_triton_kernels_gpu.py ;;
+    engine-tests)
+      python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_engine_gpu.py ;;
     kernel)
       python3 -m radixmesh.kernels.bench_decode --batch 64 --seq-len 2048 --heads 32 --kv-heads 8 --head-dim 128 \
-        --dtype bf16 | tee "$OUT/kernel.json" ;;
+        --dtype bf16 ;;
     one-batch)
       for shape in llama-3.2-1b llama-3.1-8b; do
         $RM bench one-batch --model-shape "$shape" --batch-size 1 --input-len 1024 --output-len 256 \
-          --context-length 8192 --result-file "$OUT/one-batch.jsonl" 2>&1 | tail -3
+          --context-length 8192 --cuda-graph-max-bs 8 --result-file "$OUT/one-batch.jsonl"
       done ;;
     offline)
-      $RM bench offline --model-shape llama-3.1-8b --num-prompts 500 --random-input-len 4096 --random-output-len 2048 \
-        --random-range-ratio 0.0 --context-length 8192 --result-file "$OUT/offline.jsonl" 2>&1 | tail -3 ;;
+      $RM bench offline --model-shape llama-3.1-8b --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 --random-output-len 2048 \
+        --random-range-ratio 0.0 --context-length 8192 --result-file "$OUT/offline.jsonl" ;;
     compare)
       common="--model-shape llama-3.1-8b --num-prompts ${COMPARE_PROMPTS:-200} --random-input-len 2048 \
         --random-output-len 1024 --random-range-ratio 0.0 --context-length 8192 --result-file $OUT/compare.jsonl"
-      $RM bench offline $common 2>&1 | tail -1
-      $RM bench offline $common --disable-overlap-schedule 2>&1 | tail -1
-      $RM bench offline $common --disable-cuda-graph 2>&1 | tail -1
-      $RM bench offline $common --disable-cuda-graph --attention-backend flashinfer 2>&1 | tail -1 ;;
+      $RM bench offline $common
+      $RM bench offline $common --disable-overlap-schedule
+      $RM bench offline $common --disable-cuda-graph
+      $RM bench offline $common --disable-cuda-graph --attention-backend flashinfer ;;
     *) echo "unknown stage $stage" ;;
   esac
+}
+for stage in $STAGES; do
+  timeout "$STAGE_TIMEOUT_S" bash -c "$(declare -f run_stage); RM='$RM' OUT='$OUT' run_stage $stage" \
+    > "$OUT/$stage.log" 2>&1
+  echo "=== stage $stage: exit $? (log: $stage.log)"; tail -5 "$OUT/$stage.log"
 done
 ls -la "$OUT"

@@ -72,7 +72,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
     {"attention_backend": "triton", "overlap_schedule": "on", "chunked_prefill_size": 128},
 ], ids=["torch-native", "triton-eager", "triton-graph-overlap", "triton-graph-overlap-chunked"])
 def test_greedy_tokens_match_transformers(model_dir, prompts, hf_outputs, engine_args):
-    with Engine(str(model_dir), dtype="float32", mem_fraction_static=0.3, **engine_args) as engine:
+    with Engine(str(model_dir), dtype="float32", mem_fraction_static=0.3, cuda_graph_max_bs=16,
+                **engine_args) as engine:
         batched = engine.generate(prompts, GREEDY)
         single = [engine.generate(p, GREEDY) for p in prompts[:3]]
     for got, want in zip(batched, hf_outputs):
