@@ -7,6 +7,7 @@ background thread that talks to it through `EngineClient`.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import Future
@@ -147,6 +148,8 @@ def _as_params(params: dict[str, Any] | SamplingParams | None) -> SamplingParams
             converted[key] = tuple(converted[key])
     if "logit_bias" in converted:
         converted["logit_bias"] = {int(k): float(v) for k, v in (converted["logit_bias"] or {}).items()}
+    if isinstance(converted.get("json_schema"), dict):
+        converted["json_schema"] = json.dumps(converted["json_schema"])
     try:
         return msgspec.convert(converted, SamplingParams)
     except msgspec.ValidationError as exc:

@@ -29,7 +29,6 @@ from radixmesh.gateway.state import GatewayState, get_state, unless_disconnected
 
 router = APIRouter(tags=["native"])
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-_GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 class NativeSamplingParams(RequestBody):
@@ -52,7 +51,7 @@ class NativeSamplingParams(RequestBody):
     seed: int | None = None
     sampling_seed: int | None = None
     logit_bias: dict[str, float] | None = None
-    json_schema: str | None = None
+    json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
@@ -134,10 +133,12 @@ def _logprob_asks(req: GenerateRequest, num_prompts: int) -> list[tuple[int, int
 
 def _params(state: GatewayState, req: GenerateRequest, sp: NativeSamplingParams, prompt_len: int,
             logprob_ask: tuple[int, int]) -> SamplingParams:
-    for name in _GRAMMAR_FIELDS:
-        if getattr(sp, name) is not None:
-            raise unsupported(f"sampling_params.{name} is not supported yet (grammar decoding comes later)", name)
-    fields = sp.model_dump(exclude=set(_GRAMMAR_FIELDS) | {"sampling_seed", "stop", "stop_token_ids", "logit_bias"})
+    if sp.structural_tag is not None:
+        raise unsupported("sampling_params.structural_tag is not supported; use json_schema, regex or ebnf",
+                          "structural_tag")
+    fields = sp.model_dump(exclude={"structural_tag", "json_schema", "sampling_seed", "stop", "stop_token_ids",
+                                    "logit_bias"})
+    fields["json_schema"] = sp.json_schema if not isinstance(sp.json_schema, dict) else json.dumps(sp.json_schema)
     fields["max_new_tokens"] = conv.resolve_max_new_tokens(
         sp.max_new_tokens, prompt_len, state.backend.card.context_len, state.config.max_default_tokens,
         "max_new_tokens", "input_ids" if req.input_ids is not None else "text")

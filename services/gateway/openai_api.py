@@ -72,7 +72,7 @@ async def completions(request: Request) -> Response:
     prompts = _completion_prompts(state, req)
     echoes = [state.backend.decode(ids) if req.echo else "" for ids in prompts]
     jobs = []
-    with conv.openai_names(_COMPLETION_NAMES):
+    with conv.openai_names({**_COMPLETION_NAMES, **conv.grammar_param_names(req)}):
         for ids in prompts:
             max_new = conv.resolve_max_new_tokens(req.max_tokens, len(ids), state.backend.card.context_len,
                                                   16, "max_tokens", "prompt")
@@ -161,7 +161,8 @@ async def chat_completions(request: Request) -> Response:
     input_ids = state.backend.apply_chat_template(conv.chat_messages(req.messages))
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    names = {"max_new_tokens": max_param, "min_new_tokens": "min_tokens", "prompt": "messages"}
+    names = {"max_new_tokens": max_param, "min_new_tokens": "min_tokens", "prompt": "messages",
+             **conv.grammar_param_names(req)}
     with conv.openai_names(names):
         max_new = conv.resolve_max_new_tokens(requested, len(input_ids), state.backend.card.context_len,
                                               state.config.max_default_tokens, max_param, "messages")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from radixmesh.common.errors import RadixMeshError, invalid_argument, unsupported
+from radixmesh.engine.grammar.spec import ANY_JSON
 from radixmesh.gateway.backend import Backend, GenerationChunk, SamplingParams
 from radixmesh.gateway.protocol import (
     ChatCompletionRequest,
@@ -72,7 +74,43 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_new_toke
         fields["stop_token_ids"] = tuple(req.stop_token_ids)
     if req.logit_bias:
         fields["logit_bias"] = logit_bias(req.logit_bias)
+    fields.update(grammar_fields(req))
     return SamplingParams(**fields)
+
+
+def grammar_fields(req: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    """`json_schema` / `regex` / `ebnf` of the engine from `response_format` and the SGLang extra fields.
+
+    json_object is the built-in any-JSON grammar; json_schema constrains to its `schema` whether
+    `strict` is true or not (a looser promise would be kept anyway). The syntax of each spec is
+    checked when the request is validated, before admission.
+    """
+    fields: dict[str, str] = {}
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        fields["json_schema"] = ANY_JSON
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise invalid_argument("response_format of type 'json_schema' needs json_schema.schema (a JSON Schema "
+                                   "object)", "response_format")
+        fields["json_schema"] = json.dumps(fmt.json_schema.schema_)
+    elif fmt is not None and fmt.type != "text":
+        raise unsupported(f"response_format of type {fmt.type!r} is not supported; use text, json_object or "
+                          "json_schema", "response_format")
+    if fields and (req.json_schema is not None or req.regex is not None or req.ebnf is not None):
+        raise invalid_argument("give either response_format or one of json_schema, regex and ebnf", "response_format")
+    if req.json_schema is not None:
+        fields["json_schema"] = req.json_schema if isinstance(req.json_schema, str) else json.dumps(req.json_schema)
+    for name, value in (("regex", req.regex), ("ebnf", req.ebnf)):
+        if value is not None:
+            fields[name] = value
+    return fields
+
+
+def grammar_param_names(req: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    """Errors about the engine's json_schema name `response_format` when that is what the client sent."""
+    fmt = req.response_format
+    return {"json_schema": "response_format"} if fmt is not None and fmt.type != "text" else {}
 
 
 def logit_bias(bias: dict[str, float]) -> dict[int, float]:
@@ -113,9 +151,6 @@ def check_chat_supported(req: ChatCompletionRequest) -> None:
         raise unsupported("tools are not supported yet", "tools")
     if req.functions:
         raise unsupported("functions are not supported yet", "functions")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise unsupported(f"response_format of type {req.response_format.type!r} is not supported yet "
-                          "(structured output comes with grammar decoding); use type 'text'", "response_format")
     if req.top_logprobs and not req.logprobs:
         raise invalid_argument("top_logprobs needs logprobs set to true", "top_logprobs")
 

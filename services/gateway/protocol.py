@@ -2,8 +2,9 @@
 
 Requests ignore unknown fields (`extra="ignore"`): OpenAI clients send fields such as
 `user`, `store`, `metadata` or `service_tier` that do not change what is generated.
-Fields that would change the output but are not supported yet (`tools`, JSON
-`response_format`, `suffix`) are declared so the handlers can reject them by name.
+Fields that would change the output but are not supported yet (`tools`, `suffix`,
+`response_format` types other than text / json_object / json_schema) are declared so the
+handlers can reject them by name.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ class SamplingExtensions(RequestBody):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    # structured outputs, as SGLang accepts them (a JSON schema also as an object)
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class CompletionRequest(SamplingExtensions):
@@ -75,6 +80,7 @@ class CompletionRequest(SamplingExtensions):
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
     suffix: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ContentPart(RequestBody):
@@ -88,8 +94,19 @@ class ChatMessage(RequestBody):
     tool_calls: list[Any] | None = None
 
 
+class JsonSchemaFormat(RequestBody):
+    """OpenAI's `response_format.json_schema`; the output follows `schema` whether or not `strict` is set."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(RequestBody):
     type: str
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(SamplingExtensions):

@@ -259,8 +259,8 @@ def test_native_generate(http: TestClient) -> None:
                                                 "sampling_params": {"max_new_tokens": 3}}) as response:
         events = _sse(response.read().decode())
     assert [e["text"] for e in events] == ["a", "ab", "abc"]  # cumulative, as SGLang streams
-    bad = http.post("/generate", json={"text": "a", "sampling_params": {"regex": "a+"}})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "regex"
+    bad = http.post("/generate", json={"text": "a", "sampling_params": {"structural_tag": "{}"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "structural_tag"
 
 
 def test_native_info_routes(http: TestClient) -> None:

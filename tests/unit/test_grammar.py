@@ -3,6 +3,7 @@ jump-forward re-tokenization (on the default model's tokenizer)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -33,13 +34,17 @@ def test_spec_from_params_compacts_json_and_keeps_property_order():
     assert grammar_spec(SamplingParams()) is None
 
 
-def test_content_key_depends_on_spec_tokenizer_and_version():
+def test_content_key_depends_on_spec_tokenizer_version_and_vocab():
     spec = GrammarSpec("regex", "a+")
-    key = spec.content_key("tok1", "v1")
-    assert len(key) == 64 and key == GrammarSpec("regex", "a+").content_key("tok1", "v1")
-    others = {GrammarSpec("regex", "a*").content_key("tok1", "v1"), spec.content_key("tok2", "v1"),
-              spec.content_key("tok1", "v2"), GrammarSpec("ebnf", "a+").content_key("tok1", "v1")}
-    assert key not in others and len(others) == 4
+    key = spec.content_key("tok1", "v1", 100, [2])
+    assert len(key) == 64 and key == GrammarSpec.parse("regex", "a+").content_key("tok1", "v1", 100, [2])
+    others = {GrammarSpec("regex", "a*").content_key("tok1", "v1", 100, [2]),
+              spec.content_key("tok2", "v1", 100, [2]), spec.content_key("tok1", "v2", 100, [2]),
+              GrammarSpec("ebnf", "a+").content_key("tok1", "v1", 100, [2]),
+              spec.content_key("tok1", "v1", 128, [2]), spec.content_key("tok1", "v1", 100, [2, 3])}
+    assert key not in others and len(others) == 6
+    assert key == hashlib.sha256(b"".join(len(p).to_bytes(8, "little") + p for p in (
+        b"radixmesh-grammar-key/1", b"regex", b"a+", b"tok1", b"v1", b"100", b"2"))).hexdigest()
 
 
 @pytest.mark.parametrize("params, param, words", [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,10 +46,29 @@ class GrammarSpec:
         """Identity within one engine (one tokenizer): equal keys compile to the same grammar."""
         return _digest(KEY_LAYOUT, self.kind.encode(), self.source.encode())
 
-    def content_key(self, tokenizer_fingerprint: str, serialization_version: str) -> str:
-        """Identity across engines: sha256(spec, tokenizer fingerprint, serialization version), hex."""
+    def content_key(self, tokenizer_fingerprint: str, serialization_version: str, vocab_size: int,
+                    stop_token_ids: Sequence[int]) -> str:
+        """Identity across engines: sha256(spec, tokenizer fingerprint, serialization version, vocab), hex.
+
+        The byte layout is written in proto/radixmesh/v1/grammar.proto (CompileResponse.content_key).
+        """
         return _digest(KEY_LAYOUT, self.kind.encode(), self.source.encode(), tokenizer_fingerprint.encode(),
-                       serialization_version.encode())
+                       serialization_version.encode(), str(vocab_size).encode(),
+                       ",".join(str(t) for t in stop_token_ids).encode())
+
+    @classmethod
+    def parse(cls, kind: str, source: str) -> GrammarSpec:
+        """A normalized spec (compact JSON schemas), or INVALID_ARGUMENT naming what is wrong."""
+        if kind not in KINDS:
+            raise invalid_argument(f"unknown grammar kind {kind!r} (known: {', '.join(KINDS)})", "kind")
+        if kind == "json":
+            return cls("json", "")
+        param = kind
+        if not source.strip():
+            raise invalid_argument(f"{param} must not be empty", param)
+        if len(source.encode()) > MAX_SPEC_BYTES:
+            raise invalid_argument(f"{param} is longer than {MAX_SPEC_BYTES} bytes", param)
+        return cls(kind, _compact_json(source) if kind == "json_schema" else source)
 
 
 def _digest(*parts: bytes) -> str:
@@ -69,13 +89,9 @@ def grammar_spec(params: SamplingParams) -> GrammarSpec | None:
         names = ", ".join(name for name, _ in given)
         raise invalid_argument(f"give at most one of json_schema, regex and ebnf (got {names})", given[1][0])
     name, source = given[0]
-    if not source.strip():
-        raise invalid_argument(f"{name} must not be empty", name)
-    if len(source.encode()) > MAX_SPEC_BYTES:
-        raise invalid_argument(f"{name} is longer than {MAX_SPEC_BYTES} bytes", name)
-    if name == "json_schema":
-        return GrammarSpec("json", "") if source == ANY_JSON else GrammarSpec("json_schema", _compact_json(source))
-    return GrammarSpec(name, source)
+    if name == "json_schema" and source == ANY_JSON:
+        return GrammarSpec("json", "")
+    return GrammarSpec.parse(name, source)
 
 
 def _compact_json(source: str) -> str:
