@@ -26,7 +26,13 @@ class Harness:
     changes: list[list[WorkerEndpoint]] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
+    fail_on_change: int = 0
+    """Raise from on_change this many times (a router bug or a full queue) before accepting."""
+
     def on_change(self, workers: list[WorkerEndpoint]) -> None:
+        if self.fail_on_change > 0:
+            self.fail_on_change -= 1
+            raise RuntimeError("on_change failed")
         self.changes.append(workers)
         self.changed.set()
 
@@ -54,7 +60,8 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def running(pods: list[dict] | None = None, fail_first: int = 0) -> AsyncIterator[Harness]:
+async def running(pods: list[dict] | None = None, fail_first: int = 0,
+                  fail_on_change: int = 0) -> AsyncIterator[Harness]:
     from kubernetes.aio import client
 
     api = FakeKubeApi(fail_next=fail_first)
@@ -67,7 +74,7 @@ async def running(pods: list[dict] | None = None, fail_first: int = 0) -> AsyncI
 
     config = KubernetesDiscoveryConfig(selector=SELECTOR, namespace=api.namespace, backoff_initial_s=0.05,
                                        backoff_max_s=0.2)
-    harness = Harness(api, KubernetesDiscovery(config, client_factory))
+    harness = Harness(api, KubernetesDiscovery(config, client_factory), fail_on_change=fail_on_change)
     task = asyncio.ensure_future(harness.discovery.run(harness.on_change))
     try:
         yield harness
@@ -215,5 +222,19 @@ def test_stop_returns_promptly_while_a_watch_is_open() -> None:
             loop = asyncio.get_running_loop()
             started = loop.time()
         assert loop.time() - started < 2.0
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_on_change_is_delivered_again() -> None:
+    async def scenario() -> None:
+        async with running([make_pod("w0")], fail_on_change=1) as h:  # the initial set fails once
+            await h.wait_for(lambda ws: set(ws) == {"w0"})
+            await h.wait_requests(3)  # list (delivery failed), list, watch
+            h.fail_on_change = 1  # and a watch event fails once
+            await h.api.put(make_pod("w1", ip="10.0.0.2"))
+            await h.wait_for(lambda ws: set(ws) == {"w0", "w1"})
+            assert [sorted(w.worker_id for w in c) for c in h.changes] == [["w0"], ["w0", "w1"]]
+            assert h.discovery.num_lists == 2
 
     asyncio.run(scenario())

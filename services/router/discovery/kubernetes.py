@@ -84,7 +84,6 @@ class KubernetesDiscovery(BaseDiscovery):
         """How many times the pods were listed (1 + re-lists after 410 Gone)."""
 
     async def run(self, on_change: OnChange) -> None:
-        self._stopped.clear()
         loop_task = asyncio.ensure_future(self._run_loop(on_change))
         stop_task = asyncio.ensure_future(self._stopped.wait())
         try:
@@ -149,10 +148,11 @@ class KubernetesDiscovery(BaseDiscovery):
             raise client.ApiException(status=response.status, reason=str(message))
         self.num_lists += 1
         self._endpoints = {pod_name(pod): endpoint_from_pod(pod) for pod in body.get("items") or []}
-        self.resource_version = str((body.get("metadata") or {}).get("resourceVersion") or "") or None
+        list_version = str((body.get("metadata") or {}).get("resourceVersion") or "") or None
         logger.info("kubernetes discovery: listed %d pods (%s) in %s at resourceVersion %s",
-                    len(self._endpoints), self.config.selector, self.config.namespace, self.resource_version)
+                    len(self._endpoints), self.config.selector, self.config.namespace, list_version)
         await self._report(on_change)
+        self.resource_version = list_version  # after delivery: if on_change fails, the list is retried
 
     async def _watch_once(self, api: Any, on_change: OnChange) -> bool:
         """Follow one watch request until the server ends it.
@@ -206,12 +206,12 @@ class KubernetesDiscovery(BaseDiscovery):
         current = sorted((e for e in self._endpoints.values() if e is not None), key=lambda e: e.worker_id)
         if current == self._reported:
             return
-        self._reported = current
         logger.info("kubernetes discovery: %d ready workers: %s", len(current),
                     ", ".join(f"{e.worker_id}={e.address}/{e.role}" for e in current) or "none")
         result = on_change(list(current))
         if inspect.isawaitable(result):
             await result
+        self._reported = current  # only once delivered: a failed on_change is retried
 
     async def _sleep(self, delay_s: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
