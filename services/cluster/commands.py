@@ -1,0 +1,81 @@
+"""`radixmesh cluster up|down|status`. Imports nothing heavy at module level: the CLI must start fast."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `cluster` subcommand to the `radixmesh` command."""
+    cmd = sub.add_parser("cluster", help="start or stop a local cluster (Redis, workers, tokenizer, router, gateway)",
+                         description="A development cluster on 127.0.0.1: every service in its own background "
+                                     "process on a free port, stopped together by `radixmesh cluster down`.")
+    actions = cmd.add_subparsers(dest="action", required=True)
+    up = actions.add_parser("up", help="start a cluster and print the gateway URL")
+    up.add_argument("--workers", type=int, default=2, help="number of unified workers")
+    up.add_argument("--redis", default=None,
+                    help="URL of an existing Redis (default: start one when redis-server is installed)")
+    up.add_argument("--policy", default="cache-aware",
+                    choices=("cache-aware", "approx-tree", "power-of-two", "round-robin", "random"),
+                    help="routing policy of the router")
+    up.add_argument("--model", default=None, help="model of the workers and the tokenizer (default: smollm2-135m)")
+    up.add_argument("--port", type=int, default=0, help="gateway HTTP port (0 picks a free one)")
+    up.add_argument("--worker-args", default="", help="extra flags for every worker, e.g. '--max-total-tokens 8192'")
+    up.add_argument("--router-args", default="", help="extra flags for the router, e.g. '--health-interval-s 0.5'")
+    up.add_argument("--log-level", default="warning", help="logging level of every service")
+    up.add_argument("--timeout-s", type=float, default=600.0, help="how long to wait for the services to answer")
+    _state_dir_arg(up)
+    up.set_defaults(func=cmd_up)
+    down = actions.add_parser("down", help="stop the cluster started by `cluster up`")
+    _state_dir_arg(down)
+    down.set_defaults(func=cmd_down)
+    status = actions.add_parser("status", help="print the running cluster's addresses and which processes live")
+    _state_dir_arg(status)
+    status.set_defaults(func=cmd_status)
+
+
+def _state_dir_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state-dir", type=Path, default=None,
+                        help="where the state file and logs live (default: <cache dir>/cluster)")
+
+
+def _state_dir(args: argparse.Namespace) -> Path:
+    from radixmesh.cluster.local import default_state_dir
+
+    return args.state_dir or default_state_dir()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from radixmesh.cluster.local import ClusterSpec, cluster_up
+
+    spec = ClusterSpec(num_workers=args.workers, redis_url=args.redis, policy=args.policy, model=args.model,
+                       gateway_port=args.port, worker_args=args.worker_args, router_args=args.router_args,
+                       log_level=args.log_level, state_dir=_state_dir(args), timeout_s=args.timeout_s)
+    state = cluster_up(spec)
+    print(f"radixmesh cluster: {len(state.worker_addresses)} workers, router {state.router_address} "
+          f"({state.policy}), tokenizer {state.tokenizer_address}, Redis {state.redis_url or 'none'}")
+    print(f"radixmesh cluster: logs in {state.log_dir}; stop with `radixmesh cluster down`")
+    print(state.gateway_url, flush=True)
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from radixmesh.cluster.local import cluster_down
+
+    stopped = cluster_down(_state_dir(args))
+    print(f"radixmesh cluster: stopped {', '.join(stopped)}" if stopped else "radixmesh cluster: nothing running")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from radixmesh.cluster.local import cluster_status
+
+    state, alive = cluster_status(_state_dir(args))
+    if state is None:
+        print("radixmesh cluster: none")
+        return 1
+    print(f"gateway {state.gateway_url}  router {state.router_address}  redis {state.redis_url or 'none'}")
+    for name, pid in state.pids.items():
+        print(f"  {name:<10} pid {pid:<8} {'running' if alive[name] else 'stopped'}")
+    return 0 if all(alive.values()) else 1
