@@ -43,6 +43,7 @@ class FakeKubeApi:
     _compacted_rv: int = 0
     _changed: asyncio.Condition | None = None
     _generation: int = 0
+    _bookmark_rv: int = 0
     _runner: web.AppRunner | None = None
     port: int = 0
 
@@ -78,6 +79,14 @@ class FakeKubeApi:
         assert self._changed is not None
         async with self._changed:
             self._generation += 1
+            self._changed.notify_all()
+
+    async def bookmark(self) -> None:
+        """Send every open watch a BOOKMARK at the current resourceVersion (as the API server does
+        periodically when allowWatchBookmarks is set), even if no event matched its selector."""
+        assert self._changed is not None
+        self._bookmark_rv = self._rv
+        async with self._changed:
             self._changed.notify_all()
 
     def compact(self) -> None:
@@ -137,6 +146,8 @@ class FakeKubeApi:
             return response
         generation = self._generation
         sent_rv = since_rv
+        bookmarks = request.query.get("allowWatchBookmarks") in ("true", "1")
+        bookmark_sent = self._bookmark_rv
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while generation == self._generation and loop.time() < deadline:
@@ -145,8 +156,13 @@ class FakeKubeApi:
                     await _write_line(response, {"type": kind, "object": pod})
                 if rv > sent_rv:
                     sent_rv = rv
+            if bookmarks and self._bookmark_rv > bookmark_sent:
+                bookmark_sent = self._bookmark_rv
+                await _write_line(response, {"type": "BOOKMARK", "object": {
+                    "kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": str(self._bookmark_rv)}}})
             async with self._changed:
-                if generation == self._generation and not any(rv > sent_rv for rv, _, _ in self._history):
+                idle = not any(rv > sent_rv for rv, _, _ in self._history) and self._bookmark_rv <= bookmark_sent
+                if generation == self._generation and idle:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._changed.wait(), timeout=max(0.01, deadline - loop.time()))
         return response

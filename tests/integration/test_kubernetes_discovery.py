@@ -238,3 +238,23 @@ def test_a_failed_on_change_is_delivered_again() -> None:
             assert h.discovery.num_lists == 2
 
     asyncio.run(scenario())
+
+
+def test_bookmarks_move_the_resume_point_past_other_pods_changes() -> None:
+    async def scenario() -> None:
+        async with running([make_pod("w0")]) as h:
+            await h.wait_for(lambda ws: set(ws) == {"w0"})
+            await h.wait_requests(2)
+            other_rv = await h.api.put(make_pod("x0", instance="other"))  # not ours: no event reaches us
+            await h.api.bookmark()
+            for _ in range(200):
+                if h.discovery.resource_version == other_rv:
+                    break
+                await asyncio.sleep(0.01)
+            assert h.discovery.resource_version == other_rv
+            await h.api.expire_watches()
+            await h.wait_requests(3)
+            assert h.api.requests[2].resource_version == other_rv
+            assert len(h.changes) == 1, "a bookmark changes no worker"
+
+    asyncio.run(scenario())
