@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixmesh import __version__
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
-from radixmesh.gateway import native_api, openai_api
+from radixmesh.gateway import native_api, openai_api, tokenize_api
 from radixmesh.gateway.backend import Backend
 from radixmesh.gateway.config import GatewayConfig
 from radixmesh.gateway.dispatch import Dispatcher
@@ -34,12 +34,13 @@ def create_app(backend: Backend, config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="radixmesh", version=__version__,
                   description="OpenAI-compatible and SGLang-native LLM serving API")
     app.state.gateway = state
-    app.include_router(openai_api.router)
-    app.include_router(native_api.router)
+    routers = (openai_api.router, native_api.router, tokenize_api.router)
+    for router in routers:
+        app.include_router(router)
     _add_exception_handlers(app)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
-    routes = frozenset(getattr(route, "path", "") for router in (openai_api.router, native_api.router)
+    routes = frozenset(getattr(route, "path", "") for router in routers
                        for route in router.routes)
     app.add_middleware(RouteMetricsMiddleware, metrics=metrics, routes=routes)
     return app

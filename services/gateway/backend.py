@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixmesh.common.errors import unsupported
 from radixmesh.engine.output import GenerationChunk
 from radixmesh.engine.sampling.params import SamplingParams
 
@@ -76,6 +77,10 @@ class Backend(ABC):
     @abstractmethod
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation in the model's chat template, ready for the assistant's turn."""
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """A conversation as text in the model's chat template (for clients that build prompts)."""
+        raise unsupported("this backend cannot render chat templates as text", "messages")
 
     @abstractmethod
     def decode(self, token_ids: list[int]) -> str:

@@ -12,7 +12,7 @@ from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
-from radixmesh.engine.tokenizer import decode_text, encode_chat, encode_text, token_texts
+from radixmesh.engine.tokenizer import decode_text, encode_chat, encode_text, render_chat, token_texts
 from radixmesh.gateway.backend import Backend, GenerationChunk, ModelCard, SamplingParams
 
 
@@ -52,6 +52,9 @@ class LocalBackend(Backend):
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         return encode_chat(self._tokenizer("messages"), messages)
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return render_chat(self._tokenizer("messages"), messages, add_generation_prompt)
 
     def decode(self, token_ids: list[int]) -> str:
         return decode_text(self._tokenizer("prompt"), token_ids)
