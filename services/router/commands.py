@@ -35,6 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="failed probes in a row that mark a worker unhealthy")
     cmd.add_argument("--health-success-threshold", type=int, default=1,
                      help="passed probes in a row that mark a worker healthy again")
+    cmd.add_argument("--redis-probe-s", type=float, default=1.0,
+                     help="while Redis is down (routing falls back to approx-tree), seconds between checks for it")
     cmd.add_argument("--max-attempts", type=int, default=3, help="tries per request before its first token")
     cmd.add_argument("--seed", type=int, default=None, help="seed of the random and power-of-two policies")
     add_server_args(cmd, DEFAULT_PORT)
@@ -58,7 +60,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     from radixmesh.router.config import HealthConfig, RetryConfig, RouterConfig
 
     return RouterConfig(policy=args.policy, block_size=args.block_size, redis_url=args.redis_url,
-                        index_namespace=args.index_namespace, seed=args.seed,
+                        index_namespace=args.index_namespace, seed=args.seed, redis_probe_s=args.redis_probe_s,
                         health=HealthConfig(interval_s=args.health_interval_s,
                                             failure_threshold=args.health_failure_threshold,
                                             success_threshold=args.health_success_threshold),
