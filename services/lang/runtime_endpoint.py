@@ -29,11 +29,11 @@ class RuntimeEndpoint(BaseBackend):
     """A radixmesh server at `base_url` (e.g. http://127.0.0.1:8000); `api_key` if it requires one."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 600.0,
-                 max_connections: int = 256) -> None:
+                 max_connections: int = 256, transport: httpx.BaseTransport | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s,
-                                  limits=httpx.Limits(max_connections=max_connections))
+                                  limits=httpx.Limits(max_connections=max_connections), transport=transport)
         self._markers = RoleMarkerCache(self._render_chat)
         self.model_info: dict[str, Any] = self._call("GET", "/model_info")
         """The server's /model_info (model_path, context_len, ...), fetched once: it proves the server answers."""

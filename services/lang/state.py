@@ -288,6 +288,11 @@ class ProgramStateGroup:
     def __getitem__(self, index: int) -> ProgramState:
         return self.branches[index]
 
+    def __setitem__(self, index: int, value: ProgramState) -> None:
+        """Only for `branches[i] += expr`, which hands back the same branch."""
+        if value is not self.branches[index]:
+            raise TypeError("the branches of a fork cannot be replaced")
+
     def __len__(self) -> int:
         return len(self.branches)
 
