@@ -154,7 +154,7 @@ def _start_all(spec: ClusterSpec, starter: _Starter) -> ClusterState:
     for i, address in enumerate(workers):
         starter.wait(f"worker-{i}", lambda a=address: grpc_serving(a), f"gRPC health at {address}")
     starter.wait("tokenizer", lambda: grpc_serving(tokenizer), f"gRPC health at {tokenizer}")
-    starter.wait("router", lambda: _router_sees_all(router, len(workers)), f"all workers healthy at {router}")
+    starter.wait("router", lambda: router_sees_all(router, len(workers)), f"all workers healthy at {router}")
     gateway_port = spec.gateway_port or free_port(HOST)
     starter.start("gateway", ["gateway", "--host", HOST, "--port", str(gateway_port), "--router", router,
                               "--tokenizer", tokenizer])
@@ -167,7 +167,7 @@ def _start_all(spec: ClusterSpec, starter: _Starter) -> ClusterState:
     return state
 
 
-def _router_sees_all(address: str, num_workers: int) -> bool:
+def router_sees_all(address: str, num_workers: int) -> bool:
     import grpc
 
     from radixmesh.protocol import router_pb2, router_pb2_grpc

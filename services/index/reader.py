@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -41,6 +42,8 @@ class PrefixMatch:
     """worker id -> leading blocks it holds (stored or speculative); absent means 0."""
     speculative: frozenset[str] = frozenset()
     """Workers whose count includes speculative entries."""
+    footprint: dict[str, int] = field(default_factory=dict)
+    """worker id -> blocks it holds in total, for every live worker."""
 
     def blocks_of(self, worker_id: str) -> int:
         return self.cached_blocks.get(worker_id, 0)
@@ -88,33 +91,53 @@ class KVIndexReader:
 
     # ---- lookups -----------------------------------------------------------------------------
     async def lookup(self, block_hashes: Sequence[int]) -> PrefixMatch:
-        """Per live worker, the number of leading blocks of `block_hashes` it holds."""
+        """Per live worker, the number of leading blocks of `block_hashes` it holds (and its footprint).
+
+        The first round also reads every live worker's total block count, so a new prefix needs
+        no second round trip to be placed by footprint.
+        """
         leases = await self.live_leases()
+        live = sorted(leases)
         counts: dict[str, int] = {}
         speculative: set[str] = set()
+        footprint: dict[str, int] = {}
         start, size = 0, FIRST_ROUND_BLOCKS
-        while start < len(block_hashes):
+        while True:
             chunk = block_hashes[start:start + size]
             pipe = self.redis.pipeline(transaction=False)
             for h in chunk:
                 pipe.hgetall(self.keys.block(h))
                 pipe.get(self.keys.speculative(h))
+            if start == 0:
+                for w in live:
+                    pipe.scard(self.keys.worker_blocks(w, leases[w].epoch))
             replies = await pipe.execute()
-            for offset, h in enumerate(chunk):
-                holders = self._holders(h, replies[2 * offset], leases)
-                spec = _text(replies[2 * offset + 1])
-                if spec and spec in leases and spec not in holders:
-                    holders.add(spec)
-                    speculative.add(spec)
-                index = start + offset
-                extended = [w for w in holders if counts.get(w, 0) == index]
-                if not extended:
-                    return PrefixMatch(len(block_hashes), self.config.block_size, counts, frozenset(speculative))
-                for w in extended:
-                    counts[w] = index + 1
+            if start == 0:
+                footprint = {w: int(n) for w, n in zip(live, replies[2 * len(chunk):])}
+            if not self._extend(chunk, start, replies, leases, counts, speculative):
+                break
             start += len(chunk)
+            if start >= len(block_hashes):
+                break
             size = min(size * 4, MAX_ROUND_BLOCKS)
-        return PrefixMatch(len(block_hashes), self.config.block_size, counts, frozenset(speculative))
+        return PrefixMatch(len(block_hashes), self.config.block_size, counts, frozenset(speculative), footprint)
+
+    def _extend(self, chunk: Sequence[int], start: int, replies: list[Any], leases: dict[str, WorkerLease],
+                counts: dict[str, int], speculative: set[str]) -> bool:
+        """Advance every worker's prefix over one round's blocks; False once no prefix continues."""
+        for offset, h in enumerate(chunk):
+            holders = self._holders(h, replies[2 * offset], leases)
+            spec = _text(replies[2 * offset + 1])
+            if spec and spec in leases and spec not in holders:
+                holders.add(spec)
+                speculative.add(spec)
+            index = start + offset
+            extended = [w for w in holders if counts.get(w, 0) == index]
+            if not extended:
+                return False
+            for w in extended:
+                counts[w] = index + 1
+        return True
 
     def _holders(self, block_hash: int, entries: dict[bytes, bytes], leases: dict[str, WorkerLease]) -> set[str]:
         holders = set()
@@ -131,18 +154,6 @@ class KVIndexReader:
             elif lease is None or epoch < lease.epoch:
                 self._queue_stale(worker, epoch_text, self.keys.block(block_hash))
         return holders
-
-    async def footprints(self, worker_ids: Sequence[str]) -> dict[str, int]:
-        """Blocks each live worker holds in total (its cache footprint); workers without a lease get 0."""
-        leases = await self.live_leases()
-        live = [w for w in worker_ids if w in leases]
-        pipe = self.redis.pipeline(transaction=False)
-        for w in live:
-            pipe.scard(self.keys.worker_blocks(w, leases[w].epoch))
-        counts = await pipe.execute() if live else []
-        result = dict.fromkeys(worker_ids, 0)
-        result.update({w: int(n) for w, n in zip(live, counts)})
-        return result
 
     async def record_speculative(self, block_hashes: Sequence[int], worker_id: str, from_block: int = 0) -> None:
         """Mark blocks [from_block:] as about to be held by `worker_id` (short-lived)."""

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError
+from radixmesh.router import metrics
 from radixmesh.router.config import RouterConfig
 from radixmesh.router.policies.base import BaseRoutingPolicy, RouteRequest, RoutingDecision
 from radixmesh.router.workers import WorkerHandle, WorkerRegistry
@@ -126,6 +127,7 @@ class RequestRouter:
             worker.breaker.on_success()  # the worker answered; the request itself was bad
 
     def _record_latency(self, seconds: float) -> None:
+        metrics.DECISION.observe(seconds)
         self.decision_s.append(seconds)
         if len(self.decision_s) > 10_000:
             del self.decision_s[:5_000]

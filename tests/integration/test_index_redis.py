@@ -58,6 +58,7 @@ def test_lookup_counts_leading_blocks_per_worker(local_redis: LocalRedis) -> Non
         reader = KVIndexReader(config, connect(config))
         match = await reader.lookup(hashes)
         assert match.cached_blocks == {"a": 5, "b": 2}
+        assert match.footprint == {"a": 5, "b": 4}
         assert match.tokens_of("a") == 20 and match.tokens_of("zzz") == 0
         other = await reader.lookup(block_hashes(prompt(2, 3), 4))
         assert other.cached_blocks == {}

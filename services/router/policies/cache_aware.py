@@ -85,6 +85,7 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         self._probe_task: asyncio.Task[None] | None = None
         self._sweep_task: asyncio.Task[None] | None = None
         self.num_fallback_decisions = 0
+        self._background: set[asyncio.Task[None]] = set()
         if reader is None:
             logger.warning("router: cache-aware without --redis-url routes as approx-tree")
 
@@ -117,10 +118,7 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         by_index = {(w.index_id or w.worker_id): w for w in candidates}
         match = await reader.lookup(request.block_hashes)
         cached = {by_index[i].worker_id: n for i, n in match.cached_blocks.items() if i in by_index}
-        footprint: dict[str, int] = {}
-        if not cached:
-            held = await reader.footprints(list(by_index))
-            footprint = {by_index[i].worker_id: n for i, n in held.items()}
+        footprint = {by_index[i].worker_id: n for i, n in match.footprint.items() if i in by_index}
         ids = {w.worker_id for w in candidates}
         for worker_id, n in self.recent.match(request.block_hashes).items():
             if worker_id in ids:
@@ -133,10 +131,17 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         await self.fallback.on_routed(request, decision)
         if self.reader is None or not self.redis_up or decision.policy != self.policy_id:
             return
+        # Off the request's path: this router's own bursts are covered by `recent` at once.
+        task = asyncio.create_task(self._record_speculative(self.reader, request, decision))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _record_speculative(self, reader: KVIndexReader, request: RouteRequest,
+                                  decision: RoutingDecision) -> None:
         worker = decision.worker
         try:
-            await self.reader.record_speculative(request.block_hashes, worker.index_id or worker.worker_id,
-                                                 from_block=decision.cached_blocks)
+            await reader.record_speculative(request.block_hashes, worker.index_id or worker.worker_id,
+                                            from_block=decision.cached_blocks)
         except REDIS_ERRORS as exc:
             self._redis_failed(exc)
 
