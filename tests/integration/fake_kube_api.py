@@ -161,7 +161,8 @@ class FakeKubeApi:
                 await _write_line(response, {"type": "BOOKMARK", "object": {
                     "kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": str(self._bookmark_rv)}}})
             async with self._changed:
-                idle = not any(rv > sent_rv for rv, _, _ in self._history) and self._bookmark_rv <= bookmark_sent
+                pending_bookmark = bookmarks and self._bookmark_rv > bookmark_sent
+                idle = not pending_bookmark and not any(rv > sent_rv for rv, _, _ in self._history)
                 if generation == self._generation and idle:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._changed.wait(), timeout=max(0.01, deadline - loop.time()))
