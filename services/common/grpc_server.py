@@ -133,6 +133,7 @@ class GrpcServer:
     def request_stop(self) -> None:
         """Start draining (what SIGTERM does); a second request cancels in-flight calls at once."""
         if self._stop.is_set():
+            logger.warning("%s: stop requested again; cancelling in-flight calls", self.name)
             asyncio.get_running_loop().create_task(self.server.stop(0))
         self._stop.set()
 

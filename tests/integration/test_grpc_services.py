@@ -7,6 +7,7 @@ One process of each for the whole module; the worker is drained by SIGTERM in th
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.engine.tokenizer import load_tokenizer
@@ -185,10 +187,10 @@ def test_worker_greedy_tokens_equal_serve(worker: worker_pb2_grpc.WorkerServiceS
                                           hf_tokenizer) -> None:
     for prompt in PROMPTS:
         ids = hf_tokenizer.encode(prompt)
-        chunks = _generate(worker, ids, _greedy(12), rid=f"eq-{len(ids)}")
+        chunks = _generate(worker, ids, _greedy(8), rid=f"eq-{len(ids)}")
         got = [t for c in chunks for t in c.token_ids]
         ref = httpx.post(serve_svc.address + "/generate", timeout=300, json={
-            "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 12}}).json()
+            "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}).json()
         assert got == ref["output_ids"], prompt
         assert chunks[0].worker_id == "worker-a" and chunks[0].request_id == f"eq-{len(ids)}"
         assert chunks[-1].finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
@@ -208,6 +210,20 @@ def test_worker_logprobs_and_model_info(worker: worker_pb2_grpc.WorkerServiceStu
     assert info.model_name == "smollm2-135m-instruct" and info.vocab_size == 49152
     assert info.worker_id == "worker-a" and info.role == common_pb2.WORKER_ROLE_UNIFIED
     assert info.max_total_tokens == 4096 and info.max_running_requests == 8
+
+
+def test_worker_metrics(worker_svc: ServiceProc, worker: worker_pb2_grpc.WorkerServiceStub) -> None:
+    _generate(worker, [1, 2, 3, 4], _greedy(2, ignore_eos=True))
+    port = re.search(r"metrics on :(\d+)", worker_svc.log())
+    assert port is not None, worker_svc.log()
+    families = {f.name: f for f in text_string_to_metric_families(
+        httpx.get(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=30).text)}
+    finished = {s.labels["finish_reason"]: s.value for s in families["radixmesh_worker_requests"].samples
+                if s.name.endswith("_total")}
+    assert finished.get("length", 0) >= 1
+    ttft_count = [s.value for s in families["radixmesh_worker_time_to_first_token_seconds"].samples
+                  if s.name.endswith("_count")]
+    assert ttft_count and ttft_count[0] >= 1
 
 
 def test_worker_rejects_bad_input_with_exact_errors(worker: worker_pb2_grpc.WorkerServiceStub) -> None:
@@ -262,7 +278,7 @@ def test_abort_and_cancel_free_kv(worker: worker_pb2_grpc.WorkerServiceStub) -> 
 # ---- gateway over gRPC --------------------------------------------------------------------------------
 def _chat(url: str, **body: object) -> dict[str, Any]:
     response = httpx.post(url + "/v1/chat/completions", timeout=300,
-                          json={"model": "smollm2-135m", "messages": QUESTION, "temperature": 0, "max_tokens": 24,
+                          json={"model": "smollm2-135m", "messages": QUESTION, "temperature": 0, "max_tokens": 16,
                                 **body})
     assert response.status_code == 200, response.text
     return response.json()
@@ -285,7 +301,7 @@ def test_gateway_answers_like_serve(gateway_svc: ServiceProc, serve_svc: Service
     assert ours["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
     assert ours["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"]
     assert "Paris" in ours["choices"][0]["message"]["content"]
-    body = {"model": "smollm2-135m", "prompt": UNICODE_TEXT + " The capital of France is", "max_tokens": 16,
+    body = {"model": "smollm2-135m", "prompt": UNICODE_TEXT + " The capital of France is", "max_tokens": 10,
             "temperature": 0, "stop": ["."], "logprobs": 2}
     for path in ("/v1/completions",):
         plain = httpx.post(gateway_svc.address + path, json=body, timeout=300).json()
@@ -309,7 +325,7 @@ def test_gateway_errors_like_serve(gateway_svc: ServiceProc, serve_svc: ServiceP
 # ---- drain on SIGTERM (stops the module's worker: keep last) -------------------------------------------
 def test_sigterm_drains_in_flight_calls(worker_svc: ServiceProc, worker: worker_pb2_grpc.WorkerServiceStub) -> None:
     stream = worker.Generate(worker_pb2.GenerateRequest(token_ids=list(range(300, 320)),
-                                                        sampling_params=_greedy(48, ignore_eos=True)), timeout=300)
+                                                        sampling_params=_greedy(32, ignore_eos=True)), timeout=300)
     chunks = [next(stream)]
     rest: list[worker_pb2.GenerateResponse] = []
     reader = threading.Thread(target=lambda: rest.extend(stream))
@@ -322,6 +338,6 @@ def test_sigterm_drains_in_flight_calls(worker_svc: ServiceProc, worker: worker_
     reader.join(timeout=120)
     chunks += rest
     assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH  # the open call finished normally
-    assert sum(len(c.token_ids) for c in chunks) == 48
+    assert sum(len(c.token_ids) for c in chunks) == 32
     assert worker_svc.proc.wait(timeout=60) == 0
     assert "radixmesh worker: stopped" in worker_svc.log()
