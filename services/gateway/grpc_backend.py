@@ -36,7 +36,8 @@ from radixmesh.protocol import (
 
 HASH_CACHE_SIZE = 1024
 """Prompts whose block hashes (from Tokenize) are kept until their Generate call."""
-TOKENIZE_TIMEOUT_S = 30.0
+TOKENIZE_TIMEOUT_S = 10.0
+"""Bound on the blocking tokenizer calls (they hold the event loop, as local tokenization does)."""
 CONTROL_TIMEOUT_S = 30.0
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
