@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -104,6 +107,22 @@ def test_health_and_reflection(request: pytest.FixtureRequest, svc_name: str, se
         names = {s.name for reply in replies for s in reply.list_services_response.service}
     assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
     assert f"radixmesh {svc_name}: listening on {svc.address}" in svc.log()
+
+
+@pytest.mark.parametrize("setup", ["busy-port", "bad-block-size"])
+def test_bad_service_flags_give_one_clear_line(setup: str) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1] if setup == "busy-port" else 0
+        extra = ["--block-size", "0"] if setup == "bad-block-size" else []
+        proc = subprocess.run([sys.executable, "-m", "radixmesh.cli", "tokenizer", "--port", str(port), *extra],
+                              capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("radixmesh: error:")]
+    expect = "cannot listen on" if setup == "busy-port" else "block_size must be in"
+    assert len(lines) == 1 and expect in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 # ---- tokenizer service ------------------------------------------------------------------------------
