@@ -87,6 +87,7 @@ EXTERNAL_COMMANDS = [
     "radixmesh.tokenizer.commands:register",
     "radixmesh.worker.commands:register",
     "radixmesh.router.commands:register",
+    "radixmesh.grammar.commands:register",
     "radixmesh.cluster.commands:register",
     "loadtests.commands:register",
 ]

@@ -116,7 +116,7 @@ class _CountingBackend:
 
 def test_pool_compiles_identical_specs_once_and_caches_lru():
     backend = _CountingBackend()
-    pool = GrammarCompilePool(lambda: backend, num_threads=2, cache_size=2)  # type: ignore[arg-type, return-value]
+    pool = GrammarCompilePool(lambda: backend, num_threads=2, cache_size=2)
     first, second = pool.get(GrammarSpec("regex", "a")), pool.get(GrammarSpec("regex", "a"))
     assert first is second and not first.done()  # the second joined the compilation in flight
     backend.gate.set()
@@ -135,7 +135,7 @@ def test_pool_compiles_identical_specs_once_and_caches_lru():
 def test_pool_does_not_cache_failures():
     backend = _CountingBackend()
     backend.gate.set()
-    pool = GrammarCompilePool(lambda: backend, num_threads=1, cache_size=4)  # type: ignore[arg-type, return-value]
+    pool = GrammarCompilePool(lambda: backend, num_threads=1, cache_size=4)
     for _ in range(2):
         with pytest.raises(RadixMeshError, match="bad grammar"):
             pool.get(GrammarSpec("regex", "bad")).result(5)
@@ -187,3 +187,23 @@ def test_advance_matcher_refusal_keeps_the_state(tokenizer, backend):
     wrong = tokenizer.encode("ax", add_special_tokens=False)
     assert not advance_matcher(matcher, a_id, wrong)
     assert matcher.find_jump_forward_string() == "b"  # still right after "a"
+
+
+# ---- the grammar service's store (memory only) ---------------------------------------------------
+def test_store_memory_lru_is_bounded_in_bytes():
+    import asyncio
+
+    from radixmesh.grammar.store import GrammarStore, StoreConfig
+
+    async def scenario() -> None:
+        store = GrammarStore(StoreConfig(memory_bytes=10))
+        await store.put("a", b"12345")
+        await store.put("b", b"12345")
+        assert await store.get("a") == (b"12345", "memory")  # "a" is now the most recent
+        await store.put("c", b"123")  # over 10 bytes: "b" goes
+        assert await store.get("b") is None and store.memory_bytes == 8
+        await store.put("huge", b"x" * 11)  # larger than the whole budget: not kept
+        assert await store.get("huge") is None and await store.get("c") == (b"123", "memory")
+        await store.close()
+
+    asyncio.run(scenario())

@@ -24,6 +24,7 @@ from radixmesh.engine.grammar.base import BaseGrammarBackend, GrammarMatcher
 from radixmesh.engine.grammar.compile_pool import GrammarCompilePool, RemoteGrammarSource
 from radixmesh.engine.grammar.jump_forward import advance_matcher, retokenize_jump
 from radixmesh.engine.grammar.registry import grammar_backend_class
+from radixmesh.engine.grammar.remote import GrammarServiceClient
 from radixmesh.engine.grammar.spec import grammar_spec
 from radixmesh.engine.grammar.vocab_mask import VocabMask
 from radixmesh.engine.request import Req
@@ -42,7 +43,7 @@ class GrammarManager:
     """Owns grammar compilation and the per-request matchers of one scheduler."""
 
     def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 context_len: int, remote: RemoteGrammarSource | None = None) -> None:
+                 context_len: int) -> None:
         self.tokenizer = tokenizer
         self.timeout_s = config.grammar_compile_timeout
         # Without the radix cache a jump would recompute the whole sequence: never worth it.
@@ -58,6 +59,10 @@ class GrammarManager:
                                                       num_threads=threads)
             return backend
 
+        remote: RemoteGrammarSource | None = None
+        if config.grammar_service and tokenizer is not None:
+            remote = GrammarServiceClient(config.grammar_service, tokenizer, vocab_size, stop_token_ids,
+                                          timeout_s=config.grammar_compile_timeout)
         self.pool = GrammarCompilePool(make_backend, threads, config.grammar_cache_size, remote)
         self.compiling: list[_Compiling] = []
         self.num_jumps = 0
@@ -161,6 +166,7 @@ class GrammarManager:
         pool = self.pool
         return {"num_grammar_compiling": len(self.compiling), "num_grammars_compiled": pool.num_compiled,
                 "num_grammars_fetched": pool.num_fetched, "num_grammar_cache_hits": pool.num_cache_hits,
+                "num_grammar_service_failures": pool.num_remote_failures,
                 "num_grammar_compile_timeouts": self.num_compile_timeouts, "num_jump_forwards": self.num_jumps,
                 "num_jump_forward_tokens": self.num_jump_forward_tokens}
 

@@ -1,0 +1,1 @@
+"""The grammar service: structured-output grammars compiled once per content, shared via Redis."""

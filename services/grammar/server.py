@@ -1,0 +1,42 @@
+"""Run the grammar service until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+
+from radixmesh.common.errors import invalid_argument
+from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
+from radixmesh.engine.grammar.registry import grammar_backend_class
+from radixmesh.engine.loader import prepare_model
+from radixmesh.engine.tokenizer import load_tokenizer
+from radixmesh.grammar.service import SERVICE_NAME, GrammarServicer
+from radixmesh.grammar.store import GrammarStore, StoreConfig
+from radixmesh.protocol import grammar_pb2_grpc
+from radixmesh.tokenizer.fingerprint import tokenizer_fingerprint
+
+
+async def build_servicer(model: str | None, load_format: str, store_config: StoreConfig, backend: str = "xgrammar",
+                         num_threads: int = 2) -> GrammarServicer:
+    """A servicer for the model's tokenizer; vocab size and stop ids default to the model's."""
+    prepared = await asyncio.to_thread(prepare_model, model, load_format)
+    if prepared.tokenizer_path is None:
+        raise invalid_argument(f"model {prepared.name} has no tokenizer", "model")
+    tokenizer = await asyncio.to_thread(load_tokenizer, prepared.tokenizer_path)
+    fingerprint = await asyncio.to_thread(tokenizer_fingerprint, tokenizer)
+    eos_ids = list(prepared.config.eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id else [])
+    return GrammarServicer(tokenizer, fingerprint, grammar_backend_class(backend), GrammarStore(store_config),
+                           prepared.config.vocab_size, eos_ids, num_threads)
+
+
+async def serve_grammar(config: GrpcServerConfig, model: str | None, load_format: str, store_config: StoreConfig,
+                        backend: str = "xgrammar", num_threads: int = 2) -> int:
+    servicer = await build_servicer(model, load_format, store_config, backend, num_threads)
+    server = GrpcServer(config, "grammar", [SERVICE_NAME])
+    grammar_pb2_grpc.add_GrammarServiceServicer_to_server(servicer, server.server)
+    await server.start()
+    try:
+        await server.run_until_signal()
+    finally:
+        servicer.close()
+        await servicer.store.close()
+    return 0
