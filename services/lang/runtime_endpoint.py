@@ -52,6 +52,8 @@ class RuntimeEndpoint(BaseBackend):
                 if len(text) > len(streamed):  # each event carries the whole text so far
                     on_text(text[len(streamed):])
                     streamed = text
+            if not result:
+                raise RadixMeshError(ErrorCode.INTERNAL, "the server ended the stream without a result")
         return GenResult(result["text"], result["meta_info"], start, time.perf_counter())
 
     def select(self, prompt: str, choices: tuple[str, ...]) -> SelectResult:
