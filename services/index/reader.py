@@ -1,6 +1,6 @@
 """The router side of the index: which worker holds how much of a prompt's block chain.
 
-A lookup reads the chain in pipelined rounds (a few blocks first, more per round) and
+A lookup walks the chain inside Redis in one round trip (a read-only Lua script) and
 stops at the first block that no live worker holds, or once no worker's prefix continues.
 An entry counts only if its worker has a live lease of the same epoch; stale entries are
 queued for conditional deletion, malformed ones are logged and skipped. A speculative
@@ -18,6 +18,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from radixmesh.index.chain_script import SCRIPT, parse_reply
 from radixmesh.index.config import IndexConfig
 from radixmesh.index.janitor import IndexJanitor
 from radixmesh.index.keys import IndexKeys
@@ -25,8 +26,6 @@ from radixmesh.index.lease import WorkerLease, parse_lease
 
 logger = logging.getLogger(__name__)
 
-FIRST_ROUND_BLOCKS = 16
-MAX_ROUND_BLOCKS = 256
 MAX_STALE_QUEUE = 4096
 
 
@@ -70,6 +69,7 @@ class KVIndexReader:
         self._leases_read_s = float("-inf")
         self._stale: dict[tuple[str, str], set[str]] = {}  # (worker, epoch value) -> block keys
         self._malformed = _Malformed()
+        self._walk: Any = redis.register_script(SCRIPT)
 
     # ---- leases ------------------------------------------------------------------------------
     async def live_leases(self, max_age_s: float | None = None) -> dict[str, WorkerLease]:
@@ -91,69 +91,33 @@ class KVIndexReader:
 
     # ---- lookups -----------------------------------------------------------------------------
     async def lookup(self, block_hashes: Sequence[int]) -> PrefixMatch:
-        """Per live worker, the number of leading blocks of `block_hashes` it holds (and its footprint).
+        """Per live worker, the number of leading blocks of `block_hashes` it holds, and its footprint.
 
-        The first round also reads every live worker's total block count, so a new prefix needs
-        no second round trip to be placed by footprint.
+        One round trip: the walk runs in Redis (radixmesh.index.chain_script) and stops at the
+        first block that no live worker holds.
         """
         leases = await self.live_leases()
         live = sorted(leases)
-        counts: dict[str, int] = {}
-        speculative: set[str] = set()
-        footprint: dict[str, int] = {}
-        start, size = 0, FIRST_ROUND_BLOCKS
-        while True:
-            chunk = block_hashes[start:start + size]
-            pipe = self.redis.pipeline(transaction=False)
-            for h in chunk:
-                pipe.hgetall(self.keys.block(h))
-                pipe.get(self.keys.speculative(h))
-            if start == 0:
-                for w in live:
-                    pipe.scard(self.keys.worker_blocks(w, leases[w].epoch))
-            replies = await pipe.execute()
-            if start == 0:
-                footprint = {w: int(n) for w, n in zip(live, replies[2 * len(chunk):])}
-            if not self._extend(chunk, start, replies, leases, counts, speculative):
-                break
-            start += len(chunk)
-            if start >= len(block_hashes):
-                break
-            size = min(size * 4, MAX_ROUND_BLOCKS)
-        return PrefixMatch(len(block_hashes), self.config.block_size, counts, frozenset(speculative), footprint)
+        keys = [self.keys.block(h) for h in block_hashes] + [self.keys.speculative(h) for h in block_hashes]
+        keys += [self.keys.worker_blocks(w, leases[w].epoch) for w in live]
+        args: list[str | int] = [len(block_hashes)]
+        for w in live:
+            args += [w, str(leases[w].epoch)]
+        walk = parse_reply(await self._walk(keys=keys, args=args))
+        for index, worker, value in walk.odd:
+            self._note_odd(block_hashes[index], worker, value, leases)
+        return PrefixMatch(len(block_hashes), self.config.block_size, walk.counts, frozenset(walk.speculative),
+                           walk.footprint)
 
-    def _extend(self, chunk: Sequence[int], start: int, replies: list[Any], leases: dict[str, WorkerLease],
-                counts: dict[str, int], speculative: set[str]) -> bool:
-        """Advance every worker's prefix over one round's blocks; False once no prefix continues."""
-        for offset, h in enumerate(chunk):
-            holders = self._holders(h, replies[2 * offset], leases)
-            spec = _text(replies[2 * offset + 1])
-            if spec and spec in leases and spec not in holders:
-                holders.add(spec)
-                speculative.add(spec)
-            index = start + offset
-            extended = [w for w in holders if counts.get(w, 0) == index]
-            if not extended:
-                return False
-            for w in extended:
-                counts[w] = index + 1
-        return True
-
-    def _holders(self, block_hash: int, entries: dict[bytes, bytes], leases: dict[str, WorkerLease]) -> set[str]:
-        holders = set()
-        for raw_worker, raw_epoch in entries.items():
-            worker, epoch_text = _text(raw_worker), _text(raw_epoch)
-            try:
-                epoch = int(epoch_text)
-            except ValueError:
-                self._log_malformed(block_hash, worker, epoch_text)
-                continue
-            lease = leases.get(worker)
-            if lease is not None and lease.epoch == epoch:
-                holders.add(worker)
-            elif lease is None or epoch < lease.epoch:
-                self._queue_stale(worker, epoch_text, self.keys.block(block_hash))
-        return holders
+    def _note_odd(self, block_hash: int, worker: str, value: str, leases: dict[str, WorkerLease]) -> None:
+        try:
+            epoch = int(value)
+        except ValueError:
+            self._log_malformed(block_hash, worker, value)
+            return
+        lease = leases.get(worker)
+        if lease is None or epoch < lease.epoch:
+            self._queue_stale(worker, value, self.keys.block(block_hash))
 
     async def record_speculative(self, block_hashes: Sequence[int], worker_id: str, from_block: int = 0) -> None:
         """Mark blocks [from_block:] as about to be held by `worker_id` (short-lived)."""

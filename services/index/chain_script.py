@@ -1,0 +1,89 @@
+"""The server-side walk of a prompt's block chain: one round trip per lookup, however long the chain.
+
+A Lua script runs the walk inside Redis so the router never waits on more than one round
+trip, and the reply is a handful of counts instead of every block's entries (parsing
+hundreds of replies in Python costs more than the network on loopback). It only reads.
+
+    KEYS   block keys of blocks 0..n-1, then their speculative keys, then the `wb` set of each
+           live worker (in ARGV order)
+    ARGV   n, then worker id and lease epoch of every live worker
+    reply  [counts, speculative, footprints, odd] where counts is worker, blocks, ...;
+           speculative lists the workers whose count includes a speculative entry; footprints
+           is worker, total blocks, ...; odd is block index, worker, value of up to 64 entries
+           that are stale (no lease, or an older epoch) or malformed (not an integer)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_ODD = 64
+
+SCRIPT = """
+local n = tonumber(ARGV[1])
+local epochs, order = {}, {}
+for i = 2, #ARGV, 2 do
+  epochs[ARGV[i]] = ARGV[i + 1]
+  table.insert(order, ARGV[i])
+end
+local counts, spec, odd = {}, {}, {}
+for i = 1, n do
+  local extended = false
+  local fields = redis.call('HGETALL', KEYS[i])
+  for j = 1, #fields, 2 do
+    local w, e = fields[j], fields[j + 1]
+    local current = epochs[w]
+    if current == e then
+      if (counts[w] or 0) == i - 1 then
+        counts[w] = i
+        extended = true
+      end
+    elseif #odd < 3 * MAX_ODD then
+      local value = tonumber(e)
+      if value == nil or current == nil or value < tonumber(current) then
+        table.insert(odd, i - 1); table.insert(odd, w); table.insert(odd, e)
+      end
+    end
+  end
+  local s = redis.call('GET', KEYS[n + i])
+  if s and epochs[s] and (counts[s] or 0) == i - 1 then
+    counts[s] = i
+    spec[s] = true
+    extended = true
+  end
+  if not extended then break end
+end
+local out_counts, out_spec, out_foot = {}, {}, {}
+for w, c in pairs(counts) do table.insert(out_counts, w); table.insert(out_counts, c) end
+for w, _ in pairs(spec) do table.insert(out_spec, w) end
+for k, w in ipairs(order) do
+  table.insert(out_foot, w); table.insert(out_foot, redis.call('SCARD', KEYS[2 * n + k]))
+end
+return {out_counts, out_spec, out_foot, odd}
+""".replace("MAX_ODD", str(MAX_ODD))
+
+
+@dataclass
+class ChainWalk:
+    """The parsed reply of one walk."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    speculative: set[str] = field(default_factory=set)
+    footprint: dict[str, int] = field(default_factory=dict)
+    odd: list[tuple[int, str, str]] = field(default_factory=list)
+    """(block index, worker, stored value) of stale or malformed entries."""
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def parse_reply(reply: list[Any]) -> ChainWalk:
+    counts_raw, spec_raw, foot_raw, odd_raw = reply
+    walk = ChainWalk()
+    walk.counts = {_text(counts_raw[i]): int(counts_raw[i + 1]) for i in range(0, len(counts_raw), 2)}
+    walk.speculative = {_text(w) for w in spec_raw}
+    walk.footprint = {_text(foot_raw[i]): int(foot_raw[i + 1]) for i in range(0, len(foot_raw), 2)}
+    walk.odd = [(int(odd_raw[i]), _text(odd_raw[i + 1]), _text(odd_raw[i + 2])) for i in range(0, len(odd_raw), 3)]
+    return walk
