@@ -4,9 +4,11 @@ A Lua script runs the walk inside Redis so the router never waits on more than o
 trip, and the reply is a handful of counts instead of every block's entries (parsing
 hundreds of replies in Python costs more than the network on loopback). It only reads.
 
-    KEYS   block keys of blocks 0..n-1, then their speculative keys, then the `wb` set of each
-           live worker (in ARGV order)
-    ARGV   n, then worker id and lease epoch of every live worker
+    KEYS   the `wb` set of each live worker (in ARGV order)
+    ARGV   the namespace; the chain's block hashes as one string of 16 hex digits each (the
+           script builds the `b:` and `spec:` key names itself: packing hundreds of separate
+           arguments costs the client more than the walk costs Redis); then worker id and lease
+           epoch of every live worker
     reply  [counts, speculative, footprints, odd] where counts is worker, blocks, ...;
            speculative lists the workers whose count includes a speculative entry; footprints
            is worker, total blocks, ...; odd is block index, worker, value of up to 64 entries
@@ -21,16 +23,18 @@ from typing import Any
 MAX_ODD = 64
 
 SCRIPT = """
-local n = tonumber(ARGV[1])
+local ns, chain = ARGV[1], ARGV[2]
+local n = #chain / 16
 local epochs, order = {}, {}
-for i = 2, #ARGV, 2 do
+for i = 3, #ARGV, 2 do
   epochs[ARGV[i]] = ARGV[i + 1]
   table.insert(order, ARGV[i])
 end
 local counts, spec, odd = {}, {}, {}
 for i = 1, n do
   local extended = false
-  local fields = redis.call('HGETALL', KEYS[i])
+  local hash = string.sub(chain, 16 * i - 15, 16 * i)
+  local fields = redis.call('HGETALL', ns .. ':b:' .. hash)
   for j = 1, #fields, 2 do
     local w, e = fields[j], fields[j + 1]
     local current = epochs[w]
@@ -46,7 +50,7 @@ for i = 1, n do
       end
     end
   end
-  local s = redis.call('GET', KEYS[n + i])
+  local s = redis.call('GET', ns .. ':spec:' .. hash)
   if s and epochs[s] and (counts[s] or 0) == i - 1 then
     counts[s] = i
     spec[s] = true
@@ -58,7 +62,7 @@ local out_counts, out_spec, out_foot = {}, {}, {}
 for w, c in pairs(counts) do table.insert(out_counts, w); table.insert(out_counts, c) end
 for w, _ in pairs(spec) do table.insert(out_spec, w) end
 for k, w in ipairs(order) do
-  table.insert(out_foot, w); table.insert(out_foot, redis.call('SCARD', KEYS[2 * n + k]))
+  table.insert(out_foot, w); table.insert(out_foot, redis.call('SCARD', KEYS[k]))
 end
 return {out_counts, out_spec, out_foot, odd}
 """.replace("MAX_ODD", str(MAX_ODD))

@@ -98,9 +98,8 @@ class KVIndexReader:
         """
         leases = await self.live_leases()
         live = sorted(leases)
-        keys = [self.keys.block(h) for h in block_hashes] + [self.keys.speculative(h) for h in block_hashes]
-        keys += [self.keys.worker_blocks(w, leases[w].epoch) for w in live]
-        args: list[str | int] = [len(block_hashes)]
+        keys = [self.keys.worker_blocks(w, leases[w].epoch) for w in live]
+        args: list[str | int] = [self.keys.namespace, "".join(f"{h:016x}" for h in block_hashes)]
         for w in live:
             args += [w, str(leases[w].epoch)]
         walk = parse_reply(await self._walk(keys=keys, args=args))
