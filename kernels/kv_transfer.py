@@ -5,8 +5,7 @@ The contiguous layout is `[num_layers, 2, num_tokens, kv_heads, head_dim]` (inde
 axis is K, 1 is V), so any range of layers is one contiguous block: a transport sends layer ranges
 as they are. Pool buffers are per layer `[num_slots, kv_heads, head_dim]` (page size one token).
 One launch per layer copies every token of that layer; there is no loop over tokens on the host.
-`gather_kv_torch` / `scatter_kv_torch` do the same with PyTorch indexing (the CPU path and the
-reference of the tests).
+`kv_transfer_ref` does the same with PyTorch indexing (the CPU path and the tests' reference).
 """
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels._checks import check_device, check_float, check_index, check_shape, next_power_of_2
+from radixmesh.kernels._checks import check_device, next_power_of_2
+from radixmesh.kernels.kv_transfer_ref import check_transfer_args
 
 # elements of one tile: enough heads per program to keep the copy wide
 _COPY_TILE_ELEMS = 4096
@@ -54,35 +54,6 @@ def _copy_kv_rows_kernel(
              v, mask=mask)
 
 
-def _check_transfer_args(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], slots: torch.Tensor,
-                         packed: torch.Tensor, packed_name: str, layer_begin: int) -> None:
-    """Shapes, strides, dtypes and devices shared by gather and scatter."""
-    assert len(k_buffers) == len(v_buffers) and k_buffers, (
-        f"need as many K as V buffers, at least one: got {len(k_buffers)} K and {len(v_buffers)} V")
-    first = k_buffers[0]
-    assert first.dim() == 3, f"k_buffers[0] must be [num_slots, kv_heads, head_dim], got {tuple(first.shape)}"
-    for name, bufs in (("k_buffers", k_buffers), ("v_buffers", v_buffers)):
-        for i, buf in enumerate(bufs):
-            check_shape(f"{name}[{i}]", buf, tuple(first.shape))
-            assert buf.dtype == first.dtype, f"{name}[{i}] has dtype {buf.dtype}, expected {first.dtype}"
-            assert buf.device == first.device, f"{name}[{i}] is on {buf.device}, expected {first.device}"
-            assert buf.stride(-1) == 1, f"{name}[{i}] must have a contiguous last dim, got strides {buf.stride()}"
-    check_float("k_buffers[0]", first)
-    check_index("slots", slots)
-    assert slots.device == first.device, f"slots is on {slots.device}, expected {first.device}"
-    assert packed.dim() == 5, (f"{packed_name} must be [num_layers, 2, num_tokens, kv_heads, head_dim], "
-                               f"got {tuple(packed.shape)}")
-    num_layers = packed.shape[0]
-    assert layer_begin >= 0 and layer_begin + num_layers <= len(k_buffers), (
-        f"layers [{layer_begin}, {layer_begin + num_layers}) of {packed_name} are outside the pool's "
-        f"{len(k_buffers)} layers")
-    check_shape(packed_name, packed, (num_layers, 2, slots.shape[0], first.shape[1], first.shape[2]))
-    assert packed.dtype == first.dtype, (
-        f"{packed_name} has dtype {packed.dtype}, expected the pool's {first.dtype} (KV moves bit for bit)")
-    assert packed.device == first.device, f"{packed_name} is on {packed.device}, expected {first.device}"
-    assert packed.is_contiguous(), f"{packed_name} must be contiguous, got strides {packed.stride()}"
-
-
 def _launch(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], slots: torch.Tensor,
             packed: torch.Tensor, layer_begin: int, gather: bool) -> None:
     device = k_buffers[0].device
@@ -115,7 +86,7 @@ def gather_kv(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tenso
     `out` `[num_layers, 2, num_tokens, kv_heads, head_dim]`, contiguous, the pool's dtype; `slots`
     `[num_tokens]` int32/int64.
     """
-    _check_transfer_args(k_buffers, v_buffers, slots, out, "out", layer_begin)
+    check_transfer_args(k_buffers, v_buffers, slots, out, "out", layer_begin)
     _launch(k_buffers, v_buffers, slots, out, layer_begin, gather=True)
 
 
@@ -125,25 +96,5 @@ def scatter_kv(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tens
 
     Slots must be distinct (each is written once); `src` is laid out as `gather_kv`'s `out`.
     """
-    _check_transfer_args(k_buffers, v_buffers, slots, src, "src", layer_begin)
+    check_transfer_args(k_buffers, v_buffers, slots, src, "src", layer_begin)
     _launch(k_buffers, v_buffers, slots, src, layer_begin, gather=False)
-
-
-def gather_kv_torch(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], slots: torch.Tensor,
-                    out: torch.Tensor, layer_begin: int = 0) -> None:
-    """`gather_kv` with PyTorch indexing (any device; the CPU path)."""
-    _check_transfer_args(k_buffers, v_buffers, slots, out, "out", layer_begin)
-    index = slots.long()
-    for i in range(out.shape[0]):
-        torch.index_select(k_buffers[layer_begin + i], 0, index, out=out[i, 0])
-        torch.index_select(v_buffers[layer_begin + i], 0, index, out=out[i, 1])
-
-
-def scatter_kv_torch(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], slots: torch.Tensor,
-                     src: torch.Tensor, layer_begin: int = 0) -> None:
-    """`scatter_kv` with PyTorch indexing (any device; the CPU path)."""
-    _check_transfer_args(k_buffers, v_buffers, slots, src, "src", layer_begin)
-    index = slots.long()
-    for i in range(src.shape[0]):
-        k_buffers[layer_begin + i].index_copy_(0, index, src[i, 0])
-        v_buffers[layer_begin + i].index_copy_(0, index, src[i, 1])
