@@ -43,6 +43,8 @@ def register_routing(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--max-concurrency", type=int, default=4)
     cmd.add_argument("--latency-samples", type=int, default=20, help="paired direct/routed requests per policy")
     cmd.add_argument("--seed", type=int, default=1)
+    cmd.add_argument("--repeats", type=int, default=1,
+                     help="rounds over the policies, alternating their order (the table shows means)")
     cmd.add_argument("--output-dir", type=Path, default=Path("docs/benchmarks"),
                      help="where routing-<device>.json and .md are written")
     cmd.add_argument("--name", default=None, help="file stem (default: routing-cpu or routing-gpu)")
@@ -54,19 +56,14 @@ def cmd_routing(args: argparse.Namespace) -> int:
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     work = Path(tempfile.mkdtemp(prefix="radixmesh-bench-routing-"))
-    runs: dict[str, Any] = {}
+    rounds: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
     with BenchCluster(args.workers, args.model, args.worker_args, work) as infra:
         print(f"bench routing: {args.workers} workers ready ({infra.startup_s:.0f} s); logs in {work}", flush=True)
-        for policy in policies:
-            with infra.front(policy) as front:
-                latency = front.paired_latency(args.latency_samples)
-                serving = _run_serving(args, front.gateway_url, work / f"serving-{policy}.json")
-                router_metrics = front.router_metrics()
-            runs[policy] = {**serving, **latency, **router_metrics}
-            print(f"bench routing: {policy}: hit rate {serving['cache_hit_rate']:.3f}, "
-                  f"TTFT p50 {serving['ttft_p50_ms']:.0f} ms, router overhead p50 "
-                  f"{router_metrics['router_overhead_p50_ms']:.3f} ms", flush=True)
-    result = _result(args, runs, work)
+        for repeat in range(args.repeats):
+            # Alternate the order so a drift in machine load does not favour one policy.
+            for policy in policies if repeat % 2 == 0 else policies[::-1]:
+                rounds[policy].append(_run_policy(args, infra, policy, work / f"serving-{policy}-{repeat}.json"))
+    result = _result(args, rounds, _tokenizer_dir_of(infra))
     stem = args.name or f"routing-{result['device']['kind']}"
     args.output_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = args.output_dir / f"{stem}.json", args.output_dir / f"{stem}.md"
@@ -77,6 +74,21 @@ def cmd_routing(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_policy(args: argparse.Namespace, infra: Any, policy: str, output: Path) -> dict[str, Any]:
+    with infra.front(policy) as front:
+        latency = front.paired_latency(args.latency_samples)
+        idle = front.scrape()
+        serving = _run_serving(args, front.gateway_url, output)
+        router_metrics = front.router_metrics(idle)
+    print(f"bench routing: {policy}: hit rate {serving['cache_hit_rate']:.3f}, TTFT p50 {serving['ttft_p50_ms']:.0f} "
+          f"ms, router overhead p50 {router_metrics['router_overhead_p50_ms']:.3f} ms", flush=True)
+    return {**serving, **latency, **router_metrics}
+
+
+def _tokenizer_dir_of(infra: Any) -> str | None:
+    return getattr(infra, "tokenizer_dir", None)
+
+
 def _run_serving(args: argparse.Namespace, gateway_url: str, output: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "radixmesh.cli", "bench", "serving", "--backend", "sglang", "--base-url",
            gateway_url, "--workload", "generated-shared-prefix", "--gsp-num-groups", str(args.gsp_num_groups),
@@ -85,7 +97,7 @@ def _run_serving(args: argparse.Namespace, gateway_url: str, output: Path) -> di
            "--gsp-question-len", str(args.gsp_question_len), "--gsp-output-len", str(args.gsp_output_len),
            "--request-rate", str(args.request_rate), "--max-concurrency", str(args.max_concurrency),
            "--seed", str(args.seed), "--flush-cache", "--disable-tqdm", "--output-file", str(output),
-           "--tokenizer", _tokenizer_dir(gateway_url)]
+           "--tokenizer", tokenizer_dir_of_gateway(gateway_url)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0 or not output.is_file():
         raise RuntimeError(f"bench serving failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -99,7 +111,7 @@ def _run_serving(args: argparse.Namespace, gateway_url: str, output: Path) -> di
             "total_input_tokens": summary["total_input_tokens"], "command": " ".join(cmd[2:])}
 
 
-def _tokenizer_dir(gateway_url: str) -> str:
+def tokenizer_dir_of_gateway(gateway_url: str) -> str:
     """The served model's directory (the gateway's /model_info model_path), else the default model's."""
     import urllib.request
 
@@ -112,13 +124,31 @@ def _tokenizer_dir(gateway_url: str) -> str:
     return str(ensure_default_model(progress=False))
 
 
-def ideal_hit_rate(args: argparse.Namespace, runs: dict[str, Any]) -> float | None:
-    """Every group's system prompt computed once per cluster, every later prompt of the group reusing it."""
-    totals = [r["total_input_tokens"] for r in runs.values() if r["num_failed"] == 0]
-    if not totals:
-        return None
-    reusable = args.gsp_num_groups * (args.gsp_prompts_per_group - 1) * args.gsp_system_prompt_len
-    return float(reusable / totals[0])
+def ideal_hit_rate(args: argparse.Namespace, tokenizer: Any) -> float:
+    """Cache hit rate of one cache shared by the whole cluster, requests in workload order: each prompt
+    reuses its longest common token prefix with any earlier prompt (all but its last token)."""
+    from loadtests.workloads import get_workload
+
+    gsp = argparse.Namespace(gsp_num_groups=args.gsp_num_groups, gsp_prompts_per_group=args.gsp_prompts_per_group,
+                             gsp_system_prompt_len=args.gsp_system_prompt_len, gsp_question_len=args.gsp_question_len,
+                             gsp_output_len=args.gsp_output_len, gsp_range_ratio=1.0, gsp_num_turns=1,
+                             gsp_group_distribution="uniform", gsp_zipf_alpha=1.0)
+    workload = get_workload("generated-shared-prefix").build(gsp, tokenizer, 0, args.seed)
+    prompts = [tokenizer.encode(str(s.turns[0].prompt), add_special_tokens=False) for s in workload.sessions]
+    reused = 0
+    for i, ids in enumerate(prompts):
+        best = max((_common_prefix_len(ids, earlier) for earlier in prompts[:i]), default=0)
+        reused += min(best, len(ids) - 1)
+    return reused / sum(len(ids) for ids in prompts)
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _device() -> dict[str, Any]:
@@ -141,8 +171,32 @@ def _device() -> dict[str, Any]:
     return {"kind": "cpu", "name": cpu, "cores": os.cpu_count(), "load_avg_1m_at_end": load}
 
 
-def _result(args: argparse.Namespace, runs: dict[str, Any], work: Path) -> dict[str, Any]:
-    ideal = ideal_hit_rate(args, runs)
+def _mean(values: list[Any]) -> float | None:
+    numbers = [v for v in values if isinstance(v, int | float) and v == v]
+    return statistics.fmean(numbers) if numbers else None
+
+
+def summarize_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Means over the rounds of one policy (numbers only); decision counts summed."""
+    summary: dict[str, Any] = {}
+    for key, value in rounds[0].items():
+        if isinstance(value, int | float):
+            summary[key] = _mean([r[key] for r in rounds])
+    decisions: dict[str, int] = {}
+    for r in rounds:
+        for k, n in r.get("decisions", {}).items():
+            decisions[k] = decisions.get(k, 0) + n
+    summary["decisions"] = decisions
+    summary["num_rounds"] = len(rounds)
+    return summary
+
+
+def _result(args: argparse.Namespace, rounds: dict[str, list[dict[str, Any]]],
+            tokenizer_dir: str | None) -> dict[str, Any]:
+    from loadtests.server_info import load_tokenizer
+
+    ideal = ideal_hit_rate(args, load_tokenizer(tokenizer_dir)) if tokenizer_dir else None
+    runs = {policy: summarize_rounds(r) for policy, r in rounds.items() if r}
     for run in runs.values():
         run["hit_rate_vs_ideal"] = run["cache_hit_rate"] / ideal if ideal else None
     argv = ["radixmesh", "bench", "routing", *sys.argv[sys.argv.index("routing") + 1:]] \
@@ -155,7 +209,7 @@ def _result(args: argparse.Namespace, runs: dict[str, Any], work: Path) -> dict[
                          "system_prompt_len": args.gsp_system_prompt_len, "question_len": args.gsp_question_len,
                          "output_len": args.gsp_output_len, "request_rate": args.request_rate,
                          "max_concurrency": args.max_concurrency, "seed": args.seed},
-            "ideal_hit_rate": ideal, "runs": runs}
+            "ideal_hit_rate": ideal, "runs": runs, "rounds": rounds}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -175,31 +229,38 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"Command: `{result['command']}`",
         "",
-        f"Ideal cache hit rate (each group's prefix computed once per cluster): {_fmt(result['ideal_hit_rate'], 3)}",
+        f"Ideal cache hit rate (one cache for the whole cluster: each prompt reuses its longest prefix shared with "
+        f"an earlier one): {_fmt(result['ideal_hit_rate'], 3)}. Figures are means over "
+        f"{next(iter(result['runs'].values()))['num_rounds']} round(s), policies in alternating order.",
         "",
-        "| policy | hit rate | of ideal | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | router overhead p50 ms "
-        "| routed - direct p50 ms | decision p50 ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| policy | hit rate | of ideal | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms "
+        "| router overhead p50 ms, idle / loaded | decision p50 ms, idle / loaded | routed - direct p50 ms "
+        "| direct TTFT p50 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for policy, r in result["runs"].items():
         lines.append(f"| {policy} | {_fmt(r['cache_hit_rate'], 3)} | {_fmt(r['hit_rate_vs_ideal'], 2)} "
                      f"| {_fmt(r['request_throughput'], 2)} | {_fmt(r['output_throughput'], 1)} "
                      f"| {_fmt(r['ttft_p50_ms'], 0)} | {_fmt(r['ttft_p99_ms'], 0)} "
-                     f"| {_fmt(r['router_overhead_p50_ms'], 3)} | {_fmt(r['routed_minus_direct_p50_ms'], 2)} "
-                     f"| {_fmt(r['decision_p50_ms'], 3)} |")
+                     f"| {_fmt(r.get('router_overhead_idle_p50_ms'), 3)} / {_fmt(r['router_overhead_p50_ms'], 3)} "
+                     f"| {_fmt(r.get('decision_idle_p50_ms'), 3)} / {_fmt(r['decision_p50_ms'], 3)} "
+                     f"| {_fmt(r['routed_minus_direct_p50_ms'], 2)} | {_fmt(r.get('direct_ttft_p50_ms'), 1)} |")
     lines += [
         "",
         "Router overhead: the router's own histogram `radixmesh_router_overhead_seconds` (receipt of Generate "
-        "to the worker call, plus attaching routing info to the first message), p50 interpolated in its buckets. "
+        "to the worker call, plus attaching routing info to the first message), p50 interpolated in its buckets; "
+        "idle: during the paired 1-token requests (workers nearly idle), loaded: during the workload, when the "
+        "workers' model compute occupies the cores that the router and Redis share. "
         "Routed - direct: median of paired differences between a 1-token request through the router and the same "
-        "request straight to the chosen worker (cached prompt); on a loaded CPU this is dominated by noise.",
+        "request straight to the chosen worker (cached prompt); on a loaded CPU this is dominated by noise. "
+        "Direct TTFT: that 1-token request straight to a worker, a gauge of how busy the machine was.",
         "",
     ]
     return "\n".join(lines)
 
 
 def _fmt(value: Any, digits: int) -> str:
-    if value is None:
+    if value is None or value != value:
         return "n/a"
     return f"{value:.{digits}f}"
 

@@ -35,6 +35,8 @@ class BenchCluster:
         self.redis: LocalRedis | None = None
         self.workers: list[str] = []
         self.tokenizer = ""
+        self.tokenizer_dir: str | None = None
+        """The served model's directory (for the benchmark's own tokenizer), once a gateway reported it."""
         self.startup_s = 0.0
 
     def __enter__(self) -> BenchCluster:
@@ -91,6 +93,10 @@ class BenchCluster:
             self._spawn(f"gateway-{policy}", ["gateway", "--port", str(gateway_port), "--router", router,
                                               "--tokenizer", self.tokenizer])
             self._wait(f"gateway-{policy}", lambda: http_ok(f"{front.gateway_url}/health"))
+            if self.tokenizer_dir is None:
+                from radixmesh.cluster.bench import tokenizer_dir_of_gateway
+
+                self.tokenizer_dir = tokenizer_dir_of_gateway(front.gateway_url)
             yield front
         finally:
             for name in (f"gateway-{policy}", f"router-{policy}"):
@@ -133,11 +139,20 @@ class Front:
         return {"routed_ttft_p50_ms": _median_ms(routed), "direct_ttft_p50_ms": _median_ms(direct),
                 "routed_minus_direct_p50_ms": paired_median(routed, direct)}
 
-    def router_metrics(self) -> dict[str, Any]:
+    def scrape(self) -> str:
         with urllib.request.urlopen(f"{self.metrics_url}/metrics", timeout=5) as response:
-            text = response.read().decode()
-        return {"router_overhead_p50_ms": histogram_quantile(text, "radixmesh_router_overhead_seconds", 0.5) * 1e3,
-                "decision_p50_ms": histogram_quantile(text, "radixmesh_router_decision_seconds", 0.5) * 1e3,
+            text: str = response.read().decode()
+        return text
+
+    def router_metrics(self, idle_text: str) -> dict[str, Any]:
+        """Overhead and decision-time p50 while the workers were idle (the paired 1-token requests, scraped
+        into `idle_text`) and under the workload (everything since), plus the decisions taken."""
+        text = self.scrape()
+        overhead, decision = "radixmesh_router_overhead_seconds", "radixmesh_router_decision_seconds"
+        return {"router_overhead_idle_p50_ms": histogram_quantile(idle_text, overhead, 0.5) * 1e3,
+                "router_overhead_p50_ms": histogram_quantile(text, overhead, 0.5, idle_text) * 1e3,
+                "decision_idle_p50_ms": histogram_quantile(idle_text, decision, 0.5) * 1e3,
+                "decision_p50_ms": histogram_quantile(text, decision, 0.5, idle_text) * 1e3,
                 "decisions": decision_counts(text)}
 
 
@@ -147,14 +162,21 @@ def _median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1000.0
 
 
-def histogram_quantile(text: str, name: str, q: float) -> float:
-    """Quantile of a Prometheus histogram, linearly interpolated inside its bucket (as PromQL does)."""
+def _buckets(text: str, name: str) -> dict[float, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    buckets: list[tuple[float, float]] = []
     for family in text_string_to_metric_families(text):
         if family.name == name:
-            buckets = sorted((float(s.labels["le"]), s.value) for s in family.samples if s.name.endswith("_bucket"))
+            return {float(s.labels["le"]): s.value for s in family.samples if s.name.endswith("_bucket")}
+    return {}
+
+
+def histogram_quantile(text: str, name: str, q: float, baseline: str | None = None) -> float:
+    """Quantile of a Prometheus histogram (minus the counts in `baseline`, an earlier scrape), linearly
+    interpolated inside its bucket as PromQL does."""
+    now = _buckets(text, name)
+    before = _buckets(baseline, name) if baseline is not None else {}
+    buckets = sorted((le, count - before.get(le, 0.0)) for le, count in now.items())
     if not buckets or buckets[-1][1] == 0:
         return float("nan")
     rank = q * buckets[-1][1]
