@@ -256,7 +256,7 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(("field", "value"), [("temperature", -1.0), ("top_p", 0.0), ("n", 0),
                                               ("max_tokens", "many"), ("presence_penalty", 3.0),
                                               ("logit_bias", {"999999": 1.0}), ("top_logprobs", 50),
-                                              ("response_format", {"type": "json_object"})])
+                                              ("response_format", {"type": "json_schema"})])
 def test_invalid_parameter_is_400_naming_it(server: Server, model: str, field: str, value: Any) -> None:
     body = {"model": model, "messages": QUESTION, "max_tokens": 2, "logprobs": True, field: value}
     assert _error(server.post("/v1/chat/completions", body), 400)["param"] == field
@@ -413,7 +413,9 @@ def _scrape(server: Server) -> dict[str, float]:
     for family in text_string_to_metric_families(response.text):
         assert family.name.startswith("radixmesh_"), family.name
         for sample in family.samples:
-            key = sample.name + json.dumps(sample.labels, sort_keys=True) if sample.labels else sample.name
+            labels = dict(sample.labels)
+            assert labels.pop("service", None) == "serve", f"{sample.name} lacks service=\"serve\""
+            key = sample.name + json.dumps(labels, sort_keys=True) if labels else sample.name
             samples[key] = sample.value
     return samples
 
