@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 
+from radixmesh.engine.disagg.messages import DisaggToSchedulerMsg, KVExportMsg
 from radixmesh.engine.kv_events import KVEventsMsg
 from radixmesh.engine.sampling.params import SamplingParams
 
@@ -34,7 +35,8 @@ class ShutdownReqMsg(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
-ToSchedulerMsg = GenerateReqMsg | AbortReqMsg | FlushCacheReqMsg | ServerInfoReqMsg | ShutdownReqMsg
+ToSchedulerMsg = (GenerateReqMsg | AbortReqMsg | FlushCacheReqMsg | ServerInfoReqMsg | ShutdownReqMsg
+                  | DisaggToSchedulerMsg)
 
 
 class TokenOut(msgspec.Struct, frozen=True):
@@ -56,6 +58,9 @@ class TokenOut(msgspec.Struct, frozen=True):
     input_logprobs: list[float | None] | None = None
     """Prompt-token log-probs from `logprob_start_len` on, in order over the messages (None: the first token)."""
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    admitted_at: float | None = None
+    """Wall-clock time (time.time()) the scheduler first admitted the request to a prefill batch: the
+    end of its queue wait, for the front end's metrics and trace spans (None: not admitted, e.g. failed)."""
 
 
 class BatchOutMsg(msgspec.Struct, tag="batch_out", frozen=True):
@@ -75,7 +80,7 @@ class FatalMsg(msgspec.Struct, tag="fatal", frozen=True):
     message: str
 
 
-FromSchedulerMsg = BatchOutMsg | QueryOutMsg | ReadyMsg | FatalMsg | KVEventsMsg
+FromSchedulerMsg = BatchOutMsg | QueryOutMsg | ReadyMsg | FatalMsg | KVEventsMsg | KVExportMsg
 
 to_scheduler_decoder = msgspec.msgpack.Decoder(ToSchedulerMsg)
 from_scheduler_decoder = msgspec.msgpack.Decoder(FromSchedulerMsg)

@@ -48,6 +48,8 @@ class Req:
     """New tokens in the current extend pass (a whole prompt or one chunk)."""
     cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at first admission."""
+    admitted_at: float | None = None
+    """Wall-clock time of the first admission to a prefill batch (the end of the queue wait)."""
     is_chunked: bool = False
     num_retractions: int = 0
     finish_reason: FinishReason | None = None

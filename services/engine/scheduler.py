@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -158,6 +159,7 @@ class Scheduler:
         self.chunked_req = None
         for req in adder.can_run:
             if req.num_retractions == 0 and req.num_jumps == 0 and req.kv_len == 0:
+                req.admitted_at = time.time()
                 req.cached_tokens = len(req.prefix_indices)
                 self.num_cached_tokens += req.cached_tokens
                 self.num_prompt_tokens += len(req.origin_input_ids)
@@ -346,6 +348,7 @@ class Scheduler:
             input_logprobs=req.pending_input_logprobs or None,
             input_top_logprobs=req.pending_input_top_logprobs if req.params.top_logprobs
             and req.pending_input_logprobs else None,
+            admitted_at=req.admitted_at,
         )
         req.pending_ids, req.pending_logprobs, req.pending_top_logprobs = [], [], []
         req.pending_input_logprobs, req.pending_input_top_logprobs = [], []

@@ -16,6 +16,7 @@ import zmq
 
 from radixmesh.common.errors import RadixMeshError
 from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.disagg.messages import DISAGG_MSG_TYPES
 from radixmesh.engine.loader import PreparedModel
 from radixmesh.engine.messages import (
     AbortReqMsg,
@@ -34,6 +35,7 @@ from radixmesh.engine.messages import (
 from radixmesh.engine.request import Req
 
 if TYPE_CHECKING:
+    from radixmesh.engine.disagg.handler import DisaggHandler
     from radixmesh.engine.kv_events import BlockEventRecorder
 
 IDLE_POLL_MS = 50
@@ -73,6 +75,7 @@ def run_scheduler_process(config: EngineConfig, prepared: PreparedModel, recv_ad
 def _build(config: EngineConfig, prepared: PreparedModel, send: zmq.Socket) -> SchedulerLoop:
     import torch
 
+    from radixmesh.engine.disagg.handler import DisaggHandler
     from radixmesh.engine.model_runner import ModelRunner
     from radixmesh.engine.scheduler import Scheduler
     from radixmesh.engine.tokenizer import load_tokenizer
@@ -91,7 +94,9 @@ def _build(config: EngineConfig, prepared: PreparedModel, send: zmq.Socket) -> S
 
         recorder = BlockEventRecorder(config.kv_events_block_size)
         scheduler.kv.tree.listener = recorder
-    return SchedulerLoop(scheduler, send, recorder)
+    loop = SchedulerLoop(scheduler, send, recorder)
+    loop.disagg = DisaggHandler(scheduler, lambda msg: send.send(encoder.encode(msg), copy=False), loop._reply)
+    return loop
 
 
 class SchedulerLoop:
@@ -99,10 +104,14 @@ class SchedulerLoop:
         self.scheduler = scheduler
         self.send = send
         self.kv_events = kv_events
+        self.disagg: DisaggHandler | None = None
+        """Prefill/decode disaggregation: reservations, KV exports and their leases."""
         self.stopping = False
 
     def info(self) -> dict[str, Any]:
         stats: dict[str, Any] = self.scheduler.stats()
+        if self.disagg is not None:
+            stats.update(self.disagg.stats())
         return stats
 
     def run(self, recv: zmq.Socket) -> None:
@@ -112,6 +121,8 @@ class SchedulerLoop:
             self._drain(recv)
             if self.stopping:
                 break
+            if self.disagg is not None:
+                self.disagg.tick()
             stepped = self.scheduler.step()
             if self.kv_events is not None:
                 self._send_kv_events()
@@ -139,12 +150,16 @@ class SchedulerLoop:
                                   prefill_only=msg.prefill_only))
         elif isinstance(msg, AbortReqMsg):
             sched.abort(msg.rid)
+            if self.disagg is not None:
+                self.disagg.abort(msg.rid)
         elif isinstance(msg, FlushCacheReqMsg):
             self._reply(msg.query_id, {"success": sched.flush_cache()})
         elif isinstance(msg, ServerInfoReqMsg):
-            self._reply(msg.query_id, sched.stats())
+            self._reply(msg.query_id, self.info())
         elif isinstance(msg, ShutdownReqMsg):
             self.stopping = True
+        elif isinstance(msg, DISAGG_MSG_TYPES) and self.disagg is not None:
+            self.disagg.handle(msg)
 
     def _reply(self, query_id: str, result: dict[str, Any]) -> None:
         self.send.send(encoder.encode(QueryOutMsg(query_id, result)))

@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation inside the scheduler process: reservations, exports, KV transports."""

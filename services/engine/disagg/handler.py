@@ -1,0 +1,83 @@
+"""Disaggregation in the scheduler process: routes its messages to the decode-side reservations and
+the prefill-side exports, runs their leases, and reports their counters.
+
+The scheduler loop calls `handle` for each disaggregation message, `tick` once per iteration
+(outside `Scheduler.step`), `abort` with every abort, and emits the scheduler's outputs through
+`emit_outputs` so that exported KV leaves ahead of the first token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from radixmesh.engine.disagg.exports import ExportManager
+from radixmesh.engine.disagg.messages import (
+    CancelReservationMsg,
+    KVChunkInMsg,
+    PrefillReqMsg,
+    ReleaseTransferMsg,
+    ReserveReqMsg,
+    ResolveReservationMsg,
+    TransferDoneReqMsg,
+)
+from radixmesh.engine.disagg.reservations import ReservationManager
+from radixmesh.engine.disagg.transport.registry import create_transport
+from radixmesh.engine.messages import TokenOut
+
+if TYPE_CHECKING:
+    from radixmesh.engine.disagg.transport.base import BaseKVTransport
+    from radixmesh.engine.scheduler import Scheduler
+
+
+class DisaggHandler:
+    def __init__(self, scheduler: Scheduler, send: Callable[[Any], None],
+                 reply: Callable[[str, dict[str, Any]], None]) -> None:
+        self.sched = scheduler
+        self._emit = scheduler.emit
+        self._transports: dict[str, BaseKVTransport] = {}
+        self.reservations = ReservationManager(scheduler, self.transport, reply)
+        self.exports = ExportManager(scheduler, self.transport, send)
+        scheduler.emit = self.emit_outputs
+
+    def transport(self, transport_id: str) -> BaseKVTransport:
+        """The transport `transport_id` over this scheduler's pool, created on first use."""
+        transport = self._transports.get(transport_id)
+        if transport is None:
+            transport = create_transport(transport_id, self.sched.runner.kv_pool)
+            self._transports[transport_id] = transport
+        return transport
+
+    def emit_outputs(self, outputs: list[TokenOut]) -> None:
+        self._emit(self.exports.on_outputs(outputs))
+
+    def handle(self, msg: object) -> None:
+        if isinstance(msg, ReserveReqMsg):
+            self.reservations.reserve(msg)
+        elif isinstance(msg, KVChunkInMsg):
+            self.reservations.receive(msg)
+        elif isinstance(msg, TransferDoneReqMsg):
+            self.reservations.transfer_done(msg)
+        elif isinstance(msg, ResolveReservationMsg):
+            self.reservations.resolve(msg)
+        elif isinstance(msg, CancelReservationMsg):
+            self.reservations.cancel(msg.reservation_id)
+        elif isinstance(msg, PrefillReqMsg):
+            self.exports.prefill(msg)
+        elif isinstance(msg, ReleaseTransferMsg):
+            self.exports.release(msg.transfer_id)
+        else:
+            raise AssertionError(f"not a disaggregation message: {type(msg).__name__}")
+
+    def tick(self) -> None:
+        """Leases: free lapsed reservations and held transfers; grant queued reservations that now fit."""
+        self.reservations.tick()
+        self.exports.tick()
+
+    def abort(self, rid: str) -> None:
+        self.reservations.abort(rid)
+        self.exports.abort(rid)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.reservations.stats(), **self.exports.stats(),
+                "disagg_fallback_reasons": dict(self.reservations.fallback_reasons)}

@@ -1,0 +1,270 @@
+"""Decode side: KV reservations under leases, filled by a transport, then committed or given up.
+
+A reservation is a request row holding the decode worker's own cached prefix of the prompt
+(locked in its radix tree) plus freshly allocated slots for the rest of the prompt (the
+"suffix", at least one token). States:
+
+    pending --(KV free)--> granted --(every layer received)--> complete --(resolve)--> running request
+       |                      |                                   |
+       +--(lease)--> refused  +--(lease lapsed / cancel / abort / resolve without KV)--> slots freed
+
+Resolving without a complete transfer (or without a first token) computes the prompt here
+instead: the request is queued like a plain Generate, so it is never lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixmesh.common.errors import RadixMeshError
+from radixmesh.engine.disagg.messages import (
+    KVChunkInMsg,
+    ReserveReqMsg,
+    ResolveReservationMsg,
+    TransferDoneReqMsg,
+)
+from radixmesh.engine.request import Req
+from radixmesh.engine.stop import check_finished
+
+if TYPE_CHECKING:
+    from radixmesh.engine.disagg.transport.base import BaseKVTransport
+    from radixmesh.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+Reply = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class Reservation:
+    """KV slots held for one prompt's suffix until its KV arrives and the request is committed."""
+
+    reservation_id: str
+    query_id: str
+    """The ReserveReqMsg to answer when granted."""
+    req: Req
+    """Holds the row and the locked prefix; `kv_len` is the prefix length until commit."""
+    slots: torch.Tensor
+    """[suffix_len] int64 slots of prompt positions prefix_len..prompt_len-1."""
+    prefix_len: int
+    expires_at: float
+    layers_received: list[bool] = field(default_factory=list)
+    num_bytes_received: int = 0
+    error: str | None = None
+    transports: set[str] = field(default_factory=set)
+
+    @property
+    def is_complete(self) -> bool:
+        return self.error is None and bool(self.layers_received) and all(self.layers_received)
+
+
+@dataclass
+class _Pending:
+    msg: ReserveReqMsg
+    deadline: float
+
+
+class ReservationManager:
+    def __init__(self, scheduler: Scheduler, transport: Callable[[str], BaseKVTransport], reply: Reply,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.sched = scheduler
+        self.transport = transport
+        self.reply = reply
+        self.clock = clock
+        self.pending: list[_Pending] = []
+        self.active: dict[str, Reservation] = {}
+        self.counters = {"num_reservations_granted": 0, "num_reservations_lapsed": 0, "num_reservations_refused": 0,
+                         "num_committed": 0, "num_fallbacks": 0, "kv_bytes_received": 0, "num_stale_chunks": 0}
+        self.fallback_reasons: dict[str, int] = {}
+
+    # ---- reserve ----------------------------------------------------------------------------------
+    def reserve(self, msg: ReserveReqMsg) -> None:
+        """Grant now if KV is free, else queue (granted by `tick` later, or refused at the lease's end)."""
+        problem = self._refusal(msg)
+        if problem is not None:
+            self._refuse(msg, problem)
+            return
+        self.pending.append(_Pending(msg, self.clock() + msg.lease_s))
+        self._grant_pending()
+
+    def _refusal(self, msg: ReserveReqMsg) -> str | None:
+        prompt_len, sched = len(msg.input_ids), self.sched
+        if prompt_len < 1 or prompt_len >= sched.context_len or prompt_len + 1 > sched.kv.capacity:
+            return f"a prompt of {prompt_len} tokens cannot be reserved here"
+        if msg.reservation_id in self.active or any(p.msg.reservation_id == msg.reservation_id for p in self.pending):
+            return f"reservation {msg.reservation_id} exists already"
+        return None
+
+    def _refuse(self, msg: ReserveReqMsg, reason: str) -> None:
+        self.counters["num_reservations_refused"] += 1
+        self.reply(msg.query_id, {"ok": False, "error": reason})
+
+    def _grant_pending(self) -> None:
+        while self.pending:
+            granted = self._try_grant(self.pending[0].msg)
+            if granted is None:
+                return  # first come, first served: later ones wait too
+            self.pending.pop(0)
+            self.active[granted.reservation_id] = granted
+            self.counters["num_reservations_granted"] += 1
+            self.reply(granted.query_id, {
+                "ok": True, "reservation_id": granted.reservation_id, "prefix_len": granted.prefix_len,
+                "num_reserved_tokens": int(granted.slots.shape[0]), "lease_s": granted.expires_at - self.clock()})
+
+    def _try_grant(self, msg: ReserveReqMsg) -> Reservation | None:
+        sched, kv = self.sched, self.sched.kv
+        busy_rows = len(sched.running) + len(self.active) + (1 if sched.chunked_req is not None else 0)
+        if busy_rows >= sched.config.max_running_requests or kv.req_pool.available_size() == 0:
+            return None
+        req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), params=msg.params)
+        kv.match(req)
+        kv.lock(req)
+        suffix_len = len(req.origin_input_ids) - len(req.prefix_indices)
+        if kv.available_tokens() - self._decode_reserve() < suffix_len + self._decode_need(req):
+            kv.unlock(req)
+            return None
+        slots = kv.alloc_slots(suffix_len)
+        if slots is None or not kv.assign_row(req):
+            if slots is not None:
+                kv.allocator.free(slots)
+            kv.unlock(req)
+            return None
+        assert req.req_pool_idx is not None
+        prefix_len = req.kv_len
+        kv.req_pool.req_to_token[req.req_pool_idx, prefix_len:prefix_len + suffix_len] = slots
+        return Reservation(msg.reservation_id, msg.query_id, req, slots, prefix_len, self.clock() + msg.lease_s,
+                           layers_received=[False] * sched.runner.kv_pool.num_layers)
+
+    def _decode_need(self, req: Req) -> int:
+        return math.ceil(self.sched.new_token_ratio * req.remaining_new_tokens)
+
+    def _decode_reserve(self) -> int:
+        """Slots running requests and granted reservations are expected to decode into."""
+        return (sum(self._decode_need(r) for r in self.sched.running)
+                + sum(self._decode_need(r.req) for r in self.active.values()))
+
+    # ---- transfer ---------------------------------------------------------------------------------
+    def receive(self, msg: KVChunkInMsg) -> None:
+        reservation = self.active.get(msg.reservation_id)
+        if reservation is None:
+            self.counters["num_stale_chunks"] += 1  # lapsed, cancelled or aborted meanwhile
+            return
+        if reservation.error is not None:
+            return
+        chunk = msg.chunk
+        try:
+            self.transport(chunk.transport).receive(chunk, reservation.slots)
+        except (RadixMeshError, AssertionError, RuntimeError) as exc:
+            reservation.error = f"KV chunk rejected: {exc}"
+            logger.warning("reservation %s: %s", reservation.reservation_id, reservation.error)
+            return
+        reservation.transports.add(chunk.transport)
+        received = reservation.layers_received
+        if any(received[chunk.layer_begin:chunk.layer_end]):
+            reservation.error = f"layers [{chunk.layer_begin}, {chunk.layer_end}) were received twice"
+            return
+        received[chunk.layer_begin:chunk.layer_end] = [True] * (chunk.layer_end - chunk.layer_begin)
+        reservation.num_bytes_received += chunk.num_bytes
+        self.counters["kv_bytes_received"] += chunk.num_bytes
+
+    def transfer_done(self, msg: TransferDoneReqMsg) -> None:
+        """Answer once every chunk so far is in the pool: the prefill side may then release its copy."""
+        reservation = self.active.get(msg.reservation_id)
+        if reservation is None:
+            self.reply(msg.query_id, {"ok": False, "error": "the reservation is gone (lapsed, cancelled or aborted)"})
+            return
+        for transport_id in reservation.transports:
+            self.transport(transport_id).finish()
+        error = reservation.error
+        if error is None and not reservation.is_complete:
+            missing = [i for i, got in enumerate(reservation.layers_received) if not got]
+            error = f"KV of {len(missing)} layers did not arrive (first missing: {missing[0]})"
+        self.reply(msg.query_id, {"ok": error is None, "error": error or "",
+                                  "num_bytes": reservation.num_bytes_received})
+
+    # ---- resolve ----------------------------------------------------------------------------------
+    def resolve(self, msg: ResolveReservationMsg) -> None:
+        """Commit with the received KV and first token, or compute the prompt here."""
+        self.cancel(msg.reservation_id, count_lapse=False, keep=True)
+        reservation = self.active.pop(msg.reservation_id, None)
+        if reservation is not None and reservation.is_complete and msg.first_token >= 0:
+            self._commit(reservation, msg)
+            return
+        reason = msg.fallback_reason or ("lease lapsed" if reservation is None else
+                                         reservation.error or "KV incomplete")
+        if reservation is not None:
+            self._free(reservation)
+        self.counters["num_fallbacks"] += 1
+        self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
+        logger.info("request %s: computing the prompt here (%s)", msg.rid, reason)
+        self.sched.add_request(Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), params=msg.params))
+
+    def _commit(self, reservation: Reservation, msg: ResolveReservationMsg) -> None:
+        sched, req = self.sched, reservation.req
+        token = msg.first_token
+        req.kv_len = len(req.origin_input_ids)
+        req.cached_tokens = msg.cached_tokens
+        req.output_ids.append(token)
+        req.pending_ids.append(token)
+        if req.wants_logprobs and msg.logprob is not None:
+            req.pending_logprobs.append(msg.logprob)
+            if req.params.top_logprobs and msg.top_logprobs is not None:
+                req.pending_top_logprobs.append([(int(t), float(lp)) for t, lp in msg.top_logprobs])
+        sched.num_prompt_tokens += len(req.origin_input_ids)
+        sched.num_cached_tokens += msg.cached_tokens
+        sched.num_generated_tokens += 1
+        self.counters["num_committed"] += 1
+        reason, matched = check_finished(req, sched.eos_ids, sched.context_len, sched.tokenizer)
+        if reason is not None:
+            req.finish_reason, req.matched_stop = reason, matched
+            sched.kv.release(req)  # the prompt's KV goes to the radix tree
+        else:
+            sched.running.append(req)
+        sched.emit([sched._token_out(req)])
+
+    # ---- give up ----------------------------------------------------------------------------------
+    def cancel(self, reservation_id: str, count_lapse: bool = False, keep: bool = False) -> None:
+        """Drop a pending or granted reservation (a granted one stays when `keep`: resolve takes it)."""
+        for pending in [p for p in self.pending if p.msg.reservation_id == reservation_id]:
+            self.pending.remove(pending)
+            self.reply(pending.msg.query_id, {"ok": False, "error": "cancelled"})
+        if not keep and reservation_id in self.active:
+            self._free(self.active.pop(reservation_id))
+            if count_lapse:
+                self.counters["num_reservations_lapsed"] += 1
+
+    def abort(self, rid: str) -> None:
+        for pending in [p for p in self.pending if p.msg.rid == rid]:
+            self.cancel(pending.msg.reservation_id)
+        for reservation_id in [i for i, r in self.active.items() if r.req.rid == rid]:
+            self.cancel(reservation_id)
+
+    def tick(self) -> None:
+        """Free lapsed reservations, refuse pending ones past their lease, grant what now fits."""
+        now = self.clock()
+        for reservation_id in [i for i, r in self.active.items() if r.expires_at < now]:
+            logger.warning("reservation %s lapsed; its slots are freed", reservation_id)
+            self.cancel(reservation_id, count_lapse=True)
+        for pending in [p for p in self.pending if p.deadline < now]:
+            self.pending.remove(pending)
+            self._refuse(pending.msg, "no KV slots became free within the lease")
+        self._grant_pending()
+
+    def _free(self, reservation: Reservation) -> None:
+        kv, req = self.sched.kv, reservation.req
+        kv.allocator.free(reservation.slots)
+        kv.unlock(req)
+        if req.req_pool_idx is not None:
+            kv.req_pool.free(req.req_pool_idx)
+            req.req_pool_idx = None
+
+    def stats(self) -> dict[str, int]:
+        return {**self.counters, "num_reservations_active": len(self.active),
+                "num_reservations_pending": len(self.pending),
+                "num_reserved_tokens": sum(int(r.slots.shape[0]) for r in self.active.values())}

@@ -1,0 +1,1 @@
+"""KV transports behind one interface, selected by kebab-case id (`--kv-transport`)."""

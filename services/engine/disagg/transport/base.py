@@ -1,0 +1,85 @@
+"""The contract of a KV transport: how a prompt's KV leaves the prefill pool and lands in the decode pool.
+
+Both ends run inside scheduler processes. Whatever a transport puts in `KVChunk.data` travels
+in-band, over the workers' gRPC `TransferKV` stream: the KV itself (grpc), or a reference the
+decode side fetches from (cuda-ipc: a CUDA IPC handle; an RDMA transport: remote memory
+descriptors). The prefill side keeps whatever backs its chunks until `release`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from radixmesh.common.errors import invalid_argument
+from radixmesh.engine.disagg.messages import KVChunk
+from radixmesh.engine.memory import TokenToKVPool
+
+DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
+"""Most KV bytes per in-band chunk (whole layers; a single layer may exceed it)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class BaseKVTransport(ABC):
+    """Moves KV between two pools of the same model (same layers, KV heads, head dim and dtype).
+
+    Prefill side: `export(transfer_id, slots)` returns the in-band chunks of the KV at `slots`
+    (prompt positions in order), covering every layer exactly once; `release(transfer_id)` drops
+    what backs them once the decode side holds the KV (or the transfer was given up).
+    Decode side: `receive(chunk, slots)` writes the chunk's layers into `slots` (one per token,
+    distinct); `finish()` returns once every received chunk is in the pool (device work done),
+    so the prefill side may release.
+    """
+
+    transport_id: ClassVar[str]
+
+    def __init__(self, pool: TokenToKVPool, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        assert max_chunk_bytes > 0, f"max_chunk_bytes must be positive, got {max_chunk_bytes}"
+        self.pool = pool
+        self.max_chunk_bytes = max_chunk_bytes
+
+    @property
+    def layer_token_bytes(self) -> int:
+        """Bytes of K plus V of one token in one layer."""
+        return 2 * self.pool.num_kv_heads * self.pool.head_dim * self.pool.dtype.itemsize
+
+    def layer_groups(self, num_tokens: int) -> list[tuple[int, int]]:
+        """Consecutive layer ranges of at most `max_chunk_bytes` each (at least one layer each)."""
+        per_layer = max(self.layer_token_bytes * num_tokens, 1)
+        step = max(1, self.max_chunk_bytes // per_layer)
+        layers = self.pool.num_layers
+        return [(begin, min(begin + step, layers)) for begin in range(0, layers, step)]
+
+    def check_chunk(self, chunk: KVChunk, num_slots: int) -> None:
+        """Raise INVALID_ARGUMENT when `chunk` cannot land in `num_slots` slots of this pool."""
+        pool = self.pool
+        if chunk.transport != self.transport_id:
+            raise invalid_argument(f"a {chunk.transport} chunk reached the {self.transport_id} transport",
+                                   "kv_transport")
+        if chunk.num_tokens != num_slots:
+            raise invalid_argument(f"the chunk has KV of {chunk.num_tokens} tokens; {num_slots} slots are reserved")
+        if not 0 <= chunk.layer_begin < chunk.layer_end <= pool.num_layers:
+            raise invalid_argument(f"the chunk's layers [{chunk.layer_begin}, {chunk.layer_end}) are outside "
+                                   f"this model's {pool.num_layers}")
+        if chunk.dtype != dtype_name(pool.dtype):
+            raise invalid_argument(f"the chunk's KV is {chunk.dtype}; this pool holds {dtype_name(pool.dtype)} "
+                                   "(run both workers with the same --dtype)", "dtype")
+
+    @abstractmethod
+    def export(self, transfer_id: str, slots: torch.Tensor) -> list[KVChunk]:
+        """The in-band chunks of the KV at `slots` [num_tokens] int64 (on the pool's device)."""
+
+    def release(self, transfer_id: str) -> None:  # noqa: B027
+        """The transfer is over: free what backs its chunks (no-op when nothing does)."""
+
+    @abstractmethod
+    def receive(self, chunk: KVChunk, slots: torch.Tensor) -> None:
+        """Write the chunk's KV into `slots` [num_tokens] int64; raise RadixMeshError when it does not fit."""
+
+    def finish(self) -> None:  # noqa: B027
+        """Block until every `receive` so far is complete in the pool."""

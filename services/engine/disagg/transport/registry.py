@@ -1,0 +1,38 @@
+"""KV transports by kebab-case id (`radixmesh worker --kv-transport ID`); implementations import lazily.
+
+`grpc` works anywhere (the KV bytes ride the workers' gRPC stream); `cuda-ipc` moves KV GPU to
+GPU between processes of one host. An RDMA transport (NIXL, Mooncake) plugs in here: see
+docs/disaggregation.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from radixmesh.common.errors import invalid_argument
+
+if TYPE_CHECKING:
+    from radixmesh.engine.disagg.transport.base import BaseKVTransport
+    from radixmesh.engine.memory import TokenToKVPool
+
+KV_TRANSPORTS: dict[str, str] = {
+    "grpc": "radixmesh.engine.disagg.transport.inline:GrpcKVTransport",
+    "cuda-ipc": "radixmesh.engine.disagg.transport.cuda_ipc:CudaIpcKVTransport",
+}
+KV_TRANSPORT_IDS = tuple(KV_TRANSPORTS)
+
+
+def check_transport_id(transport_id: str) -> None:
+    if transport_id not in KV_TRANSPORTS:
+        raise invalid_argument(f"unknown KV transport {transport_id!r}; choose one of {', '.join(KV_TRANSPORT_IDS)}",
+                               "kv_transport")
+
+
+def create_transport(transport_id: str, pool: TokenToKVPool) -> BaseKVTransport:
+    """The transport `transport_id` over `pool`; INVALID_ARGUMENT/UNSUPPORTED when it cannot run here."""
+    check_transport_id(transport_id)
+    module, _, name = KV_TRANSPORTS[transport_id].partition(":")
+    factory = getattr(importlib.import_module(module), name)
+    transport: BaseKVTransport = factory(pool)
+    return transport
