@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from radixmesh.common import tracing
 from radixmesh.common.env import env_str
 from radixmesh.common.errors import invalid_argument
 
@@ -45,6 +46,8 @@ class GrpcServerConfig:
     """On SIGTERM, how long in-flight calls may run before they are cancelled."""
     max_message_bytes: int = MAX_MESSAGE_BYTES
     """Largest gRPC message sent or received."""
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC endpoint of traces; None: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, else tracing off."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -65,13 +68,14 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int, log_leve
                         help="Redis of the KV-cache index and worker leases (default: $RADIXMESH_REDIS_URL; none: off)")
     parser.add_argument("--drain-timeout-s", type=float, default=30.0,
                         help="on SIGTERM, seconds in-flight calls may finish before they are cancelled")
+    tracing.add_tracing_args(parser)
     if log_level:
         parser.add_argument("--log-level", default="warning", help="logging level")
 
 
 def server_config(args: argparse.Namespace) -> GrpcServerConfig:
     return GrpcServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
-                            drain_timeout_s=args.drain_timeout_s)
+                            drain_timeout_s=args.drain_timeout_s, otlp_endpoint=args.otlp_endpoint)
 
 
 def setup_logging(level: str, service: str) -> None:
@@ -89,7 +93,8 @@ class GrpcServer:
         options = [("grpc.max_send_message_length", config.max_message_bytes),
                    ("grpc.max_receive_message_length", config.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
-        self.server = grpc.aio.server(options=options)
+        tracing.configure(name, config.otlp_endpoint)  # before the server: it takes the interceptors now
+        self.server = grpc.aio.server(options=options, interceptors=tracing.server_interceptors())
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -122,7 +127,11 @@ class GrpcServer:
             return
         from prometheus_client import start_http_server
 
-        self._metrics_httpd, _ = start_http_server(self.config.metrics_port, addr=self.config.host)
+        from radixmesh.common.metrics import LabelledRegistry, set_process_labels
+
+        set_process_labels(service=self.name)  # every series carries service="<name>" (workers add role, worker)
+        self._metrics_httpd, _ = start_http_server(self.config.metrics_port, addr=self.config.host,
+                                                   registry=LabelledRegistry())
         self.metrics_port = int(self._metrics_httpd.server_port)
 
     async def set_serving(self, serving: bool) -> None:

@@ -13,6 +13,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixmesh import __version__
+from radixmesh.common import tracing
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.gateway import native_api, openai_api, tokenize_api
 from radixmesh.gateway.backend import Backend
@@ -29,7 +30,7 @@ OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 
 def create_app(backend: Backend, config: GatewayConfig) -> FastAPI:
     """The gateway over `backend`; the caller owns the backend's lifetime."""
-    metrics = GatewayMetrics(backend.card.name)
+    metrics = GatewayMetrics(backend.card.name, "gateway" if backend.card.extra.get("backend") == "grpc" else "serve")
     state = GatewayState(backend, config, metrics, Dispatcher(backend, metrics, config.max_queued_requests))
     app = FastAPI(title="radixmesh", version=__version__,
                   description="OpenAI-compatible and SGLang-native LLM serving API")
@@ -43,6 +44,10 @@ def create_app(backend: Backend, config: GatewayConfig) -> FastAPI:
     routes = frozenset(getattr(route, "path", "") for router in routers
                        for route in router.routes)
     app.add_middleware(RouteMetricsMiddleware, metrics=metrics, routes=routes)
+    if tracing.enabled():
+        from radixmesh.gateway.http_tracing import HttpTracingMiddleware
+
+        app.add_middleware(HttpTracingMiddleware, routes=routes)  # outermost: the span covers everything
     return app
 
 

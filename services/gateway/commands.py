@@ -6,6 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from radixmesh.common.env import env_str
+from radixmesh.common.tracing import add_tracing_args
 
 if TYPE_CHECKING:
     from radixmesh.gateway.config import GatewayConfig
@@ -39,6 +40,7 @@ def _add_http_args(parser: argparse.ArgumentParser) -> None:
                         help="output cap for chat and /generate requests that give no max tokens")
     parser.add_argument("--graceful-shutdown-s", type=float, default=5.0,
                         help="on SIGINT/SIGTERM, seconds open requests may finish before they are aborted")
+    add_tracing_args(parser)
 
 
 def _gateway_config(args: argparse.Namespace) -> GatewayConfig:
@@ -55,10 +57,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
     from radixmesh.cli import engine_kwargs
+    from radixmesh.common import tracing
     from radixmesh.engine.config import EngineConfig
     from radixmesh.gateway.server import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    tracing.configure("serve", args.otlp_endpoint)
     return asyncio.run(serve(_gateway_config(args), EngineConfig(**engine_kwargs(args))))
 
 
@@ -79,10 +83,12 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
+    from radixmesh.common import tracing
     from radixmesh.gateway.grpc_backend import GrpcBackend
     from radixmesh.gateway.server import serve_backend
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    tracing.configure("gateway", args.otlp_endpoint)  # before the backend's channels are built
     config = _gateway_config(args)
     kind, address = ("router", args.router) if args.router else ("worker", args.worker)
     return asyncio.run(serve_backend(

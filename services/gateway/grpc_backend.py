@@ -20,6 +20,7 @@ import grpc
 import grpc.aio
 import msgspec
 
+from radixmesh.common import tracing
 from radixmesh.common.convert import load_from_proto, proto_to_chunk, sampling_to_proto
 from radixmesh.common.errors import invalid_argument
 from radixmesh.common.grpc_errors import from_rpc_error
@@ -49,10 +50,12 @@ class GrpcBackend(Backend):
         assert target_kind in ("router", "worker"), f"target_kind {target_kind!r} is not router or worker"
         self.tokenizer_address, self.target_address, self.target_kind = tokenizer_address, target_address, target_kind
         self._tok_sync_channel = grpc.insecure_channel(tokenizer_address, options=CHANNEL_OPTIONS)
-        self._tok_sync = tokenizer_pb2_grpc.TokenizerServiceStub(self._tok_sync_channel)
-        self._tok_channel = grpc.aio.insecure_channel(tokenizer_address, options=CHANNEL_OPTIONS)
+        self._tok_sync = tokenizer_pb2_grpc.TokenizerServiceStub(tracing.instrument_channel(self._tok_sync_channel))
+        self._tok_channel = grpc.aio.insecure_channel(tokenizer_address, options=CHANNEL_OPTIONS,
+                                                      interceptors=tracing.client_interceptors())
         self._tok = tokenizer_pb2_grpc.TokenizerServiceStub(self._tok_channel)
-        self._target_channel = grpc.aio.insecure_channel(target_address, options=CHANNEL_OPTIONS)
+        self._target_channel = grpc.aio.insecure_channel(target_address, options=CHANNEL_OPTIONS,
+                                                         interceptors=tracing.client_interceptors())
         stub_class = router_pb2_grpc.RouterServiceStub if target_kind == "router" else worker_pb2_grpc.WorkerServiceStub
         self._target: Any = stub_class(self._target_channel)
         self._hashes: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()

@@ -10,18 +10,18 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["CONTENT_TYPE_LATEST", "GatewayMetrics"]
+from radixmesh.common.metrics import E2E_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S, LabelledRegistry
 
-_TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
-_E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+__all__ = ["CONTENT_TYPE_LATEST", "GatewayMetrics"]
 
 
 class GatewayMetrics:
     """Owns the metric objects; the HTTP layer calls the `observe_*` methods."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, service: str = "gateway") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.exposed = LabelledRegistry(self.registry, {"service": service})
+        """What /metrics renders: every series labelled service="gateway" (or "serve" with a local engine)."""
         reg, p = self.registry, "radixmesh_"
         self.http_requests = Counter(p + "http_requests", "HTTP responses by route and status",
                                      ["route", "status"], registry=reg)
@@ -36,11 +36,11 @@ class GatewayMetrics:
         self.cached_tokens = Counter(p + "cached_tokens", "Prompt tokens served from the prefix cache",
                                      registry=reg)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time from arrival to the first output token",
-                              buckets=_TTFT_BUCKETS_S, registry=reg)
+                              buckets=TTFT_BUCKETS_S, registry=reg)
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between output tokens of a sequence",
-                             buckets=_ITL_BUCKETS_S, registry=reg)
+                             buckets=ITL_BUCKETS_S, registry=reg)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from arrival to the last output token",
-                             buckets=_E2E_BUCKETS_S, registry=reg)
+                             buckets=E2E_BUCKETS_S, registry=reg)
         self.running = Gauge(p + "num_running_requests", "Sequences the engine is running", registry=reg)
         self.queued = Gauge(p + "num_queued_requests", "Sequences waiting in the engine's queue", registry=reg)
         self.in_flight = Gauge(p + "num_gateway_requests", "Sequences admitted by the gateway and not finished",
@@ -87,4 +87,4 @@ class GatewayMetrics:
         self.in_flight.set(in_flight)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)

@@ -17,10 +17,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
+from radixmesh.common import tracing
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.router import metrics
 from radixmesh.router.config import RouterConfig
 from radixmesh.router.policies.base import BaseRoutingPolicy, RouteRequest, RoutingDecision
+from radixmesh.router.route_span import route_attributes
 from radixmesh.router.workers import WorkerHandle, WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -58,7 +60,10 @@ class RequestRouter:
                 detail += f"; already tried {', '.join(sorted(exclude))}"
             raise RadixMeshError(ErrorCode.UNAVAILABLE, f"no worker available ({detail})")
         start = time.perf_counter()
-        decision = await self.policy.choose(request, candidates)
+        with tracing.span("router.route") as span:
+            decision = await self.policy.choose(request, candidates)
+            if span is not None:
+                span.set_attributes(route_attributes(request, decision, candidates))
         self._record_latency(time.perf_counter() - start)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("route %s: %s", request.request_id, decision.attributes())

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import Counter, Gauge, Histogram
+
+from radixmesh.router.breaker import CircuitState
+from radixmesh.router.workers import WorkerHandle
 
 _FINE_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01,
                  0.025, 0.05, 0.1, 0.25, 1.0)
 
-DECISIONS = Counter("radixmesh_router_decisions_total", "Routing decisions", ["policy", "reason", "worker_id"])
+DECISIONS = Counter("radixmesh_router_decisions_total", "Routing decisions by policy, outcome (reason) and worker",
+                    ["policy", "reason", "worker"])
 RETRIES = Counter("radixmesh_router_retries_total", "Requests retried on another worker before the first token")
 FAILURES = Counter("radixmesh_router_failed_streams_total", "Routed streams that ended with an error", ["code"])
 OVERHEAD = Histogram("radixmesh_router_overhead_seconds",
@@ -17,3 +23,24 @@ DECISION = Histogram("radixmesh_router_decision_seconds", "Time of one routing d
                      buckets=_FINE_BUCKETS)
 HEALTHY_WORKERS = Gauge("radixmesh_router_healthy_workers", "Workers passing health checks")
 FALLBACK = Gauge("radixmesh_router_index_fallback", "1 while cache-aware routes with approx-tree (Redis down)")
+CIRCUIT_STATE = Gauge("radixmesh_router_circuit_state", "1 for each worker's current circuit-breaker state",
+                      ["worker", "state"])
+WORKER_INFLIGHT = Gauge("radixmesh_router_worker_inflight_requests", "Requests this router has open on each worker",
+                        ["worker"])
+_known_workers: set[str] = set()
+
+
+def update_worker_gauges(workers: Sequence[WorkerHandle]) -> None:
+    """Per-worker series from the registry; a worker that left loses its series."""
+    current = {w.worker_id for w in workers}
+    for gone in _known_workers - current:
+        WORKER_INFLIGHT.remove(gone)
+        for state in CircuitState:
+            CIRCUIT_STATE.remove(gone, state.value)
+    _known_workers.clear()
+    _known_workers.update(current)
+    for w in workers:
+        circuit = w.circuit_state
+        for state in CircuitState:
+            CIRCUIT_STATE.labels(w.worker_id, state.value).set(1 if circuit is state else 0)
+        WORKER_INFLIGHT.labels(w.worker_id).set(w.num_inflight)

@@ -78,6 +78,7 @@ class RouterApp:
     async def _update_gauges(self) -> None:
         while True:
             metrics.HEALTHY_WORKERS.set(sum(1 for w in self.registry.all() if w.health.healthy))
+            metrics.update_worker_gauges(self.registry.all())
             metrics.FALLBACK.set(1 if self.policy.active_policy() != self.policy.policy_id else 0)
             await asyncio.sleep(GAUGE_INTERVAL_S)
 

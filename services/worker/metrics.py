@@ -1,17 +1,113 @@
-"""Prometheus metrics of a worker (served on its --metrics-port)."""
+"""Prometheus metrics of a worker (served on its --metrics-port, labelled service="worker", role, worker).
+
+The names are the gateway's where the quantity is the same (TTFT, inter-token and end-to-end
+latency, tokens, finished requests), so one dashboard query covers both tiers through the
+`service` label. The engine's own figures (running and queued sequences, KV usage, cache hit
+rate, grammar counters) come from the scheduler process's stats, refreshed every second.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any, ClassVar
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-REQUESTS = Counter("radixmesh_worker_requests_total", "Finished Generate calls", ["finish_reason"])
-PROMPT_TOKENS = Counter("radixmesh_worker_prompt_tokens_total", "Prompt tokens of finished sequences")
-CACHED_TOKENS = Counter("radixmesh_worker_cached_tokens_total", "Prompt tokens served from the prefix cache")
-GENERATED_TOKENS = Counter("radixmesh_worker_generated_tokens_total", "Output tokens streamed")
-RUNNING = Gauge("radixmesh_worker_running_requests", "Generate calls in flight")
-TTFT = Histogram("radixmesh_worker_time_to_first_token_seconds", "Admission to first token",
-                 buckets=_LATENCY_BUCKETS)
-E2E = Histogram("radixmesh_worker_e2e_request_latency_seconds", "Admission to last token", buckets=_LATENCY_BUCKETS)
-KV_USAGE = Gauge("radixmesh_worker_kv_usage", "Fraction of KV slots in use (at the last GetLoad)")
+from radixmesh.common.metrics import (
+    E2E_BUCKETS_S,
+    ITL_BUCKETS_S,
+    QUEUE_BUCKETS_S,
+    TRANSFER_BUCKETS_S,
+    TTFT_BUCKETS_S,
+    set_process_labels,
+)
+from radixmesh.worker.load import LoadTracker
+
+logger = logging.getLogger(__name__)
+ENGINE_STATS_INTERVAL_S = 1.0
+
+REQUESTS = Counter("radixmesh_requests_finished", "Sequences finished, by finish reason", ["finish_reason"])
+PROMPT_TOKENS = Counter("radixmesh_prompt_tokens", "Prompt tokens of finished sequences")
+CACHED_TOKENS = Counter("radixmesh_cached_tokens", "Prompt tokens served from the prefix cache")
+GENERATED_TOKENS = Counter("radixmesh_generation_tokens", "Output tokens streamed")
+RUNNING = Gauge("radixmesh_num_inflight_requests", "Generate calls open on this worker")
+QUEUED_PREFILL_TOKENS = Gauge("radixmesh_num_queued_prefill_tokens",
+                              "Prompt tokens of admitted Generate calls not prefilled yet")
+TTFT = Histogram("radixmesh_time_to_first_token_seconds", "Time from arrival to the first output token",
+                 buckets=TTFT_BUCKETS_S)
+ITL = Histogram("radixmesh_inter_token_latency_seconds", "Time between output tokens of a sequence",
+                buckets=ITL_BUCKETS_S)
+E2E = Histogram("radixmesh_e2e_request_latency_seconds", "Time from arrival to the last output token",
+                buckets=E2E_BUCKETS_S)
+QUEUE_TIME = Histogram("radixmesh_queue_time_seconds",
+                       "Time from arrival to the first prefill batch (queue wait, grammar compilation included)",
+                       buckets=QUEUE_BUCKETS_S)
+KV_TRANSFER_BYTES = Counter("radixmesh_kv_transfer_bytes", "KV cache bytes moved between workers",
+                            ["transport", "direction"])
+KV_TRANSFER_SECONDS = Histogram("radixmesh_kv_transfer_seconds", "Time of one request's KV transfer",
+                                ["transport", "direction"], buckets=TRANSFER_BUCKETS_S)
+KV_TRANSFER_FALLBACKS = Counter("radixmesh_kv_transfer_fallbacks",
+                                "KV transfers that fell back (to another transport or to recomputing)", ["reason"])
+
+
+class EngineStatsCollector(Collector):
+    """The scheduler's last stats as series (set by `update`, read at each scrape)."""
+
+    GAUGES: ClassVar[dict[str, tuple[str, str]]] = {
+        "num_running_reqs": ("radixmesh_num_running_requests", "Sequences the engine is running"),
+        "num_waiting_reqs": ("radixmesh_num_queued_requests", "Sequences waiting in the engine's queue"),
+        "kv_usage": ("radixmesh_kv_cache_usage_ratio", "Share of KV slots held by running requests"),
+        "kv_used_tokens": ("radixmesh_kv_used_tokens", "KV slots held by running requests"),
+        "max_total_num_tokens": ("radixmesh_kv_capacity_tokens", "KV slots in the pool"),
+        "cache_hit_rate": ("radixmesh_cache_hit_rate", "Share of prompt tokens served from the prefix cache"),
+    }
+    COUNTERS: ClassVar[dict[str, tuple[str, str]]] = {
+        "num_grammars_compiled": ("radixmesh_grammar_compiles", "Grammars compiled by this worker"),
+        "num_grammar_cache_hits": ("radixmesh_grammar_cache_hits",
+                                   "Structured-output requests whose grammar was in the worker's cache"),
+        "num_grammars_fetched": ("radixmesh_grammar_fetches", "Grammars fetched from the grammar service"),
+        "num_retractions": ("radixmesh_retractions", "Requests sent back to the queue for lack of KV memory"),
+    }
+
+    def __init__(self) -> None:
+        self.stats: dict[str, Any] = {}
+
+    def update(self, stats: dict[str, Any]) -> None:
+        self.stats = dict(stats)
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        for key, (name, doc) in self.GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0)))
+        for key, (name, doc) in self.COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
+
+
+ENGINE_STATS = EngineStatsCollector()
+REGISTRY.register(ENGINE_STATS)
+
+
+async def refresh_engine_stats(get_stats: Any, interval_s: float = ENGINE_STATS_INTERVAL_S) -> None:
+    """Poll the scheduler's stats for the engine series until cancelled (a failed poll keeps the last ones)."""
+    while True:
+        with contextlib.suppress(Exception):
+            ENGINE_STATS.update(await get_stats())
+        await asyncio.sleep(interval_s)
+
+
+def start_worker_metrics(get_stats: Any, load: LoadTracker, role: str, worker_id: str) -> asyncio.Task[None]:
+    """Label this process's series with its role and id, and keep the engine series fresh (cancel the task)."""
+    set_process_labels(role=role, worker=worker_id)
+    QUEUED_PREFILL_TOKENS.set_function(lambda: load.num_queued_prefill_tokens)
+    return asyncio.create_task(refresh_engine_stats(get_stats), name="worker-engine-stats")
+
+
+def observe_kv_transfer(transport: str, direction: str, num_bytes: int, seconds: float) -> None:
+    """One request's KV transfer (direction: send | receive); for the prefill/decode tiers."""
+    KV_TRANSFER_BYTES.labels(transport, direction).inc(num_bytes)
+    KV_TRANSFER_SECONDS.labels(transport, direction).observe(seconds)

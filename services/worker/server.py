@@ -17,6 +17,7 @@ from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.config import EngineConfig
 from radixmesh.protocol import worker_pb2_grpc
+from radixmesh.worker import metrics
 from radixmesh.worker.config import WorkerConfig
 from radixmesh.worker.service import SERVICE_NAME, WorkerServicer
 
@@ -41,10 +42,12 @@ async def serve_worker(server_config: GrpcServerConfig, config: WorkerConfig, en
         servicer.config = config = config.resolve(server.address)
         publisher = await attach_kv_events(client, config, server.metrics_port or 0)
         watcher = asyncio.create_task(_watch_engine(client, server))
+        stats = metrics.start_worker_metrics(client.get_server_info, servicer.load, config.role, config.worker_id)
         await server.run_until_signal()
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        for task in (watcher, stats):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         return 0
     finally:
         if publisher is not None:

@@ -21,6 +21,7 @@ from radixmesh.protocol import worker_pb2, worker_pb2_grpc
 from radixmesh.worker import metrics
 from radixmesh.worker.config import WorkerConfig
 from radixmesh.worker.load import LoadTracker
+from radixmesh.worker.timeline import RequestTimeline
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
@@ -44,12 +45,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise invalid_argument(f"request id {rid!r} is already running on this worker", "request_id")
         ids = list(request.token_ids)
         start, worker_id = time.perf_counter(), self.config.worker_id
+        timeline = RequestTimeline(rid, len(ids), {"radixmesh.worker_id": worker_id,
+                                                   "radixmesh.role": self.config.role})
         metrics.RUNNING.inc()
         try:
             with self.load.track(rid, len(ids)) as seq:
                 stream = self.client.generate_tokens(ids, params, rid, request.prefill_only)
                 async with contextlib.aclosing(stream) as outs:
                     async for out in outs:
+                        timeline.on_output(out)
                         if not seq.started:
                             metrics.TTFT.observe(time.perf_counter() - start)
                         self.load.update(seq, len(out.token_ids))
@@ -60,6 +64,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         worker_id = ""  # named on the first message only
         finally:
             metrics.RUNNING.dec()
+            timeline.close()
 
     @map_errors("worker")
     async def Abort(self, request: worker_pb2.AbortRequest,
@@ -75,7 +80,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         stats = await self.client.get_server_info()
         stats["num_queued_prefill_tokens"] = self.load.num_queued_prefill_tokens
         stats["num_running_decode_tokens"] = self.load.num_running_decode_tokens
-        metrics.KV_USAGE.set(float(stats.get("kv_usage", 0.0)))
+        metrics.ENGINE_STATS.update(stats)
         return worker_pb2.GetLoadResponse(worker_id=self.config.worker_id, role=ROLE_TO_PROTO[self.config.role],
                                           load=load_to_proto(stats))
 

@@ -237,10 +237,10 @@ def test_worker_metrics(worker_svc: ServiceProc, worker: worker_pb2_grpc.WorkerS
     assert port is not None, worker_svc.log()
     families = {f.name: f for f in text_string_to_metric_families(
         httpx.get(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=30).text)}
-    finished = {s.labels["finish_reason"]: s.value for s in families["radixmesh_worker_requests"].samples
+    finished = {s.labels["finish_reason"]: s.value for s in families["radixmesh_requests_finished"].samples
                 if s.name.endswith("_total")}
     assert finished.get("length", 0) >= 1
-    ttft_count = [s.value for s in families["radixmesh_worker_time_to_first_token_seconds"].samples
+    ttft_count = [s.value for s in families["radixmesh_time_to_first_token_seconds"].samples
                   if s.name.endswith("_count")]
     assert ttft_count and ttft_count[0] >= 1
 
