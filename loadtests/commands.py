@@ -13,6 +13,7 @@ BENCH_COMMANDS = [
     "loadtests.serving:register",
     "radixmesh.engine.bench:register_one_batch",
     "radixmesh.engine.bench:register_offline",
+    "radixmesh.engine.bench_structured:register_structured",
     "radixmesh.cluster.bench:register_routing",
 ]
 """`module:function` taking the `bench` subparsers object; one per `radixmesh bench` subcommand."""
