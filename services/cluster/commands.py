@@ -25,6 +25,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--router-args", default="", help="extra flags for the router, e.g. '--health-interval-s 0.5'")
     up.add_argument("--log-level", default="warning", help="logging level of every service")
     up.add_argument("--timeout-s", type=float, default=600.0, help="how long to wait for the services to answer")
+    up.add_argument("--grammar", action="store_true",
+                    help="start the grammar service too (workers fetch structured-output grammars from it)")
+    up.add_argument("--metrics", action="store_true",
+                    help="serve every service's Prometheus metrics on a free port (printed, and in the state file)")
+    up.add_argument("--otlp-endpoint", default=None,
+                    help="send every service's OpenTelemetry traces to this OTLP/gRPC endpoint (host:port); "
+                         "default: $OTEL_EXPORTER_OTLP_ENDPOINT as each service reads it, else off")
     _state_dir_arg(up)
     up.set_defaults(func=cmd_up)
     down = actions.add_parser("down", help="stop the cluster started by `cluster up`")
@@ -51,10 +58,16 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     spec = ClusterSpec(num_workers=args.workers, redis_url=args.redis, policy=args.policy, model=args.model,
                        gateway_port=args.port, worker_args=args.worker_args, router_args=args.router_args,
-                       log_level=args.log_level, state_dir=_state_dir(args), timeout_s=args.timeout_s)
+                       log_level=args.log_level, state_dir=_state_dir(args), timeout_s=args.timeout_s,
+                       otlp_endpoint=args.otlp_endpoint, metrics=args.metrics, grammar=args.grammar)
     state = cluster_up(spec)
     print(f"radixmesh cluster: {len(state.worker_addresses)} workers, router {state.router_address} "
-          f"({state.policy}), tokenizer {state.tokenizer_address}, Redis {state.redis_url or 'none'}")
+          f"({state.policy}), tokenizer {state.tokenizer_address}, Redis {state.redis_url or 'none'}"
+          + (f", grammar {state.grammar_address}" if state.grammar_address else ""))
+    for name, url in state.metrics_urls.items():
+        print(f"radixmesh cluster: {name} metrics at {url}")
+    if args.otlp_endpoint:
+        print(f"radixmesh cluster: traces go to {args.otlp_endpoint}")
     print(f"radixmesh cluster: logs in {state.log_dir}; stop with `radixmesh cluster down`")
     print(state.gateway_url, flush=True)
     return 0

@@ -51,6 +51,12 @@ class ClusterSpec:
     """Where the state file and the logs go."""
     timeout_s: float = 600.0
     """How long `up` waits for every service to answer."""
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC endpoint every service sends its spans to; None: $OTEL_EXPORTER_OTLP_*, else tracing off."""
+    metrics: bool = False
+    """Serve each service's Prometheus metrics on a free port (listed in the state file); off: none."""
+    grammar: bool = False
+    """Start the grammar service too; workers fetch compiled grammars from it."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -70,6 +76,10 @@ class ClusterState:
     log_dir: str
     pids: dict[str, int] = field(default_factory=dict)
     """service name -> pid (each the leader of its own process group)."""
+    metrics_urls: dict[str, str] = field(default_factory=dict)
+    """service name -> its Prometheus /metrics URL (with ClusterSpec.metrics)."""
+    grammar_address: str | None = None
+    """The grammar service (with ClusterSpec.grammar)."""
 
     def save(self, state_dir: Path) -> Path:
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -95,9 +105,19 @@ class _Starter:
         self.spec = spec
         self.log_dir = spec.state_dir / "logs"
         self.pids: dict[str, int] = {}
+        self.metrics_urls: dict[str, str] = {}
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.pids[name] = spawn(name, [*args, "--log-level", self.spec.log_level], self.log_dir, env).pid
+        tracing = ["--otlp-endpoint", self.spec.otlp_endpoint] if self.spec.otlp_endpoint else []
+        self.pids[name] = spawn(name, [*args, "--log-level", self.spec.log_level, *tracing], self.log_dir, env).pid
+
+    def metrics_args(self, name: str) -> list[str]:
+        """--metrics-port of a gRPC service: a free port (remembered) with ClusterSpec.metrics, else -1 (off)."""
+        if not self.spec.metrics:
+            return ["--metrics-port", "-1"]
+        port = free_port(HOST)
+        self.metrics_urls[name] = f"http://{HOST}:{port}/metrics"
+        return ["--metrics-port", str(port)]
 
     def wait(self, name: str, ready: Any, what: str) -> None:
         deadline = time.monotonic() + self.spec.timeout_s
@@ -140,17 +160,22 @@ def _start_all(spec: ClusterSpec, starter: _Starter) -> ClusterState:
     workers = [f"{HOST}:{free_port(HOST)}" for _ in range(spec.num_workers)]
     # CPU workers share the machine's cores instead of each spinning up one thread per core.
     threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.num_workers))}
+    grammar = _start_grammar(spec, starter, model, index)
+    grammar_args = ["--grammar-service", grammar] if grammar else []
     for i, address in enumerate(workers):
         starter.start(f"worker-{i}", ["worker", "--host", HOST, "--port", address.rsplit(":", 1)[1],
-                                      "--metrics-port", "-1", *model, *index, *shlex.split(spec.worker_args)],
+                                      *starter.metrics_args(f"worker-{i}"), *model, *index, *grammar_args,
+                                      *shlex.split(spec.worker_args)],
                       env=threads if "OMP_NUM_THREADS" not in os.environ else None)
     tokenizer = f"{HOST}:{free_port(HOST)}"
     starter.start("tokenizer", ["tokenizer", "--host", HOST, "--port", tokenizer.rsplit(":", 1)[1],
-                                "--metrics-port", "-1", *model])
+                                *starter.metrics_args("tokenizer"), *model])
     router = f"{HOST}:{free_port(HOST)}"
-    starter.start("router", ["router", "--host", HOST, "--port", router.rsplit(":", 1)[1], "--metrics-port", "-1",
-                             "--policy", spec.policy, "--workers", ",".join(workers), *index,
-                             *shlex.split(spec.router_args)])
+    starter.start("router", ["router", "--host", HOST, "--port", router.rsplit(":", 1)[1],
+                             *starter.metrics_args("router"), "--policy", spec.policy, "--workers", ",".join(workers),
+                             *index, *shlex.split(spec.router_args)])
+    if grammar:
+        starter.wait("grammar", lambda: grpc_serving(grammar), f"gRPC health at {grammar}")
     for i, address in enumerate(workers):
         starter.wait(f"worker-{i}", lambda a=address: grpc_serving(a), f"gRPC health at {address}")
     starter.wait("tokenizer", lambda: grpc_serving(tokenizer), f"gRPC health at {tokenizer}")
@@ -160,11 +185,24 @@ def _start_all(spec: ClusterSpec, starter: _Starter) -> ClusterState:
                               "--tokenizer", tokenizer])
     gateway_url = f"http://{HOST}:{gateway_port}"
     starter.wait("gateway", lambda: http_ok(f"{gateway_url}/health"), f"GET {gateway_url}/health")
+    if spec.metrics:
+        starter.metrics_urls["gateway"] = f"{gateway_url}/metrics"
     state = ClusterState(gateway_url=gateway_url, router_address=router, tokenizer_address=tokenizer,
                          worker_addresses=workers, redis_url=redis_url, policy=spec.policy,
-                         log_dir=str(starter.log_dir), pids=dict(starter.pids))
+                         log_dir=str(starter.log_dir), pids=dict(starter.pids),
+                         metrics_urls=dict(starter.metrics_urls), grammar_address=grammar)
     state.save(spec.state_dir)
     return state
+
+
+def _start_grammar(spec: ClusterSpec, starter: _Starter, model: list[str], index: list[str]) -> str | None:
+    """The grammar service's address, started (not yet waited on) when the spec asks for it."""
+    if not spec.grammar:
+        return None
+    address = f"{HOST}:{free_port(HOST)}"
+    starter.start("grammar", ["grammar", "--host", HOST, "--port", address.rsplit(":", 1)[1],
+                              *starter.metrics_args("grammar"), *model, *index])
+    return address
 
 
 def router_sees_all(address: str, num_workers: int) -> bool:

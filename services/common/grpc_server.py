@@ -14,7 +14,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,14 +86,16 @@ def setup_logging(level: str, service: str) -> None:
 class GrpcServer:
     """One asyncio gRPC server: the service's own servicers plus health and reflection."""
 
-    def __init__(self, config: GrpcServerConfig, name: str, service_names: Sequence[str]) -> None:
+    def __init__(self, config: GrpcServerConfig, name: str, service_names: Sequence[str],
+                 trace_attributes: Mapping[str, str] | None = None) -> None:
+        """`trace_attributes`: extra resource attributes of this process's spans (a worker's role)."""
         self.config = config
         self.name = name
         self.service_names = list(service_names)
         options = [("grpc.max_send_message_length", config.max_message_bytes),
                    ("grpc.max_receive_message_length", config.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
-        tracing.configure(name, config.otlp_endpoint)  # before the server: it takes the interceptors now
+        tracing.configure(name, config.otlp_endpoint, trace_attributes)  # before the server: it takes the interceptors
         self.server = grpc.aio.server(options=options, interceptors=tracing.server_interceptors())
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

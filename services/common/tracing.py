@@ -142,6 +142,15 @@ def span(name: str, attributes: Mapping[str, Any] | None = None) -> AbstractCont
 _NULL_SPAN: AbstractContextManager[None] = contextlib.nullcontext()
 
 
+def set_attributes(attributes: Mapping[str, Any]) -> None:
+    """Add attributes to the current span (an RPC's server span, the HTTP span); no-op when off."""
+    if not enabled():
+        return
+    from opentelemetry import trace
+
+    trace.get_current_span().set_attributes(dict(attributes))
+
+
 def _rpc_filter() -> Any:
     from opentelemetry.instrumentation.grpc import filters
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hmac
+import inspect
 import logging
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -32,8 +34,10 @@ def create_app(backend: Backend, config: GatewayConfig) -> FastAPI:
     """The gateway over `backend`; the caller owns the backend's lifetime."""
     metrics = GatewayMetrics(backend.card.name, "gateway" if backend.card.extra.get("backend") == "grpc" else "serve")
     state = GatewayState(backend, config, metrics, Dispatcher(backend, metrics, config.max_queued_requests))
+    if metrics.queue_time is not None:
+        backend.bind_queue_time(metrics.queue_time)
     app = FastAPI(title="radixmesh", version=__version__,
-                  description="OpenAI-compatible and SGLang-native LLM serving API")
+                  description="OpenAI-compatible and SGLang-native LLM serving API", **_no_native_telemetry())
     app.state.gateway = state
     routers = (openai_api.router, native_api.router, tokenize_api.router)
     for router in routers:
@@ -47,8 +51,17 @@ def create_app(backend: Backend, config: GatewayConfig) -> FastAPI:
     if tracing.enabled():
         from radixmesh.gateway.http_tracing import HttpTracingMiddleware
 
-        app.add_middleware(HttpTracingMiddleware, routes=routes)  # outermost: the span covers everything
+        # outermost: the span covers everything; probes and scrapes get none
+        app.add_middleware(HttpTracingMiddleware, routes=routes, untraced=OPEN_PATHS - {"/health_generate"})
     return app
+
+
+def _no_native_telemetry() -> dict[str, Any]:
+    """FastAPI >= 0.16x traces by itself once a tracer provider is installed: a second HTTP span per request
+    (and spans per dependency) beside ours. Ours is the one span per request; theirs is turned off."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}
 
 
 def _add_exception_handlers(app: FastAPI) -> None:

@@ -125,3 +125,8 @@ class Backend(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Stop the model runtime; idempotent."""
+
+    def bind_queue_time(self, histogram: Any) -> None:
+        """Observe each sequence's queue wait (seconds) into `histogram`, where the backend sees the engine's
+        admission (the local one); a remote backend leaves it to the workers' own metric."""
+        return None

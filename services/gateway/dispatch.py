@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
+from radixmesh.common import tracing
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.gateway.backend import Backend, GenerationChunk, SamplingParams
 from radixmesh.gateway.metrics import GatewayMetrics
@@ -73,7 +74,11 @@ class Dispatcher:
         generation = Generation(self, request_id, jobs, rids)
         self.num_in_flight += num_seqs
         self.active[request_id] = generation
-        self.metrics.observe_admitted(endpoint, sum(len(job.input_ids) for job in jobs))
+        num_prompt_tokens = sum(len(job.input_ids) for job in jobs)
+        self.metrics.observe_admitted(endpoint, num_prompt_tokens)
+        if tracing.enabled():  # on the HTTP span: which request this trace is
+            tracing.set_attributes({"radixmesh.request_id": request_id, "radixmesh.endpoint": endpoint,
+                                    "radixmesh.num_sequences": num_seqs, "radixmesh.prompt_tokens": num_prompt_tokens})
         return generation
 
     def _release(self, generation: Generation) -> None:

@@ -8,6 +8,7 @@ nor the worker tokenizes. Ids that a client sent itself are hashed here with the
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -179,6 +180,7 @@ class GrpcBackend(Backend):
             async for msg in call:
                 text = await self._detokenize(detok, msg)
                 yield proto_to_chunk(msg, text)
+            await _end_stream(detok)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.target_address) from None
         finally:
@@ -249,6 +251,14 @@ class _StreamFailed(grpc.RpcError):
 
     def trailing_metadata(self) -> Any:
         return self._trailing
+
+
+async def _end_stream(call: Any) -> None:
+    """Half-close a bidirectional call and read its end, so it finishes OK (its trace span too) instead of
+    being cancelled. The text is complete by then: a tokenizer failing to say goodbye is not the client's error."""
+    with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
+        await call.done_writing()
+        await asyncio.wait_for(call.read(), TOKENIZE_TIMEOUT_S)
 
 
 async def _status_error(call: Any) -> grpc.RpcError:

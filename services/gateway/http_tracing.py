@@ -36,12 +36,14 @@ def _headers(scope: Scope) -> dict[str, str]:
 class HttpTracingMiddleware:
     """One SERVER span per HTTP request, named `METHOD route`; W3C trace context read from the headers."""
 
-    def __init__(self, app: ASGIApp, routes: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, routes: frozenset[str], untraced: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.routes = routes
+        self.untraced = untraced
+        """Paths served without a span: probes and scrapes (each would be a trace of its own)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in self.untraced:
             await self.app(scope, receive, send)
             return
         route = scope["path"] if scope["path"] in self.routes else "other"

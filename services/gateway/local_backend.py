@@ -1,19 +1,29 @@
-"""`local` backend: the tokenizer in this process, the scheduler in its own process (no gRPC, no router)."""
+"""`local` backend: the tokenizer in this process, the scheduler in its own process (no gRPC, no router).
+
+`radixmesh serve` traces here what the cluster's services trace: `serve.tokenize`, then from the
+scheduler's timestamps `serve.queue`, `serve.prefill`, `serve.decode`, and `serve.detokenize`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncGenerator
+import uuid
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar
 
+from radixmesh.common import tracing
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
+from radixmesh.engine.output import TextAssembler
 from radixmesh.engine.tokenizer import decode_text, encode_chat, encode_text, render_chat, token_texts
 from radixmesh.gateway.backend import Backend, GenerationChunk, ModelCard, SamplingParams
+from radixmesh.worker.timeline import RequestTimeline
+
+T = TypeVar("T")
 
 
 class LocalBackend(Backend):
@@ -23,6 +33,7 @@ class LocalBackend(Backend):
         self.client = client
         self._card = _make_card(client, served_model_name)
         self._closed = False
+        self._queue_time: Any = None
 
     @classmethod
     async def start(cls, config: EngineConfig, served_model_name: str | None = None) -> LocalBackend:
@@ -48,10 +59,10 @@ class LocalBackend(Backend):
         return self.client.tokenizer
 
     def encode(self, text: str) -> list[int]:
-        return encode_text(self._tokenizer("prompt"), text)
+        return _tokenize("text", encode_text, self._tokenizer("prompt"), text)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return encode_chat(self._tokenizer("messages"), messages)
+        return _tokenize("chat", encode_chat, self._tokenizer("messages"), messages)
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return render_chat(self._tokenizer("messages"), messages, add_generation_prompt)
@@ -68,9 +79,31 @@ class LocalBackend(Backend):
     def validate(self, input_ids: list[int], params: SamplingParams) -> None:
         self.client.validate(input_ids, params)
 
-    def generate(self, input_ids: list[int], params: SamplingParams,
-                 rid: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
-        return cast(AsyncGenerator[GenerationChunk, None], self.client.generate(input_ids, params, rid))
+    def bind_queue_time(self, histogram: Any) -> None:
+        self._queue_time = histogram
+
+    async def generate(self, input_ids: list[int], params: SamplingParams,
+                       rid: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
+        """EngineClient.generate, plus the timeline of the request (queue-time metric, phase spans)."""
+        rid = rid or uuid.uuid4().hex
+        tokenizer = self.client.tokenizer
+        assembler = TextAssembler(tokenizer, params) if tokenizer is not None else None
+        timeline = RequestTimeline(rid, len(input_ids), {"radixmesh.role": "unified"}, queue_time=self._queue_time,
+                                   itl=None, span_prefix="serve")  # the gateway's metrics observe the gaps
+        detokenize_ns = 0
+        try:
+            async for out in self.client.generate_tokens(input_ids, params, rid):
+                timeline.on_output(out)
+                start_ns = time.perf_counter_ns()
+                chunk = assembler.feed(out) if assembler is not None else GenerationChunk.of(out)
+                detokenize_ns += time.perf_counter_ns() - start_ns
+                yield chunk
+        finally:
+            timeline.close()
+            if tracing.enabled() and timeline.first_token_ns is not None:
+                tracing.record_span("serve.detokenize", timeline.first_token_ns, timeline.last_token_ns or 0, {
+                    "radixmesh.request_id": rid, "detokenize.output_tokens": timeline.num_output_tokens,
+                    "detokenize.busy_ms": round(detokenize_ns / 1e6, 3)}, timeline.parent)
 
     async def cache_prefix(self, input_ids: list[int]) -> None:
         await self.client.cache_prefix(input_ids)
@@ -92,6 +125,17 @@ class LocalBackend(Backend):
         if not self._closed:
             self._closed = True
             await self.client.shutdown()
+
+
+def _tokenize(kind: str, encode: Callable[[Any, T], list[int]], tokenizer: Any, value: T) -> list[int]:
+    """`encode(tokenizer, value)`, in a `serve.tokenize` span when tracing is on."""
+    if not tracing.enabled():
+        return encode(tokenizer, value)
+    with tracing.span("serve.tokenize", {"tokenize.input": kind}) as span:
+        ids = encode(tokenizer, value)
+        if span is not None:
+            span.set_attribute("tokenize.prompt_tokens", len(ids))
+    return ids
 
 
 def _make_card(client: EngineClient, served_model_name: str | None) -> ModelCard:

@@ -10,7 +10,13 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from radixmesh.common.metrics import E2E_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S, LabelledRegistry
+from radixmesh.common.metrics import (
+    E2E_BUCKETS_S,
+    ITL_BUCKETS_S,
+    QUEUE_BUCKETS_S,
+    TTFT_BUCKETS_S,
+    LabelledRegistry,
+)
 
 __all__ = ["CONTENT_TYPE_LATEST", "GatewayMetrics"]
 
@@ -41,6 +47,11 @@ class GatewayMetrics:
                              buckets=ITL_BUCKETS_S, registry=reg)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from arrival to the last output token",
                              buckets=E2E_BUCKETS_S, registry=reg)
+        self.queue_time: Histogram | None = None
+        """Engine queue wait: with a local engine only (the workers report theirs)."""
+        if service == "serve":
+            self.queue_time = Histogram(p + "queue_time_seconds", "Time from arrival to the first prefill batch",
+                                        buckets=QUEUE_BUCKETS_S, registry=reg)
         self.running = Gauge(p + "num_running_requests", "Sequences the engine is running", registry=reg)
         self.queued = Gauge(p + "num_queued_requests", "Sequences waiting in the engine's queue", registry=reg)
         self.in_flight = Gauge(p + "num_gateway_requests", "Sequences admitted by the gateway and not finished",

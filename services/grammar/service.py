@@ -11,8 +11,10 @@ from typing import Any
 import grpc.aio
 from prometheus_client import Counter, Histogram
 
+from radixmesh.common import tracing
 from radixmesh.common.errors import invalid_argument
 from radixmesh.common.grpc_errors import map_errors
+from radixmesh.common.metrics import GRAMMAR_COMPILE_BUCKETS_S
 from radixmesh.engine.grammar.base import BaseGrammarBackend
 from radixmesh.engine.grammar.spec import GrammarSpec
 from radixmesh.grammar.store import GrammarStore
@@ -33,7 +35,9 @@ MAX_VOCAB_SIZE = 1 << 22
 COMPILES = Counter("radixmesh_grammar_compile_requests_total", "Compile calls answered, by where the grammar came from",
                    ["source"])
 COMPILE_SECONDS = Histogram("radixmesh_grammar_compile_seconds", "Time to compile one grammar",
-                            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+                            buckets=GRAMMAR_COMPILE_BUCKETS_S)
+for _source in _SOURCES:  # compiled | memory | redis (the last two are cache hits): series from the start
+    COMPILES.labels(_source)
 
 
 class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
@@ -75,6 +79,9 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
             data, source = await self._compile_once(key, spec, backend)
         COMPILES.labels(source).inc()
         compile_ms = (time.perf_counter() - start) * 1000 if source == "compiled" else 0.0
+        if tracing.enabled():
+            tracing.set_attributes({"grammar.kind": spec.kind, "grammar.source": source,
+                                    "grammar.compile_ms": compile_ms, "grammar.bytes": len(data)})
         return grammar_pb2.CompileResponse(compiled_grammar=data, content_key=key, serialization_version=version,
                                            source=_SOURCES[source], compile_ms=compile_ms)
 

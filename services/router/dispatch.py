@@ -63,7 +63,7 @@ class RequestRouter:
         with tracing.span("router.route") as span:
             decision = await self.policy.choose(request, candidates)
             if span is not None:
-                span.set_attributes(route_attributes(request, decision, candidates))
+                span.set_attributes(route_attributes(request, decision, candidates, attempt=len(exclude) + 1))
         self._record_latency(time.perf_counter() - start)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("route %s: %s", request.request_id, decision.attributes())

@@ -15,6 +15,9 @@ _FINE_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015
 DECISIONS = Counter("radixmesh_router_decisions_total", "Routing decisions by policy, outcome (reason) and worker",
                     ["policy", "reason", "worker"])
 RETRIES = Counter("radixmesh_router_retries_total", "Requests retried on another worker before the first token")
+REQUESTS = Counter("radixmesh_router_requests_total", "Routed Generate calls by policy and outcome",
+                   ["policy", "outcome"])
+OUTCOMES = ("ok", "error", "cancelled")
 FAILURES = Counter("radixmesh_router_failed_streams_total", "Routed streams that ended with an error", ["code"])
 OVERHEAD = Histogram("radixmesh_router_overhead_seconds",
                      "Time the router adds to a request: receipt to worker call, plus forwarding the first message",

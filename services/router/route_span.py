@@ -11,11 +11,13 @@ from radixmesh.router.workers import WorkerHandle
 AttributeValue = str | int | float
 
 
-def route_attributes(request: RouteRequest, decision: RoutingDecision,
-                     candidates: Sequence[WorkerHandle]) -> dict[str, AttributeValue]:
-    """decision.attributes() plus the request's size and each candidate's load as the router saw it."""
+def route_attributes(request: RouteRequest, decision: RoutingDecision, candidates: Sequence[WorkerHandle],
+                     attempt: int = 1) -> dict[str, AttributeValue]:
+    """decision.attributes() plus the request's size, the attempt (2+: a retry on another worker) and each
+    candidate's load as the router saw it."""
     attrs: dict[str, AttributeValue] = {
-        "radixmesh.request_id": request.request_id, "routing.prompt_tokens": request.num_prompt_tokens,
+        "radixmesh.request_id": request.request_id, "routing.attempt": attempt,
+        "routing.prompt_tokens": request.num_prompt_tokens,
         "routing.cached_blocks": decision.cached_blocks, "routing.block_size": request.block_size,
         **decision.attributes(),
     }

@@ -45,13 +45,15 @@ def routing_info(decision: RoutingDecision, attempt: int) -> common_pb2.RoutingI
 class _RoutedCall:
     """What one Generate call learns while it is routed: the decision to report and timings."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: str) -> None:
         self.decision: RoutingDecision | None = None
         self.attempt = 0
         self.worker_call_s = 0.0
+        self.policy = policy
+        """The policy that decided (the fallback's id while the index is down)."""
 
     def on_decision(self, decision: RoutingDecision, attempt: int) -> None:
-        self.decision, self.attempt = decision, attempt
+        self.decision, self.attempt, self.policy = decision, attempt, decision.policy
         metrics.DECISIONS.labels(decision.policy, decision.reason, decision.worker.worker_id).inc()
         if attempt > 1:
             metrics.RETRIES.inc()
@@ -61,6 +63,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, router: RequestRouter) -> None:
         self.router = router
         self.registry = router.registry
+        for outcome in metrics.OUTCOMES:  # the series exist before the first request
+            metrics.REQUESTS.labels(router.policy.policy_id, outcome)
 
     @map_errors("router")
     async def Generate(self, request: worker_pb2.GenerateRequest,
@@ -68,7 +72,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         received = time.perf_counter()
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        call = _RoutedCall()
+        call = _RoutedCall(self.router.policy.active_policy())
 
         async def open_stream(worker: WorkerHandle, decision: RoutingDecision,
                               attempt: int) -> AsyncIterator[worker_pb2.GenerateResponse]:
@@ -78,6 +82,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
         stream = self.router.stream(route_request(request, self.router.config.block_size), open_stream,
                                     call.on_decision)
+        outcome = "cancelled"  # the caller left before the end
         try:
             async for msg in stream:
                 if call.decision is not None:
@@ -86,10 +91,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     call.decision = None
                     metrics.OVERHEAD.observe(call.worker_call_s - received + time.perf_counter() - arrived)
                 yield msg
+            outcome = "ok"
         except RadixMeshError as exc:
+            outcome = "error"
             metrics.FAILURES.labels(exc.code.value).inc()
             raise
         finally:
+            metrics.REQUESTS.labels(call.policy, outcome).inc()
             await stream.aclose()
 
     @map_errors("router")

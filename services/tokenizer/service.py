@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import grpc.aio
 from prometheus_client import Counter, Histogram
 
+from radixmesh.common import tracing
 from radixmesh.common.convert import finish_reason_from_proto
 from radixmesh.common.errors import invalid_argument
 from radixmesh.common.grpc_errors import map_errors
@@ -30,6 +31,8 @@ REQUESTS = Counter("radixmesh_tokenizer_requests_total", "Tokenizer service call
 TOKENIZE_SECONDS = Histogram("radixmesh_tokenizer_tokenize_seconds", "Time to tokenize one prompt",
                              buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0))
 PROMPT_TOKENS = Counter("radixmesh_tokenizer_prompt_tokens_total", "Prompt tokens produced by Tokenize")
+DETOKENIZED_TOKENS = Counter("radixmesh_tokenizer_detokenized_tokens_total",
+                             "Output tokens turned into text by Detokenize")
 
 T = TypeVar("T")
 
@@ -69,6 +72,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         hashes = block_hashes(ids, block_size, request.extra_key)
         TOKENIZE_SECONDS.observe(time.perf_counter() - start)
         PROMPT_TOKENS.inc(len(ids))
+        if tracing.enabled():
+            tracing.set_attributes({"tokenize.input": kind, "tokenize.prompt_tokens": len(ids),
+                                    "tokenize.num_blocks": len(hashes), "tokenize.block_size": block_size})
         return tokenizer_pb2.TokenizeResponse(
             token_ids=ids, prompt_text=text,
             block_hashes=common_pb2.BlockHashes(block_size=block_size, hashes=hashes))
@@ -91,6 +97,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 yield session.feed(message.tokens)
             else:
                 raise invalid_argument("empty DetokenizeRequest", "kind")
+        if session is not None and tracing.enabled():
+            tracing.set_attributes({"radixmesh.request_id": session.request_id,
+                                    "detokenize.output_tokens": session.num_tokens,
+                                    "detokenize.stopped": session.assembler.stopped})
 
     @map_errors("tokenizer")
     async def Decode(self, request: tokenizer_pb2.DecodeRequest,
@@ -136,9 +146,12 @@ class DetokenizeSession:
             raise invalid_argument("stop strings must be non-empty", "stop")
         self.request_id = start.request_id
         self.assembler = TextAssembler(tokenizer, SamplingParams(stop=stop, skip_special_tokens=skip))
+        self.num_tokens = 0
 
     def feed(self, tokens: tokenizer_pb2.DetokenizeTokens) -> tokenizer_pb2.DetokenizeResponse:
         ids = list(tokens.token_ids)
+        self.num_tokens += len(ids)
+        DETOKENIZED_TOKENS.inc(len(ids))
         finish = finish_reason_from_proto(tokens.finish_reason)
         matched = ids[-1] if tokens.ends_with_stop_token and ids else None
         if tokens.ends_with_stop_token and finish is None:

@@ -20,10 +20,12 @@ from prometheus_client.registry import Collector
 
 from radixmesh.common.metrics import (
     E2E_BUCKETS_S,
+    GRAMMAR_COMPILE_BUCKETS_S,
     ITL_BUCKETS_S,
     QUEUE_BUCKETS_S,
     TRANSFER_BUCKETS_S,
     TTFT_BUCKETS_S,
+    histogram_from_stats,
     set_process_labels,
 )
 from radixmesh.worker.load import LoadTracker
@@ -86,6 +88,9 @@ class EngineStatsCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0)))
         for key, (name, doc) in self.COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
+        yield histogram_from_stats("radixmesh_grammar_compile_seconds",
+                                   "Time for the engine to get a compiled grammar (fetched or compiled here)",
+                                   GRAMMAR_COMPILE_BUCKETS_S, stats, "grammar_compile_seconds")
 
 
 ENGINE_STATS = EngineStatsCollector()
@@ -111,3 +116,29 @@ def observe_kv_transfer(transport: str, direction: str, num_bytes: int, seconds:
     """One request's KV transfer (direction: send | receive); for the prefill/decode tiers."""
     KV_TRANSFER_BYTES.labels(transport, direction).inc(num_bytes)
     KV_TRANSFER_SECONDS.labels(transport, direction).observe(seconds)
+
+
+KV_DIRECTIONS = ("send", "receive")
+FALLBACK_REASONS = ("reservation_refused", "lease_lapsed", "transfer_failed", "other")
+"""Label values of radixmesh_kv_transfer_fallbacks (anything else counts as other)."""
+
+
+def observe_kv_transfer_fallback(reason: str) -> None:
+    """A request that could not use transferred KV and recomputed its prompt ("lease lapsed" -> lease_lapsed)."""
+    label = reason.strip().lower().replace(" ", "_").replace("-", "_")
+    KV_TRANSFER_FALLBACKS.labels(label if label in FALLBACK_REASONS else "other").inc()
+
+
+def _declare_kv_series() -> None:
+    """The KV-transfer series exist (at zero) from the start, on every role, so dashboards and alerts see them."""
+    from radixmesh.engine.disagg.transport.registry import KV_TRANSPORT_IDS
+
+    for transport in KV_TRANSPORT_IDS:
+        for direction in KV_DIRECTIONS:
+            KV_TRANSFER_BYTES.labels(transport, direction)
+            KV_TRANSFER_SECONDS.labels(transport, direction)
+    for reason in FALLBACK_REASONS:
+        KV_TRANSFER_FALLBACKS.labels(reason)
+
+
+_declare_kv_series()

@@ -35,7 +35,7 @@ async def serve_worker(server_config: GrpcServerConfig, config: WorkerConfig, en
     client = await EngineClient.start(engine_config)
     publisher = None
     try:
-        server = GrpcServer(server_config, "worker", [SERVICE_NAME])
+        server = GrpcServer(server_config, "worker", [SERVICE_NAME], {"radixmesh.role": config.role})
         servicer = WorkerServicer(client, config)
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server.server)
         await server.start()

@@ -14,10 +14,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from radixmesh.common import tracing
-from radixmesh.common.metrics import LabelledRegistry
+from radixmesh.common.metrics import GRAMMAR_COMPILE_BUCKETS_S, BucketCounts, LabelledRegistry, histogram_from_stats
 from radixmesh.engine.messages import TokenOut
 from radixmesh.router.policies.base import RoutingDecision
 from radixmesh.router.route_span import route_attributes
@@ -101,12 +101,14 @@ from radixmesh.gateway.app import create_app
 from radixmesh.gateway.config import GatewayConfig
 from radixmesh.router.dispatch import RequestRouter
 from radixmesh.router.policies import create_policy
-from radixmesh.worker.timeline import RequestTimeline
+from radixmesh.gateway.local_backend import _tokenize
+from radixmesh.worker.timeline import RequestTimeline, record_kv_transfer, record_kv_transfer_span
 from tests.unit.router_factory import make_config, make_registry, make_request
 from tests.unit.test_gateway_api import FakeBackend
 
 assert tracing.configure("gateway") is False and not tracing.enabled()
 assert isinstance(api.get_tracer_provider(), api.ProxyTracerProvider)
+api.get_tracer_provider = refuse  # FastAPI's own telemetry asks for it per request unless turned off
 assert tracing.server_interceptors() == [] and tracing.client_interceptors() is None
 channel = object()
 assert tracing.instrument_channel(channel) is channel
@@ -125,7 +127,12 @@ timeline.on_output(TokenOut("r", [2], 4, 0, 2, finish_reason="length", admitted_
 timeline.close()
 with tracing.span("x") as span:
     assert span is None
-loaded = sorted(m for m in sys.modules if m.startswith(("opentelemetry.sdk", "opentelemetry.exporter",
+tracing.set_attributes({"a": 1})
+record_kv_transfer("grpc", "send", 1024, 1.0, 1.5)
+record_kv_transfer_span("worker.kv_reserve", 1.0, 1.1, "grpc", 0)
+assert _tokenize("text", lambda tokenizer, text: [1, 2], None, "hi") == [1, 2]
+# redis-py imports opentelemetry.sdk.metrics on its own; no tracer SDK, exporter or instrumentation is loaded
+loaded = sorted(m for m in sys.modules if m.startswith(("opentelemetry.sdk.trace", "opentelemetry.exporter",
                                                           "opentelemetry.instrumentation")))
 assert not loaded, loaded
 print("OFF-OK")
@@ -150,14 +157,18 @@ def test_off_in_this_process(clean_env: pytest.MonkeyPatch) -> None:
 
 # ---- on ----------------------------------------------------------------------------------------------
 ON_SCRIPT = """
-import sys
+import sys, time
 from radixmesh.common import tracing
+from radixmesh.worker.timeline import record_kv_transfer
 
 assert tracing.configure("probe", sys.argv[1] if len(sys.argv) > 1 else None, {"radixmesh.role": "unified"})
 assert tracing.enabled() and tracing.server_interceptors() and tracing.client_interceptors()
 with tracing.span("outer", {"a": 1}) as outer:
     start = tracing.epoch_ns()
     tracing.record_span("inner", start, start + 1000, {"b": "x"})
+    tracing.set_attributes({"c": 2})
+    now = time.time()
+    record_kv_transfer("grpc", "receive", 4096, now - 0.25, now, **{"radixmesh.request_id": "r1"})
 tracing.shutdown()
 print("ON-OK")
 """
@@ -171,14 +182,50 @@ def test_on_exports_over_otlp(service_name: str | None) -> None:
             env["OTEL_SERVICE_NAME"] = service_name
         result = _run(ON_SCRIPT, env)
         assert "ON-OK" in result.stdout, result.stdout + result.stderr
-        spans = {s.name: s for s in receiver.wait_for(lambda spans: len(spans) >= 2, 10)}
-    assert set(spans) == {"outer", "inner"}
-    outer, inner = spans["outer"], spans["inner"]
+        spans = {s.name: s for s in receiver.wait_for(lambda spans: len(spans) >= 3, 10)}
+    assert set(spans) == {"outer", "inner", "worker.kv_transfer"}
+    outer, inner, transfer = spans["outer"], spans["inner"], spans["worker.kv_transfer"]
     assert inner.trace_id == outer.trace_id and inner.parent_span_id == outer.span_id
+    assert transfer.trace_id == outer.trace_id and transfer.parent_span_id == outer.span_id
     assert outer.service == (service_name or "radixmesh-probe")
     assert outer.resource["radixmesh.service"] == "probe" and outer.resource["radixmesh.role"] == "unified"
-    assert outer.attributes == {"a": 1} and inner.attributes == {"b": "x"}
+    assert outer.attributes == {"a": 1, "c": 2} and inner.attributes == {"b": "x"}
     assert inner.end_ns - inner.start_ns == 1000
+    assert transfer.attributes == {"kv.transport": "grpc", "kv.bytes": 4096, "kv.direction": "receive",
+                                   "radixmesh.request_id": "r1"}
+    assert 0.24e9 < transfer.end_ns - transfer.start_ns < 0.26e9
+
+
+GATEWAY_SCRIPT = """
+from fastapi.testclient import TestClient
+from radixmesh.common import tracing
+from radixmesh.gateway.app import create_app
+from radixmesh.gateway.config import GatewayConfig
+from tests.unit.test_gateway_api import FakeBackend
+
+assert tracing.configure("gateway")
+with TestClient(create_app(FakeBackend(), GatewayConfig())) as http:
+    assert http.get("/health").status_code == 200
+    reply = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3},
+                      headers={"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"})
+    assert reply.status_code == 200, reply.text
+tracing.shutdown()
+print("GATEWAY-OK")
+"""
+
+
+def test_gateway_traces_one_http_span_per_request_under_the_clients() -> None:
+    """One SERVER span per request, child of the client's traceparent, carrying the request id; FastAPI's
+    own telemetry adds no second one, and /health (probed every few seconds) is not traced."""
+    with OtlpReceiver() as receiver:
+        result = _run(GATEWAY_SCRIPT, {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint})
+        assert "GATEWAY-OK" in result.stdout, result.stdout + result.stderr
+        spans = receiver.wait_for(lambda spans: len(spans) >= 1, 10)
+    assert [s.name for s in spans] == ["POST /v1/completions"], spans
+    http = spans[0]
+    assert http.trace_id == "ab" * 16 and http.parent_span_id == "cd" * 8 and http.kind == 2  # SERVER
+    assert http.attributes["http.response.status_code"] == 200 and http.attributes["http.route"] == "/v1/completions"
+    assert http.attributes["radixmesh.endpoint"] == "completions" and http.attributes["radixmesh.request_id"]
 
 
 # ---- what the spans and metrics record -------------------------------------------------------------
@@ -193,6 +240,8 @@ def test_route_attributes_name_every_candidate_with_its_cache_and_load() -> None
     attrs = route_attributes(make_request(1, 4, rid="req-1"), decision, workers)
     assert attrs["routing.policy"] == "cache-aware" and attrs["routing.worker_id"] == "w1"
     assert attrs["routing.reason"] == "cache-hit" and attrs["routing.num_candidates"] == 3
+    assert attrs["routing.attempt"] == 1
+    assert route_attributes(make_request(1, 4), decision, workers, attempt=2)["routing.attempt"] == 2
     assert attrs["radixmesh.request_id"] == "req-1" and attrs["routing.cached_blocks"] == 3
     for i, worker in enumerate(workers):
         prefix = f"routing.candidate.{worker.worker_id}"
@@ -228,3 +277,33 @@ def test_labelled_registry_adds_process_labels_and_keeps_sample_labels() -> None
     counter.labels("w7").inc(2)
     text = generate_latest(LabelledRegistry(registry, {"service": "router", "worker": "self"})).decode()
     assert 'radixmesh_things_total{service="router",worker="w7"} 2.0' in text
+
+
+def test_bucket_counts_become_the_same_histogram_as_prometheus_client() -> None:
+    """What the scheduler sends as plain numbers is scraped as the histogram a Histogram would give."""
+    buckets = GRAMMAR_COMPILE_BUCKETS_S
+    values = [0.003, 0.02, 0.02, 0.7, 45.0]
+    counts = BucketCounts(buckets)
+    registry = CollectorRegistry()
+    reference = Histogram("radixmesh_x_seconds", "x", buckets=buckets, registry=registry)
+    for value in values:
+        counts.observe(value)
+        reference.observe(value)
+    rebuilt = histogram_from_stats("radixmesh_x_seconds", "x", buckets, counts.stats("x"), "x")
+    expected = {(s.name, s.labels.get("le")): s.value for m in registry.collect() for s in m.samples
+                if not s.name.endswith("_created")}
+    assert {(s.name, s.labels.get("le")): s.value for s in rebuilt.samples} == pytest.approx(expected)
+    empty = histogram_from_stats("radixmesh_x_seconds", "x", buckets, {}, "x")
+    assert all(s.value == 0 for s in empty.samples)
+
+
+def test_kv_transfer_series_exist_before_any_transfer() -> None:
+    text = generate_latest(worker_metrics.REGISTRY).decode()
+    for transport in ("grpc", "cuda-ipc"):
+        for direction in ("send", "receive"):
+            assert f'radixmesh_kv_transfer_bytes_total{{direction="{direction}",transport="{transport}"}}' in text
+    before = worker_metrics.KV_TRANSFER_FALLBACKS.labels("lease_lapsed")._value.get()
+    worker_metrics.observe_kv_transfer_fallback("lease lapsed")
+    worker_metrics.observe_kv_transfer_fallback("something new")
+    assert worker_metrics.KV_TRANSFER_FALLBACKS.labels("lease_lapsed")._value.get() == before + 1
+    assert 'radixmesh_kv_transfer_fallbacks_total{reason="other"}' in generate_latest(worker_metrics.REGISTRY).decode()

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
+from radixmesh.common.metrics import GRAMMAR_COMPILE_BUCKETS_S, BucketCounts
 from radixmesh.engine.grammar.base import BaseGrammarBackend
 from radixmesh.engine.grammar.spec import GrammarSpec
 
@@ -47,6 +49,8 @@ class GrammarCompilePool:
         self.num_fetched = 0
         self.num_cache_hits = 0
         self.num_remote_failures = 0
+        self.compile_time = BucketCounts(GRAMMAR_COMPILE_BUCKETS_S)
+        """Seconds from the start of a compilation to its grammar (fetched or compiled here)."""
 
     @property
     def backend(self) -> BaseGrammarBackend:
@@ -80,6 +84,13 @@ class GrammarCompilePool:
         return fut
 
     def _compile(self, spec: GrammarSpec) -> Any:
+        start = time.perf_counter()
+        compiled = self._fetch_or_compile(spec)
+        with self._lock:
+            self.compile_time.observe(time.perf_counter() - start)
+        return compiled
+
+    def _fetch_or_compile(self, spec: GrammarSpec) -> Any:
         backend = self.backend
         if self._remote is not None:
             try:

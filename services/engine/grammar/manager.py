@@ -162,9 +162,10 @@ class GrammarManager:
         self.num_jump_forward_tokens += len(new_ids) - 1
         return new_ids
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         pool = self.pool
-        return {"num_grammar_compiling": len(self.compiling), "num_grammars_compiled": pool.num_compiled,
+        return {**pool.compile_time.stats("grammar_compile_seconds"),
+                "num_grammar_compiling": len(self.compiling), "num_grammars_compiled": pool.num_compiled,
                 "num_grammars_fetched": pool.num_fetched, "num_grammar_cache_hits": pool.num_cache_hits,
                 "num_grammar_service_failures": pool.num_remote_failures,
                 "num_grammar_compile_timeouts": self.num_compile_timeouts, "num_jump_forwards": self.num_jumps,
