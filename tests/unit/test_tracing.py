@@ -307,3 +307,20 @@ def test_kv_transfer_series_exist_before_any_transfer() -> None:
     worker_metrics.observe_kv_transfer_fallback("something new")
     assert worker_metrics.KV_TRANSFER_FALLBACKS.labels("lease_lapsed")._value.get() == before + 1
     assert 'radixmesh_kv_transfer_fallbacks_total{reason="other"}' in generate_latest(worker_metrics.REGISTRY).decode()
+
+
+@pytest.mark.parametrize("service", ["gateway", "serve"])
+def test_gateway_and_serve_metrics_are_the_documented_ones(service: str) -> None:
+    """The HTTP tier's registry holds exactly the doc's metrics for its service, with their types (the
+    cluster test scrapes the gateway; nothing else runs `radixmesh serve` with its queue-time series)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from radixmesh.gateway.metrics import GatewayMetrics
+    from tests.observability_doc import documented_metrics
+
+    text = GatewayMetrics("m", service).render().decode()
+    exposed = {f.name: f.type for f in text_string_to_metric_families(text)
+               if f.name.startswith("radixmesh_") and not f.name.endswith("_created")}  # _created: a timestamp
+    documented = {m.family: m.type for m in documented_metrics() if service in m.services}
+    assert exposed == documented
+    assert f'service="{service}"' in text
