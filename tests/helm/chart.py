@@ -57,6 +57,21 @@ def render(helm: str, values_files: list[Path] | None = None, sets: list[str] | 
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
+def render_notes(helm: str, workdir: Path, values_files: list[Path] | None = None,
+                 sets: list[str] | None = None) -> str:
+    """NOTES.txt as `helm install` prints it, rendered through a copy of the chart (in `workdir`) that puts
+    it in a ConfigMap (helm template skips NOTES)."""
+    chart = workdir / "radixmesh"
+    if not chart.exists():
+        shutil.copytree(CHART, chart)
+        shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes.txt")
+        (chart / "templates" / "notes-render.yaml").write_text(
+            'apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n  notes: |\n'
+            '{{ tpl (.Files.Get "notes.txt") . | indent 4 }}\n')
+    docs = render(helm, values_files, sets, chart=chart, show_only="templates/notes-render.yaml")
+    return str(docs[0]["data"]["notes"])
+
+
 def of_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 

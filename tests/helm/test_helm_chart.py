@@ -6,7 +6,6 @@ helm fails these tests: they are the only check of the chart.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from .chart import (
     of_kind,
     parse_selector,
     render,
+    render_notes,
     run_helm,
     template_args,
 )
@@ -34,6 +34,8 @@ pytestmark = pytest.mark.helm
 VALUE_SETS = [pytest.param(None, id="defaults")] + [pytest.param(p, id=p.stem) for p in EXAMPLES]
 CRD_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1"}
 """Kinds of custom resources the chart may render; the Kubernetes schemas do not cover them."""
+THIRD_PARTY = ("redis", "otel-collector")
+"""Components that run someone else's image (probed their own way, no radixmesh command line)."""
 
 
 def _files(values_file: Path | None) -> list[Path]:
@@ -54,7 +56,7 @@ def _docs(rendered: dict[str, list[dict[str, Any]]], values_file: Path | None) -
 
 
 def test_examples_exist() -> None:
-    assert {p.stem for p in EXAMPLES} >= {"unified-1gpu", "pd-2p4d", "external-redis", "autoscaling"}
+    assert {p.stem for p in EXAMPLES} >= {"unified-1gpu", "pd-2p4d", "external-redis", "autoscaling", "observability"}
 
 
 @pytest.mark.parametrize("values_file", VALUE_SETS)
@@ -196,7 +198,7 @@ def test_probes(rendered: dict[str, list[dict[str, Any]]], values_file: Path | N
     """gRPC probes on each gRPC service's own port; HTTP probes on the gateway; a long startup window for workers."""
     for dep in of_kind(_docs(rendered, values_file), "Deployment").values():
         component, c = component_of(dep), container(dep)
-        if component == "redis":
+        if component in THIRD_PARTY:
             continue
         probes = [c[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")]
         if component == "gateway":
@@ -369,21 +371,12 @@ def test_bad_values_fail_with_a_clear_message(helm: str, sets: list[str], messag
 
 
 def test_notes_tell_how_to_call_the_api(helm: str, tmp_path: Path) -> None:
-    """NOTES.txt rendered through a copy of the chart that puts it in a ConfigMap (helm template skips NOTES)."""
-    chart = tmp_path / "radixmesh"
-    shutil.copytree(CHART, chart)
-    shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes.txt")
-    (chart / "templates" / "notes-render.yaml").write_text(
-        'apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n  notes: |\n'
-        '{{ tpl (.Files.Get "notes.txt") . | indent 4 }}\n')
-    docs = render(helm, chart=chart, sets=["gateway.apiKey.value=k"], show_only="templates/notes-render.yaml")
-    notes = docs[0]["data"]["notes"]
+    notes = render_notes(helm, tmp_path, sets=["gateway.apiKey.value=k"])
     assert f"port-forward svc/{RELEASE}-radixmesh-gateway 8000:8000" in notes
     assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in notes
     assert 'Authorization: Bearer $RADIXMESH_API_KEY' in notes
     assert '"model": "smollm2-135m-instruct"' in notes
-    plain = render(helm, chart=chart, values_files=[CHART / "examples" / "pd-2p4d.yaml"],
-                   show_only="templates/notes-render.yaml")[0]["data"]["notes"]
+    plain = render_notes(helm, tmp_path, [CHART / "examples" / "pd-2p4d.yaml"])
     assert "Authorization" not in plain and '"model": "llama-3.1-8b-instruct"' in plain
     assert "prefill: 2 pod(s)" in plain and "decode: 4 pod(s)" in plain
 

@@ -83,6 +83,7 @@ spec:
             - name: POD_NAMESPACE
               valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
             {{- with include "radixmesh.redisEnv" $root | trim }}{{ . | nindent 12 }}{{ end }}
+            {{- with include "radixmesh.tracingEnv" $root | trim }}{{ . | nindent 12 }}{{ end }}
             {{- if .loadsModel }}
             {{- include "radixmesh.modelEnv" $root | trim | nindent 12 }}
             {{- with include "radixmesh.modelOfflineEnv" $root | trim }}{{ . | nindent 12 }}{{ end }}

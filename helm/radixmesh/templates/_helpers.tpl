@@ -285,3 +285,32 @@ imagePullSecrets: {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}
 {{- end -}}
+
+{{/* Tracing -------------------------------------------------------------------------------- */}}
+
+{{/* Where radixmesh containers send spans: tracing.otlpEndpoint, else the bundled collector, else nothing (off). */}}
+{{- define "radixmesh.otlpEndpoint" -}}
+{{- if .Values.tracing.otlpEndpoint -}}
+{{- .Values.tracing.otlpEndpoint -}}
+{{- else if .Values.otelCollector.enabled -}}
+{{- printf "http://%s:%d" (include "radixmesh.componentName" (dict "root" . "component" "otel-collector")) (int .Values.otelCollector.port) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Env of every radixmesh container: the OTLP endpoint and sampler (the standard OTEL_* variables); nothing when tracing is off. */}}
+{{- define "radixmesh.tracingEnv" -}}
+{{- with include "radixmesh.otlpEndpoint" . }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ $.Values.tracing.sampler | quote }}
+{{- with $.Values.tracing.samplerArg }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ . | quote }}
+{{- end }}
+- name: OTEL_K8S_POD_NAME
+  valueFrom: {fieldRef: {fieldPath: metadata.name}}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ printf "k8s.namespace.name=%s,k8s.pod.name=$(OTEL_K8S_POD_NAME)" $.Release.Namespace | quote }}
+{{- end }}
+{{- end -}}
