@@ -359,6 +359,13 @@ BAD_VALUES = [
     (["model.source.type=pvc"], "model.source.pvc.claimName"),
     (["redis.mode=none", "router.discovery=redis"], "router.discovery=redis needs a Redis"),
     (["workers.unified.autoscaling.enabled=true"], "workers.unified.autoscaling: give targetCPUUtilizationPercentage"),
+    (["tracing.otlpEndpoint=collector"], "/tracing/otlpEndpoint"),
+    (["tracing.sampler=sometimes"], "/tracing/sampler"),
+    (["tracing.samplerArg=half"], "/tracing/samplerArg"),
+    (["otelCollector.exporters=null"], "/otelCollector"),
+    (["otelCollector.exporters.Bad!.endpoint=x:1"], "invalid propertyName 'Bad!'"),
+    (["grafana.dashboards.namespace=Monitoring"], "/grafana/dashboards/namespace"),
+    (["grafana.dashboards.labels.grafana_dashboard=1"], "/grafana/dashboards/labels/grafana_dashboard"),
 ]
 
 
