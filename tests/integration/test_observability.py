@@ -8,6 +8,7 @@ every series move from that baseline.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixmesh.cluster.local import ClusterSpec, ClusterState, cluster_down, cluster_up
+from tests.integration.service_procs import start_service
 from tests.observability_doc import DocMetric, documented_metrics
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
@@ -38,6 +40,7 @@ DETOKENIZE = "/radixmesh.v1.TokenizerService/Detokenize"
 ROUTER_GENERATE = "/radixmesh.v1.RouterService/Generate"
 WORKER_GENERATE = "/radixmesh.v1.WorkerService/Generate"
 SERVER_KIND = 2
+PHASES = ("tokenize", "queue", "prefill", "decode", "detokenize")
 TRACING_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "200"}
 """Each process exports its finished spans within 0.2 s (the default batch delay is 5 s)."""
 TRACING_OFF_ENV = ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_SERVICE_NAME")
@@ -67,28 +70,68 @@ def scrape_all(state: ClusterState) -> dict[str, Families]:
 
 @pytest.fixture(scope="module")
 def observed(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObservedCluster]:
+    state_dir = tmp_path_factory.mktemp("observed-cluster")
+    with _tracing_env(), OtlpReceiver() as receiver:
+        spec = ClusterSpec(num_workers=1, redis_url="", policy="cache-aware", state_dir=state_dir,
+                           worker_args="--max-total-tokens 2048", router_args="--health-interval-s 0.5",
+                           log_level="info", timeout_s=300, otlp_endpoint=receiver.endpoint, metrics=True,
+                           grammar=True)
+        state = cluster_up(spec)
+        try:
+            yield ObservedCluster(state, receiver, scrape_all(state))
+        finally:
+            cluster_down(state_dir, timeout_s=20)
+
+
+@contextlib.contextmanager
+def _tracing_env() -> Iterator[None]:
+    """This process's environment, which the services inherit, set for prompt export (and restored)."""
     saved = {name: os.environ.get(name) for name in (*TRACING_ENV, *TRACING_OFF_ENV)}
     for name in TRACING_OFF_ENV:
         os.environ.pop(name, None)
-    os.environ.update(TRACING_ENV)  # the services inherit this process's environment
-    state_dir = tmp_path_factory.mktemp("observed-cluster")
+    os.environ.update(TRACING_ENV)
     try:
-        with OtlpReceiver() as receiver:
-            spec = ClusterSpec(num_workers=1, redis_url="", policy="cache-aware", state_dir=state_dir,
-                               worker_args="--max-total-tokens 2048", router_args="--health-interval-s 0.5",
-                               log_level="info", timeout_s=300, otlp_endpoint=receiver.endpoint, metrics=True,
-                               grammar=True)
-            state = cluster_up(spec)
-            try:
-                yield ObservedCluster(state, receiver, scrape_all(state))
-            finally:
-                cluster_down(state_dir, timeout_s=20)
+        yield
     finally:
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+# ---- radixmesh serve (first: it runs before the cluster starts) ------------------------------------
+def test_serve_traces_the_engine_phases_under_the_http_span(default_model_dir: Path) -> None:
+    """`radixmesh serve` (no gRPC): the HTTP span under the client's, and tokenize, queue, prefill, decode and
+    detokenize as its children; its queue-time metric moves."""
+    with _tracing_env(), OtlpReceiver() as receiver:
+        serve = start_service("serve", ["--otlp-endpoint", receiver.endpoint, "--max-total-tokens", "2048"],
+                              http=True)
+        try:
+            body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+            response = httpx.post(f"{serve.address}/v1/completions", json=body, timeout=120,
+                                  headers={"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"})
+            assert response.status_code == 200, response.text
+            usage = response.json()["usage"]
+            families = scrape(f"{serve.address}/metrics")
+            assert _total(families["radixmesh_queue_time_seconds"]) == 1
+            spans = _trace(receiver.wait_for(
+                lambda spans: {"serve.detokenize", HTTP_SPAN} <= {s.name for s in _trace(spans)}, timeout_s=30))
+        finally:
+            serve.stop()
+    by_name = {s.name: s for s in spans}
+    assert sorted(by_name) == sorted([HTTP_SPAN, *(f"serve.{p}" for p in PHASES)]), sorted(by_name)
+    http = by_name[HTTP_SPAN]
+    assert http.parent_span_id == CLIENT_SPAN_ID and http.service == "radixmesh-serve"
+    phases = [by_name[f"serve.{p}"] for p in PHASES]
+    assert all(s.parent_span_id == http.span_id for s in phases)
+    tokenize, queue, prefill, decode, detokenize = phases
+    assert tokenize.attributes["tokenize.prompt_tokens"] == usage["prompt_tokens"] == http.attributes[
+        "radixmesh.prompt_tokens"]
+    assert prefill.attributes["prefill.prompt_tokens"] == usage["prompt_tokens"]
+    assert decode.attributes["decode.output_tokens"] == usage["completion_tokens"] == \
+        detokenize.attributes["detokenize.output_tokens"]
+    assert tokenize.end_ns <= queue.start_ns <= queue.end_ns <= prefill.start_ns <= decode.start_ns <= http.end_ns
 
 
 # ---- one request, one trace --------------------------------------------------------------------------
