@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixmesh.engine.disagg.messages import KVChunk, KVExportMsg
 from radixmesh.engine.messages import TokenOut
 from radixmesh.engine.output import GenerationChunk
 from radixmesh.engine.sampling.params import SamplingParams
@@ -153,3 +154,39 @@ def load_from_proto(load: common_pb2.WorkerLoad) -> dict[str, Any]:
         "kv_usage": load.kv_usage, "cache_hit_rate": load.cache_hit_rate,
         "max_running_requests": load.max_running_requests,
     }
+
+
+# ---- disaggregation -------------------------------------------------------------------------------
+def kv_chunk_to_proto(msg: KVExportMsg) -> worker_pb2.KVChunk:
+    chunk = msg.chunk
+    return worker_pb2.KVChunk(transport=chunk.transport, layer_begin=chunk.layer_begin, layer_end=chunk.layer_end,
+                              num_tokens=chunk.num_tokens, dtype=chunk.dtype, data=chunk.data,
+                              num_bytes=chunk.num_bytes, index=msg.index, count=msg.count)
+
+
+def kv_chunk_from_proto(msg: worker_pb2.KVChunk) -> KVChunk:
+    return KVChunk(transport=msg.transport, layer_begin=msg.layer_begin, layer_end=msg.layer_end,
+                   num_tokens=msg.num_tokens, dtype=msg.dtype, data=msg.data, num_bytes=msg.num_bytes)
+
+
+def prefill_result_to_proto(out: TokenOut, kv_bytes: int, worker_id: str) -> worker_pb2.PrefillResult:
+    """The first token of a prefill (or, for an aborted one, only finish_reason ABORT)."""
+    msg = worker_pb2.PrefillResult(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
+                                   kv_bytes=kv_bytes, worker_id=worker_id,
+                                   finish_reason=finish_reason_to_proto(out.finish_reason))
+    if out.token_ids:
+        msg.token_id = out.token_ids[0]
+    if out.logprobs:
+        msg.logprob = out.logprobs[0]
+    if out.top_logprobs:
+        msg.top_logprobs.entries.extend(common_pb2.TokenLogprob(token_id=t, logprob=lp)
+                                        for t, lp in out.top_logprobs[0])
+    return msg
+
+
+_DISAGG_STATS = tuple(worker_pb2.DisaggStats.DESCRIPTOR.fields_by_name)
+
+
+def disagg_stats_to_proto(stats: dict[str, Any]) -> worker_pb2.DisaggStats:
+    """The disaggregation counters of the scheduler's stats dict (keys as the message's field names)."""
+    return worker_pb2.DisaggStats(**{name: int(stats.get(name, 0)) for name in _DISAGG_STATS})

@@ -14,8 +14,8 @@ import multiprocessing as mp
 import os
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, TypeAlias
 
 import msgspec
 import zmq
@@ -23,6 +23,13 @@ import zmq.asyncio
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.disagg.messages import (
+    KVExportMsg,
+    PrefillReqMsg,
+    ReserveReqMsg,
+    ResolveReservationMsg,
+    TransferDoneReqMsg,
+)
 from radixmesh.engine.kv_events import KVEventsMsg
 from radixmesh.engine.loader import PreparedModel, prepare_model
 from radixmesh.engine.messages import (
@@ -46,6 +53,11 @@ from radixmesh.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 900.0
+QUERY_TIMEOUT_S = 60.0
+StreamedMsg: TypeAlias = GenerateReqMsg | PrefillReqMsg | ResolveReservationMsg
+"""Requests answered by a stream of TokenOut (a prefill's also by its KVExportMsg chunks, before its last)."""
+QueryMsg: TypeAlias = FlushCacheReqMsg | ServerInfoReqMsg | ReserveReqMsg | TransferDoneReqMsg
+"""Requests answered by one QueryOutMsg."""
 
 
 class EngineClient:
@@ -58,7 +70,7 @@ class EngineClient:
         self.model_config = prepared.config
         self.context_len = config.context_length or prepared.config.context_len
         self.server_info: dict[str, Any] = {}
-        self._queues: dict[str, asyncio.Queue[TokenOut | RadixMeshError]] = {}
+        self._queues: dict[str, asyncio.Queue[TokenOut | KVExportMsg | RadixMeshError]] = {}
         self._queries: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._fatal: str | None = None
         self.on_kv_events: Callable[[KVEventsMsg], None] | None = None
@@ -132,6 +144,7 @@ class EngineClient:
         assembler = TextAssembler(self.tokenizer, params) if self.tokenizer is not None else None
         finished = False
         async for out in self._stream(GenerateReqMsg(rid, list(input_ids), params)):
+            assert isinstance(out, TokenOut), "a Generate is answered by tokens only"
             finished = out.finish_reason is not None
             if assembler is not None:
                 yield assembler.feed(out)
@@ -140,7 +153,7 @@ class EngineClient:
         assert finished
 
     async def generate_tokens(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
-                              prefill_only: bool = False) -> AsyncIterator[TokenOut]:
+                              prefill_only: bool = False) -> AsyncGenerator[TokenOut, None]:
         """Stream one request's token messages without text (for front ends that detokenize elsewhere).
 
         `prefill_only` computes and caches the prompt's KV and generates nothing. Leaving the
@@ -150,6 +163,7 @@ class EngineClient:
         if prefill_only:
             params = SamplingParams(max_new_tokens=0)
         async for out in self._stream(GenerateReqMsg(rid or uuid.uuid4().hex, list(input_ids), params, prefill_only)):
+            assert isinstance(out, TokenOut), "a Generate is answered by tokens only"
             yield out
 
     async def cache_prefix(self, input_ids: list[int]) -> None:
@@ -165,9 +179,14 @@ class EngineClient:
         return [msgspec.structs.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
                 for i in range(params.n)]
 
-    async def _stream(self, msg: GenerateReqMsg) -> AsyncIterator[TokenOut]:
+    def stream(self, msg: StreamedMsg) -> AsyncGenerator[TokenOut | KVExportMsg, None]:
+        """Send `msg` and stream what answers it (for front ends of the disaggregation messages)."""
+        return self._stream(msg)
+
+    async def _stream(self, msg: StreamedMsg) -> AsyncGenerator[TokenOut | KVExportMsg, None]:
+        """Send `msg` and yield what answers it until its last TokenOut; leaving early aborts `msg.rid`."""
         self._check_alive()
-        queue: asyncio.Queue[TokenOut | RadixMeshError] = asyncio.Queue()
+        queue: asyncio.Queue[TokenOut | KVExportMsg | RadixMeshError] = asyncio.Queue()
         self._queues[msg.rid] = queue
         done = False
         try:
@@ -176,6 +195,9 @@ class EngineClient:
                 item = await queue.get()
                 if isinstance(item, RadixMeshError):
                     raise item
+                if isinstance(item, KVExportMsg):
+                    yield item
+                    continue
                 if item.finish_reason == "error":
                     raise RadixMeshError(ErrorCode.INVALID_ARGUMENT, item.error or "request failed")
                 done = item.finish_reason is not None
@@ -189,19 +211,25 @@ class EngineClient:
         if self._fatal is None:
             await self._send.send(encoder.encode(AbortReqMsg(rid)))
 
+    async def send(self, msg: Any) -> None:
+        """Send a message that has no answer (a KV chunk, a cancellation, a release) to the scheduler."""
+        self._check_alive()
+        await self._send.send(encoder.encode(msg), copy=False)
+
     async def flush_cache(self) -> bool:
-        return bool((await self._query(FlushCacheReqMsg(uuid.uuid4().hex)))["success"])
+        return bool((await self.query(FlushCacheReqMsg(uuid.uuid4().hex)))["success"])
 
     async def get_server_info(self) -> dict[str, Any]:
-        return await self._query(ServerInfoReqMsg(uuid.uuid4().hex))
+        return await self.query(ServerInfoReqMsg(uuid.uuid4().hex))
 
-    async def _query(self, msg: FlushCacheReqMsg | ServerInfoReqMsg) -> dict[str, Any]:
+    async def query(self, msg: QueryMsg, timeout_s: float = QUERY_TIMEOUT_S) -> dict[str, Any]:
+        """Send `msg` and wait for its one answer (UNAVAILABLE when the engine dies meanwhile)."""
         self._check_alive()
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._queries[msg.query_id] = fut
         await self._send.send(encoder.encode(msg))
         try:
-            return await asyncio.wait_for(fut, timeout=60)
+            return await asyncio.wait_for(fut, timeout=timeout_s)
         finally:
             self._queries.pop(msg.query_id, None)
 
@@ -214,6 +242,10 @@ class EngineClient:
                     queue = self._queues.get(out.rid)
                     if queue is not None:
                         queue.put_nowait(out)
+            elif isinstance(msg, KVExportMsg):
+                queue = self._queues.get(msg.rid)
+                if queue is not None:
+                    queue.put_nowait(msg)
             elif isinstance(msg, QueryOutMsg):
                 fut = self._queries.get(msg.query_id)
                 if fut is not None and not fut.done():

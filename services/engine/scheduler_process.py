@@ -7,6 +7,7 @@ token outputs back. Nothing else shares this process's GIL.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import traceback
@@ -117,6 +118,7 @@ class SchedulerLoop:
     def run(self, recv: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(recv, zmq.POLLIN)
+        parent_pid = os.getppid()
         while not self.stopping:
             self._drain(recv)
             if self.stopping:
@@ -128,6 +130,9 @@ class SchedulerLoop:
                 self._send_kv_events()
             if not stepped:
                 poller.poll(IDLE_POLL_MS)
+                if os.getppid() != parent_pid:
+                    logging.warning("the front end process is gone (killed?); stopping")
+                    return
 
     def _send_kv_events(self) -> None:
         assert self.kv_events is not None

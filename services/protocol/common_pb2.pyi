@@ -269,6 +269,10 @@ class RoutingInfo(_message.Message):
     POLICY_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     CANDIDATES_FIELD_NUMBER: _builtins.int
+    PREFILL_WORKER_ID_FIELD_NUMBER: _builtins.int
+    PREFILL_WORKER_ADDRESS_FIELD_NUMBER: _builtins.int
+    PREFILL_CACHED_PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
+    PD_REASON_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     worker_address: _builtins.str
     """host:port"""
@@ -276,6 +280,17 @@ class RoutingInfo(_message.Message):
     """kebab-case policy id, e.g. cache-aware"""
     attempt: _builtins.int
     """1 for the first try, more after retries"""
+    prefill_worker_id: _builtins.str
+    """Disaggregation: the prefill worker named to the decode worker `worker_id` ("" when the decode
+    worker computes the prompt itself, and for unified workers), and why (pd_reason).
+    """
+    prefill_worker_address: _builtins.str
+    prefill_cached_prefix_tokens: _builtins.int
+    """prompt tokens the prefill worker is believed to hold"""
+    pd_reason: _builtins.str
+    """prefill-tier | short-prompt (fewer uncached tokens than the router's --pd-min-prefill-tokens)
+    | no-prefill-worker; "" for a unified worker.
+    """
     @_builtins.property
     def candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___CandidateScore]: ...
     def __init__(
@@ -286,10 +301,14 @@ class RoutingInfo(_message.Message):
         policy: _builtins.str = ...,
         attempt: _builtins.int = ...,
         candidates: _abc.Iterable[Global___CandidateScore] | None = ...,
+        prefill_worker_id: _builtins.str = ...,
+        prefill_worker_address: _builtins.str = ...,
+        prefill_cached_prefix_tokens: _builtins.int = ...,
+        pd_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "candidates", b"candidates", "policy", b"policy", "worker_address", b"worker_address", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "candidates", b"candidates", "pd_reason", b"pd_reason", "policy", b"policy", "prefill_cached_prefix_tokens", b"prefill_cached_prefix_tokens", "prefill_worker_address", b"prefill_worker_address", "prefill_worker_id", b"prefill_worker_id", "worker_address", b"worker_address", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

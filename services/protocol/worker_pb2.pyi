@@ -31,12 +31,11 @@ class GenerateRequest(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     SAMPLING_PARAMS_FIELD_NUMBER: _builtins.int
     PREFILL_ONLY_FIELD_NUMBER: _builtins.int
+    PREFILL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """unique per sequence; empty = the worker picks one"""
     prefill_only: _builtins.bool
-    """Compute and cache the prompt's KV and generate nothing (n > 1 branches then share it).
-    Field numbers 6-9 are kept for routing hints and structured outputs.
-    """
+    """Compute and cache the prompt's KV and generate nothing (n > 1 branches then share it)."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """the prompt"""
@@ -47,6 +46,14 @@ class GenerateRequest(_message.Message):
 
     @_builtins.property
     def sampling_params(self) -> _sampling_pb2.SamplingParams: ...
+    @_builtins.property
+    def prefill(self) -> Global___PrefillTarget:
+        """Disaggregation, set by a router on a call to a decode worker: have this prefill worker compute
+        the prompt's uncached part and send its KV (WorkerService.Prefill). Ignored by unified and
+        prefill workers, and by a decode worker for sequences that want prompt log-probs or a grammar.
+        Field numbers 7-9 are kept for routing hints and structured outputs.
+        """
+
     def __init__(
         self,
         *,
@@ -55,14 +62,41 @@ class GenerateRequest(_message.Message):
         block_hashes: _common_pb2.BlockHashes | None = ...,
         sampling_params: _sampling_pb2.SamplingParams | None = ...,
         prefill_only: _builtins.bool = ...,
+        prefill: Global___PrefillTarget | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "sampling_params", b"sampling_params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "prefill", b"prefill", "sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "prefill_only", b"prefill_only", "request_id", b"request_id", "sampling_params", b"sampling_params", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "prefill", b"prefill", "prefill_only", b"prefill_only", "request_id", b"request_id", "sampling_params", b"sampling_params", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class PrefillTarget(_message.Message):
+    """A prefill worker, as a router names it to a decode worker."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    """its id (logs, metrics, traces)"""
+    address: _builtins.str
+    """host:port of its WorkerService"""
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefillTarget: _TypeAlias = PrefillTarget  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
@@ -233,24 +267,102 @@ class GetLoadResponse(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
+    DISAGG_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     role: _common_pb2.WorkerRole.ValueType
     @_builtins.property
     def load(self) -> _common_pb2.WorkerLoad: ...
+    @_builtins.property
+    def disagg(self) -> Global___DisaggStats:
+        """KV reservations and transfers (zeros where none happened)"""
+
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
         role: _common_pb2.WorkerRole.ValueType = ...,
         load: _common_pb2.WorkerLoad | None = ...,
+        disagg: Global___DisaggStats | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["disagg", b"disagg", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["load", b"load", "role", b"role", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["disagg", b"disagg", "load", b"load", "role", b"role", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetLoadResponse: _TypeAlias = GetLoadResponse  # noqa: Y015
+
+@_typing.final
+class DisaggStats(_message.Message):
+    """A worker's disaggregation counters since it started (num_* counts, *_tokens and *_bytes sizes).
+    Reserved slots and exported KV also count in WorkerLoad.kv_used_tokens while they are held.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_RESERVATIONS_ACTIVE_FIELD_NUMBER: _builtins.int
+    NUM_RESERVATIONS_PENDING_FIELD_NUMBER: _builtins.int
+    NUM_RESERVED_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_RESERVATIONS_GRANTED_FIELD_NUMBER: _builtins.int
+    NUM_RESERVATIONS_REFUSED_FIELD_NUMBER: _builtins.int
+    NUM_RESERVATIONS_LAPSED_FIELD_NUMBER: _builtins.int
+    NUM_COMMITTED_FIELD_NUMBER: _builtins.int
+    NUM_FALLBACKS_FIELD_NUMBER: _builtins.int
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _builtins.int
+    NUM_TRANSFERS_HELD_FIELD_NUMBER: _builtins.int
+    NUM_EXPORTS_FIELD_NUMBER: _builtins.int
+    NUM_TRANSFERS_LAPSED_FIELD_NUMBER: _builtins.int
+    KV_BYTES_EXPORTED_FIELD_NUMBER: _builtins.int
+    num_reservations_active: _builtins.int
+    """decode side
+    granted, waiting for KV or the first token
+    """
+    num_reservations_pending: _builtins.int
+    """waiting for free KV slots"""
+    num_reserved_tokens: _builtins.int
+    """slots held by active reservations"""
+    num_reservations_granted: _builtins.int
+    num_reservations_refused: _builtins.int
+    """no slots within the lease, or a prompt that cannot fit"""
+    num_reservations_lapsed: _builtins.int
+    """lease ran out before the request was committed"""
+    num_committed: _builtins.int
+    """sequences that continued from transferred KV"""
+    num_fallbacks: _builtins.int
+    """sequences whose prompt was computed here instead"""
+    kv_bytes_received: _builtins.int
+    num_transfers_held: _builtins.int
+    """prefill side
+    exported KV still locked, waiting for the release
+    """
+    num_exports: _builtins.int
+    num_transfers_lapsed: _builtins.int
+    """released by lease, not by the decode worker"""
+    kv_bytes_exported: _builtins.int
+    def __init__(
+        self,
+        *,
+        num_reservations_active: _builtins.int = ...,
+        num_reservations_pending: _builtins.int = ...,
+        num_reserved_tokens: _builtins.int = ...,
+        num_reservations_granted: _builtins.int = ...,
+        num_reservations_refused: _builtins.int = ...,
+        num_reservations_lapsed: _builtins.int = ...,
+        num_committed: _builtins.int = ...,
+        num_fallbacks: _builtins.int = ...,
+        kv_bytes_received: _builtins.int = ...,
+        num_transfers_held: _builtins.int = ...,
+        num_exports: _builtins.int = ...,
+        num_transfers_lapsed: _builtins.int = ...,
+        kv_bytes_exported: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_bytes_exported", b"kv_bytes_exported", "kv_bytes_received", b"kv_bytes_received", "num_committed", b"num_committed", "num_exports", b"num_exports", "num_fallbacks", b"num_fallbacks", "num_reservations_active", b"num_reservations_active", "num_reservations_granted", b"num_reservations_granted", "num_reservations_lapsed", b"num_reservations_lapsed", "num_reservations_pending", b"num_reservations_pending", "num_reservations_refused", b"num_reservations_refused", "num_reserved_tokens", b"num_reserved_tokens", "num_transfers_held", b"num_transfers_held", "num_transfers_lapsed", b"num_transfers_lapsed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DisaggStats: _TypeAlias = DisaggStats  # noqa: Y015
 
 @_typing.final
 class FlushCacheRequest(_message.Message):
@@ -361,111 +473,98 @@ class GetModelInfoResponse(_message.Message):
 Global___GetModelInfoResponse: _TypeAlias = GetModelInfoResponse  # noqa: Y015
 
 @_typing.final
-class ReserveRequest(_message.Message):
-    """---- Disaggregation messages (placeholders; completed by the disaggregation issue) --------------"""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    REQUEST_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def request(self) -> Global___GenerateRequest: ...
-    def __init__(
-        self,
-        *,
-        request: Global___GenerateRequest | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ReserveRequest: _TypeAlias = ReserveRequest  # noqa: Y015
-
-@_typing.final
-class ReserveResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    RESERVATION_ID_FIELD_NUMBER: _builtins.int
-    CACHED_PREFIX_LEN_FIELD_NUMBER: _builtins.int
-    NUM_RESERVED_TOKENS_FIELD_NUMBER: _builtins.int
-    LEASE_MS_FIELD_NUMBER: _builtins.int
-    reservation_id: _builtins.str
-    cached_prefix_len: _builtins.int
-    """prompt tokens the decode worker already holds"""
-    num_reserved_tokens: _builtins.int
-    lease_ms: _builtins.int
-    def __init__(
-        self,
-        *,
-        reservation_id: _builtins.str = ...,
-        cached_prefix_len: _builtins.int = ...,
-        num_reserved_tokens: _builtins.int = ...,
-        lease_ms: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prefix_len", b"cached_prefix_len", "lease_ms", b"lease_ms", "num_reserved_tokens", b"num_reserved_tokens", "reservation_id", b"reservation_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ReserveResponse: _TypeAlias = ReserveResponse  # noqa: Y015
-
-@_typing.final
 class PrefillRequest(_message.Message):
+    """---- Disaggregation messages (WorkerService.Prefill) -------------------------------------------"""
+
     DESCRIPTOR: _descriptor.Descriptor
 
-    RESERVATION_ID_FIELD_NUMBER: _builtins.int
-    DECODE_ADDRESS_FIELD_NUMBER: _builtins.int
-    REQUEST_FIELD_NUMBER: _builtins.int
-    reservation_id: _builtins.str
-    decode_address: _builtins.str
-    """host:port of the decode worker that holds the reservation"""
+    START_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def request(self) -> Global___GenerateRequest: ...
+    def start(self) -> Global___PrefillStart:
+        """the first message of the call"""
+
+    @_builtins.property
+    def release(self) -> Global___PrefillRelease:
+        """the last one, after PrefillResponse.result arrived"""
+
     def __init__(
         self,
         *,
-        reservation_id: _builtins.str = ...,
-        decode_address: _builtins.str = ...,
-        request: Global___GenerateRequest | None = ...,
+        start: Global___PrefillStart | None = ...,
+        release: Global___PrefillRelease | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "release", b"release", "start", b"start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_address", b"decode_address", "request", b"request", "reservation_id", b"reservation_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "release", b"release", "start", b"start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["start", "release"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___PrefillRequest: _TypeAlias = PrefillRequest  # noqa: Y015
 
 @_typing.final
-class KVTransferChunk(_message.Message):
+class PrefillStart(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    RESERVATION_ID_FIELD_NUMBER: _builtins.int
-    DATA_FIELD_NUMBER: _builtins.int
-    reservation_id: _builtins.str
-    data: _builtins.bytes
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    SAMPLING_PARAMS_FIELD_NUMBER: _builtins.int
+    START_POS_FIELD_NUMBER: _builtins.int
+    KV_TRANSPORT_FIELD_NUMBER: _builtins.int
+    LEASE_MS_FIELD_NUMBER: _builtins.int
+    DECODE_WORKER_ID_FIELD_NUMBER: _builtins.int
+    TRANSPORT_PARAMS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """the sequence's id (an Abort on the prefill worker takes it too)"""
+    start_pos: _builtins.int
+    """first prompt position whose KV is sent: the decode worker holds"""
+    kv_transport: _builtins.str
+    """positions [0, start_pos) already; start_pos < len(token_ids)
+    transport id (grpc | cuda-ipc); the prefill worker must run the same
+    """
+    lease_ms: _builtins.int
+    """the exported KV is released this long after it was sent, at the latest"""
+    decode_worker_id: _builtins.str
+    """who asks (logs, traces)"""
+    transport_params: _builtins.bytes
+    """decode-side parameters of the transport (an RDMA transport's memory"""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the whole prompt"""
+
+    @_builtins.property
+    def sampling_params(self) -> _sampling_pb2.SamplingParams:
+        """how the first token is sampled (the decode worker samples the rest)"""
+
     def __init__(
         self,
         *,
-        reservation_id: _builtins.str = ...,
-        data: _builtins.bytes = ...,
+        request_id: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        sampling_params: _sampling_pb2.SamplingParams | None = ...,
+        start_pos: _builtins.int = ...,
+        kv_transport: _builtins.str = ...,
+        lease_ms: _builtins.int = ...,
+        decode_worker_id: _builtins.str = ...,
+        transport_params: _builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "reservation_id", b"reservation_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_worker_id", b"decode_worker_id", "kv_transport", b"kv_transport", "lease_ms", b"lease_ms", "request_id", b"request_id", "sampling_params", b"sampling_params", "start_pos", b"start_pos", "token_ids", b"token_ids", "transport_params", b"transport_params"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___KVTransferChunk: _TypeAlias = KVTransferChunk  # noqa: Y015
+Global___PrefillStart: _TypeAlias = PrefillStart  # noqa: Y015
 
 @_typing.final
-class TransferKVResponse(_message.Message):
+class PrefillRelease(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     COMMITTED_FIELD_NUMBER: _builtins.int
     committed: _builtins.bool
+    """the KV landed; false: the decode worker gave up and computes itself"""
     def __init__(
         self,
         *,
@@ -477,4 +576,141 @@ class TransferKVResponse(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___TransferKVResponse: _TypeAlias = TransferKVResponse  # noqa: Y015
+Global___PrefillRelease: _TypeAlias = PrefillRelease  # noqa: Y015
+
+@_typing.final
+class PrefillResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KV_CHUNK_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def kv_chunk(self) -> Global___KVChunk:
+        """zero or more, before the result"""
+
+    @_builtins.property
+    def result(self) -> Global___PrefillResult:
+        """exactly one, last"""
+
+    def __init__(
+        self,
+        *,
+        kv_chunk: Global___KVChunk | None = ...,
+        result: Global___PrefillResult | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "kv_chunk", b"kv_chunk", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "kv_chunk", b"kv_chunk", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["kv_chunk", "result"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___PrefillResponse: _TypeAlias = PrefillResponse  # noqa: Y015
+
+@_typing.final
+class KVChunk(_message.Message):
+    """KV of layers [layer_begin, layer_end) of `num_tokens` consecutive prompt positions from start_pos.
+    What `data` holds is the transport's business: grpc puts the KV itself there, laid out
+    [layers, 2 (K, V), num_tokens, kv_heads, head_dim] in `dtype`, little-endian; cuda-ipc a CUDA
+    IPC handle of a staging buffer on the prefill GPU; an RDMA transport remote memory descriptors.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSPORT_FIELD_NUMBER: _builtins.int
+    LAYER_BEGIN_FIELD_NUMBER: _builtins.int
+    LAYER_END_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    NUM_BYTES_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    transport: _builtins.str
+    layer_begin: _builtins.int
+    layer_end: _builtins.int
+    num_tokens: _builtins.int
+    dtype: _builtins.str
+    """the KV pool's dtype (e.g. bfloat16); both workers must match"""
+    data: _builtins.bytes
+    num_bytes: _builtins.int
+    """bytes of KV the chunk stands for (K and V of its layers and tokens)"""
+    index: _builtins.int
+    """0-based position among the call's chunks"""
+    count: _builtins.int
+    """chunks in the call"""
+    def __init__(
+        self,
+        *,
+        transport: _builtins.str = ...,
+        layer_begin: _builtins.int = ...,
+        layer_end: _builtins.int = ...,
+        num_tokens: _builtins.int = ...,
+        dtype: _builtins.str = ...,
+        data: _builtins.bytes = ...,
+        num_bytes: _builtins.int = ...,
+        index: _builtins.int = ...,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "data", b"data", "dtype", b"dtype", "index", b"index", "layer_begin", b"layer_begin", "layer_end", b"layer_end", "num_bytes", b"num_bytes", "num_tokens", b"num_tokens", "transport", b"transport"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVChunk: _TypeAlias = KVChunk  # noqa: Y015
+
+@_typing.final
+class PrefillResult(_message.Message):
+    """The first token, sampled by the prefill worker right after the prompt's last position."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_BYTES_FIELD_NUMBER: _builtins.int
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    logprob: _builtins.float
+    """when sampling_params.logprobs or top_logprobs"""
+    prompt_tokens: _builtins.int
+    cached_tokens: _builtins.int
+    """prompt tokens the prefill worker took from its prefix cache"""
+    kv_bytes: _builtins.int
+    """sum of the chunks' num_bytes"""
+    worker_id: _builtins.str
+    """the prefill worker"""
+    finish_reason: _common_pb2.FinishReason.ValueType
+    """LENGTH normally; ABORT when the prefill was aborted on the prefill worker (no token_id: the
+    decode worker ends the sequence as aborted too).
+    """
+    @_builtins.property
+    def top_logprobs(self) -> _common_pb2.TopLogprobs:
+        """when sampling_params.top_logprobs > 0"""
+
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float | None = ...,
+        top_logprobs: _common_pb2.TopLogprobs | None = ...,
+        prompt_tokens: _builtins.int = ...,
+        cached_tokens: _builtins.int = ...,
+        kv_bytes: _builtins.int = ...,
+        worker_id: _builtins.str = ...,
+        finish_reason: _common_pb2.FinishReason.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "logprob", b"logprob", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "cached_tokens", b"cached_tokens", "finish_reason", b"finish_reason", "kv_bytes", b"kv_bytes", "logprob", b"logprob", "prompt_tokens", b"prompt_tokens", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprob: _TypeAlias = _typing.Literal["logprob"]  # noqa: Y015
+    _WhichOneofArgType__logprob: _TypeAlias = _typing.Literal["_logprob", b"_logprob"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprob) -> _WhichOneofReturnType__logprob | None: ...
+
+Global___PrefillResult: _TypeAlias = PrefillResult  # noqa: Y015

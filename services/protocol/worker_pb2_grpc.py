@@ -59,20 +59,10 @@ class WorkerServiceStub:
                 request_serializer=radixmesh_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=radixmesh_dot_v1_dot_worker__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
-        self.Reserve = channel.unary_unary(
-                '/radixmesh.v1.WorkerService/Reserve',
-                request_serializer=radixmesh_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=radixmesh_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
-                _registered_method=True)
-        self.Prefill = channel.unary_stream(
+        self.Prefill = channel.stream_stream(
                 '/radixmesh.v1.WorkerService/Prefill',
                 request_serializer=radixmesh_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=radixmesh_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
-                _registered_method=True)
-        self.TransferKV = channel.stream_unary(
-                '/radixmesh.v1.WorkerService/TransferKV',
-                request_serializer=radixmesh_dot_v1_dot_worker__pb2.KVTransferChunk.SerializeToString,
-                response_deserializer=radixmesh_dot_v1_dot_worker__pb2.TransferKVResponse.FromString,
+                response_deserializer=radixmesh_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
 
 
@@ -113,25 +103,21 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Reserve(self, request, context):
-        """---- Prefill/decode disaggregation (DESIGN.md section 7) -----------------------------------
-        Declared so that prefill/decode workers have a place for them; a later issue defines the
-        messages in full and implements them. Until then every worker answers UNIMPLEMENTED.
-        Decode worker: reserve KV slots for the uncached suffix of a prompt, under a lease.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Prefill(self, request, context):
-        """Prefill worker: compute a reservation's KV, send it to the decode worker, return the first token.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def TransferKV(self, request_iterator, context):
-        """Decode worker: receive KV pages for a reservation.
+    def Prefill(self, request_iterator, context):
+        """---- Prefill/decode disaggregation (DESIGN.md section 7, docs/disaggregation.md) -------------
+        A router sends Generate to a decode worker with GenerateRequest.prefill naming a prefill
+        worker. The decode worker reserves KV slots for the part of the prompt it has not cached and
+        calls Prefill on the prefill worker, one bidirectional call per sequence:
+        decode  -> prefill: PrefillRequest.start (the prompt, the first position to send, the transport)
+        prefill -> decode:  PrefillResponse.kv_chunk, ... (every layer of positions start_pos.. exactly
+        once), then PrefillResponse.result (the first token and its logprobs)
+        decode  -> prefill: PrefillRequest.release once the KV is in its pool (or given up); the
+        prefill worker then unlocks its copy (it stays in its prefix cache) and
+        ends the call.
+        The prefill worker computes the prompt reusing its own radix cache. Cancelling the call (the
+        decode side gave up or was aborted) aborts the prefill and releases its KV; a release that
+        does not come within lease_ms releases it too. If the call fails or times out, the decode
+        worker computes the prompt itself: the sequence is never lost.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -165,20 +151,10 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     request_deserializer=radixmesh_dot_v1_dot_worker__pb2.GetModelInfoRequest.FromString,
                     response_serializer=radixmesh_dot_v1_dot_worker__pb2.GetModelInfoResponse.SerializeToString,
             ),
-            'Reserve': grpc.unary_unary_rpc_method_handler(
-                    servicer.Reserve,
-                    request_deserializer=radixmesh_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
-                    response_serializer=radixmesh_dot_v1_dot_worker__pb2.ReserveResponse.SerializeToString,
-            ),
-            'Prefill': grpc.unary_stream_rpc_method_handler(
+            'Prefill': grpc.stream_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=radixmesh_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=radixmesh_dot_v1_dot_worker__pb2.GenerateResponse.SerializeToString,
-            ),
-            'TransferKV': grpc.stream_unary_rpc_method_handler(
-                    servicer.TransferKV,
-                    request_deserializer=radixmesh_dot_v1_dot_worker__pb2.KVTransferChunk.FromString,
-                    response_serializer=radixmesh_dot_v1_dot_worker__pb2.TransferKVResponse.SerializeToString,
+                    response_serializer=radixmesh_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -327,7 +303,7 @@ class WorkerService:
             _registered_method=True)
 
     @staticmethod
-    def Reserve(request,
+    def Prefill(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -337,66 +313,12 @@ class WorkerService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/radixmesh.v1.WorkerService/Reserve',
-            radixmesh_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
-            radixmesh_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Prefill(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/radixmesh.v1.WorkerService/Prefill',
             radixmesh_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-            radixmesh_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def TransferKV(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/radixmesh.v1.WorkerService/TransferKV',
-            radixmesh_dot_v1_dot_worker__pb2.KVTransferChunk.SerializeToString,
-            radixmesh_dot_v1_dot_worker__pb2.TransferKVResponse.FromString,
+            radixmesh_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,16 +43,22 @@ class WorkerServiceStub:
     FlushCache: _grpc.UnaryUnaryMultiCallable[_worker_pb2.FlushCacheRequest, _worker_pb2.FlushCacheResponse]
     """Drop the prefix cache; flushed = false when sequences are running and nothing was dropped."""
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_worker_pb2.GetModelInfoRequest, _worker_pb2.GetModelInfoResponse]
-    Reserve: _grpc.UnaryUnaryMultiCallable[_worker_pb2.ReserveRequest, _worker_pb2.ReserveResponse]
-    """---- Prefill/decode disaggregation (DESIGN.md section 7) -----------------------------------
-    Declared so that prefill/decode workers have a place for them; a later issue defines the
-    messages in full and implements them. Until then every worker answers UNIMPLEMENTED.
-    Decode worker: reserve KV slots for the uncached suffix of a prompt, under a lease.
+    Prefill: _grpc.StreamStreamMultiCallable[_worker_pb2.PrefillRequest, _worker_pb2.PrefillResponse]
+    """---- Prefill/decode disaggregation (DESIGN.md section 7, docs/disaggregation.md) -------------
+    A router sends Generate to a decode worker with GenerateRequest.prefill naming a prefill
+    worker. The decode worker reserves KV slots for the part of the prompt it has not cached and
+    calls Prefill on the prefill worker, one bidirectional call per sequence:
+      decode  -> prefill: PrefillRequest.start (the prompt, the first position to send, the transport)
+      prefill -> decode:  PrefillResponse.kv_chunk, ... (every layer of positions start_pos.. exactly
+                          once), then PrefillResponse.result (the first token and its logprobs)
+      decode  -> prefill: PrefillRequest.release once the KV is in its pool (or given up); the
+                          prefill worker then unlocks its copy (it stays in its prefix cache) and
+                          ends the call.
+    The prefill worker computes the prompt reusing its own radix cache. Cancelling the call (the
+    decode side gave up or was aborted) aborts the prefill and releases its KV; a release that
+    does not come within lease_ms releases it too. If the call fails or times out, the decode
+    worker computes the prompt itself: the sequence is never lost.
     """
-    Prefill: _grpc.UnaryStreamMultiCallable[_worker_pb2.PrefillRequest, _worker_pb2.GenerateResponse]
-    """Prefill worker: compute a reservation's KV, send it to the decode worker, return the first token."""
-    TransferKV: _grpc.StreamUnaryMultiCallable[_worker_pb2.KVTransferChunk, _worker_pb2.TransferKVResponse]
-    """Decode worker: receive KV pages for a reservation."""
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -67,16 +73,22 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     FlushCache: _aio.UnaryUnaryMultiCallable[_worker_pb2.FlushCacheRequest, _worker_pb2.FlushCacheResponse]  # type: ignore[assignment]
     """Drop the prefix cache; flushed = false when sequences are running and nothing was dropped."""
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_worker_pb2.GetModelInfoRequest, _worker_pb2.GetModelInfoResponse]  # type: ignore[assignment]
-    Reserve: _aio.UnaryUnaryMultiCallable[_worker_pb2.ReserveRequest, _worker_pb2.ReserveResponse]  # type: ignore[assignment]
-    """---- Prefill/decode disaggregation (DESIGN.md section 7) -----------------------------------
-    Declared so that prefill/decode workers have a place for them; a later issue defines the
-    messages in full and implements them. Until then every worker answers UNIMPLEMENTED.
-    Decode worker: reserve KV slots for the uncached suffix of a prompt, under a lease.
+    Prefill: _aio.StreamStreamMultiCallable[_worker_pb2.PrefillRequest, _worker_pb2.PrefillResponse]  # type: ignore[assignment]
+    """---- Prefill/decode disaggregation (DESIGN.md section 7, docs/disaggregation.md) -------------
+    A router sends Generate to a decode worker with GenerateRequest.prefill naming a prefill
+    worker. The decode worker reserves KV slots for the part of the prompt it has not cached and
+    calls Prefill on the prefill worker, one bidirectional call per sequence:
+      decode  -> prefill: PrefillRequest.start (the prompt, the first position to send, the transport)
+      prefill -> decode:  PrefillResponse.kv_chunk, ... (every layer of positions start_pos.. exactly
+                          once), then PrefillResponse.result (the first token and its logprobs)
+      decode  -> prefill: PrefillRequest.release once the KV is in its pool (or given up); the
+                          prefill worker then unlocks its copy (it stays in its prefix cache) and
+                          ends the call.
+    The prefill worker computes the prompt reusing its own radix cache. Cancelling the call (the
+    decode side gave up or was aborted) aborts the prefill and releases its KV; a release that
+    does not come within lease_ms releases it too. If the call fails or times out, the decode
+    worker computes the prompt itself: the sequence is never lost.
     """
-    Prefill: _aio.UnaryStreamMultiCallable[_worker_pb2.PrefillRequest, _worker_pb2.GenerateResponse]  # type: ignore[assignment]
-    """Prefill worker: compute a reservation's KV, send it to the decode worker, return the first token."""
-    TransferKV: _aio.StreamUnaryMultiCallable[_worker_pb2.KVTransferChunk, _worker_pb2.TransferKVResponse]  # type: ignore[assignment]
-    """Decode worker: receive KV pages for a reservation."""
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -120,31 +132,25 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_pb2.GetModelInfoResponse, _abc.Awaitable[_worker_pb2.GetModelInfoResponse]]: ...
 
     @_abc_1.abstractmethod
-    def Reserve(
-        self,
-        request: _worker_pb2.ReserveRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_worker_pb2.ReserveResponse, _abc.Awaitable[_worker_pb2.ReserveResponse]]:
-        """---- Prefill/decode disaggregation (DESIGN.md section 7) -----------------------------------
-        Declared so that prefill/decode workers have a place for them; a later issue defines the
-        messages in full and implements them. Until then every worker answers UNIMPLEMENTED.
-        Decode worker: reserve KV slots for the uncached suffix of a prompt, under a lease.
-        """
-
-    @_abc_1.abstractmethod
     def Prefill(
         self,
-        request: _worker_pb2.PrefillRequest,
+        request_iterator: _MaybeAsyncIterator[_worker_pb2.PrefillRequest],
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_worker_pb2.GenerateResponse], _abc.AsyncIterator[_worker_pb2.GenerateResponse]]:
-        """Prefill worker: compute a reservation's KV, send it to the decode worker, return the first token."""
-
-    @_abc_1.abstractmethod
-    def TransferKV(
-        self,
-        request_iterator: _MaybeAsyncIterator[_worker_pb2.KVTransferChunk],
-        context: _ServicerContext,
-    ) -> _typing.Union[_worker_pb2.TransferKVResponse, _abc.Awaitable[_worker_pb2.TransferKVResponse]]:
-        """Decode worker: receive KV pages for a reservation."""
+    ) -> _typing.Union[_abc.Iterator[_worker_pb2.PrefillResponse], _abc.AsyncIterator[_worker_pb2.PrefillResponse]]:
+        """---- Prefill/decode disaggregation (DESIGN.md section 7, docs/disaggregation.md) -------------
+        A router sends Generate to a decode worker with GenerateRequest.prefill naming a prefill
+        worker. The decode worker reserves KV slots for the part of the prompt it has not cached and
+        calls Prefill on the prefill worker, one bidirectional call per sequence:
+          decode  -> prefill: PrefillRequest.start (the prompt, the first position to send, the transport)
+          prefill -> decode:  PrefillResponse.kv_chunk, ... (every layer of positions start_pos.. exactly
+                              once), then PrefillResponse.result (the first token and its logprobs)
+          decode  -> prefill: PrefillRequest.release once the KV is in its pool (or given up); the
+                              prefill worker then unlocks its copy (it stays in its prefix cache) and
+                              ends the call.
+        The prefill worker computes the prompt reusing its own radix cache. Cancelling the call (the
+        decode side gave up or was aborted) aborts the prefill and releases its KV; a release that
+        does not come within lease_ms releases it too. If the call fails or times out, the decode
+        worker computes the prompt itself: the sequence is never lost.
+        """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -11,14 +11,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the `worker` subcommand to the `radixmesh` command."""
     from radixmesh.cli import add_engine_args
     from radixmesh.common.grpc_server import add_server_args
+    from radixmesh.engine.disagg.transport.registry import KV_TRANSPORT_IDS
 
     cmd = sub.add_parser("worker", help="serve one engine over gRPC (WorkerService)",
                          description="Run the engine's scheduler in its own process behind the gRPC "
                                      "WorkerService: Generate streams token ids, plus Abort, GetLoad, "
-                                     "FlushCache, GetModelInfo.")
+                                     "FlushCache, GetModelInfo, and Prefill on prefill workers.")
     cmd.add_argument("--role", default="unified", choices=("unified", "prefill", "decode"),
-                     help="unified serves whole requests; prefill/decode are disaggregation tiers "
-                          "(their transfer RPCs are not implemented yet)")
+                     help="unified serves whole requests; prefill/decode are disaggregation tiers (a decode "
+                          "worker has the prefill worker a router names compute the prompt and send its KV)")
+    cmd.add_argument("--kv-transport", default="grpc", choices=KV_TRANSPORT_IDS,
+                     help="disaggregation: how KV moves from prefill to decode workers (grpc: bytes over the "
+                          "Prefill call, anywhere; cuda-ipc: GPU to GPU on one host); both tiers must agree")
+    cmd.add_argument("--kv-lease-s", type=float, default=30.0,
+                     help="disaggregation: seconds a KV reservation (decode) or exported KV (prefill) is held at most")
+    cmd.add_argument("--prefill-timeout-s", type=float, default=60.0,
+                     help="decode: seconds to wait for the prefill worker's KV and first token before computing "
+                          "the prompt here")
     cmd.add_argument("--worker-id", default="", help="id in the KV-cache index and routing (default: host:port)")
     cmd.add_argument("--advertise-address", default="",
                      help="host:port others dial (default: the listening host:port)")
@@ -39,5 +48,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level, "worker")
     config = WorkerConfig(role=args.role, worker_id=args.worker_id, advertise_address=args.advertise_address,
-                          block_size=args.block_size, redis_url=args.redis_url)
+                          block_size=args.block_size, redis_url=args.redis_url, kv_transport=args.kv_transport,
+                          kv_lease_s=args.kv_lease_s, prefill_timeout_s=args.prefill_timeout_s)
     return asyncio.run(serve_worker(server_config(args), config, EngineConfig(**engine_kwargs(args))))

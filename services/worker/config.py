@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from radixmesh.common.errors import invalid_argument
+from radixmesh.engine.disagg.transport.registry import check_transport_id
 
 WORKER_ROLES = ("unified", "prefill", "decode")
 
@@ -24,12 +25,22 @@ class WorkerConfig:
     """Tokens per block of the KV-cache events this worker publishes."""
     redis_url: str | None = None
     """Redis of the KV-cache index and worker leases; None: publish nothing."""
+    kv_transport: str = "grpc"
+    """Disaggregation: KV transport id (grpc | cuda-ipc); a decode worker asks for it, a prefill worker
+    serves only it."""
+    kv_lease_s: float = 30.0
+    """Disaggregation: seconds a KV reservation (decode) or exported KV (prefill) is held at most."""
+    prefill_timeout_s: float = 60.0
+    """Decode: seconds to wait for a prefill worker's KV and first token before computing the prompt here."""
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
             raise invalid_argument(f"role must be one of {', '.join(WORKER_ROLES)} (got {self.role!r})", "role")
         if self.block_size < 1:
             raise invalid_argument(f"block_size must be >= 1 (got {self.block_size})", "block_size")
+        check_transport_id(self.kv_transport)
+        if not 0 < self.kv_lease_s <= 3600 or not 0 < self.prefill_timeout_s <= 3600:
+            raise invalid_argument("kv_lease_s and prefill_timeout_s must be in (0, 3600] seconds", "kv_lease_s")
         if self.advertise_address and ":" not in self.advertise_address:
             raise invalid_argument(f"advertise_address must be host:port (got {self.advertise_address!r})",
                                    "advertise_address")

@@ -55,6 +55,12 @@ KV_TRANSFER_SECONDS = Histogram("radixmesh_kv_transfer_seconds", "Time of one re
                                 ["transport", "direction"], buckets=TRANSFER_BUCKETS_S)
 KV_TRANSFER_FALLBACKS = Counter("radixmesh_kv_transfer_fallbacks",
                                 "KV transfers that fell back (to another transport or to recomputing)", ["reason"])
+KV_RESERVATIONS = Counter("radixmesh_kv_reservations", "KV reservations asked for by decode, by outcome",
+                          ["outcome"])
+RESERVATION_OUTCOMES = ("granted", "refused")
+KV_RESERVATION_WAIT = Histogram("radixmesh_kv_reservation_wait_seconds",
+                                "Time from asking for a KV reservation to its grant (or refusal)",
+                                buckets=QUEUE_BUCKETS_S)
 
 
 class EngineStatsCollector(Collector):
@@ -67,6 +73,10 @@ class EngineStatsCollector(Collector):
         "kv_used_tokens": ("radixmesh_kv_used_tokens", "KV slots held by running requests"),
         "max_total_num_tokens": ("radixmesh_kv_capacity_tokens", "KV slots in the pool"),
         "cache_hit_rate": ("radixmesh_cache_hit_rate", "Share of prompt tokens served from the prefix cache"),
+        "num_reserved_tokens": ("radixmesh_kv_reserved_tokens",
+                                "KV slots held by decode reservations waiting for transferred KV"),
+        "num_transfers_held": ("radixmesh_kv_exports_held",
+                               "Prefilled prompts whose KV stays locked until the decode worker has it"),
     }
     COUNTERS: ClassVar[dict[str, tuple[str, str]]] = {
         "num_grammars_compiled": ("radixmesh_grammar_compiles", "Grammars compiled by this worker"),
@@ -74,6 +84,10 @@ class EngineStatsCollector(Collector):
                                    "Structured-output requests whose grammar was in the worker's cache"),
         "num_grammars_fetched": ("radixmesh_grammar_fetches", "Grammars fetched from the grammar service"),
         "num_retractions": ("radixmesh_retractions", "Requests sent back to the queue for lack of KV memory"),
+        "num_reservations_lapsed": ("radixmesh_kv_reservations_lapsed",
+                                    "KV reservations whose lease ran out before commit (their slots were freed)"),
+        "num_transfers_lapsed": ("radixmesh_kv_exports_lapsed",
+                                 "Exported KV released by its lease rather than by the decode worker"),
     }
 
     def __init__(self) -> None:
@@ -112,6 +126,12 @@ def start_worker_metrics(get_stats: Any, load: LoadTracker, role: str, worker_id
     return asyncio.create_task(refresh_engine_stats(get_stats), name="worker-engine-stats")
 
 
+def observe_reservation(outcome: str, seconds: float) -> None:
+    """One KV reservation asked for by a decode worker (outcome: granted | refused) and its wait."""
+    KV_RESERVATIONS.labels(outcome).inc()
+    KV_RESERVATION_WAIT.observe(seconds)
+
+
 def observe_kv_transfer(transport: str, direction: str, num_bytes: int, seconds: float) -> None:
     """One request's KV transfer (direction: send | receive); for the prefill/decode tiers."""
     KV_TRANSFER_BYTES.labels(transport, direction).inc(num_bytes)
@@ -119,7 +139,8 @@ def observe_kv_transfer(transport: str, direction: str, num_bytes: int, seconds:
 
 
 KV_DIRECTIONS = ("send", "receive")
-FALLBACK_REASONS = ("reservation_refused", "lease_lapsed", "transfer_failed", "other")
+FALLBACK_REASONS = ("reservation_refused", "prefill_unavailable", "prefill_timeout", "prefill_error",
+                    "transfer_failed", "lease_lapsed", "other")
 """Label values of radixmesh_kv_transfer_fallbacks (anything else counts as other)."""
 
 
@@ -139,6 +160,8 @@ def _declare_kv_series() -> None:
             KV_TRANSFER_SECONDS.labels(transport, direction)
     for reason in FALLBACK_REASONS:
         KV_TRANSFER_FALLBACKS.labels(reason)
+    for outcome in RESERVATION_OUTCOMES:
+        KV_RESERVATIONS.labels(outcome)
 
 
 _declare_kv_series()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.disagg.transport.registry import check_transport_device
 from radixmesh.protocol import worker_pb2_grpc
 from radixmesh.worker import metrics
 from radixmesh.worker.config import WorkerConfig
@@ -32,14 +33,16 @@ async def serve_worker(server_config: GrpcServerConfig, config: WorkerConfig, en
     print(f"radixmesh worker: loading {engine_config.model or 'the default model'} ...", file=sys.stderr, flush=True)
     if config.redis_url is not None:
         engine_config = dataclasses.replace(engine_config, kv_events_block_size=config.block_size)
+    if config.role != "unified":
+        check_transport_device(config.kv_transport, engine_config.resolve().device)
     client = await EngineClient.start(engine_config)
-    publisher = None
+    publisher, servicer = None, None
     try:
         server = GrpcServer(server_config, "worker", [SERVICE_NAME], {"radixmesh.role": config.role})
         servicer = WorkerServicer(client, config)
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server.server)
         await server.start()
-        servicer.config = config = config.resolve(server.address)
+        config = servicer.resolve(server.address)
         publisher = await attach_kv_events(client, config, server.metrics_port or 0)
         watcher = asyncio.create_task(_watch_engine(client, server))
         stats = metrics.start_worker_metrics(client.get_server_info, servicer.load, config.role, config.worker_id)
@@ -52,6 +55,8 @@ async def serve_worker(server_config: GrpcServerConfig, config: WorkerConfig, en
     finally:
         if publisher is not None:
             await publisher.close()  # withdraws the lease and this worker's index entries
+        if servicer is not None:
+            await servicer.close()
         await client.shutdown()
 
 

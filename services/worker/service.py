@@ -7,20 +7,30 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 import grpc.aio
 
-from radixmesh.common.convert import ROLE_TO_PROTO, load_to_proto, sampling_from_proto, token_out_to_proto
-from radixmesh.common.errors import invalid_argument, unsupported
-from radixmesh.common.grpc_errors import abort_with, map_errors
+from radixmesh.common.convert import (
+    ROLE_TO_PROTO,
+    disagg_stats_to_proto,
+    load_to_proto,
+    sampling_from_proto,
+    token_out_to_proto,
+)
+from radixmesh.common.errors import invalid_argument
+from radixmesh.common.grpc_errors import map_errors
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
+from radixmesh.engine.messages import TokenOut
+from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.protocol import worker_pb2, worker_pb2_grpc
 from radixmesh.worker import metrics
 from radixmesh.worker.config import WorkerConfig
 from radixmesh.worker.load import LoadTracker
+from radixmesh.worker.pd_decode import DecodeFlow
+from radixmesh.worker.pd_prefill import PrefillFlow
 from radixmesh.worker.timeline import RequestTimeline
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
@@ -33,6 +43,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.client = client
         self.config = config
         self.load = LoadTracker()
+        self.decode = DecodeFlow(client, config) if config.role == "decode" else None
+        """Generate calls naming a prefill worker (decode role only)."""
+        self.prefill = PrefillFlow(client, config, self.load) if config.role == "prefill" else None
+        """Prefill calls (prefill role only)."""
+
+    def resolve(self, listen_address: str) -> WorkerConfig:
+        """Fill the worker id and advertise address once the server bound its address."""
+        self.config = self.config.resolve(listen_address)
+        for flow in (self.decode, self.prefill):
+            if flow is not None:
+                flow.config = self.config
+        return self.config
 
     @map_errors("worker")
     async def Generate(self, request: worker_pb2.GenerateRequest,
@@ -50,7 +72,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         metrics.RUNNING.inc()
         try:
             with self.load.track(rid, len(ids)) as seq:
-                stream = self.client.generate_tokens(ids, params, rid, request.prefill_only)
+                stream = self._tokens(request, ids, params, rid)
                 async with contextlib.aclosing(stream) as outs:
                     async for out in outs:
                         timeline.on_output(out)
@@ -66,11 +88,33 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             metrics.RUNNING.dec()
             timeline.close()
 
+    def _tokens(self, request: worker_pb2.GenerateRequest, ids: list[int], params: SamplingParams,
+                rid: str) -> AsyncGenerator[TokenOut, None]:
+        if self.decode is not None and request.HasField("prefill") and not request.prefill_only:
+            return self.decode.generate(rid, ids, params, request.prefill)
+        return self.client.generate_tokens(ids, params, rid, request.prefill_only)
+
+    @map_errors("worker")
+    async def Prefill(self, request_iterator: AsyncIterator[worker_pb2.PrefillRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillResponse]:
+        if self.prefill is None:
+            raise invalid_argument(f"this worker's role is {self.config.role}: Prefill calls go to prefill workers",
+                                   "role")
+        metrics.RUNNING.inc()
+        try:
+            async with contextlib.aclosing(self.prefill.serve(request_iterator)) as msgs:
+                async for msg in msgs:
+                    yield msg
+        finally:
+            metrics.RUNNING.dec()
+
     @map_errors("worker")
     async def Abort(self, request: worker_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:
         found = request.request_id in self.load.active
         if found:
+            if self.decode is not None:
+                self.decode.abort(request.request_id)  # still waiting for its prefill worker: stop that too
             await self.client.abort(request.request_id)
         return worker_pb2.AbortResponse(found=found)
 
@@ -82,7 +126,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         stats["num_running_decode_tokens"] = self.load.num_running_decode_tokens
         metrics.ENGINE_STATS.update(stats)
         return worker_pb2.GetLoadResponse(worker_id=self.config.worker_id, role=ROLE_TO_PROTO[self.config.role],
-                                          load=load_to_proto(stats))
+                                          load=load_to_proto(stats), disagg=disagg_stats_to_proto(stats))
 
     @map_errors("worker")
     async def FlushCache(self, request: worker_pb2.FlushCacheRequest,
@@ -103,25 +147,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             aliases=sorted(model_aliases(client) - {prepared.name}),
             engine_config_json=json.dumps(dataclasses.asdict(client.config), default=str))
 
-    # ---- disaggregation: declared in worker.proto, implemented by a later issue ------------------
-    async def Reserve(self, request: worker_pb2.ReserveRequest,
-                      context: grpc.aio.ServicerContext) -> worker_pb2.ReserveResponse:
-        await _not_yet(context, "Reserve")
-        raise AssertionError("unreachable")
-
-    async def Prefill(self, request: worker_pb2.PrefillRequest,
-                      context: grpc.aio.ServicerContext) -> worker_pb2.GenerateResponse:
-        await _not_yet(context, "Prefill")
-        raise AssertionError("unreachable")
-
-    async def TransferKV(self, request_iterator: AsyncIterator[worker_pb2.KVTransferChunk],
-                         context: grpc.aio.ServicerContext) -> worker_pb2.TransferKVResponse:
-        await _not_yet(context, "TransferKV")
-        raise AssertionError("unreachable")
-
-
-async def _not_yet(context: grpc.aio.ServicerContext, rpc: str) -> None:
-    await abort_with(context, unsupported(f"{rpc}: prefill/decode disaggregation is not implemented yet"), "worker")
+    async def close(self) -> None:
+        if self.decode is not None:
+            await self.decode.close()
 
 
 def _count_finished(reason: str, prompt_tokens: int, cached_tokens: int, start: float) -> None:

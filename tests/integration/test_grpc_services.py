@@ -255,9 +255,10 @@ def test_worker_rejects_bad_input_with_exact_errors(worker: worker_pb2_grpc.Work
             _generate(worker, ids, params)
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, param
         assert from_rpc_error(err.value).param == param
-    with pytest.raises(grpc.RpcError) as err:
-        worker.Reserve(worker_pb2.ReserveRequest(), timeout=30)
-    assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    with pytest.raises(grpc.RpcError) as err:  # a unified worker takes no Prefill calls
+        list(worker.Prefill(iter([worker_pb2.PrefillRequest(start=worker_pb2.PrefillStart(token_ids=[1, 2]))]),
+                            timeout=30))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and from_rpc_error(err.value).param == "role"
 
 
 def _wait_idle(worker: worker_pb2_grpc.WorkerServiceStub) -> common_pb2.WorkerLoad:

@@ -37,6 +37,8 @@ class BaseKVTransport(ABC):
     """
 
     transport_id: ClassVar[str]
+    device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    """Devices (torch device types) of the pools this transport moves KV between."""
 
     def __init__(self, pool: TokenToKVPool, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         assert max_chunk_bytes > 0, f"max_chunk_bytes must be positive, got {max_chunk_bytes}"

@@ -47,6 +47,7 @@ def device_uuid(index: int) -> str:
 
 class CudaIpcKVTransport(BaseKVTransport):
     transport_id = "cuda-ipc"
+    device_types = ("cuda",)
 
     def __init__(self, pool: TokenToKVPool, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         if pool.device.type != "cuda":

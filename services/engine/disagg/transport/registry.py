@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from radixmesh.common.errors import invalid_argument
+from radixmesh.common.errors import invalid_argument, unsupported
 
 if TYPE_CHECKING:
     from radixmesh.engine.disagg.transport.base import BaseKVTransport
@@ -29,10 +29,23 @@ def check_transport_id(transport_id: str) -> None:
                                "kv_transport")
 
 
+def check_transport_device(transport_id: str, device_type: str) -> None:
+    """UNSUPPORTED when the transport cannot move KV of a pool on `device_type` (cpu | cuda)."""
+    check_transport_id(transport_id)
+    supported = _factory(transport_id).device_types
+    if device_type not in supported:
+        raise unsupported(f"the {transport_id} KV transport needs the KV pool on {' or '.join(supported)}, "
+                          f"not {device_type}", "kv_transport")
+
+
 def create_transport(transport_id: str, pool: TokenToKVPool) -> BaseKVTransport:
     """The transport `transport_id` over `pool`; INVALID_ARGUMENT/UNSUPPORTED when it cannot run here."""
     check_transport_id(transport_id)
-    module, _, name = KV_TRANSPORTS[transport_id].partition(":")
-    factory = getattr(importlib.import_module(module), name)
-    transport: BaseKVTransport = factory(pool)
+    transport: BaseKVTransport = _factory(transport_id)(pool)
     return transport
+
+
+def _factory(transport_id: str) -> type[BaseKVTransport]:
+    module, _, name = KV_TRANSPORTS[transport_id].partition(":")
+    factory: type[BaseKVTransport] = getattr(importlib.import_module(module), name)
+    return factory
