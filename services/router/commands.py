@@ -39,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="while Redis is down (routing falls back to approx-tree), seconds between checks for it")
     cmd.add_argument("--max-attempts", type=int, default=3, help="tries per request before its first token")
     cmd.add_argument("--seed", type=int, default=None, help="seed of the random and power-of-two policies")
+    cmd.add_argument("--pd-min-prefill-tokens", type=int, default=256,
+                     help="disaggregation: prompts with fewer tokens uncached on the chosen decode worker skip the "
+                          "prefill workers (0: every prompt goes through a prefill worker)")
     add_server_args(cmd, DEFAULT_PORT)
     cmd.set_defaults(func=cmd_router)
 
@@ -57,14 +60,15 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
-    from radixmesh.router.config import HealthConfig, RetryConfig, RouterConfig
+    from radixmesh.router.config import HealthConfig, PDConfig, RetryConfig, RouterConfig
 
     return RouterConfig(policy=args.policy, block_size=args.block_size, redis_url=args.redis_url,
                         index_namespace=args.index_namespace, seed=args.seed, redis_probe_s=args.redis_probe_s,
                         health=HealthConfig(interval_s=args.health_interval_s,
                                             failure_threshold=args.health_failure_threshold,
                                             success_threshold=args.health_success_threshold),
-                        retry=RetryConfig(max_attempts=args.max_attempts))
+                        retry=RetryConfig(max_attempts=args.max_attempts),
+                        pd=PDConfig(min_prefill_tokens=args.pd_min_prefill_tokens))
 
 
 def make_discovery(args: argparse.Namespace) -> BaseDiscovery:

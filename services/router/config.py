@@ -87,6 +87,19 @@ class ScoringConfig:
 
 
 @dataclass(frozen=True)
+class PDConfig:
+    """Prefill/decode disaggregation: when a decode worker gets a prefill worker."""
+
+    min_prefill_tokens: int = 256
+    """A prompt with fewer tokens than this uncached on the chosen decode worker goes to it alone (it
+    computes them itself: a transfer would cost more than it saves); 0 sends every prompt to a prefill worker."""
+
+    def __post_init__(self) -> None:
+        if self.min_prefill_tokens < 0:
+            raise invalid_argument("pd min_prefill_tokens must be >= 0", "pd_min_prefill_tokens")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """Everything the router needs besides its server address."""
 
@@ -110,6 +123,8 @@ class RouterConfig:
     """Retries before the first token."""
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     """Cache-aware scoring."""
+    pd: PDConfig = field(default_factory=PDConfig)
+    """Prefill/decode disaggregation (used when decode and prefill workers are discovered)."""
     seed: int | None = None
     """Seed of the random and power-of-two policies (None: from the OS)."""
 

@@ -21,6 +21,8 @@ from radixmesh.common import tracing
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.router import metrics
 from radixmesh.router.config import RouterConfig
+from radixmesh.router.pd import SERVING_ROLES, PrefillPlanner
+from radixmesh.router.policies import create_policy
 from radixmesh.router.policies.base import BaseRoutingPolicy, RouteRequest, RoutingDecision
 from radixmesh.router.route_span import route_attributes
 from radixmesh.router.workers import WorkerHandle, WorkerRegistry
@@ -38,10 +40,12 @@ class RequestRouter:
 
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, policy: BaseRoutingPolicy,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                 rng: Callable[[], float] = random.random) -> None:
+                 rng: Callable[[], float] = random.random, prefill_policy: BaseRoutingPolicy | None = None) -> None:
         self.config = config
         self.registry = registry
         self.policy = policy
+        self.prefill = PrefillPlanner(config.pd, registry, prefill_policy or create_policy(config.policy, config))
+        """Names prefill workers for decode workers (disaggregation)."""
         self.sleep = sleep
         self.rng = rng
         self.inflight: dict[str, WorkerHandle] = {}
@@ -52,7 +56,7 @@ class RequestRouter:
 
     async def select(self, request: RouteRequest, exclude: set[str] | frozenset[str] = frozenset()) -> RoutingDecision:
         """The policy's decision among available workers not in `exclude`; UNAVAILABLE when there are none."""
-        candidates = [w for w in self.registry.available() if w.worker_id not in exclude]
+        candidates = [w for w in self.registry.available(*SERVING_ROLES) if w.worker_id not in exclude]
         if not candidates:
             known = len(self.registry)
             detail = f"{known} known, none healthy" if known else "none discovered"
@@ -62,6 +66,7 @@ class RequestRouter:
         start = time.perf_counter()
         with tracing.span("router.route") as span:
             decision = await self.policy.choose(request, candidates)
+            await self.prefill.plan(request, decision)
             if span is not None:
                 span.set_attributes(route_attributes(request, decision, candidates, attempt=len(exclude) + 1))
         self._record_latency(time.perf_counter() - start)
@@ -89,13 +94,14 @@ class RequestRouter:
             if on_decision is not None:
                 on_decision(decision, attempt)
             await self.policy.on_routed(request, decision)
+            await self.prefill.on_routed(request, decision)
             worker = decision.worker
             forwarded = False
             uncached = max(0, request.num_prompt_tokens - decision.cached_blocks * request.block_size)
             worker.begin_request(uncached)
             self.inflight[request.request_id] = worker
             try:
-                async for item in open_stream(worker, decision, attempt):
+                async for item in self.prefill.track(request, decision, open_stream(worker, decision, attempt)):
                     if not forwarded:
                         forwarded = True
                         worker.first_token(uncached)

@@ -36,13 +36,17 @@ class HealthChecker:
         try:
             result = await asyncio.wait_for(handle.client.probe(self.config.timeout_s), self.config.timeout_s * 2.5)
         except asyncio.TimeoutError:
-            ok, error, load, reported_id = False, "probe timed out", None, ""
+            ok, error, load, reported_id, role = False, "probe timed out", None, "", ""
         else:
             ok, error, load, reported_id = result.ok, result.error, result.load, result.worker_id
+            role = result.role
         if load is not None:
             handle.load = load
         if reported_id:
             handle.index_id = reported_id
+        if role and role != handle.reported_role:
+            logger.info("router: worker %s reports role %s", handle.worker_id, role)
+            handle.reported_role = role
         if handle.health.on_probe(ok, error):
             if ok:
                 logger.warning("router: worker %s at %s is healthy", handle.worker_id, handle.address)

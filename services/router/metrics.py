@@ -26,6 +26,9 @@ DECISION = Histogram("radixmesh_router_decision_seconds", "Time of one routing d
                      buckets=_FINE_BUCKETS)
 HEALTHY_WORKERS = Gauge("radixmesh_router_healthy_workers", "Workers passing health checks")
 FALLBACK = Gauge("radixmesh_router_index_fallback", "1 while cache-aware routes with approx-tree (Redis down)")
+PD_DECISIONS = Counter("radixmesh_router_pd_decisions_total",
+                       "Decisions for decode workers: prefill-tier (a prefill worker was named), short-prompt or "
+                       "no-prefill-worker (the decode worker computes the prompt)", ["reason"])
 CIRCUIT_STATE = Gauge("radixmesh_router_circuit_state", "1 for each worker's current circuit-breaker state",
                       ["worker", "state"])
 WORKER_INFLIGHT = Gauge("radixmesh_router_worker_inflight_requests", "Requests this router has open on each worker",

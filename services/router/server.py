@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 
 from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
@@ -46,13 +47,16 @@ class RouterApp:
         self.registry = WorkerRegistry(config.health, config.breaker, WorkerClient)
         self.checker = HealthChecker(self.registry, config.health)
         self.policy = create_policy(config.policy, config, reader=self.reader)
-        self.router = RequestRouter(config, self.registry, self.policy)
+        self.router = RequestRouter(config, self.registry, self.policy,
+                                    prefill_policy=create_policy(config.policy, dataclasses.replace(
+                                        config, sweep_interval_s=0), reader=self.reader))  # one sweeper is enough
         self.server = GrpcServer(server_config, "router", [SERVICE_NAME])
         router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(self.router), self.server.server)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         await self.policy.start()
+        await self.router.prefill.start()
         self._tasks = [asyncio.create_task(self.discovery.run(self.registry.apply), name="discovery"),
                        asyncio.create_task(self._update_gauges(), name="router-gauges")]
         await self.server.start()
@@ -71,6 +75,7 @@ class RouterApp:
                 await task
         await self.checker.close()
         await self.policy.close()
+        await self.router.prefill.close()
         await self.registry.close()
         if self.reader is not None:
             await self.reader.redis.aclose()

@@ -39,7 +39,21 @@ def routing_info(decision: RoutingDecision, attempt: int) -> common_pb2.RoutingI
     for worker_id, score in sorted(decision.scores.items()):
         info.candidates.add(worker_id=worker_id, score=score,
                             cached_prefix_tokens=decision.cached_tokens.get(worker_id, 0))
+    info.pd_reason = decision.pd_reason
+    if decision.prefill is not None:
+        prefill = decision.prefill.worker
+        info.prefill_worker_id, info.prefill_worker_address = prefill.worker_id, prefill.address
+        info.prefill_cached_prefix_tokens = decision.prefill.cached_tokens.get(prefill.worker_id, 0)
     return info
+
+
+def name_prefill_worker(request: worker_pb2.GenerateRequest, decision: RoutingDecision) -> None:
+    """Tell the decode worker which prefill worker computes the prompt (clears it for other decisions)."""
+    if decision.prefill is None:
+        request.ClearField("prefill")
+        return
+    prefill = decision.prefill.worker
+    request.prefill.CopyFrom(worker_pb2.PrefillTarget(worker_id=prefill.worker_id, address=prefill.address))
 
 
 class _RoutedCall:
@@ -77,6 +91,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         async def open_stream(worker: WorkerHandle, decision: RoutingDecision,
                               attempt: int) -> AsyncIterator[worker_pb2.GenerateResponse]:
             call.worker_call_s = time.perf_counter()
+            name_prefill_worker(request, decision)
             async for msg in worker.client.generate(request):
                 yield msg
 
@@ -142,7 +157,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                           context: grpc.aio.ServicerContext) -> router_pb2.ListWorkersResponse:
         reply = router_pb2.ListWorkersResponse(policy=self.router.policy.active_policy())
         for w in self.registry.all():
-            reply.workers.add(worker_id=w.worker_id, address=w.address, role=ROLE_TO_PROTO[w.endpoint.role],
+            reply.workers.add(worker_id=w.worker_id, address=w.address, role=ROLE_TO_PROTO[w.role],
                               healthy=w.health.healthy, circuit_state=w.circuit_state.value,
                               num_inflight=w.num_inflight, load=load_to_proto(w.load))
         return reply

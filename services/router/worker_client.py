@@ -14,6 +14,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixmesh.common import tracing
+from radixmesh.common.convert import ROLE_FROM_PROTO
 from radixmesh.common.errors import RadixMeshError
 from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.common.grpc_server import MAX_MESSAGE_BYTES
@@ -45,6 +46,8 @@ class ProbeResult:
     """The load GetLoad reported."""
     worker_id: str = ""
     """The id the worker reports (its index id)."""
+    role: str = ""
+    """The role the worker reports (unified | prefill | decode; "" when unknown)."""
 
 
 def load_from_proto(load: common_pb2.WorkerLoad) -> LoadSnapshot:
@@ -92,7 +95,8 @@ class WorkerClient:
             reply = await self.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             return ProbeResult(True, f"GetLoad: {exc.code().name}")
-        return ProbeResult(True, load=load_from_proto(reply.load), worker_id=reply.worker_id)
+        return ProbeResult(True, load=load_from_proto(reply.load), worker_id=reply.worker_id,
+                           role=ROLE_FROM_PROTO.get(reply.role, ""))
 
     async def abort(self, request_id: str, timeout_s: float = 5.0) -> bool:
         try:

@@ -55,6 +55,8 @@ class WorkerHandle:
     load: LoadSnapshot = field(default_factory=LoadSnapshot)
     index_id: str = ""
     """The id the worker publishes index entries under (from its GetLoad; defaults to worker_id)."""
+    reported_role: str = ""
+    """The role the worker reports in GetLoad ("" until probed); wins over the discovery source's."""
     num_inflight: int = 0
     """Requests this router has open on the worker."""
     inflight_prefill_tokens: int = 0
@@ -67,6 +69,11 @@ class WorkerHandle:
     @property
     def address(self) -> str:
         return self.endpoint.address
+
+    @property
+    def role(self) -> str:
+        """unified | prefill | decode: as the worker reports it, else as discovery says."""
+        return self.reported_role or self.endpoint.role
 
     @property
     def is_available(self) -> bool:
@@ -116,9 +123,10 @@ class WorkerRegistry:
     def all(self) -> list[WorkerHandle]:
         return [self._workers[k] for k in sorted(self._workers)]
 
-    def available(self, role: str = "unified") -> list[WorkerHandle]:
-        """Workers of `role` that may take a request now, in id order."""
-        return [w for w in self.all() if w.endpoint.role == role and w.is_available]
+    def available(self, *roles: str) -> list[WorkerHandle]:
+        """Workers of these roles (default: unified) that may take a request now, in id order."""
+        wanted = roles or ("unified",)
+        return [w for w in self.all() if w.role in wanted and w.is_available]
 
     def by_index_id(self) -> dict[str, WorkerHandle]:
         return {(w.index_id or w.worker_id): w for w in self._workers.values()}

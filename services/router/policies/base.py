@@ -48,6 +48,10 @@ class RoutingDecision:
     """worker id -> prompt tokens it is believed to hold (cache-aware policies)."""
     cached_blocks: int = 0
     """Leading blocks of the prompt the chosen worker is believed to hold."""
+    prefill: RoutingDecision | None = None
+    """Disaggregation: the prefill worker's decision, when the chosen (decode) worker gets one."""
+    pd_reason: str = ""
+    """For a decode worker: prefill-tier (it gets `prefill`) | short-prompt | no-prefill-worker; else ""."""
 
     def attributes(self) -> dict[str, str | int | float]:
         attrs: dict[str, str | int | float] = {
@@ -58,6 +62,16 @@ class RoutingDecision:
         for worker_id, score in sorted(self.scores.items()):
             attrs[f"routing.candidate.{worker_id}.score"] = round(score, 6)
             attrs[f"routing.candidate.{worker_id}.cached_tokens"] = self.cached_tokens.get(worker_id, 0)
+        if self.pd_reason:
+            attrs["routing.pd_reason"] = self.pd_reason
+        if self.prefill is not None:
+            attrs["routing.prefill_worker_id"] = self.prefill.worker.worker_id
+            attrs["routing.prefill_worker_address"] = self.prefill.worker.address
+            attrs["routing.prefill_policy"] = self.prefill.policy
+            for worker_id, score in sorted(self.prefill.scores.items()):
+                attrs[f"routing.prefill_candidate.{worker_id}.score"] = round(score, 6)
+                attrs[f"routing.prefill_candidate.{worker_id}.cached_tokens"] = \
+                    self.prefill.cached_tokens.get(worker_id, 0)
         return attrs
 
 
