@@ -56,14 +56,14 @@ class ServiceProc:
         return int(self.proc.returncode)
 
 
-def start_service(name: str, args: list[str], http: bool = False) -> ServiceProc:
-    """`radixmesh <name> --port P <args>`, waited on until ready."""
+def start_service(name: str, args: list[str], http: bool = False, env: dict[str, str] | None = None) -> ServiceProc:
+    """`radixmesh <name> --port P <args>` (with `env` on top of ours), waited on until ready."""
     port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix=f"radixmesh-{name}-")) / f"{name}.log"
     cmd = [sys.executable, "-m", "radixmesh.cli", name, "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     address = f"http://127.0.0.1:{port}" if http else f"127.0.0.1:{port}"
     service = ServiceProc(name, address, proc, log_path)
     try:

@@ -1,0 +1,301 @@
+"""Prefill/decode disaggregation with real processes on 127.0.0.1: a prefill worker, a decode worker
+and a router (default model, CPU, grpc KV transport).
+
+One set of processes for the module; its tests run in order. The fault tests stop and kill the
+prefill worker, so they come last. Reference answers come from an in-process engine (the same
+engine a unified worker runs), computed before the services start.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from radixmesh.protocol import (
+    common_pb2,
+    router_pb2,
+    router_pb2_grpc,
+    sampling_pb2,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from tests.integration.service_procs import ServiceProc, start_service
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ENGINE = ["--device", "cpu", "--max-total-tokens", "4096", "--max-running-requests", "8"]
+PROMPTS = ["The capital of France is Paris. The capital of Germany is", "def fibonacci(n):\n    \"\"\"Return the",
+           "Three primary colors are red, yellow and"]
+MAX_NEW_TOKENS = 8
+PREFILL_TIMEOUT_S = 6.0
+LONG_PROMPT_LEN = 700
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir: Path) -> Any:
+    from radixmesh.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(default_model_dir)
+
+
+def long_ids(seed: int, length: int = LONG_PROMPT_LEN) -> list[int]:
+    return [1] + [300 + (i * 71 + seed * 977) % 9000 for i in range(length - 1)]
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizer: Any) -> dict[str, list[int]]:
+    """Greedy output ids of a unified engine for PROMPTS and the long prompts of the fault tests."""
+    from radixmesh.engine.engine import Engine
+
+    prompts: list[str | list[int]] = [*PROMPTS, long_ids(0), long_ids(1)]
+    with Engine(device="cpu", max_total_tokens=4096) as engine:
+        results = engine.generate(prompts, {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0})
+    assert isinstance(results, list)
+    return {str(p): list(r["output_ids"]) for p, r in zip(prompts, results)}
+
+
+@pytest.fixture(scope="module")
+def services(reference: dict[str, list[int]]) -> Iterator[dict[str, ServiceProc]]:
+    common = [*ENGINE, "--kv-transport", "grpc", "--kv-lease-s", "20"]
+    specs = {"prefill": [*common, "--role", "prefill", "--worker-id", "prefill-0", "--metrics-port", "0"],
+             "decode": [*common, "--role", "decode", "--worker-id", "decode-0", "--metrics-port", "0",
+                        "--prefill-timeout-s", str(PREFILL_TIMEOUT_S)]}
+    threads = {"OMP_NUM_THREADS": "1"}  # two engines share the machine's cores
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(start_service, "worker", args, env=threads) for name, args in specs.items()}
+        procs = {name: f.result() for name, f in futures.items()}
+    workers = f"{procs['prefill'].address},{procs['decode'].address}"
+    procs["router"] = start_service("router", ["--workers", workers, "--pd-min-prefill-tokens", "8",
+                                               "--health-interval-s", "0.3", "--metrics-port", "-1"])
+    try:
+        wait_for(lambda: roles_seen(procs["router"].address) == {"prefill", "decode"}, 60, "the router to see roles")
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop(20)
+
+
+def roles_seen(router_address: str) -> set[str]:
+    with grpc.insecure_channel(router_address) as channel:
+        reply = router_pb2_grpc.RouterServiceStub(channel).ListWorkers(router_pb2.ListWorkersRequest(), timeout=5)
+    return {common_pb2.WorkerRole.Name(w.role).removeprefix("WORKER_ROLE_").lower() for w in reply.workers
+            if w.healthy}
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def stub(address: str) -> worker_pb2_grpc.WorkerServiceStub:
+    return worker_pb2_grpc.WorkerServiceStub(grpc.insecure_channel(address))
+
+
+def router(services: dict[str, ServiceProc]) -> router_pb2_grpc.RouterServiceStub:
+    return router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(services["router"].address))
+
+
+def greedy(max_new_tokens: int = MAX_NEW_TOKENS, **kwargs: Any) -> sampling_pb2.SamplingParams:
+    return sampling_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, **kwargs)
+
+
+def generate(services: dict[str, ServiceProc], ids: list[int], params: sampling_pb2.SamplingParams | None = None,
+             rid: str = "") -> list[worker_pb2.GenerateResponse]:
+    request = worker_pb2.GenerateRequest(request_id=rid, token_ids=ids, sampling_params=params or greedy())
+    return list(router(services).Generate(request, timeout=120))
+
+
+def tokens(msgs: list[worker_pb2.GenerateResponse]) -> list[int]:
+    return [t for m in msgs for t in m.token_ids]
+
+
+def load(services: dict[str, ServiceProc], name: str) -> worker_pb2.GetLoadResponse:
+    reply: worker_pb2.GetLoadResponse = stub(services[name].address).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+    return reply
+
+
+def is_idle(services: dict[str, ServiceProc], name: str) -> bool:
+    reply = load(services, name)
+    disagg = reply.disagg
+    return (reply.load.kv_used_tokens == 0 and reply.load.num_running_reqs == 0 and reply.load.num_waiting_reqs == 0
+            and disagg.num_reservations_active == 0 and disagg.num_reservations_pending == 0
+            and disagg.num_transfers_held == 0)
+
+
+def metric(proc: ServiceProc, name: str, **labels: str) -> float:
+    port = re.search(r"metrics on :(\d+)", proc.log())
+    assert port is not None, proc.log()
+    text = httpx.get(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=10).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_prefill_and_decode_give_the_unified_greedy_tokens(services: dict[str, ServiceProc], tokenizer: Any,
+                                                           reference: dict[str, list[int]]) -> None:
+    before = load(services, "decode").disagg
+    for prompt in PROMPTS:
+        msgs = generate(services, tokenizer.encode(prompt))
+        assert tokens(msgs) == reference[prompt], prompt
+        routing = msgs[0].routing
+        assert (routing.pd_reason, routing.prefill_worker_id) == ("prefill-tier", services["prefill"].address)
+        assert routing.worker_id == services["decode"].address and msgs[0].worker_id == "decode-0"
+        assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    after = load(services, "decode").disagg
+    assert after.num_committed - before.num_committed == len(PROMPTS) and after.num_fallbacks == 0
+    assert load(services, "prefill").disagg.num_exports >= len(PROMPTS)
+    short = generate(services, tokenizer.encode("Hi"))  # under --pd-min-prefill-tokens: decode computes it
+    assert short[0].routing.pd_reason == "short-prompt" and not short[0].routing.prefill_worker_id
+    assert load(services, "decode").disagg.num_committed == after.num_committed
+    wait_for(lambda: is_idle(services, "decode") and is_idle(services, "prefill"), 30, "both workers idle")
+
+
+def test_second_turn_transfers_only_the_new_suffix(services: dict[str, ServiceProc], tokenizer: Any) -> None:
+    decode = services["decode"]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Name three large cities in Europe."}],
+                                         tokenize=False, add_generation_prompt=True)
+    turn1 = tokenizer.encode(text, add_special_tokens=False)
+    bytes_0 = load(services, "decode").disagg.kv_bytes_received
+    metric_0 = metric(decode, "radixmesh_kv_transfer_bytes_total", direction="receive", transport="grpc")
+    answer = tokens(generate(services, turn1, greedy(12)))
+    bytes_1 = load(services, "decode").disagg.kv_bytes_received
+    turn2 = turn1 + answer + tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd in Asia?<|im_end|>\n"
+                                              "<|im_start|>assistant\n", add_special_tokens=False)
+    msgs = generate(services, turn2, greedy(4))
+    assert msgs[0].routing.pd_reason == "prefill-tier"
+    bytes_2 = load(services, "decode").disagg.kv_bytes_received
+    first, second = bytes_1 - bytes_0, bytes_2 - bytes_1
+    per_token = first // len(turn1)
+    assert per_token * len(turn1) == first and per_token == 30 * 2 * 3 * 64 * 4  # layers, K+V, heads, dim, fp32
+    held = len(turn1) + len(answer) - 1  # the decode worker's cache: turn 1 and its answer but the last token
+    assert second == per_token * (len(turn2) - held), (first, second, len(turn1), len(turn2))
+    assert second < first / 2
+    sent = metric(decode, "radixmesh_kv_transfer_bytes_total", direction="receive", transport="grpc") - metric_0
+    assert sent == first + second
+    print(f"\nKV bytes transferred: turn 1 {first} ({len(turn1)} tokens), turn 2 {second} "
+          f"({len(turn2) - held} new of {len(turn2)} tokens)")
+
+
+def start_in_thread(services: dict[str, ServiceProc], ids: list[int], params: sampling_pb2.SamplingParams,
+                    rid: str = "") -> tuple[Any, dict[str, Any], threading.Thread]:
+    """A routed Generate call read by a thread; returns (call, result, thread); result gets msgs or error."""
+    call = router(services).Generate(worker_pb2.GenerateRequest(request_id=rid, token_ids=ids,
+                                                                sampling_params=params), timeout=120)
+    result: dict[str, Any] = {}
+
+    def read() -> None:
+        try:
+            result["msgs"] = list(call)
+        except grpc.RpcError as exc:
+            result["error"] = exc.code()
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    return call, result, thread
+
+
+def queued_on_prefill(services: dict[str, ServiceProc]) -> int:
+    """Prompt tokens the prefill worker's front end has in flight and not prefilled yet (from its metrics,
+    which answer while its scheduler computes; GetLoad waits for the scheduler)."""
+    return int(metric(services["prefill"], "radixmesh_num_queued_prefill_tokens"))
+
+
+def prefill_busy(services: dict[str, ServiceProc]) -> bool:
+    return queued_on_prefill(services) > 0
+
+
+def test_burst_with_aborts_leaves_both_kv_pools_empty(services: dict[str, ServiceProc]) -> None:
+    long = greedy(48, ignore_eos=True)
+    calls = [start_in_thread(services, long_ids(100 + i, 40 + 8 * i), long, rid=f"burst-{i}") for i in range(6)]
+    time.sleep(0.5)
+    calls[0][0].cancel()  # the client goes away
+    assert router(services).Abort(worker_pb2.AbortRequest(request_id="burst-1"), timeout=10).found
+    time.sleep(0.5)
+    calls[2][0].cancel()
+    for _, _, thread in calls:
+        thread.join(120)
+    assert [calls[i][1]["msgs"][-1].finish_reason for i in (1, 3, 4, 5)] == [
+        common_pb2.FINISH_REASON_ABORT, *[common_pb2.FINISH_REASON_LENGTH] * 3]
+    assert [len(tokens(calls[i][1]["msgs"])) for i in (3, 4, 5)] == [48] * 3
+    wait_for(lambda: is_idle(services, "decode") and is_idle(services, "prefill"), 30, "both KV pools empty")
+
+
+def start_queued_behind(services: dict[str, ServiceProc], seed: int,
+                        rid: str) -> tuple[dict[str, Any], threading.Thread, dict[str, Any], threading.Thread]:
+    """A long prompt keeps the prefill worker's scheduler busy; `rid` waits behind it there (its scheduler
+    takes messages between steps, so an abort lands before `rid` runs). Returns both calls' results."""
+    _, busy, busy_thread = start_in_thread(services, long_ids(seed), greedy(2))
+    wait_for(lambda: queued_on_prefill(services) >= LONG_PROMPT_LEN, 30, "the prefill worker to start")
+    _, result, thread = start_in_thread(services, long_ids(seed + 1), greedy(), rid=rid)
+    wait_for(lambda: queued_on_prefill(services) >= 2 * LONG_PROMPT_LEN, 30, f"{rid} queued on the prefill worker")
+    return busy, busy_thread, result, thread
+
+
+def test_aborts_on_either_side_reach_the_other(services: dict[str, ServiceProc]) -> None:
+    exports = load(services, "prefill").disagg.num_exports
+    # on the decode worker (through the router): its Prefill call is cancelled, the prefill worker drops it
+    busy, busy_thread, result, thread = start_queued_behind(services, 20, "abort-on-decode")
+    assert router(services).Abort(worker_pb2.AbortRequest(request_id="abort-on-decode"), timeout=10).found
+    thread.join(60)
+    busy_thread.join(60)
+    assert result["msgs"][-1].finish_reason == common_pb2.FINISH_REASON_ABORT and tokens(result["msgs"]) == []
+    assert busy["msgs"][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert load(services, "prefill").disagg.num_exports == exports + 1  # the busy one's only
+    # on the prefill worker: its ABORT result ends the sequence on the decode worker too
+    busy, busy_thread, result, thread = start_queued_behind(services, 30, "abort-on-prefill")
+    prefill = stub(services["prefill"].address)
+    assert prefill.Abort(worker_pb2.AbortRequest(request_id="abort-on-prefill"), timeout=10).found
+    thread.join(60)
+    busy_thread.join(60)
+    assert result["msgs"][-1].finish_reason == common_pb2.FINISH_REASON_ABORT and tokens(result["msgs"]) == []
+    assert load(services, "prefill").disagg.num_exports == exports + 2
+    wait_for(lambda: is_idle(services, "decode") and is_idle(services, "prefill"), 30, "both KV pools empty")
+
+
+def answer_despite(services: dict[str, ServiceProc], ids: list[int],
+                   fault: Callable[[], None]) -> list[worker_pb2.GenerateResponse]:
+    """Route `ids`, apply `fault` once the prefill worker has the request, and return the answer; the decode
+    worker must have fallen back to computing the prompt itself exactly once."""
+    fallbacks = load(services, "decode").disagg.num_fallbacks
+    _, result, thread = start_in_thread(services, ids, greedy())
+    wait_for(lambda: prefill_busy(services), 30, "the prefill worker to start")
+    fault()
+    thread.join(PREFILL_TIMEOUT_S + 120)
+    assert load(services, "decode").disagg.num_fallbacks == fallbacks + 1
+    msgs: list[worker_pb2.GenerateResponse] = result["msgs"]
+    return msgs
+
+
+def test_prefill_timeout_falls_back_and_the_prefill_worker_cleans_up(services: dict[str, ServiceProc],
+                                                                      reference: dict[str, list[int]]) -> None:
+    prefill = services["prefill"].proc
+    try:
+        msgs = answer_despite(services, long_ids(0), lambda: prefill.send_signal(signal.SIGSTOP))  # never answers
+    finally:
+        prefill.send_signal(signal.SIGCONT)
+    assert tokens(msgs) == reference[str(long_ids(0))]
+    assert metric(services["decode"], "radixmesh_kv_transfer_fallbacks_total", reason="prefill_timeout") == 1
+    # the decode worker cancelled the call: the prefill worker aborted or released it, and holds nothing
+    wait_for(lambda: is_idle(services, "prefill") and is_idle(services, "decode"), 30, "both KV pools empty")
+    wait_for(lambda: roles_seen(services["router"].address) == {"prefill", "decode"}, 30, "the prefill worker back")
+
+
+def test_prefill_worker_killed_mid_transfer_the_request_completes(services: dict[str, ServiceProc],
+                                                                 reference: dict[str, list[int]]) -> None:
+    msgs = answer_despite(services, long_ids(1), services["prefill"].proc.kill)  # its scheduler then exits too
+    assert tokens(msgs) == reference[str(long_ids(1))]
+    assert msgs[0].routing.prefill_worker_id == services["prefill"].address
+    assert metric(services["decode"], "radixmesh_kv_transfer_fallbacks_total", reason="prefill_unavailable") == 1
+    wait_for(lambda: is_idle(services, "decode"), 30, "the decode worker's KV pool empty")
