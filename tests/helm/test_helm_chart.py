@@ -221,6 +221,11 @@ def test_pd_example_runs_2_prefill_and_4_decode(rendered: dict[str, list[dict[st
     assert flag(prefill_args, "mem-fraction-static") == "0.88"  # shared worker.engine
     assert "--disable-cuda-graph" in prefill_args
     assert "--disable-cuda-graph" not in container(by_role["decode"])["args"]
+    decode_args = container(by_role["decode"])["args"]
+    assert flag(prefill_args, "kv-transport") == flag(decode_args, "kv-transport") == "grpc"
+    assert flag(decode_args, "prefill-timeout-s") == "60" and flag(prefill_args, "prefill-timeout-s") is None
+    router = next(d for d in deployments.values() if component_of(d) == "router")
+    assert flag(container(router)["args"], "pd-min-prefill-tokens") == "256"
     assert by_role["decode"]["spec"]["template"]["spec"]["nodeSelector"] == {"node-pool": "gpu-decode"}
     volumes = by_role["decode"]["spec"]["template"]["spec"]["volumes"]
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "llama-3-1-8b", "readOnly": True}} in volumes
