@@ -13,7 +13,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                                      "process on a free port, stopped together by `radixmesh cluster down`.")
     actions = cmd.add_subparsers(dest="action", required=True)
     up = actions.add_parser("up", help="start a cluster and print the gateway URL")
-    up.add_argument("--workers", type=int, default=2, help="number of unified workers")
+    up.add_argument("--workers", type=int, default=None,
+                    help="number of unified workers (default: 2, or 0 with --decode-workers)")
+    up.add_argument("--prefill-workers", type=int, default=0,
+                    help="disaggregation: prefill workers (compute prompts, send their KV to decode workers)")
+    up.add_argument("--decode-workers", type=int, default=0,
+                    help="disaggregation: decode workers (the router names a prefill worker for each prompt)")
     up.add_argument("--redis", default=None,
                     help="URL of an existing Redis (default: start one when redis-server is installed)")
     up.add_argument("--policy", default="cache-aware",
@@ -56,12 +61,17 @@ def _state_dir(args: argparse.Namespace) -> Path:
 def cmd_up(args: argparse.Namespace) -> int:
     from radixmesh.cluster.local import ClusterSpec, cluster_up
 
-    spec = ClusterSpec(num_workers=args.workers, redis_url=args.redis, policy=args.policy, model=args.model,
-                       gateway_port=args.port, worker_args=args.worker_args, router_args=args.router_args,
-                       log_level=args.log_level, state_dir=_state_dir(args), timeout_s=args.timeout_s,
-                       otlp_endpoint=args.otlp_endpoint, metrics=args.metrics, grammar=args.grammar)
+    num_workers = args.workers if args.workers is not None else (0 if args.decode_workers else 2)
+    spec = ClusterSpec(num_workers=num_workers, num_prefill_workers=args.prefill_workers,
+                       num_decode_workers=args.decode_workers, redis_url=args.redis, policy=args.policy,
+                       model=args.model, gateway_port=args.port, worker_args=args.worker_args,
+                       router_args=args.router_args, log_level=args.log_level, state_dir=_state_dir(args),
+                       timeout_s=args.timeout_s, otlp_endpoint=args.otlp_endpoint, metrics=args.metrics,
+                       grammar=args.grammar)
     state = cluster_up(spec)
-    print(f"radixmesh cluster: {len(state.worker_addresses)} workers, router {state.router_address} "
+    roles = [role for _, role in spec.worker_roles()]
+    tiers = ", ".join(f"{roles.count(r)} {r}" for r in ("unified", "prefill", "decode") if r in roles)
+    print(f"radixmesh cluster: workers {tiers}, router {state.router_address} "
           f"({state.policy}), tokenizer {state.tokenizer_address}, Redis {state.redis_url or 'none'}"
           + (f", grammar {state.grammar_address}" if state.grammar_address else ""))
     for name, url in state.metrics_urls.items():

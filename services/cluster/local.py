@@ -1,4 +1,5 @@
-"""A local cluster on 127.0.0.1: Redis (optional), N workers, tokenizer, router, gateway.
+"""A local cluster on 127.0.0.1: Redis (optional), workers (unified, or prefill and decode tiers), tokenizer,
+router, gateway.
 
 `up` starts everything as background processes on free ports, waits until each answers,
 and writes a state file (pids, ports, URLs); `down` stops exactly the pids in that file.
@@ -33,6 +34,10 @@ class ClusterSpec:
 
     num_workers: int = 2
     """Unified workers."""
+    num_prefill_workers: int = 0
+    """Disaggregation: prefill workers (they need decode workers)."""
+    num_decode_workers: int = 0
+    """Disaggregation: decode workers (without prefill workers they compute prompts themselves)."""
     redis_url: str | None = None
     """An existing Redis; None starts one when redis-server is installed (else no index)."""
     policy: str = "cache-aware"
@@ -59,8 +64,18 @@ class ClusterSpec:
     """Start the grammar service too; workers fetch compiled grammars from it."""
 
     def __post_init__(self) -> None:
-        if self.num_workers < 1:
-            raise invalid_argument("a cluster needs at least one worker", "workers")
+        if min(self.num_workers, self.num_prefill_workers, self.num_decode_workers) < 0:
+            raise invalid_argument("worker counts must be >= 0", "workers")
+        if self.num_workers + self.num_decode_workers < 1:
+            raise invalid_argument("a cluster needs at least one unified or decode worker", "workers")
+        if self.num_prefill_workers and not self.num_decode_workers:
+            raise invalid_argument("prefill workers need decode workers (--decode-workers)", "prefill_workers")
+
+    def worker_roles(self) -> list[tuple[str, str]]:
+        """(process name, role) of every worker: worker-<i> (unified), prefill-<i>, decode-<i>."""
+        return ([(f"worker-{i}", "unified") for i in range(self.num_workers)]
+                + [(f"prefill-{i}", "prefill") for i in range(self.num_prefill_workers)]
+                + [(f"decode-{i}", "decode") for i in range(self.num_decode_workers)])
 
 
 @dataclass
@@ -80,6 +95,8 @@ class ClusterState:
     """service name -> its Prometheus /metrics URL (with ClusterSpec.metrics)."""
     grammar_address: str | None = None
     """The grammar service (with ClusterSpec.grammar)."""
+    worker_roles: dict[str, str] = field(default_factory=dict)
+    """worker address -> unified | prefill | decode."""
 
     def save(self, state_dir: Path) -> Path:
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -157,15 +174,16 @@ def _start_all(spec: ClusterSpec, starter: _Starter) -> ClusterState:
         redis_url = redis.url
     model = ["--model", spec.model] if spec.model else []
     index = ["--redis-url", redis_url] if redis_url else []
-    workers = [f"{HOST}:{free_port(HOST)}" for _ in range(spec.num_workers)]
+    named = {name: (f"{HOST}:{free_port(HOST)}", role) for name, role in spec.worker_roles()}
+    workers = [address for address, _ in named.values()]
     # CPU workers share the machine's cores instead of each spinning up one thread per core.
-    threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.num_workers))}
+    threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // len(workers)))}
     grammar = _start_grammar(spec, starter, model, index)
     grammar_args = ["--grammar-service", grammar] if grammar else []
-    for i, address in enumerate(workers):
-        starter.start(f"worker-{i}", ["worker", "--host", HOST, "--port", address.rsplit(":", 1)[1],
-                                      *starter.metrics_args(f"worker-{i}"), *model, *index, *grammar_args,
-                                      *shlex.split(spec.worker_args)],
+    for name, (address, role) in named.items():
+        starter.start(name, ["worker", "--host", HOST, "--port", address.rsplit(":", 1)[1], "--role", role,
+                             *starter.metrics_args(name), *model, *index, *grammar_args,
+                             *shlex.split(spec.worker_args)],
                       env=threads if "OMP_NUM_THREADS" not in os.environ else None)
     tokenizer = f"{HOST}:{free_port(HOST)}"
     starter.start("tokenizer", ["tokenizer", "--host", HOST, "--port", tokenizer.rsplit(":", 1)[1],
@@ -176,8 +194,8 @@ def _start_all(spec: ClusterSpec, starter: _Starter) -> ClusterState:
                              *index, *shlex.split(spec.router_args)])
     if grammar:
         starter.wait("grammar", lambda: grpc_serving(grammar), f"gRPC health at {grammar}")
-    for i, address in enumerate(workers):
-        starter.wait(f"worker-{i}", lambda a=address: grpc_serving(a), f"gRPC health at {address}")
+    for name, (address, _) in named.items():
+        starter.wait(name, lambda a=address: grpc_serving(a), f"gRPC health at {address}")
     starter.wait("tokenizer", lambda: grpc_serving(tokenizer), f"gRPC health at {tokenizer}")
     starter.wait("router", lambda: router_sees_all(router, len(workers)), f"all workers healthy at {router}")
     gateway_port = spec.gateway_port or free_port(HOST)
@@ -190,7 +208,8 @@ def _start_all(spec: ClusterSpec, starter: _Starter) -> ClusterState:
     state = ClusterState(gateway_url=gateway_url, router_address=router, tokenizer_address=tokenizer,
                          worker_addresses=workers, redis_url=redis_url, policy=spec.policy,
                          log_dir=str(starter.log_dir), pids=dict(starter.pids),
-                         metrics_urls=dict(starter.metrics_urls), grammar_address=grammar)
+                         metrics_urls=dict(starter.metrics_urls), grammar_address=grammar,
+                         worker_roles={address: role for address, role in named.values()})
     state.save(spec.state_dir)
     return state
 
