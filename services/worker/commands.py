@@ -23,11 +23,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--kv-transport", default="grpc", choices=KV_TRANSPORT_IDS,
                      help="disaggregation: how KV moves from prefill to decode workers (grpc: bytes over the "
                           "Prefill call, anywhere; cuda-ipc: GPU to GPU on one host); both tiers must agree")
-    cmd.add_argument("--kv-lease-s", type=float, default=30.0,
+    cmd.add_argument("--kv-lease-s", type=float, default=60.0,
                      help="disaggregation: seconds a KV reservation (decode) or exported KV (prefill) is held at most")
-    cmd.add_argument("--prefill-timeout-s", type=float, default=60.0,
+    cmd.add_argument("--prefill-timeout-s", type=float, default=30.0,
                      help="decode: seconds to wait for the prefill worker's KV and first token before computing "
-                          "the prompt here")
+                          "the prompt here (below --kv-lease-s)")
     cmd.add_argument("--worker-id", default="", help="id in the KV-cache index and routing (default: host:port)")
     cmd.add_argument("--advertise-address", default="",
                      help="host:port others dial (default: the listening host:port)")

@@ -28,10 +28,11 @@ class WorkerConfig:
     kv_transport: str = "grpc"
     """Disaggregation: KV transport id (grpc | cuda-ipc); a decode worker asks for it, a prefill worker
     serves only it."""
-    kv_lease_s: float = 30.0
+    kv_lease_s: float = 60.0
     """Disaggregation: seconds a KV reservation (decode) or exported KV (prefill) is held at most."""
-    prefill_timeout_s: float = 60.0
-    """Decode: seconds to wait for a prefill worker's KV and first token before computing the prompt here."""
+    prefill_timeout_s: float = 30.0
+    """Decode: seconds to wait for a prefill worker's KV and first token before computing the prompt here
+    (below kv_lease_s, so that a reservation outlives the wait)."""
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
@@ -41,6 +42,10 @@ class WorkerConfig:
         check_transport_id(self.kv_transport)
         if not 0 < self.kv_lease_s <= 3600 or not 0 < self.prefill_timeout_s <= 3600:
             raise invalid_argument("kv_lease_s and prefill_timeout_s must be in (0, 3600] seconds", "kv_lease_s")
+        if self.role == "decode" and self.prefill_timeout_s >= self.kv_lease_s:
+            raise invalid_argument(f"prefill_timeout_s ({self.prefill_timeout_s:g}) must be below kv_lease_s "
+                                   f"({self.kv_lease_s:g}): a reservation must outlive the wait for its KV",
+                                   "prefill_timeout_s")
         if self.advertise_address and ":" not in self.advertise_address:
             raise invalid_argument(f"advertise_address must be host:port (got {self.advertise_address!r})",
                                    "advertise_address")

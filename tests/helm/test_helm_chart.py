@@ -223,7 +223,7 @@ def test_pd_example_runs_2_prefill_and_4_decode(rendered: dict[str, list[dict[st
     assert "--disable-cuda-graph" not in container(by_role["decode"])["args"]
     decode_args = container(by_role["decode"])["args"]
     assert flag(prefill_args, "kv-transport") == flag(decode_args, "kv-transport") == "grpc"
-    assert flag(decode_args, "prefill-timeout-s") == "60" and flag(prefill_args, "prefill-timeout-s") is None
+    assert flag(decode_args, "prefill-timeout-s") == "30" and flag(prefill_args, "prefill-timeout-s") is None
     router = next(d for d in deployments.values() if component_of(d) == "router")
     assert flag(container(router)["args"], "pd-min-prefill-tokens") == "256"
     assert by_role["decode"]["spec"]["template"]["spec"]["nodeSelector"] == {"node-pool": "gpu-decode"}

@@ -250,3 +250,17 @@ def test_transport_registry_checks_devices() -> None:
     sched, _ = make_scheduler()
     with pytest.raises(Exception, match="CUDA device"):
         create_transport("cuda-ipc", sched.runner.kv_pool)
+
+
+@pytest.mark.parametrize(("fields", "param"), [({"kv_transport": "rdma"}, "kv_transport"),
+                                               ({"role": "decode", "kv_lease_s": 10, "prefill_timeout_s": 10},
+                                                "prefill_timeout_s"),
+                                               ({"kv_lease_s": 0}, "kv_lease_s")])
+def test_worker_disaggregation_settings_are_checked(fields: dict[str, Any], param: str) -> None:
+    from radixmesh.common.errors import RadixMeshError
+    from radixmesh.worker.config import WorkerConfig
+
+    with pytest.raises(RadixMeshError) as err:
+        WorkerConfig(**fields)
+    assert err.value.param == param
+    WorkerConfig(role="prefill", kv_transport="cuda-ipc", kv_lease_s=10, prefill_timeout_s=10)  # decode's rule only
