@@ -63,17 +63,20 @@ def test_resolve_flag_env_and_switches(clean_env: pytest.MonkeyPatch) -> None:
 
 
 def test_cli_flag_on_every_service() -> None:
+    from radixmesh.cluster import commands as cluster_commands
     from radixmesh.gateway import commands as gateway_commands
+    from radixmesh.grammar import commands as grammar_commands
     from radixmesh.router import commands as router_commands
     from radixmesh.tokenizer import commands as tokenizer_commands
     from radixmesh.worker import commands as worker_commands
 
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
-    for module in (gateway_commands, router_commands, tokenizer_commands, worker_commands):
+    for module in (gateway_commands, router_commands, tokenizer_commands, worker_commands, grammar_commands,
+                   cluster_commands):
         module.register(sub)
     for argv in (["serve"], ["gateway", "--router", "r:1", "--tokenizer", "t:1"], ["router"], ["tokenizer"],
-                 ["worker"]):
+                 ["worker"], ["grammar"], ["cluster", "up"]):
         args = parser.parse_args([*argv, "--otlp-endpoint", "collector:4317"])
         assert args.otlp_endpoint == "collector:4317", argv
         assert parser.parse_args(argv).otlp_endpoint is None, argv
