@@ -51,12 +51,13 @@ class PrefillFlow:
         msg = self._prefill_msg(first.start)
         last: TokenOut | None = None
         num_bytes = 0
-        async for item in self._run(msg, first.start.decode_worker_id):
-            if isinstance(item, KVExportMsg):
-                num_bytes += item.chunk.num_bytes
-                yield worker_pb2.PrefillResponse(kv_chunk=kv_chunk_to_proto(item))
-            else:
-                last = item
+        async with contextlib.aclosing(self._run(msg, first.start.decode_worker_id)) as items:
+            async for item in items:
+                if isinstance(item, KVExportMsg):
+                    num_bytes += item.chunk.num_bytes
+                    yield worker_pb2.PrefillResponse(kv_chunk=kv_chunk_to_proto(item))
+                else:
+                    last = item
         assert last is not None and last.finish_reason is not None, "the prefill stream ended early"
         yield worker_pb2.PrefillResponse(result=prefill_result_to_proto(last, num_bytes, self.config.worker_id))
         if last.finish_reason == "abort":

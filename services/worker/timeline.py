@@ -102,7 +102,7 @@ class RequestTimeline:
 def record_kv_transfer_span(name: str, start_s: float, end_s: float, transport: str, num_bytes: int,
                             parent: Span | None = None, **attributes: Any) -> None:
     """A KV reservation or transfer (name: worker.kv_reserve | worker.kv_transfer) timed with time.time();
-    a child of `parent` (default: the current span, e.g. the Reserve/TransferKV call's server span, which
+    a child of `parent` (default: the current span, e.g. the Generate or Prefill call's server span, which
     carries the router's trace context). For the prefill/decode tiers; no-op when tracing is off."""
     if not tracing.enabled():
         return

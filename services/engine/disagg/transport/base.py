@@ -1,7 +1,7 @@
 """The contract of a KV transport: how a prompt's KV leaves the prefill pool and lands in the decode pool.
 
 Both ends run inside scheduler processes. Whatever a transport puts in `KVChunk.data` travels
-in-band, over the workers' gRPC `TransferKV` stream: the KV itself (grpc), or a reference the
+in-band, in the workers' gRPC `Prefill` call: the KV itself (grpc), or a reference the
 decode side fetches from (cuda-ipc: a CUDA IPC handle; an RDMA transport: remote memory
 descriptors). The prefill side keeps whatever backs its chunks until `release`.
 """

@@ -1,4 +1,4 @@
-"""`grpc`: the KV bytes themselves ride the workers' gRPC TransferKV stream. Works anywhere (CPU too).
+"""`grpc`: the KV bytes themselves ride the workers' gRPC Prefill call. Works anywhere (CPU too).
 
 Export gathers the slots' KV into one contiguous buffer on the pool's device, copies it to the
 host and cuts it into layer ranges; receive copies a range to the device and scatters it.
