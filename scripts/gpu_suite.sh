@@ -2,12 +2,12 @@
 # The GPU tests and benchmarks in one call, for a CUDA machine with torch and triton but no
 # network (wheels for the rest are carried in .whl, fetched by ../shared/tools/fetch-gpu-wheels.sh
 # plus msgspec pyzmq gguf pytest pluggy iniconfig). Results go to $OUT as JSON.
-#   STAGES="tests kernel one-batch offline compare" bash scripts/gpu_suite.sh
+#   STAGES="tests hot-path kernel one-batch offline compare" bash scripts/gpu_suite.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT" /tmp/site /tmp/pkg
-STAGES=${STAGES:-"tests kernel one-batch"}
+STAGES=${STAGES:-"tests hot-path kernel one-batch"}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
@@ -30,13 +30,15 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_triton_kernels_gpu.py ;;
     engine-tests)
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_engine_gpu.py ;;
+    hot-path)  # no implicit host-device sync in scheduling, launch, sampling, results (graphs + overlap)
+      python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_hot_path_gpu.py ;;
     kernel)
       python3 -m radixmesh.kernels.bench_decode --batch 64 --seq-len 2048 --heads 32 --kv-heads 8 --head-dim 128 \
         --dtype bf16 ;;
     one-batch)
       for shape in llama-3.2-1b llama-3.1-8b; do
         $RM bench one-batch --model-shape "$shape" --batch-size 1 --input-len 1024 --output-len 256 \
-          --context-length 8192 --cuda-graph-max-bs 8 --result-file "$OUT/one-batch.jsonl"
+          --context-length 8192 --cuda-graph-max-bs 8 --profile-graph --result-file "$OUT/one-batch.jsonl"
       done ;;
     offline)
       $RM bench offline --model-shape llama-3.1-8b --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 --random-output-len 2048 \

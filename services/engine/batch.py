@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,11 @@ from radixmesh.engine.request import Req
 
 @dataclass
 class ScheduleBatch:
-    """Host-side description of one pass; the model runner turns it into a ForwardBatch."""
+    """Host-side description of one pass; the model runner turns it into a ForwardBatch.
+
+    DECODE: the runner also records each request's new slot in `req_to_token` (at row
+    `req_pool_indices[i]`, column `positions[i]`) with the same host-to-device copy as the inputs.
+    """
 
     mode: ForwardMode
     reqs: list[Req]
@@ -22,12 +27,14 @@ class ScheduleBatch:
     out_cache_loc: torch.Tensor  # [num_tokens] int64 KV slots on the pool's device
     prefix_lens: list[int]
     extend_lens: list[int]
+    req_pool_indices: list[int]
+    """Row of each request in `req_to_token`."""
     future_rows: list[int] | None = None
     """DECODE under overlap: row of each input token in the previous launch's output, or -1."""
     prompt_logprobs: PromptLogprobPlan | None = None
     """EXTEND: which packed tokens' logits score owed prompt tokens (None when no request owes any)."""
 
-    @property
+    @functools.cached_property
     def seq_lens(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
 
@@ -94,23 +101,66 @@ def build_extend_batch(reqs: list[Req], kv: KVCacheManager) -> ScheduleBatch | N
         kv.req_pool.req_to_token[req.req_pool_idx, start:end] = slots[offset:offset + req.extend_len]
         offset += req.extend_len
     return ScheduleBatch(ForwardMode.EXTEND, reqs, input_ids, positions, slots,
-                         [r.kv_len for r in reqs], [r.extend_len for r in reqs],
+                         [r.kv_len for r in reqs], [r.extend_len for r in reqs], _pool_rows(reqs),
                          prompt_logprobs=plan_prompt_logprobs(reqs))
 
 
 def build_decode_batch(reqs: list[Req], kv: KVCacheManager) -> ScheduleBatch | None:
-    """One slot per request for its last sampled token; None if memory ran out."""
+    """One slot per request for its last sampled token; None if memory ran out.
+
+    The slots reach `req_to_token` when the runner copies the batch's inputs (no copy here).
+    """
     slots = kv.alloc_slots(len(reqs))
     if slots is None:
         return None
-    rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=slots.device)
-    cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=slots.device)
-    kv.req_pool.req_to_token[rows, cols] = slots
+    kv_lens = [r.kv_len for r in reqs]
     input_ids = [r.output_ids[-1] if not r.futures else 0 for r in reqs]
     future_rows = [r.futures[-1][1] if r.futures else -1 for r in reqs]
-    return ScheduleBatch(ForwardMode.DECODE, reqs, input_ids, [r.kv_len for r in reqs], slots,
-                         [r.kv_len for r in reqs], [1] * len(reqs),
-                         future_rows if any(row >= 0 for row in future_rows) else None)
+    return ScheduleBatch(ForwardMode.DECODE, reqs, input_ids, kv_lens, slots, kv_lens, [1] * len(reqs),
+                         _pool_rows(reqs), future_rows if any(row >= 0 for row in future_rows) else None)
+
+
+def _pool_rows(reqs: list[Req]) -> list[int]:
+    rows = [r.req_pool_idx for r in reqs if r.req_pool_idx is not None]
+    assert len(rows) == len(reqs), "a scheduled request has no req_to_token row"
+    return rows
+
+
+@dataclass(frozen=True)
+class FutureIndex:
+    """Where each input id of a batch comes from: row `index[i]` of `cat(previous tokens, host ids)`."""
+
+    index: list[int]
+    """A future's row in the previous launch's output, else `num_prev + i` (its own host id)."""
+    all_future: bool
+    """Every id is a future: the previous tokens alone are gathered."""
+    identity: bool
+    """The previous launch's tokens are this batch's ids as they are (same rows, same order)."""
+
+
+def future_index(future_rows: list[int] | None, num_prev: int) -> FutureIndex | None:
+    """The gather plan of `resolve_futures`; None when no input token is a future."""
+    if future_rows is None:
+        return None
+    index = [row if row >= 0 else num_prev + i for i, row in enumerate(future_rows)]
+    all_future = all(row >= 0 for row in future_rows)
+    identity = all_future and num_prev == len(index) and index == list(range(num_prev))
+    return FutureIndex(index, all_future, identity)
+
+
+def resolve_futures(ids: torch.Tensor, plan: FutureIndex, index: torch.Tensor, prev_tokens: torch.Tensor) -> None:
+    """Overwrite the placeholder ids `[n]` in place with the tokens the previous launch sampled.
+
+    Device work only (the sampled tokens never visit the host); `index` is `plan.index` on the device.
+    """
+    assert ids.shape[0] == len(plan.index) == index.shape[0], (
+        f"{ids.shape[0]} ids, {len(plan.index)} planned, {index.shape[0]} indices")
+    if plan.identity:
+        ids.copy_(prev_tokens)
+    elif plan.all_future:
+        torch.index_select(prev_tokens, 0, index, out=ids)
+    else:
+        torch.index_select(torch.cat((prev_tokens, ids)), 0, index, out=ids)
 
 
 def commit_batch(batch: ScheduleBatch) -> None:

@@ -69,14 +69,62 @@ def make_reqs(lengths: list[tuple[int, int]], vocab: int, seed: int, tag: str) -
             for i, (in_len, out_len) in enumerate(lengths)]
 
 
-def run_all(sched: Any, reqs: list[Any]) -> float:
+class StepClock:
+    """Host time of each scheduler step, less the eager model forward and the waits for device results.
+
+    On a CPU the model forward is compute and is left out; on a GPU it is launch time (eager
+    passes; a graph replay is not a model call). The wait is `Scheduler.result_wait_s`. Wall
+    time, and the thread's CPU time (steadier on a shared machine: time other processes
+    take is not counted; a GPU wait spins, so only the wall figure leaves it out cleanly).
+    """
+
+    def __init__(self, sched: Any) -> None:
+        self.sched = sched
+        self.steps: list[tuple[float, float, float, float, float]] = []  # wall, model, wait, cpu, model cpu
+        self._model_s = self._model_cpu_s = 0.0
+        self._model_start = self._model_cpu_start = 0.0
+        model = sched.runner.model
+        model.register_forward_pre_hook(self._model_begin)
+        model.register_forward_hook(self._model_end)
+
+    def _model_begin(self, *_: Any) -> None:
+        self._model_start, self._model_cpu_start = time.perf_counter(), time.thread_time()
+
+    def _model_end(self, *_: Any) -> None:
+        self._model_s += time.perf_counter() - self._model_start
+        self._model_cpu_s += time.thread_time() - self._model_cpu_start
+
+    def step(self) -> None:
+        model_s, model_cpu_s, wait_s = self._model_s, self._model_cpu_s, getattr(self.sched, "result_wait_s", 0.0)
+        start, cpu_start = time.perf_counter(), time.thread_time()
+        self.sched.step()
+        wall, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
+        self.steps.append((wall, self._model_s - model_s, getattr(self.sched, "result_wait_s", 0.0) - wait_s,
+                           cpu, self._model_cpu_s - model_cpu_s))
+
+    def decode_summary(self) -> dict[str, float]:
+        """Means over decode steps: all but the first two (prefill launch, its result) and the last (drain)."""
+        steps = self.steps[2:-1] or self.steps
+        n = len(steps)
+        host = [wall - model - wait for wall, model, wait, _, _ in steps]
+        host_cpu = [cpu - model_cpu for _, _, _, cpu, model_cpu in steps]
+        return {"host_ms_per_decode_step": round(1000 * sum(host) / n, 4),
+                "host_ms_per_decode_step_median": round(1000 * statistics.median(host), 4),
+                "host_cpu_ms_per_decode_step_median": round(1000 * statistics.median(host_cpu), 4),
+                "wait_ms_per_decode_step": round(1000 * sum(s[2] for s in steps) / n, 4),
+                "eager_model_ms_per_decode_step": round(1000 * sum(s[1] for s in steps) / n, 4),
+                "num_timed_steps": n}
+
+
+def run_all(sched: Any, reqs: list[Any], clock: StepClock | None = None) -> float:
     sync = _sync_fn(sched)
     sync()
     start = time.perf_counter()
     for req in reqs:
         sched.add_request(req)
+    step = clock.step if clock is not None else sched.step
     while sched.has_work:
-        sched.step()
+        step()
     sync()
     return start
 
@@ -115,7 +163,8 @@ def cmd_one_batch(args: argparse.Namespace) -> int:
     run_all(sched, make_reqs([(args.input_len, min(args.output_len, 4))] * args.batch_size, vocab, 1, "warm"))
     timeline.reset()
     reqs = make_reqs([(args.input_len, args.output_len)] * args.batch_size, vocab, 2, "r")
-    start = run_all(sched, reqs)
+    clock = StepClock(sched)
+    start = run_all(sched, reqs, clock)
     prefill_s = max(timeline.first_token_s.values()) - start
     decode_s = max(timeline.done_s.values()) - max(timeline.first_token_s.values())
     steps = max(args.output_len - 1, 1)
@@ -127,9 +176,47 @@ def cmd_one_batch(args: argparse.Namespace) -> int:
         "decode_step_latency_ms": round(1000 * decode_s / steps, 4),
         "decode_throughput_tok_s": round(args.batch_size * steps / decode_s, 1),
         "per_request_decode_tok_s": round(steps / decode_s, 1),
+        **clock.decode_summary(),
     }
+    graphs = sched.runner.graph_runner
+    if graphs is not None:
+        # the device floor of a step: the captured forward alone, at the mean decode length
+        seq_len = args.input_len + args.output_len // 2
+        replay_ms = graphs.time_replay_ms(args.batch_size, seq_len)
+        result["graph_replay_ms"] = round(replay_ms, 4) if replay_ms is not None else None
+        if args.profile_graph and replay_ms is not None:
+            result.update(profile_graph(graphs, args.batch_size, seq_len))
     _report(result, args)
     return 0
+
+
+def profile_graph(graphs: Any, batch_size: int, seq_len: int, iters: int = 10) -> dict[str, Any]:
+    """Kernels of one decode graph replay (torch.profiler): how many, and where the device time goes."""
+    import torch
+
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            graphs.time_replay_ms(batch_size, seq_len, iters)
+        return _kernel_summary(prof.key_averages(), runs=iters + 1)  # time_replay_ms replays once more first
+    except Exception as exc:  # a profiler that cannot trace must not lose the other figures
+        return {"graph_profile_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
+def _kernel_summary(events: Any, runs: int) -> dict[str, Any]:
+    import torch
+
+    def device_us(event: Any) -> float:
+        return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
+
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA), key=device_us,
+                     reverse=True)
+    top = [{"kernel": e.key[:90], "calls_per_replay": round(e.count / runs, 2),
+            "us_per_replay": round(device_us(e) / runs, 1)} for e in kernels[:15]]
+    for row in top:
+        print(f"  {row['us_per_replay']:>9.1f} us  {row['calls_per_replay']:>7.1f} x  {row['kernel']}")
+    return {"graph_kernels_per_replay": round(sum(e.count for e in kernels) / runs, 1),
+            "graph_kernel_us_per_replay": round(sum(device_us(e) for e in kernels) / runs, 1),
+            "graph_top_kernels": top}
 
 
 def random_lengths(num: int, max_in: int, max_out: int, ratio: float, seed: int) -> list[tuple[int, int]]:
@@ -198,6 +285,8 @@ def register_one_batch(bench: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--profile-graph", action="store_true",
+                        help="also list the kernels of one decode graph replay (torch.profiler)")
     parser.set_defaults(func=cmd_one_batch)
 
 

@@ -3,6 +3,12 @@
 A decode step of a small model is hundreds of tiny kernels; replaying a graph turns
 their launches into one. Inputs live in static buffers; a batch is padded up to the
 next captured size with dummy rows (slot 0, length 1) whose outputs are discarded.
+
+The graph of size B reads its inputs from one flat buffer laid out as rows of B:
+positions, req_pool_indices, seq_lens, input_ids, gather index, then out_cache_loc. The
+first five rows come from the host, padding included, in one non-blocking copy; the slots
+and the previous launch's tokens are copied on the device. Per step that is one
+host-to-device copy and three or four small kernels besides the replay, and no host sync.
 """
 
 from __future__ import annotations
@@ -11,11 +17,13 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from radixmesh.engine.attention.base import ForwardBatch, ForwardMode
+from radixmesh.engine.batch import future_index, resolve_futures
+from radixmesh.engine.device_io import copy_to_device
 
 if TYPE_CHECKING:
     from radixmesh.engine.batch import ScheduleBatch
@@ -24,6 +32,58 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _BUCKETS = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256, 320, 384, 512]
+_NUM_HOST_ROWS = 5
+
+
+class GraphInputs(NamedTuple):
+    """Views of the flat input buffer for one captured batch size B, each `[B]` int64."""
+
+    positions: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    input_ids: torch.Tensor
+    gather: torch.Tensor
+    """Index of `resolve_futures` (read only when some input is a future)."""
+    out_cache_loc: torch.Tensor
+    from_host: torch.Tensor
+    """The first five rows `[5 * B]`: what one host-to-device copy fills."""
+
+    @classmethod
+    def of(cls, flat: torch.Tensor, bs: int) -> GraphInputs:
+        """The views for batch size `bs` of a flat int64 buffer of at least `6 * bs` elements."""
+        assert flat.dim() == 1 and flat.numel() >= 6 * bs, f"flat buffer of {flat.numel()} for batch size {bs}"
+        positions, pool_rows, seq_lens, input_ids, gather, slots = (flat[i * bs:(i + 1) * bs] for i in range(6))
+        return cls(positions, pool_rows, seq_lens, input_ids, gather, slots, flat[:_NUM_HOST_ROWS * bs])
+
+    def head(self, bs: int) -> GraphInputs:
+        """The first `bs` rows of each view (the batch's own rows, without the padding)."""
+        positions, pool_rows, seq_lens, input_ids, gather, slots = (view[:bs] for view in self[:6])
+        return GraphInputs(positions, pool_rows, seq_lens, input_ids, gather, slots, self.from_host)
+
+
+def stage_inputs(views: GraphInputs, head: GraphInputs, batch: ScheduleBatch, prev_tokens: torch.Tensor | None,
+                 req_to_token: torch.Tensor) -> None:
+    """Fill a graph's input views for a DECODE batch (padded to their size; `head` is
+    `views.head(len(batch.reqs))`) and record each request's new slot in `req_to_token`.
+    Device work and one non-blocking copy only.
+
+    `prev_tokens` are the previous launch's sampled tokens (the batch's future inputs).
+    """
+    bs, padded = len(batch.reqs), views.positions.shape[0]
+    assert batch.is_decode and head.positions.shape[0] == bs <= padded, (
+        f"a {batch.mode.value} batch of {bs} for graph inputs of {padded} (head of {head.positions.shape[0]})")
+    pad = [0] * (padded - bs)
+    futures = future_index(batch.future_rows, prev_tokens.shape[0] if prev_tokens is not None else 0)
+    copy_to_device(views.from_host, [
+        *batch.positions, *pad, *batch.req_pool_indices, *pad, *batch.seq_lens, *([1] * len(pad)),
+        *batch.input_ids, *pad, *(futures.index if futures is not None else [0] * bs), *pad])
+    if futures is not None:
+        assert prev_tokens is not None, "future tokens without a previous launch"
+        resolve_futures(head.input_ids, futures, head.gather, prev_tokens)
+    head.out_cache_loc.copy_(batch.out_cache_loc)
+    if pad:
+        views.out_cache_loc[bs:].zero_()  # dummy rows write their k/v to slot 0
+    req_to_token.index_put_((head.req_pool_indices, head.positions), head.out_cache_loc)
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -43,24 +103,25 @@ class CudaGraphRunner:
         assert backend.supports_cuda_graph, f"{type(backend).__name__} cannot run in CUDA graphs"
         self.max_kv_indices = backend.init_cuda_graph_state(self.max_bs, runner.context_len, runner.kv_pool,
                                                             runner.model_config.num_heads)
-
-        def zeros(n: int) -> torch.Tensor:
-            return torch.zeros(n, dtype=torch.int64, device=self.device)
-
-        self.input_ids, self.positions, self.out_cache_loc = zeros(self.max_bs), zeros(self.max_bs), zeros(self.max_bs)
-        self.req_pool_indices = zeros(self.max_bs)
-        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int64, device=self.device)
-        self.ones = torch.ones(self.max_bs, dtype=torch.int64, device=self.device)
+        # [6 * max_bs] int64, viewed per batch size B as 6 rows of B (see GraphInputs)
+        self.flat_inputs = torch.zeros(6 * self.max_bs, dtype=torch.int64, device=self.device)
+        self.inputs = {bs: GraphInputs.of(self.flat_inputs, bs) for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self._heads: dict[int, GraphInputs] = {}  # batch size -> its rows of its graph's inputs
+        self.num_replays = 0
         self._capture_all()
 
     def _forward_batch(self, bs: int) -> ForwardBatch:
         r = self.runner
+        views = self.inputs[bs]
+        views.seq_lens.fill_(1)  # captured with dummy rows: slot 0, length 1
+        for view in (views.positions, views.req_pool_indices, views.input_ids, views.out_cache_loc):
+            view.zero_()
         return ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            out_cache_loc=self.out_cache_loc[:bs], req_pool_indices=self.req_pool_indices[:bs],
-            seq_lens=self.seq_lens[:bs], extend_prefix_lens=self.seq_lens[:bs] - 1, extend_seq_lens=self.ones[:bs],
+            mode=ForwardMode.DECODE, input_ids=views.input_ids, positions=views.positions,
+            out_cache_loc=views.out_cache_loc, req_pool_indices=views.req_pool_indices, seq_lens=views.seq_lens,
+            extend_prefix_lens=views.positions, extend_seq_lens=torch.ones_like(views.seq_lens),
             req_to_token_pool=r.req_pool, token_to_kv_pool=r.kv_pool, attn_backend=r.attn_backend,
             seq_lens_cpu=[1] * bs, extend_prefix_lens_cpu=[0] * bs, extend_seq_lens_cpu=[1] * bs)
 
@@ -95,26 +156,53 @@ class CudaGraphRunner:
         return run
 
     def can_run(self, batch: ScheduleBatch) -> bool:
-        return (batch.is_decode and len(batch.reqs) <= self.max_bs
-                and sum(batch.seq_lens) <= self.max_kv_indices)
+        return batch.is_decode and self.fits(len(batch.reqs), sum(batch.seq_lens))
 
-    def replay(self, batch: ScheduleBatch, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits `[batch, vocab]` of a DECODE batch (a view of the graph's output buffer)."""
+    def fits(self, bs: int, num_kv_indices: int) -> bool:
+        """Whether a graph takes `bs` rows that read `num_kv_indices` KV slots in all."""
+        return bs <= self.max_bs and num_kv_indices <= self.max_kv_indices
+
+    def replay(self, batch: ScheduleBatch, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Logits `[batch, vocab]` of a DECODE batch (a view of the graph's output buffer).
+
+        Also records each request's new slot in `req_to_token`, as the eager path does;
+        `prev_tokens` are the previous launch's sampled tokens (the batch's future inputs).
+        """
         bs = len(batch.reqs)
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
-        # [3, bs] host columns, one copy to the device
-        cols = torch.tensor([batch.positions, [r.req_pool_idx or 0 for r in batch.reqs], batch.seq_lens],
-                            dtype=torch.int64).to(self.device, non_blocking=True)
-        if padded > bs:
-            self.seq_lens[bs:padded].fill_(1)
-            self.out_cache_loc[bs:padded].zero_()
-            self.req_pool_indices[bs:padded].zero_()
-            self.positions[bs:padded].zero_()
-            self.input_ids[bs:padded].zero_()
-        self.input_ids[:bs].copy_(input_ids)
-        self.positions[:bs].copy_(cols[0])
-        self.req_pool_indices[:bs].copy_(cols[1])
-        self.seq_lens[:bs].copy_(cols[2])
-        self.out_cache_loc[:bs].copy_(batch.out_cache_loc)
+        views = self.inputs[padded]
+        head = self._heads.get(bs)
+        if head is None:
+            head = self._heads[bs] = views.head(bs)
+        stage_inputs(views, head, batch, prev_tokens, self.runner.req_pool.req_to_token)
         self.graphs[padded].replay()
+        self.num_replays += 1
         return self.outputs[padded][:bs]
+
+    def time_replay_ms(self, bs: int, seq_len: int, iters: int = 20) -> float | None:
+        """Device time of one replay for `bs` rows of `seq_len` tokens (benchmarks; it syncs);
+        None when they do not fit the captured graphs.
+
+        Dummy rows: row 0 of `req_to_token`, k/v written to the dummy slot 0 only, so no live
+        KV is touched; the attention still reads `seq_len` slots per row.
+        """
+        if bs > self.max_bs:
+            return None
+        padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
+        seq_lens = [seq_len] * bs + [1] * (padded - bs)  # dummy rows as in a real replay
+        if not self.fits(bs, sum(seq_lens)):
+            return None
+        views = self.inputs[padded]
+        copy_to_device(views.positions, [n - 1 for n in seq_lens])
+        copy_to_device(views.seq_lens, seq_lens)
+        for view in (views.req_pool_indices, views.input_ids, views.out_cache_loc):
+            view.zero_()
+        graph = self.graphs[padded]
+        graph.replay()  # warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters

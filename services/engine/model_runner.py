@@ -13,15 +13,17 @@ import torch
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.attention.base import ForwardBatch
 from radixmesh.engine.attention.registry import create_backend
-from radixmesh.engine.batch import ScheduleBatch
+from radixmesh.engine.batch import ScheduleBatch, future_index, resolve_futures
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.cuda_graph_runner import CudaGraphRunner
+from radixmesh.engine.device_io import rows_to_device
 from radixmesh.engine.grammar.vocab_mask import VocabMask
 from radixmesh.engine.loader import PreparedModel, iter_weights
 from radixmesh.engine.loader.dummy import init_dummy_
 from radixmesh.engine.memory import KVSlotAllocator, ReqToTokenPool, TokenToKVPool
 from radixmesh.engine.models.registry import model_class
-from radixmesh.engine.sampling.batch_info import SamplingBatchInfo
+from radixmesh.engine.request import Req
+from radixmesh.engine.sampling.batch_info import SamplingBatchInfo, SamplingInfoCache
 from radixmesh.engine.sampling.prompt_logprobs import score_prompt_tokens
 from radixmesh.engine.sampling.sampler import SampleOutput, Sampler
 
@@ -54,6 +56,7 @@ class ModelRunner:
         self.allocator = KVSlotAllocator(self.plan.max_total_tokens, self.device)
         self.attn_backend = create_backend(config.attention_backend)
         self.sampler = Sampler(seed=config.random_seed)
+        self.sampling_cache = SamplingInfoCache()
         self.graph_runner: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
             self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, self.plan.max_running_requests))
@@ -101,6 +104,7 @@ class ModelRunner:
 
         `before_sample` runs on the host while the forward pass is queued on the device and
         returns the grammar masks of this batch (built from host state it may first update).
+        The results' copy to the host is started last (`SampleOutput.to_host` waits for it).
         """
         logits = self.forward(batch)
         num_reqs = len(batch.reqs)
@@ -110,55 +114,53 @@ class ModelRunner:
         if plan is not None and plan.rows:
             top_n = max((r.params.top_logprobs for r, n in zip(batch.reqs, plan.counts) if n), default=0)
             sampled.prompt_logprobs = score_prompt_tokens(logits[num_reqs:], plan.targets, top_n)
+        sampled.start_copy()
         self.last_tokens = sampled.next_token_ids
         return sampled
 
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:
         """Logits (float32) for each request's last new token `[batch, vocab]`, then for the packed
         tokens that score prompt log-probs `[num_scored, vocab]` (EXTEND only)."""
-        dev = self.device
-
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=dev)
-
-        input_ids = tensor(batch.input_ids)
-        if batch.future_rows is not None:
-            # tokens the previous launch sampled, resolved on the device: no host sync
-            rows = tensor(batch.future_rows)
-            assert self.last_tokens is not None, "future tokens without a previous launch"
-            input_ids = torch.where(rows >= 0, self.last_tokens[rows.clamp(min=0)], input_ids)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.replay(batch, input_ids)
-        seq_lens = batch.seq_lens
-        fb = ForwardBatch(
-            mode=batch.mode,
-            input_ids=input_ids,
-            positions=tensor(batch.positions),
-            out_cache_loc=batch.out_cache_loc.to(dev),
-            req_pool_indices=tensor([r.req_pool_idx for r in batch.reqs if r.req_pool_idx is not None]),
-            seq_lens=tensor(seq_lens),
-            extend_prefix_lens=tensor(batch.prefix_lens),
-            extend_seq_lens=tensor(batch.extend_lens),
-            req_to_token_pool=self.req_pool,
-            token_to_kv_pool=self.kv_pool,
-            attn_backend=self.attn_backend,
-            seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=batch.prefix_lens,
-            extend_seq_lens_cpu=batch.extend_lens,
-            extra_logit_rows=tensor(batch.prompt_logprobs.rows) if batch.prompt_logprobs and batch.prompt_logprobs.rows
-            else None,
-        )
+            return self.graph_runner.replay(batch, self.last_tokens)
+        fb = self._forward_batch(batch)
         self.attn_backend.init_forward_metadata(fb)
         logits: torch.Tensor = self.model(fb.input_ids, fb.positions, fb)
         return logits
 
+    def _forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
+        """The device inputs of an eager pass, all from one host-to-device copy (no sync)."""
+        num_prev = self.last_tokens.shape[0] if self.last_tokens is not None else 0
+        futures = future_index(batch.future_rows, num_prev)
+        plan = batch.prompt_logprobs
+        extra_rows = plan.rows if plan is not None and plan.rows else None
+        input_ids, positions, pool_rows, seq_lens, prefix_lens, extend_lens, index, extra = rows_to_device(
+            [batch.input_ids, batch.positions, batch.req_pool_indices, batch.seq_lens, batch.prefix_lens,
+             batch.extend_lens, futures.index if futures is not None else [], extra_rows or []], self.device)
+        if futures is not None:
+            # tokens the previous launch sampled, resolved on the device: no host sync
+            assert self.last_tokens is not None, "future tokens without a previous launch"
+            resolve_futures(input_ids, futures, index, self.last_tokens)
+        if batch.is_decode:
+            self.req_pool.req_to_token[pool_rows, positions] = batch.out_cache_loc  # the new tokens' slots
+        return ForwardBatch(
+            mode=batch.mode, input_ids=input_ids, positions=positions, out_cache_loc=batch.out_cache_loc,
+            req_pool_indices=pool_rows, seq_lens=seq_lens, extend_prefix_lens=prefix_lens,
+            extend_seq_lens=extend_lens, req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend, seq_lens_cpu=batch.seq_lens, extend_prefix_lens_cpu=batch.prefix_lens,
+            extend_seq_lens_cpu=batch.extend_lens, extra_logit_rows=extra if extra_rows is not None else None,
+            req_pool_indices_cpu=batch.req_pool_indices)
+
     def sample(self, batch: ScheduleBatch, logits: torch.Tensor, vocab_mask: VocabMask | None = None) -> SampleOutput:
         reqs = batch.reqs
-        info = SamplingBatchInfo.build(
-            [r.params for r in reqs], [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],
-            list(self.model_config.eos_token_ids), self.model_config.vocab_size, self.device,
-            output_lens=[r.num_output_tokens for r in reqs])
+        info = self.sampling_cache.get(reqs, [r.num_output_tokens for r in reqs],
+                                       lambda: self._build_sampling_info(reqs))
         info.vocab_mask = vocab_mask
-        top_n = max((r.params.top_logprobs for r in reqs), default=0)
-        want = any(r.wants_logprobs for r in reqs)
-        return self.sampler(logits, info, return_logprobs=want, top_logprobs_num=top_n)
+        return self.sampler(logits, info, return_logprobs=info.return_logprobs,
+                            top_logprobs_num=info.top_logprobs_num)
+
+    def _build_sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo:
+        return SamplingBatchInfo.build(
+            [r.params for r in reqs], [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],
+            self.model_config.eos_token_ids, self.model_config.vocab_size, self.device,
+            output_lens=[r.num_output_tokens for r in reqs])

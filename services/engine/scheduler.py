@@ -20,8 +20,7 @@ from radixmesh.engine.messages import TokenOut
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import FinishReason, Req
-from radixmesh.engine.sampling.prompt_logprobs import PromptLogprobs
-from radixmesh.engine.sampling.sampler import SampleOutput
+from radixmesh.engine.sampling.sampler import HostSample, SampleOutput
 from radixmesh.engine.schedule_policy import PrefillAdder, order_waiting
 from radixmesh.engine.stop import check_finished
 
@@ -65,6 +64,7 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self.num_forward_passes = 0
+        self.result_wait_s = 0.0  # host time spent waiting for results to reach the host (one wait per step)
         self.grammar = GrammarManager(config, tokenizer, runner.model_config.vocab_size,
                                       runner.model_config.eos_token_ids, self.context_len)
 
@@ -248,17 +248,19 @@ class Scheduler:
         return self.grammar.build_mask(batch.reqs, rows, self.runner.device)
 
     def process_batch_result(self, launched: LaunchedBatch) -> None:
-        """Append the batch's sampled tokens (a host sync) and finish requests that are done."""
-        sampled = launched.sampled
-        token_ids = sampled.next_token_ids.tolist()
-        if sampled.prompt_logprobs is not None:
-            self._add_prompt_logprobs(launched.batch, sampled.prompt_logprobs)
+        """Append the batch's sampled tokens and finish requests that are done.
+
+        Waits for this batch's results to reach the host, not for batches launched after it.
+        """
+        host = self._wait_for_results(launched.sampled)
+        if host.prompt_logprobs is not None:
+            self._add_prompt_logprobs(launched.batch, host)
         outputs: list[TokenOut] = []
         for row, req in enumerate(launched.batch.reqs):
             if not req.futures or req.futures[0] != (launched.launch_id, row):
                 continue  # chunk, prefill-only, or finished/retracted/aborted since launch
             req.futures.pop(0)
-            self._append_token(req, token_ids[row], sampled, row)
+            self._append_token(req, host, row)
             if not req.finished and self.grammar.may_jump(req):
                 self._jump_forward(req)
             if req.finished:
@@ -268,6 +270,12 @@ class Scheduler:
             outputs.append(self._token_out(req))
         if outputs:
             self.emit(outputs)
+
+    def _wait_for_results(self, sampled: SampleOutput) -> HostSample:
+        start = time.perf_counter()
+        host = sampled.to_host()
+        self.result_wait_s += time.perf_counter() - start
+        return host
 
     def _take_in_flight(self) -> LaunchedBatch:
         launched, self.in_flight = self.in_flight, None
@@ -279,14 +287,15 @@ class Scheduler:
         jump-forward needs it before the next step is scheduled (it may re-queue the request)."""
         return any((r.params.has_penalties or self.grammar.may_jump(r)) and r.futures for r in self.running)
 
-    def _append_token(self, req: Req, token_id: int, sampled: SampleOutput, row: int) -> None:
+    def _append_token(self, req: Req, host: HostSample, row: int) -> None:
+        token_id = host.token_ids[row]
         req.output_ids.append(token_id)
         req.pending_ids.append(token_id)
         self.num_generated_tokens += 1
-        if req.wants_logprobs and sampled.logprobs is not None:
-            req.pending_logprobs.append(float(sampled.logprobs[row]))
-            if req.params.top_logprobs and sampled.top_logprobs is not None:
-                req.pending_top_logprobs.append(sampled.top_logprobs[row][: req.params.top_logprobs])
+        if req.wants_logprobs and host.logprobs is not None:
+            req.pending_logprobs.append(host.logprobs[row])
+            if req.params.top_logprobs and host.top_logprobs is not None:
+                req.pending_top_logprobs.append(host.top_logprobs[row][: req.params.top_logprobs])
         reason, matched = check_finished(req, self.eos_ids, self.context_len, self.tokenizer)
         if reason is None and req.grammar is not None:
             reason, matched = self._grammar_verdict(req, token_id)
@@ -325,10 +334,11 @@ class Scheduler:
         self.kv.release(req)
         self.waiting.insert(0, req)
 
-    def _add_prompt_logprobs(self, batch: ScheduleBatch, scored: PromptLogprobs) -> None:
+    def _add_prompt_logprobs(self, batch: ScheduleBatch, host: HostSample) -> None:
         plan = batch.prompt_logprobs
         assert plan is not None, "prompt log-probs without a plan"
-        values, tops = scored.to_lists()
+        values, tops = host.prompt_logprobs, host.prompt_top_logprobs
+        assert values is not None
         offset = 0
         for req, count in zip(batch.reqs, plan.counts):
             req.pending_input_logprobs += values[offset:offset + count]

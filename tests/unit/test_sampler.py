@@ -153,9 +153,9 @@ def test_frequency_and_presence_penalties_count_output_only() -> None:
     expected[0, 3] -= 2 * 0.5 + 0.7
     expected[0, 5] -= 0.5 + 0.7
     assert torch.allclose(process_logits(logits, info), expected)
-    out = Sampler(seed=0)(logits, info, return_logprobs=True, top_logprobs_num=VOCAB)
-    assert out.top_logprobs is not None
-    penalised = dict(out.top_logprobs[0])
+    top = Sampler(seed=0)(logits, info, return_logprobs=True, top_logprobs_num=VOCAB).to_host().top_logprobs
+    assert top is not None
+    penalised = dict(top[0])
     plain = torch.log_softmax(logits[0], dim=-1)
     assert penalised[3] < plain[3].item() - 1.0
     assert penalised[5] < plain[5].item() - 0.5
@@ -187,9 +187,9 @@ def test_min_new_tokens_masks_eos_and_stop_ids() -> None:
     ids = sample(logits, params, outputs=[[1, 1], [1, 1, 1]])
     assert ids.tolist() == [4, EOS]
     info = make_info(params, outputs=[[1], [1, 2, 3]])
-    out = Sampler()(logits, info, return_logprobs=True, top_logprobs_num=3)
-    assert out.top_logprobs is not None
-    assert out.top_logprobs[0][0][0] == 4
+    top = Sampler()(logits, info, return_logprobs=True, top_logprobs_num=3).to_host().top_logprobs
+    assert top is not None
+    assert top[0][0][0] == 4
     assert process_logits(logits, info)[0, EOS] == float("-inf")
 
 
@@ -203,20 +203,24 @@ def test_logprobs_are_taken_before_temperature_and_truncation() -> None:
     assert out.logprobs is not None and out.logprobs.dtype == torch.float32
     chosen = expected_all.gather(1, out.next_token_ids.unsqueeze(1)).squeeze(1)
     assert torch.allclose(out.logprobs, chosen)
-    assert out.top_logprobs is not None and len(out.top_logprobs) == 5
-    for row, pairs in enumerate(out.top_logprobs):
+    host = out.to_host()
+    assert host.top_logprobs is not None and len(host.top_logprobs) == 5
+    assert host.token_ids == out.next_token_ids.tolist() and host.logprobs == out.logprobs.tolist()
+    for row, pairs in enumerate(host.top_logprobs):
         assert len(pairs) == 5
         values = [v for _, v in pairs]
         assert values == sorted(values, reverse=True)
         for token_id, value in pairs:
             assert value == pytest.approx(expected_all[row, token_id].item(), abs=1e-6)
         assert pairs[0][0] == int(torch.argmax(expected_all[row]))
-    assert out.top_logprobs[4][0][1] == pytest.approx(out.logprobs[4].item())
+    assert host.top_logprobs[4][0][1] == pytest.approx(out.logprobs[4].item())
 
 
 def test_no_logprobs_unless_asked() -> None:
     out = Sampler()(make_logits(2), make_info([SamplingParams()] * 2))
-    assert out.logprobs is None and out.top_logprobs is None
+    assert out.logprobs is None and out.top_logprob_ids is None and out.top_logprob_values is None
+    host = out.to_host()
+    assert host.logprobs is None and host.top_logprobs is None and host.token_ids == out.next_token_ids.tolist()
 
 
 def test_mixed_batch_keeps_greedy_rows_exact() -> None:

@@ -49,6 +49,8 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]
     extra_logit_rows: torch.Tensor | None = None
     """EXTEND: [num_extra] int64 packed token indices whose logits are returned too (prompt log-probs)."""
+    req_pool_indices_cpu: list[int] | None = None
+    """Host copy of `req_pool_indices` (None: backends that need it read the device tensor, a sync)."""
 
     @property
     def batch_size(self) -> int:

@@ -1,18 +1,21 @@
 """FlashInfer attention backend (optional: used when the `flashinfer` package is installed).
 
 The KV pool is read as a paged cache with page size 1 (`[slots, 1, kv_heads, head_dim]`,
-NHD layout). Plans are made once per forward pass and shared by all layers.
+NHD layout). Plans are made once per forward pass and shared by all layers. `plan()` needs
+the CSR offsets on the host: they are built there from host lengths (FlashInfer would otherwise
+copy device offsets back, a sync that waits for the previous batch).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
 
 from radixmesh.common.errors import unsupported
 from radixmesh.engine.attention.base import AttentionBackend, AttentionLayerSpec, ForwardBatch
-from radixmesh.kernels.kv_store import build_kv_indices, compute_kv_indptr, store_kv
+from radixmesh.kernels.kv_store import build_kv_indices, store_kv
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 
@@ -42,11 +45,11 @@ class FlashInferBackend(AttentionBackend):
         fb = forward_batch
         device = fb.seq_lens.device
         self._wrappers(device)
-        kv_indptr, kv_indices = build_kv_indices(fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
-                                                 fb.seq_lens, sum(fb.seq_lens_cpu), dtype=torch.int32)
-        self._meta = (fb.is_decode, kv_indptr.to(torch.int32), kv_indices,
-                      torch.ones(fb.batch_size, dtype=torch.int32, device=device),
-                      None if fb.is_decode else compute_kv_indptr(fb.extend_seq_lens).to(torch.int32))
+        _, kv_indices = build_kv_indices(fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                                         fb.seq_lens, sum(fb.seq_lens_cpu), dtype=torch.int32)
+        self._meta = (fb.is_decode, _host_indptr(fb.seq_lens_cpu), kv_indices,
+                      torch.ones(fb.batch_size, dtype=torch.int32),
+                      None if fb.is_decode else _host_indptr(fb.extend_seq_lens_cpu))
         self._planned_for = None
 
     def _plan(self, layer: AttentionLayerSpec, dtype: torch.dtype) -> None:
@@ -76,3 +79,9 @@ class FlashInferBackend(AttentionBackend):
         assert wrapper is not None
         out: torch.Tensor = wrapper.run(q.contiguous(), cache)
         return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
+
+
+def _host_indptr(lengths: list[int]) -> torch.Tensor:
+    """Exclusive prefix sum `[len + 1]` int32 on the host (pinned when CUDA is there)."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32,
+                        pin_memory=torch.cuda.is_available())

@@ -18,7 +18,8 @@ class TorchNativeBackend(AttentionBackend):
         self._masks: list[torch.Tensor | None] = []
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        self._req_rows = forward_batch.req_pool_indices.tolist()
+        rows = forward_batch.req_pool_indices_cpu
+        self._req_rows = rows if rows is not None else forward_batch.req_pool_indices.tolist()
         self._masks = []
         device = forward_batch.input_ids.device
         for prefix_len, new_len in zip(forward_batch.extend_prefix_lens_cpu,

@@ -1,18 +1,21 @@
-"""Per-batch sampling tensors, built once per step from the requests' `SamplingParams`.
+"""Per-batch sampling tensors, built from the requests' `SamplingParams`, reused while they hold.
 
 Most batches are plain (no penalties, no bias, no min_new_tokens), so every
 `[batch, vocab]` tensor is optional and only built when some request needs it;
 those are allocated on the device and filled from sparse indices, so only the ids
-cross from the host.
+cross from the host. All-greedy batches need no per-row tensor at all. Host values
+reach the device through `device_io` (pinned, non-blocking): building never waits for
+the forward pass queued before it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from radixmesh.engine.device_io import rows_to_device, tensor_to_device, to_device
 from radixmesh.engine.grammar.vocab_mask import VocabMask
 from radixmesh.engine.sampling.params import SamplingParams
 
@@ -23,16 +26,16 @@ class SamplingBatchInfo:
 
     vocab_size: int
     """Width of the logits this info applies to."""
-    temperatures: torch.Tensor
-    """[batch, 1] float32; greedy rows hold 1.0 so that dividing is always safe."""
-    top_ps: torch.Tensor
-    """[batch] float32 nucleus mass in (0, 1]."""
-    top_ks: torch.Tensor
-    """[batch] int64; `vocab_size` where top-k is disabled."""
-    min_ps: torch.Tensor
-    """[batch] float32 in [0, 1]."""
-    is_greedy: torch.Tensor
-    """[batch] bool: rows that take the argmax (temperature 0 or top_k 1)."""
+    temperatures: torch.Tensor | None
+    """[batch, 1] float32; greedy rows hold 1.0 so that dividing is always safe (None when all_greedy)."""
+    top_ps: torch.Tensor | None
+    """[batch] float32 nucleus mass in (0, 1] (None when all_greedy)."""
+    top_ks: torch.Tensor | None
+    """[batch] int64; `vocab_size` where top-k is disabled (None when all_greedy)."""
+    min_ps: torch.Tensor | None
+    """[batch] float32 in [0, 1] (None when all_greedy)."""
+    is_greedy: torch.Tensor | None
+    """[batch] bool: rows that take the argmax (temperature 0 or top_k 1) (None when all_greedy)."""
     all_greedy: bool
     need_top_k: bool
     need_top_p: bool
@@ -57,6 +60,10 @@ class SamplingBatchInfo:
     """[batch, vocab] bool: EOS and stop ids banned until min_new_tokens were generated."""
     vocab_mask: VocabMask | None = None
     """Grammar rows' allowed tokens (packed bits, on the device); None when no row follows a grammar."""
+    return_logprobs: bool = False
+    """Some row asks for the log-prob of its chosen token (or for top log-probs)."""
+    top_logprobs_num: int = 0
+    """Most top log-probs any row asks for (0: none)."""
 
     @property
     def batch_size(self) -> int:
@@ -81,29 +88,42 @@ class SamplingBatchInfo:
         device = torch.device(device)
         greedy = [p.is_greedy for p in params]
         top_ks = [p.top_k if p.top_k >= 1 else vocab_size for p in params]
-        # one host-to-device copy for all scalar columns: [batch, 4]
-        columns = torch.tensor(
-            [[1.0 if g else p.temperature, p.top_p, p.min_p, min(k, vocab_size)]
-             for p, g, k in zip(params, greedy, top_ks)],
-            dtype=torch.float32).to(device)
         info = cls(
-            vocab_size=vocab_size,
-            temperatures=columns[:, 0:1],
-            top_ps=columns[:, 1],
-            min_ps=columns[:, 2],
-            top_ks=columns[:, 3].to(torch.int64),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool).to(device),
+            vocab_size=vocab_size, temperatures=None, top_ps=None, top_ks=None, min_ps=None, is_greedy=None,
             all_greedy=all(greedy),
             need_top_k=any(k < vocab_size for k, g in zip(top_ks, greedy) if not g),
             need_top_p=any(p.top_p < 1.0 for p, g in zip(params, greedy) if not g),
             need_min_p=any(p.min_p > 0.0 for p, g in zip(params, greedy) if not g),
             seeds=[p.seed for p in params],
             output_lens=list(output_lens) if output_lens is not None else [len(ids) for ids in output_ids],
+            return_logprobs=any(p.logprobs or p.top_logprobs > 0 for p in params),
+            top_logprobs_num=max(p.top_logprobs for p in params),
         )
+        if not info.all_greedy:
+            info._build_columns(params, greedy, top_ks, device)
         info._build_logit_bias(params, device)
         info._build_penalties(params, prompt_ids, output_ids, device)
         info._build_min_tokens_mask(params, info.output_lens, eos_token_ids, device)
         return info
+
+    @property
+    def is_step_invariant(self) -> bool:
+        """Nothing here depends on the step beyond `output_lens` (no penalties, no pending
+        min_new_tokens ban), so the same rows may sample with it again."""
+        return self.output_counts is None and self.seen_mask is None and self.min_tokens_mask is None
+
+    def _build_columns(self, params: Sequence[SamplingParams], greedy: list[bool], top_ks: list[int],
+                       device: torch.device) -> None:
+        vocab = self.vocab_size
+        # one host-to-device copy for all scalar columns: [batch, 5], the last one is_greedy
+        columns = tensor_to_device(torch.tensor(
+            [[1.0 if g else p.temperature, p.top_p, p.min_p, min(k, vocab), 1.0 if g else 0.0]
+             for p, g, k in zip(params, greedy, top_ks)], dtype=torch.float32), device)
+        self.temperatures = columns[:, 0:1]
+        self.top_ps = columns[:, 1]
+        self.min_ps = columns[:, 2]
+        self.top_ks = columns[:, 3].to(torch.int64)
+        self.is_greedy = columns[:, 4] != 0
 
     def _build_logit_bias(self, params: Sequence[SamplingParams], device: torch.device) -> None:
         if not any(p.logit_bias for p in params):
@@ -115,7 +135,8 @@ class SamplingBatchInfo:
                 cols.append(int(token_id))
                 values.append(float(bias))
         bias_t = torch.zeros(len(params), self.vocab_size, dtype=torch.float32, device=device)
-        bias_t[_index(rows, device), _index(cols, device)] = torch.tensor(values).to(device)
+        rows_t, cols_t = rows_to_device([rows, cols], device)
+        bias_t[rows_t, cols_t] = to_device(values, torch.float32, device)
         self.logit_bias = bias_t
 
     def _build_penalties(self, params: Sequence[SamplingParams], prompt_ids: Sequence[list[int]],
@@ -158,12 +179,41 @@ def _scatter_indices(ids_per_row: list[list[int]],
     """(row, column) index tensors on `device` for every id of every row, as index_put_ takes them."""
     rows = [row for row, ids in enumerate(ids_per_row) for _ in ids]
     cols = [token_id for ids in ids_per_row for token_id in ids]
-    return _index(rows, device), _index(cols, device)
-
-
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64).to(device)
+    rows_t, cols_t = rows_to_device([rows, cols], device)
+    return rows_t, cols_t
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32).view(-1, 1).to(device)
+    return to_device(values, torch.float32, device).view(-1, 1)
+
+
+class SamplingInfoCache:
+    """Hands back the last batch's `SamplingBatchInfo` while the batch holds the same requests.
+
+    A decode batch usually samples the same rows step after step; their info depends only on
+    their params (fixed per request) and `output_lens`, which is refreshed. Infos that depend on
+    the step (penalties over generated tokens, a pending min_new_tokens ban) are never kept.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.num_builds = 0
+        self.num_reuses = 0
+        self._rows: list[object] = []
+        self._info: SamplingBatchInfo | None = None
+
+    def get(self, rows: Sequence[object], output_lens: list[int],
+            build: Callable[[], SamplingBatchInfo]) -> SamplingBatchInfo:
+        """The info for `rows` (compared by identity, in order); `build()` makes a fresh one."""
+        info = self._info
+        if (info is not None and len(rows) == len(self._rows)
+                and all(a is b for a, b in zip(rows, self._rows))):
+            self.num_reuses += 1
+            info.output_lens = output_lens
+            info.vocab_mask = None
+            return info
+        info = build()
+        self.num_builds += 1
+        keep = self.enabled and info.is_step_invariant
+        self._rows, self._info = (list(rows), info) if keep else ([], None)
+        return info

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
+from radixmesh.engine.device_io import to_device
+
 
 @dataclass
 class PromptLogprobs:
-    """Scores of one pass's prompt tokens, still on the device until `to_lists`."""
+    """Scores of one pass's prompt tokens, on the device (they reach the host with the sampled tokens)."""
 
     logprobs: torch.Tensor
     """[num_rows] float32 log-prob of each scored token."""
@@ -22,13 +24,13 @@ class PromptLogprobs:
     top_values: torch.Tensor | None = None
     """[num_rows, k] float32 their log-probs."""
 
-    def to_lists(self) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
-        """Host copies (a device sync): log-probs, and per row the (token, log-prob) alternatives."""
-        values: list[float] = self.logprobs.tolist()
-        if self.top_ids is None or self.top_values is None:
-            return values, None
-        tops = [list(zip(ids, lps)) for ids, lps in zip(self.top_ids.tolist(), self.top_values.tolist())]
-        return values, tops
+
+def top_pairs(ids: torch.Tensor | None, values: torch.Tensor | None) -> list[list[tuple[int, float]]] | None:
+    """Per row, (token, log-prob) pairs from host tensors `[rows, k]`; None when there are none."""
+    if ids is None or values is None:
+        return None
+    assert ids.device.type == "cpu" and values.device.type == "cpu", "top_pairs reads host copies"
+    return [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
 
 
 def score_prompt_tokens(logits: torch.Tensor, targets: list[int], top_n: int) -> PromptLogprobs:
@@ -36,7 +38,7 @@ def score_prompt_tokens(logits: torch.Tensor, targets: list[int], top_n: int) ->
     assert logits.dim() == 2 and logits.shape[0] == len(targets), (
         f"logits {tuple(logits.shape)} do not match {len(targets)} scored tokens")
     logprobs_all = torch.log_softmax(logits.float(), dim=-1)  # [num_rows, vocab]
-    index = torch.tensor(targets, dtype=torch.int64, device=logits.device).unsqueeze(1)
+    index = to_device(targets, torch.int64, logits.device).unsqueeze(1)
     scored = PromptLogprobs(logprobs_all.gather(1, index).squeeze(1))
     if top_n > 0:
         scored.top_values, scored.top_ids = torch.topk(logprobs_all, min(top_n, logits.shape[-1]), dim=-1)

@@ -21,26 +21,70 @@ from dataclasses import dataclass
 
 import torch
 
+from radixmesh.engine.device_io import HostCopy, tensor_to_device
 from radixmesh.engine.grammar.vocab_mask import apply_vocab_mask
 from radixmesh.engine.sampling.batch_info import SamplingBatchInfo
-from radixmesh.engine.sampling.prompt_logprobs import PromptLogprobs
+from radixmesh.engine.sampling.prompt_logprobs import PromptLogprobs, top_pairs
 
 SEED_STEP_MULTIPLIER = 1_000_003
 SEED_MASK = (1 << 63) - 1
 
 
+TopLogprobs = list[list[tuple[int, float]]]
+"""Per row, the most likely (token, logprob) pairs in descending order."""
+
+
+@dataclass
+class HostSample:
+    """One step's results as host values (what the scheduler appends to its requests)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: TopLogprobs | None = None
+    """Per row, as many pairs as the batch's largest ask; callers slice to their k."""
+    prompt_logprobs: list[float] | None = None
+    """Log-probs of the prompt tokens scored in this pass, in plan order."""
+    prompt_top_logprobs: TopLogprobs | None = None
+
+
 @dataclass
 class SampleOutput:
-    """The sampled tokens of one step and, when asked for, their log-probs."""
+    """The sampled tokens of one step and, when asked for, their log-probs (device tensors)."""
 
     next_token_ids: torch.Tensor
     """[batch] int64."""
     logprobs: torch.Tensor | None = None
     """[batch] float32 log-prob of each chosen token under the processed logits."""
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    """Per row, the most likely (token, logprob) pairs in descending order; callers slice to their k."""
+    top_logprob_ids: torch.Tensor | None = None
+    """[batch, k] int64 most likely tokens of each row, most likely first."""
+    top_logprob_values: torch.Tensor | None = None
+    """[batch, k] float32 their log-probs."""
     prompt_logprobs: PromptLogprobs | None = None
     """Log-probs of prompt tokens scored in this pass (set by the model runner, not the sampler)."""
+    host_copy: HostCopy | None = None
+    """The copy to the host started by `start_copy`."""
+
+    def start_copy(self) -> None:
+        """Start copying everything the host reads (no wait); call once all of it is queued."""
+        prompt = self.prompt_logprobs
+        self.host_copy = HostCopy([
+            self.next_token_ids, self.logprobs, self.top_logprob_ids, self.top_logprob_values,
+            prompt.logprobs if prompt is not None else None, prompt.top_ids if prompt is not None else None,
+            prompt.top_values if prompt is not None else None])
+
+    def to_host(self) -> HostSample:
+        """Host values; waits for this output's copy only (starting it first if nobody did)."""
+        if self.host_copy is None:
+            self.start_copy()
+        assert self.host_copy is not None
+        ids, logprobs, top_ids, top_values, prompt, prompt_ids, prompt_values = self.host_copy.wait()
+        assert ids is not None
+        return HostSample(
+            token_ids=ids.tolist(),
+            logprobs=logprobs.tolist() if logprobs is not None else None,
+            top_logprobs=top_pairs(top_ids, top_values),
+            prompt_logprobs=prompt.tolist() if prompt is not None else None,
+            prompt_top_logprobs=top_pairs(prompt_ids, prompt_values))
 
 
 class Sampler:
@@ -65,6 +109,7 @@ class Sampler:
         if info.all_greedy:
             next_ids = greedy_ids
         else:
+            assert info.is_greedy is not None, "a sampling batch without its per-row columns"
             sampled = self._draw(logits, info)
             next_ids = torch.where(info.is_greedy, greedy_ids, sampled)
         out = SampleOutput(next_token_ids=next_ids)
@@ -73,17 +118,19 @@ class Sampler:
             if return_logprobs:
                 out.logprobs = logprobs_all.gather(1, next_ids.unsqueeze(1)).squeeze(1)
             if top_logprobs_num > 0:
-                out.top_logprobs = _top_logprobs(logprobs_all, top_logprobs_num)
+                out.top_logprob_values, out.top_logprob_ids = torch.topk(
+                    logprobs_all, min(top_logprobs_num, logprobs_all.shape[-1]), dim=-1, sorted=True)
         return out
 
     def _draw(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        assert info.temperatures is not None, "a sampling batch without its per-row columns"
         probs = torch.softmax(logits / info.temperatures, dim=-1)
         # sorted order makes truncation a prefix and the inverse CDF deterministic
         probs_sorted, order = torch.sort(probs, dim=-1, descending=True, stable=True)
         probs_sorted = _truncate_sorted(probs_sorted, info)
         cdf = torch.cumsum(probs_sorted, dim=-1)
         total = cdf[:, -1:]
-        uniforms = self._uniforms(info).to(logits.device)
+        uniforms = tensor_to_device(self._uniforms(info), logits.device)
         pos = torch.searchsorted(cdf, uniforms.unsqueeze(1) * total, right=True)
         num_kept = (probs_sorted > 0).sum(dim=-1, keepdim=True)
         pos = torch.minimum(pos, (num_kept - 1).clamp(min=0))
@@ -105,7 +152,14 @@ def seeded_step_key(seed: int, step: int) -> int:
 
 
 def process_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """Float32 copy of `logits` with bias, penalties, the min_new_tokens ban and grammar masks applied."""
+    """Float32 `logits` with bias, penalties, the min_new_tokens ban and grammar masks applied.
+
+    A copy whenever something applies; float32 logits that need nothing come back as they are
+    (never modified in place either way).
+    """
+    if (info.logit_bias is None and info.seen_mask is None and info.output_counts is None
+            and info.min_tokens_mask is None and info.vocab_mask is None):
+        return logits.float()
     logits = logits.to(torch.float32, copy=True)
     if info.logit_bias is not None:
         logits += info.logit_bias
@@ -128,6 +182,7 @@ def process_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tenso
 def _truncate_sorted(probs_sorted: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """Zero the sorted probabilities that top-k, top-p or min-p drop; the kept ones stay a prefix."""
     vocab = probs_sorted.shape[-1]
+    assert info.top_ks is not None and info.top_ps is not None and info.min_ps is not None
     if info.need_top_k:
         ranks = torch.arange(vocab, device=probs_sorted.device).unsqueeze(0)
         probs_sorted = probs_sorted.masked_fill(ranks >= info.top_ks.unsqueeze(1), 0.0)
@@ -141,8 +196,3 @@ def _truncate_sorted(probs_sorted: torch.Tensor, info: SamplingBatchInfo) -> tor
         threshold = info.min_ps.unsqueeze(1) * probs_sorted[:, :1]
         probs_sorted = probs_sorted.masked_fill(probs_sorted < threshold, 0.0)
     return probs_sorted
-
-
-def _top_logprobs(logprobs_all: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
-    values, ids = torch.topk(logprobs_all, min(k, logprobs_all.shape[-1]), dim=-1, sorted=True)
-    return [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
