@@ -56,6 +56,7 @@ class SyncMonitor:
     def __enter__(self) -> SyncMonitor:
         self._catch.__enter__()
         warnings.simplefilter("always")
+        self._show = warnings.showwarning
         warnings.showwarning = self._record
         torch.cuda.set_sync_debug_mode("warn")
         return self
@@ -68,6 +69,8 @@ class SyncMonitor:
                 file: Any = None, line: str | None = None) -> None:
         if "synchronizing" in str(message):
             self.syncs.append("".join(traceback.format_stack(limit=14)[:-1]))
+        else:
+            self._show(message, category, filename, lineno, file, line)
 
     def report(self) -> str:
         """Each distinct place that synchronized, with how often (for the failure message)."""
