@@ -1,8 +1,9 @@
 """The attention-backend contract and the per-step batch description models see.
 
-Models never touch KV memory themselves: each attention layer hands q/k/v to the
-backend, which writes k/v into the KV pool at `out_cache_loc` and attends over the
-request's whole sequence as listed in `req_to_token`.
+Each attention layer hands q/k/v to the backend, which writes k/v into the KV pool at
+`out_cache_loc` and attends over the request's whole sequence as listed in `req_to_token`.
+The one exception: on CUDA the model's rotary kernel writes the rotated k and v into the
+pool itself (one launch instead of two) and tells the backend so with `save_kv=False`.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class AttentionBackend(abc.ABC):
     k/v into `forward_batch.token_to_kv_pool` at `out_cache_loc`, and returns
     the attention output `[num_tokens, num_heads * head_dim]`. Each new token
     attends causally to its own request's tokens only: the cached prefix, the
-    earlier new tokens and itself.
+    earlier new tokens and itself. With `save_kv=False` the caller has already
+    written k/v to `out_cache_loc` and the backend only reads the pool.
     """
 
     supports_cuda_graph: bool = False
@@ -101,4 +103,4 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                forward_batch: ForwardBatch) -> torch.Tensor: ...
+                forward_batch: ForwardBatch, save_kv: bool = True) -> torch.Tensor: ...

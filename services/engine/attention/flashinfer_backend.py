@@ -69,9 +69,10 @@ class FlashInferBackend(AttentionBackend):
         self._planned_for = key
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+                forward_batch: ForwardBatch, save_kv: bool = True) -> torch.Tensor:
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv(layer.layer_id)
-        store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+        if save_kv:
+            store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
         self._plan(layer, q.dtype)
         # page size 1: [slots, 1, kv_heads, head_dim]
         cache = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))

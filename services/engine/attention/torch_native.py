@@ -32,9 +32,10 @@ class TorchNativeBackend(AttentionBackend):
             self._masks.append(mask.tril(diagonal=prefix_len))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+                forward_batch: ForwardBatch, save_kv: bool = True) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
-        pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        if save_kv:
+            pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv(layer.layer_id)
         req_to_token = forward_batch.req_to_token_pool.req_to_token
         out = torch.empty_like(q)

@@ -28,7 +28,13 @@ from radixmesh.kernels.decode_attention import (
     get_num_sms,
 )
 from radixmesh.kernels.extend_attention import extend_attention_fwd
-from radixmesh.kernels.kv_store import build_kv_indices, compute_kv_indptr, fill_kv_indices, store_kv
+from radixmesh.kernels.kv_store import (
+    MAX_INDPTR_BATCH,
+    build_kv_indices,
+    compute_kv_indptr,
+    fill_kv_indices,
+    store_kv,
+)
 
 if TYPE_CHECKING:
     from radixmesh.engine.memory import TokenToKVPool
@@ -110,14 +116,17 @@ class TritonBackend(AttentionBackend):
         assert forward_batch.is_decode, "CUDA graphs cover DECODE passes only"
         assert batch_size in graph.num_kv_splits, f"batch size {batch_size} is beyond the graph state's max_bs"
         fb = forward_batch
-        kv_indptr = compute_kv_indptr(fb.seq_lens, out=graph.kv_indptr[:batch_size + 1])
+        kv_indptr = graph.kv_indptr[:batch_size + 1]
+        one_launch = batch_size <= MAX_INDPTR_BATCH  # the fill kernel writes kv_indptr too: one kernel, not three
+        if not one_launch:
+            compute_kv_indptr(fb.seq_lens, out=kv_indptr)
         fill_kv_indices(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr,
-                        graph.kv_indices)
+                        graph.kv_indices, compute_indptr=one_launch)
         self.metadata = TritonForwardMetadata(kv_indptr, graph.kv_indices, None, 0,
                                               graph.num_kv_splits[batch_size], graph.scratch)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+                forward_batch: ForwardBatch, save_kv: bool = True) -> torch.Tensor:
         meta = self.metadata
         assert meta is not None, "TritonBackend.forward called before init_forward_metadata"
         num_tokens = q.shape[0]
@@ -126,7 +135,8 @@ class TritonBackend(AttentionBackend):
         k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv(layer.layer_id)
-        store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+        if save_kv:
+            store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if forward_batch.is_decode:
             assert num_tokens == forward_batch.batch_size, (

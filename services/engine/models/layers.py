@@ -1,4 +1,8 @@
-"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, gated MLP."""
+"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, gated MLP.
+
+On CUDA each block is one fused Triton launch (`radixmesh.kernels.fused`); elsewhere the
+PyTorch ops below, which the kernels match rounding step for rounding step.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,17 @@ import torch
 from torch import nn
 
 
+def _fused(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def _kernels() -> Any:
+    # imported on first CUDA use: CPU processes never load Triton for these layers
+    from radixmesh.kernels import fused
+
+    return fused
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -16,10 +31,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused(x) and x.dim() == 2:
+            return _kernels().rms_norm(x, self.weight, self.eps)[0]
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(x + residual), x + residual)`: the residual add fused into the norm."""
+        if _fused(x):
+            normed, summed = _kernels().rms_norm(x, self.weight, self.eps, residual)
+            assert summed is not None
+            return normed, summed
+        summed = x + residual
+        return self.forward(summed), summed
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -75,9 +101,25 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [num_tokens, heads, head_dim]; k: [num_tokens, kv_heads, head_dim]
+        if _fused(q):  # in place: q and k may be views of the layer's fused qkv output
+            _kernels().apply_rotary_(q, k, positions, self.cos_cache, self.sin_cache)
+            return q, k
         cos = self.cos_cache[positions].unsqueeze(1)  # [num_tokens, 1, head_dim // 2]
         sin = self.sin_cache[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def can_store_kv(self, q: torch.Tensor) -> bool:
+        """Whether `forward_store` is one fused launch here (CUDA); elsewhere the attention
+        backend stores k/v itself."""
+        return _fused(q)
+
+    def forward_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor) -> None:
+        """Rotate q and k in place and write the rotated k and v into pool rows `loc`, in one
+        launch (only where `can_store_kv`)."""
+        kernels = _kernels()
+        kernels.apply_rotary_(q, k, positions, self.cos_cache, self.sin_cache,
+                              kernels.KVStoreTarget(v, k_buffer, v_buffer, loc))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -86,12 +128,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out.to(x.dtype)
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for `x = [gate | up]` on the last dim."""
+    if _fused(x) and x.dim() == 2:
+        return _kernels().silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
+
+
 class GatedMLP(nn.Module):
+    """SiLU-gated MLP with gate and up projections stacked in one weight `[2 * inter, hidden]`
+    (checkpoints' `gate_proj`/`up_proj` load into its halves: see `STACKED_PARAMS`)."""
+
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -15,16 +15,18 @@ from radixmesh.engine.attention.base import AttentionLayerSpec, ForwardBatch
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
+# checkpoint projection -> (stacked parameter, shard index): q/k/v and gate/up are one GEMM each
+STACKED_PARAMS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         h, d = config.num_heads, config.head_dim
         kvh = config.num_kv_heads
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, h * d, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kvh * d, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kvh * d, bias=bias)
+        # q, k and v projections stacked in one weight (one GEMM); checkpoints load by shard
+        self.qkv_proj = nn.Linear(config.hidden_size, (h + 2 * kvh) * d, bias=config.attention_bias)
         self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
@@ -34,13 +36,21 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
         spec = self.spec
-        q = self.q_proj(x).view(n, spec.num_heads, spec.head_dim)
-        k = self.k_proj(x).view(n, spec.num_kv_heads, spec.head_dim)
-        v = self.v_proj(x).view(n, spec.num_kv_heads, spec.head_dim)
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(n, spec.num_heads, spec.head_dim)
+        k = k.view(n, spec.num_kv_heads, spec.head_dim)
+        v = v.view(n, spec.num_kv_heads, spec.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
-        out = batch.attn_backend.forward(q, k, v, spec, batch)  # [n, heads * head_dim]
+        rotary = self.rotary[0]
+        if rotary.can_store_kv(q):  # rotary and the KV store in one launch
+            k_buf, v_buf = batch.token_to_kv_pool.get_kv(spec.layer_id)
+            rotary.forward_store(positions, q, k, v, k_buf, v_buf, batch.out_cache_loc)
+            out = batch.attn_backend.forward(q, k, v, spec, batch, save_kv=False)
+        else:
+            q, k = rotary(positions, q, k)
+            out = batch.attn_backend.forward(q, k, v, spec, batch)  # [n, heads * head_dim]
         return self.o_proj(out)
 
 
@@ -52,9 +62,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer over `(x, residual)` whose sum is the hidden state: the residual adds are
+        fused into the next norm. Returns the MLP output and the residual stream before it."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.forward_add(x, residual)
+        h = self.self_attn(positions, h, batch)
+        h, residual = self.post_attention_layernorm.forward_add(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -68,10 +86,10 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x, batch)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, batch)
+        return self.norm(x) if residual is None else self.norm.forward_add(x, residual)[0]
 
 
 class CausalLM(nn.Module):
@@ -102,25 +120,58 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into parameters by Hugging Face name; all must be present."""
+        """Copy checkpoint tensors into parameters by Hugging Face name; all must be present.
+
+        `q_proj`/`k_proj`/`v_proj` and `gate_proj`/`up_proj` land in row ranges of the stacked
+        `qkv_proj` and `gate_up_proj` parameters.
+        """
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        loaded: set[tuple[str, int]] = set()
         for name, tensor in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             if "rotary_emb" in name:
                 continue
-            if name not in params:
+            target, shard = self._locate(name)
+            if target not in params:
                 raise ValueError(f"checkpoint has unexpected weight {name!r}")
-            param = params[name]
-            if tuple(param.shape) != tuple(tensor.shape):
+            dest: torch.Tensor = params[target]
+            if shard >= 0:
+                start, size = self._shard_rows(target, shard)
+                dest = dest.narrow(0, start, size)
+            if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(param.shape)}")
+                                 f"expected {tuple(dest.shape)}")
             with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(name)
-        missing = set(params) - loaded
-        if self.config.tie_word_embeddings:
-            missing.discard("lm_head.weight")
+                dest.copy_(tensor)
+            loaded.add((target, shard))
+        missing = [name for name in params for shard in self._shards_of(name) if (name, shard) not in loaded]
+        if self.config.tie_word_embeddings and "lm_head.weight" in missing:
+            missing.remove("lm_head.weight")
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[0]!r}")
+
+    @staticmethod
+    def _locate(name: str) -> tuple[str, int]:
+        """The parameter a checkpoint tensor loads into, and its shard (-1: the whole parameter)."""
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, module = module_path.rpartition(".")
+        if module in STACKED_PARAMS:
+            stacked, shard = STACKED_PARAMS[module]
+            return f"{parent}.{stacked}.{leaf}", shard
+        return name, -1
+
+    def _shard_sizes(self, name: str) -> tuple[int, ...]:
+        c = self.config
+        if ".qkv_proj." in name:
+            return (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
+        if ".gate_up_proj." in name:
+            return (c.intermediate_size, c.intermediate_size)
+        return ()
+
+    def _shards_of(self, name: str) -> list[int]:
+        return list(range(len(self._shard_sizes(name)))) or [-1]
+
+    def _shard_rows(self, name: str, shard: int) -> tuple[int, int]:
+        sizes = self._shard_sizes(name)
+        return sum(sizes[:shard]), sizes[shard]

@@ -1,0 +1,150 @@
+"""Fused RMSNorm(+residual), rotary and SiLU-and-mul kernels vs the PyTorch layers they replace.
+
+Without CUDA the kernels run under the Triton interpreter (small shapes); the references are
+the CPU paths of `radixmesh.engine.models.layers`, so the two paths stay interchangeable.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before radixmesh.kernels is imported (see test_triton_kernels)
+
+import pytest
+
+from radixmesh.engine.models.layers import RMSNorm, RotaryEmbedding, _rotate
+from radixmesh.kernels.fused import KVStoreTarget, apply_rotary_, rms_norm, silu_and_mul
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+# (atol, rtol): same rounding steps, so a few ulps of the activation dtype apart at most
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def _torch_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    norm = RMSNorm(x.shape[-1], eps)
+    norm.weight.data = w.cpu()
+    return norm(x.cpu())  # the CPU module takes the PyTorch path
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (5, 96), (3, 576)])
+def test_rms_norm_matches_torch(dtype, rows, hidden):
+    gen = torch.Generator().manual_seed(rows * hidden)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    out, res = rms_norm(x.to(DEVICE), w.to(DEVICE), 1e-5)
+    assert res is None
+    torch.testing.assert_close(out.cpu().float(), _torch_norm(x, w, 1e-5).float(), atol=TOL[dtype][0],
+                               rtol=TOL[dtype][1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_residual_returns_the_sum_and_its_norm(dtype):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 128, generator=gen).to(dtype)
+    residual = torch.randn(4, 128, generator=gen).to(dtype)
+    w = torch.rand(128, generator=gen).to(dtype)
+    out, summed = rms_norm(x.to(DEVICE), w.to(DEVICE), 1e-6, residual.to(DEVICE))
+    assert summed is not None
+    if DEVICE.type == "cuda":  # the sum rounds exactly as PyTorch's add
+        assert torch.equal(summed.cpu(), x + residual)
+    else:  # the interpreter truncates when it narrows to bf16: one ulp apart
+        torch.testing.assert_close(summed.float(), (x + residual).float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
+    torch.testing.assert_close(out.cpu().float(), _torch_norm(x + residual, w, 1e-6).float(),
+                               atol=TOL[dtype][0], rtol=TOL[dtype][1])
+    # the residual input is left as it was
+    assert torch.equal(residual.to(DEVICE).cpu(), residual)
+
+
+def test_rms_norm_strided_rows_and_bad_inputs():
+    x = torch.randn(3, 256, device=DEVICE)[:, :128]  # row stride 256, contiguous last dim
+    out, _ = rms_norm(x, torch.ones(128, device=DEVICE), 1e-5)
+    torch.testing.assert_close(out.cpu(), _torch_norm(x.contiguous(), torch.ones(128), 1e-5), atol=1e-5,
+                               rtol=1e-5)
+    with pytest.raises(AssertionError, match="weight has shape"):
+        rms_norm(torch.randn(2, 8, device=DEVICE), torch.ones(9, device=DEVICE), 1e-5)
+    with pytest.raises(AssertionError, match="residual has dtype"):
+        rms_norm(torch.randn(2, 8, device=DEVICE), torch.ones(8, device=DEVICE), 1e-5,
+                 torch.randn(2, 8, device=DEVICE, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (8, 2, 128), (9, 3, 64)])
+def test_rotary_in_place_on_qkv_views_matches_torch(dtype, heads, kv_heads, head_dim):
+    tokens = 6
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None)
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.tensor([0, 1, 2, 100, 7, 511])
+    q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    cos = rotary.cos_cache[positions].unsqueeze(1)
+    sin = rotary.sin_cache[positions].unsqueeze(1)
+    want_q = _rotate(q_ref.reshape(tokens, heads, head_dim), cos, sin)
+    want_k = _rotate(k_ref.reshape(tokens, kv_heads, head_dim), cos, sin)
+
+    dev = qkv.to(DEVICE)
+    q, k, v = dev.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    apply_rotary_(q, k, positions.to(DEVICE), rotary.cos_cache.to(DEVICE), rotary.sin_cache.to(DEVICE))
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(q.cpu().float(), want_q.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(k.cpu().float(), want_k.float(), atol=atol, rtol=rtol)
+    assert torch.equal(v.cpu(), v_ref)  # v is untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_with_kv_store_writes_rotated_k_and_v_to_their_slots(dtype):
+    tokens, heads, kv_heads, head_dim = 5, 6, 3, 64
+    rotary = RotaryEmbedding(head_dim, 256, 10000.0, None)
+    gen = torch.Generator().manual_seed(11)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    positions = torch.tensor([3, 0, 255, 17, 4])
+    loc = torch.tensor([9, 2, 5, 1, 7])
+    _, k_ref, v_ref = qkv.split(sizes, -1)
+    cos, sin = rotary.cos_cache[positions].unsqueeze(1), rotary.sin_cache[positions].unsqueeze(1)
+    want_k = _rotate(k_ref.reshape(tokens, kv_heads, head_dim), cos, sin)
+
+    dev = qkv.to(DEVICE)
+    q, k, v = dev.split(sizes, -1)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    k_buf = torch.full((12, kv_heads, head_dim), -7.0, dtype=dtype, device=DEVICE)
+    v_buf = torch.full((12, kv_heads, head_dim), -7.0, dtype=dtype, device=DEVICE)
+    apply_rotary_(q, k, positions.to(DEVICE), rotary.cos_cache.to(DEVICE), rotary.sin_cache.to(DEVICE),
+                  KVStoreTarget(v, k_buf, v_buf, loc.to(DEVICE)))
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(k_buf[loc.to(DEVICE)].cpu().float(), want_k.float(), atol=atol, rtol=rtol)
+    assert torch.equal(v_buf[loc.to(DEVICE)].cpu(), v_ref.reshape(tokens, kv_heads, head_dim))
+    assert torch.equal(k_buf[loc.to(DEVICE)].cpu(), k.cpu())  # the pool holds exactly the rotated k
+    untouched = [s for s in range(12) if s not in loc.tolist()]
+    assert (k_buf[untouched] == -7).all() and (v_buf[untouched] == -7).all()
+    with pytest.raises(AssertionError, match="loc has shape"):
+        apply_rotary_(q, k, positions.to(DEVICE), rotary.cos_cache.to(DEVICE), rotary.sin_cache.to(DEVICE),
+                      KVStoreTarget(v, k_buf, v_buf, loc[:3].to(DEVICE)))
+
+
+def test_rotary_checks_its_inputs():
+    q = torch.randn(2, 4, 64, device=DEVICE)
+    k = torch.randn(2, 2, 64, device=DEVICE)
+    cache = torch.randn(16, 32, device=DEVICE)
+    with pytest.raises(AssertionError, match="positions has shape"):
+        apply_rotary_(q, k, torch.zeros(3, dtype=torch.int64, device=DEVICE), cache, cache)
+    with pytest.raises(AssertionError, match="cos_cache must be"):
+        apply_rotary_(q, k, torch.zeros(2, dtype=torch.int64, device=DEVICE), cache[:, :16].contiguous(), cache)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 96), (3, 1536), (2, 1100)])
+def test_silu_and_mul_matches_torch(dtype, rows, width):
+    gen = torch.Generator().manual_seed(width)
+    x = (torch.randn(rows, 2 * width, generator=gen) * 4).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = silu_and_mul(x.to(DEVICE)).cpu()
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
+    with pytest.raises(AssertionError, match="2 \\* width"):
+        silu_and_mul(torch.randn(2, 7, device=DEVICE))
