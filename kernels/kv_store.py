@@ -25,6 +25,8 @@ from radixmesh.kernels._checks import (
 _STORE_TILE_ELEMS = 4096
 # slots one fill program copies per loop iteration
 _FILL_BLOCK = 1024
+MAX_INDPTR_BATCH = 1024
+"""Largest batch whose `kv_indptr` `fill_kv_indices` computes itself (each program sums the lengths before it)."""
 
 
 @triton.jit
@@ -88,12 +90,19 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, 
 def _fill_kv_indices_kernel(
     req_to_token_ptr, req_pool_indices_ptr, seq_lens_ptr, kv_indptr_ptr, kv_indices_ptr,
     stride_r2t_row,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, COMPUTE_INDPTR: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     req = tl.program_id(0)
     row = tl.load(req_pool_indices_ptr + req).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + req).to(tl.int64)
-    out_start = tl.load(kv_indptr_ptr + req).to(tl.int64)
+    if COMPUTE_INDPTR:  # each program sums the lengths before its own (small batches: cheaper than a scan launch)
+        offs_b = tl.arange(0, BLOCK_B)
+        out_start = tl.sum(tl.load(seq_lens_ptr + offs_b, mask=offs_b < req, other=0).to(tl.int64), axis=0)
+        tl.store(kv_indptr_ptr + req + 1, (out_start + seq_len).to(kv_indptr_ptr.dtype.element_ty))
+        if req == 0:
+            tl.store(kv_indptr_ptr, tl.zeros([], dtype=kv_indptr_ptr.dtype.element_ty))
+    else:
+        out_start = tl.load(kv_indptr_ptr + req).to(tl.int64)
     src = req_to_token_ptr + row * stride_r2t_row
     for off in range(0, seq_len, BLOCK):
         offs = off + tl.arange(0, BLOCK)
@@ -116,11 +125,12 @@ def compute_kv_indptr(seq_lens: torch.Tensor, out: torch.Tensor | None = None) -
 
 
 def fill_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                    kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
+                    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, compute_indptr: bool = False) -> None:
     """Copy `req_to_token[req_pool_indices[i], :seq_lens[i]]` to `kv_indices[kv_indptr[i]:]` for every i.
 
     `req_to_token` `[rows, max_context]`; `req_pool_indices`, `seq_lens` `[batch]`; `kv_indptr`
-    `[>= batch + 1]` (from `compute_kv_indptr`); `kv_indices` `[>= sum(seq_lens)]`, int32 or int64.
+    `[>= batch + 1]` (from `compute_kv_indptr`, or written here with `compute_indptr`, for batches
+    of at most `MAX_INDPTR_BATCH`); `kv_indices` `[>= sum(seq_lens)]`, int32 or int64.
     Nothing is read back to the host, so it may run inside a CUDA graph.
     """
     device = req_to_token.device
@@ -136,12 +146,16 @@ def fill_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, 
     batch = req_pool_indices.shape[0]
     check_shape("seq_lens", seq_lens, (batch,))
     assert kv_indptr.shape[0] >= batch + 1, f"kv_indptr has {kv_indptr.shape[0]} entries, need {batch + 1}"
+    assert not compute_indptr or batch <= MAX_INDPTR_BATCH, (
+        f"compute_indptr takes batches of at most {MAX_INDPTR_BATCH}, got {batch}")
     if batch == 0:
+        if compute_indptr:
+            kv_indptr[:1].zero_()
         return
     _fill_kv_indices_kernel[(batch,)](
         req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices,
         req_to_token.stride(0),
-        BLOCK=_FILL_BLOCK,
+        BLOCK=_FILL_BLOCK, COMPUTE_INDPTR=compute_indptr, BLOCK_B=next_power_of_2(batch) if compute_indptr else 1,
     )
 
 

@@ -186,8 +186,32 @@ def cmd_one_batch(args: argparse.Namespace) -> int:
         result["graph_replay_ms"] = round(replay_ms, 4) if replay_ms is not None else None
         if args.profile_graph and replay_ms is not None:
             result.update(profile_graph(graphs, args.batch_size, seq_len))
+    if args.profile_graph and graphs is not None:
+        result.update(profile_decode_steps(sched, make_reqs([(args.input_len, 24)] * args.batch_size, vocab, 3, "p")))
     _report(result, args)
     return 0
+
+
+def profile_decode_steps(sched: Any, reqs: list[Any], skip: int = 4, steps: int = 16) -> dict[str, Any]:
+    """Device work of whole decode steps (graph replay plus everything around it: input staging,
+    sampling, copies), listed per step: what a step costs beyond the captured forward."""
+    import torch
+
+    for req in reqs:
+        sched.add_request(req)
+    for _ in range(skip):  # prefill and the first decode steps
+        sched.step()
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                sched.step()
+            torch.cuda.synchronize()
+        summary = _kernel_summary(prof.key_averages(), runs=steps, top=25)
+    except Exception as exc:
+        summary = {"graph_profile_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    while sched.has_work:
+        sched.step()
+    return {key.replace("graph_", "step_"): value for key, value in summary.items()}
 
 
 def profile_graph(graphs: Any, batch_size: int, seq_len: int, iters: int = 10) -> dict[str, Any]:
@@ -202,7 +226,7 @@ def profile_graph(graphs: Any, batch_size: int, seq_len: int, iters: int = 10) -
         return {"graph_profile_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
-def _kernel_summary(events: Any, runs: int) -> dict[str, Any]:
+def _kernel_summary(events: Any, runs: int, top: int = 15) -> dict[str, Any]:
     import torch
 
     def device_us(event: Any) -> float:
@@ -210,13 +234,13 @@ def _kernel_summary(events: Any, runs: int) -> dict[str, Any]:
 
     kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA), key=device_us,
                      reverse=True)
-    top = [{"kernel": e.key[:90], "calls_per_replay": round(e.count / runs, 2),
-            "us_per_replay": round(device_us(e) / runs, 1)} for e in kernels[:15]]
-    for row in top:
+    rows = [{"kernel": e.key[:90], "calls_per_replay": round(e.count / runs, 2),
+            "us_per_replay": round(device_us(e) / runs, 1)} for e in kernels[:top]]
+    for row in rows:
         print(f"  {row['us_per_replay']:>9.1f} us  {row['calls_per_replay']:>7.1f} x  {row['kernel']}")
     return {"graph_kernels_per_replay": round(sum(e.count for e in kernels) / runs, 1),
             "graph_kernel_us_per_replay": round(sum(device_us(e) for e in kernels) / runs, 1),
-            "graph_top_kernels": top}
+            "graph_top_kernels": rows}
 
 
 def random_lengths(num: int, max_in: int, max_out: int, ratio: float, seed: int) -> list[tuple[int, int]]:

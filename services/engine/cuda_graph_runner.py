@@ -7,8 +7,9 @@ next captured size with dummy rows (slot 0, length 1) whose outputs are discarde
 The graph of size B reads its inputs from one flat buffer laid out as rows of B:
 positions, req_pool_indices, seq_lens, input_ids, gather index, then out_cache_loc. The
 first five rows come from the host, padding included, in one non-blocking copy; the slots
-and the previous launch's tokens are copied on the device. Per step that is one
-host-to-device copy and three or four small kernels besides the replay, and no host sync.
+and the previous launch's tokens are copied on the device (on CUDA by one kernel,
+`radixmesh.kernels.decode_inputs`). Per step that is one host-to-device copy and one small
+kernel besides the replay, and no host sync.
 """
 
 from __future__ import annotations
@@ -79,6 +80,15 @@ def stage_inputs(views: GraphInputs, head: GraphInputs, batch: ScheduleBatch, pr
         *batch.input_ids, *pad, *(futures.index if futures is not None else [0] * bs), *pad])
     if futures is not None:
         assert prev_tokens is not None, "future tokens without a previous launch"
+    if views.positions.is_cuda:  # one launch for what follows on CPU
+        from radixmesh.kernels.decode_inputs import stage_decode_inputs
+
+        stage_decode_inputs(head.input_ids, head.gather if futures is not None else None, prev_tokens,
+                            batch.out_cache_loc, views.out_cache_loc, req_to_token, head.req_pool_indices,
+                            head.positions)
+        return
+    if futures is not None:
+        assert prev_tokens is not None
         resolve_futures(head.input_ids, futures, head.gather, prev_tokens)
     head.out_cache_loc.copy_(batch.out_cache_loc)
     if pad:

@@ -110,12 +110,17 @@ def test_store_kv_writes_strided_inputs_to_slots(buf_dtype: torch.dtype) -> None
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_kv_indices_match_row_slices(index_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("compute_indptr", [False, True], ids=["scan", "in-fill"])
+def test_kv_indices_match_row_slices(index_dtype: torch.dtype, compute_indptr: bool) -> None:
     p = make_problem([0, 3, 1500, 0], [1, 9, 2, 0], heads=2, kv_heads=1, head_dim=16, dtype=torch.float32)
     seq_lens = torch.tensor(p.seq_lens, device=DEVICE, dtype=index_dtype)
-    kv_indptr = compute_kv_indptr(seq_lens)
+    if compute_indptr:  # written by the fill kernel itself; stale values must not survive
+        kv_indptr = torch.full((len(p.seq_lens) + 1,), 999, dtype=torch.int64, device=DEVICE)
+    else:
+        kv_indptr = compute_kv_indptr(seq_lens)
     kv_indices = torch.full((sum(p.seq_lens) + 4,), -1, dtype=index_dtype, device=DEVICE)
-    fill_kv_indices(p.req_to_token, torch.tensor(p.req_pool_indices, device=DEVICE), seq_lens, kv_indptr, kv_indices)
+    fill_kv_indices(p.req_to_token, torch.tensor(p.req_pool_indices, device=DEVICE), seq_lens, kv_indptr, kv_indices,
+                    compute_indptr=compute_indptr)
     indptr_ref, indices_ref = kv_indices_reference(p.req_to_token, p.req_pool_indices, p.seq_lens)
     assert kv_indptr.tolist() == indptr_ref
     assert kv_indices[:len(indices_ref)].tolist() == indices_ref.tolist()

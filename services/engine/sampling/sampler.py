@@ -105,7 +105,7 @@ class Sampler:
             f"logits {tuple(logits.shape)} do not match the batch info "
             f"({info.batch_size}, {info.vocab_size})")
         logits = process_logits(logits, info)
-        greedy_ids = torch.argmax(logits, dim=-1)
+        greedy_ids = argmax(logits)
         if info.all_greedy:
             next_ids = greedy_ids
         else:
@@ -144,6 +144,15 @@ class Sampler:
                 self._seeded.manual_seed(seeded_step_key(seed, step))
                 uniforms[row] = torch.rand(1, generator=self._seeded, dtype=torch.float32)[0]
         return uniforms
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax `[batch]` int64; on CUDA the chunked kernel (PyTorch's is one block per row)."""
+    if logits.is_cuda:
+        from radixmesh.kernels.argmax import argmax_rows
+
+        return argmax_rows(logits)
+    return torch.argmax(logits, dim=-1)
 
 
 def seeded_step_key(seed: int, step: int) -> int:
