@@ -81,9 +81,13 @@ def make_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list[i
 
 def run_requests(sched: Any, timeline: Timeline, prompts: list[list[int]], params: list[Any],
                  tag: str) -> tuple[float, dict[str, Any]]:
-    """Run one request per prompt; (duration in seconds, the finished requests by rid)."""
+    """Run one request per prompt; (duration in seconds, the finished requests by rid).
+
+    Starts from an empty prefix cache, so every run prefills its prompts (the runs share them).
+    """
     from radixmesh.engine.request import Req
 
+    assert sched.flush_cache(), "the scheduler still holds requests: the prefix cache cannot be flushed"
     timeline.reset()
     reqs = [Req(rid=f"{tag}{i}", origin_input_ids=list(p), params=sp) for i, (p, sp) in enumerate(zip(prompts, params))]
     passes_before = sched.num_forward_passes

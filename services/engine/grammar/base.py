@@ -75,8 +75,9 @@ class BaseGrammarBackend(abc.ABC):
         """A fresh matcher at the start of the grammar."""
 
     @abc.abstractmethod
-    def allocate_mask(self, batch_size: int) -> torch.Tensor:
-        """An all-allowed mask for `batch_size` rows (CPU)."""
+    def allocate_mask(self, batch_size: int, pinned: bool = False) -> torch.Tensor:
+        """An all-allowed mask for `batch_size` rows (CPU; page-locked with `pinned`, so that its
+        copy to a GPU need not wait for the work queued there)."""
 
     @abc.abstractmethod
     def fill_masks(self, matchers: list[GrammarMatcher], mask: torch.Tensor, rows: list[int]) -> None:

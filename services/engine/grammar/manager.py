@@ -20,6 +20,7 @@ import torch
 
 from radixmesh.common.errors import RadixMeshError, invalid_argument
 from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.device_io import tensor_to_device, to_device
 from radixmesh.engine.grammar.base import BaseGrammarBackend, GrammarMatcher
 from radixmesh.engine.grammar.compile_pool import GrammarCompilePool, RemoteGrammarSource
 from radixmesh.engine.grammar.jump_forward import advance_matcher, retokenize_jump
@@ -121,10 +122,13 @@ class GrammarManager:
     def build_mask(self, reqs: Sequence[Req], rows: list[int], device: torch.device) -> VocabMask:
         """The allowed next tokens of `reqs[row]` for each row in `rows`, on `device`."""
         backend = self.pool.backend
-        mask = backend.allocate_mask(len(reqs))
+        on_gpu = device.type == "cuda"
+        mask = backend.allocate_mask(len(reqs), pinned=on_gpu)
         matchers: list[GrammarMatcher] = [reqs[row].grammar for row in rows]
         backend.fill_masks(matchers, mask, rows)
-        return VocabMask(mask.to(device, non_blocking=True), rows)
+        # pinned sources: neither copy makes the host wait for the forward pass already queued
+        rows_device = to_device(rows, torch.int32, device) if on_gpu else None
+        return VocabMask(tensor_to_device(mask, device), rows, rows_device)
 
     @staticmethod
     def accept(req: Req, token_id: int) -> bool:

@@ -9,6 +9,7 @@ touched, so the other requests in the batch pay nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -21,6 +22,8 @@ class VocabMask:
     """[batch, ceil(vocab / 32)] int32 on the logits' device; only `rows` are meaningful."""
     rows: list[int]
     """Rows of the batch that follow a grammar, ascending and unique."""
+    rows_device: torch.Tensor | None = None
+    """`rows` as int32 on the mask's device (GPU), so applying the mask copies nothing from the host."""
 
 
 def num_mask_words(vocab_size: int) -> int:
@@ -42,7 +45,13 @@ def apply_vocab_mask(logits: torch.Tensor, vocab_mask: VocabMask) -> None:
         f"rows must be unique, ascending and in [0, {logits.shape[0]}): {rows}")
     import xgrammar
 
-    xgrammar.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=rows)
+    if vocab_mask.rows_device is not None:
+        # xgrammar's CUDA (Triton) path takes the rows as a device tensor as they are; a list would
+        # be copied from pageable memory, which waits for the forward pass queued before it
+        xgrammar.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], backend="triton",
+                                             indices=cast("list[int]", vocab_mask.rows_device))
+    else:
+        xgrammar.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=rows)
 
 
 def unpack_mask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:

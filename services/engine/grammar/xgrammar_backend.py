@@ -18,6 +18,7 @@ import torch
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.grammar.base import BaseGrammarBackend, GrammarMatcher
 from radixmesh.engine.grammar.spec import GrammarSpec
+from radixmesh.engine.grammar.vocab_mask import num_mask_words
 
 BATCH_FILL_MIN_ROWS = 8
 """From this many grammar rows on, masks are filled by xgrammar's thread pool."""
@@ -98,9 +99,9 @@ class XGrammarBackend(BaseGrammarBackend):
         matcher: GrammarMatcher = self._xgr.GrammarMatcher(compiled)
         return matcher
 
-    def allocate_mask(self, batch_size: int) -> torch.Tensor:
-        mask: torch.Tensor = self._xgr.allocate_token_bitmask(batch_size, self.vocab_size)
-        return mask
+    def allocate_mask(self, batch_size: int, pinned: bool = False) -> torch.Tensor:
+        # xgrammar's layout (32 tokens per int32 word, all bits set = all allowed), in memory we choose
+        return torch.full((batch_size, num_mask_words(self.vocab_size)), -1, dtype=torch.int32, pin_memory=pinned)
 
     def fill_masks(self, matchers: list[GrammarMatcher], mask: torch.Tensor, rows: list[int]) -> None:
         assert len(matchers) == len(rows), f"{len(matchers)} matchers for {len(rows)} rows"

@@ -155,9 +155,7 @@ class SamplingBatchInfo:
             rows, cols = _scatter_indices(
                 [prompt + out if p.repetition_penalty != 1.0 else []
                  for p, prompt, out in zip(params, prompt_ids, output_ids)], device)
-            seen = torch.zeros(bs, vocab, dtype=torch.bool, device=device)
-            seen[rows, cols] = True
-            self.seen_mask = seen
+            self.seen_mask = _mask_of(bs, vocab, rows, cols, device)
             self.repetition_penalties = _column([p.repetition_penalty for p in params], device)
 
     def _build_min_tokens_mask(self, params: Sequence[SamplingParams], output_lens: Sequence[int],
@@ -169,9 +167,7 @@ class SamplingBatchInfo:
         if not any(banned):
             return
         rows, cols = _scatter_indices(banned, device)
-        mask = torch.zeros(len(params), vocab, dtype=torch.bool, device=device)
-        mask[rows, cols] = True
-        self.min_tokens_mask = mask
+        self.min_tokens_mask = _mask_of(len(params), vocab, rows, cols, device)
 
 
 def _scatter_indices(ids_per_row: list[list[int]],
@@ -181,6 +177,14 @@ def _scatter_indices(ids_per_row: list[list[int]],
     cols = [token_id for ids in ids_per_row for token_id in ids]
     rows_t, cols_t = rows_to_device([rows, cols], device)
     return rows_t, cols_t
+
+
+def _mask_of(bs: int, vocab: int, rows: torch.Tensor, cols: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[bs, vocab] bool, True at (rows, cols). The True values are made on the device: a host
+    scalar (`mask[rows, cols] = True`) would be a blocking copy."""
+    mask = torch.zeros(bs, vocab, dtype=torch.bool, device=device)
+    mask.index_put_((rows, cols), torch.ones(rows.shape[0], dtype=torch.bool, device=device))
+    return mask
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
