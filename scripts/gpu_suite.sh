@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks in one call, for a CUDA machine with torch and triton but no
 # network (wheels for the rest are carried in .whl, fetched by ../shared/tools/fetch-gpu-wheels.sh
-# plus msgspec pyzmq gguf pytest pluggy iniconfig). Results go to $OUT as JSON.
+# plus msgspec pyzmq gguf pytest pluggy iniconfig; the default model's tokenizer files in .gpu-model,
+# copied there by scripts/gpu_tokenizer_model.py --stage). Results go to $OUT as JSON.
 #   STAGES="tests hot-path kernel one-batch offline compare" bash scripts/gpu_suite.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,7 @@ rm -rf /tmp/pkg/radixmesh /tmp/pkg/loadtests
 cp -r services /tmp/pkg/radixmesh && cp -r kernels /tmp/pkg/radixmesh/kernels && cp -r loadtests /tmp/pkg/loadtests
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer RADIXMESH_CACHE_DIR=/tmp/radixmesh-cache
+export RADIXMESH_TEST_TOKENIZER_DIR=${TOKENIZER_DIR:-$PWD/.gpu-model}
 RM="python3 -m radixmesh.cli"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/device.txt"
@@ -27,14 +29,24 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
   echo "=== stage $stage"
   case $stage in
     tests)
-      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_triton_kernels_gpu.py ;;
+      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_triton_kernels_gpu.py \
+        tests/gpu/test_fused_kernels_gpu.py
+      # the CPU kernel tests run on the GPU too (compiled, not interpreted)
+      python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_fused_kernels.py \
+        tests/unit/test_decode_inputs_kernel.py tests/unit/test_argmax_kernel.py tests/unit/test_triton_kernels.py \
+        -k "not scheduler" ;;
     engine-tests)
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_engine_gpu.py ;;
     hot-path)  # no implicit host-device sync in scheduling, launch, sampling, results (graphs + overlap)
       python3 -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_hot_path_gpu.py ;;
     kernel)
       python3 -m radixmesh.kernels.bench_decode --batch 64 --seq-len 2048 --heads 32 --kv-heads 8 --head-dim 128 \
-        --dtype bf16 ;;
+        --dtype bf16
+      # batch-1 decode in a graph at the one-batch benchmark's mean length: launched splits vs time
+      for dim in 128 64; do for splits in 32 16 8 5 3; do
+        python3 -m radixmesh.kernels.bench_decode --batch 1 --seq-len 1152 --heads 32 --kv-heads 8 --head-dim $dim \
+          --dtype bf16 --cuda-graph --num-kv-splits $splits
+      done; done ;;
     one-batch)
       for shape in llama-3.2-1b llama-3.1-8b; do
         $RM bench one-batch --model-shape "$shape" --batch-size 1 --input-len 1024 --output-len 256 \
@@ -50,6 +62,13 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       $RM bench offline $common --disable-overlap-schedule
       $RM bench offline $common --disable-cuda-graph
       $RM bench offline $common --disable-cuda-graph --attention-backend flashinfer ;;
+    structured)  # JSON-schema decoding vs unconstrained at batch 64; jump-forward on and off (forward passes)
+      model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
+      common="--model $model --load-format dummy --num-prompts 64 --input-len 512 --max-new-tokens 256 \
+        --context-length 4096 --result-file $OUT/structured.jsonl"
+      $RM bench structured $common --schema person
+      $RM bench structured $common --schema long-keys
+      $RM bench structured $common --schema long-keys --enable-jump-forward ;;
     *) echo "unknown stage $stage" ;;
   esac
 }
