@@ -393,15 +393,20 @@ def test_notes_tell_how_to_call_the_api(helm: str, tmp_path: Path) -> None:
     assert "prefill: 2 pod(s)" in plain and "decode: 4 pod(s)" in plain
 
 
-def test_docs_values_example_renders_and_validates(helm: str, tmp_path: Path) -> None:
-    """The values example of docs/kubernetes.md is a working one."""
+@pytest.mark.parametrize("doc_path,section", [("docs/kubernetes.md", ""), ("README.md", "## Deploy on Kubernetes")])
+def test_docs_values_example_renders_and_validates(helm: str, tmp_path: Path, doc_path: str, section: str) -> None:
+    """The first values example of docs/kubernetes.md, and the one of the README's Kubernetes
+    section, are working ones."""
     import re
 
     import kubernetes_validate
 
-    text = (CHART.parents[1] / "docs" / "kubernetes.md").read_text()
+    text = (CHART.parents[1] / doc_path).read_text()
+    if section:
+        assert section in text, f"{doc_path} has no section {section!r}"
+        text = text.split(section, 1)[1]
     example = re.search(r"```yaml\n(.*?)```", text, re.S)
-    assert example, "docs/kubernetes.md has no yaml example"
+    assert example, f"{doc_path} has no yaml example"
     values = tmp_path / "my-values.yaml"
     values.write_text(example.group(1))
     docs = render(helm, [values])
