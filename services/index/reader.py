@@ -10,6 +10,7 @@ expires, so a burst of a new prefix follows the first request before the worker 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -70,13 +71,28 @@ class KVIndexReader:
         self._stale: dict[tuple[str, str], set[str]] = {}  # (worker, epoch value) -> block keys
         self._malformed = _Malformed()
         self._walk: Any = redis.register_script(SCRIPT)
+        self._refresh: asyncio.Task[dict[str, WorkerLease]] | None = None
 
     # ---- leases ------------------------------------------------------------------------------
     async def live_leases(self, max_age_s: float | None = None) -> dict[str, WorkerLease]:
-        """worker id -> its lease, for every worker whose lease exists and parses; cached briefly."""
+        """worker id -> its lease, for every worker whose lease exists and parses; cached briefly.
+
+        A set older than `max_age_s` but younger than the lease TTL is returned as it is while a
+        background read refreshes it (the routing path then costs one round trip, not three);
+        an older one, or `max_age_s=0`, is read before returning.
+        """
         max_age_s = self.config.lease_cache_s if max_age_s is None else max_age_s
-        if time.monotonic() - self._leases_read_s <= max_age_s:
+        age_s = time.monotonic() - self._leases_read_s
+        if age_s <= max_age_s:
             return self._leases
+        if max_age_s > 0 and age_s <= max_age_s + self.config.lease_ttl_s:
+            if self._refresh is None or self._refresh.done():
+                self._refresh = asyncio.create_task(self._read_leases(), name="index-leases")
+                self._refresh.add_done_callback(_log_refresh_failure)
+            return self._leases
+        return await self._read_leases()
+
+    async def _read_leases(self) -> dict[str, WorkerLease]:
         ids = sorted(_text(m) for m in await self.redis.smembers(self.keys.workers))
         pipe = self.redis.pipeline(transaction=False)
         for wid in ids:
@@ -171,3 +187,9 @@ def _text(value: bytes | str | None) -> str:
     if value is None:
         return ""
     return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _log_refresh_failure(task: asyncio.Task[dict[str, WorkerLease]]) -> None:
+    """A failed background lease read keeps the old set; the next inline read reports the error."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("index: background lease read failed: %s", task.exception())

@@ -262,3 +262,32 @@ def test_writer_republishes_after_redis_restart(tmp_path_factory: pytest.TempPat
         asyncio.run(run(server))
     finally:
         server.stop()
+
+
+def test_an_expired_lease_set_is_refreshed_off_the_lookup_path(local_redis: LocalRedis) -> None:  # noqa: F811
+    """Within the lease TTL, a lookup after the cache expired uses the cached leases and reads
+    them again in the background; past the TTL it reads them first."""
+    async def run() -> None:
+        config = make_config(local_redis, lease_cache_s=0.2, lease_ttl_s=1.0)
+        hashes = block_hashes(prompt(7, 2), 4)
+        first, second = make_writer(config, "first"), make_writer(config, "second")
+        await first.start()
+        first.stored(hashes)
+        await published(first)
+        reader = KVIndexReader(config, connect(config))
+        assert (await reader.lookup(hashes)).cached_blocks == {"first": 2}
+        await second.start()
+        second.stored(hashes)
+        await published(second)
+        await asyncio.sleep(0.3)  # the cached set is stale now, but younger than the TTL
+        assert (await reader.lookup(hashes)).cached_blocks == {"first": 2}, "served from the cache"
+        assert reader._refresh is not None
+        await reader._refresh
+        assert (await reader.lookup(hashes)).cached_blocks == {"first": 2, "second": 2}
+        await second.close(withdraw=False)  # its entries stay; its lease lapses after the TTL
+        await asyncio.sleep(1.3)  # past cache + TTL: the leases are read before the lookup
+        assert (await reader.lookup(hashes)).cached_blocks == {"first": 2}
+        await first.close()
+        await reader.redis.aclose()
+
+    asyncio.run(run())
