@@ -80,15 +80,14 @@ def stage_inputs(views: GraphInputs, head: GraphInputs, batch: ScheduleBatch, pr
         *batch.input_ids, *pad, *(futures.index if futures is not None else [0] * bs), *pad])
     if futures is not None:
         assert prev_tokens is not None, "future tokens without a previous launch"
-    if views.positions.is_cuda:  # one launch for what follows on CPU
+    if views.positions.is_cuda:  # one launch for what the CPU path below does in three or four
         from radixmesh.kernels.decode_inputs import stage_decode_inputs
 
         stage_decode_inputs(head.input_ids, head.gather if futures is not None else None, prev_tokens,
                             batch.out_cache_loc, views.out_cache_loc, req_to_token, head.req_pool_indices,
                             head.positions)
         return
-    if futures is not None:
-        assert prev_tokens is not None
+    if futures is not None and prev_tokens is not None:
         resolve_futures(head.input_ids, futures, head.gather, prev_tokens)
     head.out_cache_loc.copy_(batch.out_cache_loc)
     if pad:
