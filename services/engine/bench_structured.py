@@ -18,9 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 from typing import Any
 
-from radixmesh.engine.bench import Timeline, _report, device_info, run_all, settings
+from radixmesh.engine.bench import StepClock, Timeline, _report, device_info, run_all, settings
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     # free fields: bounded strings, enums, bounded numbers, an array
@@ -80,7 +81,7 @@ def make_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list[i
 
 
 def run_requests(sched: Any, timeline: Timeline, prompts: list[list[int]], params: list[Any],
-                 tag: str) -> tuple[float, dict[str, Any]]:
+                 tag: str, clock: StepClock | None = None) -> tuple[float, dict[str, Any]]:
     """Run one request per prompt; (duration in seconds, the finished requests by rid).
 
     Starts from an empty prefix cache, so every run prefills its prompts (the runs share them).
@@ -91,7 +92,9 @@ def run_requests(sched: Any, timeline: Timeline, prompts: list[list[int]], param
     timeline.reset()
     reqs = [Req(rid=f"{tag}{i}", origin_input_ids=list(p), params=sp) for i, (p, sp) in enumerate(zip(prompts, params))]
     passes_before = sched.num_forward_passes
-    start = run_all(sched, reqs)
+    if clock is not None:
+        clock.steps.clear()
+    start = run_all(sched, reqs, clock)
     duration = max(timeline.done_s.values()) - start
     return duration, {"reqs": reqs, "forward_passes": sched.num_forward_passes - passes_before}
 
@@ -120,6 +123,16 @@ def check_outputs(reqs: list[Any], tokenizer: Any, schema: dict[str, Any]) -> di
             "num_schema_valid": num_valid if jsonschema is not None else -1}
 
 
+def step_times(clock: StepClock, prefix: str) -> dict[str, Any]:
+    """Wall time per scheduler step: the median, and the slowest steps (a one-off cost shows there)."""
+    walls = sorted((s[0] * 1000 for s in clock.steps), reverse=True)
+    if not walls:
+        return {}
+    return {f"{prefix}_step_ms_median": round(statistics.median(walls), 3),
+            f"{prefix}_step_ms_slowest": [round(w, 2) for w in walls[:3]],
+            f"{prefix}_step_cpu_ms_median": round(1000 * statistics.median(s[3] for s in clock.steps), 3)}
+
+
 def cmd_structured(args: argparse.Namespace) -> int:
     from radixmesh.engine.sampling.params import SamplingParams
 
@@ -127,13 +140,15 @@ def cmd_structured(args: argparse.Namespace) -> int:
     timeline = Timeline()
     sched, tokenizer = build_scheduler_with_tokenizer(args, timeline)
     vocab = sched.runner.model_config.vocab_size
-    warm = make_prompts(4, 32, vocab, 7)
+    warm = make_prompts(args.num_prompts, 32, vocab, 7)  # the batch size of the runs: its kernels and graphs
     run_requests(sched, timeline, warm, [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0,
                                                         json_schema=json.dumps(schema))] * len(warm), "warm")
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     constrained = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  json_schema=json.dumps(schema))
-    c_s, c_run = run_requests(sched, timeline, prompts, [constrained] * len(prompts), "json")
+    clock = StepClock(sched)
+    c_s, c_run = run_requests(sched, timeline, prompts, [constrained] * len(prompts), "json", clock)
+    constrained_steps = step_times(clock, "constrained")
     out_lens = [len(r.output_ids) for r in c_run["reqs"]]
     finish = [r.finish_reason.value if r.finish_reason else "" for r in c_run["reqs"]]
     result: dict[str, Any] = {
@@ -144,17 +159,18 @@ def cmd_structured(args: argparse.Namespace) -> int:
         "constrained_output_tok_s": round(sum(out_lens) / c_s, 1),
         "constrained_forward_passes": c_run["forward_passes"],
         "finish_reasons": {reason: finish.count(reason) for reason in sorted(set(finish))},
-        **check_outputs(c_run["reqs"], tokenizer, schema),
+        **check_outputs(c_run["reqs"], tokenizer, schema), **constrained_steps,
     }
     if not args.skip_unconstrained:
         free = [SamplingParams(max_new_tokens=max(n, 1), temperature=args.temperature, ignore_eos=True)
                 for n in out_lens]
-        u_s, u_run = run_requests(sched, timeline, prompts, free, "free")
+        u_s, u_run = run_requests(sched, timeline, prompts, free, "free", clock)
         result.update({
             "unconstrained_duration_s": round(u_s, 4),
             "unconstrained_output_tok_s": round(sum(out_lens) / u_s, 1),
             "unconstrained_forward_passes": u_run["forward_passes"],
             "throughput_loss": round(1 - (sum(out_lens) / c_s) / (sum(out_lens) / u_s), 4),
+            **step_times(clock, "unconstrained"),
         })
     _report(result, args)
     return 0

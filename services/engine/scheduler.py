@@ -67,6 +67,7 @@ class Scheduler:
         self.result_wait_s = 0.0  # host time spent waiting for results to reach the host (one wait per step)
         self.grammar = GrammarManager(config, tokenizer, runner.model_config.vocab_size,
                                       runner.model_config.eos_token_ids, self.context_len)
+        self.grammar.warm_up(runner.device)
 
     # ---- the core loop ----------------------------------------------------------------------
     def step(self) -> bool:

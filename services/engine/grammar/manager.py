@@ -27,7 +27,7 @@ from radixmesh.engine.grammar.jump_forward import advance_matcher, retokenize_ju
 from radixmesh.engine.grammar.registry import grammar_backend_class
 from radixmesh.engine.grammar.remote import GrammarServiceClient
 from radixmesh.engine.grammar.spec import grammar_spec
-from radixmesh.engine.grammar.vocab_mask import VocabMask
+from radixmesh.engine.grammar.vocab_mask import VocabMask, warm_up_vocab_mask
 from radixmesh.engine.request import Req
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,12 @@ class GrammarManager:
         self.num_jumps = 0
         self.num_jump_forward_tokens = 0
         self.num_compile_timeouts = 0
+        self.vocab_size = vocab_size
+
+    def warm_up(self, device: torch.device) -> None:
+        """Compile the device kernel that applies grammar masks, so the first grammar batches do not."""
+        if device.type == "cuda" and self.tokenizer is not None and warm_up_vocab_mask(self.vocab_size, device):
+            logger.debug("grammar mask kernel compiled")
 
     # ---- waiting for grammars ---------------------------------------------------------------
     def submit(self, req: Req) -> None:

@@ -54,6 +54,25 @@ def apply_vocab_mask(logits: torch.Tensor, vocab_mask: VocabMask) -> None:
         xgrammar.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=rows)
 
 
+def warm_up_vocab_mask(vocab_size: int, device: torch.device) -> bool:
+    """Compile the CUDA mask kernel's variants before serving; False when xgrammar is not installed.
+
+    Triton compiles a kernel once per kind of row count (one row, a multiple of 16, any other),
+    which would otherwise cost the first grammar batches of each kind most of a second.
+    """
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return False
+    words = num_mask_words(vocab_size)
+    logits = torch.zeros(16, vocab_size, dtype=torch.float32, device=device)  # the sampler's logits dtype
+    mask = torch.full((16, words), -1, dtype=torch.int32, device=device)
+    for count in (1, 2, 16):
+        rows = list(range(count))
+        apply_vocab_mask(logits, VocabMask(mask, rows, torch.arange(count, dtype=torch.int32, device=device)))
+    return True
+
+
 def unpack_mask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[batch, vocab] bool (True = allowed) from packed int32 words; the reference semantics."""
     bits = torch.arange(32, device=mask.device, dtype=torch.int32)
