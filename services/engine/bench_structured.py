@@ -81,7 +81,7 @@ def make_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list[i
 
 
 def run_requests(sched: Any, timeline: Timeline, prompts: list[list[int]], params: list[Any],
-                 tag: str, clock: StepClock | None = None) -> tuple[float, dict[str, Any]]:
+                 tag: str, clock: ModeClock | None = None) -> tuple[float, dict[str, Any]]:
     """Run one request per prompt; (duration in seconds, the finished requests by rid).
 
     Starts from an empty prefix cache, so every run prefills its prompts (the runs share them).
@@ -93,7 +93,7 @@ def run_requests(sched: Any, timeline: Timeline, prompts: list[list[int]], param
     reqs = [Req(rid=f"{tag}{i}", origin_input_ids=list(p), params=sp) for i, (p, sp) in enumerate(zip(prompts, params))]
     passes_before = sched.num_forward_passes
     if clock is not None:
-        clock.steps.clear()
+        clock.clear()
     start = run_all(sched, reqs, clock)
     duration = max(timeline.done_s.values()) - start
     return duration, {"reqs": reqs, "forward_passes": sched.num_forward_passes - passes_before}
@@ -123,14 +123,40 @@ def check_outputs(reqs: list[Any], tokenizer: Any, schema: dict[str, Any]) -> di
             "num_schema_valid": num_valid if jsonschema is not None else -1}
 
 
-def step_times(clock: StepClock, prefix: str) -> dict[str, Any]:
-    """Wall time per scheduler step: the median, and the slowest steps (a one-off cost shows there)."""
-    walls = sorted((s[0] * 1000 for s in clock.steps), reverse=True)
-    if not walls:
+class ModeClock(StepClock):
+    """A step clock that also notes what each step launched: a decode, a prefill (extend) or nothing."""
+
+    def __init__(self, sched: Any) -> None:
+        super().__init__(sched)
+        self.modes: list[str] = []
+
+    def step(self) -> None:
+        before = self.sched.launch_id
+        super().step()
+        launched = self.sched.launch_id != before
+        batch = getattr(self.sched.in_flight, "batch", None) if launched else None
+        self.modes.append("none" if not launched else "decode" if batch is None or batch.is_decode else "prefill")
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.modes.clear()
+
+
+def step_times(clock: ModeClock, prefix: str) -> dict[str, Any]:
+    """Wall time per scheduler step by what it launched (a one-off cost shows in the slowest steps)."""
+    if not clock.steps:
         return {}
-    return {f"{prefix}_step_ms_median": round(statistics.median(walls), 3),
-            f"{prefix}_step_ms_slowest": [round(w, 2) for w in walls[:3]],
-            f"{prefix}_step_cpu_ms_median": round(1000 * statistics.median(s[3] for s in clock.steps), 3)}
+    walls = [s[0] * 1000 for s in clock.steps]
+    result: dict[str, Any] = {}
+    for mode in ("prefill", "decode", "none"):
+        mine = [w for w, m in zip(walls, clock.modes) if m == mode]
+        if mine:
+            result[f"{prefix}_{mode}_steps"] = len(mine)
+            result[f"{prefix}_{mode}_steps_s"] = round(sum(mine) / 1000, 4)
+            result[f"{prefix}_{mode}_step_ms_median"] = round(statistics.median(mine), 3)
+    result[f"{prefix}_step_ms_slowest"] = [round(w, 2) for w in sorted(walls, reverse=True)[:3]]
+    result[f"{prefix}_step_cpu_ms_median"] = round(1000 * statistics.median(s[3] for s in clock.steps), 3)
+    return result
 
 
 def cmd_structured(args: argparse.Namespace) -> int:
@@ -146,7 +172,7 @@ def cmd_structured(args: argparse.Namespace) -> int:
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     constrained = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  json_schema=json.dumps(schema))
-    clock = StepClock(sched)
+    clock = ModeClock(sched)
     c_s, c_run = run_requests(sched, timeline, prompts, [constrained] * len(prompts), "json", clock)
     constrained_steps = step_times(clock, "constrained")
     out_lens = [len(r.output_ids) for r in c_run["reqs"]]
