@@ -66,8 +66,8 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
       common="--model $model --load-format dummy --num-prompts 64 --input-len 512 --max-new-tokens 256 \
         --context-length 4096 --result-file $OUT/structured.jsonl"
-      $RM bench structured $common --schema person
-      $RM bench structured $common --schema long-keys
+      $RM bench structured $common --schema person --profile-host
+      $RM bench structured $common --schema long-keys --profile-host
       $RM bench structured $common --schema long-keys --enable-jump-forward ;;
     *) echo "unknown stage $stage" ;;
   esac

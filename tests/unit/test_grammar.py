@@ -189,6 +189,33 @@ def test_advance_matcher_refusal_keeps_the_state(tokenizer, backend):
     assert matcher.find_jump_forward_string() == "b"  # still right after "a"
 
 
+def test_masks_are_the_same_from_one_thread_and_from_the_pool(tokenizer):
+    from radixmesh.engine.grammar import xgrammar_backend
+
+    backend = XGrammarBackend(tokenizer, 49152, [2], num_threads=2)
+    compiled = backend.compile(GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    brace = tokenizer.encode("{", add_special_tokens=False)[0]
+    matchers = [backend.new_matcher(compiled) for _ in range(12)]
+    for matcher in matchers[::2]:
+        assert matcher.accept_token(brace)  # two different states in the batch
+    rows = list(range(1, 13))
+    single = backend.allocate_mask(13)
+    backend.fill_masks(matchers, single, rows)  # cheap rows: one thread, and the cost is measured
+    assert 0 < backend._row_fill_s < xgrammar_backend.THREADED_FILL_MIN_S
+    assert backend._threaded_calls == 0
+    backend._row_fill_s = 1.0  # as if each row were slow: the pool takes over
+    pooled = backend.allocate_mask(13)
+    backend.fill_masks(matchers, pooled, rows)
+    assert backend._threaded_calls == 1
+    assert torch.equal(single, pooled) and torch.all(pooled[0] == -1)  # row 0 untouched
+    assert not torch.equal(single[1], single[2])
+    for _ in range(xgrammar_backend.RECHECK_EVERY - 2):
+        backend.fill_masks(matchers, pooled, rows)
+    assert backend._threaded_calls == xgrammar_backend.RECHECK_EVERY - 1
+    backend.fill_masks(matchers, pooled, rows)  # the re-measuring call: one thread, cheap again
+    assert backend._threaded_calls == 0 and backend._row_fill_s < xgrammar_backend.THREADED_FILL_MIN_S
+
+
 # ---- the grammar service's store (memory only) ---------------------------------------------------
 def test_store_memory_lru_is_bounded_in_bytes():
     import asyncio

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,8 +21,11 @@ from radixmesh.engine.grammar.base import BaseGrammarBackend, GrammarMatcher
 from radixmesh.engine.grammar.spec import GrammarSpec
 from radixmesh.engine.grammar.vocab_mask import num_mask_words
 
-BATCH_FILL_MIN_ROWS = 8
-"""From this many grammar rows on, masks are filled by xgrammar's thread pool."""
+THREADED_FILL_MIN_S = 0.004
+"""Masks are filled by xgrammar's thread pool only when one thread would take longer than this:
+a call into the pool costs about a millisecond, while a JSON-schema row takes a few microseconds."""
+RECHECK_EVERY = 32
+"""While the pool fills masks, every this many calls one thread fills them again, to re-measure."""
 _LOG_PREFIX = re.compile(r"^\[[0-9:. ]+\]\s*\S+:\d+:\s*")
 
 
@@ -61,7 +65,10 @@ class XGrammarBackend(BaseGrammarBackend):
                                                        stop_token_ids=list(stop_token_ids) or None)
         # Caching is ours (by content key), so xgrammar's own cache would only hold copies.
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=max(num_threads, 1), cache_enabled=False)
-        self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=max(num_threads, 1))
+        self._threads = max(num_threads, 1)
+        self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=self._threads)
+        self._row_fill_s = 0.0  # one thread's time per row, a moving average
+        self._threaded_calls = 0
 
     @classmethod
     def check_syntax(cls, spec: GrammarSpec) -> None:
@@ -105,8 +112,15 @@ class XGrammarBackend(BaseGrammarBackend):
 
     def fill_masks(self, matchers: list[GrammarMatcher], mask: torch.Tensor, rows: list[int]) -> None:
         assert len(matchers) == len(rows), f"{len(matchers)} matchers for {len(rows)} rows"
-        if len(rows) >= BATCH_FILL_MIN_ROWS:
+        if (self._threads > 1 and len(rows) * self._row_fill_s > THREADED_FILL_MIN_S
+                and self._threaded_calls % RECHECK_EVERY != RECHECK_EVERY - 1):
+            self._threaded_calls += 1
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, mask, rows)
             return
+        rechecking, self._threaded_calls = self._threaded_calls > 0, 0
+        start = time.perf_counter()
         for matcher, row in zip(matchers, rows):
             matcher.fill_next_token_bitmask(mask, row)
+        per_row = (time.perf_counter() - start) / max(len(rows), 1)
+        smooth = self._row_fill_s > 0.0 and not rechecking
+        self._row_fill_s = 0.8 * self._row_fill_s + 0.2 * per_row if smooth else per_row
