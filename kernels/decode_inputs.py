@@ -15,9 +15,12 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels._checks import check_device, check_index, check_last_dim_contiguous, next_power_of_2
+from radixmesh.kernels._jit import unspecialized
 
 
-@triton.jit
+@triton.jit(**unspecialized(  # row counts and slot-list slices differ from step to step
+    ints=("num_rows", "num_padded", "num_prev"),
+    pointers=("input_ids_ptr", "gather_ptr", "prev_ptr", "slots_src_ptr", "pool_rows_ptr", "positions_ptr")))
 def _stage_decode_kernel(
     input_ids_ptr, gather_ptr, prev_ptr, slots_src_ptr, slots_dst_ptr, req_to_token_ptr, pool_rows_ptr,
     positions_ptr,

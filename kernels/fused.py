@@ -24,6 +24,7 @@ from radixmesh.kernels._checks import (
     check_shape,
     next_power_of_2,
 )
+from radixmesh.kernels._jit import unspecialized
 
 _ACT_BLOCK = 1024  # elements of one SiLU-and-mul program
 
@@ -131,7 +132,7 @@ def _rotate_rows(ptr, tok, stride_tok, stride_head, num_heads, cos, sin, half,
     return r1, r2, mask
 
 
-@triton.jit
+@triton.jit(**unspecialized(pointers=("pos_ptr", "loc_ptr")))  # loc: a slice of the slot free list
 def _rotary_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_buf_ptr, v_buf_ptr, loc_ptr,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cache,

@@ -20,6 +20,7 @@ from radixmesh.kernels._checks import (
     check_shape,
     next_power_of_2,
 )
+from radixmesh.kernels._jit import unspecialized
 
 # elements of one tile in the store kernel: enough heads per program to keep the copy wide
 _STORE_TILE_ELEMS = 4096
@@ -29,7 +30,7 @@ MAX_INDPTR_BATCH = 1024
 """Largest batch whose `kv_indptr` `fill_kv_indices` computes itself (each program sums the lengths before it)."""
 
 
-@triton.jit
+@triton.jit(**unspecialized(pointers=("loc_ptr",)))  # loc: a slice of the slot free list
 def _store_kv_kernel(
     k_buf_ptr, v_buf_ptr, loc_ptr, k_ptr, v_ptr,
     stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,

@@ -102,3 +102,33 @@ def test_silu_and_mul_real_shapes(dtype, rows, width):
     gate, up = x.float().chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up
     assert _rel_err(silu_and_mul(x), want) < TOL[dtype]
+
+
+def _num_variants(kernel) -> int:
+    """Compiled variants of a Triton kernel on this device (its JIT cache)."""
+    return sum(len(entry[0]) for entry in kernel.device_caches.values())
+
+
+def test_staging_compiles_one_variant_for_any_row_count_and_slot_slice():
+    """Row counts and slot-list slices change every step; none of them may bring a compilation."""
+    from radixmesh.kernels.decode_inputs import _stage_decode_kernel, stage_decode_inputs
+
+    padded, max_context = 32, 64
+    req_to_token = torch.zeros(padded, max_context, dtype=torch.int32, device=DEVICE)
+    free_slots = torch.arange(100, 200, dtype=torch.int64, device=DEVICE)
+    prev = torch.arange(1000, 1000 + 48, dtype=torch.int64, device=DEVICE)
+    counts = []
+    for num_rows, offset, num_prev in [(16, 0, 48), (1, 1, 47), (17, 3, 33), (32, 5, 16), (7, 2, 1)]:
+        input_ids = torch.full((padded,), -1, dtype=torch.int64, device=DEVICE)
+        gather = torch.arange(num_rows, dtype=torch.int64, device=DEVICE)  # row i takes prev[i]
+        slots_dst = torch.full((padded,), -1, dtype=torch.int64, device=DEVICE)
+        rows = torch.arange(num_rows, dtype=torch.int64, device=DEVICE)
+        positions = torch.full((num_rows,), 9, dtype=torch.int64, device=DEVICE)
+        src = free_slots[offset:offset + num_rows]  # an unaligned slice for odd offsets
+        stage_decode_inputs(input_ids, gather, prev[:num_prev], src, slots_dst, req_to_token, rows, positions)
+        live = min(num_rows, num_prev)
+        assert torch.equal(input_ids[:live], prev[:live])
+        assert torch.equal(slots_dst[:num_rows], src) and not slots_dst[num_rows:].any()
+        assert torch.equal(req_to_token[:num_rows, 9].long(), src)
+        counts.append(_num_variants(_stage_decode_kernel))
+    assert counts[-1] == counts[0], f"variants compiled along the way: {counts}"
