@@ -34,6 +34,7 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       # the CPU kernel tests run on the GPU too (compiled, not interpreted)
       python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_fused_kernels.py \
         tests/unit/test_decode_inputs_kernel.py tests/unit/test_argmax_kernel.py tests/unit/test_triton_kernels.py \
+        tests/unit/test_gemv_kernel.py \
         -k "not scheduler" ;;
     engine-tests)
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_engine_gpu.py ;;
@@ -47,6 +48,8 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
         python3 -m radixmesh.kernels.bench_decode --batch 1 --seq-len 1152 --heads 32 --kv-heads 8 --head-dim $dim \
           --dtype bf16 --cuda-graph --num-kv-splits $splits
       done; done ;;
+    gemv)  # batch-1 linear layers of the 1B and 8B shapes: our GEMV (default and best of a sweep) vs cuBLAS
+      python3 -m radixmesh.kernels.bench_gemv --sweep | tee "$OUT/gemv.jsonl" ;;
     one-batch)
       for shape in llama-3.2-1b llama-3.1-8b; do
         $RM bench one-batch --model-shape "$shape" --batch-size 1 --input-len 1024 --output-len 256 \

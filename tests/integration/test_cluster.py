@@ -216,7 +216,8 @@ def test_worker_killed_mid_stream(cluster: ClusterState) -> None:
     for member in range(1, 3):
         result = generate(cluster, **ids_request(group_ids(31, member)))
         assert result["meta_info"]["completion_tokens"] == 2
-    assert set(holders(cluster, group_ids(31, 1))) == {survivor}
+    # the index is written asynchronously (batched events): wait for the survivor's blocks to land
+    wait_for(lambda: set(holders(cluster, group_ids(31, 1))) == {survivor}, 20, "the survivor's blocks in the index")
     wait_for(lambda: victim not in asyncio.run(_live(cluster)), 20, "the killed worker's lease to lapse")
     assert holders(cluster, group_ids(victim_groups[0], 0)) == {}, "a lapsed lease's entries must not count"
     _sweep(cluster)

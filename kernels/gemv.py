@@ -1,0 +1,86 @@
+"""Batch-1 linear layers `y = x @ W.T`: one row of activations against a weight matrix `[N, K]`.
+
+A decode step at batch 1 is all reads of weights; the GEMM libraries treat it as a skinny GEMM
+and, for the small square projections of a 1B model, leave bandwidth unused. Here each program
+owns `BLOCK_N` output features and streams their weight rows (contiguous in `K`) through
+registers, multiplying by the activations and summing in float32. No tensor cores: at one row
+there is nothing for them to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from radixmesh.kernels._checks import check_device, check_float, check_last_dim_contiguous, next_power_of_2
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        cols = k + offs_k
+        if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks in the loop
+            w = tl.load(rows + cols[None, :], eviction_policy="evict_first")
+            x = tl.load(x_ptr + cols)
+        else:
+            w = tl.load(rows + cols[None, :], mask=(offs_n[:, None] < N) & (cols[None, :] < K), other=0.0,
+                        eviction_policy="evict_first")
+            x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def default_config(n: int, k: int) -> GemvConfig:
+    """Enough programs to cover the GPU about twice (H100: 132 SMs), tiles of ~8K weights."""
+    block_n = max(4, min(64, next_power_of_2(max(n // 264, 1))))
+    block_k = max(64, min(1024, 8192 // block_n, next_power_of_2(k)))
+    return GemvConfig(block_n, block_k)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """`x @ weight.T` for `x` of shape `[1, K]` or `[K]` and `weight` `[N, K]`; returns `[1, N]` or `[N]`."""
+    assert x.dim() in (1, 2) and (x.dim() == 1 or x.shape[0] == 1), f"x must be [K] or [1, K], got {tuple(x.shape)}"
+    assert weight.dim() == 2, f"weight must be [N, K], got {tuple(weight.shape)}"
+    n, k = weight.shape
+    assert x.shape[-1] == k, f"x has {x.shape[-1]} features, weight expects {k}"
+    check_device("weight", weight, x.device)
+    check_float("x", x)
+    check_float("weight", weight)
+    assert x.dtype == weight.dtype, f"x is {x.dtype}, weight is {weight.dtype}"
+    check_last_dim_contiguous("weight", weight)
+    assert x.is_contiguous(), "x must be contiguous"
+    shape = (*x.shape[:-1], n)
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    assert tuple(out.shape) == shape and out.dtype == x.dtype and out.is_contiguous(), (
+        f"out must be a contiguous {x.dtype} tensor of shape {shape}")
+    check_device("out", out, x.device)
+    if n == 0:
+        return out
+    cfg = config or default_config(n, k)
+    even = n % cfg.block_n == 0 and k % cfg.block_k == 0
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, out, n, k, weight.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN=even,
+        num_warps=cfg.num_warps,
+    )
+    return out
