@@ -48,11 +48,23 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w,
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
 
 
+TUNED: dict[tuple[int, int], GemvConfig] = {
+    # (N, K) -> the best of bench_gemv --sweep on an H100 (docs/benchmarks/h100-gemv.jsonl)
+    (3072, 2048): GemvConfig(4, 256, 4, 4), (2048, 2048): GemvConfig(8, 512, 4, 4),
+    (16384, 2048): GemvConfig(8, 256, 4, 4), (2048, 8192): GemvConfig(4, 512, 4, 4),
+    (128256, 2048): GemvConfig(4, 1024, 4, 2), (6144, 4096): GemvConfig(4, 1024, 4, 2),
+    (4096, 4096): GemvConfig(4, 256, 4, 4), (28672, 4096): GemvConfig(4, 1024, 4, 2),
+    (4096, 14336): GemvConfig(4, 256, 4, 4), (128256, 4096): GemvConfig(4, 1024, 8, 4),
+}
+
+
 def default_config(n: int, k: int) -> GemvConfig:
-    """Enough programs to cover the GPU about twice (H100: 132 SMs), tiles of ~8K weights."""
-    block_n = max(4, min(64, next_power_of_2(max(n // 264, 1))))
-    block_k = max(64, min(1024, 8192 // block_n, next_power_of_2(k)))
-    return GemvConfig(block_n, block_k)
+    """The tuned configuration of this shape, else: 4 rows a program (many programs), K in
+    tiles of up to 512, four loads in flight, the pattern that won most tuned shapes."""
+    tuned = TUNED.get((n, k))
+    if tuned is not None:
+        return tuned
+    return GemvConfig(4, max(64, min(512, next_power_of_2(k))), 4, 4)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,

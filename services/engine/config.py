@@ -52,6 +52,8 @@ class EngineConfig:
     """auto (on for CUDA) | on | off: schedule batch N+1 on the CPU while the device runs batch N."""
     disable_cuda_graph: bool = False
     """Run decode eagerly instead of replaying captured CUDA graphs."""
+    disable_gemv: bool = False
+    """Batch-1 linear layers on CUDA use cuBLAS instead of the GEMV kernel (bf16/fp16 weights)."""
     cuda_graph_max_bs: int = 160
     """Largest decode batch captured in a CUDA graph; larger batches run eagerly."""
     random_seed: int = 0

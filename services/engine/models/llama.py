@@ -13,7 +13,7 @@ from torch import nn
 
 from radixmesh.engine.attention.base import AttentionLayerSpec, ForwardBatch
 from radixmesh.engine.model_config import ModelConfig
-from radixmesh.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from radixmesh.engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 
 # checkpoint projection -> (stacked parameter, shard index): q/k/v and gate/up are one GEMM each
 STACKED_PARAMS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -26,8 +26,8 @@ class Attention(nn.Module):
         h, d = config.num_heads, config.head_dim
         kvh = config.num_kv_heads
         # q, k and v projections stacked in one weight (one GEMM); checkpoints load by shard
-        self.qkv_proj = nn.Linear(config.hidden_size, (h + 2 * kvh) * d, bias=config.attention_bias)
-        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, (h + 2 * kvh) * d, bias=config.attention_bias)
+        self.o_proj = Linear(h * d, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = [rotary]  # shared; kept in a list so it is not registered once per layer
@@ -100,7 +100,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.init_buffers()
 
     def init_buffers(self) -> None:
