@@ -15,10 +15,11 @@ kernel besides the replay, and no host sync.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -138,6 +139,22 @@ class CudaGraphRunner:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
+        # No garbage collection while capturing: freeing an old pinned buffer or event from a
+        # collected cycle would make CUDA calls that invalidate the capture. Other threads
+        # (grammar compilation) may use CUDA meanwhile: only this thread's calls are captured.
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_sizes(pool, stream)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s", len(self.sizes),
+                    self.max_bs, time.perf_counter() - start)
+
+    def _capture_sizes(self, pool: Any, stream: torch.cuda.Stream) -> None:  # pool: an opaque handle
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
             fb = self._forward_batch(bs)
             run = self._make_run(fb, bs)
@@ -146,12 +163,9 @@ class CudaGraphRunner:
                     run()
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     self.outputs[bs] = run()
             self.graphs[bs] = graph
-        torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s", len(self.sizes),
-                    self.max_bs, time.perf_counter() - start)
 
     def _make_run(self, fb: ForwardBatch, bs: int) -> Callable[[], torch.Tensor]:
         backend = self.runner.attn_backend

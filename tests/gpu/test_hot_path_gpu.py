@@ -56,9 +56,9 @@ class SyncMonitor:
     def __enter__(self) -> SyncMonitor:
         self._catch.__enter__()
         warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")  # its own first-use warning is not a sync of the code under test
         self._show = warnings.showwarning
         warnings.showwarning = self._record
-        torch.cuda.set_sync_debug_mode("warn")
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
