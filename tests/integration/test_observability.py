@@ -140,10 +140,14 @@ def _trace(spans: list[ReceivedSpan]) -> list[ReceivedSpan]:
 
 
 def _trace_complete(spans: list[ReceivedSpan]) -> bool:
-    """The trace's last spans arrived: the worker's decode phase and both ends of the Detokenize stream."""
-    names = [(s.service, s.name) for s in _trace(spans)]
+    """The trace's last spans arrived: the worker's decode phase, both ends of the Detokenize stream, and
+    every parent but the client's (processes export in batches, so a parent may come after its child)."""
+    trace = _trace(spans)
+    names = [(s.service, s.name) for s in trace]
+    ids = {s.span_id for s in trace} | {CLIENT_SPAN_ID}
     return all(key in names for key in [("radixmesh-worker", "worker.decode"), ("radixmesh-tokenizer", DETOKENIZE),
-                                         ("radixmesh-gateway", DETOKENIZE), ("radixmesh-gateway", HTTP_SPAN)])
+                                         ("radixmesh-gateway", DETOKENIZE), ("radixmesh-gateway", HTTP_SPAN)]) and all(
+        s.parent_span_id in ids for s in trace if s.parent_span_id)
 
 
 def _streamed_completion(gateway_url: str) -> str:
