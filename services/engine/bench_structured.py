@@ -130,13 +130,19 @@ class ModeClock(StepClock):
     def __init__(self, sched: Any) -> None:
         super().__init__(sched)
         self.modes: list[str] = []
+        self._launched = "none"
+        launch = sched.launch
+
+        def noted_launch(batch: Any) -> Any:
+            self._launched = "decode" if batch.is_decode else "prefill"
+            return launch(batch)
+
+        sched.launch = noted_launch
 
     def step(self) -> None:
-        before = self.sched.launch_id
+        self._launched = "none"
         super().step()
-        launched = self.sched.launch_id != before
-        batch = getattr(self.sched.in_flight, "batch", None) if launched else None
-        self.modes.append("none" if not launched else "decode" if batch is None or batch.is_decode else "prefill")
+        self.modes.append(self._launched)
 
     def clear(self) -> None:
         self.steps.clear()

@@ -60,6 +60,7 @@ def test_default_config_is_tuned_or_many_small_programs():
     from radixmesh.kernels.gemv import TUNED
 
     assert default_config(4096, 4096) == TUNED[(4096, 4096)]
-    for n, k in [(1000, 3000), (3, 5), (50000, 64)]:
-        cfg = default_config(n, k)
-        assert cfg.block_n == 4 and 64 <= cfg.block_k <= 512 and cfg.block_k >= min(k, 64)
+    assert default_config(1000, 3000) == GemvConfig(4, 512, 4, 4)  # K in tiles of 512 at most
+    assert default_config(3, 300) == GemvConfig(4, 512, 4, 4)  # K rounded up to a power of two
+    assert default_config(3, 100) == GemvConfig(4, 128, 4, 4)  # one tile covers a short K
+    assert default_config(3, 5) == GemvConfig(4, 64, 4, 4)  # never under 64

@@ -113,7 +113,7 @@ class XGrammarBackend(BaseGrammarBackend):
     def fill_masks(self, matchers: list[GrammarMatcher], mask: torch.Tensor, rows: list[int]) -> None:
         assert len(matchers) == len(rows), f"{len(matchers)} matchers for {len(rows)} rows"
         if (self._threads > 1 and len(rows) * self._row_fill_s > THREADED_FILL_MIN_S
-                and self._threaded_calls % RECHECK_EVERY != RECHECK_EVERY - 1):
+                and self._threaded_calls < RECHECK_EVERY - 1):
             self._threaded_calls += 1
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, mask, rows)
             return
