@@ -3,7 +3,7 @@
 # network (wheels for the rest are carried in .whl, fetched by ../shared/tools/fetch-gpu-wheels.sh
 # plus msgspec pyzmq gguf pytest pluggy iniconfig; the default model's tokenizer files in .gpu-model,
 # copied there by scripts/gpu_tokenizer_model.py --stage). Results go to $OUT as JSON.
-#   STAGES="tests hot-path kernel one-batch offline compare" bash scripts/gpu_suite.sh
+#   STAGES="tests hot-path kernel one-batch offline profile-offline online compare" bash scripts/gpu_suite.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -57,7 +57,22 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       done ;;
     offline)
       $RM bench offline --model-shape llama-3.1-8b --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 --random-output-len 2048 \
-        --random-range-ratio 0.0 --context-length 8192 --result-file "$OUT/offline.jsonl" ;;
+        --random-range-ratio 0.0 --context-length 8192 --result-file "$OUT/offline.jsonl" ${OFFLINE_ARGS:-} ;;
+    online)  # SGLang's online-latency workload through `serve`: 100 prompts at 1 req/s, in <= 4,096, out <= 2,048
+      model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
+      port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+      $RM serve --model "$model" --load-format dummy --context-length 8192 --port "$port" ${SERVE_ARGS:-} \
+        > "$OUT/online-server.log" 2>&1 &
+      server=$!
+      for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+      $RM bench serving --backend sglang --port "$port" --workload random-ids --num-prompts ${ONLINE_PROMPTS:-100} \
+        --random-input-len 4096 --random-output-len 2048 --random-range-ratio 0.0 --request-rate ${ONLINE_RATE:-1} \
+        --warmup-requests 2 --disable-tqdm --output-file "$OUT/online.json"
+      kill -INT $server; wait $server ;;
+    profile-offline)  # the offline workload with every batch timed on the device and kernel windows traced
+      $RM bench offline --model-shape llama-3.1-8b --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 \
+        --random-output-len 2048 --random-range-ratio 0.0 --context-length 8192 --profile \
+        --result-file "$OUT/offline-profile.jsonl" ${OFFLINE_ARGS:-} ;;
     compare)
       common="--model-shape llama-3.1-8b --num-prompts ${COMPARE_PROMPTS:-200} --random-input-len 2048 \
         --random-output-len 1024 --random-range-ratio 0.0 --context-length 8192 --result-file $OUT/compare.jsonl"

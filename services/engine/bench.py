@@ -116,10 +116,12 @@ class StepClock:
                 "num_timed_steps": n}
 
 
-def run_all(sched: Any, reqs: list[Any], clock: StepClock | None = None) -> float:
+def run_all(sched: Any, reqs: list[Any], clock: StepClock | None = None, on_start: Any = None) -> float:
     sync = _sync_fn(sched)
     sync()
     start = time.perf_counter()
+    if on_start is not None:
+        on_start()
     for req in reqs:
         sched.add_request(req)
     step = clock.step if clock is not None else sched.step
@@ -261,7 +263,8 @@ def cmd_offline(args: argparse.Namespace) -> int:
     timeline.reset()
     lengths = random_lengths(args.num_prompts, args.random_input_len, args.random_output_len,
                              args.random_range_ratio, args.seed)
-    start = run_all(sched, make_reqs(lengths, vocab, args.seed, "r"))
+    profiler = _offline_profiler(sched) if args.profile else None
+    start = run_all(sched, make_reqs(lengths, vocab, args.seed, "r"), on_start=profiler.begin if profiler else None)
     duration = max(timeline.done_s.values()) - start
     out_tokens = sum(timeline.num_tokens.values())
     in_tokens = sum(i for i, _ in lengths)
@@ -277,8 +280,21 @@ def cmd_offline(args: argparse.Namespace) -> int:
         "median_time_to_first_token_s": round(statistics.median(ttfts), 3),
         "num_retractions": sched.num_retractions,
     }
+    if profiler is not None:
+        from radixmesh.engine.bench_profile import print_profile
+
+        mc = sched.runner.model_config
+        result["profile"] = profiler.summary(2 * mc.num_layers * mc.num_kv_heads * mc.head_dim
+                                             * sched.runner.kv_pool.k_buffers[0].element_size())
+        print_profile(result["profile"])
     _report(result, args)
     return 0
+
+
+def _offline_profiler(sched: Any) -> Any:
+    from radixmesh.engine.bench_profile import OfflineProfiler
+
+    return OfflineProfiler(sched)
 
 
 def _report(result: dict[str, Any], args: argparse.Namespace) -> None:
@@ -323,4 +339,7 @@ def register_offline(bench: argparse._SubParsersAction) -> None:
     parser.add_argument("--random-output-len", type=int, default=1024)
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--profile", action="store_true",
+                        help="time every batch on the device (extend vs decode, idle gaps, decode KV bandwidth) "
+                             "and trace a few windows of kernels (radixmesh.engine.bench_profile)")
     parser.set_defaults(func=cmd_offline)
