@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from radixmesh.common.errors import invalid_argument
 
-SCHEDULE_POLICIES = ("lpm", "fcfs")
+SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -37,7 +37,15 @@ class EngineConfig:
     max_prefill_tokens: int = 16384
     """Most prompt tokens per prefill pass when chunking is disabled."""
     schedule_policy: str = "lpm"
-    """lpm (longest cached prefix first) | fcfs."""
+    """lpm (longest cached prefix first) | fcfs (arrival order) | dfs-weight (depth-first over the
+    prefix cache, branches with more waiting requests first)."""
+    schedule_policy_window: int = 128
+    """lpm and dfs-weight match and reorder at most this many of the oldest waiting requests per
+    step (the rest follow in arrival order), which bounds their cost on long queues."""
+    in_batch_prefix_threshold: int = 32
+    """Under lpm and dfs-weight, a waiting request sharing at least this many uncached prompt tokens
+    with one admitted before it waits a step and reuses its KV, so the shared prefix is computed
+    once (0: off)."""
     disable_radix_cache: bool = False
     """Turn prefix caching off (every prompt is computed from scratch)."""
     context_length: int | None = None
@@ -91,6 +99,10 @@ class EngineConfig:
             raise invalid_argument("max_running_requests must be >= 1", "max_running_requests")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise invalid_argument("chunked_prefill_size must be -1 (off) or >= 1", "chunked_prefill_size")
+        if self.schedule_policy_window < 1:
+            raise invalid_argument("schedule_policy_window must be >= 1", "schedule_policy_window")
+        if self.in_batch_prefix_threshold < 0:
+            raise invalid_argument("in_batch_prefix_threshold must be >= 0", "in_batch_prefix_threshold")
         if self.max_prefill_tokens < 1:
             raise invalid_argument("max_prefill_tokens must be >= 1", "max_prefill_tokens")
         if not 0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1:

@@ -70,10 +70,17 @@ class CacheListener(Protocol):
         """The whole tree was emptied."""
 
 
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
+def common_prefix_len(edge: list[int], key: list[int], start: int = 0) -> int:
+    """How many leading tokens `edge` shares with `key[start:]`.
+
+    A whole-edge match (the usual case when walking a tree) costs one C-level list
+    comparison; only a mismatch is located token by token.
+    """
+    n = min(len(edge), len(key) - start)
+    if key[start:start + n] == (edge if n == len(edge) else edge[:n]):
+        return n
     for i in range(n):
-        if a[i] != b[i]:
+        if edge[i] != key[start + i]:
             return i
     return n
 
@@ -140,7 +147,7 @@ class RadixCache:
         i = 0
         while i < len(key) and key[i] in node.children:
             child = node.children[key[i]]
-            matched = _common_prefix_len(child.key, key[i:])
+            matched = common_prefix_len(child.key, key, i)
             if matched < len(child.key):
                 child = self._split(child, matched)
             child.last_access_time = now
@@ -175,7 +182,7 @@ class RadixCache:
             if child is None:
                 self._add_leaf(node, key[i:], value[i:], now)
                 break
-            matched = _common_prefix_len(child.key, key[i:])
+            matched = common_prefix_len(child.key, key, i)
             if matched < len(child.key):
                 child = self._split(child, matched)
             child.last_access_time = now

@@ -1,5 +1,9 @@
 """Which waiting requests join the next prefill pass, and how KV is reserved for them.
 
+Policies: `fcfs` (arrival order), `lpm` (longest cached prefix first) and `dfs-weight`
+(dfs_weight.py). The two prefix-aware ones also hold back a request whose uncached prefix
+another admitted request is about to compute (prefix_sharing.py).
+
 Admission is optimistic: a running request is assumed to need only
 `new_token_ratio * remaining max_new_tokens` more slots. The ratio decays while
 decoding goes well and jumps back up when decode runs out of KV and retracts.
@@ -8,20 +12,55 @@ decoding goes well and jumps back up when decode runs out of KV and retracts.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.dfs_weight import dfs_weight_order
 from radixmesh.engine.kv_manager import KVCacheManager
+from radixmesh.engine.prefix_sharing import defer_shared_prefixes
 from radixmesh.engine.request import Req
 
 
-def order_waiting(queue: list[Req], policy: str, kv: KVCacheManager) -> list[Req]:
-    """Match every waiting request's prefix and sort the queue by the policy."""
-    for req in queue:
+def longest_prefix_first(reqs: list[Req]) -> list[Req]:
+    """Longest cached prefix first, so requests sharing a prefix run while it is hot (stable)."""
+    return sorted(reqs, key=lambda r: -len(r.prefix_indices))
+
+
+PREFIX_ORDERS: dict[str, Callable[[list[Req]], list[Req]]] = {
+    "lpm": longest_prefix_first,
+    "dfs-weight": dfs_weight_order,
+}
+"""Policies that match waiting requests against the cache to order them; `fcfs` keeps arrival order."""
+
+
+@dataclass
+class WaitingOrder:
+    """The waiting requests admission tries this step, in order."""
+
+    reqs: list[Req]
+    num_matched: int = 0
+    """The first `num_matched` of `reqs` were matched against the cache this step; the rest are
+    matched when admission reaches them."""
+    deferred: list[Req] = field(default_factory=list)
+    """Held back this step: a request in `reqs` (or the chunked prefill) computes their shared prefix."""
+
+
+def order_waiting(queue: list[Req], config: EngineConfig, kv: KVCacheManager,
+                  computing: Req | None = None) -> WaitingOrder:
+    """Order the waiting queue by the policy; `computing` is a prompt being prefilled in chunks.
+
+    Prefix-aware policies match and reorder only the oldest `schedule_policy_window` requests
+    (the rest follow in arrival order), so their cost per step does not grow with the queue.
+    """
+    order_fn = PREFIX_ORDERS.get(config.schedule_policy)
+    if order_fn is None or kv.tree.disable or not queue:
+        return WaitingOrder(list(queue))
+    window = queue[: config.schedule_policy_window]
+    for req in window:
         kv.match(req)
-    if policy == "lpm":
-        # Longest cached prefix first, so requests sharing a prefix run while it is hot.
-        return sorted(queue, key=lambda r: -len(r.prefix_indices))
-    return list(queue)
+    candidates, deferred = defer_shared_prefixes(order_fn(window), config.in_batch_prefix_threshold, computing)
+    return WaitingOrder(candidates + queue[len(window):], len(candidates), deferred)
 
 
 class PrefillAdder:
@@ -60,6 +99,14 @@ class PrefillAdder:
         self._take(req, self.decode_need(req) if not req.is_chunked else 0)
         if req.is_chunked:
             self.chunked = req
+
+    def add_waiting(self, order: WaitingOrder) -> None:
+        """Admit requests in order until one does not fit."""
+        for i, req in enumerate(order.reqs):
+            if i >= order.num_matched:
+                self.kv.match(req)
+            if not self.try_add(req):
+                return
 
     def try_add(self, req: Req) -> bool:
         """Admit `req` if it fits; False means stop considering further requests."""

@@ -150,9 +150,7 @@ class Scheduler:
         adder = PrefillAdder(self.config, self.kv, self.running, self.new_token_ratio)
         if self.chunked_req is not None:
             adder.add_chunked(self.chunked_req)
-        for req in order_waiting(self.waiting, self.config.schedule_policy, self.kv):
-            if not adder.try_add(req):
-                break
+        adder.add_waiting(order_waiting(self.waiting, self.config, self.kv, self.chunked_req))
         if not adder.can_run:
             return None
         admitted = {id(r) for r in adder.can_run}
@@ -232,7 +230,15 @@ class Scheduler:
             else:
                 req.futures.append((launch_id, row))
                 if not batch.is_decode:
+                    self._cache_prompt(req)
                     self.running.append(req)
+
+    def _cache_prompt(self, req: Req) -> None:
+        """A prefilled prompt's KV goes to the radix cache now, not when the request ends, so waiting
+        requests that share it (deferred by the policy) reuse it from the next step on. The pass
+        that writes this KV is already queued on the device ahead of any later pass that reads it."""
+        if not self.kv.tree.disable:
+            self.kv.cache_unfinished(req)
 
     def _grammar_mask(self, batch: ScheduleBatch, launch_id: int) -> VocabMask | None:
         """Masks of the rows that sample under a grammar; None (no cost) when there are none."""
