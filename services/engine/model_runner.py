@@ -90,6 +90,9 @@ class ModelRunner:
         if self.config.max_total_tokens is not None:
             total = self.config.max_total_tokens
         elif self.device.type == "cuda":
+            # Blocks the allocator cached while loading (dummy init, stacking shards) count as used
+            # in mem_get_info: hand them back first, or the pool loses them (~13 GB for the 8B shape).
+            torch.cuda.empty_cache()
             free, all_bytes = torch.cuda.mem_get_info(self.device)
             budget = free - all_bytes * (1 - self.config.mem_fraction_static)
             total = int(budget // per_token)

@@ -189,6 +189,7 @@ def test_redis_restart_falls_back_to_approx_tree_and_back(cluster: ClusterState,
 def test_worker_killed_mid_stream(cluster: ClusterState) -> None:
     """Last: it kills a worker. The open stream ends with a clear error, new requests go to the other
     worker, nothing hangs, and once the killed worker's lease lapses its index entries stop counting."""
+    seeded = _seed_a_group_on_each_worker(cluster)
     router = router_stub(cluster.router_address)
     body = {**ids_request(group_ids(30, 0), max_new_tokens=400), "stream": True}
     body["sampling_params"]["ignore_eos"] = True
@@ -211,17 +212,29 @@ def test_worker_killed_mid_stream(cluster: ClusterState) -> None:
     error = json.loads(frames[-2])
     assert "error" in error and "mid-stream" in json.dumps(error), error
     survivor = next(a for a in cluster.worker_addresses if a != victim)
-    victim_groups = [g for g in range(3) if set(holders(cluster, group_ids(g, 0))) == {victim}]
-    assert victim_groups, "the placement test put a group on each worker"
+    victim_group = seeded[victim]
     for member in range(1, 3):
         result = generate(cluster, **ids_request(group_ids(31, member)))
         assert result["meta_info"]["completion_tokens"] == 2
     # the index is written asynchronously (batched events): wait for the survivor's blocks to land
     wait_for(lambda: set(holders(cluster, group_ids(31, 1))) == {survivor}, 20, "the survivor's blocks in the index")
     wait_for(lambda: victim not in asyncio.run(_live(cluster)), 20, "the killed worker's lease to lapse")
-    assert holders(cluster, group_ids(victim_groups[0], 0)) == {}, "a lapsed lease's entries must not count"
+    assert holders(cluster, group_ids(victim_group, 0)) == {}, "a lapsed lease's entries must not count"
     _sweep(cluster)
     assert _entries_of(cluster, victim) == [f"radixmesh:epoch:{victim}"], "the sweep left entries behind"
+
+
+def _seed_a_group_on_each_worker(state: ClusterState) -> dict[str, int]:
+    """New prefixes, one at a time, until each worker holds one in the index: worker -> its group."""
+    seeded: dict[str, int] = {}
+    for group in range(40, 48):
+        ids = group_ids(group, 0)
+        generate(state, **ids_request(ids))
+        wait_for(lambda: len(holders(state, ids)) == 1, 20, f"group {group}'s blocks in the index")  # noqa: B023
+        seeded.setdefault(next(iter(holders(state, ids))), group)
+        if len(seeded) == len(state.worker_addresses):
+            return seeded
+    raise AssertionError(f"new prefixes did not reach every worker: {seeded}")
 
 
 async def _live(state: ClusterState) -> set[str]:
