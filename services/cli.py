@@ -10,16 +10,48 @@ from typing import Any
 
 from radixmesh.common.errors import RadixMeshError
 
-_SKIP_FLAGS = {"model", "log_level", "kv_events_block_size"}
+MODEL_FLAGS = ("model", "load_format", "tokenizer", "dtype", "context_length")
+"""Destinations of the model flags: the same on every command that loads a model or its tokenizer."""
+_SKIP_FLAGS = {*MODEL_FLAGS, "log_level", "kv_events_block_size"}
+
+
+def add_model_args(parser: argparse.ArgumentParser, tokenizer_only: bool = False) -> None:
+    """The model flags (`--model`, `--load-format`, `--tokenizer`, `--dtype`, `--context-length`).
+
+    Every command that loads a model or its tokenizer takes them, so one set of flags (for instance
+    `radixmesh cluster up`'s) can be handed to each service unchanged. `tokenizer_only` services
+    load no weights: they accept the weight flags (`--dtype`, `--context-length`) and ignore them.
+    """
+    from radixmesh.engine.config import DTYPES, LOAD_FORMATS
+
+    unused = " (accepted for uniformity; this command loads no weights)" if tokenizer_only else ""
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default=None,
+                       help="model name (smollm2-135m, the default), HF directory or .gguf file; with "
+                            "--load-format dummy also a named shape such as llama-3.1-8b, or a directory holding "
+                            "only config.json (and tokenizer files)")
+    group.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                       help="auto | safetensors | gguf | dummy (random weights of the model's shape)"
+                            + (": with dummy no checkpoint files are needed" if tokenizer_only else ""))
+    group.add_argument("--tokenizer", default=None,
+                       help="tokenizer directory, Hugging Face hub id or default-model name, when it is not the "
+                            "model's own (default: the model's tokenizer)")
+    group.add_argument("--dtype", default="auto", choices=DTYPES,
+                       help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16" + unused)
+    group.add_argument("--context-length", type=int, default=None,
+                       help="override the model's context length (max prompt + output tokens)" + unused)
+
+
+def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The model flags of parsed `args`, keyed like EngineConfig's fields."""
+    return {name: getattr(args, name) for name in MODEL_FLAGS}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (kebab-case), help text from the field docstrings."""
+    """The model flags, then one flag per other EngineConfig field (kebab-case), help from the field docstrings."""
     from radixmesh.engine.config import EngineConfig
 
-    parser.add_argument("--model", default=None,
-                        help="model name (smollm2-135m, the default), HF directory or .gguf file; with "
-                             "--load-format dummy also a named shape such as llama-3.1-8b")
+    add_model_args(parser)
     docs = _field_docs(EngineConfig)
     for field in dataclasses.fields(EngineConfig):
         if field.name in _SKIP_FLAGS:

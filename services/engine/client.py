@@ -86,7 +86,8 @@ class EngineClient:
     async def start(cls, config: EngineConfig) -> EngineClient:
         """Prepare the model (downloading/converting the default one if needed) and start the scheduler."""
         config = config.resolve()
-        prepared = await asyncio.to_thread(prepare_model, config.model, config.load_format)
+        prepared = await asyncio.to_thread(prepare_model, config.model, config.load_format,
+                                             tokenizer=config.tokenizer)
         tokenizer = await asyncio.to_thread(load_tokenizer, prepared.tokenizer_path) \
             if prepared.tokenizer_path else None
         client = cls(config, prepared, tokenizer)

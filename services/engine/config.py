@@ -10,6 +10,7 @@ from radixmesh.common.errors import invalid_argument
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class EngineConfig:
     """Model name, local HF directory or .gguf file; None means the default model."""
     load_format: str = "auto"
     """auto | safetensors | gguf | dummy (random weights of the model's shape)."""
+    tokenizer: str | None = None
+    """Tokenizer directory, Hugging Face hub id or default-model name; None: the model's own."""
     device: str = "auto"
     """auto (cuda when available) | cpu | cuda."""
     dtype: str = "auto"
@@ -90,7 +93,7 @@ class EngineConfig:
         _in(self.overlap_schedule, ("auto", "on", "off"), "overlap_schedule")
         if self.cuda_graph_max_bs < 1:
             raise invalid_argument("cuda_graph_max_bs must be >= 1", "cuda_graph_max_bs")
-        _in(self.load_format, ("auto", "safetensors", "gguf", "dummy"), "load_format")
+        _in(self.load_format, LOAD_FORMATS, "load_format")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise invalid_argument("mem_fraction_static must be in (0, 1)", "mem_fraction_static")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:

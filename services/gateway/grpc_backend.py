@@ -267,12 +267,15 @@ async def _status_error(call: Any) -> grpc.RpcError:
 
 def _make_card(info: worker_pb2.GetModelInfoResponse, tok: tokenizer_pb2.GetTokenizerInfoResponse,
                served_model_name: str | None, backend: GrpcBackend) -> ModelCard:
+    """The served model as `radixmesh serve` describes it: the workers' engine flags, the worker's
+    model path and the tokenizer service's tokenizer path (what clients load to count tokens)."""
     name = served_model_name or info.model_name
     aliases = {info.model_name, *info.aliases} - {name}
-    extra: dict[str, Any] = {"backend": "grpc", backend.target_kind: backend.target_address,
-                             "tokenizer": backend.tokenizer_address, "tokenizer_fingerprint": tok.fingerprint}
+    extra: dict[str, Any] = {}
     with contextlib.suppress(ValueError):
         extra.update(json.loads(info.engine_config_json or "{}"))
-    return ModelCard(name=name, aliases=frozenset(aliases), model_path=info.model_path, tokenizer_path="",
-                     context_len=info.context_len, vocab_size=info.vocab_size,
+    extra.update({"backend": "grpc", backend.target_kind: backend.target_address,
+                  "tokenizer_address": backend.tokenizer_address, "tokenizer_fingerprint": tok.fingerprint})
+    return ModelCard(name=name, aliases=frozenset(aliases), model_path=info.model_path,
+                     tokenizer_path=tok.tokenizer_path, context_len=info.context_len, vocab_size=info.vocab_size,
                      max_running_requests=info.max_running_requests, created=int(time.time()), extra=extra)

@@ -9,15 +9,13 @@ DEFAULT_PORT = 50054
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `grammar` subcommand to the `radixmesh` command."""
+    from radixmesh.cli import add_model_args
     from radixmesh.common.grpc_server import add_server_args
 
     cmd = sub.add_parser("grammar", help="serve the gRPC grammar service (compile structured-output grammars once)",
                          description="Compile JSON-schema, regex and EBNF grammars for the model's tokenizer once "
                                      "per content and share them with every worker (memory LRU + Redis).")
-    cmd.add_argument("--model", default=None,
-                     help="model whose tokenizer grammars are compiled for (smollm2-135m, the default, or an HF "
-                          "directory)")
-    cmd.add_argument("--load-format", default="auto", help="as for the engine (dummy: a named shape's tokenizer)")
+    add_model_args(cmd, tokenizer_only=True)
     cmd.add_argument("--grammar-backend", default="xgrammar", help="grammar backend id (xgrammar)")
     cmd.add_argument("--compile-threads", type=int, default=2, help="threads compiling grammars at once")
     cmd.add_argument("--cache-bytes", type=int, default=256 << 20,
@@ -41,4 +39,4 @@ def cmd_grammar(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "grammar")
     store = StoreConfig(memory_bytes=args.cache_bytes, redis_url=args.redis_url or None, ttl_s=args.cache_ttl_s)
     return asyncio.run(serve_grammar(server_config(args), args.model, args.load_format, store, args.grammar_backend,
-                                     args.compile_threads))
+                                     args.compile_threads, args.tokenizer))

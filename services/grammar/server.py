@@ -16,9 +16,11 @@ from radixmesh.tokenizer.fingerprint import tokenizer_fingerprint
 
 
 async def build_servicer(model: str | None, load_format: str, store_config: StoreConfig, backend: str = "xgrammar",
-                         num_threads: int = 2) -> GrammarServicer:
-    """A servicer for the model's tokenizer; vocab size and stop ids default to the model's."""
-    prepared = await asyncio.to_thread(prepare_model, model, load_format)
+                         num_threads: int = 2, tokenizer_source: str | None = None) -> GrammarServicer:
+    """A servicer for the model's tokenizer (or `tokenizer_source`); vocab size and stop ids default to the
+    model's. The model's weights are never read."""
+    prepared = await asyncio.to_thread(prepare_model, model, load_format, tokenizer=tokenizer_source,
+                                       need_weights=False)
     if prepared.tokenizer_path is None:
         raise invalid_argument(f"model {prepared.name} has no tokenizer", "model")
     tokenizer = await asyncio.to_thread(load_tokenizer, prepared.tokenizer_path)
@@ -29,8 +31,8 @@ async def build_servicer(model: str | None, load_format: str, store_config: Stor
 
 
 async def serve_grammar(config: GrpcServerConfig, model: str | None, load_format: str, store_config: StoreConfig,
-                        backend: str = "xgrammar", num_threads: int = 2) -> int:
-    servicer = await build_servicer(model, load_format, store_config, backend, num_threads)
+                        backend: str = "xgrammar", num_threads: int = 2, tokenizer_source: str | None = None) -> int:
+    servicer = await build_servicer(model, load_format, store_config, backend, num_threads, tokenizer_source)
     server = GrpcServer(config, "grammar", [SERVICE_NAME])
     grammar_pb2_grpc.add_GrammarServiceServicer_to_server(servicer, server.server)
     await server.start()

@@ -361,6 +361,7 @@ class GetTokenizerInfoResponse(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _builtins.int
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    TOKENIZER_PATH_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     vocab_size: _builtins.int
     """len(tokenizer), ids are in [0, vocab_size)"""
@@ -372,6 +373,10 @@ class GetTokenizerInfoResponse(_message.Message):
     has_chat_template: _builtins.bool
     block_size: _builtins.int
     """the service's default block-hash block size"""
+    tokenizer_path: _builtins.str
+    """Where the tokenizer was loaded from: a directory on the service's machine or a Hugging Face
+    hub id (what clients pass to load the same tokenizer themselves, as /model_info reports it).
+    """
     @_builtins.property
     def special_tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___SpecialToken]: ...
     @_builtins.property
@@ -387,10 +392,11 @@ class GetTokenizerInfoResponse(_message.Message):
         fingerprint: _builtins.str = ...,
         has_chat_template: _builtins.bool = ...,
         block_size: _builtins.int = ...,
+        tokenizer_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "eos_token_ids", b"eos_token_ids", "fingerprint", b"fingerprint", "has_chat_template", b"has_chat_template", "model_name", b"model_name", "special_tokens", b"special_tokens", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "eos_token_ids", b"eos_token_ids", "fingerprint", b"fingerprint", "has_chat_template", b"has_chat_template", "model_name", b"model_name", "special_tokens", b"special_tokens", "tokenizer_path", b"tokenizer_path", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bos_token_id: _TypeAlias = _typing.Literal["bos_token_id"]  # noqa: Y015
     _WhichOneofArgType__bos_token_id: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id"]  # noqa: Y015

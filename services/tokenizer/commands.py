@@ -9,14 +9,13 @@ DEFAULT_PORT = 50052
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `tokenizer` subcommand to the `radixmesh` command."""
+    from radixmesh.cli import add_model_args
     from radixmesh.common.grpc_server import add_server_args
 
     cmd = sub.add_parser("tokenizer", help="serve the gRPC tokenizer service (tokenize, detokenize, chat templates)",
                          description="Tokenize prompts once at the edge (token ids + block hashes) and "
                                      "detokenize output streams incrementally, over gRPC.")
-    cmd.add_argument("--model", default=None,
-                     help="model whose tokenizer to serve (smollm2-135m, the default, or an HF directory)")
-    cmd.add_argument("--load-format", default="auto", help="as for the engine (dummy: a named shape's tokenizer)")
+    add_model_args(cmd, tokenizer_only=True)
     cmd.add_argument("--block-size", type=int, default=16, help="tokens per block of the prompt's block hashes")
     add_server_args(cmd, DEFAULT_PORT)
     cmd.set_defaults(func=cmd_tokenizer)
@@ -29,4 +28,5 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     from radixmesh.tokenizer.server import serve_tokenizer
 
     setup_logging(args.log_level, "tokenizer")
-    return asyncio.run(serve_tokenizer(server_config(args), args.model, args.load_format, args.block_size))
+    return asyncio.run(serve_tokenizer(server_config(args), args.model, args.load_format, args.block_size,
+                                       args.tokenizer))

@@ -13,12 +13,14 @@ from radixmesh.tokenizer.service import SERVICE_NAME, TokenizerServicer
 
 
 async def serve_tokenizer(config: GrpcServerConfig, model: str | None, load_format: str = "auto",
-                          block_size: int = 16) -> int:
-    prepared = await asyncio.to_thread(prepare_model, model, load_format)
+                          block_size: int = 16, tokenizer_source: str | None = None) -> int:
+    """Serve the tokenizer of `model` (or `tokenizer_source`); its weights are never read."""
+    prepared = await asyncio.to_thread(prepare_model, model, load_format, tokenizer=tokenizer_source,
+                                       need_weights=False)
     if prepared.tokenizer_path is None:
-        raise invalid_argument(f"model {prepared.name} has no tokenizer", "model")
+        raise invalid_argument(f"model {prepared.name} has no tokenizer; pass --tokenizer", "model")
     tokenizer = await asyncio.to_thread(load_tokenizer, prepared.tokenizer_path)
-    servicer = TokenizerServicer(tokenizer, prepared.name, block_size)
+    servicer = TokenizerServicer(tokenizer, prepared.name, block_size, str(prepared.tokenizer_path))
     server = GrpcServer(config, "tokenizer", [SERVICE_NAME])
     tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server.server)
     await server.start()

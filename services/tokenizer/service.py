@@ -40,11 +40,14 @@ T = TypeVar("T")
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     """Serves one Hugging Face tokenizer (the model's own)."""
 
-    def __init__(self, tokenizer: Any, model_name: str, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    def __init__(self, tokenizer: Any, model_name: str, block_size: int = DEFAULT_BLOCK_SIZE,
+                 tokenizer_path: str = "") -> None:
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise invalid_argument(f"block_size must be in [1, {MAX_BLOCK_SIZE}] (got {block_size})", "block_size")
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.tokenizer_path = tokenizer_path
+        """Where the tokenizer came from (a directory or hub id), reported by GetTokenizerInfo."""
         self.block_size = block_size
         self.vocab_size = len(tokenizer)
         self.fingerprint = tokenizer_fingerprint(tokenizer)
@@ -124,7 +127,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         info = tokenizer_pb2.GetTokenizerInfoResponse(
             model_name=self.model_name, vocab_size=self.vocab_size, special_tokens=specials,
             fingerprint=self.fingerprint, has_chat_template=bool(getattr(tok, "chat_template", None)),
-            block_size=self.block_size)
+            block_size=self.block_size, tokenizer_path=self.tokenizer_path)
         if tok.bos_token_id is not None:
             info.bos_token_id = tok.bos_token_id
         if tok.eos_token_id is not None:

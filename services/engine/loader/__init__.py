@@ -12,6 +12,7 @@ Load formats (the ids of `--load-format`):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from radixmesh.common.errors import RadixMeshError, invalid_argument, not_found
 from radixmesh.engine.loader.default_model import (
     DEFAULT_MODEL_ALIASES,
     DEFAULT_MODEL_NAME,
+    _looks_like_hub_id,
     ensure_default_model,
     resolve_model_path,
 )
@@ -52,26 +54,37 @@ class PreparedModel:
     """Resolved load format: safetensors | gguf | dummy (never auto)."""
     model_path: Path | None
     """Hugging Face directory (config.json + safetensors); None for dummy named shapes."""
-    tokenizer_path: Path | None
-    """Directory with the tokenizer files. For dummy named shapes it is the default model's
-    directory when the shape's vocabulary is at least as wide as that tokenizer's (token ids the
-    model samples beyond it do not decode); None when no tokenizer fits: callers then accept
-    only token-id prompts."""
+    tokenizer_path: Path | str | None
+    """Directory with the tokenizer files, or a Hugging Face hub id given as `tokenizer`. For dummy
+    named shapes it is the default model's directory when the shape's vocabulary is at least as
+    wide as that tokenizer's (token ids the model samples beyond it do not decode); None when no
+    tokenizer fits: callers then accept only token-id prompts."""
 
 
 def prepare_model(model: str | None, load_format: str = "auto", progress: bool = True,
-                  lend_tokenizer: bool = True) -> PreparedModel:
+                  lend_tokenizer: bool = True, tokenizer: str | None = None,
+                  need_weights: bool = True) -> PreparedModel:
     """Resolve `model` (name, directory, .gguf file or named shape) under `load_format`.
 
     Downloads and converts the default model on first use. Every user-facing failure is a
     RadixMeshError with one line (missing path, unsupported architecture, corrupt file).
     `lend_tokenizer=False` keeps dummy shapes without a tokenizer (benchmarks feed token ids).
+    `tokenizer` (a directory, hub id or default-model name) replaces the model's own tokenizer.
+    `need_weights=False` (services that only tokenize) accepts a directory without checkpoint files.
     """
     if load_format not in LOAD_FORMATS:
         known = ", ".join(sorted(LOAD_FORMATS))
         raise invalid_argument(f"unknown load format {load_format!r} (known: {known})", "load_format")
     if load_format == "dummy":
-        return _prepare_dummy(model, progress, lend_tokenizer)
+        prepared = _prepare_dummy(model, progress, lend_tokenizer and not tokenizer)
+    else:
+        prepared = _prepare_checkpoint(model, load_format, progress, need_weights)
+    if tokenizer:
+        prepared = dataclasses.replace(prepared, tokenizer_path=resolve_tokenizer(tokenizer, progress))
+    return prepared
+
+
+def _prepare_checkpoint(model: str | None, load_format: str, progress: bool, need_weights: bool) -> PreparedModel:
     from_gguf = model is None or model.lower() in DEFAULT_MODEL_ALIASES or model.lower().endswith(".gguf")
     if load_format == "gguf" and not from_gguf:
         raise invalid_argument(f"load format gguf needs a .gguf file, got {model!r}", "load_format")
@@ -80,8 +93,25 @@ def prepare_model(model: str | None, load_format: str = "auto", progress: bool =
                                "load_format")
     name, path = resolve_model_path(model, progress)
     config = ModelConfig.from_dir(path)
-    safetensors_files(path)  # fail here, before the model is built, when weights are missing
+    if need_weights:
+        safetensors_files(path)  # fail here, before the model is built, when weights are missing
     return PreparedModel(name, config, "gguf" if from_gguf else "safetensors", path, _tokenizer_dir(path))
+
+
+def resolve_tokenizer(tokenizer: str, progress: bool = True) -> Path | str:
+    """A `--tokenizer` value: a directory holding tokenizer files, the default model's name, or a
+    Hugging Face hub id (returned as is: the tokenizer loads through the Hugging Face cache)."""
+    if tokenizer.lower() in DEFAULT_MODEL_ALIASES:
+        return ensure_default_model(progress)
+    path = Path(tokenizer).expanduser()
+    if path.is_dir():
+        if _tokenizer_dir(path) is None:
+            raise not_found(f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {path}")
+        return path.resolve()
+    if _looks_like_hub_id(tokenizer):
+        return tokenizer
+    raise not_found(f"tokenizer {tokenizer!r} not found: not a directory with tokenizer files, a Hugging Face "
+                    f"hub id (org/name) or the default model's name")
 
 
 def iter_weights(prepared: PreparedModel, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -144,4 +174,5 @@ __all__ = [
     "iter_weights",
     "prepare_model",
     "resolve_model_path",
+    "resolve_tokenizer",
 ]
