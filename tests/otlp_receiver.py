@@ -64,12 +64,12 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
 class OtlpReceiver:
     """Collects spans exported over OTLP/gRPC; thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self._spans: list[ReceivedSpan] = []
         self._cond = threading.Condition()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self), self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.endpoint = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> OtlpReceiver:
