@@ -30,23 +30,43 @@ def served_model(base_url: str) -> str | None:
     return None
 
 
+TOKENIZER_HINT = "pass --tokenizer <directory or Hugging Face name> (the tokenizer the server's model uses)"
+
+
 def tokenizer_dir(explicit: str | None, base_url: str | None) -> tuple[str, str]:
-    """(tokenizer path or id, where it came from): --tokenizer, else the server's
-    GET /model_info `tokenizer_path` or `model_path` when a local directory, else the default model."""
+    """(tokenizer path or hub id, where it came from): --tokenizer, else what the server's GET /model_info
+    names: `tokenizer_path` (or `model_path`) when it is a directory here or looks like a hub id.
+
+    Raises ValueError saying what to pass when the server names nothing this machine can load.
+    """
     if explicit:
         return explicit, "--tokenizer"
-    if base_url:
-        info = get_json(base_url.rstrip("/") + "/model_info")
-        for key in ("tokenizer_path", "model_path"):
-            path = info.get(key) if isinstance(info, dict) else None
-            if isinstance(path, str) and Path(path).is_dir():
-                return path, f"{base_url}/model_info {key}"
-    from radixmesh.engine.loader.default_model import ensure_default_model
+    if not base_url:
+        raise ValueError(f"no server to ask for its tokenizer; {TOKENIZER_HINT}")
+    url = base_url.rstrip("/") + "/model_info"
+    info = get_json(url)
+    if not isinstance(info, dict):
+        raise ValueError(f"GET {url} did not answer with the model's tokenizer; {TOKENIZER_HINT}")
+    named = {key: info.get(key) for key in ("tokenizer_path", "model_path")}
+    for key, value in named.items():
+        if isinstance(value, str) and value and (Path(value).is_dir() or _looks_like_hub_id(value)):
+            return value, f"{url} {key}"
+    shown = ", ".join(f"{key} {value!r}" for key, value in named.items())
+    raise ValueError(f"GET {url} names no tokenizer on this machine ({shown}); {TOKENIZER_HINT}")
 
-    return str(ensure_default_model(progress=False)), "the default model"
+
+def _looks_like_hub_id(value: str) -> bool:
+    parts = value.split("/")
+    return len(parts) == 2 and all(parts) and not value.startswith((".", "~")) and not Path(value).exists()
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str, source: str = "--tokenizer") -> Any:
+    """The tokenizer at `path`; ValueError (with what to pass instead) when it cannot be loaded."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        hint = "" if source == "--tokenizer" else f"; {TOKENIZER_HINT}"
+        raise ValueError(f"cannot load the tokenizer {path!r} (from {source}): {first}{hint}") from None

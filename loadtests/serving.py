@@ -44,8 +44,8 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
                         "[,header=K:V]", help="compare mode: run the workload against each endpoint (repeat)")
     target.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
     target.add_argument("--tokenizer", default=None,
-                        help="tokenizer directory (default: the server's /model_info model_path, "
-                             "else the default model)")
+                        help="tokenizer directory or Hugging Face name (default: what the server's GET /model_info "
+                             "names as tokenizer_path or model_path, when this machine has it)")
     work = parser.add_argument_group("workload")
     work.add_argument("--workload", "--dataset-name", dest="workload", choices=sorted(WORKLOADS), default="random")
     work.add_argument("--num-prompts", type=int, default=1000, help="sessions to send (one request each unless "
@@ -93,7 +93,7 @@ def run_serving(args: argparse.Namespace) -> int:
     check_unique_labels(endpoints)
     path, source = tokenizer_dir(args.tokenizer, endpoints[0].base_url)
     print(f"tokenizer: {path} (from {source})", file=sys.stderr)
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, source)
     workload = get_workload(args.workload).build(args, tokenizer, args.num_prompts, args.seed)
     if args.disable_ignore_eos:
         workload = _without_ignore_eos(workload)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `cluster` subcommand to the `radixmesh` command."""
+    from radixmesh.cli import add_model_args
+
     cmd = sub.add_parser("cluster", help="start or stop a local cluster (Redis, workers, tokenizer, router, gateway)",
                          description="A development cluster on 127.0.0.1: every service in its own background "
                                      "process on a free port, stopped together by `radixmesh cluster down`.")
@@ -19,15 +21,25 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="disaggregation: prefill workers (compute prompts, send their KV to decode workers)")
     up.add_argument("--decode-workers", type=int, default=0,
                     help="disaggregation: decode workers (the router names a prefill worker for each prompt)")
+    up.add_argument("--routers", type=int, default=1,
+                    help="router replicas on their own ports, all sharing the Redis index; the gateway is given "
+                         "every one of them (--router a,b)")
     up.add_argument("--redis", default=None,
                     help="URL of an existing Redis (default: start one when redis-server is installed)")
     up.add_argument("--policy", default="cache-aware",
                     choices=("cache-aware", "approx-tree", "power-of-two", "round-robin", "random"),
-                    help="routing policy of the router")
-    up.add_argument("--model", default=None, help="model of the workers and the tokenizer (default: smollm2-135m)")
+                    help="routing policy of the routers")
+    add_model_args(up)
     up.add_argument("--port", type=int, default=0, help="gateway HTTP port (0 picks a free one)")
-    up.add_argument("--worker-args", default="", help="extra flags for every worker, e.g. '--max-total-tokens 8192'")
-    up.add_argument("--router-args", default="", help="extra flags for the router, e.g. '--health-interval-s 0.5'")
+    services = up.add_argument_group("per-service flags", "extra flags handed to one kind of service, shell-quoted; "
+                                     "the model flags above already go to every service that loads the model or "
+                                     "its tokenizer (workers, tokenizer, grammar)")
+    services.add_argument("--worker-args", default="", help="for every worker, e.g. '--max-total-tokens 8192'")
+    services.add_argument("--router-args", default="", help="for every router, e.g. '--health-interval-s 0.5'")
+    services.add_argument("--tokenizer-args", default="", help="for the tokenizer service, e.g. '--block-size 32'")
+    services.add_argument("--grammar-args", default="",
+                          help="for the grammar service (with --grammar), e.g. '--compile-threads 4'")
+    services.add_argument("--gateway-args", default="", help="for the gateway, e.g. '--max-queued-requests 64'")
     up.add_argument("--log-level", default="warning", help="logging level of every service")
     up.add_argument("--timeout-s", type=float, default=600.0, help="how long to wait for the services to answer")
     up.add_argument("--grammar", action="store_true",
@@ -59,21 +71,25 @@ def _state_dir(args: argparse.Namespace) -> Path:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from radixmesh.cli import model_kwargs
     from radixmesh.cluster.local import ClusterSpec, cluster_up
 
     num_workers = args.workers if args.workers is not None else (0 if args.decode_workers else 2)
     spec = ClusterSpec(num_workers=num_workers, num_prefill_workers=args.prefill_workers,
-                       num_decode_workers=args.decode_workers, redis_url=args.redis, policy=args.policy,
-                       model=args.model, gateway_port=args.port, worker_args=args.worker_args,
-                       router_args=args.router_args, log_level=args.log_level, state_dir=_state_dir(args),
-                       timeout_s=args.timeout_s, otlp_endpoint=args.otlp_endpoint, metrics=args.metrics,
-                       grammar=args.grammar)
+                       num_decode_workers=args.decode_workers, num_routers=args.routers, redis_url=args.redis,
+                       policy=args.policy, **model_kwargs(args), gateway_port=args.port, worker_args=args.worker_args,
+                       router_args=args.router_args, tokenizer_args=args.tokenizer_args,
+                       grammar_args=args.grammar_args, gateway_args=args.gateway_args, log_level=args.log_level,
+                       state_dir=_state_dir(args), timeout_s=args.timeout_s, otlp_endpoint=args.otlp_endpoint,
+                       metrics=args.metrics, grammar=args.grammar)
     state = cluster_up(spec)
     roles = [role for _, role in spec.worker_roles()]
     tiers = ", ".join(f"{roles.count(r)} {r}" for r in ("unified", "prefill", "decode") if r in roles)
-    print(f"radixmesh cluster: workers {tiers}, router {state.router_address} "
+    print(f"radixmesh cluster: workers {tiers}, router {','.join(state.router_addresses)} "
           f"({state.policy}), tokenizer {state.tokenizer_address}, Redis {state.redis_url or 'none'}"
           + (f", grammar {state.grammar_address}" if state.grammar_address else ""))
+    if state.model_args:
+        print(f"radixmesh cluster: model flags {' '.join(state.model_args)}")
     for name, url in state.metrics_urls.items():
         print(f"radixmesh cluster: {name} metrics at {url}")
     if args.otlp_endpoint:
@@ -98,7 +114,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if state is None:
         print("radixmesh cluster: none")
         return 1
-    print(f"gateway {state.gateway_url}  router {state.router_address}  redis {state.redis_url or 'none'}")
+    routers = ",".join(state.router_addresses or [state.router_address])
+    print(f"gateway {state.gateway_url}  router {routers}  redis {state.redis_url or 'none'}")
     for name, pid in state.pids.items():
         print(f"  {name:<10} pid {pid:<8} {'running' if alive[name] else 'stopped'}")
     return 0 if all(alive.values()) else 1

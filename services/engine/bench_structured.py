@@ -66,11 +66,11 @@ def build_scheduler_with_tokenizer(args: argparse.Namespace, emit: Timeline) -> 
     kwargs = engine_kwargs(args)
     kwargs["model"] = args.model_shape or args.model or "smollm2-135m"
     config = EngineConfig(**kwargs).resolve()
-    prepared = prepare_model(config.model, config.load_format, lend_tokenizer=True)
+    prepared = prepare_model(config.model, config.load_format, lend_tokenizer=True, tokenizer=config.tokenizer)
     if prepared.tokenizer_path is None:
-        raise invalid_argument(f"model {config.model!r} has no tokenizer; structured outputs need one (give a "
-                               "directory with config.json and tokenizer files, or a shape of the default "
-                               "model's vocabulary)", "model")
+        raise invalid_argument(f"model {config.model!r} has no tokenizer; structured outputs need one (pass "
+                               "--tokenizer, give a directory with config.json and tokenizer files, or a shape "
+                               "of the default model's vocabulary)", "model")
     tokenizer = load_tokenizer(prepared.tokenizer_path)
     runner = ModelRunner(config, prepared)
     return Scheduler(config, runner, tokenizer, emit), tokenizer

@@ -271,6 +271,8 @@ async def server_info(request: Request) -> Response:
             "host": state.config.host, "port": state.config.port, "api_key_set": state.config.api_key is not None,
             "max_queued_requests": state.config.max_queued_requests,
             "num_gateway_requests": state.dispatcher.num_in_flight, **stats, "internal_states": [stats]}
+    # A router's aggregated load does not know the workers' running slots; the model card does.
+    info["max_running_requests"] = stats.get("max_running_requests") or state.backend.card.max_running_requests
     return JSONResponse(info)
 
 

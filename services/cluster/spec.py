@@ -1,0 +1,151 @@
+"""What `radixmesh cluster up` starts (ClusterSpec) and what it leaves behind (ClusterState, the state file)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from radixmesh.common.env import cache_dir
+from radixmesh.common.errors import invalid_argument
+from radixmesh.engine.config import DTYPES, LOAD_FORMATS
+
+STATE_FILE = "state.json"
+
+
+def default_state_dir() -> Path:
+    return cache_dir() / "cluster"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What `radixmesh cluster up` starts."""
+
+    num_workers: int = 2
+    """Unified workers."""
+    num_prefill_workers: int = 0
+    """Disaggregation: prefill workers (they need decode workers)."""
+    num_decode_workers: int = 0
+    """Disaggregation: decode workers (without prefill workers they compute prompts themselves)."""
+    num_routers: int = 1
+    """Router replicas, each on its own port, all reading the same Redis; the gateway spreads over them."""
+    redis_url: str | None = None
+    """An existing Redis; None starts one when redis-server is installed (else no index)."""
+    policy: str = "cache-aware"
+    """Routing policy id."""
+    model: str | None = None
+    """Model for workers, tokenizer and grammar services (None: the default model)."""
+    load_format: str = "auto"
+    """auto | safetensors | gguf | dummy, for every service that loads the model or its tokenizer."""
+    tokenizer: str | None = None
+    """Tokenizer directory or hub id when it is not the model's own (None: the model's)."""
+    dtype: str = "auto"
+    """Weights' dtype of the workers (auto: float32 on CPU, bfloat16 on CUDA)."""
+    context_length: int | None = None
+    """Override of the model's context length (None: the model's)."""
+    gateway_port: int = 0
+    """HTTP port of the gateway (0: a free one)."""
+    worker_args: str = ""
+    """Extra flags for every worker (engine flags such as --max-total-tokens 8192), shell-quoted."""
+    router_args: str = ""
+    """Extra flags for every router (e.g. --health-interval-s 0.5), shell-quoted."""
+    tokenizer_args: str = ""
+    """Extra flags for the tokenizer service (e.g. --block-size 32), shell-quoted."""
+    grammar_args: str = ""
+    """Extra flags for the grammar service (e.g. --compile-threads 4), shell-quoted."""
+    gateway_args: str = ""
+    """Extra flags for the gateway (e.g. --max-queued-requests 64), shell-quoted."""
+    log_level: str = "warning"
+    """Logging level of every service."""
+    state_dir: Path = field(default_factory=default_state_dir)
+    """Where the state file and the logs go."""
+    timeout_s: float = 600.0
+    """How long `up` waits for every service to answer."""
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC endpoint every service sends its spans to; None: $OTEL_EXPORTER_OTLP_*, else tracing off."""
+    metrics: bool = False
+    """Serve each service's Prometheus metrics on a free port (listed in the state file); off: none."""
+    grammar: bool = False
+    """Start the grammar service too; workers fetch compiled grammars from it."""
+
+    def __post_init__(self) -> None:
+        if min(self.num_workers, self.num_prefill_workers, self.num_decode_workers) < 0:
+            raise invalid_argument("worker counts must be >= 0", "workers")
+        if self.num_workers + self.num_decode_workers < 1:
+            raise invalid_argument("a cluster needs at least one unified or decode worker", "workers")
+        if self.num_prefill_workers and not self.num_decode_workers:
+            raise invalid_argument("prefill workers need decode workers (--decode-workers)", "prefill_workers")
+        if self.num_routers < 1:
+            raise invalid_argument("a cluster needs at least one router (--routers >= 1)", "routers")
+        if self.load_format not in LOAD_FORMATS:
+            raise invalid_argument(f"load_format must be one of {', '.join(LOAD_FORMATS)}", "load_format")
+        if self.dtype not in DTYPES:
+            raise invalid_argument(f"dtype must be one of {', '.join(DTYPES)}", "dtype")
+        if self.context_length is not None and self.context_length < 2:
+            raise invalid_argument("context_length must be >= 2", "context_length")
+
+    def worker_roles(self) -> list[tuple[str, str]]:
+        """(process name, role) of every worker: worker-<i> (unified), prefill-<i>, decode-<i>."""
+        return ([(f"worker-{i}", "unified") for i in range(self.num_workers)]
+                + [(f"prefill-{i}", "prefill") for i in range(self.num_prefill_workers)]
+                + [(f"decode-{i}", "decode") for i in range(self.num_decode_workers)])
+
+    def router_names(self) -> list[str]:
+        """Process names of the routers: `router` alone, or router-0 .. router-<n-1> for several."""
+        return ["router"] if self.num_routers == 1 else [f"router-{i}" for i in range(self.num_routers)]
+
+    def model_args(self) -> list[str]:
+        """The model flags (the same on every service that loads the model or its tokenizer), set ones only."""
+        args = ["--model", self.model] if self.model else []
+        if self.load_format != "auto":
+            args += ["--load-format", self.load_format]
+        if self.tokenizer:
+            args += ["--tokenizer", self.tokenizer]
+        if self.dtype != "auto":
+            args += ["--dtype", self.dtype]
+        if self.context_length is not None:
+            args += ["--context-length", str(self.context_length)]
+        return args
+
+
+@dataclass
+class ClusterState:
+    """What `down` needs, and what users and tests read: written to <state_dir>/state.json."""
+
+    gateway_url: str
+    router_address: str
+    """The first router (every router: router_addresses)."""
+    tokenizer_address: str
+    worker_addresses: list[str]
+    redis_url: str | None
+    policy: str
+    log_dir: str
+    pids: dict[str, int] = field(default_factory=dict)
+    """service name -> pid (each the leader of its own process group)."""
+    metrics_urls: dict[str, str] = field(default_factory=dict)
+    """service name -> its Prometheus /metrics URL (with ClusterSpec.metrics)."""
+    grammar_address: str | None = None
+    """The grammar service (with ClusterSpec.grammar)."""
+    worker_roles: dict[str, str] = field(default_factory=dict)
+    """worker address -> unified | prefill | decode."""
+    router_addresses: list[str] = field(default_factory=list)
+    """Every router replica, in start order (the gateway was given all of them)."""
+    router_names: list[str] = field(default_factory=list)
+    """Process name (key of `pids`) of each router in router_addresses: router, or router-<i> for several."""
+    model_args: list[str] = field(default_factory=list)
+    """The model flags every model-loading service was started with."""
+
+    def save(self, state_dir: Path) -> Path:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        path = state_dir / STATE_FILE
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, state_dir: Path) -> ClusterState | None:
+        path = state_dir / STATE_FILE
+        if not path.is_file():
+            return None
+        data: dict[str, Any] = json.loads(path.read_text())
+        return cls(**data)
