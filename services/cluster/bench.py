@@ -28,11 +28,13 @@ POLICIES = ("cache-aware", "round-robin", "approx-tree")
 
 def register_routing(sub: argparse._SubParsersAction) -> None:
     """Add `routing` to `radixmesh bench`."""
+    from radixmesh.cli import add_model_args
+
     cmd = sub.add_parser("routing", help="compare routing policies on a local cluster (generated-shared-prefix)",
                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cmd.add_argument("--workers", type=int, default=2, help="workers in the cluster")
     cmd.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policy ids to compare")
-    cmd.add_argument("--model", default=None, help="model (default: smollm2-135m)")
+    add_model_args(cmd)
     cmd.add_argument("--worker-args", default="--max-total-tokens 16384", help="extra flags for every worker")
     cmd.add_argument("--gsp-num-groups", type=int, default=8)
     cmd.add_argument("--gsp-prompts-per-group", type=int, default=3)
@@ -53,11 +55,14 @@ def register_routing(sub: argparse._SubParsersAction) -> None:
 
 def cmd_routing(args: argparse.Namespace) -> int:
     from radixmesh.cluster.bench_cluster import BenchCluster
+    from radixmesh.cluster.spec import ClusterSpec
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     work = Path(tempfile.mkdtemp(prefix="radixmesh-bench-routing-"))
     rounds: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
-    with BenchCluster(args.workers, args.model, args.worker_args, work) as infra:
+    model_args = ClusterSpec(model=args.model, load_format=args.load_format, tokenizer=args.tokenizer,
+                             dtype=args.dtype, context_length=args.context_length).model_args()
+    with BenchCluster(args.workers, model_args, args.worker_args, work) as infra:
         print(f"bench routing: {args.workers} workers ready ({infra.startup_s:.0f} s); logs in {work}", flush=True)
         for repeat in range(args.repeats):
             # Alternate the order so a drift in machine load does not favour one policy.
@@ -112,13 +117,15 @@ def _run_serving(args: argparse.Namespace, gateway_url: str, output: Path) -> di
 
 
 def tokenizer_dir_of_gateway(gateway_url: str) -> str:
-    """The served model's directory (the gateway's /model_info model_path), else the default model's."""
+    """The served tokenizer (the gateway's /model_info tokenizer_path, else model_path), else the default model's."""
     import urllib.request
 
     with urllib.request.urlopen(f"{gateway_url}/model_info", timeout=10) as response:
-        path = json.loads(response.read()).get("model_path") or ""
-    if path and Path(path).is_dir():
-        return str(path)
+        info = json.loads(response.read())
+    for key in ("tokenizer_path", "model_path"):
+        path = info.get(key) or ""
+        if path and Path(path).is_dir():
+            return str(path)
     from radixmesh.engine.loader.default_model import ensure_default_model
 
     return str(ensure_default_model(progress=False))

@@ -26,9 +26,10 @@ LATENCY_PROMPT = list(range(1000, 1040))
 class BenchCluster:
     """Redis, workers and a tokenizer, started once and stopped on exit."""
 
-    def __init__(self, num_workers: int, model: str | None, worker_args: str, work_dir: Path) -> None:
+    def __init__(self, num_workers: int, model_args: list[str], worker_args: str, work_dir: Path) -> None:
         self.num_workers = num_workers
-        self.model = ["--model", model] if model else []
+        self.model = model_args
+        """The model flags of workers and tokenizer (ClusterSpec.model_args)."""
         self.worker_args = shlex.split(worker_args)
         self.log_dir = work_dir / "logs"
         self.pids: dict[str, int] = {}
