@@ -159,3 +159,44 @@ def test_tokenizer_flag_replaces_the_models_tokenizer(weightless_dir: Path, tmp_
         resolve_tokenizer(str(empty))
     with pytest.raises(RadixMeshError, match="not found"):
         resolve_tokenizer("/no/such/tokenizer/dir")
+
+
+def test_cluster_up_command_lines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Which flags each service is started with: model flags to model services only, N routers on one Redis."""
+    import radixmesh.cluster.local as local
+
+    started: dict[str, list[str]] = {}
+
+    def start(self: local._Starter, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        started[name] = args
+        self.pids[name] = 1
+
+    monkeypatch.setattr(local._Starter, "start", start)
+    monkeypatch.setattr(local._Starter, "wait", lambda self, name, ready, what: None)
+    spec = ClusterSpec(num_workers=2, num_routers=2, redis_url="redis://127.0.0.1:1/0", model="/m",
+                       load_format="dummy", tokenizer="/t", grammar=True, state_dir=tmp_path,
+                       tokenizer_args="--block-size 32", grammar_args="--compile-threads 1",
+                       gateway_args="--max-queued-requests 4", router_args="--health-interval-s 0.5")
+    state = local.cluster_up(spec)
+    model = ["--model", "/m", "--load-format", "dummy", "--tokenizer", "/t"]
+    for name in ("worker-0", "worker-1", "tokenizer", "grammar"):
+        assert _has_run(started[name], model), name
+    for name in ("router-0", "router-1", "gateway"):
+        assert "--model" not in started[name] and "--load-format" not in started[name], name
+    assert _has_run(started["tokenizer"], ["--block-size", "32"])
+    assert _has_run(started["grammar"], ["--compile-threads", "1"])
+    assert _has_run(started["gateway"], ["--max-queued-requests", "4"])
+    routers = state.router_addresses
+    assert len(set(routers)) == 2 and state.router_address == routers[0]
+    assert state.router_names == ["router-0", "router-1"] and {"router-0", "router-1"} <= set(state.pids)
+    for name, address in zip(state.router_names, routers):
+        args = started[name]
+        assert args[args.index("--port") + 1] == address.rsplit(":", 1)[1]
+        assert _has_run(args, ["--workers", ",".join(state.worker_addresses)])
+        assert _has_run(args, ["--redis-url", "redis://127.0.0.1:1/0", "--health-interval-s", "0.5"])
+    assert _has_run(started["gateway"], ["--router", ",".join(routers)])
+    assert ClusterState.load(tmp_path) == state
+
+
+def _has_run(args: list[str], run: list[str]) -> bool:
+    return any(args[i:i + len(run)] == run for i in range(len(args)))
