@@ -15,6 +15,8 @@ BENCH_COMMANDS = [
     "radixmesh.engine.bench:register_offline",
     "radixmesh.engine.bench_structured:register_structured",
     "radixmesh.cluster.bench:register_routing",
+    "radixmesh.cluster.bench_faults:register_faults",
+    "radixmesh.cluster.soak:register_soak",
 ]
 """`module:function` taking the `bench` subparsers object; one per `radixmesh bench` subcommand."""
 

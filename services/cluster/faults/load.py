@@ -1,0 +1,181 @@
+"""Bounded HTTP load against a gateway: a fixed number of concurrent clients, a cap on requests,
+and a deadline per request, each request's outcome recorded.
+
+Outcomes: completed (HTTP 200 and, when streamed, `[DONE]` with no error frame); failed (an HTTP
+error, an SSE error frame, a refused or reset connection, a stream cut before `[DONE]`: the client
+learns it failed); hung (no end within the deadline: lost); aborted (the client went away on
+purpose).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request to send."""
+
+    kind: str
+    """Label in the results (chat-stream, completion, ...)."""
+    path: str
+    """/v1/chat/completions or /v1/completions."""
+    body: dict[str, Any]
+    abort_after_frames: int | None = None
+    """Streamed: close the connection after this many data frames (a client that goes away)."""
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+
+@dataclass
+class RequestRecord:
+    kind: str
+    sent_s: float
+    """Seconds since the load started."""
+    first_frame_s: float | None = None
+    end_s: float | None = None
+    outcome: str = "hung"
+    error: str = ""
+
+
+def chat_stream(index: int, max_tokens: int, **extra: Any) -> RequestSpec:
+    """A streamed chat request whose prompt differs per index (so no two share a whole prompt)."""
+    body = {"messages": [{"role": "user", "content": f"Request {index}: list some facts about the number {index}."}],
+            "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True}
+    return RequestSpec("chat-stream", "/v1/chat/completions", {**body, **extra})
+
+
+class LoadGen:
+    """`concurrency` clients sending `make_spec(i)` for i = 0, 1, ... until `max_requests` or `stop()`."""
+
+    def __init__(self, base_url: str, make_spec: Callable[[int], RequestSpec], concurrency: int,
+                 max_requests: int, timeout_s: float) -> None:
+        self.base_url = base_url
+        self.make_spec = make_spec
+        self.concurrency = concurrency
+        self.max_requests = max_requests
+        self.timeout_s = timeout_s
+        self.records: list[RequestRecord] = []
+        self._next = 0
+        self._stopped = False
+        self._start = time.monotonic()
+
+    def now_s(self) -> float:
+        return time.monotonic() - self._start
+
+    def stop(self) -> None:
+        """No new requests from now on (those under way finish or time out)."""
+        self._stopped = True
+
+    @property
+    def num_streaming(self) -> int:
+        """Requests under way that have received generated text."""
+        return sum(1 for r in self.records if r.end_s is None and r.first_frame_s is not None)
+
+    @property
+    def num_completed(self) -> int:
+        return sum(1 for r in self.records if r.outcome == "completed")
+
+    async def run(self) -> list[RequestRecord]:
+        self._start = time.monotonic()
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=None, limits=limits) as client:
+            await asyncio.gather(*(self._client(client) for _ in range(self.concurrency)))
+        return self.records
+
+    async def _client(self, client: httpx.AsyncClient) -> None:
+        while not self._stopped and self._next < self.max_requests:
+            spec = self.make_spec(self._next)
+            self._next += 1
+            record = RequestRecord(spec.kind, self.now_s())
+            self.records.append(record)
+            try:
+                await asyncio.wait_for(self._send(client, spec, record), self.timeout_s)
+            except TimeoutError:
+                record.outcome, record.error = "hung", f"no end within {self.timeout_s:.0f} s"
+                continue
+            except (httpx.HTTPError, OSError) as exc:
+                record.outcome, record.error = "failed", f"{type(exc).__name__}: {exc}"[:200]
+            record.end_s = self.now_s()
+
+    async def _send(self, client: httpx.AsyncClient, spec: RequestSpec, record: RequestRecord) -> None:
+        if not spec.stream:
+            response = await client.post(spec.path, json=spec.body)
+            record.first_frame_s = self.now_s()
+            _finish(record, response.status_code, response.text)
+            return
+        async with client.stream("POST", spec.path, json=spec.body) as response:
+            if response.status_code != 200:
+                _finish(record, response.status_code, (await response.aread()).decode(errors="replace"))
+                return
+            await self._read_events(response, spec, record)
+
+    async def _read_events(self, response: httpx.Response, spec: RequestSpec, record: RequestRecord) -> None:
+        num_frames = 0
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                record.outcome = "failed" if record.error else "completed"
+                return
+            if "error" in (payload := json.loads(data)):
+                record.error = f"error frame: {json.dumps(payload['error'])[:200]}"
+                continue
+            num_frames += 1
+            if record.first_frame_s is None and _has_text(payload):
+                record.first_frame_s = self.now_s()
+            if spec.abort_after_frames is not None and num_frames >= spec.abort_after_frames:
+                record.outcome = "aborted"
+                return  # leaving the `stream` block closes the connection
+        record.outcome, record.error = "failed", record.error or "stream ended without [DONE]"
+
+
+def _has_text(payload: dict[str, Any]) -> bool:
+    """A frame carrying generated text (not only the assistant role)."""
+    for choice in payload.get("choices") or []:
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+def _finish(record: RequestRecord, status: int, text: str) -> None:
+    if status == 200:
+        record.outcome = "completed"
+    else:
+        record.outcome, record.error = "failed", f"HTTP {status}: {text[:200]}"
+
+
+def summarize(records: list[RequestRecord], fault_s: float | None = None) -> dict[str, Any]:
+    """Counts by outcome; with `fault_s` (seconds since the load started), failures among the requests
+    that had no data frame when the fault began (sent later, or still waiting for their first)."""
+    def count(outcome: str) -> int:
+        return sum(1 for r in records if r.outcome == outcome)
+
+    latencies = [r.end_s - r.sent_s for r in records if r.outcome == "completed" and r.end_s is not None]
+    errors: dict[str, int] = {}
+    for r in records:
+        if r.outcome in ("failed", "hung"):
+            errors[r.error] = errors.get(r.error, 0) + 1
+    summary: dict[str, Any] = {
+        "sent": len(records), "completed": count("completed"), "failed_clear": count("failed"),
+        "hung": count("hung"), "aborted": count("aborted"),
+        "latency_p50_s": round(statistics.median(latencies), 3) if latencies else None,
+        "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:4])}
+    if fault_s is not None:
+        summary["failed_not_started"] = sum(
+            1 for r in records if r.outcome in ("failed", "hung") and (r.end_s is None or r.end_s >= fault_s)
+            and (r.first_frame_s is None or r.first_frame_s > fault_s))
+        failed_at = [r.end_s for r in records if r.outcome == "failed" and r.end_s is not None and r.end_s >= fault_s]
+        summary["first_failure_s"] = round(min(failed_at) - fault_s, 3) if failed_at else None
+    return summary

@@ -1,0 +1,101 @@
+"""One scenario end to end: idle KV baseline, load, fault, detection, healing, recovery, settled KV, RSS."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from radixmesh.cluster.faults.harness import FaultCluster, wait_for
+from radixmesh.cluster.faults.load import LoadGen, chat_stream, summarize
+from radixmesh.cluster.faults.scenarios import Scenario
+
+DETECT_WINDOW_S = 30.0
+RECOVER_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class LoadShape:
+    """The bounded load of every scenario."""
+
+    concurrency: int = 6
+    """Clients sending at once."""
+    max_requests: int = 200
+    """Cap on the requests of one scenario."""
+    max_tokens: int = 24
+    """Tokens per answer."""
+    timeout_s: float = 60.0
+    """A request with no end by then counts as hung."""
+    after_recovery_s: float = 5.0
+    """Load kept up once the cluster has recovered."""
+
+
+async def run_scenario(scenario: Scenario, shape: LoadShape) -> dict[str, Any]:
+    cluster = scenario.cluster
+    url = await scenario.setup()
+    try:
+        idle_kv = await asyncio.to_thread(cluster.settled_kv)
+        load = LoadGen(url, lambda i: chat_stream(i, shape.max_tokens), shape.concurrency, shape.max_requests,
+                       shape.timeout_s)
+        running = asyncio.create_task(load.run())
+        await _until(lambda: load.num_streaming >= min(2, shape.concurrency) or running.done(), 300)
+        fault_s, fault_at = load.now_s(), time.monotonic()
+        detect = asyncio.create_task(asyncio.to_thread(_poll_detected, scenario))
+        await scenario.inject(load)
+        await asyncio.sleep(max(0.0, scenario.hold_s - (time.monotonic() - fault_at)))
+        heal_at = time.monotonic()
+        await scenario.heal()
+        recover_s = await asyncio.to_thread(_recover_s, cluster, url, heal_at)
+        await asyncio.sleep(shape.after_recovery_s)
+        load.stop()
+        records = await running
+        probe_s = await detect
+    finally:
+        await scenario.teardown()
+    records += getattr(scenario, "quitters", [])
+    settled_kv = await asyncio.to_thread(cluster.settled_kv)
+    summary = summarize(records, fault_s)
+    detect_s = min((s for s in (probe_s, summary.pop("first_failure_s")) if s is not None), default=None)
+    return {"scenario": scenario.id, "fault": scenario.fault, "hold_s": scenario.hold_s, **summary,
+            "detect_s": round(detect_s, 3) if detect_s is not None else None,
+            "detect_probe_s": probe_s, "recover_s": round(recover_s, 3),
+            "kv_idle": idle_kv, "kv_settled": settled_kv,
+            "leaked_slots": sum(max(0, settled_kv[w] - idle_kv.get(w, 0)) for w in settled_kv),
+            "rss_mb": await asyncio.to_thread(cluster.rss_mb)}
+
+
+async def _until(check: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the load did not start streaming")
+        await asyncio.sleep(0.05)
+
+
+def _poll_detected(scenario: Scenario) -> float | None:
+    """Seconds from the fault until its probe first says the system noticed (None: no probe, or never)."""
+    start = time.monotonic()
+    while time.monotonic() - start < DETECT_WINDOW_S:
+        try:
+            seen = scenario.detected()
+        except Exception:  # a probe that cannot reach what it asks counts as not yet
+            seen = False
+        if seen is None:
+            return None
+        if seen:
+            return round(time.monotonic() - start, 3)
+        time.sleep(0.1)
+    return None
+
+
+def _recover_s(cluster: FaultCluster, url: str, heal_at: float) -> float:
+    """From the end of the fault until every service is healthy and a request through `url` succeeds."""
+    def probe() -> bool:
+        body = {"prompt": "Recovered?", "max_tokens": 1, "temperature": 0.0}
+        return cluster.all_healthy() and httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+
+    wait_for(probe, RECOVER_TIMEOUT_S, "the cluster to recover")
+    return time.monotonic() - heal_at
