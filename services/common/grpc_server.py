@@ -5,6 +5,11 @@ reflection, a Prometheus port, and draining on SIGTERM.
     add_TokenizerServiceServicer_to_server(servicer, server.server)
     await server.start()
     await server.run_until_signal()   # SIGTERM/SIGINT: NOT_SERVING, refuse new calls, finish open ones
+
+Health: the service names ("" and each servicer's) are SERVING while `server.readiness` is ready
+(every required dependency up) and NOT_SERVING otherwise, with the reason in the trailing metadata
+key `radixmesh-not-ready` of the Check reply. The service name `liveness` is SERVING for as long as
+the process serves at all (Kubernetes liveness probes), whatever its dependencies do.
 """
 
 from __future__ import annotations
@@ -27,9 +32,18 @@ from grpc_reflection.v1alpha import reflection
 from radixmesh.common import tracing
 from radixmesh.common.env import env_str
 from radixmesh.common.errors import invalid_argument
+from radixmesh.common.readiness import Readiness
 
 logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+LIVENESS_SERVICE = "liveness"
+"""Health service name that is SERVING while the process serves (readiness aside)."""
+NOT_READY_METADATA_KEY = "radixmesh-not-ready"
+"""Trailing metadata of a NOT_SERVING Check reply: why the service is not ready."""
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                     ("grpc.max_reconnect_backoff_ms", 2_000)]
+"""Channel options of clients of another radixmesh service: a peer that comes back is found again within
+about two seconds (gRPC's default reconnect backoff grows to two minutes)."""
 
 
 @dataclass(frozen=True)
@@ -83,8 +97,58 @@ def setup_logging(level: str, service: str) -> None:
                         format=f"%(asctime)s {service} %(name)s %(levelname)s %(message)s")
 
 
+class ReadinessHealthServicer(HealthServicer):
+    """grpc.health.v1 that explains NOT_SERVING: the readiness reason goes in the reply's trailing metadata."""
+
+    def __init__(self, readiness: Readiness) -> None:
+        super().__init__()
+        self.readiness = readiness
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context: Any) -> Any:
+        reply = await super().Check(request, context)
+        if reply is not None and reply.status != health_pb2.HealthCheckResponse.SERVING:
+            reason = self.readiness.reason or "shutting down"
+            context.set_trailing_metadata(((NOT_READY_METADATA_KEY, _ascii(reason)),))
+        return reply
+
+
+async def check_peer_health(stub: health_pb2_grpc.HealthStub, timeout_s: float, service: str = "") -> tuple[bool, str]:
+    """(up, detail) of another service by its grpc.health.v1: up when SERVING; otherwise why not (its own
+    not-ready reason when it is a radixmesh service)."""
+    call = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+    try:
+        reply = await call
+    except grpc.RpcError as exc:
+        code = exc.code() if hasattr(exc, "code") else None
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return False, f"not reachable: {_first_line(exc.details() or code.name.lower())}"
+        return False, f"health check failed: {code.name if code else exc}"
+    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+        return True, ""
+    reason = next((str(v) for k, v in (await call.trailing_metadata() or ()) if k == NOT_READY_METADATA_KEY), "")
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return False, f"{status}: {reason}" if reason else status
+
+
+def _first_line(text: str) -> str:
+    """gRPC's connect failure, short: "failed to connect to all addresses; last error: ...: Connection refused"
+    becomes "connection refused"."""
+    text = text.strip().splitlines()[0] if text.strip() else text
+    if "last error" in text:
+        text = text.rsplit(": ", 1)[-1].lower()
+    return text[:200]
+
+
+def _ascii(text: str) -> str:
+    return text.encode("ascii", "replace").decode()[:1000]
+
+
 class GrpcServer:
-    """One asyncio gRPC server: the service's own servicers plus health and reflection."""
+    """One asyncio gRPC server: the service's own servicers plus health and reflection.
+
+    `readiness` holds the service's dependencies; declare them (`readiness.add`) and report their
+    states (`readiness.set`) from anywhere on the event loop: the health status follows.
+    """
 
     def __init__(self, config: GrpcServerConfig, name: str, service_names: Sequence[str],
                  trace_attributes: Mapping[str, str] | None = None) -> None:
@@ -97,7 +161,8 @@ class GrpcServer:
                    ("grpc.so_reuseport", 0)]
         tracing.configure(name, config.otlp_endpoint, trace_attributes)  # before the server: it takes the interceptors
         self.server = grpc.aio.server(options=options, interceptors=tracing.server_interceptors())
-        self.health = HealthServicer()
+        self.readiness = Readiness(name)
+        self.health = ReadinessHealthServicer(self.readiness)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -106,6 +171,9 @@ class GrpcServer:
         self.metrics_port: int | None = None
         self._metrics_httpd: Any = None
         self._stop = asyncio.Event()
+        self._started = False
+        self._health_tasks: set[asyncio.Task[None]] = set()
+        self.readiness.on_change(self._on_readiness)
 
     @property
     def address(self) -> str:
@@ -113,16 +181,19 @@ class GrpcServer:
         return f"{host}:{self.port}"
 
     async def start(self) -> None:
-        """Bind, start serving, mark every service SERVING, print where it listens."""
+        """Bind, start serving, report health (SERVING once ready), print where it listens."""
         try:
             self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         except RuntimeError as exc:
             raise invalid_argument(f"cannot listen on {self.config.host}:{self.config.port}: {exc}", "port") from None
         self._start_metrics()
         await self.server.start()
-        await self.set_serving(True)
+        self._started = True
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        await self.set_serving(self.readiness.ready)
         metrics = f", metrics on :{self.metrics_port}" if self.metrics_port is not None else ""
-        print(f"radixmesh {self.name}: listening on {self.address}{metrics}", flush=True)
+        waiting = "" if self.readiness.ready else f" (not ready: {self.readiness.reason})"
+        print(f"radixmesh {self.name}: listening on {self.address}{metrics}{waiting}", flush=True)
 
     def _start_metrics(self) -> None:
         if self.config.metrics_port < 0:
@@ -136,7 +207,18 @@ class GrpcServer:
                                                    registry=LabelledRegistry())
         self.metrics_port = int(self._metrics_httpd.server_port)
 
+    def _on_readiness(self, readiness: Readiness) -> None:
+        if not self._started:
+            return  # start() reports the state it finds
+        task = asyncio.get_running_loop().create_task(self._sync_health())
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
+
+    async def _sync_health(self) -> None:
+        await self.set_serving(self.readiness.ready)  # the state when this runs: tasks never apply stale ones
+
     async def set_serving(self, serving: bool) -> None:
+        """Set the health of "" and every servicer (readiness does this by itself; `liveness` is untouched)."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", *self.service_names):
             await self.health.set(service, status)

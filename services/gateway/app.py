@@ -7,11 +7,11 @@ import inspect
 import logging
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixmesh import __version__
@@ -21,32 +21,47 @@ from radixmesh.gateway import native_api, openai_api, tokenize_api
 from radixmesh.gateway.backend import Backend
 from radixmesh.gateway.config import GatewayConfig
 from radixmesh.gateway.dispatch import Dispatcher
-from radixmesh.gateway.errors import error_response, framework_error_response
+from radixmesh.gateway.errors import error_response, framework_error_response, to_http
+from radixmesh.gateway.grpc_backend import GrpcBackend
+from radixmesh.gateway.limits import BodySizeLimitMiddleware
 from radixmesh.gateway.metrics import GatewayMetrics
-from radixmesh.gateway.state import GatewayState
+from radixmesh.gateway.state import GatewayState, get_state
+from radixmesh.gateway.upstreams import not_ready_error
 
 logger = logging.getLogger(__name__)
-OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
+LIVENESS_PATHS = frozenset({"/live", "/health/live"})
+"""200 while the process serves HTTP, whatever its dependencies do (Kubernetes liveness)."""
+READINESS_PATHS = frozenset({"/ready", "/health/ready"})
+"""Like /health (200 when ready, else 503 naming what is missing), with the dependencies' states as JSON."""
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics", *LIVENESS_PATHS, *READINESS_PATHS})
 """Paths served without the API key: probes and Prometheus scrapes."""
+UNGATED_PATHS = frozenset({"/metrics", "/version", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect",
+                           *LIVENESS_PATHS, *READINESS_PATHS})
+"""Paths answered while the backend is not ready; every other one gets 503 naming what is missing."""
 
 
 def create_app(backend: Backend, config: GatewayConfig) -> FastAPI:
-    """The gateway over `backend`; the caller owns the backend's lifetime."""
-    metrics = GatewayMetrics(backend.card.name, "gateway" if backend.card.extra.get("backend") == "grpc" else "serve")
+    """The gateway over `backend`; the caller owns the backend's lifetime. The backend may not be ready yet
+    (a gateway whose router is not up): the app serves at once and answers 503 until it is."""
+    service = "gateway" if isinstance(backend, GrpcBackend) else "serve"
+    metrics = GatewayMetrics(config.served_model_name or "", service)
+    backend.when_card_known(lambda card: metrics.set_model_name(card.name))
     state = GatewayState(backend, config, metrics, Dispatcher(backend, metrics, config.max_queued_requests))
     if metrics.queue_time is not None:
         backend.bind_queue_time(metrics.queue_time)
     app = FastAPI(title="radixmesh", version=__version__,
                   description="OpenAI-compatible and SGLang-native LLM serving API", **_no_native_telemetry())
     app.state.gateway = state
-    routers = (openai_api.router, native_api.router, tokenize_api.router)
+    routers = (probes, openai_api.router, native_api.router, tokenize_api.router)
     for router in routers:
         app.include_router(router)
     _add_exception_handlers(app)
+    app.add_middleware(ReadinessGateMiddleware, backend=backend)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     routes = frozenset(getattr(route, "path", "") for router in routers
                        for route in router.routes)
+    app.add_middleware(BodySizeLimitMiddleware)  # 413 for bodies over RequestLimits.max_request_bytes
     app.add_middleware(RouteMetricsMiddleware, metrics=metrics, routes=routes)
     if tracing.enabled():
         from radixmesh.gateway.http_tracing import HttpTracingMiddleware
@@ -54,6 +69,44 @@ def create_app(backend: Backend, config: GatewayConfig) -> FastAPI:
         # outermost: the span covers everything; probes and scrapes get none
         app.add_middleware(HttpTracingMiddleware, routes=routes, untraced=OPEN_PATHS - {"/health_generate"})
     return app
+
+
+probes = APIRouter(tags=["probes"])
+
+
+@probes.get("/live")
+@probes.get("/health/live")
+async def live() -> Response:
+    """Liveness: the process serves. Never depends on the router, tokenizer or workers."""
+    return JSONResponse({"status": "alive"})
+
+
+@probes.get("/ready")
+@probes.get("/health/ready")
+async def ready(request: Request) -> Response:
+    """Readiness with details: 200 and the dependencies when ready; else 503, the reason and the same details."""
+    details = get_state(request).backend.readiness_details()
+    if details["ready"]:
+        return JSONResponse({"status": "ready", **details})
+    status, body = to_http(not_ready_error(details["reason"]))
+    return JSONResponse({**body, **details}, status_code=status)
+
+
+class ReadinessGateMiddleware:
+    """Until the backend is ready, every path but `UNGATED_PATHS` gets 503 with an OpenAI error body that names
+    the missing dependency (/health included: readiness as SGLang users expect it)."""
+
+    def __init__(self, app: ASGIApp, backend: Backend) -> None:
+        self.app = app
+        self.backend = backend
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in UNGATED_PATHS:
+            reason = self.backend.not_ready_reason()
+            if reason:
+                await error_response(not_ready_error(reason))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _no_native_telemetry() -> dict[str, Any]:

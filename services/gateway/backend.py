@@ -9,7 +9,7 @@ results come back as `GenerationChunk`s (text deltas already detokenized and sto
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,20 @@ class Backend(ABC):
     @abstractmethod
     def is_healthy(self) -> bool:
         """False once the model runtime died or was shut down."""
+
+    def not_ready_reason(self) -> str:
+        """"" while requests can be served; otherwise what is missing, as a 503 names it
+        ("waiting for the router at host:port (not reachable: ...)")."""
+        return "" if self.is_healthy else "the engine is not running"
+
+    def when_card_known(self, callback: Callable[[ModelCard], None]) -> None:
+        """Call `callback(card)` once the served model is known (now, for a backend that starts ready)."""
+        callback(self.card)
+
+    def readiness_details(self) -> dict[str, Any]:
+        """What /ready shows beside the status: the dependencies and their states."""
+        reason = self.not_ready_reason()
+        return {"ready": not reason, "reason": reason, "dependencies": {}}
 
     @property
     def has_tokenizer(self) -> bool:

@@ -69,9 +69,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _register_gateway(sub: argparse._SubParsersAction) -> None:
     gateway = sub.add_parser("gateway", help="serve the HTTP API over the cluster's gRPC services",
                              description="The same OpenAI-compatible and native HTTP API as `radixmesh serve`, "
-                                         "over a tokenizer service and a router (or one worker).")
+                                         "over a tokenizer service and a router (or one worker). It serves at "
+                                         "once: /live is 200 while the process runs, /health and /ready are 503 "
+                                         "naming the missing dependency until the router and tokenizer answer.")
     target = gateway.add_mutually_exclusive_group(required=True)
-    target.add_argument("--router", help="host:port of the router service")
+    target.add_argument("--router", help="host:port of the router service; several replicas as host:port,host:port "
+                                         "(requests go to the ready ones in turn, failing over before streaming)")
     target.add_argument("--worker", help="host:port of one worker, for a cluster without a router")
     gateway.add_argument("--tokenizer", required=True, help="host:port of the tokenizer service")
     _add_http_args(gateway)

@@ -53,8 +53,9 @@ class Dispatcher:
         `rids` names the engine sequences (one per prompt and branch); by default they derive
         from `request_id`, which `abort` accepts as well.
         """
-        if not self.backend.is_healthy:
-            raise RadixMeshError(ErrorCode.UNAVAILABLE, "the engine is not running")
+        reason = self.backend.not_ready_reason()
+        if reason:
+            raise RadixMeshError(ErrorCode.UNAVAILABLE, reason)
         for job in jobs:
             self.backend.validate(job.input_ids, job.params)
         num_seqs = sum(job.params.n for job in jobs)

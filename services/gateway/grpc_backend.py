@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -23,9 +24,19 @@ import msgspec
 
 from radixmesh.common import tracing
 from radixmesh.common.convert import load_from_proto, proto_to_chunk, sampling_to_proto
-from radixmesh.common.errors import invalid_argument
-from radixmesh.common.grpc_errors import from_rpc_error
+from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
+from radixmesh.common.grpc_errors import ERROR_METADATA_KEY, from_rpc_error
+from radixmesh.common.readiness import Readiness
 from radixmesh.gateway.backend import Backend, GenerationChunk, ModelCard, SamplingParams
+from radixmesh.gateway.upstreams import (
+    CHANNEL_OPTIONS,
+    Upstream,
+    UpstreamGroup,
+    UpstreamWatcher,
+    WatchConfig,
+    not_ready_error,
+    parse_addresses,
+)
 from radixmesh.index.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
 from radixmesh.protocol import (
     common_pb2,
@@ -36,50 +47,116 @@ from radixmesh.protocol import (
     worker_pb2_grpc,
 )
 
+logger = logging.getLogger(__name__)
 HASH_CACHE_SIZE = 1024
 """Prompts whose block hashes (from Tokenize) are kept until their Generate call."""
 TOKENIZE_TIMEOUT_S = 10.0
 """Bound on the blocking tokenizer calls (they hold the event loop, as local tokenization does)."""
 CONTROL_TIMEOUT_S = 30.0
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
 class GrpcBackend(Backend):
-    """Talks to a tokenizer service and to a router (target_kind "router") or one worker ("worker")."""
+    """Talks to a tokenizer service and to routers (target_kind "router", one or more replicas) or one worker.
 
-    def __init__(self, tokenizer_address: str, target_address: str, target_kind: str = "router") -> None:
+    It connects in the background: `start` returns at once, and until the tokenizer and a target answer
+    (and the model's description was read from them) `not_ready_reason` names what is missing, `card`
+    raises UNAVAILABLE with that reason, and the HTTP layer answers 503. A dependency that goes away
+    later makes it unready again until it returns; nothing here ever exits the process.
+    """
+
+    def __init__(self, tokenizer_address: str, target_address: str, target_kind: str = "router",
+                 served_model_name: str | None = None, watch: WatchConfig | None = None) -> None:
         assert target_kind in ("router", "worker"), f"target_kind {target_kind!r} is not router or worker"
-        self.tokenizer_address, self.target_address, self.target_kind = tokenizer_address, target_address, target_kind
+        targets = parse_addresses(target_address, target_kind)
+        if target_kind == "worker" and len(targets) > 1:
+            raise invalid_argument("--worker takes one worker; put a router in front of several", "worker")
+        self.tokenizer_address, self.target_kind = tokenizer_address, target_kind
+        self.target_address = ",".join(targets)
+        self.served_model_name = served_model_name
         self._tok_sync_channel = grpc.insecure_channel(tokenizer_address, options=CHANNEL_OPTIONS)
         self._tok_sync = tokenizer_pb2_grpc.TokenizerServiceStub(tracing.instrument_channel(self._tok_sync_channel))
-        self._tok_channel = grpc.aio.insecure_channel(tokenizer_address, options=CHANNEL_OPTIONS,
-                                                      interceptors=tracing.client_interceptors())
-        self._tok = tokenizer_pb2_grpc.TokenizerServiceStub(self._tok_channel)
-        self._target_channel = grpc.aio.insecure_channel(target_address, options=CHANNEL_OPTIONS,
-                                                         interceptors=tracing.client_interceptors())
+        self.tokenizer = UpstreamGroup("tokenizer", [Upstream("tokenizer", tokenizer_address,
+                                                              tokenizer_pb2_grpc.TokenizerServiceStub)])
         stub_class = router_pb2_grpc.RouterServiceStub if target_kind == "router" else worker_pb2_grpc.WorkerServiceStub
-        self._target: Any = stub_class(self._target_channel)
+        self.targets = UpstreamGroup(target_kind, [Upstream(target_kind, a, stub_class) for a in targets])
+        self.readiness = Readiness("gateway")
+        self.watcher = UpstreamWatcher([self.tokenizer, self.targets], self.readiness, watch or WatchConfig(),
+                                       on_change=self._on_upstream_change)
         self._hashes: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
         self._card: ModelCard | None = None
+        self._card_task: asyncio.Task[None] | None = None
+        self._card_callbacks: list[Callable[[ModelCard], None]] = []
+        self._inflight: dict[str, Upstream] = {}
+        """Request id -> the target replica running it (where an abort goes)."""
         self.block_size = DEFAULT_BLOCK_SIZE
         self._closed = False
 
     @classmethod
     async def start(cls, tokenizer_address: str, target_address: str, target_kind: str = "router",
-                    served_model_name: str | None = None) -> GrpcBackend:
-        """Connect and read the model's facts from the target and the tokenizer service."""
-        backend = cls(tokenizer_address, target_address, target_kind)
-        try:
-            info = await backend._call(backend._target.GetModelInfo, worker_pb2.GetModelInfoRequest(),
-                                       backend.target_address, wait_for_ready=True)
-            tok = await backend._call(backend._tok.GetTokenizerInfo, tokenizer_pb2.GetTokenizerInfoRequest(),
-                                      backend.tokenizer_address, wait_for_ready=True)
-        except BaseException:
-            await backend.close()
-            raise
-        backend.block_size = tok.block_size or DEFAULT_BLOCK_SIZE
-        backend._card = _make_card(info, tok, served_model_name, backend)
+                    served_model_name: str | None = None, watch: WatchConfig | None = None) -> GrpcBackend:
+        """Start watching the dependencies; returns at once, ready or not (see `not_ready_reason`)."""
+        backend = cls(tokenizer_address, target_address, target_kind, served_model_name, watch)
+        backend.watcher.start()
         return backend
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until ready (tests and tools); False on timeout."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self.is_healthy:
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    # ---- readiness -------------------------------------------------------------------------------
+    def _on_upstream_change(self) -> None:
+        fetching = self._card_task is not None and not self._card_task.done()
+        if self._card is None and self.tokenizer.up and self.targets.up and not self._closed and not fetching:
+            self._card_task = asyncio.get_running_loop().create_task(self._fetch_card())
+
+    async def _fetch_card(self) -> None:
+        """Read the model's facts once both sides answer; a failure is retried on the next change or check."""
+        if "model" not in self.readiness:
+            self.readiness.add("model", f"the model's description from the {self.target_kind}",
+                               detail="being read")
+        for target in self.targets.ready():
+            try:
+                info = await self._call(target.stub.GetModelInfo, worker_pb2.GetModelInfoRequest(), target.address)
+                tok = await self._call(self.tokenizer.upstreams[0].stub.GetTokenizerInfo,
+                                       tokenizer_pb2.GetTokenizerInfoRequest(), self.tokenizer_address)
+            except RadixMeshError as exc:
+                self.readiness.set("model", False, exc.message)
+                continue
+            self.block_size = tok.block_size or DEFAULT_BLOCK_SIZE
+            self._card = _make_card(info, tok, self.served_model_name, self)
+            self.readiness.set("model", True)
+            for callback in self._card_callbacks:
+                callback(self._card)
+            logger.warning("gateway: ready: serving %s through %s and %s", self._card.name,
+                           self.targets.description, self.tokenizer.description)
+            return
+        await asyncio.sleep(1.0)  # nothing answered: look again (the watcher calls back on the next change)
+        self._card_task = None
+        self._on_upstream_change()
+
+    def when_card_known(self, callback: Callable[[ModelCard], None]) -> None:
+        if self._card is not None:
+            callback(self._card)
+        else:
+            self._card_callbacks.append(callback)
+
+    def not_ready_reason(self) -> str:
+        if self._closed:
+            return "the gateway is shutting down"
+        if self.readiness.ready and self._card is not None:
+            return ""
+        return self.readiness.reason or "reading the model's description"
+
+    def readiness_details(self) -> dict[str, Any]:
+        groups = [self.tokenizer, self.targets]
+        deps: dict[str, Any] = {u.address if len(g.upstreams) > 1 else g.name: {"kind": u.kind, "address": u.address,
+                                "up": u.up, "detail": u.detail} for g in groups for u in g.upstreams}
+        return {"ready": not self.not_ready_reason(), "reason": self.not_ready_reason(), "dependencies": deps}
 
     async def _call(self, method: Callable[..., Any], request: Any, peer: str, **kwargs: Any) -> Any:
         try:
@@ -89,22 +166,20 @@ class GrpcBackend(Backend):
 
     @property
     def card(self) -> ModelCard:
-        assert self._card is not None, "GrpcBackend.start() was not awaited"
+        if self._card is None:
+            raise not_ready_error(self.not_ready_reason())
         return self._card
 
     @property
     def is_healthy(self) -> bool:
-        if self._closed:
-            return False
-        bad = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
-        return all(ch.get_state(try_to_connect=True) not in bad for ch in (self._target_channel, self._tok_channel))
+        return not self.not_ready_reason()
 
     # ---- text <-> tokens (blocking calls: the Backend contract is synchronous) ------------------
     def _tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
         try:
             response = self._tok_sync.Tokenize(request, timeout=TOKENIZE_TIMEOUT_S)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.tokenizer_address) from None
+            raise self._tokenizer_error(exc) from None
         self._remember_hashes(list(response.token_ids), list(response.block_hashes.hashes))
         return response
 
@@ -130,7 +205,13 @@ class GrpcBackend(Backend):
             return self._tok_sync.Decode(tokenizer_pb2.DecodeRequest(token_ids=token_ids, per_token=per_token),
                                          timeout=TOKENIZE_TIMEOUT_S)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.tokenizer_address) from None
+            raise self._tokenizer_error(exc) from None
+
+    def _tokenizer_error(self, exc: grpc.RpcError) -> RadixMeshError:
+        error = from_rpc_error(exc, f"tokenizer at {self.tokenizer_address}")
+        if _unreachable(exc):
+            self.watcher.mark_down(self.tokenizer, self.tokenizer.upstreams[0], error.message)
+        return error
 
     def decode(self, token_ids: list[int]) -> str:
         return self._decode(token_ids, per_token=False).text
@@ -172,20 +253,58 @@ class GrpcBackend(Backend):
     async def generate(self, input_ids: list[int], params: SamplingParams,
                        rid: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
         rid = rid or uuid.uuid4().hex
-        call = self._target.Generate(self._request(list(input_ids), params, rid))
-        detok = self._tok.Detokenize()
+        target, call, first = await self._open_stream(self._request(list(input_ids), params, rid))
+        self._inflight[rid] = target
+        detok = self.tokenizer.upstreams[0].stub.Detokenize()
         try:
             await detok.write(tokenizer_pb2.DetokenizeRequest(start=tokenizer_pb2.DetokenizeStart(
                 request_id=rid, skip_special_tokens=params.skip_special_tokens, stop=list(params.stop))))
-            async for msg in call:
+            msg = first
+            while msg is not grpc.aio.EOF:
                 text = await self._detokenize(detok, msg)
                 yield proto_to_chunk(msg, text)
+                msg = await self._read(target, call)
             await _end_stream(detok)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.target_address) from None
         finally:
-            call.cancel()  # no-op once finished; otherwise the worker aborts and frees the KV
+            self._inflight.pop(rid, None)
+            call.cancel()  # no-op once finished; otherwise the target aborts and frees the KV
             detok.cancel()
+
+    async def _open_stream(self, request: worker_pb2.GenerateRequest) -> tuple[Upstream, Any, Any]:
+        """Start Generate on a ready target and wait for its first message. A replica that is unavailable
+        before that is skipped for the next one (nothing was streamed yet); other errors are the request's."""
+        tried: list[str] = []
+        last_error: RadixMeshError | None = None
+        while True:
+            targets = [t for t in self.targets.ready() if t.address not in tried]
+            if not targets:
+                reason = self.not_ready_reason()
+                raise last_error if last_error is not None and not reason else not_ready_error(reason)
+            target = targets[0]
+            call = target.stub.Generate(request)
+            try:
+                return target, call, await call.read()  # EOF: ended OK without a message
+            except grpc.RpcError as exc:
+                call.cancel()
+                error = from_rpc_error(exc, f"{self.target_kind} at {target.address}")
+                if _unreachable(exc):  # gone: the next ready replica, or 503 naming what is missing
+                    self.watcher.mark_down(self.targets, target, error.message)
+                elif error.code is not ErrorCode.UNAVAILABLE or len(self.targets.upstreams) == 1:
+                    raise error from None
+                logger.info("gateway: %s failed before streaming (%s); trying another", target.description, error)
+                tried.append(target.address)
+                last_error = error
+
+    async def _read(self, target: Upstream, call: Any) -> Any:
+        try:
+            return await call.read()
+        except grpc.RpcError as exc:
+            error = from_rpc_error(exc, f"{self.target_kind} at {target.address}")
+            if not _unreachable(exc):
+                raise error from None
+            self.watcher.mark_down(self.targets, target, error.message)
+            raise RadixMeshError(ErrorCode.UNAVAILABLE, f"the stream from {target.description} broke after it "
+                                                        f"started: {error.message}") from None
 
     async def _detokenize(self, detok: Any, msg: worker_pb2.GenerateResponse) -> str:
         stop_token = msg.finish_reason == common_pb2.FINISH_REASON_STOP and msg.HasField("matched_stop_token_id")
@@ -195,18 +314,19 @@ class GrpcBackend(Backend):
             await detok.write(tokenizer_pb2.DetokenizeRequest(tokens=tokens))
             response = await detok.read()
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.tokenizer_address) from None
+            raise from_rpc_error(exc, f"tokenizer at {self.tokenizer_address}") from None
         if response is grpc.aio.EOF:
-            raise from_rpc_error(await _status_error(detok), self.tokenizer_address)
+            raise from_rpc_error(await _status_error(detok), f"tokenizer at {self.tokenizer_address}")
         return str(response.text)
 
     async def cache_prefix(self, input_ids: list[int]) -> None:
-        call = self._target.Generate(self._request(list(input_ids), SamplingParams(), uuid.uuid4().hex, True))
+        rid = uuid.uuid4().hex
+        target, call, msg = await self._open_stream(self._request(list(input_ids), SamplingParams(), rid, True))
         try:
-            async for _ in call:
-                pass
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.target_address) from None
+            while msg is not grpc.aio.EOF:
+                msg = await self._read(target, call)
+        finally:
+            call.cancel()
 
     def branch_params(self, params: SamplingParams) -> list[SamplingParams]:
         if params.n == 1:
@@ -215,25 +335,47 @@ class GrpcBackend(Backend):
                 for i in range(params.n)]
 
     async def abort(self, rid: str) -> None:
-        with contextlib.suppress(Exception):  # an abort of an unknown or finished request is not an error
-            await self._target.Abort(worker_pb2.AbortRequest(request_id=rid), timeout=CONTROL_TIMEOUT_S)
+        target = self._inflight.get(rid)
+        targets = [target] if target is not None else self.targets.ready()
+        for t in targets:  # an abort of an unknown or finished request is not an error
+            with contextlib.suppress(Exception):
+                await t.stub.Abort(worker_pb2.AbortRequest(request_id=rid), timeout=CONTROL_TIMEOUT_S)
 
     # ---- control ---------------------------------------------------------------------------------
+    def _control_target(self) -> Upstream:
+        ready = self.targets.ready()
+        if not ready:
+            raise not_ready_error(self.not_ready_reason())
+        return ready[0]
+
     async def flush_cache(self) -> bool:
-        response = await self._call(self._target.FlushCache, worker_pb2.FlushCacheRequest(), self.target_address)
+        target = self._control_target()
+        response = await self._call(target.stub.FlushCache, worker_pb2.FlushCacheRequest(), target.address)
         return bool(response.flushed)
 
     async def server_info(self) -> dict[str, Any]:
-        response = await self._call(self._target.GetLoad, worker_pb2.GetLoadRequest(), self.target_address)
+        target = self._control_target()
+        response = await self._call(target.stub.GetLoad, worker_pb2.GetLoadRequest(), target.address)
         return load_from_proto(response.load)
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        await self._target_channel.close()
-        await self._tok_channel.close()
+        if self._card_task is not None:
+            self._card_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._card_task
+        await self.watcher.close()
         self._tok_sync_channel.close()
+
+
+def _unreachable(exc: grpc.RpcError) -> bool:
+    """The call failed in transport (the peer is gone or not listening), not with a service's own error."""
+    code = exc.code() if hasattr(exc, "code") else None
+    metadata = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    carries_error = any(key == ERROR_METADATA_KEY for key, _ in (metadata or ()))
+    return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not carries_error
 
 
 class _StreamFailed(grpc.RpcError):

@@ -62,8 +62,14 @@ class GatewayMetrics:
         self.kv_capacity = Gauge(p + "kv_capacity_tokens", "KV slots in the pool", registry=reg)
         self.cache_hit_rate = Gauge(p + "cache_hit_rate", "Share of prompt tokens served from the prefix cache",
                                     registry=reg)
-        info = Gauge(p + "model_info", "The served model (value is always 1)", ["model_name"], registry=reg)
-        info.labels(model_name=model_name).set(1)
+        self.model_info = Gauge(p + "model_info", "The served model (value is always 1)", ["model_name"], registry=reg)
+        self.set_model_name(model_name)
+
+    def set_model_name(self, model_name: str) -> None:
+        """Name the served model (a gateway learns it once its dependencies answer)."""
+        self.model_info.clear()
+        if model_name:
+            self.model_info.labels(model_name=model_name).set(1)
 
     def observe_http(self, route: str, status: int) -> None:
         self.http_requests.labels(route=route, status=str(status)).inc()

@@ -1,4 +1,8 @@
-"""`radixmesh serve`: bind, start the engine, serve HTTP with uvicorn, stop everything on a signal.
+"""`radixmesh serve` and `radixmesh gateway`: bind, start the backend, serve HTTP with uvicorn, stop
+everything on a signal.
+
+The gateway's backend starts at once and connects in the background (it answers 503 until its
+router and tokenizer do); `serve` loads the model before it serves.
 
 The listening socket is bound first, so a busy port fails in a second rather than after the
 model has loaded. SIGINT/SIGTERM stop the engine start, or let uvicorn drain open requests
@@ -89,9 +93,7 @@ async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Await
         while not server.started and not serving.done():
             await asyncio.sleep(0.02)
         if server.started:
-            device = backend.card.extra.get("device", "?")
-            print(f"radixmesh: serving {backend.card.name} on {device} at {config.url(port)} "
-                  "(OpenAI API under /v1)", flush=True)
+            _print_started(backend, config.url(port))
         await serving
         return 0
     except asyncio.CancelledError:
@@ -103,3 +105,12 @@ async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Await
         sock.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+def _print_started(backend: Backend, url: str) -> None:
+    reason = backend.not_ready_reason()
+    if reason:  # a gateway whose dependencies are not up yet: it serves /live now and /health once they are
+        print(f"radixmesh: listening at {url} (OpenAI API under /v1); not ready yet: {reason}", flush=True)
+        return
+    device = backend.card.extra.get("device", "?")
+    print(f"radixmesh: serving {backend.card.name} on {device} at {url} (OpenAI API under /v1)", flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from radixmesh.common.errors import invalid_argument
 from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
@@ -13,6 +14,9 @@ from radixmesh.grammar.service import SERVICE_NAME, GrammarServicer
 from radixmesh.grammar.store import GrammarStore, StoreConfig
 from radixmesh.protocol import grammar_pb2_grpc
 from radixmesh.tokenizer.fingerprint import tokenizer_fingerprint
+
+REDIS_PROBE_S = 2.0
+"""Seconds between checks of the grammar cache's Redis."""
 
 
 async def build_servicer(model: str | None, load_format: str, store_config: StoreConfig, backend: str = "xgrammar",
@@ -30,15 +34,31 @@ async def build_servicer(model: str | None, load_format: str, store_config: Stor
                            prepared.config.vocab_size, eos_ids, num_threads)
 
 
+async def watch_cache(server: GrpcServer, store: GrammarStore, interval_s: float = REDIS_PROBE_S) -> None:
+    """The shared Redis cache is optional: while it is down the service is degraded, never unready."""
+    redis_url = store.config.redis_url
+    if not redis_url:
+        return
+    server.readiness.add("cache", f"the grammar cache at {redis_url}", required=False)
+    while True:
+        up = await store.probe()
+        server.readiness.set("cache", up, "" if up else store.redis_error)
+        await asyncio.sleep(interval_s)
+
+
 async def serve_grammar(config: GrpcServerConfig, model: str | None, load_format: str, store_config: StoreConfig,
                         backend: str = "xgrammar", num_threads: int = 2, tokenizer_source: str | None = None) -> int:
     servicer = await build_servicer(model, load_format, store_config, backend, num_threads, tokenizer_source)
     server = GrpcServer(config, "grammar", [SERVICE_NAME])
     grammar_pb2_grpc.add_GrammarServiceServicer_to_server(servicer, server.server)
     await server.start()
+    watcher = asyncio.create_task(watch_cache(server, servicer.store))
     try:
         await server.run_until_signal()
     finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
         servicer.close()
         await servicer.store.close()
     return 0

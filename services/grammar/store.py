@@ -2,7 +2,8 @@
 
 Redis is shared by every replica of the grammar service, so a grammar compiled by one is
 fetched by the others. Redis is optional, and its failures only cost cache hits: the
-service keeps answering from memory or by compiling.
+service keeps answering from memory or by compiling. A Redis that is down (at start or
+later) is skipped until `probe` finds it again; each change is logged once.
 """
 
 from __future__ import annotations
@@ -48,7 +49,11 @@ class GrammarStore:
         self._memory: OrderedDict[str, bytes] = OrderedDict()
         self._memory_bytes = 0
         self._redis: Any = None
+        self.redis_up = False
+        """Whether Redis answered last time (False without Redis); while False, get/put skip it."""
+        self.redis_error = "not contacted yet"
         if config.redis_url:
+            self.redis_up = True  # until a call says otherwise
             from redis.asyncio import Redis
 
             self._redis = Redis.from_url(config.redis_url, socket_timeout=config.redis_timeout_s,
@@ -60,12 +65,12 @@ class GrammarStore:
         if data is not None:
             self._memory.move_to_end(key)
             return data, "memory"
-        if self._redis is None:
+        if self._redis is None or not self.redis_up:
             return None
         try:
             found = await self._redis.get(REDIS_KEY_PREFIX + key)
-        except Exception as exc:  # any Redis failure is a miss (logged), never a failed Compile
-            logger.warning("grammar store: Redis get failed: %s", exc)
+        except Exception as exc:  # any Redis failure is a miss (logged once), never a failed Compile
+            self._redis_failed(exc)
             return None
         if found is None:
             return None
@@ -74,12 +79,33 @@ class GrammarStore:
 
     async def put(self, key: str, data: bytes) -> None:
         self._remember(key, data)
-        if self._redis is None:
+        if self._redis is None or not self.redis_up:
             return
         try:
             await self._redis.set(REDIS_KEY_PREFIX + key, data, ex=self.config.ttl_s)
         except Exception as exc:
-            logger.warning("grammar store: Redis set failed: %s", exc)
+            self._redis_failed(exc)
+
+    def _redis_failed(self, exc: BaseException) -> None:
+        self.redis_error = f"{type(exc).__name__}: {exc}"
+        if self.redis_up:
+            logger.warning("grammar store: Redis unavailable (%s); caching in memory only until it returns",
+                           self.redis_error)
+        self.redis_up = False
+
+    async def probe(self) -> bool:
+        """Ping Redis; a Redis that answers again is used again. Returns whether it is up (False without one)."""
+        if self._redis is None:
+            return False
+        try:
+            await self._redis.ping()
+        except Exception as exc:
+            self._redis_failed(exc)
+            return False
+        if not self.redis_up:
+            logger.warning("grammar store: Redis answers again; sharing compiled grammars through it")
+        self.redis_up, self.redis_error = True, ""
+        return True
 
     def _remember(self, key: str, data: bytes) -> None:
         if len(data) > self.config.memory_bytes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from radixmesh.router.config import HealthConfig
 from radixmesh.router.workers import WorkerHandle, WorkerRegistry
@@ -22,6 +23,8 @@ class HealthChecker:
         self.registry = registry
         self.config = config
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.on_change: list[Callable[[], None]] = []
+        """Called whenever a worker's healthy flag flips (the router's readiness follows)."""
         registry.on_added.append(self.watch)
 
     def watch(self, handle: WorkerHandle) -> None:
@@ -52,6 +55,8 @@ class HealthChecker:
                 logger.warning("router: worker %s at %s is healthy", handle.worker_id, handle.address)
             else:
                 logger.warning("router: worker %s at %s is unhealthy: %s", handle.worker_id, handle.address, error)
+            for callback in self.on_change:
+                callback()
 
     async def _run(self, handle: WorkerHandle) -> None:
         while self.registry.get(handle.worker_id) is handle:

@@ -18,7 +18,7 @@ from radixmesh.router.health_checker import HealthChecker
 from radixmesh.router.policies import create_policy
 from radixmesh.router.service import SERVICE_NAME, RouterServicer
 from radixmesh.router.worker_client import WorkerClient
-from radixmesh.router.workers import WorkerRegistry
+from radixmesh.router.workers import WorkerHandle, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 GAUGE_INTERVAL_S = 1.0
@@ -51,8 +51,21 @@ class RouterApp:
                                     prefill_policy=create_policy(config.policy, dataclasses.replace(
                                         config, sweep_interval_s=0), reader=self.reader))  # one sweeper is enough
         self.server = GrpcServer(server_config, "router", [SERVICE_NAME])
+        self.server.readiness.add("workers", "a healthy worker", detail="no worker discovered yet")
+        if self.reader is not None:
+            self.server.readiness.add("index", f"the KV-cache index at {config.redis_url}", required=False, up=True)
+        self.checker.on_change.append(self.refresh_readiness)
         router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(self.router), self.server.server)
         self._tasks: list[asyncio.Task[None]] = []
+
+    def refresh_readiness(self) -> None:
+        """SERVING while at least one worker is healthy; the reason names what the workers lack."""
+        workers = self.registry.all()
+        healthy = [w for w in workers if w.health.healthy]
+        self.server.readiness.set("workers", bool(healthy), workers_detail(workers, len(healthy)))
+        if self.reader is not None:  # without it routing falls back to approx-tree: degraded, still ready
+            index_up = self.policy.active_policy() == self.policy.policy_id
+            self.server.readiness.set("index", index_up, "" if index_up else "routing with approx-tree meanwhile")
 
     async def start(self) -> None:
         await self.policy.start()
@@ -82,10 +95,22 @@ class RouterApp:
 
     async def _update_gauges(self) -> None:
         while True:
+            self.refresh_readiness()  # also after changes no probe reports (a request marking a worker down)
             metrics.HEALTHY_WORKERS.set(sum(1 for w in self.registry.all() if w.health.healthy))
             metrics.update_worker_gauges(self.registry.all())
             metrics.FALLBACK.set(1 if self.policy.active_policy() != self.policy.policy_id else 0)
             await asyncio.sleep(GAUGE_INTERVAL_S)
+
+
+def workers_detail(workers: list[WorkerHandle], num_healthy: int, max_named: int = 3) -> str:
+    """What the router's readiness says about its workers."""
+    if not workers:
+        return "no worker discovered yet"
+    if num_healthy:
+        return f"{num_healthy} of {len(workers)} workers healthy"
+    named = ", ".join(f"{w.worker_id} ({w.health.last_error or 'not probed yet'})" for w in workers[:max_named])
+    more = f" and {len(workers) - max_named} more" if len(workers) > max_named else ""
+    return f"none of {len(workers)} workers is healthy: {named}{more}"
 
 
 async def serve_router(server_config: GrpcServerConfig, config: RouterConfig, discovery: BaseDiscovery) -> int:

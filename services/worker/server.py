@@ -2,6 +2,12 @@
 
 The scheduler runs in its own process (EngineClient); this process is only the asyncio gRPC
 front end, so request I/O never shares the GIL with the model.
+
+Readiness: the scheduler process is the one required dependency (NOT_SERVING once it died). The
+KV-cache index (Redis) and the grammar service are optional: without the index the worker still
+serves (routers fall back to approx-tree routing, and Redis discovery cannot list it meanwhile), and
+without the grammar service the engine compiles grammars itself. Either one down only makes the
+worker degraded (logged once per change); both are retried in the background, never fatal.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 ENGINE_WATCH_S = 1.0
+DEPENDENCY_CHECK_S = 2.0
 
 
 async def serve_worker(server_config: GrpcServerConfig, config: WorkerConfig, engine_config: EngineConfig) -> int:
@@ -41,13 +48,15 @@ async def serve_worker(server_config: GrpcServerConfig, config: WorkerConfig, en
         server = GrpcServer(server_config, "worker", [SERVICE_NAME], {"radixmesh.role": config.role})
         servicer = WorkerServicer(client, config)
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server.server)
+        server.readiness.add("engine", "the scheduler process", up=True)
         await server.start()
         config = servicer.resolve(server.address)
         publisher = await attach_kv_events(client, config, server.metrics_port or 0)
-        watcher = asyncio.create_task(_watch_engine(client, server))
+        watchers = [asyncio.create_task(_watch_engine(client, server)),
+                    asyncio.create_task(_watch_optional(server, publisher, engine_config.grammar_service))]
         stats = metrics.start_worker_metrics(client.get_server_info, servicer.load, config.role, config.worker_id)
         await server.run_until_signal()
-        for task in (watcher, stats):
+        for task in (*watchers, stats):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -79,4 +88,55 @@ async def _watch_engine(client: EngineClient, server: GrpcServer) -> None:
     while client.is_alive:
         await asyncio.sleep(ENGINE_WATCH_S)
     logger.error("the scheduler process is gone; reporting NOT_SERVING")
-    await server.set_serving(False)
+    server.readiness.set("engine", False, "the scheduler process exited")
+
+
+async def _watch_optional(server: GrpcServer, publisher: KVIndexWriter | None, grammar_service: str | None) -> None:
+    """Keep the optional dependencies' states current: the index's Redis and the grammar service."""
+    if publisher is not None:
+        server.readiness.add("index", f"the KV-cache index at {publisher.config.redis_url}", required=False)
+    grammar = _GrammarProbe(grammar_service) if grammar_service else None
+    if grammar is not None:
+        server.readiness.add("grammar", f"the grammar service at {grammar_service}", required=False)
+    if publisher is None and grammar is None:
+        return
+    try:
+        while True:
+            if publisher is not None:
+                up, detail = await _redis_up(publisher)
+                server.readiness.set("index", up, detail)
+            if grammar is not None:
+                server.readiness.set("grammar", *await grammar.check())
+            await asyncio.sleep(DEPENDENCY_CHECK_S)
+    finally:
+        if grammar is not None:
+            await grammar.close()
+
+
+async def _redis_up(publisher: KVIndexWriter) -> tuple[bool, str]:
+    try:
+        await asyncio.wait_for(publisher.redis.ping(), DEPENDENCY_CHECK_S)
+    except Exception as exc:  # any failure means "down"; the writer retries on its own
+        return False, f"{type(exc).__name__}: {exc}"
+    return True, ""
+
+
+class _GrammarProbe:
+    """grpc.health.v1 of the grammar service (the engine falls back to compiling locally while it is down)."""
+
+    def __init__(self, address: str) -> None:
+        import grpc.aio
+        from grpc_health.v1 import health_pb2_grpc
+
+        from radixmesh.common.grpc_server import RECONNECT_OPTIONS
+
+        self.channel = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
+        self.stub = health_pb2_grpc.HealthStub(self.channel)
+
+    async def check(self) -> tuple[bool, str]:
+        from radixmesh.common.grpc_server import check_peer_health
+
+        return await check_peer_health(self.stub, DEPENDENCY_CHECK_S)
+
+    async def close(self) -> None:
+        await self.channel.close()
