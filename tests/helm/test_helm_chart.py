@@ -195,17 +195,20 @@ def test_workers_carry_discovery_labels_gpus_and_shm(rendered: dict[str, list[di
 
 @pytest.mark.parametrize("values_file", VALUE_SETS)
 def test_probes(rendered: dict[str, list[dict[str, Any]]], values_file: Path | None) -> None:
-    """gRPC probes on each gRPC service's own port; HTTP probes on the gateway; a long startup window for workers."""
+    """gRPC probes on each gRPC service's own port; HTTP probes on the gateway; a long startup window for workers.
+    Liveness and startup pass while the process serves; readiness follows the service's dependencies."""
     for dep in of_kind(_docs(rendered, values_file), "Deployment").values():
         component, c = component_of(dep), container(dep)
         if component in THIRD_PARTY:
             continue
         probes = [c[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")]
         if component == "gateway":
-            assert all(p["httpGet"] == {"path": "/health", "port": "http"} for p in probes)
+            paths = [p["httpGet"]["path"] for p in probes]
+            assert paths == ["/live", "/health", "/live"] and all(p["httpGet"]["port"] == "http" for p in probes)
             continue
         grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
         assert all(p["grpc"]["port"] == grpc_port for p in probes), component
+        assert [p["grpc"]["service"] for p in probes] == ["liveness", "", "liveness"], component
         startup_window_s = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
         assert startup_window_s >= (1200 if component == "worker" else 120), (component, startup_window_s)
 

@@ -238,16 +238,21 @@ app.kubernetes.io/component=worker,app.kubernetes.io/instance={{ .Release.Name }
 
 {{/* Pod pieces ------------------------------------------------------------------------- */}}
 
-{{/* gRPC probes on a numeric port: (dict "port" 50051 "probes" .probes). */}}
+{{/*
+gRPC probes on a numeric port: (dict "port" 50051 "probes" .probes).
+Liveness (and startup) ask grpc.health.v1 for the service "liveness", SERVING while the process serves;
+readiness asks for "" (the whole server), SERVING only while the service's dependencies answer (a router
+with a healthy worker). A missing dependency takes a pod out of its Service, never restarts it.
+*/}}
 {{- define "radixmesh.grpcProbes" -}}
 startupProbe:
-  grpc: {port: {{ int .port }}, service: ""}
+  grpc: {port: {{ int .port }}, service: liveness}
   {{- toYaml .probes.startup | nindent 2 }}
 readinessProbe:
   grpc: {port: {{ int .port }}, service: ""}
   {{- toYaml .probes.readiness | nindent 2 }}
 livenessProbe:
-  grpc: {port: {{ int .port }}, service: ""}
+  grpc: {port: {{ int .port }}, service: liveness}
   {{- toYaml .probes.liveness | nindent 2 }}
 {{- end -}}
 
