@@ -21,7 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
+from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.disagg.messages import (
     KVExportMsg,
@@ -47,7 +47,7 @@ from radixmesh.engine.messages import (
     from_scheduler_decoder,
 )
 from radixmesh.engine.output import GenerationChunk, TextAssembler
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.engine.sampling.params import SamplingParams, validate_request
 from radixmesh.engine.scheduler_process import run_scheduler_process
 from radixmesh.engine.tokenizer import load_tokenizer
 
@@ -122,20 +122,9 @@ class EngineClient:
         return FatalMsg("the scheduler process did not start in time")
 
     # ---- requests -----------------------------------------------------------------------------
-    def validate(self, input_ids: list[int], params: SamplingParams) -> None:
-        """Reject bad input before admission, naming the parameter."""
-        params.validate(self.model_config.vocab_size)
-        if not input_ids:
-            raise invalid_argument("the prompt is empty", "prompt")
-        if len(input_ids) >= self.context_len:
-            raise invalid_argument(f"the prompt has {len(input_ids)} tokens, but the context length is "
-                                   f"{self.context_len}", "prompt")
-        vocab = self.model_config.vocab_size
-        if min(input_ids) < 0 or max(input_ids) >= vocab:
-            raise invalid_argument(f"input_ids must be in [0, {vocab})", "input_ids")
-        if params.logprob_start_len >= len(input_ids):
-            raise invalid_argument(f"logprob_start_len={params.logprob_start_len} must be below the prompt's "
-                                   f"{len(input_ids)} tokens", "logprob_start_len")
+    def validate(self, input_ids: list[int], params: SamplingParams, generates: bool = True) -> None:
+        """Reject bad input before admission, naming the parameter (`validate_request`)."""
+        validate_request(input_ids, params, self.model_config.vocab_size, self.context_len, generates)
 
     async def generate(self, input_ids: list[int], params: SamplingParams,
                        rid: str | None = None) -> AsyncIterator[GenerationChunk]:
@@ -160,7 +149,7 @@ class EngineClient:
         `prefill_only` computes and caches the prompt's KV and generates nothing. Leaving the
         iterator early aborts the request and frees its KV.
         """
-        self.validate(input_ids, SamplingParams() if prefill_only else params)
+        self.validate(input_ids, SamplingParams() if prefill_only else params, generates=not prefill_only)
         if prefill_only:
             params = SamplingParams(max_new_tokens=0)
         async for out in self._stream(GenerateReqMsg(rid or uuid.uuid4().hex, list(input_ids), params, prefill_only)):

@@ -60,3 +60,10 @@ def framework_error_response(status: int, detail: str) -> JSONResponse:
     code = {404: "not_found", 405: "method_not_allowed"}.get(status, str(status))
     return JSONResponse({"error": {"message": detail, "type": kind, "param": None, "code": code}},
                         status_code=status)
+
+
+def request_too_large_response(limit_bytes: int) -> JSONResponse:
+    """413 for a request body over the gateway's size limit (the body is not read past the limit)."""
+    message = f"the request body is larger than the limit of {limit_bytes} bytes"
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                   "code": "request_too_large"}}, status_code=413)

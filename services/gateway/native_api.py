@@ -88,10 +88,13 @@ async def generate(request: Request) -> Response:
     if len(per_prompt) != len(prompts):
         raise invalid_argument(f"got {len(per_prompt)} sampling_params for {len(prompts)} prompts", "sampling_params")
     asks = _logprob_asks(req, len(prompts))
-    jobs = [PromptJob(ids, _params(state, req, sp, len(ids), ask)) for ids, sp, ask in zip(prompts, per_prompt, asks)]
     rid = req.rid if isinstance(req.rid, str) else None
     rids = req.rid if isinstance(req.rid, list) else None
-    generation = state.dispatcher.open("generate", jobs, request_id=rid, rids=rids)
+    prompt_param = "input_ids" if req.input_ids is not None else "text"
+    with conv.openai_names({"prompt": prompt_param, "top_logprobs": "top_logprobs_num"}):  # SGLang's names
+        jobs = [PromptJob(ids, _params(state, req, sp, len(ids), ask))
+                for ids, sp, ask in zip(prompts, per_prompt, asks)]
+        generation = state.dispatcher.open("generate", jobs, request_id=rid, rids=rids)
     run = _NativeRun(state, req, generation, batched or len(generation.rids) > 1)
     if req.stream:
         return EventStreamResponse(with_error_events(run.events()), on_close=generation.aclose)

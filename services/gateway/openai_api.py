@@ -36,7 +36,8 @@ from radixmesh.gateway.state import GatewayState, get_state, unless_disconnected
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
-_COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
+_COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs",
+                     "input_ids": "prompt"}
 
 
 def _json(model: CompletionResponse | ChatCompletionResponse | ModelList | ModelObject) -> Response:

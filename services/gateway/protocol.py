@@ -10,32 +10,79 @@ handlers can reject them by name.
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, model_serializer
 
 from radixmesh.common.errors import invalid_argument
+from radixmesh.engine.grammar.spec import json_depth
 
 M = TypeVar("M", bound=BaseModel)
 
 
+MAX_JSON_DEPTH = 128
+"""Deepest nesting of arrays and objects in a request body (a JSON schema inside it has its own, lower cap)."""
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
 def parse_body(raw: bytes, model: type[M]) -> M:
-    """Parse and validate a JSON request body; failures are 400s naming the field."""
+    """Parse and validate a JSON request body; failures are 400s naming the field.
+
+    Types are checked strictly, as OpenAI does: `"16"` is not an integer and `"yes"` not a boolean
+    (integers are accepted where numbers are expected).
+    """
     try:
         data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        raise invalid_argument(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
+    except ValueError as exc:
         raise invalid_argument(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise invalid_argument(f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
     if not isinstance(data, dict):
         raise invalid_argument("the request body must be a JSON object")
+    _check_json_values(raw, data)
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = [str(part) for part in first["loc"]]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
         raise invalid_argument(f"invalid '{where}': {first['msg']}", param) from None
+
+
+def _check_json_values(raw: bytes, data: dict[str, Any]) -> None:
+    """Depth within MAX_JSON_DEPTH, and no lone UTF-16 surrogates (`"\\ud800"`): they are valid JSON
+    escapes but not text, and would fail deep inside the tokenizer."""
+    for key, value in data.items():
+        if json_depth(value) >= MAX_JSON_DEPTH:
+            raise invalid_argument(f"'{key}' is nested too deeply (at most {MAX_JSON_DEPTH} levels)", key)
+    if _SURROGATE_ESCAPE.search(raw) is None:
+        return
+    for key, value in data.items():
+        if _has_lone_surrogate(key) or _has_lone_surrogate(value):
+            raise invalid_argument(f"'{key}' contains an unpaired UTF-16 surrogate escape; text must be valid "
+                                   "Unicode", key)
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 class RequestBody(BaseModel):

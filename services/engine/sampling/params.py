@@ -3,12 +3,38 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence, Sized
+from dataclasses import dataclass
 
 import msgspec
 
 from radixmesh.common.errors import invalid_argument
 
-MAX_TOP_LOGPROBS = 20
+
+@dataclass(frozen=True)
+class SamplingLimits:
+    """Bounds on one request's sampling parameters, checked before admission on every transport."""
+
+    max_n: int = 128
+    """Most completions (branches) per prompt."""
+    max_top_logprobs: int = 20
+    """Most alternatives per position in top logprobs (OpenAI's limit)."""
+    max_stop_strings: int = 16
+    """Most stop strings per request."""
+    max_stop_str_len: int = 1024
+    """Longest stop string, in characters (the detokenizer holds back this much text)."""
+    max_stop_token_ids: int = 1024
+    """Most extra stop token ids per request."""
+    max_logit_bias: int = 1024
+    """Most entries in logit_bias."""
+    max_abs_seed: int = 1 << 62
+    """Seeds lie in (-max_abs_seed, max_abs_seed), so derived branch seeds still fit in int64."""
+    max_top_k: int = (1 << 31) - 1
+    """top_k above the vocabulary keeps every token; above this it is refused (int32 on the device)."""
+
+
+LIMITS = SamplingLimits()
+MAX_TOP_LOGPROBS = LIMITS.max_top_logprobs
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -67,33 +93,45 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0",
                self.temperature)
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
-        _check(self.top_k >= -1, "top_k", "must be -1 (disabled) or >= 1", self.top_k)
+        _check(-1 <= self.top_k <= LIMITS.max_top_k, "top_k", "must be -1 (disabled) or >= 1", self.top_k)
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             _check(_finite(value) and -2 <= value <= 2, name, "must be in [-2, 2]", value)
         _check(_finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
                "repetition_penalty", "must be in (0, 10]", self.repetition_penalty)
-        _check(1 <= self.n <= 128, "n", "must be in [1, 128]", self.n)
-        _check(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
-               f"must be in [0, {MAX_TOP_LOGPROBS}]", self.top_logprobs)
+        _check(1 <= self.n <= LIMITS.max_n, "n", f"must be in [1, {LIMITS.max_n}]", self.n)
+        _check(0 <= self.top_logprobs <= LIMITS.max_top_logprobs, "top_logprobs",
+               f"must be in [0, {LIMITS.max_top_logprobs}]", self.top_logprobs)
         _check(self.logprob_start_len >= -1, "logprob_start_len", "must be -1 (none) or >= 0",
                self.logprob_start_len)
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings",
-               self.stop)
-        _check(len(self.stop) <= 16, "stop", "at most 16 stop strings", len(self.stop))
+        _check(self.seed is None or abs(self.seed) < LIMITS.max_abs_seed, "seed",
+               "must be in (-2**62, 2**62)", self.seed)
+        self._validate_stops(vocab_size)
+        self._validate_logit_bias(vocab_size)
+        if self.has_grammar:
+            _check_grammar(self)
+
+    def _validate_stops(self, vocab_size: int | None) -> None:
+        _check_count(self.stop, LIMITS.max_stop_strings, "stop", "stop strings")
+        for stop in self.stop:
+            _check(isinstance(stop, str) and bool(stop), "stop", "must be non-empty strings", stop)
+            _check(len(stop) <= LIMITS.max_stop_str_len, "stop",
+                   f"each stop string may have at most {LIMITS.max_stop_str_len} characters", _preview(stop))
+        _check_count(self.stop_token_ids, LIMITS.max_stop_token_ids, "stop_token_ids", "stop token ids")
+        if vocab_size is not None:
+            for token_id in self.stop_token_ids:
+                _check(0 <= token_id < vocab_size, "stop_token_ids",
+                       f"token ids must be in [0, {vocab_size})", token_id)
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        _check_count(self.logit_bias, LIMITS.max_logit_bias, "logit_bias", "entries")
         for token_id, bias in self.logit_bias.items():
             _check(_finite(bias) and -100 <= bias <= 100, "logit_bias", "biases must be in [-100, 100]",
                    bias)
             if vocab_size is not None:
                 _check(0 <= token_id < vocab_size, "logit_bias", f"token ids must be in [0, {vocab_size})",
                        token_id)
-        if vocab_size is not None:
-            for token_id in self.stop_token_ids:
-                _check(0 <= token_id < vocab_size, "stop_token_ids",
-                       f"token ids must be in [0, {vocab_size})", token_id)
-        if self.has_grammar:
-            _check_grammar(self)
 
     @property
     def is_greedy(self) -> bool:
@@ -127,3 +165,39 @@ def _check_grammar(params: SamplingParams) -> None:
 def _check(ok: bool, param: str, rule: str, value: object) -> None:
     if not ok:
         raise invalid_argument(f"invalid {param}={value!r}: {rule}", param=param)
+
+
+def _check_count(items: Sized, limit: int, param: str, what: str) -> None:
+    if len(items) > limit:
+        raise invalid_argument(f"invalid {param}: {len(items)} {what}, at most {limit} allowed", param=param)
+
+
+def _preview(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def validate_request(input_ids: Sequence[int], params: SamplingParams, vocab_size: int, context_len: int,
+                     generates: bool = True) -> None:
+    """Every check a generation request gets before admission, whichever transport brought it.
+
+    The output budget follows OpenAI and SGLang: prompt + max_new_tokens beyond the context
+    length is refused (not clipped), naming max_new_tokens. `generates` False (prefill only)
+    skips that check.
+    """
+    params.validate(vocab_size)
+    if not input_ids:
+        raise invalid_argument("the prompt is empty", "prompt")
+    prompt_len = len(input_ids)
+    if prompt_len >= context_len:
+        raise invalid_argument(f"the prompt has {prompt_len} tokens, but the context length is "
+                               f"{context_len}; shorten the prompt", "prompt")
+    if min(input_ids) < 0 or max(input_ids) >= vocab_size:
+        raise invalid_argument(f"input_ids must be in [0, {vocab_size})", "input_ids")
+    if params.logprob_start_len >= prompt_len:
+        raise invalid_argument(f"logprob_start_len={params.logprob_start_len} must be below the prompt's "
+                               f"{prompt_len} tokens", "logprob_start_len")
+    room = context_len - prompt_len
+    if generates and params.max_new_tokens > room:
+        raise invalid_argument(f"max_new_tokens={params.max_new_tokens} is too large: the prompt has {prompt_len} "
+                               f"tokens and the context length is {context_len}, so at most {room} tokens can "
+                               "be generated", "max_new_tokens")
