@@ -39,7 +39,11 @@ def openai_names(renames: dict[str, str]) -> Iterator[None]:
 
 def resolve_max_new_tokens(requested: int | None, prompt_len: int, context_len: int, default: int,
                            param: str, prompt_param: str) -> int:
-    """The output budget: what was asked, else `default` clipped to the context end."""
+    """The output budget: what was asked, else `default` clipped to the context end.
+
+    An explicit value beyond the room the prompt leaves is refused (400 naming `param`), as OpenAI,
+    vLLM and SGLang do: a silent clip would hide that the answer cannot be as long as asked.
+    """
     if prompt_len >= context_len:
         raise invalid_argument(f"the prompt has {prompt_len} tokens, but the model's context length is "
                                f"{context_len} tokens; shorten the prompt", prompt_param)
