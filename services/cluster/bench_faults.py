@@ -131,16 +131,16 @@ def markdown(result: dict[str, Any]) -> str:
         f"Command: `{result['command']}`",
         "",
         "| scenario | fault | hold s | sent | completed | failed (clear) | hung | aborted | failed, no token at fault "
-        "| detect s | recover s | KV slots settled / idle | leaked | RSS MiB (sum) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| detect s | recover s | KV slots settled / idle | leaked | latency p50 s | RSS MiB (sum) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["runs"]:
         kv = f"{sum(r['kv_settled'].values())} / {sum(r['kv_idle'].values())}"
         lines.append(f"| {r['scenario']} | {r['fault']} | {r['hold_s']:.0f} | {r['sent']} | {r['completed']} "
                      f"| {r['failed_clear']} | {r['hung']} | {r['aborted']} | {r['failed_not_started']} "
                      f"| {_fmt(r['detect_s'])} | {_fmt(r['recover_s'])} | {kv} | {r['leaked_slots']} "
-                     f"| {sum(r['rss_mb'].values()):.0f} |")
-    lines += ["", "Errors seen (first ones per scenario):", ""]
+                     f"| {_fmt(r['latency_p50_s'], 2)} | {sum(r['rss_mb'].values()):.0f} |")
+    lines += ["", "Errors seen (the most frequent per scenario):", ""]
     for r in result["runs"]:
         for error, n in r["errors"].items():
             lines.append(f"- {r['scenario']}: {n} x `{error[:160]}`")
@@ -149,12 +149,13 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 _NOTES = (
-    "Columns. Failed (clear): the client got an HTTP error, an SSE error frame, a refused or reset connection, "
-    "or a stream cut before `[DONE]`. Hung: no end within the timeout. Failed, no token at fault: failures among "
-    "requests that had received no generated text when the fault began (they could have been re-routed). "
-    "Detect: from the fault to the scenario's probe (a router lists the worker unhealthy; the gateway's /health "
-    "fails) or the first failed request, whichever is first. Recover: from the end of the fault (restart issued, "
-    "SIGCONT, proxy back to pass) to every service healthy, every router seeing every worker, and a request "
-    "served; for killed processes it includes their start-up. KV slots: each worker's slots in use once no request "
-    "runs and its cache is flushed, before the scenario (idle) and after it (settled). The proxy scenarios run "
-    "through an extra router (round-robin) and gateway whose router reaches one worker through the proxy.")
+    "Columns. Failed (clear): the client got an HTTP error, an SSE error frame, a refused or reset connection, or a"
+    " stream cut before `[DONE]`. Hung: no end within the timeout. Failed, no token at fault: failures among "
+    "requests that had received no generated text when the fault began (they could have been re-routed). Detect: "
+    "from the fault to the scenario's probe (a router lists the worker unhealthy; the gateway's /health fails) or "
+    "the first failed request, whichever is first. Recover: from the end of the fault (restart issued, SIGCONT, "
+    "proxy back to pass) to every service healthy, every router seeing every worker, and a request served; for "
+    "killed processes it includes their start-up. Latency: median time of the completed requests. RSS: every "
+    "service's process group, summed (per service in the JSON). KV slots: each worker's slots in use once no "
+    "request runs and its cache is flushed, before the scenario (idle) and after it (settled). The proxy scenarios "
+    "run through an extra router (round-robin) and gateway whose router reaches one worker through the proxy.")

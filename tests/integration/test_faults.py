@@ -20,7 +20,7 @@ SCENARIOS = ("client-disconnect", "proxy-cut", "worker-kill")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     output = tmp_path_factory.mktemp("faults") / "faults.json"
-    cmd = [sys.executable, "-m", "radixmesh.cli", "bench", "faults", "--short", "--routers", "1",
+    cmd = [sys.executable, "-m", "radixmesh.cli", "bench", "faults", "--short",
            "--scenarios", ",".join(SCENARIOS), "--output-file", str(output)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     assert output.is_file(), f"bench faults wrote no results ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"

@@ -59,12 +59,14 @@ class LoadGen:
     """`concurrency` clients sending `make_spec(i)` for i = 0, 1, ... until `max_requests` or `stop()`."""
 
     def __init__(self, base_url: str, make_spec: Callable[[int], RequestSpec], concurrency: int,
-                 max_requests: int, timeout_s: float) -> None:
+                 max_requests: int, timeout_s: float, pause_after_failure_s: float = 0.5) -> None:
         self.base_url = base_url
         self.make_spec = make_spec
         self.concurrency = concurrency
         self.max_requests = max_requests
         self.timeout_s = timeout_s
+        self.pause_after_failure_s = pause_after_failure_s
+        """A client that saw a failure waits this long before its next request (as a real one would)."""
         self.records: list[RequestRecord] = []
         self._next = 0
         self._stopped = False
@@ -107,6 +109,8 @@ class LoadGen:
             except (httpx.HTTPError, OSError) as exc:
                 record.outcome, record.error = "failed", f"{type(exc).__name__}: {exc}"[:200]
             record.end_s = self.now_s()
+            if record.outcome == "failed":
+                await asyncio.sleep(self.pause_after_failure_s)
 
     async def _send(self, client: httpx.AsyncClient, spec: RequestSpec, record: RequestRecord) -> None:
         if not spec.stream:
