@@ -39,8 +39,14 @@ def _openai_code(exc: RadixMeshError) -> str:
 def to_http(exc: RadixMeshError) -> tuple[int, dict[str, Any]]:
     """The HTTP status and OpenAI error body for a domain error."""
     status, kind = _HTTP[exc.code]
-    body = {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": _openai_code(exc)}}
+    param = None if exc.param is None else _printable(exc.param)
+    body = {"error": {"message": _printable(exc.message), "type": kind, "param": param, "code": _openai_code(exc)}}
     return status, body
+
+
+def _printable(text: str) -> str:
+    """`text` with anything UTF-8 cannot carry (lone surrogates echoed from a request) escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(exc: RadixMeshError) -> JSONResponse:

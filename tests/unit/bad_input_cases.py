@@ -110,6 +110,8 @@ COMPLETION_CASES = [
     HttpCase("c-regex-that-explodes", COMPLETIONS, _completion(regex=EXPLODING_REGEX), "regex", "too complex"),
     HttpCase("c-prompt-lone-surrogate", COMPLETIONS,
              b'{"prompt": "caf\\ud800", "max_tokens": 2}', "prompt", "surrogate"),
+    HttpCase("c-unknown-key-lone-surrogate", COMPLETIONS, b'{"\\udc00": 1, "prompt": "Hi", "max_tokens": 2}',
+             "\\udc00", "surrogate"),
     HttpCase("c-invalid-utf8", COMPLETIONS, b'{"prompt": "caf\xc3\x28\xff", "max_tokens": 2}', None, "UTF-8"),
     HttpCase("c-body-10mb", COMPLETIONS, json.dumps(_completion(prompt="a" * (10 * MiB))).encode(), None,
              "larger than", status=413),

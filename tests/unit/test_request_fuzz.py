@@ -29,7 +29,7 @@ from radixmesh.protocol import sampling_pb2
 from tests.unit.test_bad_input_unit import EngineRulesBackend
 from tests.unit.test_gateway_api import CONTEXT_LEN, VOCAB
 
-FUZZ = settings(derandomize=True, max_examples=100, deadline=None, database=None,
+FUZZ = settings(derandomize=True, max_examples=75, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 TRICKY_TEXT = st.sampled_from(["", " ", "\ud800", "caf\udfff", "\x00", "😀", "a" * 3000, '{"$ref": "#"}', "[a-",
                                ".?" * 40, "root ::= (", "$$ANY$$", "user", "system", "wizard", "json_schema", "text"])
