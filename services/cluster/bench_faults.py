@@ -33,13 +33,13 @@ def register_faults(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--short", action="store_true", help="CI version: fewer clients and shorter faults")
     cmd.add_argument("--workers", type=int, default=2)
     cmd.add_argument("--routers", type=int, default=2, help="router replicas (the gateway is given all)")
-    cmd.add_argument("--policy", default="round-robin",
-                     help="routing policy (round-robin: every worker carries streams when a fault hits)")
+    cmd.add_argument("--policy", default="cache-aware",
+                     help="routing policy of the routers (worker faults hit the busiest worker)")
     add_model_args(cmd)
     cmd.add_argument("--worker-args", default="--max-total-tokens 8192", help="extra flags for every worker")
     cmd.add_argument("--router-args", default="", help="extra flags for every router")
     cmd.add_argument("--concurrency", type=int, default=None, help="streaming clients (default 6, short 4)")
-    cmd.add_argument("--max-requests", type=int, default=200, help="cap on requests per scenario")
+    cmd.add_argument("--max-requests", type=int, default=400, help="cap on requests per scenario")
     cmd.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (default 24, short 12)")
     cmd.add_argument("--timeout-s", type=float, default=60.0, help="a request with no end by then is hung")
     cmd.add_argument("--output-file", type=Path, default=None, help="write the results as JSON here")

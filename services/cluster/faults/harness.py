@@ -127,6 +127,20 @@ class FaultCluster:
                 return None
         return {w.address: w.healthy for w in reply.workers}
 
+    def busiest_worker(self) -> str:
+        """The worker running the most requests now (the one a fault there hurts most)."""
+        return max(self.worker_names, key=lambda n: self.worker_load(n).load.num_running_reqs)
+
+    def router_policies(self) -> list[str]:
+        """The policy each answering router uses now (cache-aware falls back to approx-tree without Redis)."""
+        policies = []
+        for router in self.router_names:
+            with grpc.insecure_channel(self.addresses[router]) as channel, contextlib.suppress(grpc.RpcError):
+                reply = router_pb2_grpc.RouterServiceStub(channel).ListWorkers(router_pb2.ListWorkersRequest(),
+                                                                              timeout=1.0)
+                policies.append(reply.policy)
+        return policies
+
     def any_router_marks_down(self, address: str) -> bool:
         views = [self.router_health(r) for r in self.router_names]
         return any(v is not None and v.get(address) is False for v in views)

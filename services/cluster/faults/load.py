@@ -59,7 +59,7 @@ class LoadGen:
     """`concurrency` clients sending `make_spec(i)` for i = 0, 1, ... until `max_requests` or `stop()`."""
 
     def __init__(self, base_url: str, make_spec: Callable[[int], RequestSpec], concurrency: int,
-                 max_requests: int, timeout_s: float, pause_after_failure_s: float = 0.5) -> None:
+                 max_requests: int, timeout_s: float, pause_after_failure_s: float = 1.0) -> None:
         self.base_url = base_url
         self.make_spec = make_spec
         self.concurrency = concurrency

@@ -23,7 +23,7 @@ class LoadShape:
 
     concurrency: int = 6
     """Clients sending at once."""
-    max_requests: int = 200
+    max_requests: int = 400
     """Cap on the requests of one scenario."""
     max_tokens: int = 24
     """Tokens per answer."""

@@ -59,9 +59,15 @@ class Scenario:
     def detected(self) -> bool | None:
         return None
 
+    victim: str = ""
+    """The worker a worker fault hits: the busiest when the fault begins (the proxied one for proxies)."""
+
     @property
     def victim_worker(self) -> str:
-        return self.cluster.worker_names[-1]
+        return self.victim or self.cluster.worker_names[-1]
+
+    async def pick_busiest(self) -> None:
+        self.victim = await asyncio.to_thread(self.cluster.busiest_worker)
 
 
 class _KillAndRestart(Scenario):
@@ -80,6 +86,10 @@ class _KillAndRestart(Scenario):
 class WorkerKill(_KillAndRestart):
     id = "worker-kill"
     fault = "kill -9 a worker mid-stream, restart it"
+
+    async def inject(self, load: LoadGen) -> None:
+        await self.pick_busiest()
+        await super().inject(load)
 
     def target(self) -> str:
         return self.victim_worker
@@ -129,6 +139,13 @@ class RedisRestart(_KillAndRestart):
     def target(self) -> str:
         return "redis"
 
+    def detected(self) -> bool | None:
+        """cache-aware routers fall back to approx-tree while Redis is away (other policies do not use it)."""
+        policies = self.cluster.router_policies()
+        if self.cluster.spec.policy != "cache-aware":
+            return None
+        return any(p != "cache-aware" for p in policies)
+
 
 class WorkerStop(Scenario):
     id = "worker-stop"
@@ -139,6 +156,7 @@ class WorkerStop(Scenario):
         return self.pace.hold_s(10.0, 4.0)
 
     async def inject(self, load: LoadGen) -> None:
+        await self.pick_busiest()
         await asyncio.to_thread(self.cluster.signal_group, self.victim_worker, signal.SIGSTOP)
 
     async def heal(self) -> None:
