@@ -191,6 +191,8 @@ GENERATE_CASES = [
              "top_logprobs_num"),
     HttpCase("gen-logprob-start-len-negative", GENERATE, _generate(return_logprob=True, logprob_start_len=-5),
              "logprob_start_len"),
+    HttpCase("gen-logprob-start-len-beyond-int32", GENERATE, _generate(return_logprob=True, logprob_start_len=2**40),
+             "logprob_start_len"),
     HttpCase("gen-stop-10000-strings", GENERATE, _generate({"stop": STOP_10K}), "stop"),
     HttpCase("gen-stop-token-ids-out-of-vocab", GENERATE, _generate({"stop_token_ids": [HUGE_ID]}), "stop_token_ids"),
     HttpCase("gen-logit-bias-5000-entries", GENERATE, _generate({"logit_bias": BIAS_5K}), "logit_bias"),

@@ -29,11 +29,12 @@ class SamplingLimits:
     """Most entries in logit_bias."""
     max_abs_seed: int = 1 << 62
     """Seeds lie in (-max_abs_seed, max_abs_seed), so derived branch seeds still fit in int64."""
-    max_top_k: int = (1 << 31) - 1
-    """top_k above the vocabulary keeps every token; above this it is refused (int32 on the device)."""
 
 
 LIMITS = SamplingLimits()
+INT32_MAX = (1 << 31) - 1
+"""Counts and positions cross the wire and reach the device as 32-bit integers (top_k above the
+vocabulary simply keeps every token)."""
 MAX_TOP_LOGPROBS = LIMITS.max_top_logprobs
 
 
@@ -93,7 +94,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0",
                self.temperature)
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
-        _check(-1 <= self.top_k <= LIMITS.max_top_k, "top_k", "must be -1 (disabled) or >= 1", self.top_k)
+        _check(-1 <= self.top_k <= INT32_MAX, "top_k", "must be -1 (disabled) or >= 1", self.top_k)
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
@@ -103,7 +104,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         _check(1 <= self.n <= LIMITS.max_n, "n", f"must be in [1, {LIMITS.max_n}]", self.n)
         _check(0 <= self.top_logprobs <= LIMITS.max_top_logprobs, "top_logprobs",
                f"must be in [0, {LIMITS.max_top_logprobs}]", self.top_logprobs)
-        _check(self.logprob_start_len >= -1, "logprob_start_len", "must be -1 (none) or >= 0",
+        _check(-1 <= self.logprob_start_len <= INT32_MAX, "logprob_start_len", "must be -1 (none) or >= 0",
                self.logprob_start_len)
         _check(self.seed is None or abs(self.seed) < LIMITS.max_abs_seed, "seed",
                "must be in (-2**62, 2**62)", self.seed)
