@@ -300,9 +300,10 @@ class GrpcBackend(Backend):
             return await call.read()
         except grpc.RpcError as exc:
             error = from_rpc_error(exc, f"{self.target_kind} at {target.address}")
-            if not _unreachable(exc):
+            if _carries_error(exc):  # the target's own error (the worker failed the request): as it is
                 raise error from None
-            self.watcher.mark_down(self.targets, target, error.message)
+            if _unreachable(exc):
+                self.watcher.mark_down(self.targets, target, error.message)
             raise RadixMeshError(ErrorCode.UNAVAILABLE, f"the stream from {target.description} broke after it "
                                                         f"started: {error.message}") from None
 
@@ -373,9 +374,13 @@ class GrpcBackend(Backend):
 def _unreachable(exc: grpc.RpcError) -> bool:
     """The call failed in transport (the peer is gone or not listening), not with a service's own error."""
     code = exc.code() if hasattr(exc, "code") else None
+    return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not _carries_error(exc)
+
+
+def _carries_error(exc: grpc.RpcError) -> bool:
+    """The status came from a radixmesh service's own error (with its detail trailer), not from the transport."""
     metadata = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
-    carries_error = any(key == ERROR_METADATA_KEY for key, _ in (metadata or ()))
-    return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not carries_error
+    return any(key == ERROR_METADATA_KEY for key, _ in (metadata or ()))
 
 
 class _StreamFailed(grpc.RpcError):
