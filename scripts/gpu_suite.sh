@@ -3,7 +3,7 @@
 # network (wheels for the rest are carried in .whl, fetched by ../shared/tools/fetch-gpu-wheels.sh
 # plus msgspec pyzmq gguf pytest pluggy iniconfig; the default model's tokenizer files in .gpu-model,
 # copied there by scripts/gpu_tokenizer_model.py --stage). Results go to $OUT as JSON.
-#   STAGES="tests hot-path kernel one-batch offline profile-offline online compare" bash scripts/gpu_suite.sh
+#   STAGES="tests hot-path kernel one-batch offline profile-offline online services trace-split compare" bash scripts/gpu_suite.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -64,24 +64,30 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       $RM serve --model "$model" --load-format dummy --context-length 8192 --port "$port" ${SERVE_ARGS:-} \
         > "$OUT/online-server.log" 2>&1 &
       server=$!
-      for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+      for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null || ! kill -0 $server 2>/dev/null && break; sleep 1; done
       $RM bench serving --backend sglang --port "$port" --workload random-ids --num-prompts ${ONLINE_PROMPTS:-100} \
         --random-input-len 4096 --random-output-len 2048 --random-range-ratio 0.0 --request-rate ${ONLINE_RATE:-1} \
         --warmup-requests 2 --disable-tqdm --output-file "$OUT/online.json"
       kill -INT $server; wait $server ;;
-    services)  # the online workload through gateway -> tokenizer -> router -> worker (Redis), then traced runs
-      # of both paths (20 prompts each) whose spans split the time to first token (scripts/trace_split.py)
+    services|trace-split)
+      # services: the online workload through gateway -> tokenizer -> router -> worker (Redis).
+      # trace-split: traced runs of the services and of serve (20 prompts each), their spans summed up by
+      # scripts/trace_split.py: where the time to first token goes on each path.
       model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
       export PATH="${REDIS_DIR:-$PWD/.gpu-redis}/bin:$PATH" LD_LIBRARY_PATH="${REDIS_DIR:-$PWD/.gpu-redis}/lib"
       bench="--backend sglang --workload random-ids --random-input-len 4096 --random-output-len 2048 \
         --random-range-ratio 0.0 --request-rate ${ONLINE_RATE:-1} --warmup-requests 2 --disable-tqdm --tokenizer $model"
       up="--workers 1 --model $model --load-format dummy --worker-args=--context-length=8192 --timeout-s 400"
-      url=$($RM cluster up $up --state-dir /tmp/cluster-plain | tail -1)
-      $RM bench serving --base-url "$url" $bench --num-prompts ${ONLINE_PROMPTS:-100} --output-file "$OUT/services.json"
-      $RM cluster down --state-dir /tmp/cluster-plain
+      if [ "$stage" = services ]; then
+        url=$($RM cluster up $up --state-dir /tmp/cluster-plain | tail -1)
+        $RM bench serving --base-url "$url" $bench --num-prompts ${ONLINE_PROMPTS:-100} --output-file "$OUT/services.json"
+        $RM cluster down --state-dir /tmp/cluster-plain
+        return
+      fi
       python3 scripts/trace_split.py collect --port 4317 --out /tmp/spans-services.json & collector=$!
       url=$($RM cluster up $up --state-dir /tmp/cluster-traced --otlp-endpoint http://127.0.0.1:4317 | tail -1)
-      $RM bench serving --base-url "$url" $bench --num-prompts 20 --output-file /tmp/services-traced.json
+      $RM bench serving --base-url "$url" $bench --num-prompts 20 --output-file /tmp/services-traced.json \
+        | grep -E "Median (TTFT|ITL)"
       $RM cluster down --state-dir /tmp/cluster-traced
       sleep 2; kill $collector; wait $collector
       python3 scripts/trace_split.py summarize /tmp/spans-services.json --json "$OUT/split-services.json"
@@ -89,8 +95,8 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
       $RM serve --model "$model" --load-format dummy --context-length 8192 --port "$port" \
         --otlp-endpoint http://127.0.0.1:4318 > "$OUT/serve-traced.log" 2>&1 & server=$!
-      for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
-      $RM bench serving --port "$port" $bench --num-prompts 20 --output-file /tmp/serve-traced.json
+      for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null || ! kill -0 $server 2>/dev/null && break; sleep 1; done
+      $RM bench serving --port "$port" $bench --num-prompts 20 --output-file /tmp/serve-traced.json | grep -E "Median (TTFT|ITL)"
       kill -INT $server; wait $server; sleep 1; kill $collector; wait $collector
       python3 scripts/trace_split.py summarize /tmp/spans-serve.json --json "$OUT/split-serve.json" ;;
     profile-offline)  # the offline workload with every batch timed on the device and kernel windows traced
