@@ -105,7 +105,8 @@ def _command() -> str:
 
 def _line(r: dict[str, Any]) -> str:
     return (f"{r['scenario']}: sent {r['sent']}, completed {r['completed']}, failed {r['failed_clear']}, "
-            f"hung {r['hung']}, aborted {r['aborted']}, failed-not-started {r['failed_not_started']}, "
+            f"hung {r['hung']}, aborted {r['aborted']}, failed-not-started {r['failed_not_started']} "
+            f"(no text at fault {r['failed_no_text_at_fault']}), "
             f"detect {_fmt(r['detect_s'])} s, recover {_fmt(r['recover_s'])} s, leaked slots {r['leaked_slots']}")
 
 
@@ -130,7 +131,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"Command: `{result['command']}`",
         "",
-        "| scenario | fault | hold s | sent | completed | failed (clear) | hung | aborted | failed, no token at fault "
+        "| scenario | fault | hold s | sent | completed | failed (clear) | hung | aborted | failed, not started "
+        "(no text at fault) "
         "| detect s | recover s | KV slots settled / idle | leaked | latency p50 s | RSS MiB (sum) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -138,6 +140,7 @@ def markdown(result: dict[str, Any]) -> str:
         kv = f"{sum(r['kv_settled'].values())} / {sum(r['kv_idle'].values())}"
         lines.append(f"| {r['scenario']} | {r['fault']} | {r['hold_s']:.0f} | {r['sent']} | {r['completed']} "
                      f"| {r['failed_clear']} | {r['hung']} | {r['aborted']} | {r['failed_not_started']} "
+                     f"({r['failed_no_text_at_fault']}) "
                      f"| {_fmt(r['detect_s'])} | {_fmt(r['recover_s'])} | {kv} | {r['leaked_slots']} "
                      f"| {_fmt(r['latency_p50_s'], 2)} | {sum(r['rss_mb'].values()):.0f} |")
     lines += ["", "Errors seen (the most frequent per scenario):", ""]
@@ -150,8 +153,10 @@ def markdown(result: dict[str, Any]) -> str:
 
 _NOTES = (
     "Columns. Failed (clear): the client got an HTTP error, an SSE error frame, a refused or reset connection, or a"
-    " stream cut before `[DONE]`. Hung: no end within the timeout. Failed, no token at fault: failures among "
-    "requests that had received no generated text when the fault began (they could have been re-routed). Detect: "
+    " stream cut before `[DONE]`. Hung: no end within the timeout. Failed, not started: failures among requests"
+    " that had received no text when the fault began and that the router did not report as failed mid-stream "
+    "(they could have been re-routed); in brackets every failure with no text at the fault (a started stream's "
+    "first tokens can trail the fault on a loaded machine). Detect: "
     "from the fault to the scenario's probe (a router lists the worker unhealthy; the gateway's /health fails) or "
     "the first failed request, whichever is first. Recover: from the end of the fault (restart issued, SIGCONT, "
     "proxy back to pass) to every service healthy, every router seeing every worker, and a request served; for "

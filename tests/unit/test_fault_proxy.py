@@ -80,11 +80,13 @@ def test_summary_counts_failures_of_requests_without_a_token_at_the_fault() -> N
     records = [RequestRecord("chat", 0.0, 0.5, 3.0, "completed"),
                RequestRecord("chat", 0.0, 0.5, 1.2, "failed", "cut mid-stream"),  # streaming at the fault
                RequestRecord("chat", 0.8, None, 1.5, "failed", "HTTP 503"),  # no token yet
+               RequestRecord("chat", 0.7, None, 1.3, "failed", "worker w failed mid-stream: reset"),  # tokens en route
                RequestRecord("chat", 1.1, None, None, "hung", "no end"),
                RequestRecord("chat", 0.1, 0.2, 0.4, "failed", "before the fault"),
                RequestRecord("chat", 2.0, 2.2, 2.4, "aborted")]
     summary = summarize(records, fault_s=1.0)
     assert (summary["sent"], summary["completed"], summary["failed_clear"], summary["hung"],
-            summary["aborted"]) == (6, 1, 3, 1, 1)
+            summary["aborted"]) == (7, 1, 4, 1, 1)
+    assert summary["failed_no_text_at_fault"] == 3
     assert summary["failed_not_started"] == 2
     assert summary["first_failure_s"] == pytest.approx(0.2)

@@ -19,6 +19,10 @@ from typing import Any
 
 import httpx
 
+STARTED_MARKERS = ("mid-stream", "after it started")
+"""Words of the router's and gateway's errors for a stream that had begun: its tokens were under way to the
+client (on a loaded machine they can trail the fault) and it could not be moved to another worker."""
+
 
 @dataclass(frozen=True)
 class RequestSpec:
@@ -161,8 +165,9 @@ def _finish(record: RequestRecord, status: int, text: str) -> None:
 
 
 def summarize(records: list[RequestRecord], fault_s: float | None = None) -> dict[str, Any]:
-    """Counts by outcome; with `fault_s` (seconds since the load started), failures among the requests
-    that had no data frame when the fault began (sent later, or still waiting for their first)."""
+    """Counts by outcome; with `fault_s` (seconds since the load started), failures among the requests that
+    had received no text when the fault began (sent later, or still waiting for their first token), and of
+    those the ones the system did not report as started (could have been re-routed)."""
     def count(outcome: str) -> int:
         return sum(1 for r in records if r.outcome == outcome)
 
@@ -177,9 +182,10 @@ def summarize(records: list[RequestRecord], fault_s: float | None = None) -> dic
         "latency_p50_s": round(statistics.median(latencies), 3) if latencies else None,
         "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:4])}
     if fault_s is not None:
-        summary["failed_not_started"] = sum(
-            1 for r in records if r.outcome in ("failed", "hung") and (r.end_s is None or r.end_s >= fault_s)
-            and (r.first_frame_s is None or r.first_frame_s > fault_s))
+        no_text = [r for r in records if r.outcome in ("failed", "hung") and (r.end_s is None or r.end_s >= fault_s)
+                   and (r.first_frame_s is None or r.first_frame_s > fault_s)]
+        summary["failed_no_text_at_fault"] = len(no_text)
+        summary["failed_not_started"] = sum(1 for r in no_text if not any(m in r.error for m in STARTED_MARKERS))
         failed_at = [r.end_s for r in records if r.outcome == "failed" and r.end_s is not None and r.end_s >= fault_s]
         summary["first_failure_s"] = round(min(failed_at) - fault_s, 3) if failed_at else None
     return summary
