@@ -59,7 +59,7 @@ class TokenTrie:
 
 def defer_shared_prefixes(ordered: list[Req], threshold: int,
                           computing: Req | None = None) -> tuple[list[Req], list[Req]]:
-    """Split policy-ordered waiting requests into (candidates, deferred).
+    """Split policy-ordered waiting requests into (candidates, deferred), both in policy order.
 
     Every request must have been matched against the cache in this step. A request is
     deferred when at least `threshold` tokens beyond its cached prefix are shared with a
@@ -67,19 +67,43 @@ def defer_shared_prefixes(ordered: list[Req], threshold: int,
     one computes them, and the deferred request reuses them at a later step. A request
     waits only while such a sharer is ahead of it, so it is admissible at the latest
     once its sharers' prefills have been launched.
+
+    Two requests can only share that much if their first `threshold` tokens agree, so
+    requests are first bucketed by those; with nothing shared, no trie is built at all.
     """
     if threshold <= 0 or len(ordered) + (computing is not None) < 2:
         return list(ordered), []
+    groups: dict[tuple[int, ...], list[Req]] = {}
+    for req in ordered:
+        ids = _ids(req)
+        if len(ids) >= threshold:
+            groups.setdefault(tuple(ids[:threshold]), []).append(req)
+    head = tuple(_ids(computing)[:threshold]) if computing is not None else None
+    deferred: set[int] = set()
+    for key, group in groups.items():
+        sharer = computing if key == head else None
+        if len(group) > 1 or sharer is not None:
+            deferred.update(id(req) for req in _defer_in_group(group, threshold, sharer))
+    if not deferred:
+        return list(ordered), []
+    return ([r for r in ordered if id(r) not in deferred], [r for r in ordered if id(r) in deferred])
+
+
+def _defer_in_group(group: list[Req], threshold: int, computing: Req | None) -> list[Req]:
     trie = TokenTrie()
     if computing is not None:
-        trie.insert(computing.all_ids)
-    candidates: list[Req] = []
+        trie.insert(_ids(computing))
     deferred: list[Req] = []
-    for req in ordered:
-        shared = trie.longest_shared(req.all_ids[: req.max_prefix_len])
+    for req in group:
+        ids = _ids(req)
+        shared = trie.longest_shared(ids[: req.max_prefix_len])
         if shared - len(req.prefix_indices) >= threshold:
             deferred.append(req)
         else:
-            candidates.append(req)
-            trie.insert(req.all_ids)
-    return candidates, deferred
+            trie.insert(ids)
+    return deferred
+
+
+def _ids(req: Req) -> list[int]:
+    """Tokens whose KV the request needs (`all_ids`, without building a new list when nothing was generated)."""
+    return req.all_ids if req.output_ids else req.origin_input_ids
