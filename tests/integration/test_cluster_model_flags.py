@@ -2,8 +2,8 @@
 
 The directory holds a tiny config.json and the default model's tokenizer files, no weights:
 every service gets `--model DIR --load-format dummy`, the tokenizer service starts without a
-checkpoint, and the gateway describes the model as `radixmesh serve` does (tokenizer path
-included), so `bench serving` needs no `--tokenizer`.
+checkpoint, two router replicas serve the gateway, and the gateway describes the model as
+`radixmesh serve` does (tokenizer path included), so `bench serving` needs no `--tokenizer`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from loadtests.__main__ import main as bench_main
-from radixmesh.cluster.local import ClusterSpec, ClusterState, cluster_down, cluster_up
+from radixmesh.cluster.local import ClusterSpec, ClusterState, cluster_down, cluster_up, router_sees_all
 from radixmesh.engine.config import EngineConfig
 from radixmesh.protocol import tokenizer_pb2, tokenizer_pb2_grpc
 from tests.integration.service_procs import ServiceProc, start_service
@@ -49,8 +49,8 @@ def dummy_model_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFa
 @pytest.fixture(scope="module")
 def cluster(dummy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
     state_dir = tmp_path_factory.mktemp("cluster-model-flags")
-    spec = ClusterSpec(num_workers=1, model=str(dummy_model_dir), load_format="dummy", state_dir=state_dir,
-                       worker_args=" ".join(ENGINE_ARGS), tokenizer_args="--block-size 32",
+    spec = ClusterSpec(num_workers=1, num_routers=2, model=str(dummy_model_dir), load_format="dummy",
+                       state_dir=state_dir, worker_args=" ".join(ENGINE_ARGS), tokenizer_args="--block-size 32",
                        router_args="--health-interval-s 0.3", log_level="info", timeout_s=300)
     state = cluster_up(spec)
     try:
@@ -73,7 +73,10 @@ def serve(dummy_model_dir: Path) -> Iterator[ServiceProc]:
 def test_every_service_got_the_model_flags_and_the_tokenizer_needs_no_weights(cluster: ClusterState,
                                                                               dummy_model_dir: Path) -> None:
     assert cluster.model_args == ["--model", str(dummy_model_dir), "--load-format", "dummy"]
-    assert cluster.router_addresses == [cluster.router_address] and cluster.router_names == ["router"]
+    assert len(set(cluster.router_addresses)) == 2 and cluster.router_address == cluster.router_addresses[0]
+    assert cluster.router_names == ["router-0", "router-1"]
+    for address in cluster.router_addresses:  # each replica routes to the worker on its own
+        assert router_sees_all(address, len(cluster.worker_addresses))
     with grpc.insecure_channel(cluster.tokenizer_address) as channel:
         info = tokenizer_pb2_grpc.TokenizerServiceStub(channel).GetTokenizerInfo(
             tokenizer_pb2.GetTokenizerInfoRequest(), timeout=30)
