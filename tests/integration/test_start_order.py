@@ -251,6 +251,11 @@ async def wait_async(probe: Callable[[], Any], done: Callable[[Any], bool], what
 
 # ---- real processes, started in the wrong order --------------------------------------------------------
 SMALL_ENGINE = ["--device", "cpu", "--max-total-tokens", "4096", "--max-running-requests", "4"]
+QUICK_STOP = ["--metrics-port", "-1", "--drain-timeout-s", "1"]
+
+
+def router_args(worker_port: int) -> list[str]:
+    return ["--workers", f"127.0.0.1:{worker_port}", "--health-interval-s", "0.5", *QUICK_STOP]
 
 
 def spawn(name: str, port: int, args: list[str], http: bool = False) -> ServiceProc:
@@ -299,21 +304,20 @@ def procs() -> Iterator[dict[str, ServiceProc]]:
 def test_services_started_in_any_order_become_ready_and_recover(procs: dict[str, ServiceProc]) -> None:
     tok_port, router_port, worker_port, gw_port = free_port(), free_port(), free_port(), free_port()
     router_addr = f"127.0.0.1:{router_port}"
-    gw = procs["gateway"] = spawn("gateway", gw_port, ["--router", router_addr, "--tokenizer",
-                                                       f"127.0.0.1:{tok_port}"], http=True)
+    gw = procs["gateway"] = spawn("gateway", gw_port, ["--router", router_addr, "--tokenizer", f"127.0.0.1:{tok_port}",
+                                                       "--graceful-shutdown-s", "1"], http=True)
     wait_for(lambda: http_status(gw.address + "/live")[0] == 200, 60, "the gateway to listen", gw)
     status, body = http_status(gw.address + "/health")
     assert status == 503 and f"waiting for the router at {router_addr}" in body, body
     assert f"waiting for the tokenizer at 127.0.0.1:{tok_port}" in body and '"code":"unavailable"' in body
     # The router before its worker: it listens, NOT_SERVING, and says why.
-    procs["router"] = spawn("router", router_port, ["--workers", f"127.0.0.1:{worker_port}", "--metrics-port", "-1",
-                                                    "--health-interval-s", "0.5"])
-    procs["tokenizer"] = spawn("tokenizer", tok_port, ["--metrics-port", "-1"])
+    procs["router"] = spawn("router", router_port, router_args(worker_port))
+    procs["tokenizer"] = spawn("tokenizer", tok_port, QUICK_STOP)
     wait_for(lambda: grpc_serving(router_addr, "liveness"), 60, "the router to listen", procs["router"])
     assert not grpc_serving(router_addr)
     wait_for(lambda: "NOT_SERVING: waiting for a healthy worker" in http_status(gw.address + "/health")[1], 60,
              "the gateway to relay the router's reason", gw, procs["router"], procs["tokenizer"])
-    procs["worker"] = spawn("worker", worker_port, [*SMALL_ENGINE, "--metrics-port", "-1"])
+    procs["worker"] = spawn("worker", worker_port, [*SMALL_ENGINE, *QUICK_STOP])
     wait_for(lambda: http_status(gw.address + "/health")[0] == 200, 300, "the gateway to become ready", *procs.values())
     assert grpc_serving(router_addr)
     complete(gw)
@@ -325,8 +329,7 @@ def test_services_started_in_any_order_become_ready_and_recover(procs: dict[str,
              "the gateway to notice the router is gone", gw)
     assert time.monotonic() - started < 10 and gw.proc.poll() is None
     assert http_status(gw.address + "/live")[0] == 200
-    procs["router"] = spawn("router", router_port, ["--workers", f"127.0.0.1:{worker_port}", "--metrics-port", "-1",
-                                                    "--health-interval-s", "0.5"])
+    procs["router"] = spawn("router", router_port, router_args(worker_port))
     wait_for(lambda: http_status(gw.address + "/health")[0] == 200, 60, "the gateway to recover", gw, procs["router"])
     complete(gw)
     assert "Traceback" not in gw.log(), gw.log()

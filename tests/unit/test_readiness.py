@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from typing import Any
 
 import grpc.aio
 import pytest
@@ -127,5 +129,55 @@ def test_router_replicas_parse_and_rotate() -> None:
         finally:
             for u in group.upstreams:
                 await u.close()
+
+    asyncio.run(run())
+
+
+def test_grammar_cache_without_redis_is_a_miss_logged_once_and_probed_again(caplog: pytest.LogCaptureFixture) -> None:
+    from radixmesh.grammar.store import GrammarStore, StoreConfig
+    from tests.integration.service_procs import free_port
+
+    async def run() -> None:
+        store = GrammarStore(StoreConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_timeout_s=1))
+        with caplog.at_level(logging.WARNING, logger="radixmesh.grammar.store"):
+            assert await store.get("k") is None and not store.redis_up
+            await store.put("k", b"compiled")  # skipped while Redis is down, kept in memory
+            assert await store.get("k") == (b"compiled", "memory")
+            assert await store.probe() is False
+        assert len(caplog.records) == 1 and "Redis unavailable" in caplog.records[0].getMessage()
+        assert store.redis_error
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_worker_reports_a_missing_index_and_grammar_service_as_degraded_not_unready() -> None:
+    from types import SimpleNamespace
+
+    from radixmesh.worker.server import _watch_optional
+    from tests.integration.service_procs import free_port
+
+    class DeadRedis:
+        async def ping(self) -> None:
+            raise ConnectionError("connection refused")
+
+    async def run() -> None:
+        server = GrpcServer(GrpcServerConfig(port=0, metrics_port=-1), "worker", [])
+        server.readiness.add("engine", "the scheduler process", up=True)
+        publisher: Any = SimpleNamespace(redis=DeadRedis(), config=SimpleNamespace(redis_url="redis://x:1"))
+        task = asyncio.create_task(_watch_optional(server, publisher, f"127.0.0.1:{free_port()}"))
+        try:
+            for _ in range(200):
+                if "grammar" in server.readiness and server.readiness.get("grammar").detail != "not contacted yet":
+                    break
+                await asyncio.sleep(0.02)
+            assert server.readiness.ready, "a worker serves without its index and grammar service"
+            assert {d.name for d in server.readiness.degraded} == {"index", "grammar"}
+            assert "connection refused" in server.readiness.get("index").detail
+            assert server.readiness.get("grammar").detail.startswith("not reachable")
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     asyncio.run(run())
