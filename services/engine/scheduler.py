@@ -230,15 +230,9 @@ class Scheduler:
             else:
                 req.futures.append((launch_id, row))
                 if not batch.is_decode:
-                    self._cache_prompt(req)
+                    if not self.kv.tree.disable:  # requests sharing the prompt reuse it from the next step
+                        self.kv.cache_unfinished(req)  # (this KV's pass is queued before any pass reading it)
                     self.running.append(req)
-
-    def _cache_prompt(self, req: Req) -> None:
-        """A prefilled prompt's KV goes to the radix cache now, not when the request ends, so waiting
-        requests that share it (deferred by the policy) reuse it from the next step on. The pass
-        that writes this KV is already queued on the device ahead of any later pass that reads it."""
-        if not self.kv.tree.disable:
-            self.kv.cache_unfinished(req)
 
     def _grammar_mask(self, batch: ScheduleBatch, launch_id: int) -> VocabMask | None:
         """Masks of the rows that sample under a grammar; None (no cost) when there are none."""
