@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -257,8 +257,9 @@ class GrpcBackend(Backend):
         self._inflight[rid] = target
         detok = self.tokenizer.upstreams[0].stub.Detokenize()
         try:
-            await detok.write(tokenizer_pb2.DetokenizeRequest(start=tokenizer_pb2.DetokenizeStart(
-                request_id=rid, skip_special_tokens=params.skip_special_tokens, stop=list(params.stop))))
+            await self._detok_call(detok, detok.write(tokenizer_pb2.DetokenizeRequest(
+                start=tokenizer_pb2.DetokenizeStart(request_id=rid, skip_special_tokens=params.skip_special_tokens,
+                                                    stop=list(params.stop)))))
             msg = first
             while msg is not grpc.aio.EOF:
                 text = await self._detokenize(detok, msg)
@@ -311,14 +312,21 @@ class GrpcBackend(Backend):
         stop_token = msg.finish_reason == common_pb2.FINISH_REASON_STOP and msg.HasField("matched_stop_token_id")
         tokens = tokenizer_pb2.DetokenizeTokens(token_ids=msg.token_ids, finish_reason=msg.finish_reason,
                                                 ends_with_stop_token=stop_token and len(msg.token_ids) > 0)
-        try:
-            await detok.write(tokenizer_pb2.DetokenizeRequest(tokens=tokens))
-            response = await detok.read()
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, f"tokenizer at {self.tokenizer_address}") from None
+        await self._detok_call(detok, detok.write(tokenizer_pb2.DetokenizeRequest(tokens=tokens)))
+        response = await self._detok_call(detok, detok.read())
         if response is grpc.aio.EOF:
-            raise from_rpc_error(await _status_error(detok), f"tokenizer at {self.tokenizer_address}")
+            raise self._tokenizer_error(await _status_error(detok))
         return str(response.text)
+
+    async def _detok_call(self, detok: Any, step: Awaitable[Any]) -> Any:
+        """One write or read on the Detokenize stream; a tokenizer that went away (the RPC failed, or
+        finished under the write) becomes the tokenizer's UNAVAILABLE error, never a raw exception."""
+        try:
+            return await step
+        except grpc.RpcError as exc:
+            raise self._tokenizer_error(exc) from None
+        except asyncio.InvalidStateError:
+            raise self._tokenizer_error(await _status_error(detok)) from None
 
     async def cache_prefix(self, input_ids: list[int]) -> None:
         rid = uuid.uuid4().hex

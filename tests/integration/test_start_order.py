@@ -177,6 +177,34 @@ def test_a_stream_cut_after_it_started_ends_with_a_clear_error() -> None:
     asyncio.run(run())
 
 
+def test_a_tokenizer_gone_mid_stream_ends_it_with_a_clear_error() -> None:
+    """The Detokenize stream failing under a write or a read surfaces as the tokenizer's UNAVAILABLE error
+    (an SSE error frame for the client), never as a raw gRPC or asyncio exception that cuts the response."""
+    async def run() -> None:
+        async with gateway_first() as (backend, router_ports, tokenizer_port):
+            worker = await FakeWorker("w0").start()
+            worker.num_tokens, worker.delay_s = 50, 0.05
+            tokenizer = await start_tokenizer(tokenizer_port)
+            routers = [await start_router(p, [worker]) for p in router_ports]
+            try:
+                assert await backend.wait_ready(20), backend.not_ready_reason()
+                stream = backend.generate([1, 2, 3], SamplingParams(max_new_tokens=50))
+                assert (await stream.__anext__()).text == "<0>"
+                await tokenizer.server.stop(0)
+                with pytest.raises(RadixMeshError) as err:
+                    async for _ in stream:
+                        pass
+                assert err.value.code is ErrorCode.UNAVAILABLE, err.value
+                assert f"tokenizer at 127.0.0.1:{tokenizer_port}" in err.value.message
+            finally:
+                for app in routers:
+                    with contextlib.suppress(Exception):
+                        await app.stop()
+                await worker.stop()
+
+    asyncio.run(run())
+
+
 class LateDiscovery(BaseDiscovery):
     """Reports no worker until the test hands it one."""
 
