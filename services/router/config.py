@@ -112,7 +112,8 @@ class RouterConfig:
     index_namespace: str = "radixmesh"
     """Key prefix of the index in Redis."""
     redis_probe_s: float = 1.0
-    """While Redis is down, how often the router checks whether it is back."""
+    """How often the router pings Redis: while it is up (to notice it gone without a failed request) and
+    while it is down (to notice it back)."""
     sweep_interval_s: float = 10.0
     """How often the router cleans stale index entries (0 turns it off)."""
     health: HealthConfig = field(default_factory=HealthConfig)

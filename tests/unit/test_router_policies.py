@@ -78,6 +78,47 @@ def test_cache_aware_without_redis_behaves_as_approx_tree() -> None:
     assert route("cache-aware", reqs, 2) == route("approx-tree", reqs, 2)
 
 
+class _FlakyRedis:
+    """A Redis client whose ping works until `down` is set."""
+
+    def __init__(self) -> None:
+        self.down = False
+        self.num_pings = 0
+
+    async def ping(self) -> bool:
+        self.num_pings += 1
+        if self.down:
+            raise ConnectionError("connection refused")
+        return True
+
+
+def test_cache_aware_notices_redis_gone_without_a_request() -> None:
+    """No routing call fails on Redis here: the background ping alone switches to approx-tree."""
+    from types import SimpleNamespace
+
+    from radixmesh.router.policies.cache_aware import CacheAwarePolicy
+
+    async def run() -> None:
+        redis = _FlakyRedis()
+        reader = SimpleNamespace(redis=redis, config=SimpleNamespace(speculative_ttl_s=3.0))
+        policy = CacheAwarePolicy(make_config(policy="cache-aware", redis_probe_s=0.05, sweep_interval_s=0),
+                                  reader=reader)  # type: ignore[arg-type]
+        await policy.start()
+        try:
+            await asyncio.sleep(0.2)
+            assert policy.active_policy() == "cache-aware" and redis.num_pings >= 2
+            redis.down = True
+            for _ in range(40):
+                if policy.active_policy() == "approx-tree":
+                    break
+                await asyncio.sleep(0.05)
+            assert policy.active_policy() == "approx-tree"
+        finally:
+            await policy.close()
+
+    asyncio.run(run())
+
+
 def test_decide_cache_hit_beats_moderate_load() -> None:
     registry = make_registry(2)
     w0, _w1 = registry.all()

@@ -84,6 +84,7 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         self.redis_up = reader is not None
         self._probe_task: asyncio.Task[None] | None = None
         self._sweep_task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
         self.num_fallback_decisions = 0
         self._background: set[asyncio.Task[None]] = set()
         if reader is None:
@@ -95,14 +96,16 @@ class CacheAwarePolicy(BaseRoutingPolicy):
     async def start(self) -> None:
         if self.reader is not None and self.config.sweep_interval_s > 0:
             self._sweep_task = asyncio.create_task(self._sweep_loop(), name="index-sweep")
+        if self.reader is not None:
+            self._watch_task = asyncio.create_task(self._watch_while_up(self.reader), name="redis-watch")
 
     async def close(self) -> None:
-        for task in (self._probe_task, self._sweep_task):
+        for task in (self._probe_task, self._sweep_task, self._watch_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._probe_task = self._sweep_task = None
+        self._probe_task = self._sweep_task = self._watch_task = None
 
     async def choose(self, request: RouteRequest, candidates: Sequence[WorkerHandle]) -> RoutingDecision:
         if self.reader is not None and self.redis_up:
@@ -152,6 +155,18 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         logger.warning("router: Redis unavailable (%s: %s); routing with approx-tree until it returns",
                        type(exc).__name__, exc)
         self._probe_task = asyncio.create_task(self._probe_until_up(), name="redis-probe")
+
+    async def _watch_while_up(self, reader: KVIndexReader) -> None:
+        """Ping Redis every probe interval while it is up, so a lost Redis is noticed without waiting
+        for a request to fail on it (then `_probe_until_up` takes over until it returns)."""
+        while True:
+            await asyncio.sleep(self.config.redis_probe_s)
+            if not self.redis_up:
+                continue
+            try:
+                await asyncio.wait_for(reader.redis.ping(), timeout=max(self.config.redis_probe_s, 0.5))
+            except REDIS_ERRORS as exc:
+                self._redis_failed(exc)
 
     async def _probe_until_up(self) -> None:
         assert self.reader is not None
