@@ -102,7 +102,7 @@ def test_cache_aware_notices_redis_gone_without_a_request() -> None:
         redis = _FlakyRedis()
         reader = SimpleNamespace(redis=redis, config=SimpleNamespace(speculative_ttl_s=3.0))
         policy = CacheAwarePolicy(make_config(policy="cache-aware", redis_probe_s=0.05, sweep_interval_s=0),
-                                  reader=reader)  # type: ignore[arg-type]
+                                  reader=reader)
         await policy.start()
         try:
             await asyncio.sleep(0.2)
