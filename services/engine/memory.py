@@ -76,12 +76,11 @@ class TokenToKVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (size + 1, num_kv_heads, head_dim)
-        # each [size + 1, num_kv_heads, head_dim]; left unwritten (a slot is read only after its k/v
-        # were stored), except the dummy slot 0, zeroed so it never holds NaN
-        self.k_buffers = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffers = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        for buf in self.k_buffers + self.v_buffers:
-            buf[0].zero_()
+        # each [size + 1, num_kv_heads, head_dim]. Zeroed: the dummy slot 0 must never hold NaN, and the
+        # whole pool is resident from the start (on the CPU, untouched pages would otherwise be committed
+        # one by one as slots are first written, so the process would grow for as long as the pool fills).
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
 
     @property
     def size(self) -> int:
