@@ -91,7 +91,7 @@ class ModelRunner:
             total = self.config.max_total_tokens
         elif self.device.type == "cuda":
             # Blocks the allocator cached while loading (dummy init, stacking shards) count as used
-            # in mem_get_info: hand them back first, or the pool loses them (~13 GB for the 8B shape).
+            # in mem_get_info: hand them back first, or the pool loses them (15.7 GB for the 8B shape on an H100).
             torch.cuda.empty_cache()
             free, all_bytes = torch.cuda.mem_get_info(self.device)
             budget = free - all_bytes * (1 - self.config.mem_fraction_static)
