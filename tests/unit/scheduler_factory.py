@@ -100,3 +100,14 @@ def assert_no_leak(sched: Scheduler) -> None:
     assert kv.allocator.available_size() + tree.total_size() == kv.capacity, "KV slots leaked"
     assert kv.req_pool.available_size() == kv.req_pool.size, "request rows leaked"
     assert kv.used_tokens() == 0
+
+
+def single_run_outputs(reqs: list[Req], model_config: ModelConfig | None = None) -> dict[str, list[int]]:
+    """Each request alone (no chunking, no cache): the outputs every batching must reproduce."""
+    out: dict[str, list[int]] = {}
+    for req in reqs:
+        sched, col = make_scheduler(model_config, chunked_prefill_size=-1, disable_radix_cache=True)
+        sched.add_request(clone(req))
+        run_until_idle(sched)
+        out[req.rid] = col.tokens[req.rid]
+    return out

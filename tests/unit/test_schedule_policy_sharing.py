@@ -20,6 +20,7 @@ from .scheduler_factory import (
     make_requests,
     make_scheduler,
     run_until_idle,
+    single_run_outputs,
     tiny_model_config,
 )
 
@@ -31,21 +32,10 @@ def _scheduler(**overrides):
     return make_scheduler(LONG_CONTEXT, **overrides)
 
 
-def _singles(reqs: list[Req]) -> dict[str, list[int]]:
-    """Each request alone, no cache: the outputs every batching must reproduce."""
-    out: dict[str, list[int]] = {}
-    for req in reqs:
-        sched, col = _scheduler(chunked_prefill_size=-1, disable_radix_cache=True)
-        sched.add_request(clone(req))
-        run_until_idle(sched)
-        out[req.rid] = col.tokens[req.rid]
-    return out
-
-
 @pytest.fixture(scope="module")
 def burst() -> tuple[list[Req], dict[str, list[int]]]:
     reqs = make_requests(8, seed=11, shared_prefix_len=PREFIX, max_new_tokens=6, prompt_len=(4, 12))
-    return reqs, _singles(reqs)
+    return reqs, single_run_outputs(reqs, LONG_CONTEXT)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -93,7 +83,7 @@ def test_deferred_requests_join_the_next_prefill(burst):
 
 def test_nothing_shared_means_nothing_deferred():
     reqs = make_requests(8, seed=12, prompt_len=(40, 60), max_new_tokens=4)
-    expected = _singles(reqs)
+    expected = single_run_outputs(reqs, LONG_CONTEXT)
     for threshold in (32, 0):
         sched, col = _scheduler(in_batch_prefix_threshold=threshold)
         for req in reqs:
@@ -163,7 +153,7 @@ def test_dfs_weight_orders_by_waiting_requests_per_branch():
 
 def test_dfs_weight_outputs_equal_single_runs():
     reqs = make_requests(6, seed=16, shared_prefix_len=40) + make_requests(4, seed=17, shared_prefix_len=10)
-    expected = _singles(reqs)
+    expected = single_run_outputs(reqs, LONG_CONTEXT)
     sched, col = _scheduler(schedule_policy="dfs-weight", chunked_prefill_size=32)
     for req in reqs:
         sched.add_request(clone(req))

@@ -9,24 +9,13 @@ import pytest
 from radixmesh.engine.request import Req
 from radixmesh.engine.sampling.params import SamplingParams
 
-from .scheduler_factory import assert_no_leak, clone, make_requests, make_scheduler, run_until_idle
-
-
-def reference_outputs(reqs: list[Req]) -> dict[str, list[int]]:
-    """Each request alone, big pool, no chunking, no cache."""
-    out: dict[str, list[int]] = {}
-    for req in reqs:
-        sched, col = make_scheduler(chunked_prefill_size=-1, disable_radix_cache=True)
-        sched.add_request(clone(req))
-        run_until_idle(sched)
-        out[req.rid] = col.tokens[req.rid]
-    return out
+from .scheduler_factory import assert_no_leak, clone, make_requests, make_scheduler, run_until_idle, single_run_outputs
 
 
 @pytest.fixture(scope="module")
 def workload() -> tuple[list[Req], dict[str, list[int]]]:
     reqs = make_requests(6, seed=1, shared_prefix_len=10) + make_requests(4, seed=2)
-    return reqs, reference_outputs(reqs)
+    return reqs, single_run_outputs(reqs)
 
 
 @pytest.mark.parametrize("overrides", [
