@@ -152,7 +152,21 @@ class Linear(nn.Linear):
 
             y = gemv(x, self.weight)
             return y if self.bias is None else y.add_(self.bias)
+        if _weight_major_faster(x):
+            # [out, in] @ [in, rows] streams the weight once; MKL's `x @ W^T` path re-reads it per
+            # row for a few rows (the LM head of a batch-3 decode step: 61 ms vs 14 ms on 2 EPYC cores)
+            y = torch.mm(self.weight, x.t()).t().contiguous()  # [rows, out]
+            return y if self.bias is None else y.add_(self.bias)
         return super().forward(x)
+
+
+WEIGHT_MAJOR_MAX_ROWS = 64
+"""Above this many rows `x @ W^T` is as fast on the CPU (measured crossover ~128 rows)."""
+
+
+def _weight_major_faster(x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dim() == 2 and 1 < x.shape[0] <= WEIGHT_MAJOR_MAX_ROWS
+            and x.dtype == torch.float32)
 
 
 def enable_gemv(model: nn.Module) -> int:
