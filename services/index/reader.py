@@ -24,6 +24,7 @@ from radixmesh.index.config import IndexConfig
 from radixmesh.index.janitor import IndexJanitor
 from radixmesh.index.keys import IndexKeys
 from radixmesh.index.lease import WorkerLease, parse_lease
+from radixmesh.index.write_scripts import SET_SPECULATIVE, pack_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class KVIndexReader:
         self._stale: dict[tuple[str, str], set[str]] = {}  # (worker, epoch value) -> block keys
         self._malformed = _Malformed()
         self._walk: Any = redis.register_script(SCRIPT)
+        self._set_speculative: Any = redis.register_script(SET_SPECULATIVE)
         self._refresh: asyncio.Task[dict[str, WorkerLease]] | None = None
 
     # ---- leases ------------------------------------------------------------------------------
@@ -115,7 +117,7 @@ class KVIndexReader:
         leases = await self.live_leases()
         live = sorted(leases)
         keys = [self.keys.worker_blocks(w, leases[w].epoch) for w in live]
-        args: list[str | int] = [self.keys.namespace, "".join(f"{h:016x}" for h in block_hashes)]
+        args: list[str | int] = [self.keys.namespace, pack_hashes(block_hashes)]
         for w in live:
             args += [w, str(leases[w].epoch)]
         walk = parse_reply(await self._walk(keys=keys, args=args))
@@ -138,10 +140,8 @@ class KVIndexReader:
         """Mark blocks [from_block:] as about to be held by `worker_id` (short-lived)."""
         if from_block >= len(block_hashes):
             return
-        pipe = self.redis.pipeline(transaction=False)
-        for h in block_hashes[from_block:]:
-            pipe.set(self.keys.speculative(h), worker_id, px=self.config.speculative_ttl_ms)
-        await pipe.execute()
+        await self._set_speculative(args=[self.keys.namespace, worker_id, self.config.speculative_ttl_ms,
+                                          pack_hashes(block_hashes[from_block:])])
 
     # ---- cleanup -----------------------------------------------------------------------------
     def _queue_stale(self, worker: str, epoch_text: str, block_key: str) -> None:

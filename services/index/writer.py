@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -23,6 +24,7 @@ from radixmesh.index.config import IndexConfig
 from radixmesh.index.janitor import IndexJanitor
 from radixmesh.index.keys import IndexKeys
 from radixmesh.index.lease import WorkerLease
+from radixmesh.index.write_scripts import APPLY_EVENTS, pack_events
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class KVIndexWriter:
         self.keys = IndexKeys(config.namespace)
         self.redis = redis if redis is not None else connect(config)
         self.janitor = IndexJanitor(self.redis, self.keys)
+        self._apply: Any = self.redis.register_script(APPLY_EVENTS)
         self.epoch = 0
         """Epoch of the entries in Redis; 0 until the first publish."""
         self.held: set[int] = set()
@@ -66,6 +69,8 @@ class KVIndexWriter:
         self._needs_resync = True
         self._in_resync = False
         self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._last_error_log = 0.0
@@ -98,11 +103,15 @@ class KVIndexWriter:
     def _maybe_wake(self) -> None:
         if len(self._pending) >= self.config.max_batch_events:
             self._wake.set()
+        elif self._pending and self._flush_timer is None and self._loop is not None:
+            self._flush_timer = self._loop.call_later(self.config.flush_interval_s, self._wake.set)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         """Start publishing in the background; a Redis that is down now is retried, never fatal."""
         assert not self._tasks, "writer already started"
+        self._loop = asyncio.get_running_loop()
+        self._wake.set()  # the first publish (a resync) at once
         self._tasks = [asyncio.create_task(self._flush_loop(), name="index-flush"),
                        asyncio.create_task(self._heartbeat_loop(), name="index-heartbeat")]
 
@@ -137,10 +146,12 @@ class KVIndexWriter:
 
     # ---- background --------------------------------------------------------------------------
     async def _flush_loop(self) -> None:
+        # Sleeps until woken: by a full batch at once, else one flush interval after the first
+        # queued event (so a burst goes out together), or by a clear, a resync or a waiter.
         while not self._stopping:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.flush_interval_s)
+            await self._wake.wait()
             self._wake.clear()
+            self._flush_timer = None
             try:
                 if self._needs_resync:
                     await self._resync()
@@ -149,6 +160,7 @@ class KVIndexWriter:
             except (RedisError, OSError) as exc:
                 self._on_error(exc)
                 await asyncio.sleep(RETRY_S)
+                self._wake.set()
 
     async def _heartbeat_loop(self) -> None:
         while not self._stopping:
@@ -214,15 +226,8 @@ class KVIndexWriter:
         await self._write(batch)
 
     async def _write(self, batch: list[tuple[bool, int]]) -> None:
-        wid, epoch = self.identity.worker_id, str(self.epoch)
-        members_key = self.keys.worker_blocks(wid, self.epoch)
-        pipe = self.redis.pipeline(transaction=False)
-        for is_stored, h in batch:
-            if is_stored:
-                pipe.hset(self.keys.block(h), wid, epoch)
-                pipe.sadd(members_key, f"{h:016x}")
-            else:
-                pipe.hdel(self.keys.block(h), wid)
-                pipe.srem(members_key, f"{h:016x}")
-        await pipe.execute()
+        """Apply `batch` in order in one script call (radixmesh.index.write_scripts)."""
+        wid = self.identity.worker_id
+        await self._apply(keys=[self.keys.worker_blocks(wid, self.epoch)],
+                          args=[self.keys.namespace, wid, str(self.epoch), pack_events(batch)])
         self.num_flushed_events += len(batch)

@@ -291,3 +291,31 @@ def test_an_expired_lease_set_is_refreshed_off_the_lookup_path(local_redis: Loca
         await reader.redis.aclose()
 
     asyncio.run(run())
+
+
+def test_events_of_one_batch_apply_in_order(local_redis: LocalRedis) -> None:  # noqa: F811
+    """A batch is one script call: a block stored, removed and stored again ends held, and one
+    stored then removed ends absent from both the block's hash and the worker's member set."""
+    async def run() -> None:
+        config = make_config(local_redis)
+        writer = make_writer(config, "a")
+        await writer.start()
+        assert await writer.wait_published()  # the first epoch exists before the batch is queued
+        hashes = block_hashes(prompt(7, 3), 4)
+        writer.stored(hashes)
+        writer.removed(hashes[1:])
+        writer.stored(hashes[2:])
+        await published(writer)
+        reader = KVIndexReader(config, connect(config))
+        assert (await reader.lookup(hashes)).cached_blocks == {"a": 1}
+        client = sync_redis.Redis.from_url(config.redis_url)
+        keys = IndexKeys(config.namespace)
+        members = {m.decode() for m in client.smembers(keys.worker_blocks("a", writer.epoch))}
+        assert members == {f"{hashes[0]:016x}", f"{hashes[2]:016x}"}
+        assert client.hget(keys.block(hashes[1]), "a") is None
+        assert client.hget(keys.block(hashes[2]), "a") == str(writer.epoch).encode()
+        assert writer.num_flushed_events == 6
+        await writer.close()
+        client.close()
+
+    asyncio.run(run())
