@@ -253,13 +253,17 @@ class GrpcBackend(Backend):
     async def generate(self, input_ids: list[int], params: SamplingParams,
                        rid: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
         rid = rid or uuid.uuid4().hex
-        target, call, first = await self._open_stream(self._request(list(input_ids), params, rid))
-        self._inflight[rid] = target
+        request = self._request(list(input_ids), params, rid)
+        # The detokenize session opens while the prompt is computed: the first token does not wait for it.
         detok = self.tokenizer.upstreams[0].stub.Detokenize()
+        started = asyncio.ensure_future(self._detok_call(detok, detok.write(tokenizer_pb2.DetokenizeRequest(
+            start=tokenizer_pb2.DetokenizeStart(request_id=rid, skip_special_tokens=params.skip_special_tokens,
+                                                stop=list(params.stop))))))
+        call = None
         try:
-            await self._detok_call(detok, detok.write(tokenizer_pb2.DetokenizeRequest(
-                start=tokenizer_pb2.DetokenizeStart(request_id=rid, skip_special_tokens=params.skip_special_tokens,
-                                                    stop=list(params.stop)))))
+            target, call, first = await self._open_stream(request)
+            self._inflight[rid] = target
+            await started
             msg = first
             while msg is not grpc.aio.EOF:
                 text = await self._detokenize(detok, msg)
@@ -268,8 +272,10 @@ class GrpcBackend(Backend):
             await _end_stream(detok)
         finally:
             self._inflight.pop(rid, None)
-            call.cancel()  # no-op once finished; otherwise the target aborts and frees the KV
+            if call is not None:
+                call.cancel()  # no-op once finished; otherwise the target aborts and frees the KV
             detok.cancel()
+            _settle(started)
 
     async def _open_stream(self, request: worker_pb2.GenerateRequest) -> tuple[Upstream, Any, Any]:
         """Start Generate on a ready target and wait for its first message. A replica that is unavailable
@@ -377,6 +383,14 @@ class GrpcBackend(Backend):
                 await self._card_task
         await self.watcher.close()
         self._tok_sync_channel.close()
+
+
+def _settle(future: asyncio.Future[Any]) -> None:
+    """Cancel a helper future the request no longer needs, or collect its error (never left unretrieved)."""
+    if not future.done():
+        future.cancel()
+    elif not future.cancelled():
+        future.exception()
 
 
 def _unreachable(exc: grpc.RpcError) -> bool:
