@@ -24,6 +24,23 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/device.txt"
 
 STAGE_TIMEOUT_S=${STAGE_TIMEOUT_S:-240}
+# PYSPY=1: the online and services stages sample every process of the server with py-spy (carried in
+# .whl) for PYSPY_S seconds; raw stacks land in $OUT/pyspy-<stage>.tar.gz (summarise with scripts/pyspy_summary.py).
+spy() {  # spy STAGE NAME=PID ...
+  [ -n "${PYSPY:-}" ] || return 0
+  local stage=$1; shift
+  mkdir -p /tmp/pyspy-$stage
+  for np in "$@"; do
+    "${PYSPY_BIN:-/tmp/site/bin/py-spy}" record -p "${np#*=}" -f raw -r 100 -d "${PYSPY_S:-100}" -o "/tmp/pyspy-$stage/${np%%=*}.txt" \
+      > /dev/null 2>&1 &
+    SPY_PIDS="${SPY_PIDS:-} $!"
+  done
+}
+spy_collect() {  # spy_collect STAGE: wait for the samplers, pack their stacks
+  [ -n "${PYSPY:-}" ] || return 0
+  wait $SPY_PIDS 2>/dev/null; SPY_PIDS=""
+  tar czf "$OUT/pyspy-$1.tar.gz" -C /tmp "pyspy-$1"
+}
 run_stage() {  # every stage is time-boxed and logged whole under $OUT
   local stage=$1
   echo "=== stage $stage"
@@ -65,9 +82,11 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
         > "$OUT/online-server.log" 2>&1 &
       server=$!
       for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null || ! kill -0 $server 2>/dev/null && break; sleep 1; done
+      spy online "front=$server" $(for p in $(pgrep -P $server); do echo "child-$p=$p"; done)
       $RM bench serving --backend sglang --port "$port" --workload random-ids --num-prompts ${ONLINE_PROMPTS:-100} \
         --random-input-len 4096 --random-output-len 2048 --random-range-ratio 0.0 --request-rate ${ONLINE_RATE:-1} \
         --warmup-requests 2 --disable-tqdm --output-file "$OUT/online.json"
+      spy_collect online
       kill -INT $server; wait $server ;;
     services|trace-split)
       # services: the online workload through gateway -> tokenizer -> router -> worker (Redis).
@@ -80,7 +99,12 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       up="--workers 1 --model $model --load-format dummy --worker-args=--context-length=8192 --timeout-s 400"
       if [ "$stage" = services ]; then
         url=$($RM cluster up $up --state-dir /tmp/cluster-plain | tail -1)
+        spy services $(python3 -c 'import json; s = json.load(open("/tmp/cluster-plain/state.json"))
+print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
+          $(w=$(python3 -c 'import json; print(json.load(open("/tmp/cluster-plain/state.json"))["pids"]["worker-0"])'); \
+            for p in $(pgrep -P $w); do echo "worker-child-$p=$p"; done)
         $RM bench serving --base-url "$url" $bench --num-prompts ${ONLINE_PROMPTS:-100} --output-file "$OUT/services.json"
+        spy_collect services
         $RM cluster down --state-dir /tmp/cluster-plain
         return
       fi
@@ -121,7 +145,7 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
   esac
 }
 for stage in $STAGES; do
-  timeout "$STAGE_TIMEOUT_S" bash -c "$(declare -f run_stage); RM='$RM' OUT='$OUT' run_stage $stage" \
+  timeout "$STAGE_TIMEOUT_S" bash -c "$(declare -f run_stage spy spy_collect); RM='$RM' OUT='$OUT' run_stage $stage" \
     > "$OUT/$stage.log" 2>&1
   echo "=== stage $stage: exit $? (log: $stage.log)"; tail -5 "$OUT/$stage.log"
 done
