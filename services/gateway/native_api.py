@@ -154,14 +154,54 @@ def _params(state: GatewayState, req: GenerateRequest, sp: NativeSamplingParams,
     return SamplingParams(**fields)
 
 
+class _GrowingJson:
+    """The cumulative `text` and `output_ids` of one sequence's stream events, JSON-encoded as they grow.
+
+    SGLang's stream events repeat everything generated so far; encoding that whole each time made a
+    stream cost O(tokens^2) on the front end's event loop (at 2k tokens, most of its busy time). Both
+    only ever grow, and JSON escapes character by character, so the new part is encoded and appended.
+    """
+
+    def __init__(self) -> None:
+        self.text_json, self.ids_json = "", ""
+        self.num_chars = self.num_ids = 0
+
+    def update(self, st: conv.ChoiceState) -> tuple[str, str]:
+        """`text` as a JSON string and `output_ids` as a JSON array, for `st` as it is now."""
+        if len(st.text) > self.num_chars:
+            self.text_json += json.dumps(st.text[self.num_chars:])[1:-1]
+            self.num_chars = len(st.text)
+        if len(st.token_ids) > self.num_ids:
+            new = ", ".join(map(str, st.token_ids[self.num_ids:]))
+            self.ids_json = f"{self.ids_json}, {new}" if self.ids_json else new
+            self.num_ids = len(st.token_ids)
+        return f'"{self.text_json}"', f"[{self.ids_json}]"
+
+
 class _NativeRun:
     """One /generate request: SGLang result dicts (text, output_ids, meta_info)."""
 
     def __init__(self, state: GatewayState, req: GenerateRequest, generation: Generation, as_list: bool) -> None:
         self.state, self.req, self.generation, self.as_list = state, req, generation, as_list
         self.states = [conv.ChoiceState() for _ in range(generation.num_seqs)]
+        self.encoded = [_GrowingJson() for _ in self.states]
 
     def _result(self, index: int) -> dict[str, Any]:
+        st = self.states[index]
+        return {"text": st.text, "output_ids": list(st.token_ids), "meta_info": self._meta(index)}
+
+    def _event(self, index: int) -> str:
+        """One stream event, as `json.dumps` of `_result` (plus `index` for a batch) would write it."""
+        if self.req.return_logprob:  # log-prob lists grow too, but are asked for rarely: encoded whole
+            result = self._result(index)
+            if self.as_list:
+                result["index"] = index
+            return f"data: {json.dumps(result)}\n\n"
+        text, ids = self.encoded[index].update(self.states[index])
+        tail = f', "index": {index}' if self.as_list else ""
+        return f'data: {{"text": {text}, "output_ids": {ids}, "meta_info": {json.dumps(self._meta(index))}{tail}}}\n\n'
+
+    def _meta(self, index: int) -> dict[str, Any]:
         st = self.states[index]
         meta: dict[str, Any] = {
             "id": self.generation.rids[index], "prompt_tokens": st.prompt_tokens,
@@ -170,7 +210,7 @@ class _NativeRun:
         }
         if self.req.return_logprob:
             meta.update(self._logprobs(st, self.generation.seqs[index][0]))
-        return {"text": st.text, "output_ids": list(st.token_ids), "meta_info": meta}
+        return meta
 
     def _logprobs(self, st: conv.ChoiceState, input_ids: list[int]) -> dict[str, Any]:
         """SGLang's [logprob, token_id, text-or-None] triples; prompt ones from logprob_start_len on."""
@@ -201,10 +241,7 @@ class _NativeRun:
         async for index, chunk in self.generation.stream():
             self.states[index].add(chunk)
             if chunk.text or chunk.token_ids or chunk.finished:
-                result = self._result(index)
-                if self.as_list:
-                    result["index"] = index
-                yield f"data: {json.dumps(result)}\n\n"
+                yield self._event(index)
         yield DONE
 
 

@@ -263,6 +263,30 @@ def test_native_generate(http: TestClient) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "structural_tag"
 
 
+def test_native_stream_events_encode_what_json_dumps_would() -> None:
+    """The cumulative text and ids are encoded as they grow; each event must read as json.dumps of the
+    whole result would write it (quotes, escapes, non-ASCII and astral characters, batch index)."""
+    from radixmesh.gateway.native_api import _GrowingJson
+    from radixmesh.gateway.openai_convert import ChoiceState
+
+    pieces = ['He said "hi"', "\n\t\\", "caf\u00e9 ", "\U0001f600", "", "\u2028end", "</script>"]
+    st, encoded = ChoiceState(), _GrowingJson()
+    for i, piece in enumerate(pieces):
+        st.add(GenerationChunk("r", piece, [i, 1000 + i] if i % 3 else [], 5, 0, len(st.token_ids)))
+        text, ids = encoded.update(st)
+        assert text == json.dumps(st.text) and ids == json.dumps(st.token_ids)
+    assert json.loads(text) == "".join(pieces)
+
+
+def test_native_stream_batch_events_carry_the_index(http: TestClient) -> None:
+    body = {"text": ["ab", "cd"], "stream": True, "sampling_params": {"max_new_tokens": 2}}
+    with http.stream("POST", "/generate", json=body) as response:
+        events = _sse(response.read().decode())
+    assert sorted((e["index"], e["text"], e["output_ids"]) for e in events) == [
+        (0, "a", [0]), (0, "ab", [0, 1]), (1, "a", [0]), (1, "ab", [0, 1])]
+    assert all(set(e) == {"text", "output_ids", "meta_info", "index"} for e in events)
+
+
 def test_native_info_routes(http: TestClient) -> None:
     assert http.get("/health").status_code == 200
     assert http.get("/health_generate").status_code == 200
