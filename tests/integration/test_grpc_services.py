@@ -359,5 +359,5 @@ def test_sigterm_drains_in_flight_calls(worker_svc: ServiceProc, worker: worker_
     chunks += rest
     assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH  # the open call finished normally
     assert sum(len(c.token_ids) for c in chunks) == 32
-    assert worker_svc.proc.wait(timeout=60) == 0
+    assert worker_svc.proc.wait(timeout=180) == 0  # generous: the machine may be loaded
     assert "radixmesh worker: stopped" in worker_svc.log()
