@@ -61,7 +61,7 @@ def write_tiny_checkpoint(path: Path, seed: int = 7, **overrides: Any) -> Path:
     return path
 
 
-def make_tp_scheduler(model: str | Path | None, tp_size: int, load_format: str = "auto",
+def make_tp_scheduler(model: str | Path | None, tp_size: int, load_format: str = "auto", tokenizer: Any = None,
                       **overrides: Any) -> tuple[Scheduler, Collector]:
     """A scheduler on the CPU in fp32 whose runner is rank 0 of `tp_size` (ranks 1.. are processes);
     call `close_scheduler` when done."""
@@ -73,8 +73,20 @@ def make_tp_scheduler(model: str | Path | None, tp_size: int, load_format: str =
     prepared = prepare_model(config.model, config.load_format, progress=False, lend_tokenizer=False)
     runner = ModelRunner(config, prepared)
     collector = Collector()
-    return Scheduler(config, runner, None, collector), collector
+    return Scheduler(config, runner, tokenizer, collector), collector
 
 
-def close_scheduler(sched: Scheduler) -> None:
+def close_scheduler(sched: Scheduler) -> list[int]:
+    """Stop the scheduler's other ranks; returns their (now exited) process ids."""
+    leader = sched.runner.tp_leader
+    pids = leader.pids if leader is not None else []
     sched.runner.close()
+    return pids
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
