@@ -4,6 +4,7 @@
 # plus msgspec pyzmq gguf pytest pluggy iniconfig; the default model's tokenizer files in .gpu-model,
 # copied there by scripts/gpu_tokenizer_model.py --stage). Results go to $OUT as JSON.
 #   STAGES="tests hot-path kernel one-batch offline profile-offline online services trace-split compare" bash scripts/gpu_suite.sh
+#   STAGES=tp STAGE_TIMEOUT_S=420 bash scripts/gpu_suite.sh     # tensor parallelism: needs 2 GPUs
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -117,6 +118,16 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       $RM bench structured $common --schema person --profile-host
       $RM bench structured $common --schema long-keys --profile-host
       $RM bench structured $common --schema long-keys --enable-jump-forward ;;
+    tp)  # 2 GPUs: TP 2 vs TP 1 (tests), NCCL all-reduce at decode sizes, 8B batch-1 decode at TP 1 and 2
+      gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+      if [ "$gpus" -lt 2 ]; then echo "stage tp needs 2 GPUs; $gpus visible: skipped"; return; fi
+      python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_tensor_parallel_gpu.py
+      python3 -m radixmesh.engine.distributed.bench_allreduce --tp-size 2 --hidden 4096 --rows 1 4 16 64 256 \
+        --result-file "$OUT/tp-allreduce.jsonl"
+      for tp in 1 2; do
+        $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 128 \
+          --context-length 8192 --cuda-graph-max-bs 8 --tp-size $tp --result-file "$OUT/tp-one-batch.jsonl"
+      done ;;
     *) echo "unknown stage $stage" ;;
   esac
 }

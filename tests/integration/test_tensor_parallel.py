@@ -37,7 +37,7 @@ def waves() -> list[list[Req]]:
     """A batch sharing a 40-token prefix with prompts up to 60 tokens (chunks of 32), then a second
     batch continuing some of those prompts (radix-cache hits)."""
     first = make_requests(4, seed=3, max_new_tokens=6, shared_prefix_len=40, prompt_len=(3, 20))
-    second = [Req(rid=f"{r.rid}-again", origin_input_ids=r.origin_input_ids + [5, 6, 7], params=r.params)
+    second = [Req(rid=f"{r.rid}-again", origin_input_ids=[*r.origin_input_ids, 5, 6, 7], params=r.params)
               for r in first[:2]]
     second += make_requests(1, seed=4, max_new_tokens=6, prompt_len=(50, 50))
     return [first, second]

@@ -47,8 +47,10 @@ def write_tiny_checkpoint(path: Path, seed: int = 7, **overrides: Any) -> Path:
         tensors["lm_head.weight"] = rand(config.vocab_size, hidden)
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        tensors |= {p + "self_attn.q_proj.weight": rand(h * d, hidden), p + "self_attn.k_proj.weight": rand(kvh * d, hidden),
-                    p + "self_attn.v_proj.weight": rand(kvh * d, hidden), p + "self_attn.o_proj.weight": rand(hidden, h * d),
+        tensors |= {p + "self_attn.q_proj.weight": rand(h * d, hidden),
+                    p + "self_attn.k_proj.weight": rand(kvh * d, hidden),
+                    p + "self_attn.v_proj.weight": rand(kvh * d, hidden),
+                    p + "self_attn.o_proj.weight": rand(hidden, h * d),
                     p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
                     p + "mlp.down_proj.weight": rand(hidden, inter), p + "input_layernorm.weight": torch.ones(hidden),
                     p + "post_attention_layernorm.weight": torch.ones(hidden)}
