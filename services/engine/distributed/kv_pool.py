@@ -31,7 +31,9 @@ class ShardedKVPool(TokenToKVPool):
         self.num_layers, self.head_dim = local.num_layers, local.head_dim
         self.num_kv_heads = leader.layout.total_kv_heads
         self.dtype, self.device = local.dtype, local.device
-        self.k_buffers, self.v_buffers = [], []  # nothing may index this view's buffers directly
+        # nothing may index this view's buffers directly
+        self.k_buffers: list[torch.Tensor] = []
+        self.v_buffers: list[torch.Tensor] = []
 
     def gather(self, slots: torch.Tensor, out: torch.Tensor, layer_begin: int = 0) -> None:
         """`out` `[layers, 2, tokens, all kv heads, head_dim]` from every rank's shard at `slots`."""
