@@ -122,11 +122,11 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       if [ "$gpus" -lt 2 ]; then echo "stage tp needs 2 GPUs; $gpus visible: skipped"; return; fi
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_tensor_parallel_gpu.py
-      python3 -m radixmesh.engine.distributed.bench_allreduce --tp-size 2 --hidden 4096 --rows 1 4 16 64 256 \
+      python3 -m radixmesh.engine.distributed.bench_allreduce --tp-size 2 --hidden 4096 --rows 1 4 16 64 256 --custom \
         --result-file "$OUT/tp-allreduce.jsonl"
-      for tp in 1 2; do
+      for args in "--tp-size 1" "--tp-size 2" "--tp-size 2 --enable-custom-all-reduce"; do
         $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 128 \
-          --context-length 8192 --cuda-graph-max-bs 8 --tp-size $tp --result-file "$OUT/tp-one-batch.jsonl"
+          --context-length 8192 --cuda-graph-max-bs 8 $args --result-file "$OUT/tp-one-batch.jsonl"
       done ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -152,6 +152,7 @@ def device_info(sched: Any) -> dict[str, Any]:
 def settings(sched: Any, args: argparse.Namespace) -> dict[str, Any]:
     cfg = sched.config
     return {"model": cfg.model, "load_format": cfg.load_format, "dtype": cfg.dtype, "tp_size": cfg.tp_size,
+            "custom_all_reduce": cfg.enable_custom_all_reduce,
             "attention_backend": cfg.attention_backend, "overlap_schedule": cfg.overlap_schedule,
             "cuda_graph": sched.runner.graph_runner is not None, "max_total_tokens": sched.kv.capacity,
             "max_running_requests": sched.runner.plan.max_running_requests,

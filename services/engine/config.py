@@ -88,6 +88,8 @@ class EngineConfig:
     """host:port of `radixmesh grammar`: fetch compiled grammars from it (compile here if it is unreachable)."""
     tp_size: int = 1
     """Tensor-parallel ranks of this worker (one device each; NCCL on CUDA, gloo on CPU): docs/tensor-parallel.md."""
+    enable_custom_all_reduce: bool = False
+    """TP on CUDA: small all-reduces by a one-shot kernel over CUDA-IPC buffers instead of NCCL (needs GPU P2P)."""
 
     def __post_init__(self) -> None:
         _in(self.device, DEVICES, "device")

@@ -49,12 +49,16 @@ WAVES = [make_requests(6, seed=1, max_new_tokens=24, shared_prefix_len=64, promp
          make_requests(1, seed=2, max_new_tokens=24, prompt_len=(40, 40))]  # a batch, then batch 1 alone
 
 
-@pytest.mark.parametrize("overlap", ["on", "off"])
-def test_tp2_fp32_greedy_tokens_equal_tp1_with_cuda_graphs(wide_dir: Path, overlap: str) -> None:
+@pytest.mark.parametrize(("overlap", "custom"), [("on", False), ("off", False), ("on", True)],
+                         ids=["overlap", "no-overlap", "overlap-custom-all-reduce"])
+def test_tp2_fp32_greedy_tokens_equal_tp1_with_cuda_graphs(wide_dir: Path, overlap: str, custom: bool) -> None:
     results, replays = [], []
     for tp_size in (1, 2):
         sched, col = make_tp_scheduler(wide_dir, tp_size, dtype="float32", chunked_prefill_size=128,
-                                       overlap_schedule=overlap, **GPU)
+                                       overlap_schedule=overlap, enable_custom_all_reduce=custom, **GPU)
+        if tp_size == 2 and custom:
+            comm = sched.runner.tp.comm
+            assert comm is not None and getattr(comm, "custom", None) is not None, "P2P missing: custom all-reduce off"
         try:
             results.append(_run(sched, col, WAVES))
             assert sched.runner.graph_runner is not None

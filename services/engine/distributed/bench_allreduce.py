@@ -7,7 +7,8 @@ A decode step of a Llama model at TP N makes two all-reduces per layer of `[batc
 speeds a batch-1 step up. Each size is timed eagerly (CUDA events around `iters` calls) and as
 one CUDA graph holding `graph_calls` all-reduces (how a captured decode step runs them). The
 copy bandwidth of every GPU is measured in the same run (the bandwidth floor of a step). On the
-CPU (gloo) only the eager figure is taken.
+CPU (gloo) only the eager figure is taken. `--custom` adds the one-shot kernel over CUDA IPC
+(`--enable-custom-all-reduce`) for the sizes it takes; each way checks its sum of ones.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from radixmesh.engine.distributed.comm import TorchCommunicator, rank_device
@@ -44,35 +47,35 @@ def copy_bandwidth_tb_s(device: torch.device, num_bytes: int = 1 << 30, reps: in
     return 2 * num_bytes * reps / (start.elapsed_time(end) / 1000) / 1e12
 
 
-def _eager_us(comm: TorchCommunicator, x: torch.Tensor, iters: int) -> float:
+def _eager_us(all_reduce: Callable[[torch.Tensor], Any], x: torch.Tensor, iters: int) -> float:
     for _ in range(5):
-        comm.all_reduce(x)
+        all_reduce(x)
     if x.is_cuda:
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
-            comm.all_reduce(x)
+            all_reduce(x)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) * 1000 / iters
     t0 = time.perf_counter()
     for _ in range(iters):
-        comm.all_reduce(x)
+        all_reduce(x)
     return (time.perf_counter() - t0) * 1e6 / iters
 
 
-def _graph_us(comm: TorchCommunicator, x: torch.Tensor, calls: int, reps: int = 10) -> float:
+def _graph_us(all_reduce: Callable[[torch.Tensor], Any], x: torch.Tensor, calls: int, reps: int = 10) -> float:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):
-            comm.all_reduce(x)
+            all_reduce(x)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             for _ in range(calls):
-                comm.all_reduce(x)
+                all_reduce(x)
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -92,13 +95,27 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str, results: Any) -
     dtype = DTYPES[args.dtype]
     bandwidth = torch.tensor([copy_bandwidth_tb_s(device) if device.type == "cuda" else 0.0], device=device)
     bandwidths = comm.all_gather(bandwidth).flatten().tolist()
+    ways: dict[str, Callable[[torch.Tensor], Any]] = {"nccl" if device.type == "cuda" else "gloo": dist.all_reduce}
+    custom = None
+    if args.custom:
+        from radixmesh.engine.distributed.custom_all_reduce import CustomAllReduce
+
+        custom = CustomAllReduce.over_cuda_ipc(rank, args.tp_size, device)
+        if custom is not None:
+            ways["custom"] = custom.all_reduce
     rows_out = []
     for rows in args.rows:
-        x = torch.ones(rows, args.hidden, dtype=dtype, device=device)
-        eager = _eager_us(comm, x, args.iters)
-        graph = _graph_us(comm, x, args.graph_calls) if device.type == "cuda" else None
-        rows_out.append({"rows": rows, "bytes": x.numel() * x.element_size(), "eager_us": round(eager, 2),
-                         "graph_us": round(graph, 2) if graph is not None else None})
+        row: dict[str, Any] = {"rows": rows, "bytes": rows * args.hidden * torch.finfo(dtype).bits // 8}
+        for name, all_reduce in ways.items():
+            x = torch.ones(rows, args.hidden, dtype=dtype, device=device)
+            if name == "custom" and custom is not None and not custom.can_run(x):
+                continue
+            all_reduce(x)
+            row[f"{name}_correct"] = bool((x == args.tp_size).all())
+            row[f"{name}_eager_us"] = round(_eager_us(all_reduce, x, args.iters), 2)
+            if device.type == "cuda":
+                row[f"{name}_graph_us"] = round(_graph_us(all_reduce, x, args.graph_calls), 2)
+        rows_out.append(row)
     if rank == 0:
         results.put({"bandwidths": bandwidths, "rows": rows_out,
                      "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
@@ -114,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--graph-calls", type=int, default=64, help="all-reduces per captured graph (8B decode: 64)")
+    parser.add_argument("--custom", action="store_true",
+                        help="also time the one-shot CUDA-IPC all-reduce (--enable-custom-all-reduce) where it fits")
     parser.add_argument("--result-file", default=None, help="append the JSON lines to this file")
     args = parser.parse_args(argv)
     if args.device == "cuda" and torch.cuda.device_count() < args.tp_size:

@@ -9,9 +9,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from radixmesh.engine.distributed.custom_all_reduce import CustomAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +33,14 @@ class TorchCommunicator:
 
     def __init__(self, rank: int, size: int, device: torch.device) -> None:
         self.rank, self.size, self.device = rank, size, device
+        self.custom: CustomAllReduce | None = None
+        """The one-shot kernel for small messages (`--enable-custom-all-reduce`), else None: NCCL/gloo only."""
 
     @classmethod
-    def init(cls, rank: int, size: int, init_method: str, device: torch.device) -> TorchCommunicator:
-        """Join the group (blocks until all `size` ranks joined) and warm its communicator up."""
+    def init(cls, rank: int, size: int, init_method: str, device: torch.device,
+             custom_all_reduce: bool = False) -> TorchCommunicator:
+        """Join the group (blocks until all `size` ranks joined) and warm its communicator up; with
+        `custom_all_reduce` (CUDA) also map the one-shot all-reduce's buffers (a collective)."""
         if device.type == "cuda":
             torch.cuda.set_device(device)
             dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=size,
@@ -43,10 +51,16 @@ class TorchCommunicator:
                                     timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         comm = cls(rank, size, device)
         comm.all_reduce(torch.ones(1, device=device))  # NCCL sets its channels up here, not inside a graph capture
+        if custom_all_reduce and device.type == "cuda":
+            from radixmesh.engine.distributed.custom_all_reduce import CustomAllReduce
+
+            comm.custom = CustomAllReduce.over_cuda_ipc(rank, size, device)
         logger.info("tensor-parallel rank %d of %d on %s joined", rank, size, device)
         return comm
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.custom is not None and self.custom.can_run(x):
+            return self.custom.all_reduce(x)
         dist.all_reduce(x)
         return x
 

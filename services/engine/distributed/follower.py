@@ -119,7 +119,8 @@ def run_rank(spec: RankSpec) -> int:
     code = 0
     try:
         device = rank_device(spec.config.device, spec.rank)
-        comm = TorchCommunicator.init(spec.rank, spec.config.tp_size, spec.init_method, device)
+        comm = TorchCommunicator.init(spec.rank, spec.config.tp_size, spec.init_method, device,
+                                      spec.config.enable_custom_all_reduce)
         link = FollowerLink(TensorParallel(spec.rank, spec.config.tp_size, comm), status)
         runner = ModelRunner(spec.config, spec.prepared, link)
         FollowerLoop(runner, comm, recv).run()

@@ -85,6 +85,9 @@ class TpLeader:
     def start(cls, config: EngineConfig, prepared: PreparedModel) -> TpLeader:
         """Check the model splits, start ranks 1..N-1 and join the group with them (as rank 0)."""
         check_tensor_parallel(prepared.config, config.tp_size)
+        if config.enable_custom_all_reduce and config.device != "cuda":
+            raise invalid_argument("--enable-custom-all-reduce needs CUDA devices (CPU ranks all-reduce with gloo)",
+                                   "enable_custom_all_reduce")
         if config.device == "cuda" and torch.cuda.device_count() < config.tp_size:
             raise invalid_argument(f"--tp-size {config.tp_size} needs {config.tp_size} GPUs; "
                                    f"{torch.cuda.device_count()} are visible", "tp_size")
@@ -112,7 +115,8 @@ class TpLeader:
             proc.stdin.close()
             self._procs.append(proc)
         self.stage("started")
-        self.comm = TorchCommunicator.init(0, self.size, init_method, self.device)
+        self.comm = TorchCommunicator.init(0, self.size, init_method, self.device,
+                                           self.config.enable_custom_all_reduce)
         self.tp = TensorParallel(0, self.size, self.comm)
 
     # ---- startup --------------------------------------------------------------------------------
