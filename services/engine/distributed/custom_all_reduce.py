@@ -4,7 +4,8 @@
 Messages up to `max_bytes` (a decode step's `[batch, hidden]` rows) take it; larger ones, other
 dtypes and non-contiguous tensors fall back to NCCL. Every rank makes the same calls with the same
 shapes (rank 0 drives the steps), so every rank takes the same path. Needs peer access between
-the GPUs (NVLink or PCIe P2P); without it the group stays on NCCL.
+the GPUs, without which the group stays on NCCL, and atomics on peer memory (the flags): NVLink
+(PCIe P2P often lacks peer atomics; do not turn it on there).
 """
 
 from __future__ import annotations
