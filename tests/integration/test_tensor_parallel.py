@@ -35,11 +35,13 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def waves() -> list[list[Req]]:
     """A batch sharing a 40-token prefix with prompts up to 60 tokens (chunks of 32), then a second
-    batch continuing some of those prompts (radix-cache hits)."""
+    batch continuing some of those prompts (radix-cache hits) and asking for prompt log-probs."""
     first = make_requests(4, seed=3, max_new_tokens=6, shared_prefix_len=40, prompt_len=(3, 20))
     second = [Req(rid=f"{r.rid}-again", origin_input_ids=[*r.origin_input_ids, 5, 6, 7], params=r.params)
               for r in first[:2]]
     second += make_requests(1, seed=4, max_new_tokens=6, prompt_len=(50, 50))
+    second += make_requests(1, seed=5, max_new_tokens=4, prompt_len=(20, 20), logprobs=True, top_logprobs=2,
+                            logprob_start_len=0)  # prompt log-probs: the LM head returns extra rows
     return [first, second]
 
 

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 600
 """A collective waiting longer than this (a rank died mid-step) fails instead of hanging forever."""
+_threads_before: int | None = None
 
 
 def rank_device(device_type: str, rank: int) -> torch.device:
@@ -46,7 +47,9 @@ class TorchCommunicator:
             dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=size,
                                     timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), device_id=device)
         else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+            global _threads_before
+            _threads_before = torch.get_num_threads()
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # the ranks share this host's cores
             dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
                                     timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         comm = cls(rank, size, device)
@@ -82,5 +85,10 @@ class TorchCommunicator:
 
     @staticmethod
     def destroy() -> None:
+        """Leave the group (and give the process back its CPU threads)."""
+        global _threads_before
         if dist.is_initialized():
             dist.destroy_process_group()
+        if _threads_before is not None:
+            torch.set_num_threads(_threads_before)
+            _threads_before = None

@@ -65,8 +65,8 @@ class CustomAllReduce:
         buffer = torch.empty(2 * max_bytes, dtype=torch.uint8, device=device)
         flags = torch.zeros(world * MAX_PROGRAMS, dtype=torch.int32, device=device)
         handles: list[Any] = [None] * world
-        dist.all_gather_object(handles, (buffer.untyped_storage()._share_cuda_(),  # type: ignore[attr-defined]
-                                         flags.untyped_storage()._share_cuda_()))  # type: ignore[attr-defined]
+        dist.all_gather_object(handles, (buffer.untyped_storage()._share_cuda_(),
+                                         flags.untyped_storage()._share_cuda_()))
         buffers, flag_arrays = [], []
         for peer, (buffer_handle, flags_handle) in enumerate(handles):
             if peer == rank:
@@ -85,7 +85,7 @@ def _open(handle: tuple[Any, ...], dtype: torch.dtype) -> torch.Tensor:
     """A peer's shared storage (torch's `_share_cuda_` fields) mapped into this process, as a flat tensor."""
     owner = handle[0]
     with torch.cuda.device(owner):
-        storage = torch.UntypedStorage._new_shared_cuda(*handle)  # type: ignore[attr-defined]
+        storage = torch.UntypedStorage._new_shared_cuda(*handle)
         tensor = torch.empty(0, dtype=dtype, device=f"cuda:{owner}")
         tensor.set_(storage, 0, (storage.nbytes() // tensor.element_size(),), (1,))
     return tensor
