@@ -35,8 +35,10 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       # the CPU kernel tests run on the GPU too (compiled, not interpreted)
       python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_fused_kernels.py \
         tests/unit/test_decode_inputs_kernel.py tests/unit/test_argmax_kernel.py tests/unit/test_triton_kernels.py \
-        tests/unit/test_gemv_kernel.py \
-        -k "not scheduler" ;;
+        tests/unit/test_gemv_kernel.py tests/unit/test_tp_kernels.py \
+        -k "not scheduler"
+      # the one-shot all-reduce kernel over CUDA IPC between two processes (on one GPU here)
+      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_custom_all_reduce_gpu.py ;;
     engine-tests)
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_engine_gpu.py ;;
     hot-path)  # no implicit host-device sync in scheduling, launch, sampling, results (graphs + overlap)
@@ -121,7 +123,8 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
     tp)  # 2 GPUs: TP 2 vs TP 1 (tests), NCCL all-reduce at decode sizes, 8B batch-1 decode at TP 1 and 2
       gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       if [ "$gpus" -lt 2 ]; then echo "stage tp needs 2 GPUs; $gpus visible: skipped"; return; fi
-      python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_tensor_parallel_gpu.py
+      python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_tensor_parallel_gpu.py \
+        tests/gpu/test_custom_all_reduce_gpu.py
       python3 -m radixmesh.engine.distributed.bench_allreduce --tp-size 2 --hidden 4096 --rows 1 4 16 64 256 --custom \
         --result-file "$OUT/tp-allreduce.jsonl"
       for args in "--tp-size 1" "--tp-size 2" "--tp-size 2 --enable-custom-all-reduce"; do

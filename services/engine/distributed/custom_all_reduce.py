@@ -11,6 +11,7 @@ the GPUs, without which the group stays on NCCL, and atomics on peer memory (the
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,24 +50,24 @@ class CustomAllReduce:
         return one_shot_all_reduce(x, x, self.table, self.counters, self.rank, self.world, 2 * self.max_bytes)
 
     @classmethod
-    def over_cuda_ipc(cls, rank: int, world: int, device: torch.device,
-                      max_bytes: int = DEFAULT_MAX_BYTES) -> CustomAllReduce | None:
-        """Allocate this rank's buffer and flags, exchange CUDA IPC handles with the group (a collective:
-        every rank calls it) and map the peers'; None (the group stays on NCCL) without peer access."""
-        import torch.distributed as dist
+    def over_cuda_ipc(cls, rank: int, world: int, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES,
+                      all_gather: Callable[[Any], list[Any]] | None = None) -> CustomAllReduce | None:
+        """Allocate this rank's buffer and flags, exchange CUDA IPC handles with the group and map the
+        peers'; None (the group stays on NCCL) when a peer's GPU is not accessible from this one.
 
+        `all_gather(obj)` returns every rank's `obj` in rank order (a collective every rank calls; by
+        default torch.distributed's `all_gather_object`)."""
+        gather = all_gather or _all_gather_object
         index = device.index if device.index is not None else torch.cuda.current_device()
-        peers_ok = all(torch.cuda.can_device_access_peer(index, peer) for peer in range(world) if peer != index)
-        votes: list[Any] = [None] * world
-        dist.all_gather_object(votes, peers_ok)
-        if not all(votes):
+        devices = gather(index)
+        peers_ok = all(torch.cuda.can_device_access_peer(index, other) for other in set(devices) if other != index)
+        if not all(gather(peers_ok)):
             logger.warning("custom all-reduce off: the GPUs of this group cannot access each other (no P2P)")
             return None
         buffer = torch.empty(2 * max_bytes, dtype=torch.uint8, device=device)
         flags = torch.zeros(world * MAX_PROGRAMS, dtype=torch.int32, device=device)
-        handles: list[Any] = [None] * world
-        dist.all_gather_object(handles, (buffer.untyped_storage()._share_cuda_(),
-                                         flags.untyped_storage()._share_cuda_()))
+        torch.cuda.synchronize(device)  # the flags are zero before any peer can see them
+        handles = gather((buffer.untyped_storage()._share_cuda_(), flags.untyped_storage()._share_cuda_()))
         buffers, flag_arrays = [], []
         for peer, (buffer_handle, flags_handle) in enumerate(handles):
             if peer == rank:
@@ -75,10 +76,17 @@ class CustomAllReduce:
                 continue
             buffers.append(_open(buffer_handle, torch.uint8))
             flag_arrays.append(_open(flags_handle, torch.int32))
-        torch.cuda.synchronize(device)
-        dist.barrier()  # every rank's flags are zero and mapped before anyone raises one
+        gather(True)  # a barrier: every rank mapped every buffer before anyone raises a flag
         logger.info("custom all-reduce on for messages up to %d bytes", max_bytes)
         return cls(rank, world, buffers, flag_arrays, device, max_bytes)
+
+
+def _all_gather_object(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _open(handle: tuple[Any, ...], dtype: torch.dtype) -> torch.Tensor:
