@@ -4,7 +4,7 @@
 # plus msgspec pyzmq gguf pytest pluggy iniconfig; the default model's tokenizer files in .gpu-model,
 # copied there by scripts/gpu_tokenizer_model.py --stage). Results go to $OUT as JSON.
 #   STAGES="tests hot-path kernel one-batch offline profile-offline online services trace-split compare" bash scripts/gpu_suite.sh
-#   STAGES=tp STAGE_TIMEOUT_S=420 bash scripts/gpu_suite.sh     # tensor parallelism: needs 2 GPUs
+#   STAGES=tp STAGE_TIMEOUT_S=600 bash scripts/gpu_suite.sh     # tensor parallelism: needs 2 GPUs
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
