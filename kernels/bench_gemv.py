@@ -28,6 +28,9 @@ SHAPES: dict[str, list[tuple[str, int, int]]] = {
                      ("lm_head", 128256, 2048)],
     "llama-3.1-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
                      ("lm_head", 128256, 4096)],
+    # one rank's shards at tensor-parallel size 2 (docs/tensor-parallel.md)
+    "llama-3.1-8b-tp2": [("qkv", 3072, 4096), ("o", 4096, 2048), ("gate_up", 14336, 4096), ("down", 4096, 7168),
+                         ("lm_head", 64128, 4096)],
 }
 SWEEP = [GemvConfig(bn, bk, warps, stages) for bn in (4, 8, 16, 32, 64) for bk in (128, 256, 512, 1024)
          for warps in (4, 8) for stages in (2, 4) if 1024 <= bn * bk <= 16384]

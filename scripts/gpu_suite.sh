@@ -4,6 +4,7 @@
 # plus msgspec pyzmq gguf pytest pluggy iniconfig; the default model's tokenizer files in .gpu-model,
 # copied there by scripts/gpu_tokenizer_model.py --stage). Results go to $OUT as JSON.
 #   STAGES="tests hot-path kernel one-batch offline profile-offline online services trace-split compare" bash scripts/gpu_suite.sh
+#   STAGES=tp STAGE_TIMEOUT_S=600 bash scripts/gpu_suite.sh     # tensor parallelism: needs 2 GPUs
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -51,8 +52,10 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       # the CPU kernel tests run on the GPU too (compiled, not interpreted)
       python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_fused_kernels.py \
         tests/unit/test_decode_inputs_kernel.py tests/unit/test_argmax_kernel.py tests/unit/test_triton_kernels.py \
-        tests/unit/test_gemv_kernel.py \
-        -k "not scheduler" ;;
+        tests/unit/test_gemv_kernel.py tests/unit/test_tp_kernels.py \
+        -k "not scheduler"
+      # the one-shot all-reduce kernel over CUDA IPC between two processes (on one GPU here)
+      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_custom_all_reduce_gpu.py ;;
     engine-tests)
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_engine_gpu.py ;;
     hot-path)  # no implicit host-device sync in scheduling, launch, sampling, results (graphs + overlap)
@@ -141,6 +144,17 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
       $RM bench structured $common --schema person --profile-host
       $RM bench structured $common --schema long-keys --profile-host
       $RM bench structured $common --schema long-keys --enable-jump-forward ;;
+    tp)  # 2 GPUs: TP 2 vs TP 1 (tests), NCCL all-reduce at decode sizes, 8B batch-1 decode at TP 1 and 2
+      gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+      if [ "$gpus" -lt 2 ]; then echo "stage tp needs 2 GPUs; $gpus visible: skipped"; return; fi
+      python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_tensor_parallel_gpu.py \
+        tests/gpu/test_custom_all_reduce_gpu.py
+      python3 -m radixmesh.engine.distributed.bench_allreduce --tp-size 2 --hidden 4096 --rows 1 4 16 64 256 --custom \
+        --result-file "$OUT/tp-allreduce.jsonl"
+      for args in "--tp-size 1" "--tp-size 2" "--tp-size 2 --enable-custom-all-reduce"; do
+        $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 128 \
+          --context-length 8192 --cuda-graph-max-bs 8 $args --result-file "$OUT/tp-one-batch.jsonl"
+      done ;;
     *) echo "unknown stage $stage" ;;
   esac
 }

@@ -98,7 +98,7 @@ def build_extend_batch(reqs: list[Req], kv: KVCacheManager) -> ScheduleBatch | N
         input_ids.extend(req.all_ids[start:end])
         positions.extend(range(start, end))
         assert req.req_pool_idx is not None
-        kv.req_pool.req_to_token[req.req_pool_idx, start:end] = slots[offset:offset + req.extend_len]
+        kv.req_pool.write(req.req_pool_idx, start, slots[offset:offset + req.extend_len])
         offset += req.extend_len
     return ScheduleBatch(ForwardMode.EXTEND, reqs, input_ids, positions, slots,
                          [r.kv_len for r in reqs], [r.extend_len for r in reqs], _pool_rows(reqs),

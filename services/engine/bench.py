@@ -151,7 +151,8 @@ def device_info(sched: Any) -> dict[str, Any]:
 
 def settings(sched: Any, args: argparse.Namespace) -> dict[str, Any]:
     cfg = sched.config
-    return {"model": cfg.model, "load_format": cfg.load_format, "dtype": cfg.dtype,
+    return {"model": cfg.model, "load_format": cfg.load_format, "dtype": cfg.dtype, "tp_size": cfg.tp_size,
+            "custom_all_reduce": cfg.enable_custom_all_reduce,
             "attention_backend": cfg.attention_backend, "overlap_schedule": cfg.overlap_schedule,
             "cuda_graph": sched.runner.graph_runner is not None, "max_total_tokens": sched.kv.capacity,
             "max_running_requests": sched.runner.plan.max_running_requests,
@@ -181,7 +182,7 @@ def cmd_one_batch(args: argparse.Namespace) -> int:
         **clock.decode_summary(),
     }
     graphs = sched.runner.graph_runner
-    if graphs is not None:
+    if graphs is not None and sched.config.tp_size == 1:  # (a lone replay on rank 0 would leave the other ranks out)
         # the device floor of a step: the captured forward alone, at the mean decode length
         seq_len = args.input_len + args.output_len // 2
         replay_ms = graphs.time_replay_ms(args.batch_size, seq_len)

@@ -30,6 +30,7 @@ from radixmesh.engine.disagg.messages import (
     ResolveReservationMsg,
     TransferDoneReqMsg,
 )
+from radixmesh.engine.distributed.sharding import check_tensor_parallel
 from radixmesh.engine.kv_events import KVEventsMsg
 from radixmesh.engine.loader import PreparedModel, prepare_model
 from radixmesh.engine.messages import (
@@ -88,6 +89,7 @@ class EngineClient:
         config = config.resolve()
         prepared = await asyncio.to_thread(prepare_model, config.model, config.load_format,
                                              tokenizer=config.tokenizer)
+        check_tensor_parallel(prepared.config, config.tp_size)  # a clear error before any process starts
         tokenizer = await asyncio.to_thread(load_tokenizer, prepared.tokenizer_path) \
             if prepared.tokenizer_path else None
         client = cls(config, prepared, tokenizer)

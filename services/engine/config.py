@@ -11,6 +11,7 @@ SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+MAX_TP_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,10 @@ class EngineConfig:
     """Append text a grammar forces without one forward pass per token (re-tokenized at the boundary)."""
     grammar_service: str | None = None
     """host:port of `radixmesh grammar`: fetch compiled grammars from it (compile here if it is unreachable)."""
+    tp_size: int = 1
+    """Tensor-parallel ranks of this worker (one device each; NCCL on CUDA, gloo on CPU): docs/tensor-parallel.md."""
+    enable_custom_all_reduce: bool = False
+    """TP on CUDA: small all-reduces by a one-shot kernel over CUDA-IPC buffers instead of NCCL (needs GPU P2P)."""
 
     def __post_init__(self) -> None:
         _in(self.device, DEVICES, "device")
@@ -115,6 +120,8 @@ class EngineConfig:
             raise invalid_argument("kv_events_block_size must be >= 0", "kv_events_block_size")
         if self.context_length is not None and self.context_length < 2:
             raise invalid_argument("context_length must be >= 2", "context_length")
+        if not 1 <= self.tp_size <= MAX_TP_SIZE:
+            raise invalid_argument(f"tp_size must be in [1, {MAX_TP_SIZE}] (got {self.tp_size})", "tp_size")
         self._check_grammar_options()
 
     def _check_grammar_options(self) -> None:

@@ -112,7 +112,7 @@ class CudaGraphRunner:
         backend = runner.attn_backend
         assert backend.supports_cuda_graph, f"{type(backend).__name__} cannot run in CUDA graphs"
         self.max_kv_indices = backend.init_cuda_graph_state(self.max_bs, runner.context_len, runner.kv_pool,
-                                                            runner.model_config.num_heads)
+                                                            runner.layout.num_heads)
         # [6 * max_bs] int64, viewed per batch size B as 6 rows of B (see GraphInputs)
         self.flat_inputs = torch.zeros(6 * self.max_bs, dtype=torch.int64, device=self.device)
         self.inputs = {bs: GraphInputs.of(self.flat_inputs, bs) for bs in self.sizes}

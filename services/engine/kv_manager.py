@@ -71,7 +71,7 @@ class KVCacheManager:
             req.req_pool_idx = rows[0]
         prefix_len = len(req.prefix_indices)
         if prefix_len:
-            self.req_pool.req_to_token[req.req_pool_idx, :prefix_len] = req.prefix_indices
+            self.req_pool.write(req.req_pool_idx, 0, req.prefix_indices)
         req.kv_len = prefix_len
         return True
 
@@ -85,7 +85,7 @@ class KVCacheManager:
         self.unlock(req)
         match = self.tree.match_prefix(tokens)
         assert len(match.indices) == req.kv_len, "tree lost tokens it was just given"
-        row[: req.kv_len] = match.indices
+        self.req_pool.write(req.req_pool_idx, 0, match.indices)
         req.prefix_indices = match.indices
         req.last_node = match.last_node
         self.tree.inc_lock_ref(match.last_node)

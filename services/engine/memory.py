@@ -24,7 +24,24 @@ class ReqToTokenPool:
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=self.device)
         self._free_rows: list[int] = []
         self._is_free: list[bool] = []
+        self.journal: list[tuple[int, int, torch.Tensor]] | None = None
+        """`write`s since the last `drain_journal`, kept for tensor-parallel ranks to replay (None: not kept)."""
         self.clear()
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """`req_to_token[row, start:start + len(slots)] = slots`, recorded in the journal when one is kept."""
+        if slots.shape[0] == 0:
+            return
+        self.req_to_token[row, start:start + slots.shape[0]] = slots
+        if self.journal is not None:
+            self.journal.append((row, start, slots))
+
+    def drain_journal(self) -> list[tuple[int, int, torch.Tensor]]:
+        """The journal's writes, oldest first, leaving it empty."""
+        if self.journal is None:
+            return []
+        journal, self.journal = self.journal, []
+        return journal
 
     def alloc(self, n: int = 1) -> list[int] | None:
         """Take `n` free rows; None (and nothing taken) when fewer than `n` are free."""

@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,8 +18,9 @@ from radixmesh.engine.batch import ScheduleBatch, future_index, resolve_futures
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.cuda_graph_runner import CudaGraphRunner
 from radixmesh.engine.device_io import rows_to_device
+from radixmesh.engine.distributed.sharding import TP_NONE, RankLink, ShardLayout
 from radixmesh.engine.grammar.vocab_mask import VocabMask
-from radixmesh.engine.loader import PreparedModel, iter_weights
+from radixmesh.engine.loader import PreparedModel, iter_weight_slices, iter_weights
 from radixmesh.engine.loader.dummy import init_dummy_
 from radixmesh.engine.memory import KVSlotAllocator, ReqToTokenPool, TokenToKVPool
 from radixmesh.engine.models.layers import enable_gemv
@@ -27,6 +29,9 @@ from radixmesh.engine.request import Req
 from radixmesh.engine.sampling.batch_info import SamplingBatchInfo, SamplingInfoCache
 from radixmesh.engine.sampling.prompt_logprobs import score_prompt_tokens
 from radixmesh.engine.sampling.sampler import SampleOutput, Sampler
+
+if TYPE_CHECKING:
+    from radixmesh.engine.distributed.leader import TpLeader
 
 logger = logging.getLogger(__name__)
 
@@ -42,18 +47,46 @@ class MemoryPlan:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, prepared: PreparedModel) -> None:
+    def __init__(self, config: EngineConfig, prepared: PreparedModel, rank_link: RankLink | None = None) -> None:
+        """`rank_link`: a tensor-parallel rank other than 0 (`follower.FollowerLink`); without one,
+        `config.tp_size > 1` makes this runner rank 0, which starts the other ranks."""
         self.config = config
         self.model_config = prepared.config
-        self.device = torch.device(config.device)
+        self.tp_leader: TpLeader | None = None
+        if rank_link is None and config.tp_size > 1:
+            from radixmesh.engine.distributed.leader import TpLeader
+
+            rank_link = self.tp_leader = TpLeader.start(config, prepared)
+        self.rank_link = rank_link
+        self.tp = rank_link.tp if rank_link is not None else TP_NONE
+        self.layout = ShardLayout.of(prepared.config, self.tp.rank, self.tp.size)
+        """This rank's heads, MLP width and vocabulary rows (the whole model without TP)."""
+        try:
+            self._build(config, prepared)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, prepared: PreparedModel) -> None:
+        self.device = torch.device("cuda", self.tp.rank) if self.tp.enabled and config.device == "cuda" \
+            else torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
         self.context_len = config.context_length or prepared.config.context_len
         self.model = self._load_model(prepared)
+        if self.rank_link is not None:
+            self.rank_link.stage("loaded")  # rank 0 waits here until every rank holds its shard
         self.plan = self._plan_memory()
         mc = self.model_config
         self.req_pool = ReqToTokenPool(self.plan.max_running_requests + 1, self.context_len + 1, self.device)
-        self.kv_pool = TokenToKVPool(self.plan.max_total_tokens, mc.num_layers, mc.num_kv_heads,
+        self.kv_pool = TokenToKVPool(self.plan.max_total_tokens, mc.num_layers, self.layout.num_kv_heads,
                                      mc.head_dim, self.dtype, self.device)
+        self.kv_transfer_pool = self.kv_pool
+        """The pool KV transports read and write: under TP, all ranks' KV heads (`ShardedKVPool`)."""
+        if self.tp_leader is not None:
+            from radixmesh.engine.distributed.kv_pool import ShardedKVPool
+
+            self.req_pool.journal = []  # the other ranks replay rank 0's req_to_token writes
+            self.kv_transfer_pool = ShardedKVPool(self.kv_pool, self.tp_leader)
         self.allocator = KVSlotAllocator(self.plan.max_total_tokens, self.device)
         self.attn_backend = create_backend(config.attention_backend)
         self.sampler = Sampler(seed=config.random_seed)
@@ -68,15 +101,20 @@ class ModelRunner:
             raise invalid_argument("--device cuda was asked for but no CUDA device is available", "device")
         start = time.perf_counter()
         with torch.device("meta"):  # no memory and no init: every parameter is filled below
-            model = model_class(self.model_config)(self.model_config)
+            model = model_class(self.model_config)(self.model_config, self.tp)
         model = model.to_empty(device=self.device).to(self.dtype)
         for module in model.modules():
             if hasattr(module, "init_buffers"):
                 module.init_buffers()
-        if prepared.load_format == "dummy":
+        if prepared.load_format == "dummy" and self.tp.enabled:  # each rank cuts its shard of the same model
+            from radixmesh.engine.distributed.dummy_weights import iter_whole_dummy_weights
+
+            model.load_weights(iter_whole_dummy_weights(self.model_config, self.config.random_seed, self.device,
+                                                        self.dtype))
+        elif prepared.load_format == "dummy":
             init_dummy_(model, seed=self.config.random_seed)
-        else:
-            model.load_weights(iter_weights(prepared))
+        else:  # a TP rank reads only its slices of the checkpoint
+            model.load_weights(iter_weight_slices(prepared) if self.tp.enabled else iter_weights(prepared))
         model.eval()
         half = self.dtype in (torch.bfloat16, torch.float16)
         if self.device.type == "cuda" and half and not self.config.disable_gemv:
@@ -86,7 +124,7 @@ class ModelRunner:
 
     def _plan_memory(self) -> MemoryPlan:
         mc = self.model_config
-        per_token = TokenToKVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        per_token = TokenToKVPool.bytes_per_token(mc.num_layers, self.layout.num_kv_heads, mc.head_dim, self.dtype)
         if self.config.max_total_tokens is not None:
             total = self.config.max_total_tokens
         elif self.device.type == "cuda":
@@ -99,6 +137,9 @@ class ModelRunner:
         else:
             free_ram = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             total = int(free_ram * CPU_KV_RAM_SHARE * self.config.mem_fraction_static // per_token)
+        if self.tp.enabled:  # every rank's pool has the same slots
+            assert self.tp.comm is not None
+            total = self.tp.comm.min_int(total)
         if total < 2:
             raise invalid_argument("not enough memory for a KV cache; lower the model size or free memory",
                                    "mem_fraction_static")
@@ -117,6 +158,8 @@ class ModelRunner:
         num_reqs = len(batch.reqs)
         vocab_mask = before_sample() if before_sample is not None else None
         sampled = self.sample(batch, logits[:num_reqs], vocab_mask)
+        if self.tp_leader is not None:
+            self.tp_leader.share_tokens(sampled.next_token_ids)
         plan = batch.prompt_logprobs
         if plan is not None and plan.rows:
             top_n = max((r.params.top_logprobs for r, n in zip(batch.reqs, plan.counts) if n), default=0)
@@ -128,6 +171,8 @@ class ModelRunner:
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:
         """Logits (float32) for each request's last new token `[batch, vocab]`, then for the packed
         tokens that score prompt log-probs `[num_scored, vocab]` (EXTEND only)."""
+        if self.tp_leader is not None:  # the same pass on every rank
+            self.tp_leader.publish_forward(batch, self.req_pool.drain_journal())
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch, self.last_tokens)
         fb = self._forward_batch(batch)
@@ -165,6 +210,11 @@ class ModelRunner:
         info.vocab_mask = vocab_mask
         return self.sampler(logits, info, return_logprobs=info.return_logprobs,
                             top_logprobs_num=info.top_logprobs_num)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0; nothing to do otherwise)."""
+        if self.tp_leader is not None:
+            self.tp_leader.close()
 
     def _build_sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo:
         return SamplingBatchInfo.build(

@@ -68,6 +68,7 @@ def run_scheduler_process(config: EngineConfig, prepared: PreparedModel, recv_ad
         traceback.print_exc()
         send.send(encoder.encode(FatalMsg(f"scheduler crashed: {type(exc).__name__}: {exc}")))
     finally:
+        loop.scheduler.runner.close()  # stops the other tensor-parallel ranks
         recv.close(0)
         send.close(linger=1000)
         ctx.term()

@@ -276,6 +276,11 @@ imagePullSecrets: {{- toYaml . | nindent 2 }}
 {{- end -}}
 
 {{/* Engine flags from the engine values map (camelCase keys -> --kebab-case flags; null skipped). */}}
+{{/* GPUs of a worker pod (its merged values): `gpus` when set, else one per tensor-parallel rank. */}}
+{{- define "radixmesh.workerGpus" -}}
+{{- if kindIs "invalid" .gpus }}{{ .engine.tpSize | default 1 | int }}{{ else }}{{ .gpus | int }}{{ end -}}
+{{- end -}}
+
 {{- define "radixmesh.engineArgs" -}}
 {{- range $key := keys . | sortAlpha }}
 {{- $value := index $ $key }}

@@ -44,7 +44,7 @@ class DisaggHandler:
         """The transport `transport_id` over this scheduler's pool, created on first use."""
         transport = self._transports.get(transport_id)
         if transport is None:
-            transport = create_transport(transport_id, self.sched.runner.kv_pool)
+            transport = create_transport(transport_id, self.sched.runner.kv_transfer_pool)
             self._transports[transport_id] = transport
         return transport
 

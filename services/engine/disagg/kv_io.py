@@ -15,7 +15,11 @@ def packed_shape(pool: TokenToKVPool, num_layers: int, num_tokens: int) -> tuple
 
 def gather(pool: TokenToKVPool, slots: torch.Tensor, out: torch.Tensor, layer_begin: int = 0) -> None:
     """`out[i] = (K, V)` of layer `layer_begin + i` at `slots`, for every layer of `out`."""
-    if pool.device.type == "cuda":
+    from radixmesh.engine.distributed.kv_pool import ShardedKVPool
+
+    if isinstance(pool, ShardedKVPool):  # tensor parallelism: every rank's KV heads
+        pool.gather(slots, out, layer_begin)
+    elif pool.device.type == "cuda":
         from radixmesh.kernels.kv_transfer import gather_kv
 
         gather_kv(pool.k_buffers, pool.v_buffers, slots, out, layer_begin)
@@ -25,7 +29,11 @@ def gather(pool: TokenToKVPool, slots: torch.Tensor, out: torch.Tensor, layer_be
 
 def scatter(pool: TokenToKVPool, slots: torch.Tensor, src: torch.Tensor, layer_begin: int = 0) -> None:
     """Write `src[i]` (K, V of layer `layer_begin + i`) into the pool at `slots`."""
-    if pool.device.type == "cuda":
+    from radixmesh.engine.distributed.kv_pool import ShardedKVPool
+
+    if isinstance(pool, ShardedKVPool):  # tensor parallelism: each rank keeps its KV heads
+        pool.scatter(slots, src, layer_begin)
+    elif pool.device.type == "cuda":
         from radixmesh.kernels.kv_transfer import scatter_kv
 
         scatter_kv(pool.k_buffers, pool.v_buffers, slots, src, layer_begin)

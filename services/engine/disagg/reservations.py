@@ -137,7 +137,7 @@ class ReservationManager:
             return None
         assert req.req_pool_idx is not None
         prefix_len = req.kv_len
-        kv.req_pool.req_to_token[req.req_pool_idx, prefix_len:prefix_len + suffix_len] = slots
+        kv.req_pool.write(req.req_pool_idx, prefix_len, slots)
         req.admitted_at = time.time()  # the end of its queue wait, as for a locally prefilled request
         return Reservation(msg.reservation_id, msg.query_id, req, slots, prefix_len, self.clock() + msg.lease_s,
                            layers_received=[False] * sched.runner.kv_pool.num_layers)

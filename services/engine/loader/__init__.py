@@ -30,7 +30,12 @@ from radixmesh.engine.loader.default_model import (
     resolve_model_path,
 )
 from radixmesh.engine.loader.dummy import NAMED_SHAPES, init_dummy_, named_shape_config
-from radixmesh.engine.loader.safetensors_loader import iter_safetensors_weights, safetensors_files
+from radixmesh.engine.loader.safetensors_loader import (
+    SafetensorsSlice,
+    iter_safetensors_slices,
+    iter_safetensors_weights,
+    safetensors_files,
+)
 from radixmesh.engine.model_config import ModelConfig
 
 LOAD_FORMATS = frozenset({"auto", "safetensors", "gguf", "dummy"})
@@ -121,6 +126,14 @@ def iter_weights(prepared: PreparedModel, progress: bool = True) -> Iterator[tup
     return iter_safetensors_weights(prepared.model_path, progress)
 
 
+def iter_weight_slices(prepared: PreparedModel, progress: bool = True) -> Iterator[tuple[str, SafetensorsSlice]]:
+    """`(hf_name, lazy tensor)` pairs: a tensor-parallel rank reads only its shards (GGUF models load
+    from their converted safetensors)."""
+    if prepared.load_format == "dummy" or prepared.model_path is None:
+        raise invalid_argument("dummy models have no checkpoint; fill them with init_dummy_", "load_format")
+    return iter_safetensors_slices(prepared.model_path, progress)
+
+
 def _prepare_dummy(model: str | None, progress: bool, lend_tokenizer: bool) -> PreparedModel:
     key = "smollm2-135m" if model is None or model.lower() in DEFAULT_MODEL_ALIASES else model.lower()
     if key in NAMED_SHAPES:
@@ -171,6 +184,7 @@ __all__ = [
     "PreparedModel",
     "ensure_default_model",
     "init_dummy_",
+    "iter_weight_slices",
     "iter_weights",
     "prepare_model",
     "resolve_model_path",

@@ -6,6 +6,7 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -29,6 +30,35 @@ def iter_safetensors_weights(model_dir: str | Path,
                disable=not progress or len(files) < 2, leave=False)
     for file in bar:
         yield from _iter_file(file)
+
+
+def iter_safetensors_slices(model_dir: str | Path,
+                            progress: bool = True) -> Iterator[tuple[str, SafetensorsSlice]]:
+    """Like `iter_safetensors_weights`, but each tensor is a lazy handle that reads only the slice
+    asked for (a tensor-parallel rank reads its shard of the checkpoint, not the whole of it)."""
+    files = safetensors_files(model_dir)
+    bar = tqdm(files, desc="radixmesh: loading shards", unit="shard", file=sys.stderr,
+               disable=not progress or len(files) < 2, leave=False)
+    for file in bar:
+        yield from _iter_file_slices(file)
+
+
+class SafetensorsSlice:
+    """One checkpoint tensor, read on demand: `narrow(dim, start, length)` reads just that slice."""
+
+    def __init__(self, path: Path, name: str, handle: Any) -> None:
+        self.path, self.name, self._handle = path, name, handle
+        self.shape = tuple(handle.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        from safetensors import SafetensorError
+
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        try:
+            tensor: torch.Tensor = self._handle[index]
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise invalid_argument(f"corrupt safetensors file {self.path}: tensor {self.name}: {exc}") from None
+        return tensor
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -70,6 +100,18 @@ def _iter_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, f.get_tensor(name)
+    except (SafetensorError, OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise invalid_argument(f"corrupt safetensors file {path}: {first}") from None
+
+
+def _iter_file_slices(path: Path) -> Iterator[tuple[str, SafetensorsSlice]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, SafetensorsSlice(path, name, f.get_slice(name))
     except (SafetensorError, OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise invalid_argument(f"corrupt safetensors file {path}: {first}") from None

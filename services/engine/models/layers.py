@@ -181,10 +181,11 @@ class GatedMLP(nn.Module):
     """SiLU-gated MLP with gate and up projections stacked in one weight `[2 * inter, hidden]`
     (checkpoints' `gate_proj`/`up_proj` load into its halves: see `STACKED_PARAMS`)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, down_proj: nn.Module | None = None) -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        # tensor parallelism passes a row-parallel layer (its all-reduce sums the ranks' halves)
+        self.down_proj = down_proj if down_proj is not None else Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

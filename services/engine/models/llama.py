@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from radixmesh.engine.attention.base import AttentionLayerSpec, ForwardBatch
+from radixmesh.engine.distributed.sharding import TP_NONE, ShardLayout, TensorParallel, WeightSource, take_shard
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from radixmesh.engine.models.parallel import ParallelLMHead, VocabParallelEmbedding, row_parallel_linear
 
 # checkpoint projection -> (stacked parameter, shard index): q/k/v and gate/up are one GEMM each
 STACKED_PARAMS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -21,13 +23,15 @@ STACKED_PARAMS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj"
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 tp: TensorParallel = TP_NONE) -> None:
         super().__init__()
-        h, d = config.num_heads, config.head_dim
-        kvh = config.num_kv_heads
+        layout = ShardLayout.of(config, tp.rank, tp.size)
+        h, d = layout.num_heads, config.head_dim  # this rank's heads (all of them without TP)
+        kvh = layout.num_kv_heads
         # q, k and v projections stacked in one weight (one GEMM); checkpoints load by shard
         self.qkv_proj = Linear(config.hidden_size, (h + 2 * kvh) * d, bias=config.attention_bias)
-        self.o_proj = Linear(h * d, config.hidden_size, bias=False)
+        self.o_proj = row_parallel_linear(h * d, config.hidden_size, tp)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = [rotary]  # shared; kept in a list so it is not registered once per layer
@@ -55,10 +59,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 tp: TensorParallel = TP_NONE) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_id, rotary)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.self_attn = Attention(config, layer_id, rotary, tp)
+        inter = config.intermediate_size // tp.size  # this rank's MLP width
+        self.mlp = GatedMLP(config.hidden_size, inter, row_parallel_linear(inter, config.hidden_size, tp))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -76,12 +82,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = TP_NONE) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_layers))
+        self.embed_tokens: nn.Module = (VocabParallelEmbedding(ShardLayout.of(config, tp.rank, tp.size),
+                                                               config.hidden_size, tp) if tp.enabled
+                                        else nn.Embedding(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -96,11 +104,14 @@ class CausalLM(nn.Module):
     """Returns next-token logits `[batch, vocab]` for the last new token of each request, followed by
     the logits of `batch.extra_logit_rows` when an extend pass asks for them."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = TP_NONE) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.layout = ShardLayout.of(config, tp.rank, tp.size)
+        """This rank's share of the model (all of it without TP)."""
+        self.model = DecoderModel(config, tp)
+        self.lm_head = (ParallelLMHead(self.layout, config.hidden_size, config.vocab_size, tp) if tp.enabled
+                        else Linear(config.hidden_size, config.vocab_size, bias=False))
         self.init_buffers()
 
     def init_buffers(self) -> None:
@@ -119,11 +130,12 @@ class CausalLM(nn.Module):
             hidden = hidden[rows]
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
         """Copy checkpoint tensors into parameters by Hugging Face name; all must be present.
 
         `q_proj`/`k_proj`/`v_proj` and `gate_proj`/`up_proj` land in row ranges of the stacked
-        `qkv_proj` and `gate_up_proj` parameters.
+        `qkv_proj` and `gate_up_proj` parameters. Under TP only this rank's slice of each tensor is
+        read (`ShardLayout.checkpoint_slice`; lazy sources read nothing else).
         """
         params = dict(self.named_parameters())
         loaded: set[tuple[str, int]] = set()
@@ -139,6 +151,7 @@ class CausalLM(nn.Module):
             if shard >= 0:
                 start, size = self._shard_rows(target, shard)
                 dest = dest.narrow(0, start, size)
+            tensor, dest = take_shard(self.layout, name, tensor, dest)
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dest.shape)}")
@@ -162,7 +175,7 @@ class CausalLM(nn.Module):
         return name, -1
 
     def _shard_sizes(self, name: str) -> tuple[int, ...]:
-        c = self.config
+        c = self.layout  # this rank's heads and MLP width
         if ".qkv_proj." in name:
             return (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
         if ".gate_up_proj." in name:

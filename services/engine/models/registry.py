@@ -17,10 +17,11 @@ _MODELS: dict[str, str] = {
 }
 
 
-def model_class(config: ModelConfig) -> Callable[[ModelConfig], nn.Module]:
+def model_class(config: ModelConfig) -> Callable[..., nn.Module]:
+    """The model class of `config`'s family: `cls(config)`, or `cls(config, tp)` for one tensor-parallel rank."""
     target = _MODELS.get(config.family)
     if target is None:
         raise unsupported(f"no model implementation for family {config.family!r}")
     module, _, attr = target.partition(":")
-    cls: Callable[[ModelConfig], nn.Module] = getattr(importlib.import_module(module), attr)
+    cls: Callable[..., nn.Module] = getattr(importlib.import_module(module), attr)
     return cls
