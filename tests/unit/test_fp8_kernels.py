@@ -24,8 +24,10 @@ from radixmesh.kernels.fp8_ref import (
     dequantize_rows,
     fp8_gemv_reference,
     fp8_limit,
-    quantize_rows as quantize_rows_ref,
     quantize_scaled,
+)
+from radixmesh.kernels.fp8_ref import (
+    quantize_rows as quantize_rows_ref,
 )
 from radixmesh.kernels.fused import KVStoreTarget, apply_rotary_
 from radixmesh.kernels.gemv import GemvConfig, gemv_fp8

@@ -97,8 +97,9 @@ class Fp8LinearMethod(LinearMethod):
         return self.adapter.kv_scales if self.adapter is not None else {}
 
     def describe(self) -> dict[str, object]:
+        source = self.checkpoint.source_format if self.checkpoint else None
         info: dict[str, object] = {"quantization": self.name, "fp8_linear_layers": len(self.layers),
-                                   "checkpoint_quantization": self.checkpoint.source_format if self.checkpoint else None}
+                                   "checkpoint_quantization": source}
         if self.gemm is not None:
             info["fp8_gemm_kernels"] = {f"{n}x{k}": row for (n, k), row in self.gemm.table.items()}
         return info
