@@ -22,12 +22,13 @@ from typing import Any
 import torch
 
 from radixmesh.engine.attention.base import ForwardBatch, ForwardMode
+from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.llama import STACKED_PARAMS
 
 
 def checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's parameters under their checkpoint names: stacked q/k/v and gate/up split back."""
-    config = model.config  # type: ignore[attr-defined]
+    config: ModelConfig = model.config
     sizes = {"qkv_proj": [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2,
              "gate_up_proj": [config.intermediate_size] * 2}
     for name, param in model.named_parameters():
@@ -49,7 +50,9 @@ def prefill_logits(runner: Any, prompts: list[list[int]]) -> torch.Tensor:
     slots = runner.allocator.alloc(num_tokens)
     rows = runner.req_pool.alloc(len(prompts))
     assert slots is not None and rows is not None, "prompts do not fit the KV pool"
-    ids, positions, start = [], [], 0
+    ids: list[int] = []
+    positions: list[int] = []
+    start = 0
     for row, prompt in zip(rows, prompts):
         runner.req_pool.req_to_token[row, :len(prompt)] = slots[start:start + len(prompt)]
         ids += prompt

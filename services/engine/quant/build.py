@@ -31,7 +31,7 @@ def build_linear_method(quantization: str | None, model_config: ModelConfig, dev
         raise unsupported(f"--quantization {name} cannot apply to a checkpoint already quantized "
                           f"({checkpoint.source_format}); leave the flag out or use {checkpoint.method}",
                           "quantization")
-    what = f"--quantization {name}" if quantization else f"this {checkpoint.source_format} checkpoint"  # type: ignore[union-attr]
+    what = f"--quantization {name}" if checkpoint is None else f"this {checkpoint.source_format} checkpoint"
     require_fp8(device, what, "quantization")
     if device.type == "cpu":
         logger.info("%s on the CPU: FP8 weights, float32 arithmetic (the reference path, not fast)", what)

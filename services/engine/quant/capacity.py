@@ -30,7 +30,7 @@ def build_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     result = {"variant": variant, "max_total_tokens": runner.plan.max_total_tokens,
               "kv_bytes_per_token": info["kv_bytes_per_token"], "kv_cache_dtype": info["kv_cache_dtype"],
               "weight_gib": round(weight_bytes / 2**30, 3),
-              "kv_pool_gib": round(runner.plan.max_total_tokens * int(info["kv_bytes_per_token"]) / 2**30, 3)}  # type: ignore[call-overload]
+              "kv_pool_gib": round(runner.plan.max_total_tokens * int(str(info["kv_bytes_per_token"])) / 2**30, 3)}
     del runner
     gc.collect()
     if torch.cuda.is_available():

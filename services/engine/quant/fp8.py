@@ -88,7 +88,7 @@ class Fp8LinearMethod(LinearMethod):
             logger.info("FP8 checkpoint: %d static input scales not used (activations get dynamic per-token "
                         "scales)", self.adapter.num_input_scales)
         if self.gemm is not None:
-            self.gemm.plan(tuple(layer.weight.shape) for layer in self.layers.values())  # type: ignore[misc]
+            self.gemm.plan((int(layer.weight.shape[0]), int(layer.weight.shape[1])) for layer in self.layers.values())
         logger.info("FP8 weights in %d linear layers (%s)", len(self.layers),
                     self.checkpoint.source_format + " checkpoint" if self.checkpoint else "quantized at load")
 

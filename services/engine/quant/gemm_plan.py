@@ -11,6 +11,7 @@ serving. Choosing is host work on ints only, so calls stay capturable in CUDA gr
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 from collections.abc import Callable, Iterable
 
@@ -95,7 +96,8 @@ class Fp8GemmPlan:
         row: dict[str, object] = {"n": n, "k": k, "m": m}
         for name, fn in GEMMS.items():
             try:
-                row[f"{name}_us"] = round(time_gemm(lambda fn=fn: fn(xq, xs, w, ws, self.out_dtype)) * 1e6, 2)
+                call = functools.partial(fn, xq, xs, w, ws, self.out_dtype)
+                row[f"{name}_us"] = round(time_gemm(call) * 1e6, 2)
             except Exception as exc:  # an unsupported kernel must not reach serving
                 logger.warning("FP8 GEMM %s failed on %dx%dx%d and is not used: %s", name, m, n, k, exc)
         times = {name: row[f"{name}_us"] for name in GEMMS if f"{name}_us" in row}
