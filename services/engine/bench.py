@@ -153,7 +153,7 @@ def settings(sched: Any, args: argparse.Namespace) -> dict[str, Any]:
     cfg = sched.config
     return {"model": cfg.model, "load_format": cfg.load_format, "dtype": cfg.dtype,
             "attention_backend": cfg.attention_backend, "overlap_schedule": cfg.overlap_schedule,
-            "quantization": sched.runner.memory_info()["quantization"], "kv_cache_dtype": cfg.kv_cache_dtype,
+            **sched.runner.memory_info(),
             "cuda_graph": sched.runner.graph_runner is not None, "max_total_tokens": sched.kv.capacity,
             "max_running_requests": sched.runner.plan.max_running_requests,
             "chunked_prefill_size": cfg.chunked_prefill_size, "command": " ".join(sys.argv)}

@@ -102,6 +102,7 @@ class Fp8LinearMethod(LinearMethod):
                                    "checkpoint_quantization": source}
         if self.gemm is not None:
             info["fp8_gemm_kernels"] = {f"{n}x{k}": row for (n, k), row in self.gemm.table.items()}
+            info["fp8_gemm_timings_us"] = self.gemm.timings
         return info
 
     # ---- forward -----------------------------------------------------------------------------
