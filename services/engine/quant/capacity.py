@@ -45,6 +45,7 @@ def cmd_kv_capacity(args: argparse.Namespace) -> int:
               f"KV {row['kv_pool_gib']} GiB, weights {row['weight_gib']} GiB)")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result = {"bench": "kv-capacity", "model": args.model_shape or args.model, "device": device,
+              "load_format": args.load_format,
               "mem_fraction_static": args.mem_fraction_static, "variants": rows, "command": " ".join(sys.argv)}
     line = json.dumps(result)
     print(line)
