@@ -119,8 +119,8 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       $RM bench structured $common --schema long-keys --profile-host
       $RM bench structured $common --schema long-keys --enable-jump-forward ;;
     fp8-tests)  # FP8 kernels vs their references (compiled) and FP8 engine paths on small random models
-      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_fp8_gpu.py
-      python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_fp8_kernels.py ;;
+      python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/gpu/test_fp8_gpu.py -s
+      python3 -m pytest -q -p no:cacheprovider tests/unit/test_fp8_kernels.py ;;
     fp8-kernel)  # 8B layer shapes: bf16 cuBLAS vs torch._scaled_mm vs the Triton FP8 GEMM per M; FP8 GEMV at M = 1
       python3 -m radixmesh.kernels.bench_fp8 | tee "$OUT/fp8-kernel.jsonl" ;;
     fp8-one-batch)  # 8B batch-1 decode with FP8 weights (target >= 300 tok/s), then with FP8 weights + FP8 KV

@@ -33,7 +33,8 @@ from radixmesh.kernels.kv_store import build_kv_indices, store_kv
 from radixmesh.kernels.reference import attention_reference
 
 from ..unit.fp8_factory import HF_CONFIG, quantized, write_checkpoint
-from ..unit.scheduler_factory import Collector, run_until_idle
+from ..unit.scheduler_factory import Collector, make_requests, make_scheduler, run_until_idle
+from .test_hot_path_gpu import GPU_ENGINE, _run_monitored, _warm_up, model_config
 
 pytestmark = pytest.mark.gpu
 
@@ -190,19 +191,6 @@ def test_fp8_weights_and_kv_decode_in_cuda_graphs_with_overlap_like_eager() -> N
     assert same >= 0.75 * 16 * len(prompts), outputs
 
 
-def test_fp8_kv_pool_holds_twice_the_tokens() -> None:
-    sizes = {}
-    for kv in ("auto", "fp8_e4m3"):
-        runner = _runner(disable_cuda_graph=True, max_total_tokens=None, kv_cache_dtype=kv)
-        sizes[kv] = (runner.plan.max_total_tokens, runner.memory_info()["kv_bytes_per_token"])
-        del runner
-        gc.collect()
-        torch.cuda.empty_cache()
-    print("KV tokens (bf16, fp8):", sizes)
-    assert sizes["fp8_e4m3"][1] * 2 == sizes["auto"][1]
-    assert 1.9 <= sizes["fp8_e4m3"][0] / sizes["auto"][0] <= 2.1
-
-
 def test_fp8_checkpoint_on_the_gpu_matches_quantization_at_load(tmp_path) -> None:
     ref = ModelRunner(EngineConfig(device="cpu", dtype="float32", max_total_tokens=1024, load_format="dummy").resolve(),
                       PreparedModel("tiny", ModelConfig.from_hf_dict(HF_CONFIG), "dummy", None, None))
@@ -221,3 +209,31 @@ def test_fp8_checkpoint_on_the_gpu_matches_quantization_at_load(tmp_path) -> Non
     at_load, published = load(plain, quantization="fp8"), load(fp8_dir)
     torch.testing.assert_close(prefill_logits(published, prompts), prefill_logits(at_load, prompts), atol=1e-3,
                                rtol=1e-3)
+
+
+def test_fp8_decode_with_graphs_and_overlap_never_syncs() -> None:
+    """The FP8 hot path (per-token quantization, FP8 GEMMs, the FP8 GEMV at batch 1, FP8 KV) under
+    PyTorch's sync debug mode, as test_hot_path_gpu checks the bf16 one (values are not compared)."""
+    sched, _ = make_scheduler(model_config(), **{**GPU_ENGINE, "dtype": "bfloat16"}, quantization="fp8",
+                              kv_cache_dtype="fp8_e4m3")
+    _warm_up(sched)
+    reqs = make_requests(4, seed=1, max_new_tokens=24)
+    for i, req in enumerate(reqs):  # lengths differ: the batch shrinks to 1 (the GEMV path)
+        req.params = SamplingParams(max_new_tokens=10 + 12 * i, temperature=0.0, ignore_eos=True)
+    _run_monitored(sched, reqs)
+
+
+def test_fp8_kv_pool_holds_twice_the_tokens() -> None:
+    """Last in the file: it sizes pools from free GPU memory, so earlier tests' memory must be released."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    sizes = {}
+    for kv in ("auto", "fp8_e4m3"):
+        runner = _runner(disable_cuda_graph=True, max_total_tokens=None, kv_cache_dtype=kv)
+        sizes[kv] = (runner.plan.max_total_tokens, runner.memory_info()["kv_bytes_per_token"])
+        del runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    print("KV tokens (bf16, fp8):", sizes)
+    assert sizes["fp8_e4m3"][1] * 2 == sizes["auto"][1]
+    assert 1.9 <= sizes["fp8_e4m3"][0] / sizes["auto"][0] <= 2.1
