@@ -8,6 +8,9 @@ import torch
 import triton.language as tl
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""Storage dtypes of FP8 weights and KV pools: values are stored scaled, read as `fp8 * scale`."""
+KV_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -27,6 +30,20 @@ def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> N
 
 def check_float(name: str, tensor: torch.Tensor) -> None:
     assert tensor.dtype in FLOAT_DTYPES, f"{name} has dtype {tensor.dtype}, expected one of {FLOAT_DTYPES}"
+
+
+def check_kv(name: str, tensor: torch.Tensor) -> None:
+    """A KV pool buffer: a float dtype, or FP8 (read and written through a per-tensor scale)."""
+    assert tensor.dtype in KV_DTYPES, f"{name} has dtype {tensor.dtype}, expected one of {KV_DTYPES}"
+
+
+def check_fp8(name: str, tensor: torch.Tensor) -> None:
+    assert tensor.dtype in FP8_DTYPES, f"{name} has dtype {tensor.dtype}, expected one of {FP8_DTYPES}"
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype (448 for e4m3fn, 57344 for e5m2); values are clamped to it."""
+    return float(torch.finfo(dtype).max)
 
 
 def check_index(name: str, tensor: torch.Tensor) -> None:

@@ -14,6 +14,9 @@ The chunk length is decided on the device from the request's own length
 (`ceil(seq_len / num_kv_splits)` rounded up to the KV tile), so a short request only
 uses a few of the launched splits and the launch shape depends on host ints alone:
 fixed `num_kv_splits` and scratch buffers make the pair CUDA-graph capturable.
+
+FP8 pools: tiles are widened in registers; `k_scale` is folded into the softmax scale and `v_scale`
+multiplies each split's output, so the loop does no extra work per element.
 """
 
 from __future__ import annotations
@@ -25,15 +28,18 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels._checks import (
+    FP8_DTYPES,
     check_device,
     check_float,
     check_index,
+    check_kv,
     check_last_dim_contiguous,
     check_shape,
     dot_dtype,
     dot_precision,
     next_power_of_2,
 )
+from radixmesh.kernels.kv_store import from_pool
 
 LOG2E = 1.4426950408889634
 DEFAULT_MAX_KV_SPLITS = 64
@@ -47,13 +53,13 @@ _CPU_NUM_SMS = 4
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_buf_ptr, v_buf_ptr, kv_indptr_ptr, kv_indices_ptr, mid_o_ptr, mid_lse_ptr,
-    qk_scale, num_kv_splits,
+    qk_scale, v_scale, num_kv_splits,
     stride_q_tok, stride_q_head,
     stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
     stride_mo_req, stride_mo_head, stride_mo_split, stride_ml_req, stride_ml_head,
     head_dim,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -87,19 +93,20 @@ def _decode_split_kernel(
         # [BLOCK_N, BLOCK_D]
         k = tl.load(k_base + slots[:, None] * stride_kb_slot + offs_d[None, :], mask=mask_kv, other=0.0)
         # [BLOCK_H, BLOCK_N], in log2 units
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(from_pool(k, DOT_DTYPE, KV_FP8)), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + slots[:, None] * stride_vb_slot + offs_d[None, :], mask=mask_kv, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), from_pool(v, DOT_DTYPE, KV_FP8),
+                                            input_precision=DOT_PRECISION)
         m_i = m_new
 
     # an empty split (past the end of a short request) writes lse = -inf and a zero partial
     has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None] * v_scale
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     req64 = req.to(tl.int64)
     tl.store(mid_o_ptr + req64 * stride_mo_req + heads[:, None] * stride_mo_head + split * stride_mo_split
@@ -216,7 +223,7 @@ def _block_sizes(head_dim: int) -> tuple[int, int, int]:
 
 def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
                          kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float, num_kv_splits: int,
-                         scratch: DecodeScratch | None = None) -> None:
+                         scratch: DecodeScratch | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Attention of one query per request over its KV, written to `out`.
 
     q, out: `[batch, num_heads, head_dim]`; k_buffer, v_buffer: `[num_slots, kv_heads, head_dim]`;
@@ -224,6 +231,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     `num_kv_splits` (host int, e.g. from `choose_num_kv_splits`) is the launched split count; a
     request uses fewer when it is short. `scratch` must fit (batch, heads, head_dim, num_kv_splits);
     without it, scratch is allocated per call (not CUDA-graph safe). No host sync.
+    FP8 buffers hold `k / k_scale` and `v / v_scale` (`kv_store.store_kv`); the kernels read them back
+    through the same scales.
     """
     _check_decode_args(q, k_buffer, v_buffer, out, kv_indptr, kv_indices, num_kv_splits)
     batch, num_heads, head_dim = q.shape
@@ -241,13 +250,13 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     block_n, num_warps, num_stages = _block_sizes(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, mid_o, mid_lse,
-        sm_scale * LOG2E, num_kv_splits,
+        sm_scale * LOG2E * k_scale, v_scale, num_kv_splits,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         head_dim,
         GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision(operand_dtype),
+        DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision(operand_dtype), KV_FP8=k_buffer.dtype in FP8_DTYPES,
         num_warps=num_warps, num_stages=num_stages,
     )
     _decode_merge_kernel[(batch, num_heads)](
@@ -277,8 +286,9 @@ def _check_decode_args(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
     assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} is not a multiple of kv_heads {num_kv_heads}"
     assert head_dim >= 16, f"head_dim {head_dim} < 16 is not supported (tl.dot needs K >= 16)"
     for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("out", out)):
-        check_float(name, t)
+        (check_kv if "buffer" in name else check_float)(name, t)
         check_last_dim_contiguous(name, t)
+    assert v_buffer.dtype == k_buffer.dtype, f"v_buffer is {v_buffer.dtype}, k_buffer is {k_buffer.dtype}"
     check_index("kv_indptr", kv_indptr)
     check_index("kv_indices", kv_indices)
     assert kv_indptr.shape[0] >= batch + 1, f"kv_indptr has {kv_indptr.shape[0]} entries, need batch + 1 = {batch + 1}"

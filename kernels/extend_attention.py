@@ -11,6 +11,7 @@ request and every query head of one KV head, flattened into BLOCK_M = BLOCK_T * 
 (row r is token r // G, head r % G, with G the group padded to a power of two), so each
 K/V tile is loaded once per group and feeds one `tl.dot` of BLOCK_M rows. Two loops:
 the prefix (no mask), then the new tokens up to the block's last query (causal mask).
+FP8 pools: tiles widen in registers, `k_scale` folds into the softmax scale, `v_scale` into the output.
 """
 
 from __future__ import annotations
@@ -20,15 +21,18 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels._checks import (
+    FP8_DTYPES,
     check_device,
     check_float,
     check_index,
+    check_kv,
     check_last_dim_contiguous,
     check_shape,
     dot_dtype,
     dot_precision,
     next_power_of_2,
 )
+from radixmesh.kernels.kv_store import from_pool
 
 LOG2E = 1.4426950408889634
 
@@ -37,7 +41,7 @@ LOG2E = 1.4426950408889634
 def _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, hi, rows_t, new_start,
                  stride_kb_slot, stride_vb_slot, offs_d, mask_d, qk_scale,
                  CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     """One online-softmax step over keys [n, n + BLOCK_N) ∩ [.., hi) of the request's slot list."""
     offs_n = n + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hi
@@ -46,7 +50,7 @@ def _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, 
     # [BLOCK_N, BLOCK_D]
     k = tl.load(k_base + slots[:, None] * stride_kb_slot + offs_d[None, :], mask=mask_kv, other=0.0)
     # [BLOCK_M, BLOCK_N], log2 units
-    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.dot(q, tl.trans(from_pool(k, DOT_DTYPE, KV_FP8)), input_precision=DOT_PRECISION) * qk_scale
     visible = mask_n[None, :]
     if CAUSAL:
         visible = visible & ((offs_n - new_start)[None, :] <= rows_t[:, None])
@@ -56,19 +60,21 @@ def _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, 
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + slots[:, None] * stride_vb_slot + offs_d[None, :], mask=mask_kv, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), from_pool(v, DOT_DTYPE, KV_FP8),
+                                        input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _extend_kernel(
     q_ptr, k_buf_ptr, v_buf_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-    qk_scale,
+    qk_scale, v_scale,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
     head_dim,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -103,13 +109,13 @@ def _extend_kernel(
     for n in range(0, prefix_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, prefix_hi,
                                      rows_t, prefix_len, stride_kb_slot, stride_vb_slot, offs_d, mask_d, qk_scale,
-                                     False, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
+                                     False, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_FP8)
     for n in range(prefix_len, new_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, new_hi,
                                      rows_t, prefix_len, stride_kb_slot, stride_vb_slot, offs_d, mask_d, qk_scale,
-                                     True, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
+                                     True, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_FP8)
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     o_rows = (q_start + rows_t) * stride_o_tok + heads * stride_o_head
     tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=mask_rd)
 
@@ -137,14 +143,15 @@ def _block_sizes(head_dim: int, group_pad: int, dtype: torch.dtype,
 
 def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
                          qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                         max_extend_len: int, sm_scale: float) -> None:
+                         max_extend_len: int, sm_scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Causal attention of packed new tokens over their requests' prefix plus themselves.
 
     q, out: `[num_tokens, num_heads, head_dim]`, request i's new tokens at rows
     `qo_indptr[i]:qo_indptr[i + 1]`; k_buffer, v_buffer: `[num_slots, kv_heads, head_dim]`, already
     holding the new tokens' K/V; request i's slots (prefix, then new tokens) are
     `kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`. `max_extend_len` (host int) bounds the new
-    tokens of any request and sizes the grid. No host sync.
+    tokens of any request and sizes the grid. No host sync. FP8 buffers are read as `fp8 * k_scale`
+    and `fp8 * v_scale`.
     """
     _check_extend_args(q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices, max_extend_len)
     num_tokens, num_heads, head_dim = q.shape
@@ -159,13 +166,13 @@ def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     grid = (batch, num_kv_heads, triton.cdiv(max_extend_len, block_t))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         head_dim,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_t * group_pad,
         BLOCK_D=next_power_of_2(head_dim), BLOCK_N=block_n,
-        DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision(operand_dtype),
+        DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision(operand_dtype), KV_FP8=k_buffer.dtype in FP8_DTYPES,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -187,8 +194,9 @@ def _check_extend_args(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
     assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} is not a multiple of kv_heads {num_kv_heads}"
     assert head_dim >= 16, f"head_dim {head_dim} < 16 is not supported (tl.dot needs K >= 16)"
     for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("out", out)):
-        check_float(name, t)
+        (check_kv if "buffer" in name else check_float)(name, t)
         check_last_dim_contiguous(name, t)
+    assert v_buffer.dtype == k_buffer.dtype, f"v_buffer is {v_buffer.dtype}, k_buffer is {k_buffer.dtype}"
     for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
         check_index(name, t)
     assert qo_indptr.shape[0] >= 1, "qo_indptr must have batch + 1 >= 1 entries"

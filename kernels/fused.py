@@ -20,11 +20,14 @@ from radixmesh.kernels._checks import (
     check_device,
     check_float,
     check_index,
+    check_kv,
     check_last_dim_contiguous,
     check_shape,
     next_power_of_2,
 )
+from radixmesh.kernels._fp8_cast import emulate_cast
 from radixmesh.kernels._jit import unspecialized
+from radixmesh.kernels.kv_store import fp8_store_args, to_pool
 
 _ACT_BLOCK = 1024  # elements of one SiLU-and-mul program
 
@@ -38,9 +41,12 @@ class KVStoreTarget(NamedTuple):
     k_buffer: torch.Tensor
     v_buffer: torch.Tensor
     loc: torch.Tensor
+    k_scale: float = 1.0
+    """FP8 pools: K is stored as `fp8(k / k_scale)` (see `kv_store.store_kv`); ignored otherwise."""
+    v_scale: float = 1.0
 
     def check(self, tokens: int, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
-        for name, t in zip(self._fields, self):
+        for name, t in (("v", self.v), ("k_buffer", self.k_buffer), ("v_buffer", self.v_buffer), ("loc", self.loc)):
             check_device(name, t, device)
         check_shape("v", self.v, (tokens, num_kv_heads, head_dim))
         check_float("v", self.v)
@@ -49,8 +55,10 @@ class KVStoreTarget(NamedTuple):
             f"k_buffer must be [num_slots, {num_kv_heads}, {head_dim}], got {tuple(self.k_buffer.shape)}")
         check_shape("v_buffer", self.v_buffer, tuple(self.k_buffer.shape))
         for name, t in (("k_buffer", self.k_buffer), ("v_buffer", self.v_buffer)):
-            check_float(name, t)
+            check_kv(name, t)
             check_last_dim_contiguous(name, t)
+        assert self.v_buffer.dtype == self.k_buffer.dtype, (
+            f"v_buffer is {self.v_buffer.dtype}, k_buffer is {self.k_buffer.dtype}")
         check_index("loc", self.loc)
         check_shape("loc", self.loc, (tokens,))
 
@@ -137,8 +145,9 @@ def _rotary_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_buf_ptr, v_buf_ptr, loc_ptr,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cache,
     stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
-    num_q_heads, num_k_heads, half,
+    num_q_heads, num_k_heads, half, inv_k_scale, inv_v_scale, fp8_max,
     STORE_KV: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_FP8: tl.constexpr, EMULATE: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -153,12 +162,14 @@ def _rotary_kernel(
         slot = tl.load(loc_ptr + tok).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_HK)
         kb = k_buf_ptr + slot * stride_kb_slot + offs_h[:, None] * stride_kb_head + offs_d[None, :]
-        tl.store(kb, k1.to(k_buf_ptr.dtype.element_ty), mask=mask_k)
-        tl.store(kb + half, k2.to(k_buf_ptr.dtype.element_ty), mask=mask_k)
+        tl.store(kb, to_pool(k1, k_buf_ptr, inv_k_scale, fp8_max, IS_FP8, EMULATE), mask=mask_k)
+        tl.store(kb + half, to_pool(k2, k_buf_ptr, inv_k_scale, fp8_max, IS_FP8, EMULATE), mask=mask_k)
         v_src = v_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :]
         vb = v_buf_ptr + slot * stride_vb_slot + offs_h[:, None] * stride_vb_head + offs_d[None, :]
-        tl.store(vb, tl.load(v_src, mask=mask_k).to(v_buf_ptr.dtype.element_ty), mask=mask_k)
-        tl.store(vb + half, tl.load(v_src + half, mask=mask_k).to(v_buf_ptr.dtype.element_ty), mask=mask_k)
+        v1 = tl.load(v_src, mask=mask_k)
+        v2 = tl.load(v_src + half, mask=mask_k)
+        tl.store(vb, to_pool(v1, v_buf_ptr, inv_v_scale, fp8_max, IS_FP8, EMULATE), mask=mask_k)
+        tl.store(vb + half, to_pool(v2, v_buf_ptr, inv_v_scale, fp8_max, IS_FP8, EMULATE), mask=mask_k)
 
 
 def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
@@ -169,7 +180,8 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
     and `positions` `[tokens]` indexes them. q and k may be strided views of a fused qkv
     output (contiguous last dim). Positions past the cache are the caller's to prevent.
     With `kv_store`, the same launch also writes the rotated k and `kv_store.v` into the KV
-    pool rows `kv_store.loc` (cast to the pool's dtype), as `store_kv` would.
+    pool rows `kv_store.loc` (cast to the pool's dtype; FP8 pools through their scales), as
+    `store_kv` would.
     """
     device = q.device
     for name, t in (("q", q), ("k", k), ("positions", positions), ("cos_cache", cos_cache),
@@ -196,14 +208,15 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         kv_store.check(tokens, num_k_heads, head_dim, device)
     if tokens == 0:
         return
-    v, k_buf, v_buf, loc = kv_store if kv_store is not None else (k, k, k, positions)
+    v, k_buf, v_buf, loc, k_scale, v_scale = kv_store if kv_store is not None else (k, k, k, positions, 1.0, 1.0)
+    inv_k, inv_v, limit, is_fp8 = fp8_store_args(k_buf, k_scale, v_scale)
     _rotary_kernel[(tokens,)](
         q, k, v, positions, cos_cache, sin_cache, k_buf, v_buf, loc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_cache.stride(0),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        num_q_heads, num_k_heads, half,
+        num_q_heads, num_k_heads, half, inv_k, inv_v, limit,
         STORE_KV=kv_store is not None, BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(num_k_heads),
-        BLOCK_D=next_power_of_2(half),
+        BLOCK_D=next_power_of_2(half), IS_FP8=is_fp8, EMULATE=emulate_cast(device),
     )
 
 

@@ -5,6 +5,11 @@ and, for the small square projections of a 1B model, leave bandwidth unused. Her
 owns `BLOCK_N` output features and streams their weight rows (contiguous in `K`) through
 registers, multiplying by the activations and summing in float32. No tensor cores: at one row
 there is nothing for them to do.
+
+`gemv_fp8` is the same loop over FP8 weights (half the bytes of bf16) with one float32 scale per
+output row: the loop reads the FP8 tiles and widens them in registers, and each row's scale, being
+constant along K, multiplies the row's sum once. Activations stay in their dtype (no activation
+quantization at batch 1).
 """
 
 from __future__ import annotations
@@ -15,7 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels._checks import check_device, check_float, check_last_dim_contiguous, next_power_of_2
+from radixmesh.kernels._checks import (
+    check_device,
+    check_float,
+    check_fp8,
+    check_last_dim_contiguous,
+    next_power_of_2,
+)
 
 
 @dataclass(frozen=True)
@@ -27,8 +38,9 @@ class GemvConfig:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
+                 HAS_SCALE: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -45,6 +57,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w,
             x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
+    if HAS_SCALE:  # FP8 weights: one scale per output row
+        y = y * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
 
 
@@ -91,8 +105,55 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     cfg = config or default_config(n, k)
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, out, n, k, weight.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN=even,
+        x, weight, weight, out, n, k, weight.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN=even, HAS_SCALE=False,
+        num_warps=cfg.num_warps,
+    )
+    return out
+
+
+TUNED_FP8: dict[tuple[int, int], GemvConfig] = {}
+"""(N, K) -> the best FP8 configuration of `bench_fp8 --gemv-sweep` on an H100 (none measured yet)."""
+
+
+def default_config_fp8(n: int, k: int) -> GemvConfig:
+    """The tuned FP8 configuration of this shape, else bf16's pattern with twice the K per tile (the
+    same bytes per load: FP8 elements are half as wide)."""
+    tuned = TUNED_FP8.get((n, k))
+    if tuned is not None:
+        return tuned
+    return GemvConfig(4, max(64, min(1024, next_power_of_2(k))), 4, 4)
+
+
+def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor | None = None,
+             config: GemvConfig | None = None) -> torch.Tensor:
+    """`x @ (weight * weight_scale[:, None]).T` for `x` `[1, K]` or `[K]` (bf16/fp16/fp32), `weight`
+    `[N, K]` FP8 and `weight_scale` `[N]` float32; returns `[1, N]` or `[N]` in `x`'s dtype."""
+    assert x.dim() in (1, 2) and (x.dim() == 1 or x.shape[0] == 1), f"x must be [K] or [1, K], got {tuple(x.shape)}"
+    assert weight.dim() == 2, f"weight must be [N, K], got {tuple(weight.shape)}"
+    n, k = weight.shape
+    assert x.shape[-1] == k, f"x has {x.shape[-1]} features, weight expects {k}"
+    check_device("weight", weight, x.device)
+    check_device("weight_scale", weight_scale, x.device)
+    check_float("x", x)
+    check_fp8("weight", weight)
+    assert weight_scale.dtype == torch.float32 and tuple(weight_scale.shape) == (n,) and weight_scale.is_contiguous(), (
+        f"weight_scale must be a contiguous float32 [{n}], got {weight_scale.dtype} {tuple(weight_scale.shape)}")
+    check_last_dim_contiguous("weight", weight)
+    assert x.is_contiguous(), "x must be contiguous"
+    shape = (*x.shape[:-1], n)
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    assert tuple(out.shape) == shape and out.dtype == x.dtype and out.is_contiguous(), (
+        f"out must be a contiguous {x.dtype} tensor of shape {shape}")
+    check_device("out", out, x.device)
+    if n == 0:
+        return out
+    cfg = config or default_config_fp8(n, k)
+    even = n % cfg.block_n == 0 and k % cfg.block_k == 0
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, weight_scale, out, n, k, weight.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN=even, HAS_SCALE=True,
         num_warps=cfg.num_warps,
     )
     return out

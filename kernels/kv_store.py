@@ -4,6 +4,9 @@ Page size is one token: `k_buffer[slot]` is one token's K `[kv_heads, head_dim]`
 `req_to_token[row, pos]` is the slot holding position `pos` of the request in `row`.
 Attention kernels read a batch's KV through a CSR-style pair: request `i` owns
 `kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`, its slots in position order.
+
+An FP8 pool stores `fp8(k / k_scale)` (saturated, one scale per tensor): `to_pool` is that cast, shared
+with the rotary kernel's fused store; attention reads `fp8 * k_scale`.
 """
 
 from __future__ import annotations
@@ -13,13 +16,17 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels._checks import (
+    FP8_DTYPES,
     check_device,
     check_float,
     check_index,
+    check_kv,
     check_last_dim_contiguous,
     check_shape,
+    fp8_max,
     next_power_of_2,
 )
+from radixmesh.kernels._fp8_cast import cast_fp8, emulate_cast
 from radixmesh.kernels._jit import unspecialized
 
 # elements of one tile in the store kernel: enough heads per program to keep the copy wide
@@ -30,13 +37,39 @@ MAX_INDPTR_BATCH = 1024
 """Largest batch whose `kv_indptr` `fill_kv_indices` computes itself (each program sums the lengths before it)."""
 
 
+@triton.jit
+def to_pool(x, buf_ptr, inv_scale, fp8_max, IS_FP8: tl.constexpr, EMULATE: tl.constexpr):
+    """`x` as the pool `buf_ptr` stores it: cast, or for FP8 `fp8(x * inv_scale)` saturated to +-fp8_max."""
+    if IS_FP8:
+        y = cast_fp8(tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -fp8_max), fp8_max), buf_ptr, EMULATE)
+    else:
+        y = x.to(buf_ptr.dtype.element_ty)
+    return y
+
+
+@triton.jit
+def from_pool(x, DOT_DTYPE: tl.constexpr, IS_FP8: tl.constexpr):
+    """A K/V tile read from the pool, as the attention's `tl.dot` operand dtype (FP8 widens through
+    float32; the pool's scale is applied by the caller, folded into the softmax scale and the output)."""
+    if IS_FP8:
+        x = x.to(tl.float32)
+    return x.to(DOT_DTYPE)
+
+
+def fp8_store_args(buffer: torch.Tensor, k_scale: float, v_scale: float) -> tuple[float, float, float, bool]:
+    """`(1 / k_scale, 1 / v_scale, fp8_max, is_fp8)`: what the store kernels take for pool `buffer`."""
+    assert k_scale > 0 and v_scale > 0, f"KV scales must be > 0, got {k_scale}, {v_scale}"
+    is_fp8 = buffer.dtype in FP8_DTYPES
+    return 1.0 / k_scale, 1.0 / v_scale, fp8_max(buffer.dtype) if is_fp8 else 0.0, is_fp8
+
+
 @triton.jit(**unspecialized(pointers=("loc_ptr",)))  # loc: a slice of the slot free list
 def _store_kv_kernel(
     k_buf_ptr, v_buf_ptr, loc_ptr, k_ptr, v_ptr,
     stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-    num_kv_heads, head_dim,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_kv_heads, head_dim, inv_k_scale, inv_v_scale, fp8_max,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, IS_FP8: tl.constexpr, EMULATE: tl.constexpr,
 ):
     tok = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -47,17 +80,18 @@ def _store_kv_kernel(
 
     k = tl.load(k_ptr + tok64 * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :], mask=mask)
     tl.store(k_buf_ptr + slot * stride_kb_slot + offs_h[:, None] * stride_kb_head + offs_d[None, :],
-             k.to(k_buf_ptr.dtype.element_ty), mask=mask)
+             to_pool(k, k_buf_ptr, inv_k_scale, fp8_max, IS_FP8, EMULATE), mask=mask)
     v = tl.load(v_ptr + tok64 * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :], mask=mask)
     tl.store(v_buf_ptr + slot * stride_vb_slot + offs_h[:, None] * stride_vb_head + offs_d[None, :],
-             v.to(v_buf_ptr.dtype.element_ty), mask=mask)
+             to_pool(v, v_buf_ptr, inv_v_scale, fp8_max, IS_FP8, EMULATE), mask=mask)
 
 
 def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
+             v: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write `k`, `v` `[num_tokens, kv_heads, head_dim]` into the buffers' rows `loc` `[num_tokens]`.
 
-    Buffers are `[num_slots, kv_heads, head_dim]`; values are cast to the buffers' dtype.
+    Buffers are `[num_slots, kv_heads, head_dim]`; values are cast to the buffers' dtype, or for FP8
+    buffers stored as `fp8(k / k_scale)`, `fp8(v / v_scale)` (saturated).
     `k`/`v` may be strided views (e.g. slices of a fused qkv) with a contiguous last dim.
     """
     device = k_buffer.device
@@ -71,8 +105,10 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, 
     check_shape("k", k, (num_tokens, num_kv_heads, head_dim))
     check_shape("v", v, (num_tokens, num_kv_heads, head_dim))
     for name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer), ("k", k), ("v", v)):
-        check_float(name, t)
+        (check_kv if "buffer" in name else check_float)(name, t)
         check_last_dim_contiguous(name, t)
+    assert v_buffer.dtype == k_buffer.dtype, f"v_buffer is {v_buffer.dtype}, k_buffer is {k_buffer.dtype}"
+    inv_k, inv_v, limit, is_fp8 = fp8_store_args(k_buffer, k_scale, v_scale)
     if num_tokens == 0:
         return
     block_d = next_power_of_2(head_dim)
@@ -82,8 +118,8 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, 
         k_buffer, v_buffer, loc, k, v,
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        num_kv_heads, head_dim,
-        BLOCK_H=block_h, BLOCK_D=block_d,
+        num_kv_heads, head_dim, inv_k, inv_v, limit,
+        BLOCK_H=block_h, BLOCK_D=block_d, IS_FP8=is_fp8, EMULATE=emulate_cast(device),
     )
 
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels._checks import check_device, next_power_of_2
-from radixmesh.kernels.kv_transfer_ref import check_transfer_args
+from radixmesh.kernels.kv_transfer_ref import as_bytes, check_transfer_args
 
 # elements of one tile: enough heads per program to keep the copy wide
 _COPY_TILE_ELEMS = 4096
@@ -66,8 +66,9 @@ def _launch(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor]
     block_d = next_power_of_2(head_dim)
     block_h = min(next_power_of_2(num_kv_heads), max(1, _COPY_TILE_ELEMS // block_d))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    packed = as_bytes(packed)  # FP8 moves as bytes: a bit copy, no conversion
     for i in range(packed.shape[0]):
-        pool_k, pool_v = k_buffers[layer_begin + i], v_buffers[layer_begin + i]
+        pool_k, pool_v = as_bytes(k_buffers[layer_begin + i]), as_bytes(v_buffers[layer_begin + i])
         rows_k, rows_v = packed[i, 0], packed[i, 1]  # each [num_tokens, kv_heads, head_dim]
         src_k, src_v, dst_k, dst_v = (pool_k, pool_v, rows_k, rows_v) if gather else (rows_k, rows_v, pool_k, pool_v)
         _copy_kv_rows_kernel[grid](

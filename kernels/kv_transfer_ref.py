@@ -1,5 +1,8 @@
 """KV gather/scatter with PyTorch indexing: the CPU path of KV transfer and the reference of the Triton
-kernels in `kv_transfer` (same arguments, same checks). Importing it compiles no kernel."""
+kernels in `kv_transfer` (same arguments, same checks). Importing it compiles no kernel.
+
+KV moves bit for bit: FP8 pools are copied as bytes (`as_bytes`), so their values and the scales
+they were written with arrive unchanged (both pools must share dtype and scales)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,12 @@ from collections.abc import Sequence
 
 import torch
 
-from radixmesh.kernels._checks import check_float, check_index, check_shape
+from radixmesh.kernels._checks import FP8_DTYPES, check_index, check_kv, check_shape
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor viewed as uint8 (same shape and strides: a copy moves its bits); others as they are."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
 
 
 def check_transfer_args(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], slots: torch.Tensor,
@@ -23,7 +31,7 @@ def check_transfer_args(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[t
             assert buf.dtype == first.dtype, f"{name}[{i}] has dtype {buf.dtype}, expected {first.dtype}"
             assert buf.device == first.device, f"{name}[{i}] is on {buf.device}, expected {first.device}"
             assert buf.stride(-1) == 1, f"{name}[{i}] must have a contiguous last dim, got strides {buf.stride()}"
-    check_float("k_buffers[0]", first)
+    check_kv("k_buffers[0]", first)
     check_index("slots", slots)
     assert slots.device == first.device, f"slots is on {slots.device}, expected {first.device}"
     assert packed.dim() == 5, (f"{packed_name} must be [num_layers, 2, num_tokens, kv_heads, head_dim], "
@@ -44,9 +52,10 @@ def gather_kv_torch(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch
     """`gather_kv` with PyTorch indexing (any device; the CPU path)."""
     check_transfer_args(k_buffers, v_buffers, slots, out, "out", layer_begin)
     index = slots.long()
+    out = as_bytes(out)
     for i in range(out.shape[0]):
-        torch.index_select(k_buffers[layer_begin + i], 0, index, out=out[i, 0])
-        torch.index_select(v_buffers[layer_begin + i], 0, index, out=out[i, 1])
+        torch.index_select(as_bytes(k_buffers[layer_begin + i]), 0, index, out=out[i, 0])
+        torch.index_select(as_bytes(v_buffers[layer_begin + i]), 0, index, out=out[i, 1])
 
 
 def scatter_kv_torch(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], slots: torch.Tensor,
@@ -54,6 +63,7 @@ def scatter_kv_torch(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torc
     """`scatter_kv` with PyTorch indexing (any device; the CPU path)."""
     check_transfer_args(k_buffers, v_buffers, slots, src, "src", layer_begin)
     index = slots.long()
+    src = as_bytes(src)
     for i in range(src.shape[0]):
-        k_buffers[layer_begin + i].index_copy_(0, index, src[i, 0])
-        v_buffers[layer_begin + i].index_copy_(0, index, src[i, 1])
+        as_bytes(k_buffers[layer_begin + i]).index_copy_(0, index, src[i, 0])
+        as_bytes(v_buffers[layer_begin + i]).index_copy_(0, index, src[i, 1])

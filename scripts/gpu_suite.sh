@@ -5,6 +5,7 @@
 # copied there by scripts/gpu_tokenizer_model.py --stage). Results go to $OUT as JSON.
 #   STAGES="tests hot-path kernel one-batch offline profile-offline online services trace-split compare" bash scripts/gpu_suite.sh
 #   STAGES=tp STAGE_TIMEOUT_S=600 bash scripts/gpu_suite.sh     # tensor parallelism: needs 2 GPUs
+#   FP8 (issue 21): STAGES="fp8-tests fp8-kernel fp8-one-batch fp8-capacity fp8-accuracy fp8-offline" bash scripts/gpu_suite.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -154,6 +155,31 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
       for args in "--tp-size 1" "--tp-size 2" "--tp-size 2 --enable-custom-all-reduce"; do
         $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 128 \
           --context-length 8192 --cuda-graph-max-bs 8 $args --result-file "$OUT/tp-one-batch.jsonl"
+      done ;;
+    fp8-tests)  # FP8 kernels vs their references (compiled) and FP8 engine paths on small random models
+      python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/gpu/test_fp8_gpu.py -s
+      python3 -m pytest -q -p no:cacheprovider tests/unit/test_fp8_kernels.py ;;
+    fp8-kernel)  # 8B layer shapes: bf16 cuBLAS vs torch._scaled_mm vs the Triton FP8 GEMM per M; FP8 GEMV at M = 1
+      python3 -m radixmesh.kernels.bench_fp8 | tee "$OUT/fp8-kernel.jsonl" ;;
+    fp8-one-batch)  # 8B batch-1 decode with FP8 weights (target >= 300 tok/s), then with FP8 weights + FP8 KV
+      for kv in auto fp8_e4m3; do
+        $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 256 \
+          --context-length 8192 --cuda-graph-max-bs 8 --quantization fp8 --kv-cache-dtype $kv --profile-graph \
+          --result-file "$OUT/fp8-one-batch.jsonl"
+      done ;;
+    fp8-offline)  # the offline workload with FP8 weights + FP8 KV (target >= 4,300 output tok/s)
+      $RM bench offline --model-shape llama-3.1-8b --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 \
+        --random-output-len 2048 --random-range-ratio 0.0 --context-length 8192 --quantization fp8 \
+        --kv-cache-dtype fp8_e4m3 --result-file "$OUT/fp8-offline.jsonl" ${OFFLINE_ARGS:-} ;;
+    fp8-capacity)  # KV tokens that fit next to the 8B weights: bf16 / FP8 weights x bf16 / FP8 KV, one process each
+      for variant in none/auto none/fp8_e4m3 fp8/auto fp8/fp8_e4m3; do
+        $RM bench kv-capacity --model-shape llama-3.1-8b --context-length 8192 --variants $variant \
+          --result-file "$OUT/fp8-capacity.jsonl"
+      done ;;
+    fp8-accuracy)  # FP8 weights + KV vs bf16: next-token logits of 100 random prompts, 1B and 8B shapes, real kernels
+      for shape in llama-3.2-1b llama-3.1-8b; do
+        $RM bench fp8-accuracy --model-shape $shape --load-format dummy --kv-cache-dtype fp8_e4m3 \
+          --context-length 8192 --result-file "$OUT/fp8-accuracy.jsonl"
       done ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -154,6 +154,7 @@ def settings(sched: Any, args: argparse.Namespace) -> dict[str, Any]:
     return {"model": cfg.model, "load_format": cfg.load_format, "dtype": cfg.dtype, "tp_size": cfg.tp_size,
             "custom_all_reduce": cfg.enable_custom_all_reduce,
             "attention_backend": cfg.attention_backend, "overlap_schedule": cfg.overlap_schedule,
+            **sched.runner.memory_info(),
             "cuda_graph": sched.runner.graph_runner is not None, "max_total_tokens": sched.kv.capacity,
             "max_running_requests": sched.runner.plan.max_running_requests,
             "chunked_prefill_size": cfg.chunked_prefill_size, "command": " ".join(sys.argv)}

@@ -66,6 +66,14 @@ class EngineConfig:
     """Run decode eagerly instead of replaying captured CUDA graphs."""
     disable_gemv: bool = False
     """Batch-1 linear layers on CUDA use cuBLAS instead of the GEMV kernel (bf16/fp16 weights)."""
+    quantization: str | None = None
+    """Linear layers: fp8 (weights quantized at load to FP8 e4m3, one scale per output channel; activations
+    with dynamic per-token scales). None: as the checkpoint is (FP8 checkpoints run in FP8)."""
+    kv_cache_dtype: str = "auto"
+    """KV pool storage: auto (the model's dtype) | fp8_e4m3 | fp8_e5m2 (per-tensor scales, ~2x the tokens of bf16)."""
+    fp8_gemm_backend: str = "auto"
+    """FP8 GEMMs: auto (torch._scaled_mm or the Triton kernel, whichever measures faster per shape at load) |
+    scaled-mm | triton."""
     cuda_graph_max_bs: int = 160
     """Largest decode batch captured in a CUDA graph; larger batches run eagerly."""
     random_seed: int = 0
@@ -123,6 +131,15 @@ class EngineConfig:
         if not 1 <= self.tp_size <= MAX_TP_SIZE:
             raise invalid_argument(f"tp_size must be in [1, {MAX_TP_SIZE}] (got {self.tp_size})", "tp_size")
         self._check_grammar_options()
+        self._check_quant_options()
+
+    def _check_quant_options(self) -> None:
+        from radixmesh.engine.quant.registry import FP8_GEMM_BACKENDS, KV_CACHE_DTYPES, QUANT_METHODS
+
+        if self.quantization is not None:
+            _in(self.quantization, tuple(QUANT_METHODS), "quantization")
+        _in(self.kv_cache_dtype, KV_CACHE_DTYPES, "kv_cache_dtype")
+        _in(self.fp8_gemm_backend, FP8_GEMM_BACKENDS, "fp8_gemm_backend")
 
     def _check_grammar_options(self) -> None:
         from radixmesh.engine.grammar.registry import GRAMMAR_BACKENDS

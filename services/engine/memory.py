@@ -73,7 +73,11 @@ class ReqToTokenPool:
 
 
 class TokenToKVPool:
-    """Per-layer K and V buffers indexed by KV slot."""
+    """Per-layer K and V buffers indexed by KV slot.
+
+    An FP8 pool (`dtype` float8_e4m3fn / float8_e5m2) stores `fp8(k / k_scale)` and `fp8(v / v_scale)`,
+    one scale per layer and tensor (1.0 unless the checkpoint carries KV scales); readers multiply back.
+    """
 
     def __init__(
         self,
@@ -98,6 +102,24 @@ class TokenToKVPool:
         # one by one as slots are first written, so the process would grow for as long as the pool fills).
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_scales = [1.0] * num_layers
+        self.v_scales = [1.0] * num_layers
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+    def scales(self, layer_id: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of one layer: stored values times these are the K and V they stand for."""
+        return self.k_scales[layer_id], self.v_scales[layer_id]
+
+    def set_scales(self, scales: dict[int, dict[str, float]]) -> None:
+        """Per-layer FP8 scales, e.g. a checkpoint's `{layer: {"k": .., "v": ..}}` (before any KV is stored)."""
+        for layer, entry in scales.items():
+            assert 0 <= layer < self.num_layers, f"KV scales for layer {layer} of a {self.num_layers}-layer pool"
+            for kind, value in entry.items():
+                assert value > 0, f"KV scale {kind} of layer {layer} must be > 0, got {value}"
+                (self.k_scales if kind == "k" else self.v_scales)[layer] = float(value)
 
     @property
     def size(self) -> int:
@@ -120,8 +142,23 @@ class TokenToKVPool:
         assert loc.dim() == 1, f"loc must be 1-D, got shape {tuple(loc.shape)}"
         assert tuple(k.shape) == expected, f"k shape {tuple(k.shape)} != expected {expected}"
         assert tuple(v.shape) == expected, f"v shape {tuple(v.shape)} != expected {expected}"
+        if self.is_fp8:
+            from radixmesh.kernels.fp8_ref import quantize_scaled
+
+            k_scale, v_scale = self.scales(layer_id)
+            self.k_buffers[layer_id][loc] = quantize_scaled(k, 1.0 / k_scale, self.dtype)
+            self.v_buffers[layer_id][loc] = quantize_scaled(v, 1.0 / v_scale, self.dtype)
+            return
         self.k_buffers[layer_id][loc] = k.to(self.dtype)
         self.v_buffers[layer_id][loc] = v.to(self.dtype)
+
+    def read(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V `[len(slots), num_kv_heads, head_dim]` of one layer at `slots`, in `dtype` (dequantized)."""
+        k, v = self.k_buffers[layer_id][slots], self.v_buffers[layer_id][slots]
+        if not self.is_fp8:
+            return k.to(dtype), v.to(dtype)
+        k_scale, v_scale = self.scales(layer_id)
+        return (k.float() * k_scale).to(dtype), (v.float() * v_scale).to(dtype)
 
 
 class KVSlotAllocator:

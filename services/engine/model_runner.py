@@ -25,6 +25,8 @@ from radixmesh.engine.loader.dummy import init_dummy_
 from radixmesh.engine.memory import KVSlotAllocator, ReqToTokenPool, TokenToKVPool
 from radixmesh.engine.models.layers import enable_gemv
 from radixmesh.engine.models.registry import model_class
+from radixmesh.engine.quant.build import build_linear_method
+from radixmesh.engine.quant.device import resolve_kv_dtype
 from radixmesh.engine.request import Req
 from radixmesh.engine.sampling.batch_info import SamplingBatchInfo, SamplingInfoCache
 from radixmesh.engine.sampling.prompt_logprobs import score_prompt_tokens
@@ -72,6 +74,14 @@ class ModelRunner:
             else torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
         self.context_len = config.context_length or prepared.config.context_len
+        self._check_device()
+        self.quant = build_linear_method(config.quantization, prepared.config, self.device, self.dtype,
+                                         config.fp8_gemm_backend)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device, config.attention_backend)
+        if self.tp.enabled and (self.quant is not None or self.kv_dtype != self.dtype):
+            raise invalid_argument(f"tensor parallelism (--tp-size {self.tp.size}) does not run FP8 weights or an "
+                                   "FP8 KV cache yet: use --tp-size 1 with FP8, or bf16/fp16 weights and KV with TP",
+                                   "tp_size")
         self.model = self._load_model(prepared)
         if self.rank_link is not None:
             self.rank_link.stage("loaded")  # rank 0 waits here until every rank holds its shard
@@ -79,7 +89,9 @@ class ModelRunner:
         mc = self.model_config
         self.req_pool = ReqToTokenPool(self.plan.max_running_requests + 1, self.context_len + 1, self.device)
         self.kv_pool = TokenToKVPool(self.plan.max_total_tokens, mc.num_layers, self.layout.num_kv_heads,
-                                     mc.head_dim, self.dtype, self.device)
+                                     mc.head_dim, self.kv_dtype, self.device)
+        if self.kv_pool.is_fp8 and self.quant is not None:
+            self.kv_pool.set_scales(self.quant.kv_scales())
         self.kv_transfer_pool = self.kv_pool
         """The pool KV transports read and write: under TP, all ranks' KV heads (`ShardedKVPool`)."""
         if self.tp_leader is not None:
@@ -96,13 +108,18 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, self.plan.max_running_requests))
         self.last_tokens: torch.Tensor | None = None
 
-    def _load_model(self, prepared: PreparedModel) -> torch.nn.Module:
+    def _check_device(self) -> None:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise invalid_argument("--device cuda was asked for but no CUDA device is available", "device")
+
+    def _load_model(self, prepared: PreparedModel) -> torch.nn.Module:
         start = time.perf_counter()
         with torch.device("meta"):  # no memory and no init: every parameter is filled below
             model = model_class(self.model_config)(self.model_config, self.tp)
-        model = model.to_empty(device=self.device).to(self.dtype)
+        model = model.to(self.dtype)  # still on meta: the quantized layers then get their own storage
+        if self.quant is not None:
+            self.quant.prepare(model)
+        model = model.to_empty(device=self.device)
         for module in model.modules():
             if hasattr(module, "init_buffers"):
                 module.init_buffers()
@@ -113,9 +130,16 @@ class ModelRunner:
                                                         self.dtype))
         elif prepared.load_format == "dummy":
             init_dummy_(model, seed=self.config.random_seed)
-        else:  # a TP rank reads only its slices of the checkpoint
-            model.load_weights(iter_weight_slices(prepared) if self.tp.enabled else iter_weights(prepared))
+            if self.quant is not None:
+                self.quant.fill_dummy(model, self.config.random_seed)
+        elif self.tp.enabled:  # a TP rank reads only its slices of the checkpoint
+            model.load_weights(iter_weight_slices(prepared))
+        else:
+            weights = iter_weights(prepared)
+            model.load_weights(self.quant.adapt_weights(model, weights) if self.quant is not None else weights)
         model.eval()
+        if self.quant is not None:
+            self.quant.finish(model)
         half = self.dtype in (torch.bfloat16, torch.float16)
         if self.device.type == "cuda" and half and not self.config.disable_gemv:
             logger.info("batch-1 GEMV kernel on for %d linear layers", enable_gemv(model))
@@ -124,7 +148,8 @@ class ModelRunner:
 
     def _plan_memory(self) -> MemoryPlan:
         mc = self.model_config
-        per_token = TokenToKVPool.bytes_per_token(mc.num_layers, self.layout.num_kv_heads, mc.head_dim, self.dtype)
+        per_token = TokenToKVPool.bytes_per_token(mc.num_layers, self.layout.num_kv_heads, mc.head_dim,
+                                                  self.kv_dtype)
         if self.config.max_total_tokens is not None:
             total = self.config.max_total_tokens
         elif self.device.type == "cuda":
@@ -144,7 +169,21 @@ class ModelRunner:
             raise invalid_argument("not enough memory for a KV cache; lower the model size or free memory",
                                    "mem_fraction_static")
         max_running = min(self.config.max_running_requests, max(total // 2, 1))
+        logger.info("KV pool: %d tokens of %d bytes (%s), %.2f GiB", total, per_token,
+                    str(self.kv_dtype).removeprefix("torch."), total * per_token / 2**30)
         return MemoryPlan(total, max_running, self.context_len)
+
+    def memory_info(self) -> dict[str, object]:
+        """What /server_info reports about KV capacity and quantization."""
+        mc = self.model_config
+        info: dict[str, object] = {
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+            "kv_bytes_per_token": TokenToKVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                                                self.kv_dtype),
+            "quantization": None}
+        if self.quant is not None:
+            info.update(self.quant.describe())
+        return info
 
     def launch(self, batch: ScheduleBatch,
                before_sample: Callable[[], VocabMask | None] | None = None) -> SampleOutput:

@@ -377,7 +377,7 @@ class Scheduler:
         self.emit([self._token_out(req)])
 
     # ---- introspection ----------------------------------------------------------------------
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, object]:
         kv = self.kv
         return {
             "num_running_reqs": len(self.running) + (1 if self.chunked_req else 0),
@@ -397,6 +397,7 @@ class Scheduler:
             "cache_hit_rate": self.num_cached_tokens / max(self.num_prompt_tokens, 1),
             "context_len": self.context_len,
             "max_running_requests": self.runner.plan.max_running_requests,
+            **self.runner.memory_info(),
         }
 
 

@@ -331,6 +331,14 @@ def test_engine_flags_render_as_the_engine_parses_them(helm: str) -> None:
     assert "--disable-radix-cache" in args and "--disable-cuda-graph" not in args
     assert flag(args, "context-length") is None  # null: the engine's default
     assert args[-2:] == ["--foo", "bar"]
+    assert flag(args, "kv-cache-dtype") == "auto" and flag(args, "quantization") is None
+
+
+def test_fp8_values_render_as_engine_flags(helm: str) -> None:
+    docs = render(helm, sets=["worker.engine.quantization=fp8", "worker.engine.kvCacheDtype=fp8_e4m3"])
+    worker = next(d for d in of_kind(docs, "Deployment").values() if component_of(d) == "worker")
+    args = container(worker)["args"]
+    assert flag(args, "quantization") == "fp8" and flag(args, "kv-cache-dtype") == "fp8_e4m3"
 
 
 def test_model_init_step_fetches_into_the_cache_volume(helm: str) -> None:
@@ -357,6 +365,8 @@ BAD_VALUES = [
     (["worker.engine.attentionBackend=flash"], "/worker/engine/attentionBackend"),
     (["worker.engine.memFractionStatic=1.5"], "/worker/engine/memFractionStatic"),
     (["worker.engine.maxRunningRequest=8"], "additional properties 'maxRunningRequest' not allowed"),
+    (["worker.engine.quantization=int4"], "/worker/engine/quantization"),
+    (["worker.engine.kvCacheDtype=fp8"], "/worker/engine/kvCacheDtype"),
     (["worker.gpus=-1"], "/worker/gpus"),
     (["worker.port=70000"], "/worker/port"),
     (["model.source.type=s3"], "/model/source/type"),

@@ -36,7 +36,6 @@ class TorchNativeBackend(AttentionBackend):
         pool = forward_batch.token_to_kv_pool
         if save_kv:
             pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        k_buf, v_buf = pool.get_kv(layer.layer_id)
         req_to_token = forward_batch.req_to_token_pool.req_to_token
         out = torch.empty_like(q)
         start = 0
@@ -44,8 +43,8 @@ class TorchNativeBackend(AttentionBackend):
                                                           forward_batch.extend_seq_lens_cpu)):
             slots = req_to_token[row, :seq_len]
             qi = q[start:start + new_len].transpose(0, 1)  # [heads, new_len, head_dim]
-            ki = k_buf[slots].transpose(0, 1).to(q.dtype)  # [kv_heads, seq_len, head_dim]
-            vi = v_buf[slots].transpose(0, 1).to(q.dtype)
+            ki, vi = pool.read(layer.layer_id, slots, q.dtype)  # each [seq_len, kv_heads, head_dim]
+            ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)  # [kv_heads, seq_len, head_dim]
             oi = sdpa(qi, ki, vi, attn_mask=self._masks[i], scale=layer.scaling,
                       enable_gqa=layer.num_heads != layer.num_kv_heads)
             out[start:start + new_len] = oi.transpose(0, 1)

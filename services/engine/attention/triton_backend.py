@@ -134,9 +134,11 @@ class TritonBackend(AttentionBackend):
         q = q.view(num_tokens, layer.num_heads, layer.head_dim)
         k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
-        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv(layer.layer_id)
+        pool = forward_batch.token_to_kv_pool
+        k_buf, v_buf = pool.get_kv(layer.layer_id)
+        k_scale, v_scale = pool.scales(layer.layer_id)  # FP8 pools; 1.0 otherwise
         if save_kv:
-            store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+            store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v, k_scale, v_scale)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if forward_batch.is_decode:
             assert num_tokens == forward_batch.batch_size, (
@@ -145,11 +147,11 @@ class TritonBackend(AttentionBackend):
             if scratch is None:
                 scratch = self._decode_scratch(num_tokens, layer, meta.num_kv_splits, q.device)
             decode_attention_fwd(q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, layer.scaling,
-                                 meta.num_kv_splits, scratch)
+                                 meta.num_kv_splits, scratch, k_scale, v_scale)
         else:
             assert meta.qo_indptr is not None, "extend pass planned without qo_indptr"
             extend_attention_fwd(q, k_buf, v_buf, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
-                                 meta.max_extend_len, layer.scaling)
+                                 meta.max_extend_len, layer.scaling, k_scale, v_scale)
         return out.view(num_tokens, layer.num_heads * layer.head_dim)
 
     def _decode_scratch(self, batch: int, layer: AttentionLayerSpec, num_kv_splits: int,

@@ -81,8 +81,8 @@ def init_dummy_(model: nn.Module, seed: int = 0) -> None:
     """
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        if param.device.type == "meta":
-            continue
+        if param.device.type == "meta" or param.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            continue  # quantized layers are filled by their method (`LinearMethod.fill_dummy`)
         if param.dim() >= 2:
             gen = generators.get(param.device)
             if gen is None:

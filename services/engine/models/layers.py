@@ -114,12 +114,13 @@ class RotaryEmbedding(nn.Module):
         return _fused(q)
 
     def forward_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor) -> None:
+                      k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         """Rotate q and k in place and write the rotated k and v into pool rows `loc`, in one
-        launch (only where `can_store_kv`)."""
+        launch (only where `can_store_kv`); an FP8 pool stores them divided by its scales."""
         kernels = _kernels()
         kernels.apply_rotary_(q, k, positions, self.cos_cache, self.sin_cache,
-                              kernels.KVStoreTarget(v, k_buffer, v_buffer, loc))
+                              kernels.KVStoreTarget(v, k_buffer, v_buffer, loc, k_scale, v_scale))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -145,8 +146,13 @@ class Linear(nn.Linear):
     """
 
     use_gemv = False
+    quant_method: Any = None
+    """A `radixmesh.engine.quant.base.LinearMethod` owning this layer's weights (set by its `prepare`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            y: torch.Tensor = self.quant_method.apply(self, x)
+            return y
         if self.use_gemv and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous():
             from radixmesh.kernels.gemv import gemv
 

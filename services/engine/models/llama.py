@@ -49,8 +49,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         rotary = self.rotary[0]
         if rotary.can_store_kv(q):  # rotary and the KV store in one launch
-            k_buf, v_buf = batch.token_to_kv_pool.get_kv(spec.layer_id)
-            rotary.forward_store(positions, q, k, v, k_buf, v_buf, batch.out_cache_loc)
+            pool = batch.token_to_kv_pool
+            k_buf, v_buf = pool.get_kv(spec.layer_id)
+            rotary.forward_store(positions, q, k, v, k_buf, v_buf, batch.out_cache_loc, *pool.scales(spec.layer_id))
             out = batch.attn_backend.forward(q, k, v, spec, batch, save_kv=False)
         else:
             q, k = rotary(positions, q, k)

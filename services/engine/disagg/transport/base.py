@@ -70,7 +70,7 @@ class BaseKVTransport(ABC):
                                    f"this model's {pool.num_layers}")
         if chunk.dtype != dtype_name(pool.dtype):
             raise invalid_argument(f"the chunk's KV is {chunk.dtype}; this pool holds {dtype_name(pool.dtype)} "
-                                   "(run both workers with the same --dtype)", "dtype")
+                                   "(run both workers with the same --dtype and --kv-cache-dtype)", "dtype")
 
     @abstractmethod
     def export(self, transfer_id: str, slots: torch.Tensor) -> list[KVChunk]:

@@ -1,0 +1,53 @@
+"""The contract of a quantization method for linear layers (`--quantization`, checkpoint formats).
+
+The model is built on the meta device; the method then owns the layers it quantizes through four
+steps, in this order:
+
+1. `prepare(model)` (meta device): give each quantized `Linear` its storage (e.g. FP8 weights and a
+   float32 scale per output channel) and set `layer.quant_method = self`;
+2. `adapt_weights(model, weights)`: turn the checkpoint's `(name, tensor)` stream into tensors shaped
+   and typed like the prepared parameters (quantizing float weights, expanding scales), so the
+   model's `load_weights` copies them by name; or `fill_dummy(model, seed)` for random weights;
+3. `finish(model)`: after the weights are in place (pick kernels, warm them up);
+4. `apply(layer, x)`: the layer's forward, `x` `[tokens, in]` -> `[tokens, out]` in `x`'s dtype.
+   It must not sync with the host (CUDA graphs capture it).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+
+class LinearMethod(abc.ABC):
+    """Storage and forward of the quantized linear layers of one model."""
+
+    name: str = ""
+    """Registry id (kebab-case), e.g. fp8."""
+
+    @abc.abstractmethod
+    def prepare(self, model: nn.Module) -> int:
+        """Quantize the storage of the model's eligible `Linear` layers (meta device); how many."""
+
+    @abc.abstractmethod
+    def adapt_weights(self, model: nn.Module,
+                      weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoint tensors as the prepared parameters take them."""
+
+    @abc.abstractmethod
+    def fill_dummy(self, model: nn.Module, seed: int) -> None:
+        """Random weights for the quantized layers (the rest is filled by `init_dummy_`)."""
+
+    def finish(self, model: nn.Module) -> None:  # noqa: B027 (optional step)
+        """Called once the weights are loaded, before the model runs (and before CUDA-graph capture)."""
+
+    @abc.abstractmethod
+    def apply(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output for `x` `[tokens, in_features]`."""
+
+    def describe(self) -> dict[str, object]:
+        """What /server_info and logs show about the method (kernels chosen, formats)."""
+        return {"quantization": self.name}
