@@ -33,6 +33,7 @@ from radixmesh.engine.messages import (
     encoder,
     to_scheduler_decoder,
 )
+from radixmesh.engine.mm.runtime import ReqImages
 from radixmesh.engine.request import Req
 
 if TYPE_CHECKING:
@@ -152,7 +153,7 @@ class SchedulerLoop:
         sched = self.scheduler
         if isinstance(msg, GenerateReqMsg):
             sched.add_request(Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), params=msg.params,
-                                  prefill_only=msg.prefill_only))
+                                  prefill_only=msg.prefill_only, mm=ReqImages(msg.mm) if msg.mm else None))
         elif isinstance(msg, AbortReqMsg):
             sched.abort(msg.rid)
             if self.disagg is not None:
