@@ -32,6 +32,19 @@ ChatMessages = list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
+class PromptWithImages:
+    """A prompt and its images, before tokenization: exactly one of `text`, `messages`, `input_ids`."""
+
+    images: list[ImageSource]
+    """In the order of the prompt's placeholders (image parts of messages, image tokens of text or ids)."""
+    text: str | None = None
+    messages: ChatMessages | None = None
+    input_ids: list[int] | None = None
+    add_generation_prompt: bool = True
+    """For `messages`: open the assistant's turn."""
+
+
+@dataclass(frozen=True)
 class MultimodalPrompt:
     """A tokenized prompt whose image placeholders are expanded, with its preprocessed images."""
 
@@ -110,16 +123,21 @@ class MultimodalProcessor:
         except ValueError as exc:  # numpy / PIL refusing a degenerate image
             raise invalid_argument(f"{source.part}: cannot preprocess the image: {exc}", source.part) from None
 
+    def check_placeholders(self, input_ids: Sequence[int], num_images: int, param: str) -> None:
+        """One image token per image, or INVALID_ARGUMENT naming `param` and the placeholder to use."""
+        token = self.spec.image_token_id
+        count = sum(1 for t in input_ids if t == token)
+        if count != num_images:
+            where = f"{self.placeholder_text!r} (token {token})" if self.tokenizer is not None else f"token {token}"
+            raise invalid_argument(f"the prompt has {count} image placeholder{'s' if count != 1 else ''} {where} "
+                                   f"but {num_images} image{'s' if num_images != 1 else ''} "
+                                   f"{'were' if num_images != 1 else 'was'} given", param)
+
     def expand(self, input_ids: Sequence[int], images: Sequence[ProcessedImage],
                param: str = "prompt") -> tuple[list[int], MultimodalInputs | None]:
         """Replace the k-th image token of `input_ids` by the k-th image's pad ids."""
         token = self.spec.image_token_id
-        count = sum(1 for t in input_ids if t == token)
-        if count != len(images):
-            where = f"{self.placeholder_text!r} (token {token})" if self.tokenizer is not None else f"token {token}"
-            raise invalid_argument(f"the prompt has {count} image placeholder{'s' if count != 1 else ''} {where} "
-                                   f"but {len(images)} image{'s' if len(images) != 1 else ''} "
-                                   f"{'were' if len(images) != 1 else 'was'} given", param)
+        self.check_placeholders(input_ids, len(images), param)
         if not images:
             return list(input_ids), None
         ids: list[int] = []
@@ -137,9 +155,26 @@ class MultimodalProcessor:
         return ids, MultimodalInputs(tuple(placed))
 
     def prepare_ids(self, input_ids: Sequence[int], sources: Sequence[ImageSource],
-                    param: str = "input_ids") -> MultimodalPrompt:
+                    param: str = "input_ids", text: str = "") -> MultimodalPrompt:
+        """Expand a tokenized prompt's placeholders (counted before any image is read)."""
+        self.check_placeholders(input_ids, len(sources), param)
         ids, mm = self.expand(input_ids, self.load(sources), param)
-        return MultimodalPrompt(ids, mm)
+        return MultimodalPrompt(ids, mm, text)
+
+    def prepare(self, prompt: PromptWithImages) -> MultimodalPrompt:
+        """Tokenize (chat template for messages), then read, preprocess and place the images."""
+        from radixmesh.engine.tokenizer import encode_text, render_chat
+
+        if prompt.messages is not None:
+            if self.tokenizer is None:
+                raise invalid_argument("this model has no tokenizer; send input_ids", "messages")
+            text = render_chat(self.tokenizer, self.render_messages(prompt.messages), prompt.add_generation_prompt)
+            return self.prepare_ids(encode_text(self.tokenizer, text, False), prompt.images, "messages", text)
+        if prompt.text is not None:
+            if self.tokenizer is None:
+                raise invalid_argument("this model has no tokenizer; send input_ids", "text")
+            return self.prepare_ids(encode_text(self.tokenizer, prompt.text), prompt.images, "text", prompt.text)
+        return self.prepare_ids(list(prompt.input_ids or []), prompt.images, "input_ids")
 
 
 def text_only_error(model_name: str, sources: Sequence[ImageSource]) -> Exception:
