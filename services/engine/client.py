@@ -32,8 +32,6 @@ from radixmesh.engine.disagg.messages import (
 )
 from radixmesh.engine.kv_events import KVEventsMsg
 from radixmesh.engine.loader import PreparedModel, prepare_model
-from radixmesh.engine.mm.inputs import MultimodalInputs, masked_text_ids
-from radixmesh.engine.mm.validate import validate_images
 from radixmesh.engine.messages import (
     AbortReqMsg,
     BatchOutMsg,
@@ -48,6 +46,8 @@ from radixmesh.engine.messages import (
     encoder,
     from_scheduler_decoder,
 )
+from radixmesh.engine.mm.inputs import MultimodalInputs, masked_text_ids
+from radixmesh.engine.mm.validate import validate_images
 from radixmesh.engine.output import GenerationChunk, TextAssembler
 from radixmesh.engine.sampling.params import SamplingParams, validate_request
 from radixmesh.engine.scheduler_process import run_scheduler_process

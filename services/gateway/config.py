@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.mm.config import ImageLimits
@@ -30,7 +30,7 @@ class GatewayConfig:
     """On SIGINT/SIGTERM, how long open requests may finish before they are aborted."""
     log_level: str = "warning"
     """Log level of the HTTP server (info also logs each request)."""
-    image_limits: ImageLimits = ImageLimits()
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
     """What `serve` accepts of images (a gateway leaves images to the tokenizer service and its limits)."""
 
     def __post_init__(self) -> None:

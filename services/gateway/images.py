@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixmesh.common.convert import image_sources_to_proto, images_from_proto
 from radixmesh.common.errors import invalid_argument, unsupported
 from radixmesh.engine.mm.loading import ImageSource, image_sources
-from radixmesh.engine.mm.prompt import ChatMessages
+from radixmesh.engine.mm.prompt import ChatMessages, MultimodalPrompt, PromptWithImages
 from radixmesh.gateway.openai_convert import CHAT_ROLES
 from radixmesh.gateway.protocol import ChatMessage, ContentPart
+from radixmesh.protocol import tokenizer_pb2
 
 _TEXT_TYPES = ("text", "input_text")
 _IMAGE_TYPES = ("image_url", "input_image")
@@ -49,7 +51,8 @@ def _part(part: ContentPart, where: str, sources: list[ImageSource]) -> dict[str
     if part.type in _IMAGE_TYPES:
         url = part.image_url if isinstance(part.image_url, str) else part.image_url.url if part.image_url else None
         if not url:
-            raise invalid_argument(f"{where} of type {part.type!r} needs 'image_url' with a 'url'", f"{where}.image_url")
+            raise invalid_argument(f"{where} of type {part.type!r} needs 'image_url' with a 'url'",
+                                   f"{where}.image_url")
         sources.append(ImageSource(f"{where}.image_url", url=url))
         return {"type": "image"}
     raise unsupported(f"{where} has a content part of type {part.type!r}; only text and image_url are supported",
@@ -74,3 +77,30 @@ def _checked(item: Any, param: str) -> str | list[str]:
     if not items or not all(isinstance(x, str) for x in items):
         raise invalid_argument(f"{param} must be a base64 image, a data: URL or a list of them", param)
     return item  # type: ignore[no-any-return]
+
+
+def tokenize_request(prompt: PromptWithImages, block_size: int) -> tokenizer_pb2.TokenizeRequest:
+    """The tokenizer service's Tokenize request of a prompt with images (the grpc backend's path)."""
+    request = tokenizer_pb2.TokenizeRequest(block_size=block_size, images=image_sources_to_proto(prompt.images))
+    if prompt.messages is not None:
+        chat = [_chat_message(m) for m in prompt.messages]
+        request.chat.CopyFrom(tokenizer_pb2.ChatConversation(messages=chat,
+                                                             add_generation_prompt=prompt.add_generation_prompt))
+    elif prompt.text is not None:
+        request.text = prompt.text
+    else:
+        request.token_ids.CopyFrom(tokenizer_pb2.TokenIdList(ids=list(prompt.input_ids or [])))
+    return request
+
+
+def _chat_message(message: dict[str, Any]) -> tokenizer_pb2.ChatMessage:
+    content = message["content"]
+    if isinstance(content, str):
+        return tokenizer_pb2.ChatMessage(role=message["role"], content=content)
+    parts = [tokenizer_pb2.ChatContentPart(image=True) if part["type"] == "image"
+             else tokenizer_pb2.ChatContentPart(text=str(part["text"])) for part in content]
+    return tokenizer_pb2.ChatMessage(role=message["role"], parts=parts)
+
+
+def tokenized_prompt(response: tokenizer_pb2.TokenizeResponse) -> MultimodalPrompt:
+    return MultimodalPrompt(list(response.token_ids), images_from_proto(response.images), response.prompt_text)

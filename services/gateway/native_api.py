@@ -19,10 +19,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from radixmesh import __version__
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument, unsupported
-from radixmesh.gateway import openai_convert as conv
-from radixmesh.gateway.backend import SamplingParams
 from radixmesh.engine.mm.inputs import MultimodalInputs
 from radixmesh.engine.mm.prompt import PromptWithImages
+from radixmesh.gateway import openai_convert as conv
+from radixmesh.gateway.backend import SamplingParams
 from radixmesh.gateway.dispatch import Generation, PromptJob
 from radixmesh.gateway.images import native_image_sources
 from radixmesh.gateway.metrics import CONTENT_TYPE_LATEST

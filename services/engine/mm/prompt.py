@@ -85,8 +85,8 @@ class MultimodalProcessor:
         if self.tokenizer is None:
             raise invalid_argument("this model has no tokenizer; send input_ids with the image token "
                                    f"{self.spec.image_token_id} where each image goes", "messages")
-        start, end = (self.spec.wrap_token_ids + (None, None))[:2]
-        ids = [t for t in (start, self.spec.image_token_id, end) if t is not None]
+        wrap = self.spec.wrap_token_ids
+        ids = [*wrap[:1], self.spec.image_token_id, *wrap[1:2]]
         return "".join(str(self.tokenizer.convert_ids_to_tokens(t)) for t in ids)
 
     def render_messages(self, messages: ChatMessages) -> list[dict[str, str]]:

@@ -52,8 +52,9 @@ def _llava_spec(raw: dict[str, Any], vision: dict[str, Any]) -> VisionSpec:
     if raw.get("vision_feature_select_strategy", "default") == "default":
         tokens -= 1
     if siglip:
-        processor = {"image_processor_type": "SiglipImageProcessor", "size": {"height": image_size, "width": image_size},
-                     "do_center_crop": False, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "resample": 2}
+        processor = {"image_processor_type": "SiglipImageProcessor",
+                     "size": {"height": image_size, "width": image_size}, "do_center_crop": False,
+                     "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "resample": 2}
     else:
         processor = {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": image_size},
                      "crop_size": {"height": image_size, "width": image_size}, "do_center_crop": True,
