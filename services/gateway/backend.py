@@ -104,7 +104,8 @@ class Backend(ABC):
         """Token ids of a prompt with images, each image's placeholder expanded to its tokens, and the
         preprocessed images (`mm`, passed on to `validate`, `generate` and `cache_prefix`). A text-only
         model's error names the first image's request part."""
-        raise unsupported("this backend does not take images", prompt.images[0].part if prompt.images else None)
+        part = prompt.images[0].part if prompt.images else "messages"
+        raise unsupported(f"{part}: this backend does not take images", part)
 
     @abstractmethod
     def decode(self, token_ids: list[int]) -> str:

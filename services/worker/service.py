@@ -94,6 +94,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 rid: str, mm: MultimodalInputs | None) -> AsyncGenerator[TokenOut, None]:
         if self.decode is not None and request.HasField("prefill") and not request.prefill_only and mm is None:
             return self.decode.generate(rid, ids, params, request.prefill)
+        if mm is None:
+            return self.client.generate_tokens(ids, params, rid, request.prefill_only)
         return self.client.generate_tokens(ids, params, rid, request.prefill_only, mm=mm)
 
     @map_errors("worker")

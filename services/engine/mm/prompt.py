@@ -87,7 +87,11 @@ class MultimodalProcessor:
                                    f"{self.spec.image_token_id} where each image goes", "messages")
         wrap = self.spec.wrap_token_ids
         ids = [*wrap[:1], self.spec.image_token_id, *wrap[1:2]]
-        return "".join(str(self.tokenizer.convert_ids_to_tokens(t)) for t in ids)
+        tokens = [self.tokenizer.convert_ids_to_tokens(t) if t < len(self.tokenizer) else None for t in ids]
+        if any(t is None for t in tokens):
+            raise invalid_argument(f"the tokenizer has no image token (id {self.spec.image_token_id}); send input_ids "
+                                   "with that id where each image goes", "messages")
+        return "".join(str(t) for t in tokens)
 
     def render_messages(self, messages: ChatMessages) -> list[dict[str, str]]:
         """Messages whose content parts are joined into text, each image part as the placeholder."""
