@@ -137,3 +137,62 @@ def image_png(seed: int, width: int = 40, height: int = 30) -> bytes:
 
 def data_url(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def default_tokenizer_source() -> Path:
+    """The default model's directory (its tokenizer files): RADIXMESH_TEST_TOKENIZER_DIR on machines without
+    network (the GPU machine), else the converted default model."""
+    import os
+
+    staged = os.environ.get("RADIXMESH_TEST_TOKENIZER_DIR")
+    if staged and Path(staged).is_dir():
+        return Path(staged)
+    from radixmesh.engine.loader.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def pil(png: bytes) -> Any:
+    from PIL import Image
+
+    return Image.open(io.BytesIO(png)).convert("RGB")
+
+
+def hf_llava_greedy(model_dir: Path, prompt: str, pngs: list[bytes], max_new_tokens: int,
+                    device: str = "cpu") -> list[int]:
+    """Greedy tokens of Hugging Face's LlavaForConditionalGeneration with its own processor (EOS ignored)."""
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    inputs = llava_processor(model_dir)(images=[pil(p) for p in pngs], text=prompt, return_tensors="pt").to(device)
+    model = LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    return _greedy(model, inputs, max_new_tokens)
+
+
+def hf_qwen2_vl_greedy(model_dir: Path, prompt: str, pngs: list[bytes], max_new_tokens: int,
+                       device: str = "cpu") -> list[int]:
+    """Greedy tokens of Hugging Face's Qwen2VLForConditionalGeneration; each `<|image_pad|>` of `prompt` is
+    expanded to its image's token count as Qwen2VLProcessor does."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    pixels = qwen2_vl_image_processor()(images=[pil(p) for p in pngs], return_tensors="pt")
+    text = prompt
+    for grid in pixels["image_grid_thw"]:
+        text = text.replace("<|image_pad|>", "<|placeholder|>" * int(grid.prod() // 4), 1)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    enc = tok(text.replace("<|placeholder|>", "<|image_pad|>"), return_tensors="pt")
+    image_token = tok.convert_tokens_to_ids("<|image_pad|>")
+    inputs = {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask, "pixel_values": pixels["pixel_values"],
+              "image_grid_thw": pixels["image_grid_thw"], "mm_token_type_ids": (enc.input_ids == image_token).int()}
+    model = Qwen2VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    return _greedy(model, {k: v.to(device) for k, v in inputs.items()}, max_new_tokens)
+
+
+def _greedy(model: Any, inputs: Any, max_new_tokens: int) -> list[int]:
+    import torch
+
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return [int(t) for t in out[0, inputs["input_ids"].shape[1]:]]
