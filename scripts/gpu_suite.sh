@@ -4,6 +4,7 @@
 # plus msgspec pyzmq gguf pytest pluggy iniconfig; the default model's tokenizer files in .gpu-model,
 # copied there by scripts/gpu_tokenizer_model.py --stage). Results go to $OUT as JSON.
 #   STAGES="tests hot-path kernel one-batch offline profile-offline online services trace-split compare" bash scripts/gpu_suite.sh
+#   STAGES="mm-tests images" bash scripts/gpu_suite.sh     (multimodal: LLaVA / Qwen2-VL)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -117,6 +118,13 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       $RM bench structured $common --schema person --profile-host
       $RM bench structured $common --schema long-keys --profile-host
       $RM bench structured $common --schema long-keys --enable-jump-forward ;;
+    mm-tests)  # tiny LLaVA and Qwen2-VL on CUDA (triton, graphs, overlap, chunked) vs transformers' greedy tokens
+      python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_mm_gpu.py ;;
+    images)  # 7B multimodal shapes: TTFT with one image + short question; 32 image questions, shared vs distinct image
+      $RM bench images --model-shape llava-1.5-7b --image-size 336 --batch-size 32 --output-len 64 \
+        --context-length 4096 --cuda-graph-max-bs 32 --result-file "$OUT/images.jsonl"
+      $RM bench images --model-shape qwen2-vl-7b --image-size 448 --batch-size 32 --output-len 64 \
+        --context-length 4096 --cuda-graph-max-bs 32 --result-file "$OUT/images.jsonl" ;;
     *) echo "unknown stage $stage" ;;
   esac
 }

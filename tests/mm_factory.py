@@ -106,12 +106,24 @@ def _copy_tokenizer(tok_dir: Path, out: Path) -> None:
             shutil.copy(file, out / file.name)
 
 
+def _pil_processor_class(module: str, name: str) -> Any:
+    """Transformers' PIL image processor class (`<name>Pil` in 5.x); older releases' slow class is PIL-based."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(f"transformers.models.{module}"), f"{name}Pil")
+    except (ImportError, AttributeError):
+        import transformers
+
+        return getattr(transformers, name)
+
+
 def llava_processor(model_dir: Path) -> Any:
     from transformers import AutoTokenizer, LlavaProcessor
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    image = CLIPImageProcessorPil(size={"shortest_edge": LLAVA_IMAGE_SIZE},
-                                  crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE})
+    clip = _pil_processor_class("clip.image_processing_pil_clip", "CLIPImageProcessor")
+    image = clip(size={"shortest_edge": LLAVA_IMAGE_SIZE},
+                 crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE})
     return LlavaProcessor(image_processor=image, tokenizer=AutoTokenizer.from_pretrained(str(model_dir)),
                           patch_size=14, vision_feature_select_strategy="default", image_token="<image>",
                           num_additional_image_tokens=1)
@@ -119,9 +131,8 @@ def llava_processor(model_dir: Path) -> Any:
 
 def qwen2_vl_image_processor() -> Any:
     """Hugging Face's PIL image processor of Qwen2-VL (its full processor needs torchvision for videos)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    return Qwen2VLImageProcessorPil(min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS)
+    qwen = _pil_processor_class("qwen2_vl.image_processing_pil_qwen2_vl", "Qwen2VLImageProcessor")
+    return qwen(min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS)
 
 
 def image_png(seed: int, width: int = 40, height: int = 30) -> bytes:
@@ -186,7 +197,12 @@ def hf_qwen2_vl_greedy(model_dir: Path, prompt: str, pngs: list[bytes], max_new_
     inputs = {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask, "pixel_values": pixels["pixel_values"],
               "image_grid_thw": pixels["image_grid_thw"], "mm_token_type_ids": (enc.input_ids == image_token).int()}
     model = Qwen2VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
-    return _greedy(model, {k: v.to(device) for k, v in inputs.items()}, max_new_tokens)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    try:
+        return _greedy(model, inputs, max_new_tokens)
+    except (TypeError, ValueError):  # releases before mm_token_type_ids find the image tokens by id
+        inputs.pop("mm_token_type_ids")
+        return _greedy(model, inputs, max_new_tokens)
 
 
 def _greedy(model: Any, inputs: Any, max_new_tokens: int) -> list[int]:

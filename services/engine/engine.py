@@ -125,12 +125,13 @@ class Engine:
         return result.to_dict()
 
     def generate_stream(self, prompt: Prompt, sampling_params: dict[str, Any] | SamplingParams
-                        | None = None) -> Iterator[dict[str, Any]]:
+                        | None = None, image_data: ImageData | None = None) -> Iterator[dict[str, Any]]:
         """Yield {"text": delta, "token_ids": [...], "finish_reason": ...} as tokens arrive."""
         params = _as_params(sampling_params)
         if params.n != 1:
             raise invalid_argument("streaming supports n=1 only", "n")
-        agen = self.client.generate(self.encode(prompt), params)
+        ids, mm = self.prepare_prompt(prompt, image_data)
+        agen = self.client.generate(ids, params, mm=mm)
         try:
             while True:
                 try:

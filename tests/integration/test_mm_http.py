@@ -38,7 +38,8 @@ def servers(model_dir: Path) -> Iterator[dict[str, str]]:
         tokenizer = start_service("tokenizer", [*model, *LIMITS, "--metrics-port", "0"])
         worker = start_service("worker", [*model, *ENGINE, "--metrics-port", "0"])
         procs += [tokenizer, worker]
-        procs.append(start_service("gateway", ["--worker", worker.address, "--tokenizer", tokenizer.address], http=True))
+        gateway = ["--worker", worker.address, "--tokenizer", tokenizer.address]
+        procs.append(start_service("gateway", gateway, http=True))
         yield {"serve": procs[0].address, "services": procs[-1].address}
     finally:
         for proc in reversed(procs):

@@ -91,7 +91,7 @@ class _ImageHandler(http.server.BaseHTTPRequestHandler):
     body = b""
     delay_s = 0.0
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         time.sleep(self.delay_s)
         self.send_response(200 if self.path == "/cat.png" else 404)
         self.send_header("Content-Length", str(len(self.body)))
