@@ -96,7 +96,7 @@ class Engine:
         params = _as_params(sampling_params)
         single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
         prompts: list[Prompt] = [prompt] if single else list(prompt)  # type: ignore[arg-type, list-item]
-        per_prompt = [image_data] if single else list(image_data or [None] * len(prompts))  # type: ignore[arg-type]
+        per_prompt: list[Any] = [image_data] if single else list(image_data or [None] * len(prompts))
         if len(per_prompt) != len(prompts):
             raise invalid_argument(f"got image_data for {len(per_prompt)} prompts, not {len(prompts)}", "image_data")
         placed = [self.prepare_prompt(p, images, f"image_data[{i}]" if not single else "image_data")

@@ -76,7 +76,7 @@ def _checked(item: Any, param: str) -> str | list[str]:
     items = item if isinstance(item, list) else [item]
     if not items or not all(isinstance(x, str) for x in items):
         raise invalid_argument(f"{param} must be a base64 image, a data: URL or a list of them", param)
-    return item  # type: ignore[no-any-return]
+    return item
 
 
 def tokenize_request(prompt: PromptWithImages, block_size: int) -> tokenizer_pb2.TokenizeRequest:

@@ -116,7 +116,7 @@ async def _prompts(state: GatewayState, req: GenerateRequest) \
     for prompt, sources in zip(raw, native_image_sources(req.image_data, len(raw), batched)):
         if sources:
             kind = {"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
-            placed = await state.backend.tokenize_multimodal(PromptWithImages(sources, **kind))  # type: ignore[arg-type]
+            placed = await state.backend.tokenize_multimodal(PromptWithImages(sources, **kind))
             ids_list.append(placed.input_ids)
             mms.append(placed.mm)
         else:
@@ -135,8 +135,8 @@ def _raw_prompts(req: GenerateRequest) -> tuple[list[str | list[int]], bool]:
         return texts, isinstance(req.text, list)
     ids = req.input_ids or []
     if ids and isinstance(ids[0], list):
-        return [list(p) for p in ids], True  # type: ignore[arg-type]
-    return [list(ids)], False  # type: ignore[list-item]
+        return [list(p) for p in ids], True
+    return [list(ids)], False
 
 
 def _per_prompt(value: int | list[int], num_prompts: int, param: str) -> list[int]:

@@ -107,7 +107,7 @@ def _pad_to_square(image: Image.Image, mean: Any) -> Image.Image:
         return image
     side = max(image.width, image.height)
     color = tuple(int(m * 255) for m in mean)
-    canvas = Image.new("RGB", (side, side), color)  # type: ignore[arg-type]
+    canvas = Image.new("RGB", (side, side), color)
     canvas.paste(image, ((side - image.width) // 2, (side - image.height) // 2))
     return canvas
 

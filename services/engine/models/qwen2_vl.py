@@ -101,6 +101,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
                                           mrope_section_of(raw, config.head_dim))
         for layer in decoder.layers:
             layer.self_attn.rotary[0] = decoder.rotary
+        self.rope_deltas: torch.Tensor
         self.register_buffer("rope_deltas", torch.zeros(1, dtype=torch.int64), persistent=False)
 
     def bind_request_rows(self, num_rows: int) -> None:
