@@ -89,6 +89,29 @@ def qwen2_vl_dir(tok_dir: Path, out: Path, seed: int = 0) -> Path:
     return out
 
 
+def qwen2_5_vl_dir(tok_dir: Path, out: Path, seed: int = 0) -> Path:
+    """A Qwen2.5-VL: 4 vision blocks of width 32 (windows of 2x2 merged tokens, blocks 1 and 3 full), text as
+    qwen2_vl_dir's."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = token_ids(tok_dir)
+    text = _text_config(rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+    vision = {"depth": 4, "hidden_size": 32, "intermediate_size": 48, "num_heads": 4, "out_hidden_size": 64,
+              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+              "fullatt_block_indexes": [1, 3]}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                              vision_start_token_id=ids["<|vision_start|>"],
+                              vision_end_token_id=ids["<|vision_end|>"], video_token_id=ids["<|image_pad|>"] + 100)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    _scale_up(model)
+    model.save_pretrained(str(out))
+    _copy_tokenizer(tok_dir, out)
+    qwen2_vl_image_processor().save_pretrained(str(out))
+    return out
+
+
 def _scale_up(model: Any) -> None:
     """Random init at std 0.02 makes greedy decoding of tiny models collapse onto one token; wider
     weights give varied tokens (what a comparison of token sequences needs)."""
@@ -182,10 +205,12 @@ def hf_llava_greedy(model_dir: Path, prompt: str, pngs: list[bytes], max_new_tok
 
 def hf_qwen2_vl_greedy(model_dir: Path, prompt: str, pngs: list[bytes], max_new_tokens: int,
                        device: str = "cpu") -> list[int]:
-    """Greedy tokens of Hugging Face's Qwen2VLForConditionalGeneration; each `<|image_pad|>` of `prompt` is
-    expanded to its image's token count as Qwen2VLProcessor does."""
+    """Greedy tokens of Hugging Face's Qwen2VL (or Qwen2.5-VL) ForConditionalGeneration; each `<|image_pad|>`
+    of `prompt` is expanded to its image's token count as Qwen2VLProcessor does."""
+    import json
+
     import torch
-    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
     pixels = qwen2_vl_image_processor()(images=[pil(p) for p in pngs], return_tensors="pt")
     text = prompt
@@ -196,7 +221,9 @@ def hf_qwen2_vl_greedy(model_dir: Path, prompt: str, pngs: list[bytes], max_new_
     image_token = tok.convert_tokens_to_ids("<|image_pad|>")
     inputs = {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask, "pixel_values": pixels["pixel_values"],
               "image_grid_thw": pixels["image_grid_thw"], "mm_token_type_ids": (enc.input_ids == image_token).int()}
-    model = Qwen2VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    arch = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    cls = Qwen2_5_VLForConditionalGeneration if arch.startswith("Qwen2_5") else Qwen2VLForConditionalGeneration
+    model = cls.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
     inputs = {k: v.to(device) for k, v in inputs.items()}
     try:
         return _greedy(model, inputs, max_new_tokens)

@@ -17,10 +17,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "LlavaForConditionalGeneration": "llava",
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
-_QKV_BIAS_ARCHS = ("Qwen2ForCausalLM", "Qwen2VLForConditionalGeneration")
+_QKV_BIAS_ARCHS = ("Qwen2ForCausalLM", "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 """Architectures whose q/k/v projections have biases unless config.json says otherwise."""
-MULTIMODAL_FAMILIES = frozenset({"llava", "qwen2_vl"})
+MULTIMODAL_FAMILIES = frozenset({"llava", "qwen2_vl", "qwen2_5_vl"})
 """Families whose models take images (vision encoder + language model; see radixmesh.engine.mm)."""
 
 

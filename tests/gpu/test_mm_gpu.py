@@ -1,4 +1,4 @@
-"""Multimodal models on a GPU: tiny random-weight LLaVA and Qwen2-VL (saved by transformers) give
+"""Multimodal models on a GPU: tiny random-weight LLaVA, Qwen2-VL and Qwen2.5-VL (saved by transformers) give
 Hugging Face's greedy tokens with the triton backend, CUDA graphs and overlap (M-RoPE decode reads its
 per-row delta inside the graphs), for a batch of prompts with different images and with a shared one."""
 
@@ -16,15 +16,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 MAX_NEW = 16
 GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
 PNGS = [mf.image_png(1, 100, 70), mf.image_png(2, 60, 90), mf.image_png(3, 84, 84)]
-PLACEHOLDER = {"llava": "<image>\n", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
-HF = {"llava": mf.hf_llava_greedy, "qwen2_vl": mf.hf_qwen2_vl_greedy}
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+PLACEHOLDER = {"llava": "<image>\n", "qwen2_vl": QWEN_IMAGE, "qwen2_5_vl": QWEN_IMAGE}
+HF = {"llava": mf.hf_llava_greedy, "qwen2_vl": mf.hf_qwen2_vl_greedy, "qwen2_5_vl": mf.hf_qwen2_vl_greedy}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("mm-gpu")
     tok = mf.tokenizer_dir(mf.default_tokenizer_source(), base / "tok")
-    return {"llava": mf.llava_dir(tok, base / "llava"), "qwen2_vl": mf.qwen2_vl_dir(tok, base / "qwen2_vl")}
+    return {"llava": mf.llava_dir(tok, base / "llava"), "qwen2_vl": mf.qwen2_vl_dir(tok, base / "qwen2_vl"),
+            "qwen2_5_vl": mf.qwen2_5_vl_dir(tok, base / "qwen2_5_vl")}
 
 
 def _cases(arch: str) -> list[tuple[str, list[bytes]]]:
@@ -35,7 +37,7 @@ def _cases(arch: str) -> list[tuple[str, list[bytes]]]:
             (f"USER: {image}What is it? ASSISTANT:", [PNGS[2]])]  # shares its image with the one before
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "qwen2_5_vl"])
 @pytest.mark.parametrize("engine_args", [
     {"attention_backend": "triton", "overlap_schedule": "on"},
     {"attention_backend": "triton", "overlap_schedule": "on", "chunked_prefill_size": 16},

@@ -1,5 +1,5 @@
-"""Multimodal engine on the CPU against Hugging Face transformers: tiny random-weight LLaVA and Qwen2-VL
-checkpoints (built and saved here), one and two images; a repeated image reports cached tokens."""
+"""Multimodal engine on the CPU against Hugging Face transformers: tiny random-weight LLaVA, Qwen2-VL and
+Qwen2.5-VL checkpoints (built and saved here), one and two images; a repeated image reports cached tokens."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("mm")
     tok = mf.tokenizer_dir(mf.default_tokenizer_source(), base / "tok")
-    return {"llava": mf.llava_dir(tok, base / "llava"), "qwen2_vl": mf.qwen2_vl_dir(tok, base / "qwen2_vl")}
+    return {"llava": mf.llava_dir(tok, base / "llava"), "qwen2_vl": mf.qwen2_vl_dir(tok, base / "qwen2_vl"),
+            "qwen2_5_vl": mf.qwen2_5_vl_dir(tok, base / "qwen2_5_vl")}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,18 @@ def test_qwen2_vl_greedy_tokens_equal_hugging_face(qwen: Engine, models: dict[st
     prompt = _prompt(QWEN_IMAGE, num_images)
     expected = mf.hf_qwen2_vl_greedy(models["qwen2_vl"], prompt, PNGS[:num_images], MAX_NEW)
     result = qwen.generate(prompt, GREEDY, image_data=[mf.data_url(p) for p in PNGS[:num_images]])
+    assert isinstance(result, dict)
+    assert result["output_ids"] == expected
+
+
+@pytest.mark.parametrize("num_images", [1, 2])
+def test_qwen2_5_vl_greedy_tokens_equal_hugging_face(models: dict[str, Path], num_images: int) -> None:
+    """Window attention in the vision encoder: the 140x100 image spans two windows of 2x2 merged tokens."""
+    pngs = [mf.image_png(4, 140, 100), PNGS[1]][:num_images]
+    prompt = _prompt(QWEN_IMAGE, num_images)
+    expected = mf.hf_qwen2_vl_greedy(models["qwen2_5_vl"], prompt, pngs, MAX_NEW)
+    with Engine(str(models["qwen2_5_vl"]), device="cpu", max_total_tokens=2048) as engine:
+        result = engine.generate(prompt, GREEDY, image_data=[mf.data_url(p) for p in pngs])
     assert isinstance(result, dict)
     assert result["output_ids"] == expected
 

@@ -83,6 +83,13 @@ NAMED_SHAPES["qwen2-vl-7b"] = {
     "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "hidden_size": 3584,
                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
 }
+NAMED_SHAPES["qwen2.5-vl-7b"] = {
+    **NAMED_SHAPES["qwen2-vl-7b"], "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+    "max_position_embeddings": 128000,
+    "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                      "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                      "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu"},
+}
 
 
 def named_shape_config(name: str) -> ModelConfig:

@@ -18,7 +18,7 @@ class VisionSpec:
     """The image side of a multimodal model, read from its config.json."""
 
     family: str
-    """Model family: llava | qwen2_vl."""
+    """Model family: llava | qwen2_vl | qwen2_5_vl."""
     image_token_id: int
     """The placeholder token a prompt holds once per image; expanded to the image's tokens."""
     wrap_token_ids: tuple[int, ...]
@@ -41,7 +41,7 @@ def vision_spec(config: ModelConfig) -> VisionSpec | None:
     vision = raw.get("vision_config") or {}
     if config.family == "llava":
         return _llava_spec(raw, vision)
-    return _qwen2_vl_spec(raw, vision)
+    return _qwen2_vl_spec(raw, vision, config.family)
 
 
 def _llava_spec(raw: dict[str, Any], vision: dict[str, Any]) -> VisionSpec:
@@ -63,14 +63,14 @@ def _llava_spec(raw: dict[str, Any], vision: dict[str, Any]) -> VisionSpec:
     return VisionSpec("llava", int(token), (), "\n", "clip", tokens, processor)
 
 
-def _qwen2_vl_spec(raw: dict[str, Any], vision: dict[str, Any]) -> VisionSpec:
+def _qwen2_vl_spec(raw: dict[str, Any], vision: dict[str, Any], family: str) -> VisionSpec:
     ids = {key: int(raw.get(key, default)) for key, default in DEFAULT_QWEN2_VL_TOKENS.items()}
     patch, merge = int(vision.get("patch_size", 14)), int(vision.get("spatial_merge_size", 2))
     processor = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56,
                  "max_pixels": 28 * 28 * 1280, "patch_size": patch, "merge_size": merge,
                  "temporal_patch_size": int(vision.get("temporal_patch_size", 2)),
                  "image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD), "resample": 3}
-    return VisionSpec("qwen2_vl", ids["image_token_id"], (ids["vision_start_token_id"], ids["vision_end_token_id"]),
+    return VisionSpec(family, ids["image_token_id"], (ids["vision_start_token_id"], ids["vision_end_token_id"]),
                       "", "qwen2-vl", 0, processor)
 
 

@@ -1,4 +1,4 @@
-"""Qwen2-VL: its vision encoder (`qwen2_vl_vision.py`) and a Qwen2 language model with M-RoPE.
+"""Qwen2-VL and Qwen2.5-VL: the vision encoder (`qwen2_vl_vision.py`) and a Qwen2 language model with M-RoPE.
 
 M-RoPE (`radixmesh.engine.mm.mrope`) gives each token three position ids; the rotary frequencies
 are cut into `mrope_section` bands, each rotated by one of them. EXTEND passes with images take the
@@ -94,7 +94,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         super().__init__()
         raw = config.raw
         self.config = config
-        self.visual = Qwen2VisionTransformer(Qwen2VisionConfig.from_hf_dict(raw["vision_config"], config.hidden_size))
+        vision = Qwen2VisionConfig.from_hf_dict(raw["vision_config"], config.hidden_size,
+                                                qwen25=config.family == "qwen2_5_vl")
+        self.visual = Qwen2VisionTransformer(vision)
         self.language_model = CausalLM(config)
         decoder = self.language_model.model
         decoder.rotary = MRotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,

@@ -16,6 +16,7 @@ _MODELS: dict[str, str] = {
     "qwen3": "radixmesh.engine.models.llama:CausalLM",
     "llava": "radixmesh.engine.models.llava:LlavaForConditionalGeneration",
     "qwen2_vl": "radixmesh.engine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "radixmesh.engine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
 }
 
 
