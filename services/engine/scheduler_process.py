@@ -114,6 +114,9 @@ class SchedulerLoop:
         stats: dict[str, Any] = self.scheduler.stats()
         if self.disagg is not None:
             stats.update(self.disagg.stats())
+        images = getattr(self.scheduler.runner, "mm", None)
+        if images is not None:
+            stats["num_images_encoded"] = images.num_images_encoded
         return stats
 
     def run(self, recv: zmq.Socket) -> None:

@@ -87,6 +87,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         PROMPT_TOKENS.inc(len(ids))
         if tracing.enabled():
             tracing.set_attributes({"tokenize.input": kind, "tokenize.prompt_tokens": len(ids),
+                                    "tokenize.images": len(request.images),
                                     "tokenize.num_blocks": len(hashes), "tokenize.block_size": block_size})
         return tokenizer_pb2.TokenizeResponse(
             token_ids=ids, prompt_text=text, images=images,

@@ -10,9 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
+import numpy as np
 import pytest
 
+from radixmesh.engine.mm.inputs import image_pad_ids
+from radixmesh.protocol import multimodal_pb2, sampling_pb2, worker_pb2, worker_pb2_grpc
 from tests import mm_factory as mf
 from tests.integration.service_procs import ServiceProc, start_service
 
@@ -40,13 +44,13 @@ def servers(model_dir: Path) -> Iterator[dict[str, str]]:
         procs += [tokenizer, worker]
         gateway = ["--worker", worker.address, "--tokenizer", tokenizer.address]
         procs.append(start_service("gateway", gateway, http=True))
-        yield {"serve": procs[0].address, "services": procs[-1].address}
+        yield {"serve": procs[0].address, "services": procs[-1].address, "worker": worker.address}
     finally:
         for proc in reversed(procs):
             proc.stop()
 
 
-@pytest.fixture(scope="module", params=["serve", "services"])
+@pytest.fixture(scope="module", params=["serve", "services"])  # HTTP front ends
 def http(request: pytest.FixtureRequest, servers: dict[str, str]) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=servers[request.param], timeout=120) as client:
         yield client
@@ -76,7 +80,8 @@ def test_chat_with_an_image_generates_and_a_repeat_is_cached(http: httpx.Client)
 
 def test_serve_and_the_services_answer_alike(servers: dict[str, str]) -> None:
     body = _chat(TEXT, _image_part(mf.data_url(mf.image_png(6, 64, 64))), TEXT)
-    answers = [httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json() for url in servers.values()]
+    answers = [httpx.post(f"{servers[name]}/v1/chat/completions", json=body, timeout=120).json()
+               for name in ("serve", "services")]
     assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
     assert answers[0]["usage"]["prompt_tokens"] == answers[1]["usage"]["prompt_tokens"]
 
@@ -135,3 +140,43 @@ def test_bad_native_image_requests_are_400s(http: httpx.Client, body: dict[str, 
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and mention in error["message"], error
+
+
+def _worker_request(image: multimodal_pb2.ImageInput, ids: list[int]) -> worker_pb2.GenerateRequest:
+    params = sampling_pb2.SamplingParams(max_new_tokens=2, temperature=0)
+    return worker_pb2.GenerateRequest(token_ids=ids, sampling_params=params, images=[image])
+
+
+def test_worker_checks_images_before_its_scheduler_sees_them(servers: dict[str, str]) -> None:
+    """Malformed images on the internal contract are INVALID_ARGUMENT naming `images`, and the worker keeps serving."""
+    patches = np.zeros((16, 3 * 2 * 14 * 14), np.float32)  # a 4x4 patch grid: 4 merged tokens
+    good = multimodal_pb2.ImageInput(content_hash=5, offset=2, num_tokens=4, pixel_values=patches.tobytes(),
+                                     pixel_shape=list(patches.shape), grid_thw=[1, 4, 4])
+    ids = [10, 11, *image_pad_ids(5, 4), 12]
+    bad = {
+        "pad ids": (good, [10, 11, *image_pad_ids(6, 4), 12]),
+        "tokens": (_replace(good, num_tokens=3), [10, 11, *image_pad_ids(5, 3), 12]),
+        "shape": (_replace(good, pixel_shape=[16, 100]), ids),
+        "bytes": (_replace(good, pixel_values=b"\0" * 12), ids),
+    }
+    with grpc.insecure_channel(servers["worker"]) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        for name, (image, prompt) in bad.items():
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.Generate(_worker_request(image, prompt), timeout=60))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert "images" in (caught.value.details() or ""), (name, caught.value.details())
+        replies = list(stub.Generate(_worker_request(good, ids), timeout=60))
+    assert sum(len(r.token_ids) for r in replies) == 2
+
+
+def _replace(image: multimodal_pb2.ImageInput, **fields: Any) -> multimodal_pb2.ImageInput:
+    copy = multimodal_pb2.ImageInput()
+    copy.CopyFrom(image)
+    for key, value in fields.items():
+        if isinstance(value, list):
+            del getattr(copy, key)[:]
+            getattr(copy, key).extend(value)
+        else:
+            setattr(copy, key, value)
+    return copy
