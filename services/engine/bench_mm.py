@@ -111,6 +111,7 @@ def _batch(sched: Any, timeline: CachedTimeline, work: Workload, shared: bool) -
     """A batch of questions about one shared image or one image each; cache flushed before."""
     args = work.args
     assert sched.flush_cache(), "the cache could not be flushed (requests still running)"
+    sched.runner.mm.cache.clear()
     encoded_before = sched.runner.mm.num_images_encoded
     reqs = [work.request(f"{'s' if shared else 'd'}{i}", 7 if shared else 2000 + i, args.output_len)
             for i in range(args.batch_size)]

@@ -162,7 +162,11 @@ class SchedulerLoop:
             if self.disagg is not None:
                 self.disagg.abort(msg.rid)
         elif isinstance(msg, FlushCacheReqMsg):
-            self._reply(msg.query_id, {"success": sched.flush_cache()})
+            flushed = sched.flush_cache()
+            images = getattr(sched.runner, "mm", None)
+            if flushed and images is not None:
+                images.cache.clear()  # vision features too: a flushed server encodes every image again
+            self._reply(msg.query_id, {"success": flushed})
         elif isinstance(msg, ServerInfoReqMsg):
             self._reply(msg.query_id, self.info())
         elif isinstance(msg, ShutdownReqMsg):

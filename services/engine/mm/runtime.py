@@ -67,6 +67,10 @@ class FeatureCache:
             self.entries.move_to_end(key)
         return value
 
+    def clear(self) -> None:
+        self.entries.clear()
+        self.num_bytes = 0
+
     def put(self, key: int, value: torch.Tensor) -> None:
         if key in self.entries:
             return
