@@ -7,11 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from radixmesh import Engine
 from tests import mm_factory as mf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+torch.backends.cudnn.allow_tf32 = False  # transformers' patch convolutions in exact float32, as the engine's GEMMs
 
 MAX_NEW = 16
 GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.mm.processors import CLIP_MEAN, CLIP_STD
 from radixmesh.engine.model_config import ModelConfig
 
@@ -73,9 +72,3 @@ def _qwen2_vl_spec(raw: dict[str, Any], vision: dict[str, Any], family: str) -> 
     return VisionSpec(family, ids["image_token_id"], (ids["vision_start_token_id"], ids["vision_end_token_id"]),
                       "", "qwen2-vl", 0, processor)
 
-
-def check_vision_config(config: ModelConfig) -> None:
-    """Fail at load time, naming the field, for a multimodal config the models cannot build."""
-    vision = config.raw.get("vision_config")
-    if not isinstance(vision, dict):
-        raise invalid_argument(f"{config.architecture} config has no vision_config")

@@ -73,8 +73,10 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv3d(3, c.embed_dim, self.shape[1:], stride=self.shape[1:], bias=False)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        x = patches.view(-1, *self.shape).to(self.proj.weight.dtype)  # [N, 3, t, p, p]
-        return self.proj(x).view(x.shape[0], -1)  # [N, embed]
+        # The 3D convolution covers each patch whole: one GEMM over the flattened patches [N, 3 * t * p * p]
+        weight = self.proj.weight
+        return nn.functional.linear(patches.to(weight.dtype).view(patches.shape[0], -1),
+                                    weight.view(weight.shape[0], -1))  # [N, embed]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
