@@ -39,12 +39,14 @@ def _cases(arch: str) -> list[tuple[str, list[bytes]]]:
             (f"USER: {image}What is it? ASSISTANT:", [PNGS[2]])]  # shares its image with the one before
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "qwen2_5_vl"])
-@pytest.mark.parametrize("engine_args", [
-    {"attention_backend": "triton", "overlap_schedule": "on"},
-    {"attention_backend": "triton", "overlap_schedule": "on", "chunked_prefill_size": 16},
-    {"attention_backend": "torch-native", "disable_cuda_graph": True, "overlap_schedule": "off"},
-], ids=["triton-graph-overlap", "triton-chunked", "torch-native"])
+GRAPHS = {"attention_backend": "triton", "overlap_schedule": "on"}
+CHUNKED = {**GRAPHS, "chunked_prefill_size": 16}
+EAGER = {"attention_backend": "torch-native", "disable_cuda_graph": True, "overlap_schedule": "off"}
+
+
+@pytest.mark.parametrize(("arch", "engine_args"), [
+    ("llava", GRAPHS), ("qwen2_vl", GRAPHS), ("qwen2_5_vl", GRAPHS), ("qwen2_vl", CHUNKED), ("llava", EAGER),
+], ids=["llava-graphs", "qwen2_vl-graphs", "qwen2_5_vl-graphs", "qwen2_vl-chunked", "llava-eager"])
 def test_image_prompts_match_transformers_on_cuda(models: dict[str, Path], arch: str,
                                                   engine_args: dict[str, object]) -> None:
     cases = _cases(arch)
