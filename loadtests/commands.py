@@ -16,6 +16,7 @@ BENCH_COMMANDS = [
     "radixmesh.engine.bench_structured:register_structured",
     "radixmesh.engine.quant.commands:register_fp8_accuracy",
     "radixmesh.engine.quant.commands:register_kv_capacity",
+    "radixmesh.engine.bench_mm:register_images",
     "radixmesh.cluster.bench:register_routing",
     "radixmesh.cluster.bench_faults:register_faults",
     "radixmesh.cluster.soak:register_soak",

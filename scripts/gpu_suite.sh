@@ -6,6 +6,7 @@
 #   STAGES="tests hot-path kernel one-batch offline profile-offline online services trace-split compare" bash scripts/gpu_suite.sh
 #   STAGES=tp STAGE_TIMEOUT_S=600 bash scripts/gpu_suite.sh     # tensor parallelism: needs 2 GPUs
 #   FP8 (issue 21): STAGES="fp8-tests fp8-kernel fp8-one-batch fp8-capacity fp8-accuracy fp8-offline" bash scripts/gpu_suite.sh
+#   STAGES="mm-tests images" bash scripts/gpu_suite.sh     (multimodal: LLaVA / Qwen2-VL)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -181,6 +182,13 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
         $RM bench fp8-accuracy --model-shape $shape --load-format dummy --kv-cache-dtype fp8_e4m3 \
           --context-length 8192 --result-file "$OUT/fp8-accuracy.jsonl"
       done ;;
+    mm-tests)  # tiny LLaVA and Qwen2-VL on CUDA (triton, graphs, overlap, chunked) vs transformers' greedy tokens
+      python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_mm_gpu.py ;;
+    images)  # 7B multimodal shapes: TTFT with one image + short question; 32 image questions, shared vs distinct image
+      $RM bench images --model-shape llava-1.5-7b --image-size 336 --batch-size 32 --output-len 64 \
+        --context-length 4096 --cuda-graph-max-bs 32 --result-file "$OUT/images.jsonl"
+      $RM bench images --model-shape qwen2-vl-7b --image-size 448 --batch-size 32 --output-len 64 \
+        --context-length 4096 --cuda-graph-max-bs 32 --result-file "$OUT/images.jsonl" ;;
     *) echo "unknown stage $stage" ;;
   esac
 }

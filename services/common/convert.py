@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.disagg.messages import KVChunk, KVExportMsg
 from radixmesh.engine.messages import TokenOut
+from radixmesh.engine.mm.inputs import ImageInput, MultimodalInputs
+from radixmesh.engine.mm.loading import ImageSource
 from radixmesh.engine.output import GenerationChunk
 from radixmesh.engine.sampling.params import SamplingParams
-from radixmesh.protocol import common_pb2, sampling_pb2, worker_pb2
+from radixmesh.protocol import common_pb2, multimodal_pb2, sampling_pb2, worker_pb2
 
 InputLogprobs = list[float | None] | None
 InputTopLogprobs = list[list[tuple[int, float]] | None] | None
@@ -190,3 +194,40 @@ _DISAGG_STATS = tuple(worker_pb2.DisaggStats.DESCRIPTOR.fields_by_name)
 def disagg_stats_to_proto(stats: dict[str, Any]) -> worker_pb2.DisaggStats:
     """The disaggregation counters of the scheduler's stats dict (keys as the message's field names)."""
     return worker_pb2.DisaggStats(**{name: int(stats.get(name, 0)) for name in _DISAGG_STATS})
+
+
+# ---- images ---------------------------------------------------------------------------------------
+def images_to_proto(mm: MultimodalInputs | None) -> list[multimodal_pb2.ImageInput]:
+    if mm is None:
+        return []
+    return [multimodal_pb2.ImageInput(content_hash=i.content_hash, offset=i.offset, num_tokens=i.num_tokens,
+                                      pixel_values=i.pixel_values, pixel_shape=list(i.pixel_shape),
+                                      grid_thw=list(i.grid_thw or ())) for i in mm.images]
+
+
+def images_from_proto(images: Sequence[multimodal_pb2.ImageInput]) -> MultimodalInputs | None:
+    """None when there are none; a grid that is not (t, h, w) is INVALID_ARGUMENT naming `images`."""
+    if not images:
+        return None
+    out = []
+    for i, msg in enumerate(images):
+        if len(msg.grid_thw) not in (0, 3):
+            raise invalid_argument(f"images[{i}]: grid_thw must be empty or (t, h, w)", "images")
+        grid = (msg.grid_thw[0], msg.grid_thw[1], msg.grid_thw[2]) if msg.grid_thw else None
+        out.append(ImageInput(msg.content_hash, msg.offset, msg.num_tokens, msg.pixel_values,
+                              tuple(msg.pixel_shape), grid))
+    return MultimodalInputs(tuple(out))
+
+
+def image_sources_to_proto(sources: Sequence[ImageSource]) -> list[multimodal_pb2.ImageSource]:
+    return [multimodal_pb2.ImageSource(part=s.part, data=s.data) if s.data is not None
+            else multimodal_pb2.ImageSource(part=s.part, url=s.url or "") for s in sources]
+
+
+def image_sources_from_proto(sources: Sequence[multimodal_pb2.ImageSource]) -> list[ImageSource]:
+    out = []
+    for i, msg in enumerate(sources):
+        part = msg.part or f"images[{i}]"
+        out.append(ImageSource(part, data=msg.data) if msg.WhichOneof("source") == "data"
+                   else ImageSource(part, url=msg.url))
+    return out

@@ -47,6 +47,8 @@ from radixmesh.engine.messages import (
     encoder,
     from_scheduler_decoder,
 )
+from radixmesh.engine.mm.inputs import MultimodalInputs, masked_text_ids
+from radixmesh.engine.mm.validate import validate_images
 from radixmesh.engine.output import GenerationChunk, TextAssembler
 from radixmesh.engine.sampling.params import SamplingParams, validate_request
 from radixmesh.engine.scheduler_process import run_scheduler_process
@@ -124,18 +126,23 @@ class EngineClient:
         return FatalMsg("the scheduler process did not start in time")
 
     # ---- requests -----------------------------------------------------------------------------
-    def validate(self, input_ids: list[int], params: SamplingParams, generates: bool = True) -> None:
-        """Reject bad input before admission, naming the parameter (`validate_request`)."""
+    def validate(self, input_ids: list[int], params: SamplingParams, generates: bool = True,
+                 mm: MultimodalInputs | None = None) -> None:
+        """Reject bad input before admission, naming the parameter (`validate_request`, and for a prompt
+        with images `validate_images`)."""
+        if mm is not None:
+            validate_images(input_ids, mm, params, self.model_config)
+            input_ids = masked_text_ids(input_ids)
         validate_request(input_ids, params, self.model_config.vocab_size, self.context_len, generates)
 
-    async def generate(self, input_ids: list[int], params: SamplingParams,
-                       rid: str | None = None) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+                       mm: MultimodalInputs | None = None) -> AsyncIterator[GenerationChunk]:
         """Stream one completion; leaving the iterator early aborts the request and frees its KV."""
-        self.validate(input_ids, params)
+        self.validate(input_ids, params, mm=mm)
         rid = rid or uuid.uuid4().hex
         assembler = TextAssembler(self.tokenizer, params) if self.tokenizer is not None else None
         finished = False
-        async for out in self._stream(GenerateReqMsg(rid, list(input_ids), params)):
+        async for out in self._stream(GenerateReqMsg(rid, list(input_ids), params, mm=mm)):
             assert isinstance(out, TokenOut), "a Generate is answered by tokens only"
             finished = out.finish_reason is not None
             if assembler is not None:
@@ -145,23 +152,25 @@ class EngineClient:
         assert finished
 
     async def generate_tokens(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
-                              prefill_only: bool = False) -> AsyncGenerator[TokenOut, None]:
+                              prefill_only: bool = False,
+                              mm: MultimodalInputs | None = None) -> AsyncGenerator[TokenOut, None]:
         """Stream one request's token messages without text (for front ends that detokenize elsewhere).
 
         `prefill_only` computes and caches the prompt's KV and generates nothing. Leaving the
         iterator early aborts the request and frees its KV.
         """
-        self.validate(input_ids, SamplingParams() if prefill_only else params, generates=not prefill_only)
+        self.validate(input_ids, SamplingParams() if prefill_only else params, generates=not prefill_only, mm=mm)
         if prefill_only:
             params = SamplingParams(max_new_tokens=0)
-        async for out in self._stream(GenerateReqMsg(rid or uuid.uuid4().hex, list(input_ids), params, prefill_only)):
+        msg = GenerateReqMsg(rid or uuid.uuid4().hex, list(input_ids), params, prefill_only, mm=mm)
+        async for out in self._stream(msg):
             assert isinstance(out, TokenOut), "a Generate is answered by tokens only"
             yield out
 
-    async def cache_prefix(self, input_ids: list[int]) -> None:
+    async def cache_prefix(self, input_ids: list[int], mm: MultimodalInputs | None = None) -> None:
         """Compute and cache a prompt's KV without generating (shared by n > 1 branches)."""
         params = SamplingParams(max_new_tokens=0)
-        async for _ in self._stream(GenerateReqMsg(uuid.uuid4().hex, list(input_ids), params, True)):
+        async for _ in self._stream(GenerateReqMsg(uuid.uuid4().hex, list(input_ids), params, True, mm=mm)):
             pass
 
     def branch_params(self, params: SamplingParams) -> list[SamplingParams]:

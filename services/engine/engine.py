@@ -18,11 +18,16 @@ import msgspec
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.mm.inputs import MultimodalInputs
+from radixmesh.engine.mm.loading import image_sources
+from radixmesh.engine.mm.prompt import MultimodalProcessor, text_only_error
 from radixmesh.engine.output import GenerationResult
 from radixmesh.engine.sampling.params import SamplingParams
 
 T = TypeVar("T")
 Prompt = str | list[int]
+ImageData = str | bytes | list[str | bytes]
+"""A prompt's images as SGLang's `image_data`: base64 data: URLs or strings, or encoded image bytes."""
 
 
 class Engine:
@@ -44,6 +49,10 @@ class Engine:
             self._loop.call_soon_threadsafe(self._loop.stop)
             raise
         self.tokenizer = self.client.tokenizer
+        prepared = self.client.prepared
+        self.images = MultimodalProcessor.for_model(prepared.config, [prepared.model_path, prepared.tokenizer_path],
+                                                    self.tokenizer)
+        """Loads and places the images of prompts (None: a text-only model)."""
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -64,41 +73,65 @@ class Engine:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def prepare_prompt(self, prompt: Prompt, image_data: ImageData | None = None,
+                       param: str = "image_data") -> tuple[list[int], MultimodalInputs | None]:
+        """Token ids of a prompt with its images' placeholders expanded, and the preprocessed images."""
+        ids = self.encode(prompt)
+        sources = image_sources(image_data, param)
+        if not sources:
+            return ids, None
+        if self.images is None:
+            raise text_only_error(self.client.prepared.name, sources)
+        placed = self.images.prepare_ids(ids, sources, "prompt")
+        return placed.input_ids, placed.mm
+
     def generate(self, prompt: Prompt | list[Prompt], sampling_params: dict[str, Any] | SamplingParams
-                 | None = None) -> dict[str, Any] | list[dict[str, Any]]:
-        """One result dict for one prompt (a list when n > 1); a list for a list of prompts."""
+                 | None = None, image_data: ImageData | list[ImageData | None] | None = None,
+                 ) -> dict[str, Any] | list[dict[str, Any]]:
+        """One result dict for one prompt (a list when n > 1); a list for a list of prompts.
+
+        `image_data`: the prompt's images (a list of them per prompt for a list of prompts); the prompt
+        holds the model's image placeholder once per image (`<image>`, `<|vision_start|><|image_pad|>...`).
+        """
         params = _as_params(sampling_params)
         single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
         prompts: list[Prompt] = [prompt] if single else list(prompt)  # type: ignore[arg-type, list-item]
-        ids = [self.encode(p) for p in prompts]
-        for one in ids:
-            self.client.validate(one, params)
-        results = self._run(self._generate_all(ids, params))
+        per_prompt: list[Any] = [image_data] if single else list(image_data or [None] * len(prompts))
+        if len(per_prompt) != len(prompts):
+            raise invalid_argument(f"got image_data for {len(per_prompt)} prompts, not {len(prompts)}", "image_data")
+        placed = [self.prepare_prompt(p, images, f"image_data[{i}]" if not single else "image_data")
+                  for i, (p, images) in enumerate(zip(prompts, per_prompt))]
+        for ids, mm in placed:
+            self.client.validate(ids, params, mm=mm)
+        results = self._run(self._generate_all(placed, params))
         if single and params.n == 1:
             return results[0]
         return results
 
-    async def _generate_all(self, ids: list[list[int]], params: SamplingParams) -> list[dict[str, Any]]:
+    async def _generate_all(self, prompts: list[tuple[list[int], MultimodalInputs | None]],
+                            params: SamplingParams) -> list[dict[str, Any]]:
         if params.n > 1:
-            await asyncio.gather(*(self.client.cache_prefix(one) for one in ids))
-        jobs = [self._collect(one, branch) for one in ids for branch in self.client.branch_params(params)]
+            await asyncio.gather(*(self.client.cache_prefix(ids, mm) for ids, mm in prompts))
+        jobs = [self._collect(ids, branch, mm) for ids, mm in prompts for branch in self.client.branch_params(params)]
         return list(await asyncio.gather(*jobs))
 
-    async def _collect(self, input_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+    async def _collect(self, input_ids: list[int], params: SamplingParams,
+                       mm: MultimodalInputs | None = None) -> dict[str, Any]:
         result: GenerationResult | None = None
-        async for chunk in self.client.generate(input_ids, params):
+        async for chunk in self.client.generate(input_ids, params, mm=mm):
             result = result or GenerationResult(chunk.rid, input_ids=input_ids)
             result.add(chunk)
         assert result is not None
         return result.to_dict()
 
     def generate_stream(self, prompt: Prompt, sampling_params: dict[str, Any] | SamplingParams
-                        | None = None) -> Iterator[dict[str, Any]]:
+                        | None = None, image_data: ImageData | None = None) -> Iterator[dict[str, Any]]:
         """Yield {"text": delta, "token_ids": [...], "finish_reason": ...} as tokens arrive."""
         params = _as_params(sampling_params)
         if params.n != 1:
             raise invalid_argument("streaming supports n=1 only", "n")
-        agen = self.client.generate(self.encode(prompt), params)
+        ids, mm = self.prepare_prompt(prompt, image_data)
+        agen = self.client.generate(ids, params, mm=mm)
         try:
             while True:
                 try:

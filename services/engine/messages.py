@@ -8,6 +8,7 @@ import msgspec
 
 from radixmesh.engine.disagg.messages import DisaggToSchedulerMsg, KVExportMsg
 from radixmesh.engine.kv_events import KVEventsMsg
+from radixmesh.engine.mm.inputs import MultimodalInputs
 from radixmesh.engine.sampling.params import SamplingParams
 
 
@@ -17,6 +18,8 @@ class GenerateReqMsg(msgspec.Struct, tag="generate", frozen=True):
     params: SamplingParams
     prefill_only: bool = False
     """Compute and cache the prompt's KV, generate nothing (used to share a prompt across n branches)."""
+    mm: MultimodalInputs | None = None
+    """The prompt's preprocessed images (None: text only)."""
 
 
 class AbortReqMsg(msgspec.Struct, tag="abort", frozen=True):

@@ -15,7 +15,14 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "LlavaForConditionalGeneration": "llava",
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
+_QKV_BIAS_ARCHS = ("Qwen2ForCausalLM", "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+"""Architectures whose q/k/v projections have biases unless config.json says otherwise."""
+MULTIMODAL_FAMILIES = frozenset({"llava", "qwen2_vl", "qwen2_5_vl"})
+"""Families whose models take images (vision encoder + language model; see radixmesh.engine.mm)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,11 @@ class ModelConfig:
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
     @property
+    def is_multimodal(self) -> bool:
+        """The model takes images besides text."""
+        return self.family in MULTIMODAL_FAMILIES
+
+    @property
     def context_len(self) -> int:
         return self.max_position_embeddings
 
@@ -88,6 +100,7 @@ class ModelConfig:
             known = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             raise unsupported(f"unsupported architecture {arch or cfg.get('model_type')!r} "
                               f"(supported: {known})")
+        raw, cfg = cfg, _language_fields(cfg)
         try:
             num_heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -108,12 +121,13 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                attention_bias=bool(cfg.get("attention_bias", arch in _QKV_BIAS_ARCHS
+                                            or cfg.get("model_type") == "qwen2")),
                 qk_norm=arch == "Qwen3ForCausalLM",
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-                raw=dict(cfg),
+                raw=dict(raw),
             )
         except KeyError as exc:
             raise invalid_argument(f"model config is missing {exc.args[0]!r}") from None
@@ -128,3 +142,16 @@ class ModelConfig:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise invalid_argument(f"corrupt config.json in {path}: {exc}") from None
         return cls.from_hf_dict(cfg)
+
+
+def _language_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's language-model fields at the top level: its `text_config` over the outer
+    fields (Qwen2-VL's published configs keep them at the top); multimodal rotary sections are the
+    model's own business (models/qwen2_vl.py), not a rope scaling. Other configs are returned as they are."""
+    if SUPPORTED_ARCHITECTURES.get((cfg.get("architectures") or [""])[0]) not in MULTIMODAL_FAMILIES:
+        return cfg
+    merged = {**cfg, **(cfg.get("text_config") or {}), "architectures": cfg["architectures"]}
+    scaling = merged.get("rope_scaling") or {}
+    if scaling.get("type") == "mrope" or scaling.get("rope_type") == "mrope" or "mrope_section" in scaling:
+        merged["rope_scaling"] = None
+    return merged

@@ -23,6 +23,7 @@ from radixmesh.engine.grammar.vocab_mask import VocabMask
 from radixmesh.engine.loader import PreparedModel, iter_weight_slices, iter_weights
 from radixmesh.engine.loader.dummy import init_dummy_
 from radixmesh.engine.memory import KVSlotAllocator, ReqToTokenPool, TokenToKVPool
+from radixmesh.engine.mm.runtime import MultimodalRuntime, sampling_prompt_ids
 from radixmesh.engine.models.layers import enable_gemv
 from radixmesh.engine.models.registry import model_class
 from radixmesh.engine.quant.build import build_linear_method
@@ -100,6 +101,8 @@ class ModelRunner:
             self.req_pool.journal = []  # the other ranks replay rank 0's req_to_token writes
             self.kv_transfer_pool = ShardedKVPool(self.kv_pool, self.tp_leader)
         self.allocator = KVSlotAllocator(self.plan.max_total_tokens, self.device)
+        self.mm = MultimodalRuntime(self.model, self.req_pool.size, self.device) if mc.is_multimodal else None
+        """Image features and M-RoPE positions of EXTEND passes (multimodal models only)."""
         self.attn_backend = create_backend(config.attention_backend)
         self.sampler = Sampler(seed=config.random_seed)
         self.sampling_cache = SamplingInfoCache()
@@ -215,6 +218,8 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch, self.last_tokens)
         fb = self._forward_batch(batch)
+        if self.mm is not None:
+            fb.mm = self.mm.prepare(batch)
         self.attn_backend.init_forward_metadata(fb)
         logits: torch.Tensor = self.model(fb.input_ids, fb.positions, fb)
         return logits
@@ -257,6 +262,6 @@ class ModelRunner:
 
     def _build_sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo:
         return SamplingBatchInfo.build(
-            [r.params for r in reqs], [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],
+            [r.params for r in reqs], [sampling_prompt_ids(r) for r in reqs], [r.output_ids for r in reqs],
             self.model_config.eos_token_ids, self.model_config.vocab_size, self.device,
             output_lens=[r.num_output_tokens for r in reqs])

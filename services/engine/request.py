@@ -12,6 +12,7 @@ from radixmesh.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from radixmesh.engine.grammar.base import GrammarMatcher
+    from radixmesh.engine.mm.runtime import ReqImages
     from radixmesh.engine.radix_cache import TreeNode
 
 
@@ -70,6 +71,8 @@ class Req:
     pending_input_logprobs: list[float | None] = field(default_factory=list)
     """Prompt-token log-probs computed but not yet sent; None for the first prompt token."""
     pending_input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    mm: ReqImages | None = None
+    """The prompt's images (their positions hold pad ids, see radixmesh.engine.mm.inputs); None: text only."""
 
     def __post_init__(self) -> None:
         start = self.params.logprob_start_len

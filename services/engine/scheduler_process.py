@@ -33,6 +33,7 @@ from radixmesh.engine.messages import (
     encoder,
     to_scheduler_decoder,
 )
+from radixmesh.engine.mm.runtime import ReqImages
 from radixmesh.engine.request import Req
 
 if TYPE_CHECKING:
@@ -114,6 +115,9 @@ class SchedulerLoop:
         stats: dict[str, Any] = self.scheduler.stats()
         if self.disagg is not None:
             stats.update(self.disagg.stats())
+        images = getattr(self.scheduler.runner, "mm", None)
+        if images is not None:
+            stats["num_images_encoded"] = images.num_images_encoded
         return stats
 
     def run(self, recv: zmq.Socket) -> None:
@@ -153,13 +157,17 @@ class SchedulerLoop:
         sched = self.scheduler
         if isinstance(msg, GenerateReqMsg):
             sched.add_request(Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), params=msg.params,
-                                  prefill_only=msg.prefill_only))
+                                  prefill_only=msg.prefill_only, mm=ReqImages(msg.mm) if msg.mm else None))
         elif isinstance(msg, AbortReqMsg):
             sched.abort(msg.rid)
             if self.disagg is not None:
                 self.disagg.abort(msg.rid)
         elif isinstance(msg, FlushCacheReqMsg):
-            self._reply(msg.query_id, {"success": sched.flush_cache()})
+            flushed = sched.flush_cache()
+            images = getattr(sched.runner, "mm", None)
+            if flushed and images is not None:
+                images.cache.clear()  # vision features too: a flushed server encodes every image again
+            self._reply(msg.query_id, {"success": flushed})
         elif isinstance(msg, ServerInfoReqMsg):
             self._reply(msg.query_id, self.info())
         elif isinstance(msg, ShutdownReqMsg):

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixmesh.common.errors import unsupported
+from radixmesh.engine.mm.inputs import MultimodalInputs
+from radixmesh.engine.mm.prompt import MultimodalPrompt, PromptWithImages
 from radixmesh.engine.output import GenerationChunk
 from radixmesh.engine.sampling.params import SamplingParams
 
@@ -42,6 +44,8 @@ class ModelCard:
     """Unix time the backend started (OpenAI's `created` of the model)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Backend-specific facts shown by /server_info (engine flags, device)."""
+    has_image_understanding: bool = False
+    """The model takes images (chat `image_url` parts, native `image_data`)."""
 
     def accepts(self, name: str) -> bool:
         return name == self.name or name in self.aliases
@@ -96,6 +100,13 @@ class Backend(ABC):
         """A conversation as text in the model's chat template (for clients that build prompts)."""
         raise unsupported("this backend cannot render chat templates as text", "messages")
 
+    async def tokenize_multimodal(self, prompt: PromptWithImages) -> MultimodalPrompt:
+        """Token ids of a prompt with images, each image's placeholder expanded to its tokens, and the
+        preprocessed images (`mm`, passed on to `validate`, `generate` and `cache_prefix`). A text-only
+        model's error names the first image's request part."""
+        part = prompt.images[0].part if prompt.images else "messages"
+        raise unsupported(f"{part}: this backend does not take images", part)
+
     @abstractmethod
     def decode(self, token_ids: list[int]) -> str:
         """Text of token ids (special tokens skipped)."""
@@ -105,17 +116,19 @@ class Backend(ABC):
         """Each token's own text (special tokens kept), for logprobs."""
 
     # ---- generation -----------------------------------------------------------------------------
+    # A prompt with images passes its `mm` (from `tokenize_multimodal`) as a keyword argument to the
+    # three methods below; callers pass none for text prompts.
     @abstractmethod
-    def validate(self, input_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, input_ids: list[int], params: SamplingParams, mm: MultimodalInputs | None = None) -> None:
         """Raise INVALID_ARGUMENT, naming the parameter, for a request the backend would refuse."""
 
     @abstractmethod
-    def generate(self, input_ids: list[int], params: SamplingParams,
-                 rid: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
+    def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+                 mm: MultimodalInputs | None = None) -> AsyncGenerator[GenerationChunk, None]:
         """Stream one sequence (params.n == 1); its last chunk carries the finish reason."""
 
     @abstractmethod
-    async def cache_prefix(self, input_ids: list[int]) -> None:
+    async def cache_prefix(self, input_ids: list[int], mm: MultimodalInputs | None = None) -> None:
         """Compute and cache a prompt's KV without generating, so n > 1 branches share it."""
 
     @abstractmethod

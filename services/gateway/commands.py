@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `serve` subcommand to the `radixmesh` command."""
     from radixmesh.cli import add_engine_args
+    from radixmesh.engine.mm.config import add_image_args
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP API",
                            description="Serve a model over HTTP: OpenAI API under /v1, SGLang-native "
@@ -22,6 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                        "on CUDA when available, else CPU, at http://127.0.0.1:8000.")
     _add_http_args(serve)
     add_engine_args(serve)
+    add_image_args(serve)
     serve.set_defaults(func=cmd_serve)
     _register_gateway(sub)
 
@@ -44,12 +46,13 @@ def _add_http_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    from radixmesh.engine.mm.config import image_limits_from_args
     from radixmesh.gateway.config import GatewayConfig
 
     return GatewayConfig(host=args.host, port=args.port, api_key=args.api_key,
                          served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
                          max_default_tokens=args.max_default_tokens, graceful_shutdown_s=args.graceful_shutdown_s,
-                         log_level=args.log_level)
+                         log_level=args.log_level, image_limits=image_limits_from_args(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixmesh.common.errors import invalid_argument
+from radixmesh.engine.mm.config import ImageLimits
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -29,6 +30,8 @@ class GatewayConfig:
     """On SIGINT/SIGTERM, how long open requests may finish before they are aborted."""
     log_level: str = "warning"
     """Log level of the HTTP server (info also logs each request)."""
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
+    """What `serve` accepts of images (a gateway leaves images to the tokenizer service and its limits)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -13,9 +13,11 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from radixmesh.common import tracing
 from radixmesh.common.errors import ErrorCode, RadixMeshError
+from radixmesh.engine.mm.inputs import MultimodalInputs
 from radixmesh.gateway.backend import Backend, GenerationChunk, SamplingParams
 from radixmesh.gateway.metrics import GatewayMetrics
 
@@ -26,6 +28,13 @@ class PromptJob:
 
     input_ids: list[int]
     params: SamplingParams
+    mm: MultimodalInputs | None = None
+    """The prompt's images (from `Backend.tokenize_multimodal`); None for text."""
+
+    @property
+    def mm_kwargs(self) -> dict[str, Any]:
+        """`mm=...` for the backend calls of a prompt with images; nothing for text prompts."""
+        return {"mm": self.mm} if self.mm is not None else {}
 
 
 class Dispatcher:
@@ -57,7 +66,7 @@ class Dispatcher:
         if reason:
             raise RadixMeshError(ErrorCode.UNAVAILABLE, reason)
         for job in jobs:
-            self.backend.validate(job.input_ids, job.params)
+            self.backend.validate(job.input_ids, job.params, **job.mm_kwargs)
         num_seqs = sum(job.params.n for job in jobs)
         capacity = self.capacity
         if capacity is not None and self.num_in_flight + num_seqs > capacity:
@@ -107,9 +116,13 @@ class Generation:
         self.jobs = jobs
         self.start_s = time.perf_counter()
         self.seqs: list[tuple[list[int], SamplingParams]] = []
+        self.seq_jobs: list[PromptJob] = []
+        """The prompt of each sequence."""
         backend = dispatcher.backend
         for job in jobs:
-            self.seqs += [(job.input_ids, branch) for branch in backend.branch_params(job.params)]
+            branches = backend.branch_params(job.params)
+            self.seqs += [(job.input_ids, branch) for branch in branches]
+            self.seq_jobs += [job] * len(branches)
         self.num_seqs = len(self.seqs)
         if rids is None:
             rids = [request_id] if self.num_seqs == 1 else [f"{request_id}-{i}" for i in range(self.num_seqs)]
@@ -147,9 +160,9 @@ class Generation:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _cache_shared_prompts(self) -> None:
-        shared = {tuple(job.input_ids) for job in self.jobs if job.params.n > 1}
+        shared = {tuple(job.input_ids): job for job in self.jobs if job.params.n > 1}
         backend = self.dispatcher.backend
-        await asyncio.gather(*(backend.cache_prefix(list(ids)) for ids in shared))
+        await asyncio.gather(*(backend.cache_prefix(list(ids), **job.mm_kwargs) for ids, job in shared.items()))
 
     async def _pump(self, index: int, queue: asyncio.Queue[tuple[int, GenerationChunk] | Exception]) -> None:
         try:
@@ -163,8 +176,9 @@ class Generation:
         input_ids, params = self.seqs[index]
         unfinished = "abort"  # left early: the client went away or the server is stopping
         try:
-            async with contextlib.aclosing(self.dispatcher.backend.generate(input_ids, params, self.rids[index])) \
-                    as chunks:
+            stream = self.dispatcher.backend.generate(input_ids, params, self.rids[index],
+                                                      **self.seq_jobs[index].mm_kwargs)
+            async with contextlib.aclosing(stream) as chunks:
                 async for chunk in chunks:
                     if chunk.finished:
                         unfinished = ""

@@ -23,11 +23,14 @@ import grpc.aio
 import msgspec
 
 from radixmesh.common import tracing
-from radixmesh.common.convert import load_from_proto, proto_to_chunk, sampling_to_proto
+from radixmesh.common.convert import images_to_proto, load_from_proto, proto_to_chunk, sampling_to_proto
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.common.grpc_errors import ERROR_METADATA_KEY, from_rpc_error
 from radixmesh.common.readiness import Readiness
+from radixmesh.engine.mm.inputs import MultimodalInputs, masked_text_ids
+from radixmesh.engine.mm.prompt import MultimodalPrompt, PromptWithImages
 from radixmesh.gateway.backend import Backend, GenerationChunk, ModelCard, SamplingParams
+from radixmesh.gateway.images import tokenize_request, tokenized_prompt
 from radixmesh.gateway.upstreams import (
     CHANNEL_OPTIONS,
     Upstream,
@@ -52,6 +55,8 @@ HASH_CACHE_SIZE = 1024
 """Prompts whose block hashes (from Tokenize) are kept until their Generate call."""
 TOKENIZE_TIMEOUT_S = 10.0
 """Bound on the blocking tokenizer calls (they hold the event loop, as local tokenization does)."""
+IMAGE_TOKENIZE_TIMEOUT_S = 60.0
+"""Bound on a Tokenize call with images (the tokenizer service may fetch and resize them)."""
 CONTROL_TIMEOUT_S = 30.0
 
 
@@ -197,6 +202,16 @@ class GrpcBackend(Backend):
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         return list(self._chat(messages, True).token_ids)
 
+    async def tokenize_multimodal(self, prompt: PromptWithImages) -> MultimodalPrompt:
+        """The tokenizer service reads, preprocesses and places the images (its limits apply)."""
+        stub = self.tokenizer.upstreams[0].stub
+        try:
+            response = await stub.Tokenize(tokenize_request(prompt, self.block_size), timeout=IMAGE_TOKENIZE_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise self._tokenizer_error(exc) from None
+        self._remember_hashes(list(response.token_ids), list(response.block_hashes.hashes))
+        return tokenized_prompt(response)
+
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return str(self._chat(messages, add_generation_prompt).prompt_text)
 
@@ -232,9 +247,11 @@ class GrpcBackend(Backend):
         return common_pb2.BlockHashes(block_size=self.block_size, hashes=hashes)
 
     # ---- generation -----------------------------------------------------------------------------
-    def validate(self, input_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, input_ids: list[int], params: SamplingParams, mm: MultimodalInputs | None = None) -> None:
         """The checks that need no engine; the worker checks everything again and its errors come back exact."""
         card = self.card
+        if mm is not None:
+            input_ids = masked_text_ids(input_ids)
         params.validate(card.vocab_size)
         if not input_ids:
             raise invalid_argument("the prompt is empty", "prompt")
@@ -244,16 +261,17 @@ class GrpcBackend(Backend):
         if min(input_ids) < 0 or max(input_ids) >= card.vocab_size:
             raise invalid_argument(f"input_ids must be in [0, {card.vocab_size})", "input_ids")
 
-    def _request(self, input_ids: list[int], params: SamplingParams, rid: str,
-                 prefill_only: bool = False) -> worker_pb2.GenerateRequest:
+    def _request(self, input_ids: list[int], params: SamplingParams, rid: str, prefill_only: bool = False,
+                 mm: MultimodalInputs | None = None) -> worker_pb2.GenerateRequest:
         return worker_pb2.GenerateRequest(request_id=rid, token_ids=input_ids,
                                           block_hashes=self.prompt_hashes(input_ids),
-                                          sampling_params=sampling_to_proto(params), prefill_only=prefill_only)
+                                          sampling_params=sampling_to_proto(params), prefill_only=prefill_only,
+                                          images=images_to_proto(mm))
 
-    async def generate(self, input_ids: list[int], params: SamplingParams,
-                       rid: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
+    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+                       mm: MultimodalInputs | None = None) -> AsyncGenerator[GenerationChunk, None]:
         rid = rid or uuid.uuid4().hex
-        request = self._request(list(input_ids), params, rid)
+        request = self._request(list(input_ids), params, rid, mm=mm)
         # The detokenize session opens while the prompt is computed: the first token does not wait for it.
         detok = self.tokenizer.upstreams[0].stub.Detokenize()
         started = asyncio.ensure_future(self._detok_call(detok, detok.write(tokenizer_pb2.DetokenizeRequest(
@@ -334,9 +352,9 @@ class GrpcBackend(Backend):
         except asyncio.InvalidStateError:
             raise self._tokenizer_error(await _status_error(detok)) from None
 
-    async def cache_prefix(self, input_ids: list[int]) -> None:
+    async def cache_prefix(self, input_ids: list[int], mm: MultimodalInputs | None = None) -> None:
         rid = uuid.uuid4().hex
-        target, call, msg = await self._open_stream(self._request(list(input_ids), SamplingParams(), rid, True))
+        target, call, msg = await self._open_stream(self._request(list(input_ids), SamplingParams(), rid, True, mm))
         try:
             while msg is not grpc.aio.EOF:
                 msg = await self._read(target, call)
@@ -447,4 +465,5 @@ def _make_card(info: worker_pb2.GetModelInfoResponse, tok: tokenizer_pb2.GetToke
                   "tokenizer_address": backend.tokenizer_address, "tokenizer_fingerprint": tok.fingerprint})
     return ModelCard(name=name, aliases=frozenset(aliases), model_path=info.model_path,
                      tokenizer_path=tok.tokenizer_path, context_len=info.context_len, vocab_size=info.vocab_size,
-                     max_running_requests=info.max_running_requests, created=int(time.time()), extra=extra)
+                     max_running_requests=info.max_running_requests, created=int(time.time()), extra=extra,
+                     has_image_understanding=info.has_image_understanding and tok.accepts_images)

@@ -6,6 +6,7 @@ scheduler's timestamps `serve.queue`, `serve.prefill`, `serve.decode`, and `serv
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import uuid
@@ -18,6 +19,9 @@ from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
+from radixmesh.engine.mm.config import ImageLimits
+from radixmesh.engine.mm.inputs import MultimodalInputs
+from radixmesh.engine.mm.prompt import MultimodalProcessor, MultimodalPrompt, PromptWithImages, text_only_error
 from radixmesh.engine.output import TextAssembler
 from radixmesh.engine.tokenizer import decode_text, encode_chat, encode_text, render_chat, token_texts
 from radixmesh.gateway.backend import Backend, GenerationChunk, ModelCard, SamplingParams
@@ -29,16 +33,22 @@ T = TypeVar("T")
 class LocalBackend(Backend):
     """Owns one `EngineClient` (and through it the scheduler process)."""
 
-    def __init__(self, client: EngineClient, served_model_name: str | None = None) -> None:
+    def __init__(self, client: EngineClient, served_model_name: str | None = None,
+                 image_limits: ImageLimits | None = None) -> None:
         self.client = client
-        self._card = _make_card(client, served_model_name)
+        prepared = client.prepared
+        self.images = MultimodalProcessor.for_model(prepared.config, [prepared.model_path, prepared.tokenizer_path],
+                                                    client.tokenizer, image_limits)
+        """Reads and places the images of prompts, in this process (None: a text-only model)."""
+        self._card = _make_card(client, served_model_name, self.images is not None)
         self._closed = False
         self._queue_time: Any = None
 
     @classmethod
-    async def start(cls, config: EngineConfig, served_model_name: str | None = None) -> LocalBackend:
+    async def start(cls, config: EngineConfig, served_model_name: str | None = None,
+                    image_limits: ImageLimits | None = None) -> LocalBackend:
         """Prepare the model (first use downloads and converts the default one) and start the scheduler."""
-        return cls(await EngineClient.start(config), served_model_name)
+        return cls(await EngineClient.start(config), served_model_name, image_limits)
 
     @property
     def card(self) -> ModelCard:
@@ -67,6 +77,16 @@ class LocalBackend(Backend):
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return render_chat(self._tokenizer("messages"), messages, add_generation_prompt)
 
+    async def tokenize_multimodal(self, prompt: PromptWithImages) -> MultimodalPrompt:
+        if self.images is None:
+            raise text_only_error(self._card.name, prompt.images)
+        images = self.images
+        # decoding and resizing images takes milliseconds to seconds: off the event loop
+        if not tracing.enabled():
+            return await asyncio.to_thread(images.prepare, prompt)
+        with tracing.span("serve.tokenize", {"tokenize.input": "images", "tokenize.images": len(prompt.images)}):
+            return await asyncio.to_thread(images.prepare, prompt)
+
     def decode(self, token_ids: list[int]) -> str:
         return decode_text(self._tokenizer("prompt"), token_ids)
 
@@ -76,14 +96,14 @@ class LocalBackend(Backend):
         return token_texts(self.client.tokenizer, token_ids)
 
     # ---- generation -----------------------------------------------------------------------------
-    def validate(self, input_ids: list[int], params: SamplingParams) -> None:
-        self.client.validate(input_ids, params)
+    def validate(self, input_ids: list[int], params: SamplingParams, mm: MultimodalInputs | None = None) -> None:
+        self.client.validate(input_ids, params, mm=mm)
 
     def bind_queue_time(self, histogram: Any) -> None:
         self._queue_time = histogram
 
-    async def generate(self, input_ids: list[int], params: SamplingParams,
-                       rid: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
+    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+                       mm: MultimodalInputs | None = None) -> AsyncGenerator[GenerationChunk, None]:
         """EngineClient.generate, plus the timeline of the request (queue-time metric, phase spans)."""
         rid = rid or uuid.uuid4().hex
         tokenizer = self.client.tokenizer
@@ -92,7 +112,7 @@ class LocalBackend(Backend):
                                    itl=None, span_prefix="serve")  # the gateway's metrics observe the gaps
         detokenize_ns = 0
         try:
-            async for out in self.client.generate_tokens(input_ids, params, rid):
+            async for out in self.client.generate_tokens(input_ids, params, rid, mm=mm):
                 timeline.on_output(out)
                 start_ns = time.perf_counter_ns()
                 chunk = assembler.feed(out) if assembler is not None else GenerationChunk.of(out)
@@ -105,8 +125,8 @@ class LocalBackend(Backend):
                     "radixmesh.request_id": rid, "detokenize.output_tokens": timeline.num_output_tokens,
                     "detokenize.busy_ms": round(detokenize_ns / 1e6, 3)}, timeline.parent)
 
-    async def cache_prefix(self, input_ids: list[int]) -> None:
-        await self.client.cache_prefix(input_ids)
+    async def cache_prefix(self, input_ids: list[int], mm: MultimodalInputs | None = None) -> None:
+        await self.client.cache_prefix(input_ids, mm)
 
     def branch_params(self, params: SamplingParams) -> list[SamplingParams]:
         return self.client.branch_params(params)
@@ -138,7 +158,7 @@ def _tokenize(kind: str, encode: Callable[[Any, T], list[int]], tokenizer: Any, 
     return ids
 
 
-def _make_card(client: EngineClient, served_model_name: str | None) -> ModelCard:
+def _make_card(client: EngineClient, served_model_name: str | None, has_images: bool) -> ModelCard:
     prepared = client.prepared
     aliases = {prepared.name}
     if client.config.model:
@@ -154,5 +174,5 @@ def _make_card(client: EngineClient, served_model_name: str | None) -> ModelCard
         model_path=str(prepared.model_path or ""), tokenizer_path=str(prepared.tokenizer_path or ""),
         context_len=client.context_len, vocab_size=client.model_config.vocab_size,
         max_running_requests=running, created=int(time.time()),
-        extra={"backend": "local", **dataclasses.asdict(client.config)},
+        extra={"backend": "local", **dataclasses.asdict(client.config)}, has_image_understanding=has_images,
     )

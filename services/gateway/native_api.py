@@ -19,9 +19,12 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from radixmesh import __version__
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument, unsupported
+from radixmesh.engine.mm.inputs import MultimodalInputs
+from radixmesh.engine.mm.prompt import PromptWithImages
 from radixmesh.gateway import openai_convert as conv
 from radixmesh.gateway.backend import SamplingParams
 from radixmesh.gateway.dispatch import Generation, PromptJob
+from radixmesh.gateway.images import native_image_sources
 from radixmesh.gateway.metrics import CONTENT_TYPE_LATEST
 from radixmesh.gateway.protocol import RequestBody, parse_body
 from radixmesh.gateway.sse import DONE, EventStreamResponse, with_error_events
@@ -82,7 +85,7 @@ class AbortRequest(RequestBody):
 async def generate(request: Request) -> Response:
     state = get_state(request)
     req = parse_body(await request.body(), GenerateRequest)
-    prompts, batched = _prompts(state, req)
+    prompts, mms, batched = await _prompts(state, req)
     per_prompt = req.sampling_params if isinstance(req.sampling_params, list) \
         else [req.sampling_params or NativeSamplingParams()] * len(prompts)
     if len(per_prompt) != len(prompts):
@@ -92,8 +95,8 @@ async def generate(request: Request) -> Response:
     rids = req.rid if isinstance(req.rid, list) else None
     prompt_param = "input_ids" if req.input_ids is not None else "text"
     with conv.openai_names({"prompt": prompt_param, "top_logprobs": "top_logprobs_num"}):  # SGLang's names
-        jobs = [PromptJob(ids, _params(state, req, sp, len(ids), ask))
-                for ids, sp, ask in zip(prompts, per_prompt, asks)]
+        jobs = [PromptJob(ids, _params(state, req, sp, len(ids), ask), mm)
+                for ids, sp, ask, mm in zip(prompts, per_prompt, asks, mms)]
         generation = state.dispatcher.open("generate", jobs, request_id=rid, rids=rids)
     run = _NativeRun(state, req, generation, batched or len(generation.rids) > 1)
     if req.stream:
@@ -104,14 +107,32 @@ async def generate(request: Request) -> Response:
         await generation.aclose()
 
 
-def _prompts(state: GatewayState, req: GenerateRequest) -> tuple[list[list[int]], bool]:
-    if req.image_data is not None or req.lora_path is not None:
-        raise unsupported("image_data and lora_path are not supported", "image_data" if req.image_data else "lora_path")
+async def _prompts(state: GatewayState, req: GenerateRequest) \
+        -> tuple[list[list[int]], list[MultimodalInputs | None], bool]:
+    """Each prompt's token ids and images (placeholders expanded), and whether the request is a batch."""
+    raw, batched = _raw_prompts(req)
+    ids_list: list[list[int]] = []
+    mms: list[MultimodalInputs | None] = []
+    for prompt, sources in zip(raw, native_image_sources(req.image_data, len(raw), batched)):
+        if sources:
+            kind = {"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
+            placed = await state.backend.tokenize_multimodal(PromptWithImages(sources, **kind))
+            ids_list.append(placed.input_ids)
+            mms.append(placed.mm)
+        else:
+            ids_list.append(state.backend.encode(prompt) if isinstance(prompt, str) else prompt)
+            mms.append(None)
+    return ids_list, mms, batched
+
+
+def _raw_prompts(req: GenerateRequest) -> tuple[list[str | list[int]], bool]:
+    if req.lora_path is not None:
+        raise unsupported("lora_path is not supported", "lora_path")
     if (req.text is None) == (req.input_ids is None):
         raise invalid_argument("give exactly one of text and input_ids", "text")
     if req.text is not None:
-        texts = [req.text] if isinstance(req.text, str) else req.text
-        return [state.backend.encode(t) for t in texts], isinstance(req.text, list)
+        texts: list[str | list[int]] = [req.text] if isinstance(req.text, str) else list(req.text)
+        return texts, isinstance(req.text, list)
     ids = req.input_ids or []
     if ids and isinstance(ids[0], list):
         return [list(p) for p in ids], True
@@ -290,7 +311,8 @@ async def health_generate(request: Request) -> Response:
 def _model_info(state: GatewayState) -> dict[str, Any]:
     card = state.backend.card
     return {"model_path": card.model_path, "tokenizer_path": card.tokenizer_path, "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
+            "preferred_sampling_params": None, "weight_version": "default",
+            "has_image_understanding": card.has_image_understanding,
             "has_audio_understanding": False, "served_model_name": card.name, "context_len": card.context_len,
             "vocab_size": card.vocab_size}
 

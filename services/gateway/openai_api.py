@@ -11,9 +11,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixmesh.common.errors import invalid_argument
+from radixmesh.engine.mm.prompt import PromptWithImages
 from radixmesh.gateway import openai_convert as conv
 from radixmesh.gateway.backend import GenerationChunk
 from radixmesh.gateway.dispatch import Generation, PromptJob
+from radixmesh.gateway.images import chat_with_images, has_images
 from radixmesh.gateway.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -159,7 +161,13 @@ async def chat_completions(request: Request) -> Response:
     req = parse_body(await request.body(), ChatCompletionRequest)
     model = state.resolve_model(req.model)
     conv.check_chat_supported(req)
-    input_ids = state.backend.apply_chat_template(conv.chat_messages(req.messages))
+    mm = None
+    if has_images(req.messages):
+        messages, sources = chat_with_images(req.messages)
+        prompt = await state.backend.tokenize_multimodal(PromptWithImages(sources, messages=messages))
+        input_ids, mm = prompt.input_ids, prompt.mm
+    else:
+        input_ids = state.backend.apply_chat_template(conv.chat_messages(req.messages))
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     names = {"max_new_tokens": max_param, "min_new_tokens": "min_tokens", "prompt": "messages",
@@ -169,7 +177,7 @@ async def chat_completions(request: Request) -> Response:
                                               state.config.max_default_tokens, max_param, "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
         generation = state.dispatcher.open("chat_completions", [PromptJob(input_ids, conv.sampling_params(
-            req, max_new, top))])
+            req, max_new, top), mm)])
     run = _ChatRun(state, req, model, generation)
     if req.stream:
         return EventStreamResponse(with_error_events(run.events()), on_close=generation.aclose)

@@ -130,9 +130,16 @@ class CompletionRequest(SamplingExtensions):
     response_format: ResponseFormat | None = None
 
 
+class ImageURL(RequestBody):
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(RequestBody):
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None
+    """`type: image_url`: a base64 data: URL (http(s) where the server allows it), as OpenAI sends it."""
 
 
 class ChatMessage(RequestBody):

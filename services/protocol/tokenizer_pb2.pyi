@@ -8,6 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from radixmesh.protocol import common_pb2 as _common_pb2
+from radixmesh.protocol import multimodal_pb2 as _multimodal_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -25,22 +26,75 @@ class ChatMessage(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """system | user | assistant | tool ..."""
     content: _builtins.str
+    @_builtins.property
+    def parts(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatContentPart]:
+        """OpenAI content parts, in order; when set, `content` is ignored. An image part takes the next
+        image of TokenizeRequest.images and is rendered as the model's image placeholder.
+        """
+
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
+        parts: _abc.Iterable[Global___ChatContentPart] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "parts", b"parts", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class ChatContentPart(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    image: _builtins.bool
+    """true: the next image of TokenizeRequest.images"""
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        image: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["image", b"image", "part", b"part", "text", b"text"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["image", b"image", "part", b"part", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["text", "image"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___ChatContentPart: _TypeAlias = ChatContentPart  # noqa: Y015
+
+@_typing.final
+class TokenIdList(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenIdList: _TypeAlias = TokenIdList  # noqa: Y015
 
 @_typing.final
 class ChatConversation(_message.Message):
@@ -74,9 +128,11 @@ class TokenizeRequest(_message.Message):
 
     TEXT_FIELD_NUMBER: _builtins.int
     CHAT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     EXTRA_KEY_FIELD_NUMBER: _builtins.int
+    IMAGES_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """a raw prompt"""
     add_special_tokens: _builtins.bool
@@ -91,22 +147,34 @@ class TokenizeRequest(_message.Message):
     def chat(self) -> Global___ChatConversation:
         """rendered with the model's chat template"""
 
+    @_builtins.property
+    def token_ids(self) -> Global___TokenIdList:
+        """ids the client sent, with the image placeholder per image"""
+
+    @_builtins.property
+    def images(self) -> _containers.RepeatedCompositeFieldContainer[_multimodal_pb2.ImageSource]:
+        """The prompt's images, in the order of their placeholders (one image token per image in `text`
+        and `token_ids`, one image part per image in `chat`). A model without a vision encoder refuses them.
+        """
+
     def __init__(
         self,
         *,
         text: _builtins.str = ...,
         chat: Global___ChatConversation | None = ...,
+        token_ids: Global___TokenIdList | None = ...,
         add_special_tokens: _builtins.bool | None = ...,
         block_size: _builtins.int = ...,
         extra_key: _builtins.bytes = ...,
+        images: _abc.Iterable[_multimodal_pb2.ImageSource] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "text", b"text"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "chat", b"chat", "input", b"input", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "block_size", b"block_size", "chat", b"chat", "extra_key", b"extra_key", "input", b"input", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens", "add_special_tokens", b"add_special_tokens", "block_size", b"block_size", "chat", b"chat", "extra_key", b"extra_key", "images", b"images", "input", b"input", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_special_tokens: _TypeAlias = _typing.Literal["add_special_tokens"]  # noqa: Y015
     _WhichOneofArgType__add_special_tokens: _TypeAlias = _typing.Literal["_add_special_tokens", b"_add_special_tokens"]  # noqa: Y015
-    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["text", "chat"]  # noqa: Y015
+    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["text", "chat", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special_tokens) -> _WhichOneofReturnType__add_special_tokens | None: ...
@@ -122,22 +190,30 @@ class TokenizeResponse(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     PROMPT_TEXT_FIELD_NUMBER: _builtins.int
+    IMAGES_FIELD_NUMBER: _builtins.int
     prompt_text: _builtins.str
     """for chat: the rendered template text; for text: the input"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def block_hashes(self) -> _common_pb2.BlockHashes: ...
+    @_builtins.property
+    def images(self) -> _containers.RepeatedCompositeFieldContainer[_multimodal_pb2.ImageInput]:
+        """The preprocessed images; token_ids hold each one's pad ids at [offset, offset + num_tokens)
+        (multimodal.proto), and block_hashes are computed over those.
+        """
+
     def __init__(
         self,
         *,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         block_hashes: _common_pb2.BlockHashes | None = ...,
         prompt_text: _builtins.str = ...,
+        images: _abc.Iterable[_multimodal_pb2.ImageInput] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "prompt_text", b"prompt_text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "images", b"images", "prompt_text", b"prompt_text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -362,6 +438,8 @@ class GetTokenizerInfoResponse(_message.Message):
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     TOKENIZER_PATH_FIELD_NUMBER: _builtins.int
+    ACCEPTS_IMAGES_FIELD_NUMBER: _builtins.int
+    IMAGE_PLACEHOLDER_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     vocab_size: _builtins.int
     """len(tokenizer), ids are in [0, vocab_size)"""
@@ -377,6 +455,10 @@ class GetTokenizerInfoResponse(_message.Message):
     """Where the tokenizer was loaded from: a directory on the service's machine or a Hugging Face
     hub id (what clients pass to load the same tokenizer themselves, as /model_info reports it).
     """
+    accepts_images: _builtins.bool
+    """the model has a vision encoder (Tokenize takes images)"""
+    image_placeholder: _builtins.str
+    """one image in prompt text, e.g. "<image>" """
     @_builtins.property
     def special_tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___SpecialToken]: ...
     @_builtins.property
@@ -393,10 +475,12 @@ class GetTokenizerInfoResponse(_message.Message):
         has_chat_template: _builtins.bool = ...,
         block_size: _builtins.int = ...,
         tokenizer_path: _builtins.str = ...,
+        accepts_images: _builtins.bool = ...,
+        image_placeholder: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "eos_token_ids", b"eos_token_ids", "fingerprint", b"fingerprint", "has_chat_template", b"has_chat_template", "model_name", b"model_name", "special_tokens", b"special_tokens", "tokenizer_path", b"tokenizer_path", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "accepts_images", b"accepts_images", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "eos_token_ids", b"eos_token_ids", "fingerprint", b"fingerprint", "has_chat_template", b"has_chat_template", "image_placeholder", b"image_placeholder", "model_name", b"model_name", "special_tokens", b"special_tokens", "tokenizer_path", b"tokenizer_path", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bos_token_id: _TypeAlias = _typing.Literal["bos_token_id"]  # noqa: Y015
     _WhichOneofArgType__bos_token_id: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id"]  # noqa: Y015

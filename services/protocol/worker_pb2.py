@@ -23,54 +23,55 @@ _sym_db = _symbol_database.Default()
 
 
 from radixmesh.protocol import common_pb2 as radixmesh_dot_v1_dot_common__pb2
+from radixmesh.protocol import multimodal_pb2 as radixmesh_dot_v1_dot_multimodal__pb2
 from radixmesh.protocol import sampling_pb2 as radixmesh_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19radixmesh/v1/worker.proto\x12\x0cradixmesh.v1\x1a\x19radixmesh/v1/common.proto\x1a\x1bradixmesh/v1/sampling.proto\"\xe4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12/\n\x0c\x62lock_hashes\x18\x03 \x01(\x0b\x32\x19.radixmesh.v1.BlockHashes\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x14\n\x0cprefill_only\x18\x05 \x01(\x08\x12,\n\x07prefill\x18\x06 \x01(\x0b\x32\x1b.radixmesh.v1.PrefillTarget\"3\n\rPrefillTarget\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xb8\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.radixmesh.v1.TopLogprobs\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x31\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x1a.radixmesh.v1.FinishReason\x12\x1a\n\x10matched_stop_str\x18\t \x01(\tH\x00\x12\x1f\n\x15matched_stop_token_id\x18\n \x01(\rH\x00\x12*\n\x07routing\x18\x0b \x01(\x0b\x32\x19.radixmesh.v1.RoutingInfo\x12\x11\n\tworker_id\x18\x0c \x01(\t\x12\x32\n\x0einput_logprobs\x18\r \x03(\x0b\x32\x1a.radixmesh.v1.InputLogprobB\x0e\n\x0cmatched_stop\"Y\n\x0cInputLogprob\x12\x14\n\x07logprob\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\'\n\x03top\x18\x02 \x03(\x0b\x32\x1a.radixmesh.v1.TokenLogprobB\n\n\x08_logprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x9f\x01\n\x0fGetLoadResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.radixmesh.v1.WorkerRole\x12&\n\x04load\x18\x03 \x01(\x0b\x32\x18.radixmesh.v1.WorkerLoad\x12)\n\x06\x64isagg\x18\x04 \x01(\x0b\x32\x19.radixmesh.v1.DisaggStats\"\x85\x03\n\x0b\x44isaggStats\x12\x1f\n\x17num_reservations_active\x18\x01 \x01(\r\x12 \n\x18num_reservations_pending\x18\x02 \x01(\r\x12\x1b\n\x13num_reserved_tokens\x18\x03 \x01(\x04\x12 \n\x18num_reservations_granted\x18\x04 \x01(\x04\x12 \n\x18num_reservations_refused\x18\x05 \x01(\x04\x12\x1f\n\x17num_reservations_lapsed\x18\x06 \x01(\x04\x12\x15\n\rnum_committed\x18\x07 \x01(\x04\x12\x15\n\rnum_fallbacks\x18\x08 \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\t \x01(\x04\x12\x1a\n\x12num_transfers_held\x18\n \x01(\r\x12\x13\n\x0bnum_exports\x18\x0b \x01(\x04\x12\x1c\n\x14num_transfers_lapsed\x18\x0c \x01(\x04\x12\x19\n\x11kv_bytes_exported\x18\r \x01(\x04\"\x13\n\x11\x46lushCacheRequest\"%\n\x12\x46lushCacheResponse\x12\x0f\n\x07\x66lushed\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x9b\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x13\n\x0b\x63ontext_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1c\n\x14max_running_requests\x18\x05 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x06 \x01(\x04\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12&\n\x04role\x18\x08 \x01(\x0e\x32\x18.radixmesh.v1.WorkerRole\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x0f\n\x07\x61liases\x18\n \x03(\t\x12\x1a\n\x12\x65ngine_config_json\x18\x0b \x01(\t\"v\n\x0ePrefillRequest\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.radixmesh.v1.PrefillStartH\x00\x12/\n\x07release\x18\x02 \x01(\x0b\x32\x1c.radixmesh.v1.PrefillReleaseH\x00\x42\x06\n\x04kind\"\xdb\x01\n\x0cPrefillStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x11\n\tstart_pos\x18\x04 \x01(\r\x12\x14\n\x0ckv_transport\x18\x05 \x01(\t\x12\x10\n\x08lease_ms\x18\x06 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x07 \x01(\t\x12\x18\n\x10transport_params\x18\x08 \x01(\x0c\"#\n\x0ePrefillRelease\x12\x11\n\tcommitted\x18\x01 \x01(\x08\"s\n\x0fPrefillResponse\x12)\n\x08kv_chunk\x18\x01 \x01(\x0b\x32\x15.radixmesh.v1.KVChunkH\x00\x12-\n\x06result\x18\x02 \x01(\x0b\x32\x1b.radixmesh.v1.PrefillResultH\x00\x42\x06\n\x04kind\"\xa6\x01\n\x07KVChunk\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x13\n\x0blayer_begin\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x11\n\tnum_bytes\x18\x07 \x01(\x04\x12\r\n\x05index\x18\x08 \x01(\r\x12\r\n\x05\x63ount\x18\t \x01(\r\"\xfa\x01\n\rPrefillResult\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12/\n\x0ctop_logprobs\x18\x03 \x01(\x0b\x32\x19.radixmesh.v1.TopLogprobs\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x04\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12\x31\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x1a.radixmesh.v1.FinishReasonB\n\n\x08_logprob2\xda\x03\n\rWorkerService\x12K\n\x08Generate\x12\x1d.radixmesh.v1.GenerateRequest\x1a\x1e.radixmesh.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.radixmesh.v1.AbortRequest\x1a\x1b.radixmesh.v1.AbortResponse\x12\x46\n\x07GetLoad\x12\x1c.radixmesh.v1.GetLoadRequest\x1a\x1d.radixmesh.v1.GetLoadResponse\x12O\n\nFlushCache\x12\x1f.radixmesh.v1.FlushCacheRequest\x1a .radixmesh.v1.FlushCacheResponse\x12U\n\x0cGetModelInfo\x12!.radixmesh.v1.GetModelInfoRequest\x1a\".radixmesh.v1.GetModelInfoResponse\x12J\n\x07Prefill\x12\x1c.radixmesh.v1.PrefillRequest\x1a\x1d.radixmesh.v1.PrefillResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19radixmesh/v1/worker.proto\x12\x0cradixmesh.v1\x1a\x19radixmesh/v1/common.proto\x1a\x1dradixmesh/v1/multimodal.proto\x1a\x1bradixmesh/v1/sampling.proto\"\x8e\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12/\n\x0c\x62lock_hashes\x18\x03 \x01(\x0b\x32\x19.radixmesh.v1.BlockHashes\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x14\n\x0cprefill_only\x18\x05 \x01(\x08\x12,\n\x07prefill\x18\x06 \x01(\x0b\x32\x1b.radixmesh.v1.PrefillTarget\x12(\n\x06images\x18\x14 \x03(\x0b\x32\x18.radixmesh.v1.ImageInput\"3\n\rPrefillTarget\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xb8\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.radixmesh.v1.TopLogprobs\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x31\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x1a.radixmesh.v1.FinishReason\x12\x1a\n\x10matched_stop_str\x18\t \x01(\tH\x00\x12\x1f\n\x15matched_stop_token_id\x18\n \x01(\rH\x00\x12*\n\x07routing\x18\x0b \x01(\x0b\x32\x19.radixmesh.v1.RoutingInfo\x12\x11\n\tworker_id\x18\x0c \x01(\t\x12\x32\n\x0einput_logprobs\x18\r \x03(\x0b\x32\x1a.radixmesh.v1.InputLogprobB\x0e\n\x0cmatched_stop\"Y\n\x0cInputLogprob\x12\x14\n\x07logprob\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\'\n\x03top\x18\x02 \x03(\x0b\x32\x1a.radixmesh.v1.TokenLogprobB\n\n\x08_logprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x9f\x01\n\x0fGetLoadResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.radixmesh.v1.WorkerRole\x12&\n\x04load\x18\x03 \x01(\x0b\x32\x18.radixmesh.v1.WorkerLoad\x12)\n\x06\x64isagg\x18\x04 \x01(\x0b\x32\x19.radixmesh.v1.DisaggStats\"\x85\x03\n\x0b\x44isaggStats\x12\x1f\n\x17num_reservations_active\x18\x01 \x01(\r\x12 \n\x18num_reservations_pending\x18\x02 \x01(\r\x12\x1b\n\x13num_reserved_tokens\x18\x03 \x01(\x04\x12 \n\x18num_reservations_granted\x18\x04 \x01(\x04\x12 \n\x18num_reservations_refused\x18\x05 \x01(\x04\x12\x1f\n\x17num_reservations_lapsed\x18\x06 \x01(\x04\x12\x15\n\rnum_committed\x18\x07 \x01(\x04\x12\x15\n\rnum_fallbacks\x18\x08 \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\t \x01(\x04\x12\x1a\n\x12num_transfers_held\x18\n \x01(\r\x12\x13\n\x0bnum_exports\x18\x0b \x01(\x04\x12\x1c\n\x14num_transfers_lapsed\x18\x0c \x01(\x04\x12\x19\n\x11kv_bytes_exported\x18\r \x01(\x04\"\x13\n\x11\x46lushCacheRequest\"%\n\x12\x46lushCacheResponse\x12\x0f\n\x07\x66lushed\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xbc\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x13\n\x0b\x63ontext_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1c\n\x14max_running_requests\x18\x05 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x06 \x01(\x04\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12&\n\x04role\x18\x08 \x01(\x0e\x32\x18.radixmesh.v1.WorkerRole\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x0f\n\x07\x61liases\x18\n \x03(\t\x12\x1a\n\x12\x65ngine_config_json\x18\x0b \x01(\t\x12\x1f\n\x17has_image_understanding\x18\x14 \x01(\x08\"v\n\x0ePrefillRequest\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.radixmesh.v1.PrefillStartH\x00\x12/\n\x07release\x18\x02 \x01(\x0b\x32\x1c.radixmesh.v1.PrefillReleaseH\x00\x42\x06\n\x04kind\"\xdb\x01\n\x0cPrefillStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x11\n\tstart_pos\x18\x04 \x01(\r\x12\x14\n\x0ckv_transport\x18\x05 \x01(\t\x12\x10\n\x08lease_ms\x18\x06 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x07 \x01(\t\x12\x18\n\x10transport_params\x18\x08 \x01(\x0c\"#\n\x0ePrefillRelease\x12\x11\n\tcommitted\x18\x01 \x01(\x08\"s\n\x0fPrefillResponse\x12)\n\x08kv_chunk\x18\x01 \x01(\x0b\x32\x15.radixmesh.v1.KVChunkH\x00\x12-\n\x06result\x18\x02 \x01(\x0b\x32\x1b.radixmesh.v1.PrefillResultH\x00\x42\x06\n\x04kind\"\xa6\x01\n\x07KVChunk\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x13\n\x0blayer_begin\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x11\n\tnum_bytes\x18\x07 \x01(\x04\x12\r\n\x05index\x18\x08 \x01(\r\x12\r\n\x05\x63ount\x18\t \x01(\r\"\xfa\x01\n\rPrefillResult\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12/\n\x0ctop_logprobs\x18\x03 \x01(\x0b\x32\x19.radixmesh.v1.TopLogprobs\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x04\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12\x31\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x1a.radixmesh.v1.FinishReasonB\n\n\x08_logprob2\xda\x03\n\rWorkerService\x12K\n\x08Generate\x12\x1d.radixmesh.v1.GenerateRequest\x1a\x1e.radixmesh.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.radixmesh.v1.AbortRequest\x1a\x1b.radixmesh.v1.AbortResponse\x12\x46\n\x07GetLoad\x12\x1c.radixmesh.v1.GetLoadRequest\x1a\x1d.radixmesh.v1.GetLoadResponse\x12O\n\nFlushCache\x12\x1f.radixmesh.v1.FlushCacheRequest\x1a .radixmesh.v1.FlushCacheResponse\x12U\n\x0cGetModelInfo\x12!.radixmesh.v1.GetModelInfoRequest\x1a\".radixmesh.v1.GetModelInfoResponse\x12J\n\x07Prefill\x12\x1c.radixmesh.v1.PrefillRequest\x1a\x1d.radixmesh.v1.PrefillResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'radixmesh.protocol.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST']._serialized_start=100
-  _globals['_GENERATEREQUEST']._serialized_end=328
-  _globals['_PREFILLTARGET']._serialized_start=330
-  _globals['_PREFILLTARGET']._serialized_end=381
-  _globals['_GENERATERESPONSE']._serialized_start=384
-  _globals['_GENERATERESPONSE']._serialized_end=824
-  _globals['_INPUTLOGPROB']._serialized_start=826
-  _globals['_INPUTLOGPROB']._serialized_end=915
-  _globals['_ABORTREQUEST']._serialized_start=917
-  _globals['_ABORTREQUEST']._serialized_end=951
-  _globals['_ABORTRESPONSE']._serialized_start=953
-  _globals['_ABORTRESPONSE']._serialized_end=983
-  _globals['_GETLOADREQUEST']._serialized_start=985
-  _globals['_GETLOADREQUEST']._serialized_end=1001
-  _globals['_GETLOADRESPONSE']._serialized_start=1004
-  _globals['_GETLOADRESPONSE']._serialized_end=1163
-  _globals['_DISAGGSTATS']._serialized_start=1166
-  _globals['_DISAGGSTATS']._serialized_end=1555
-  _globals['_FLUSHCACHEREQUEST']._serialized_start=1557
-  _globals['_FLUSHCACHEREQUEST']._serialized_end=1576
-  _globals['_FLUSHCACHERESPONSE']._serialized_start=1578
-  _globals['_FLUSHCACHERESPONSE']._serialized_end=1615
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1617
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1638
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1641
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1924
-  _globals['_PREFILLREQUEST']._serialized_start=1926
-  _globals['_PREFILLREQUEST']._serialized_end=2044
-  _globals['_PREFILLSTART']._serialized_start=2047
-  _globals['_PREFILLSTART']._serialized_end=2266
-  _globals['_PREFILLRELEASE']._serialized_start=2268
-  _globals['_PREFILLRELEASE']._serialized_end=2303
-  _globals['_PREFILLRESPONSE']._serialized_start=2305
-  _globals['_PREFILLRESPONSE']._serialized_end=2420
-  _globals['_KVCHUNK']._serialized_start=2423
-  _globals['_KVCHUNK']._serialized_end=2589
-  _globals['_PREFILLRESULT']._serialized_start=2592
-  _globals['_PREFILLRESULT']._serialized_end=2842
-  _globals['_WORKERSERVICE']._serialized_start=2845
-  _globals['_WORKERSERVICE']._serialized_end=3319
+  _globals['_GENERATEREQUEST']._serialized_start=131
+  _globals['_GENERATEREQUEST']._serialized_end=401
+  _globals['_PREFILLTARGET']._serialized_start=403
+  _globals['_PREFILLTARGET']._serialized_end=454
+  _globals['_GENERATERESPONSE']._serialized_start=457
+  _globals['_GENERATERESPONSE']._serialized_end=897
+  _globals['_INPUTLOGPROB']._serialized_start=899
+  _globals['_INPUTLOGPROB']._serialized_end=988
+  _globals['_ABORTREQUEST']._serialized_start=990
+  _globals['_ABORTREQUEST']._serialized_end=1024
+  _globals['_ABORTRESPONSE']._serialized_start=1026
+  _globals['_ABORTRESPONSE']._serialized_end=1056
+  _globals['_GETLOADREQUEST']._serialized_start=1058
+  _globals['_GETLOADREQUEST']._serialized_end=1074
+  _globals['_GETLOADRESPONSE']._serialized_start=1077
+  _globals['_GETLOADRESPONSE']._serialized_end=1236
+  _globals['_DISAGGSTATS']._serialized_start=1239
+  _globals['_DISAGGSTATS']._serialized_end=1628
+  _globals['_FLUSHCACHEREQUEST']._serialized_start=1630
+  _globals['_FLUSHCACHEREQUEST']._serialized_end=1649
+  _globals['_FLUSHCACHERESPONSE']._serialized_start=1651
+  _globals['_FLUSHCACHERESPONSE']._serialized_end=1688
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1690
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1711
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1714
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2030
+  _globals['_PREFILLREQUEST']._serialized_start=2032
+  _globals['_PREFILLREQUEST']._serialized_end=2150
+  _globals['_PREFILLSTART']._serialized_start=2153
+  _globals['_PREFILLSTART']._serialized_end=2372
+  _globals['_PREFILLRELEASE']._serialized_start=2374
+  _globals['_PREFILLRELEASE']._serialized_end=2409
+  _globals['_PREFILLRESPONSE']._serialized_start=2411
+  _globals['_PREFILLRESPONSE']._serialized_end=2526
+  _globals['_KVCHUNK']._serialized_start=2529
+  _globals['_KVCHUNK']._serialized_end=2695
+  _globals['_PREFILLRESULT']._serialized_start=2698
+  _globals['_PREFILLRESULT']._serialized_end=2948
+  _globals['_WORKERSERVICE']._serialized_start=2951
+  _globals['_WORKERSERVICE']._serialized_end=3425
 # @@protoc_insertion_point(module_scope)

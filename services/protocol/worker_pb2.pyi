@@ -10,6 +10,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from radixmesh.protocol import common_pb2 as _common_pb2
+from radixmesh.protocol import multimodal_pb2 as _multimodal_pb2
 from radixmesh.protocol import sampling_pb2 as _sampling_pb2
 import builtins as _builtins
 import sys
@@ -32,6 +33,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_PARAMS_FIELD_NUMBER: _builtins.int
     PREFILL_ONLY_FIELD_NUMBER: _builtins.int
     PREFILL_FIELD_NUMBER: _builtins.int
+    IMAGES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """unique per sequence; empty = the worker picks one"""
     prefill_only: _builtins.bool
@@ -51,7 +53,13 @@ class GenerateRequest(_message.Message):
         """Disaggregation, set by a router on a call to a decode worker: have this prefill worker compute
         the prompt's uncached part and send its KV (WorkerService.Prefill). Ignored by unified and
         prefill workers, and by a decode worker for sequences that want prompt log-probs or a grammar.
-        Field numbers 7-9 are kept for routing hints and structured outputs.
+        """
+
+    @_builtins.property
+    def images(self) -> _containers.RepeatedCompositeFieldContainer[_multimodal_pb2.ImageInput]:
+        """Field numbers 7-9 are kept for routing hints and structured outputs.
+        The prompt's preprocessed images (from the tokenizer service); their positions in token_ids
+        hold their pad ids. Sequences with images are never disaggregated (the decode worker computes them).
         """
 
     def __init__(
@@ -63,10 +71,11 @@ class GenerateRequest(_message.Message):
         sampling_params: _sampling_pb2.SamplingParams | None = ...,
         prefill_only: _builtins.bool = ...,
         prefill: Global___PrefillTarget | None = ...,
+        images: _abc.Iterable[_multimodal_pb2.ImageInput] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "prefill", b"prefill", "sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "prefill", b"prefill", "prefill_only", b"prefill_only", "request_id", b"request_id", "sampling_params", b"sampling_params", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "images", b"images", "prefill", b"prefill", "prefill_only", b"prefill_only", "request_id", b"request_id", "sampling_params", b"sampling_params", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -428,6 +437,7 @@ class GetModelInfoResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     ALIASES_FIELD_NUMBER: _builtins.int
     ENGINE_CONFIG_JSON_FIELD_NUMBER: _builtins.int
+    HAS_IMAGE_UNDERSTANDING_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """served name"""
     model_path: _builtins.str
@@ -445,6 +455,8 @@ class GetModelInfoResponse(_message.Message):
     """block size of the hashes this worker publishes"""
     engine_config_json: _builtins.str
     """the engine's resolved configuration, as JSON"""
+    has_image_understanding: _builtins.bool
+    """the model takes images (GenerateRequest.images)"""
     @_builtins.property
     def aliases(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """other names accepted as the model"""
@@ -463,10 +475,11 @@ class GetModelInfoResponse(_message.Message):
         block_size: _builtins.int = ...,
         aliases: _abc.Iterable[_builtins.str] | None = ...,
         engine_config_json: _builtins.str = ...,
+        has_image_understanding: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "block_size", b"block_size", "context_len", b"context_len", "engine_config_json", b"engine_config_json", "max_running_requests", b"max_running_requests", "max_total_tokens", b"max_total_tokens", "model_name", b"model_name", "model_path", b"model_path", "role", b"role", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "block_size", b"block_size", "context_len", b"context_len", "engine_config_json", b"engine_config_json", "has_image_understanding", b"has_image_understanding", "max_running_requests", b"max_running_requests", "max_total_tokens", b"max_total_tokens", "model_name", b"model_name", "model_path", b"model_path", "role", b"role", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -11,12 +11,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the `tokenizer` subcommand to the `radixmesh` command."""
     from radixmesh.cli import add_model_args
     from radixmesh.common.grpc_server import add_server_args
+    from radixmesh.engine.mm.config import add_image_args
 
     cmd = sub.add_parser("tokenizer", help="serve the gRPC tokenizer service (tokenize, detokenize, chat templates)",
                          description="Tokenize prompts once at the edge (token ids + block hashes) and "
                                      "detokenize output streams incrementally, over gRPC.")
     add_model_args(cmd, tokenizer_only=True)
     cmd.add_argument("--block-size", type=int, default=16, help="tokens per block of the prompt's block hashes")
+    add_image_args(cmd)
     add_server_args(cmd, DEFAULT_PORT)
     cmd.set_defaults(func=cmd_tokenizer)
 
@@ -25,8 +27,9 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     import asyncio
 
     from radixmesh.common.grpc_server import server_config, setup_logging
+    from radixmesh.engine.mm.config import image_limits_from_args
     from radixmesh.tokenizer.server import serve_tokenizer
 
     setup_logging(args.log_level, "tokenizer")
     return asyncio.run(serve_tokenizer(server_config(args), args.model, args.load_format, args.block_size,
-                                       args.tokenizer))
+                                       args.tokenizer, image_limits_from_args(args)))

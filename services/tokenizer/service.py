@@ -11,16 +11,18 @@ import grpc.aio
 from prometheus_client import Counter, Histogram
 
 from radixmesh.common import tracing
-from radixmesh.common.convert import finish_reason_from_proto
+from radixmesh.common.convert import finish_reason_from_proto, images_to_proto
 from radixmesh.common.errors import invalid_argument
 from radixmesh.common.grpc_errors import map_errors
 from radixmesh.engine.messages import TokenOut
+from radixmesh.engine.mm.prompt import MultimodalProcessor
 from radixmesh.engine.output import TextAssembler
 from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.engine.tokenizer import decode_text, encode_text, render_chat, token_texts
 from radixmesh.index.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
-from radixmesh.protocol import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from radixmesh.protocol import common_pb2, multimodal_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from radixmesh.tokenizer.fingerprint import tokenizer_fingerprint
+from radixmesh.tokenizer.images import chat_messages, text_only, tokenize_with_images
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
 LONG_TEXT_CHARS = 4096
@@ -41,7 +43,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     """Serves one Hugging Face tokenizer (the model's own)."""
 
     def __init__(self, tokenizer: Any, model_name: str, block_size: int = DEFAULT_BLOCK_SIZE,
-                 tokenizer_path: str = "") -> None:
+                 tokenizer_path: str = "", images: MultimodalProcessor | None = None) -> None:
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise invalid_argument(f"block_size must be in [1, {MAX_BLOCK_SIZE}] (got {block_size})", "block_size")
         self.tokenizer = tokenizer
@@ -51,6 +53,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self.block_size = block_size
         self.vocab_size = len(tokenizer)
         self.fingerprint = tokenizer_fingerprint(tokenizer)
+        self.images = images
+        """Reads and places the images of prompts (None: a text-only model, which refuses them)."""
 
     @map_errors("tokenizer")
     async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest,
@@ -61,8 +65,12 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             raise invalid_argument(f"block_size must be in [1, {MAX_BLOCK_SIZE}]", "block_size")
         start = time.perf_counter()
         kind = request.WhichOneof("input")
-        if kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        images: list[multimodal_pb2.ImageInput] = []
+        if request.images:
+            placed = await tokenize_with_images(self.images, request, self.model_name)
+            ids, text, images = placed.input_ids, placed.prompt_text, images_to_proto(placed.mm)
+        elif kind == "chat":
+            messages = text_only(chat_messages(request.chat))
             add_prompt = request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
             text = render_chat(self.tokenizer, messages, add_prompt)
             ids = await _maybe_in_thread(len(text), encode_text, self.tokenizer, text, False)
@@ -70,6 +78,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             text = request.text
             special = request.add_special_tokens if request.HasField("add_special_tokens") else True
             ids = await _maybe_in_thread(len(text), encode_text, self.tokenizer, text, special)
+        elif kind == "token_ids":
+            text, ids = "", list(request.token_ids.ids)
         else:
             raise invalid_argument("a Tokenize request needs `text` or `chat`", "input")
         hashes = block_hashes(ids, block_size, request.extra_key)
@@ -77,9 +87,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         PROMPT_TOKENS.inc(len(ids))
         if tracing.enabled():
             tracing.set_attributes({"tokenize.input": kind, "tokenize.prompt_tokens": len(ids),
+                                    "tokenize.images": len(request.images),
                                     "tokenize.num_blocks": len(hashes), "tokenize.block_size": block_size})
         return tokenizer_pb2.TokenizeResponse(
-            token_ids=ids, prompt_text=text,
+            token_ids=ids, prompt_text=text, images=images,
             block_hashes=common_pb2.BlockHashes(block_size=block_size, hashes=hashes))
 
     @map_errors("tokenizer")
@@ -127,7 +138,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         info = tokenizer_pb2.GetTokenizerInfoResponse(
             model_name=self.model_name, vocab_size=self.vocab_size, special_tokens=specials,
             fingerprint=self.fingerprint, has_chat_template=bool(getattr(tok, "chat_template", None)),
-            block_size=self.block_size, tokenizer_path=self.tokenizer_path)
+            block_size=self.block_size, tokenizer_path=self.tokenizer_path, accepts_images=self.images is not None,
+            image_placeholder=self.images.placeholder_text if self.images is not None else "")
         if tok.bos_token_id is not None:
             info.bos_token_id = tok.bos_token_id
         if tok.eos_token_id is not None:

@@ -15,6 +15,7 @@ import grpc.aio
 from radixmesh.common.convert import (
     ROLE_TO_PROTO,
     disagg_stats_to_proto,
+    images_from_proto,
     load_to_proto,
     sampling_from_proto,
     token_out_to_proto,
@@ -24,6 +25,7 @@ from radixmesh.common.grpc_errors import map_errors
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from radixmesh.engine.messages import TokenOut
+from radixmesh.engine.mm.inputs import MultimodalInputs
 from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.protocol import worker_pb2, worker_pb2_grpc
 from radixmesh.worker import metrics
@@ -72,7 +74,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         metrics.RUNNING.inc()
         try:
             with self.load.track(rid, len(ids)) as seq:
-                stream = self._tokens(request, ids, params, rid)
+                stream = self._tokens(request, ids, params, rid, images_from_proto(request.images))
                 async with contextlib.aclosing(stream) as outs:
                     async for out in outs:
                         timeline.on_output(out)
@@ -89,10 +91,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             timeline.close()
 
     def _tokens(self, request: worker_pb2.GenerateRequest, ids: list[int], params: SamplingParams,
-                rid: str) -> AsyncGenerator[TokenOut, None]:
-        if self.decode is not None and request.HasField("prefill") and not request.prefill_only:
+                rid: str, mm: MultimodalInputs | None) -> AsyncGenerator[TokenOut, None]:
+        if self.decode is not None and request.HasField("prefill") and not request.prefill_only and mm is None:
             return self.decode.generate(rid, ids, params, request.prefill)
-        return self.client.generate_tokens(ids, params, rid, request.prefill_only)
+        if mm is None:
+            return self.client.generate_tokens(ids, params, rid, request.prefill_only)
+        return self.client.generate_tokens(ids, params, rid, request.prefill_only, mm=mm)
 
     @map_errors("worker")
     async def Prefill(self, request_iterator: AsyncIterator[worker_pb2.PrefillRequest],
@@ -145,7 +149,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             max_total_tokens=int(info.get("max_total_num_tokens", 0)), worker_id=self.config.worker_id,
             role=ROLE_TO_PROTO[self.config.role], block_size=self.config.block_size,
             aliases=sorted(model_aliases(client) - {prepared.name}),
-            engine_config_json=json.dumps(dataclasses.asdict(client.config), default=str))
+            engine_config_json=json.dumps(dataclasses.asdict(client.config), default=str),
+            has_image_understanding=client.model_config.is_multimodal)
 
     async def close(self) -> None:
         if self.decode is not None:

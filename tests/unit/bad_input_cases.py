@@ -128,7 +128,8 @@ CHAT_CASES = [
     HttpCase("chat-message-content-int", CHAT, _chat(messages=[{"role": "user", "content": 5}]), "messages",
              "content"),
     HttpCase("chat-message-image-part", CHAT, _chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), "messages", "image_url"),
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), "messages[0].content[0].image_url",
+             "does not take images"),
     HttpCase("chat-prompt-longer-than-context", CHAT,
              lambda ctx: _chat(messages=[{"role": "user", "content": "hello " * (ctx + 10)}]), "messages",
              "context length"),
@@ -207,7 +208,8 @@ GENERATE_CASES = [
     HttpCase("gen-two-grammars", GENERATE, _generate({"regex": "a+", "ebnf": 'root ::= "a"'}), "ebnf"),
     HttpCase("gen-sampling-params-count-mismatch", GENERATE, {"text": ["a", "b"], "sampling_params": [
         {"max_new_tokens": 2}]}, "sampling_params"),
-    HttpCase("gen-image-data-unsupported", GENERATE, _generate(image_data="http://x/cat.png"), "image_data"),
+    HttpCase("gen-image-data-unsupported", GENERATE, _generate(image_data="http://x/cat.png"), "image_data",
+             "does not take images"),
     HttpCase("gen-body-json-array", GENERATE, b"[1, 2, 3]", None, "JSON object"),
 ]
 

@@ -17,6 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from radixmesh.engine.memory import ReqToTokenPool, TokenToKVPool
+    from radixmesh.engine.mm.runtime import MultimodalForward
 
 
 class ForwardMode(enum.Enum):
@@ -52,6 +53,8 @@ class ForwardBatch:
     """EXTEND: [num_extra] int64 packed token indices whose logits are returned too (prompt log-probs)."""
     req_pool_indices_cpu: list[int] | None = None
     """Host copy of `req_pool_indices` (None: backends that need it read the device tensor, a sync)."""
+    mm: MultimodalForward | None = None
+    """EXTEND of a multimodal model: image features and M-RoPE positions (`radixmesh.engine.mm.runtime`)."""
 
     @property
     def batch_size(self) -> int:

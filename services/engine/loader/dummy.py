@@ -64,6 +64,34 @@ NAMED_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+# Published config.json of the multimodal models (llava-hf/llava-1.5-7b-hf, Qwen/Qwen2-VL-7B-Instruct).
+NAMED_SHAPES["llava-1.5-7b"] = {
+    "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 32000,
+    "projector_hidden_act": "gelu", "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+    "text_config": _shape("LlamaForCausalLM", 32, 4096, 11008, 32, 32, 128, 32064, max_position_embeddings=4096,
+                          rope_theta=10000.0, bos_token_id=1, eos_token_id=2, torch_dtype="float16"),
+    "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+                      "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336, "patch_size": 14,
+                      "projection_dim": 768, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5},
+}
+NAMED_SHAPES["qwen2-vl-7b"] = {
+    **_shape("Qwen2ForCausalLM", 28, 3584, 18944, 28, 4, 128, 152064, rope_theta=1000000.0, rms_norm_eps=1e-6,
+             max_position_embeddings=32768, attention_bias=True, **_QWEN_TOKENS),
+    "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
+    "vision_start_token_id": 151652, "vision_end_token_id": 151653, "image_token_id": 151655,
+    "video_token_id": 151656, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "hidden_size": 3584,
+                      "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+}
+NAMED_SHAPES["qwen2.5-vl-7b"] = {
+    **NAMED_SHAPES["qwen2-vl-7b"], "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+    "max_position_embeddings": 128000,
+    "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                      "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                      "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu"},
+}
+
+
 def named_shape_config(name: str) -> ModelConfig:
     """The ModelConfig of a named shape; unknown names list the known ones."""
     cfg = NAMED_SHAPES.get(name.lower())

@@ -93,9 +93,10 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, batch)
         return self.norm(x) if residual is None else self.norm.forward_add(x, residual)[0]
@@ -121,9 +122,10 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.model(input_ids, positions, batch)  # [num_tokens, hidden]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`input_embeds` [num_tokens, hidden] replaces the token embeddings (multimodal models)."""
+        hidden = self.model(input_ids, positions, batch, input_embeds)  # [num_tokens, hidden]
         if not batch.is_decode:
             rows = torch.cumsum(batch.extend_seq_lens, 0) - 1  # [batch]
             if batch.extra_logit_rows is not None:

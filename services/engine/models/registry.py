@@ -14,6 +14,9 @@ _MODELS: dict[str, str] = {
     "llama": "radixmesh.engine.models.llama:CausalLM",
     "qwen2": "radixmesh.engine.models.llama:CausalLM",
     "qwen3": "radixmesh.engine.models.llama:CausalLM",
+    "llava": "radixmesh.engine.models.llava:LlavaForConditionalGeneration",
+    "qwen2_vl": "radixmesh.engine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "radixmesh.engine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
 }
 
 
