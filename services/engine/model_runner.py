@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+TP_FAMILIES = ("llama", "qwen2", "qwen3")
+"""Model families whose layers shard across tensor-parallel ranks."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_RAM_SHARE = 0.1  # of free RAM, scaled by mem_fraction_static, when no size is given
 
@@ -79,10 +81,9 @@ class ModelRunner:
         self.quant = build_linear_method(config.quantization, prepared.config, self.device, self.dtype,
                                          config.fp8_gemm_backend)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device, config.attention_backend)
-        if self.tp.enabled and (self.quant is not None or self.kv_dtype != self.dtype):
-            raise invalid_argument(f"tensor parallelism (--tp-size {self.tp.size}) does not run FP8 weights or an "
-                                   "FP8 KV cache yet: use --tp-size 1 with FP8, or bf16/fp16 weights and KV with TP",
-                                   "tp_size")
+        if self.tp.enabled:
+            _check_tp_support(self.model_config.family, self.tp.size, self.quant is not None,
+                              self.kv_dtype != self.dtype)
         self.model = self._load_model(prepared)
         if self.rank_link is not None:
             self.rank_link.stage("loaded")  # rank 0 waits here until every rank holds its shard
@@ -118,7 +119,8 @@ class ModelRunner:
     def _load_model(self, prepared: PreparedModel) -> torch.nn.Module:
         start = time.perf_counter()
         with torch.device("meta"):  # no memory and no init: every parameter is filled below
-            model = model_class(self.model_config)(self.model_config, self.tp)
+            cls = model_class(self.model_config)
+            model = cls(self.model_config, self.tp) if self.tp.enabled else cls(self.model_config)
         model = model.to(self.dtype)  # still on meta: the quantized layers then get their own storage
         if self.quant is not None:
             self.quant.prepare(model)
@@ -265,3 +267,13 @@ class ModelRunner:
             [r.params for r in reqs], [sampling_prompt_ids(r) for r in reqs], [r.output_ids for r in reqs],
             self.model_config.eos_token_ids, self.model_config.vocab_size, self.device,
             output_lens=[r.num_output_tokens for r in reqs])
+
+
+def _check_tp_support(family: str, tp_size: int, fp8_weights: bool, other_kv_dtype: bool) -> None:
+    """Combinations tensor parallelism does not run yet get a clear error naming them."""
+    if family not in TP_FAMILIES:
+        raise invalid_argument(f"tensor parallelism (--tp-size {tp_size}) runs the Llama and Qwen text models; "
+                               f"{family!r} runs with --tp-size 1", "tp_size")
+    if fp8_weights or other_kv_dtype:
+        raise invalid_argument(f"tensor parallelism (--tp-size {tp_size}) does not run FP8 weights or an FP8 KV "
+                               "cache yet: use --tp-size 1 with FP8, or bf16/fp16 weights and KV with TP", "tp_size")
