@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class InferenceServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Text completion and chat for end users (the public API; see the top of this file).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -62,7 +63,8 @@ class InferenceServiceStub:
 
 
 class InferenceServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Text completion and chat for end users (the public API; see the top of this file).
+    """
 
     def Complete(self, request, context):
         """Complete a text (or token-id) prompt; the whole answer at once.
@@ -139,7 +141,8 @@ def add_InferenceServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class InferenceService:
-    """Missing associated documentation comment in .proto file."""
+    """Text completion and chat for end users (the public API; see the top of this file).
+    """
 
     @staticmethod
     def Complete(request,

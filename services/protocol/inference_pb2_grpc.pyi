@@ -41,6 +41,8 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class InferenceServiceStub:
+    """Text completion and chat for end users (the public API; see the top of this file)."""
+
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
@@ -63,6 +65,8 @@ class InferenceServiceStub:
 
 @_typing.type_check_only
 class InferenceServiceAsyncStub(InferenceServiceStub):
+    """Text completion and chat for end users (the public API; see the top of this file)."""
+
     def __init__(self, channel: _aio.Channel) -> None: ...
     Complete: _aio.UnaryUnaryMultiCallable[_inference_pb2.CompleteRequest, _inference_pb2.CompleteResponse]  # type: ignore[assignment]
     """Complete a text (or token-id) prompt; the whole answer at once."""
@@ -81,6 +85,8 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     """The served model(s)."""
 
 class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
+    """Text completion and chat for end users (the public API; see the top of this file)."""
+
     @_abc_1.abstractmethod
     def Complete(
         self,
