@@ -99,9 +99,14 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int, log_leve
 
 
 def server_config(args: argparse.Namespace) -> GrpcServerConfig:
+    """The server config of a service's flags; with TLS flags, also how the process dials other services
+    (set now: a worker spawns its scheduler, which calls the grammar service, before its server exists)."""
+    tls = tls_config_from_args(args)
+    if tls is not None:
+        configure_clients(tls)
     return GrpcServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
                             drain_timeout_s=args.drain_timeout_s, otlp_endpoint=args.otlp_endpoint,
-                            tls=tls_config_from_args(args), health_port=args.health_port)
+                            tls=tls, health_port=args.health_port)
 
 
 def setup_logging(level: str, service: str) -> None:

@@ -67,7 +67,8 @@ def _logprob_rows(entries: Any) -> list[tuple[str, float, list[tuple[str, float]
 def _http_completion_logprobs(lp: dict[str, Any] | None) -> list[tuple[str, float, list[tuple[str, float]]]]:
     if lp is None:
         return []
-    return [(tok, round(lp["token_logprobs"][i], 6), [(t, round(v, 6)) for t, v in (lp["top_logprobs"][i] or {}).items()])
+    return [(tok, round(lp["token_logprobs"][i], 6),
+             [(t, round(v, 6)) for t, v in (lp["top_logprobs"][i] or {}).items()])
             for i, tok in enumerate(lp["tokens"])]
 
 
@@ -107,7 +108,8 @@ def test_complete_equals_http(name: str, request_pb: pb.CompleteRequest, body: d
     assert backend_grpc.seen_params == backend_http.seen_params and backend_http.seen_params
     assert out_grpc.model == out_http["model"]
     assert [(c.index, c.text, FINISH[c.finish_reason], _logprob_rows(c.logprobs)) for c in out_grpc.choices] == \
-        [(c["index"], c["text"], c["finish_reason"], _http_completion_logprobs(c["logprobs"])) for c in out_http["choices"]]
+        [(c["index"], c["text"], c["finish_reason"], _http_completion_logprobs(c["logprobs"]))
+         for c in out_http["choices"]]
     assert _usage(out_grpc.usage) == _usage(out_http["usage"])
     for choice in out_grpc.choices:  # token ids out: the fake's output token i is i % 26
         assert list(choice.token_ids) == [i % 26 for i in range(len(choice.token_ids))]
