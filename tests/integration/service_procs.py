@@ -59,9 +59,10 @@ class ServiceProc:
 
 
 def start_service(name: str, args: list[str], http: bool = False, env: dict[str, str] | None = None,
-                  health_port: bool = False) -> ServiceProc:
-    """`radixmesh <name> --port P <args>` (with `env` on top of ours), waited on until ready. `health_port`: also
-    serve plaintext health on a second port and wait on that one (the main port may need mutual TLS)."""
+                  health_port: bool = False, wait_ready: bool = True) -> ServiceProc:
+    """`radixmesh <name> --port P <args>` (with `env` on top of ours), waited on until ready (unless not
+    `wait_ready`). `health_port`: also serve plaintext health on a second port and wait on that one (the
+    main port may need mutual TLS)."""
     port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix=f"radixmesh-{name}-")) / f"{name}.log"
     cmd = [sys.executable, "-m", "radixmesh.cli", name, "--host", "127.0.0.1", "--port", str(port), *args]
@@ -75,6 +76,8 @@ def start_service(name: str, args: list[str], http: bool = False, env: dict[str,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     address = f"http://127.0.0.1:{port}" if http else f"127.0.0.1:{port}"
     service = ServiceProc(name, address, proc, log_path, health_address)
+    if not wait_ready:
+        return service
     try:
         _wait_ready(service, http)
     except BaseException:
