@@ -257,3 +257,14 @@ def _sse_texts(events: list[dict[str, Any]], field: str) -> dict[int, str]:
             piece = c.get("text") if field == "text" else (c.get("delta") or {}).get("content")
             texts[c["index"]] = texts.get(c["index"], "") + (piece or "")
     return texts
+
+
+def test_example_client(served: Served) -> None:
+    script = Path(__file__).resolve().parents[2] / "examples" / "grpc_client.py"
+    base = [sys.executable, str(script), "--target", served.grpc_address, "--ca", served.ca_file, "--max-tokens", "8"]
+    ok = subprocess.run([*base, "--api-key", KEYS[0], "What is the capital of France?"], capture_output=True,
+                        text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "model: smollm2-135m-instruct" in ok.stdout and "8 generated]" in ok.stdout
+    refused = subprocess.run([*base, "--api-key", "sk-not-a-key", "Hi"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr

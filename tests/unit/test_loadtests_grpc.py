@@ -67,3 +67,21 @@ def test_grpc_target_is_required_and_parsed() -> None:
     spec = parse_endpoint("g=http://127.0.0.1:8000,backend=grpc,grpc=127.0.0.1:50051", "openai")
     assert (spec.backend, spec.grpc_target) == ("grpc", "127.0.0.1:50051")
     assert parse_endpoint("h=http://127.0.0.1:8000", "grpc", None, "127.0.0.1:9").grpc_target == "127.0.0.1:9"
+
+
+def test_grpc_vs_http_pairs_and_differences() -> None:
+    from loadtests.api_overhead import Sample, _prompt, summarize
+
+    samples = []
+    for pair in range(4):
+        samples.append(Sample("http", pair, True, 100.0 + pair, 10.0, 400.0, 32))
+        samples.append(Sample("grpc", pair, True, 101.0 + pair, 10.5, 402.0, 32))
+    samples.append(Sample("http", 4, True, 50.0, 5.0, 100.0, 32))
+    samples.append(Sample("grpc", 4, False, 0.0, 0.0, 0.0, 0, error="gRPC UNAVAILABLE"))  # an unpaired pair is left out
+    summary = summarize(samples)
+    assert summary["num_pairs"] == 4 and summary["num_failed"] == 1
+    assert summary["added_median_ttft_ms"] == pytest.approx(1.0)
+    assert summary["added_median_itl_ms"] == pytest.approx(0.5)
+    assert summary["http_median_ttft_ms"] == pytest.approx(101.5)
+    assert len({_prompt(i, 8).split()[0] for i in range(100)}) == 100  # every prompt opens differently
+    assert len({_prompt(i, 8)[0] for i in range(10)}) == 10  # consecutive ones from the first character on
