@@ -14,6 +14,7 @@ from radixmesh.common.convert import finish_reason_to_proto
 from radixmesh.common.errors import invalid_argument
 from radixmesh.gateway.openai_convert import ChoiceState
 from radixmesh.gateway.protocol import (
+    ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -142,7 +143,7 @@ def chat_reply(response: ChatCompletionResponse | ChatCompletionChunk, tokens: T
     """A chat answer, or one message of its stream (deltas)."""
     choices = []
     for c in response.choices:
-        message = c.message if isinstance(response, ChatCompletionResponse) else c.delta  # type: ignore[union-attr]
+        message = c.message if isinstance(c, ChatChoice) else c.delta
         choices.append(pb.ChatChoice(index=c.index, role=message.role or "", content=message.content or "",
                                      logprobs=chat_logprobs(c.logprobs),
                                      finish_reason=finish_reason_to_proto(c.finish_reason),

@@ -54,10 +54,10 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 details: grpc.HandlerCallDetails) -> Any:
-        method = details.method  # type: ignore[attr-defined]
+        method = details.method
         if method.startswith(OPEN_METHOD_PREFIXES):
             return await continuation(details)
-        metadata = details.invocation_metadata or ()  # type: ignore[attr-defined]
+        metadata = details.invocation_metadata or ()
         authorization = next((value for key, value in metadata if key == "authorization"), None)
         error = self.keys.check(authorization, KEY_HINT)
         handler = await continuation(details)
