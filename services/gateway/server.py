@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import uvicorn
 
@@ -99,11 +100,7 @@ async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Await
         state: GatewayState = app.state.gateway
         if grpc_api is not None:
             grpc_api.attach(state)
-        tls = config.tls if config.serves_tls else None
-        server = _Server(uvicorn.Config(app, log_level=config.log_level.lower(), lifespan="off",
-                                        timeout_graceful_shutdown=round(config.graceful_shutdown_s) + 5,
-                                        ssl_certfile=tls.cert_file if tls else None,
-                                        ssl_keyfile=tls.key_file if tls else None))
+        server = _http_server(app, config)
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():
             await asyncio.sleep(0.02)
@@ -122,6 +119,15 @@ async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Await
         sock.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+def _http_server(app: Any, config: GatewayConfig) -> _Server:
+    """uvicorn over `app`, serving TLS when the gateway has a certificate."""
+    tls = config.tls if config.serves_tls else None
+    return _Server(uvicorn.Config(app, log_level=config.log_level.lower(), lifespan="off",
+                                  timeout_graceful_shutdown=round(config.graceful_shutdown_s) + 5,
+                                  ssl_certfile=tls.cert_file if tls else None,
+                                  ssl_keyfile=tls.key_file if tls else None))
 
 
 def _print_started(backend: Backend, url: str, grpc_api: PublicGrpcServer | None) -> None:
