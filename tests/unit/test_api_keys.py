@@ -132,3 +132,17 @@ def test_http_and_grpc_refuse_missing_and_wrong_keys(tmp_path: Path, caplog: pyt
 
 def test_no_keys_means_open() -> None:
     assert api_keys_of(GatewayConfig()) is None
+
+
+def test_server_info_says_keys_are_set_without_showing_them(tmp_path: Path) -> None:
+    config = GatewayConfig(grpc_port=0, api_key_file=str(_key_file(tmp_path)))
+
+    async def run() -> None:
+        async with gateway(config=config) as gw:
+            response = await gw.http.get("/server_info", headers={"Authorization": f"Bearer {FILE_KEYS[1]}"})
+            assert response.status_code == 200
+            info = response.json()
+            assert info["api_key_set"] is True and info["grpc_port"] == 0 and info["tls"] is False
+            assert all(key not in response.text for key in FILE_KEYS)
+
+    asyncio.run(run())
