@@ -1,16 +1,20 @@
 """Mutual TLS between the services as real processes on 127.0.0.1 (default model, CPU): a prefill and a
-decode worker, a router, the tokenizer and the gateway, every link with certificates made here.
+decode worker, a router, the tokenizer, the grammar service and the gateway, every link with certificates
+made here.
 
 The internal certificate names only `radixmesh-internal` (no IP), and every service checks peers for that
 name (--tls-server-name), as the Helm chart sets it up: pods are dialled by IP. The gateway's public ports
 serve a certificate of another CA and ask clients for none (they present API keys). Checked: a request
 goes gateway -> tokenizer, gateway -> router -> decode -> prefill (KV over the grpc transport) and back,
-identical on HTTP and gRPC; workers refuse clients without a certificate of the cluster's CA, and a
-router holding a certificate of another CA cannot use them.
+identical on HTTP and gRPC; the workers' schedulers fetch structured-output grammars from the grammar
+service; workers refuse clients without a certificate of the cluster's CA, and a router holding a
+certificate of another CA cannot use them.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import ssl
 import tempfile
 import time
@@ -23,6 +27,7 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from radixmesh.common.grpc_server import NOT_READY_METADATA_KEY
 from radixmesh.protocol import inference_pb2 as pb
@@ -74,11 +79,13 @@ def pki() -> Pki:
 @pytest.fixture(scope="module")
 def services(pki: Pki) -> Iterator[dict[str, ServiceProc]]:
     tls = pki.internal_flags()
-    common = [*ENGINE, *tls, "--kv-transport", "grpc"]
-    specs = {"prefill": [*common, "--role", "prefill", "--worker-id", "prefill-0", "--metrics-port", "-1"],
-             "decode": [*common, "--role", "decode", "--worker-id", "decode-0", "--metrics-port", "-1"]}
     procs: dict[str, ServiceProc] = {}
     try:
+        procs["grammar"] = start_service("grammar", [*tls, "--metrics-port", "-1"], health_port=True)
+        common = [*ENGINE, *tls, "--kv-transport", "grpc", "--metrics-port", "0", "--grammar-service",
+                  procs["grammar"].address]
+        specs = {"prefill": [*common, "--role", "prefill", "--worker-id", "prefill-0"],
+                 "decode": [*common, "--role", "decode", "--worker-id", "decode-0"]}
         with ThreadPoolExecutor(3) as pool:
             futures = {name: pool.submit(start_service, "worker", args, env={"OMP_NUM_THREADS": "1"},
                                          health_port=True) for name, args in specs.items()}
@@ -151,6 +158,31 @@ def test_router_sends_prompts_through_the_prefill_tier(pki: Pki, services: dict[
     assert routing.prefill_worker_address == services["prefill"].address, routing
     assert routing.pd_reason == "prefill-tier"
     assert sum(len(m.token_ids) for m in messages) == 4  # decode got the prefill's KV over mutual TLS
+
+
+def test_workers_fetch_grammars_over_mutual_tls(pki: Pki, services: dict[str, ServiceProc]) -> None:
+    """The workers' scheduler processes (spawned, so told by the environment) call the grammar service."""
+    schema = json.dumps({"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"]})
+    credentials = grpc.ssl_channel_credentials(Path(pki.public_ca).read_bytes())
+    with grpc.secure_channel(services["gateway"].health_address, credentials) as channel:
+        reply = inference_pb2_grpc.InferenceServiceStub(channel).Chat(
+            pb.ChatRequest(messages=[pb.ChatTurn(role="user", content=QUESTION)],
+                           options=pb.GenerationOptions(max_tokens=24, temperature=0.0, json_schema=schema)),
+            metadata=(("authorization", f"Bearer {API_KEY}"),), timeout=120)
+    assert reply.choices[0].content.startswith("{")
+    deadline, fetched = time.monotonic() + 20, 0.0
+    while fetched < 1 and time.monotonic() < deadline:  # worker metrics follow the scheduler's stats each second
+        time.sleep(0.5)
+        fetched = sum(_metric(services[w], "radixmesh_grammar_fetches_total") for w in ("prefill", "decode"))
+    assert fetched >= 1, "no worker fetched the grammar from the grammar service"
+    assert sum(_metric(services[w], "radixmesh_grammar_compiles_total") for w in ("prefill", "decode")) == 0
+
+
+def _metric(proc: ServiceProc, name: str) -> float:
+    port = re.search(r"metrics on :(\d+)", proc.log())
+    assert port is not None, proc.log()
+    text = httpx.get(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=10).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
 
 
 def test_workers_refuse_clients_without_an_accepted_certificate(pki: Pki, services: dict[str, ServiceProc]) -> None:
