@@ -82,6 +82,10 @@ class BaseBackend(ABC):
     @abstractmethod
     def build_payload(self, req: RequestInput) -> dict[str, Any]: ...
 
+    async def aclose(self) -> None:
+        """Release what the backend opened in the run's event loop (gRPC channels); HTTP backends hold nothing."""
+        return None
+
     @abstractmethod
     def parse_event(self, event: dict[str, Any], text_so_far: str, usage: Usage) -> str: ...
 
@@ -233,10 +237,20 @@ BACKENDS: dict[str, type[BaseBackend]] = {b.name: b for b in (CompletionsBackend
 """Backend id -> class."""
 
 
+GRPC_BACKEND_IDS = ("grpc", "grpc-chat")
+"""Backends of the public gRPC API (loadtests.grpc_client), imported only when used."""
+
+
 def make_backend(name: str, base_url: str, model: str | None = None, headers: dict[str, str] | None = None,
-                 extra_body: dict[str, Any] | None = None) -> BaseBackend:
+                 extra_body: dict[str, Any] | None = None, grpc_target: str | None = None,
+                 grpc_ca: str | None = None) -> BaseBackend:
+    if name in GRPC_BACKEND_IDS:
+        from loadtests.grpc_client import GRPC_BACKENDS
+
+        return GRPC_BACKENDS[name](base_url, model=model, headers=headers, extra_body=extra_body,
+                                   grpc_target=grpc_target, grpc_ca=grpc_ca)
     if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown backend {name!r}; choose from {', '.join([*BACKENDS, *GRPC_BACKEND_IDS])}")
     return BACKENDS[name](base_url, model=model, headers=headers, extra_body=extra_body)
 
 

@@ -11,6 +11,7 @@ import importlib
 
 BENCH_COMMANDS = [
     "loadtests.serving:register",
+    "loadtests.api_overhead:register",
     "radixmesh.engine.bench:register_one_batch",
     "radixmesh.engine.bench:register_offline",
     "radixmesh.engine.bench_structured:register_structured",

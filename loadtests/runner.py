@@ -107,6 +107,7 @@ async def run_load(workload: Workload, backend: BaseBackend, load: LoadConfig,
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(runner.run_session(session)))
             per_session = await asyncio.gather(*tasks)
+        await backend.aclose()
     results = [r for session_results in per_session for r in session_results]
     end = max((r.end_s for r in results), default=0.0)
     return RunRecord(results=results, duration_s=end, warmup_errors=warmup_errors, flush_error=flush_error)

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from loadtests.compare import EndpointSpec
     from loadtests.workloads.base import Workload
 
-BACKEND_IDS = ("sglang", "openai", "openai-chat")
-"""Backend ids (see loadtests.client.BACKENDS)."""
+BACKEND_IDS = ("sglang", "openai", "openai-chat", "grpc", "grpc-chat")
+"""Backend ids (see loadtests.client.BACKENDS and GRPC_BACKEND_IDS)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,14 +35,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 def add_serving_args(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("endpoint")
     target.add_argument("--backend", choices=BACKEND_IDS, default="sglang",
-                        help="sglang: POST /generate; openai: /v1/completions; openai-chat: /v1/chat/completions")
+                        help="sglang: POST /generate; openai: /v1/completions; openai-chat: /v1/chat/completions; "
+                             "grpc / grpc-chat: the gRPC API's StreamComplete / StreamChat (--grpc-target)")
     target.add_argument("--base-url", default=None, help="server URL (default http://HOST:PORT)")
     target.add_argument("--host", default="127.0.0.1")
     target.add_argument("--port", type=int, default=8000, help="server port (radixmesh serve's default)")
     target.add_argument("--model", default=None, help="model name sent to OpenAI endpoints (default: GET /v1/models)")
     target.add_argument("--endpoint", action="append", default=[], metavar="LABEL=URL[,backend=ID][,model=M]"
                         "[,header=K:V]", help="compare mode: run the workload against each endpoint (repeat)")
-    target.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    target.add_argument("--grpc-target", default=None, metavar="HOST:PORT",
+                        help="the server's public gRPC API, for --backend grpc and grpc-chat (radixmesh serve or "
+                             "gateway --grpc-port)")
+    target.add_argument("--grpc-ca", default=None, help="CA bundle (PEM) when the gRPC API serves TLS")
+    target.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY` (gRPC: metadata)")
     target.add_argument("--tokenizer", default=None,
                         help="tokenizer directory or Hugging Face name (default: what the server's GET /model_info "
                              "names as tokenizer_path or model_path, when this machine has it)")
@@ -121,11 +126,12 @@ def resolve_endpoints(args: argparse.Namespace) -> list[EndpointSpec]:
     from loadtests.server_info import served_model
 
     if args.endpoint:
-        endpoints = [parse_endpoint(spec, args.backend, args.model) for spec in args.endpoint]
+        endpoints = [parse_endpoint(spec, args.backend, args.model, args.grpc_target, args.grpc_ca)
+                     for spec in args.endpoint]
     else:
         base_url = args.base_url or f"http://{args.host}:{args.port}"
         endpoints = [EndpointSpec(label="default", base_url=base_url.rstrip("/"), backend=args.backend,
-                                  model=args.model)]
+                                  model=args.model, grpc_target=args.grpc_target, grpc_ca=args.grpc_ca)]
     if args.api_key:
         endpoints = [dataclasses.replace(e, headers={"Authorization": f"Bearer {args.api_key}", **e.headers})
                      for e in endpoints]

@@ -3,7 +3,7 @@
 # network (wheels for the rest are carried in .whl, fetched by ../shared/tools/fetch-gpu-wheels.sh
 # plus msgspec pyzmq gguf pytest pluggy iniconfig; the default model's tokenizer files in .gpu-model,
 # copied there by scripts/gpu_tokenizer_model.py --stage). Results go to $OUT as JSON.
-#   STAGES="tests hot-path kernel one-batch offline profile-offline online services trace-split compare" bash scripts/gpu_suite.sh
+#   STAGES="tests hot-path kernel one-batch offline profile-offline online services trace-split compare grpc-api" bash scripts/gpu_suite.sh
 #   STAGES=tp STAGE_TIMEOUT_S=600 bash scripts/gpu_suite.sh     # tensor parallelism: needs 2 GPUs
 #   FP8 (issue 21): STAGES="fp8-tests fp8-kernel fp8-one-batch fp8-capacity fp8-accuracy fp8-offline" bash scripts/gpu_suite.sh
 #   STAGES="mm-tests images" bash scripts/gpu_suite.sh     (multimodal: LLaVA / Qwen2-VL)
@@ -128,6 +128,18 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
       $RM bench serving --port "$port" $bench --num-prompts 20 --output-file /tmp/serve-traced.json | grep -E "Median (TTFT|ITL)"
       kill -INT $server; wait $server; sleep 1; kill $collector; wait $collector
       python3 scripts/trace_split.py summarize /tmp/spans-serve.json --json "$OUT/split-serve.json" ;;
+    grpc-api)  # what the public gRPC API adds over HTTP on one `serve` (8B shape): paired, interleaved requests
+      model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
+      port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+      gport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+      $RM serve --model "$model" --load-format dummy --context-length 8192 --port "$port" --grpc-port "$gport" \
+        > "$OUT/grpc-api-server.log" 2>&1 & server=$!
+      for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null || ! kill -0 $server 2>/dev/null && break; sleep 1; done
+      $RM bench grpc-vs-http --port "$port" --grpc-target "127.0.0.1:$gport" --num-pairs 40 --prompt-words 256 \
+        --output-len 64 --output-file "$OUT/grpc-vs-http.json"
+      $RM bench grpc-vs-http --port "$port" --grpc-target "127.0.0.1:$gport" --num-pairs 40 --prompt-words 256 \
+        --output-len 64 --chat --output-file "$OUT/grpc-vs-http-chat.json"
+      kill -INT $server; wait $server ;;
     profile-offline)  # the offline workload with every batch timed on the device and kernel windows traced
       $RM bench offline --model-shape llama-3.1-8b --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 \
         --random-output-len 2048 --random-range-ratio 0.0 --context-length 8192 --profile \

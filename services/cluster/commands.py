@@ -49,6 +49,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--otlp-endpoint", default=None,
                     help="send every service's OpenTelemetry traces to this OTLP/gRPC endpoint (host:port); "
                          "default: $OTEL_EXPORTER_OTLP_ENDPOINT as each service reads it, else off")
+    up.add_argument("--tls-dir", type=Path, default=None,
+                    help="a directory with ca.crt, tls.crt and tls.key (a cert-manager Secret's files; tls.crt for "
+                         "127.0.0.1 or --tls-server-name): mutual TLS between every service, TLS on the gateway")
+    up.add_argument("--tls-server-name", default=None,
+                    help="with --tls-dir: the name the services' certificate carries, when not 127.0.0.1")
     _state_dir_arg(up)
     up.set_defaults(func=cmd_up)
     down = actions.add_parser("down", help="stop the cluster started by `cluster up`")
@@ -81,7 +86,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                        router_args=args.router_args, tokenizer_args=args.tokenizer_args,
                        grammar_args=args.grammar_args, gateway_args=args.gateway_args, log_level=args.log_level,
                        state_dir=_state_dir(args), timeout_s=args.timeout_s, otlp_endpoint=args.otlp_endpoint,
-                       metrics=args.metrics, grammar=args.grammar)
+                       metrics=args.metrics, grammar=args.grammar, tls_dir=args.tls_dir,
+                       tls_server_name=args.tls_server_name)
     state = cluster_up(spec)
     roles = [role for _, role in spec.worker_roles()]
     tiers = ", ".join(f"{roles.count(r)} {r}" for r in ("unified", "prefill", "decode") if r in roles)
@@ -94,6 +100,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"radixmesh cluster: {name} metrics at {url}")
     if args.otlp_endpoint:
         print(f"radixmesh cluster: traces go to {args.otlp_endpoint}")
+    if args.tls_dir:
+        print(f"radixmesh cluster: mutual TLS between the services, TLS on the gateway ({args.tls_dir})")
     print(f"radixmesh cluster: logs in {state.log_dir}; stop with `radixmesh cluster down`")
     print(state.gateway_url, flush=True)
     return 0

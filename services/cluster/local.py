@@ -16,6 +16,7 @@ from typing import Any
 from radixmesh.cluster.processes import cmdline, grpc_serving, http_ok, is_alive, log_tail, spawn, stop_group
 from radixmesh.cluster.spec import STATE_FILE, ClusterSpec, ClusterState, default_state_dir
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
+from radixmesh.common.tls import configure_clients, sync_channel
 from radixmesh.index.redis_server import LocalRedis, free_port, redis_server_binary
 
 __all__ = ["HOST", "STATE_FILE", "ClusterSpec", "ClusterState", "cluster_down", "cluster_status", "cluster_up",
@@ -36,7 +37,8 @@ class _Starter:
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         tracing = ["--otlp-endpoint", self.spec.otlp_endpoint] if self.spec.otlp_endpoint else []
-        self.pids[name] = spawn(name, [*args, "--log-level", self.spec.log_level, *tracing], self.log_dir, env).pid
+        self.pids[name] = spawn(name, [*args, "--log-level", self.spec.log_level, *tracing], self.log_dir,
+                                {**self.spec.tls_env(), **(env or {})}).pid
 
     def metrics_args(self, name: str) -> list[str]:
         """--metrics-port of a gRPC service: a free port (remembered) with ClusterSpec.metrics, else -1 (off)."""
@@ -68,6 +70,8 @@ def cluster_up(spec: ClusterSpec) -> ClusterState:
         raise invalid_argument(f"a cluster from {spec.state_dir / STATE_FILE} is still running "
                                f"(gateway {existing.gateway_url}); run `radixmesh cluster down` first")
     starter = _Starter(spec)
+    if spec.tls_dir is not None:
+        configure_clients(spec.tls_config())  # this process's health checks speak mutual TLS too
     try:
         return _start_all(spec, starter)
     except BaseException:
@@ -132,8 +136,10 @@ def _start_gateway(spec: ClusterSpec, starter: _Starter, routers: list[str], tok
     gateway_port = spec.gateway_port or free_port(HOST)
     starter.start("gateway", ["gateway", "--host", HOST, "--port", str(gateway_port), "--router", ",".join(routers),
                               "--tokenizer", tokenizer, *shlex.split(spec.gateway_args)])
-    gateway_url = f"http://{HOST}:{gateway_port}"
-    starter.wait("gateway", lambda: http_ok(f"{gateway_url}/health"), f"GET {gateway_url}/health")
+    tls = spec.tls_config()
+    gateway_url = f"{'https' if tls else 'http'}://{HOST}:{gateway_port}"
+    ca_file = tls.ca_file if tls else None
+    starter.wait("gateway", lambda: http_ok(f"{gateway_url}/health", ca_file=ca_file), f"GET {gateway_url}/health")
     if spec.metrics:
         starter.metrics_urls["gateway"] = f"{gateway_url}/metrics"
     return gateway_url
@@ -154,7 +160,7 @@ def router_sees_all(address: str, num_workers: int) -> bool:
 
     from radixmesh.protocol import router_pb2, router_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with sync_channel(address) as channel:
         try:
             reply = router_pb2_grpc.RouterServiceStub(channel).ListWorkers(router_pb2.ListWorkersRequest(), timeout=2)
         except grpc.RpcError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from radixmesh.common.tls import sync_channel
 
 POLL_S = 0.2
 
@@ -31,8 +34,8 @@ def spawn(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None 
 
 
 def grpc_serving(address: str, timeout_s: float = 1.0) -> bool:
-    """grpc.health.v1 says SERVING for the server as a whole."""
-    with grpc.insecure_channel(address) as channel:
+    """grpc.health.v1 says SERVING for the server as a whole (asked over mutual TLS when this process has it)."""
+    with sync_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError:
@@ -40,9 +43,11 @@ def grpc_serving(address: str, timeout_s: float = 1.0) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
-def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+def http_ok(url: str, timeout_s: float = 1.0, ca_file: str | None = None) -> bool:
+    """GET `url` answers 200 (an https URL checked against `ca_file` when given)."""
+    context = ssl.create_default_context(cafile=ca_file) if ca_file else None
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as response:
             return bool(response.status == 200)
     except OSError:
         return False

@@ -9,9 +9,12 @@ from typing import Any
 
 from radixmesh.common.env import cache_dir
 from radixmesh.common.errors import invalid_argument
+from radixmesh.common.tls import TlsConfig
 from radixmesh.engine.config import DTYPES, LOAD_FORMATS
 
 STATE_FILE = "state.json"
+TLS_FILES = ("ca.crt", "tls.crt", "tls.key")
+"""What ClusterSpec.tls_dir holds: the layout of a cert-manager Secret."""
 
 
 def default_state_dir() -> Path:
@@ -68,6 +71,10 @@ class ClusterSpec:
     """Serve each service's Prometheus metrics on a free port (listed in the state file); off: none."""
     grammar: bool = False
     """Start the grammar service too; workers fetch compiled grammars from it."""
+    tls_dir: Path | None = None
+    """Directory with ca.crt, tls.crt, tls.key: mutual TLS between all services, TLS on the gateway; None: plaintext."""
+    tls_server_name: str | None = None
+    """Name checked in the services' certificate instead of 127.0.0.1 (--tls-server-name)."""
 
     def __post_init__(self) -> None:
         if min(self.num_workers, self.num_prefill_workers, self.num_decode_workers) < 0:
@@ -84,6 +91,30 @@ class ClusterSpec:
             raise invalid_argument(f"dtype must be one of {', '.join(DTYPES)}", "dtype")
         if self.context_length is not None and self.context_length < 2:
             raise invalid_argument("context_length must be >= 2", "context_length")
+        if self.tls_dir is not None:
+            missing = [name for name in TLS_FILES if not (self.tls_dir / name).is_file()]
+            if missing:
+                raise invalid_argument(f"--tls-dir {self.tls_dir} lacks {', '.join(missing)} (it needs ca.crt, "
+                                       "tls.crt and tls.key, as a cert-manager Secret holds them)", "tls_dir")
+            self.tls_config()  # unreadable or mismatched files fail now, naming the flag
+
+    def tls_config(self) -> TlsConfig | None:
+        """The certificates every service (and `cluster up`'s own health checks) use; None without tls_dir."""
+        if self.tls_dir is None:
+            return None
+        return TlsConfig(cert_file=str(self.tls_dir / "tls.crt"), key_file=str(self.tls_dir / "tls.key"),
+                         ca_file=str(self.tls_dir / "ca.crt"), server_name=self.tls_server_name)
+
+    def tls_env(self) -> dict[str, str]:
+        """RADIXMESH_TLS_* for every service: their --tls-* flags default to these."""
+        tls = self.tls_config()
+        if tls is None:
+            return {}
+        env = {"RADIXMESH_TLS_CERT": str(tls.cert_file), "RADIXMESH_TLS_KEY": str(tls.key_file),
+               "RADIXMESH_TLS_CA": str(tls.ca_file)}
+        if tls.server_name:
+            env["RADIXMESH_TLS_SERVER_NAME"] = tls.server_name
+        return env
 
     def worker_roles(self) -> list[tuple[str, str]]:
         """(process name, role) of every worker: worker-<i> (unified), prefill-<i>, decode-<i>."""

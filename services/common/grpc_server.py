@@ -33,6 +33,7 @@ from radixmesh.common import tracing
 from radixmesh.common.env import env_str
 from radixmesh.common.errors import invalid_argument
 from radixmesh.common.readiness import Readiness
+from radixmesh.common.tls import TlsConfig, add_tls_args, configure_clients, tls_config_from_args
 
 logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -62,10 +63,16 @@ class GrpcServerConfig:
     """Largest gRPC message sent or received."""
     otlp_endpoint: str | None = None
     """OTLP/gRPC endpoint of traces; None: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, else tracing off."""
+    tls: TlsConfig | None = None
+    """TLS of the port and mutual TLS with other services (None: plaintext)."""
+    health_port: int | None = None
+    """A plaintext port serving only grpc.health.v1, for probes that cannot speak TLS (the kubelet's); None: none."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise invalid_argument(f"port must be in [0, 65535] (got {self.port})", "port")
+        if self.health_port is not None and not 0 <= self.health_port <= 65535:
+            raise invalid_argument(f"health_port must be in [0, 65535] (got {self.health_port})", "health_port")
         if not -1 <= self.metrics_port <= 65535:
             raise invalid_argument(f"metrics_port must be in [-1, 65535] (got {self.metrics_port})", "metrics_port")
         if self.drain_timeout_s < 0:
@@ -82,14 +89,24 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int, log_leve
                         help="Redis of the KV-cache index and worker leases (default: $RADIXMESH_REDIS_URL; none: off)")
     parser.add_argument("--drain-timeout-s", type=float, default=30.0,
                         help="on SIGTERM, seconds in-flight calls may finish before they are cancelled")
+    parser.add_argument("--health-port", type=int, default=None,
+                        help="also serve grpc.health.v1 alone, in plaintext, on this port (for kubelet probes when "
+                             "the gRPC port needs mutual TLS; 0 picks a free one)")
     tracing.add_tracing_args(parser)
+    add_tls_args(parser)
     if log_level:
         parser.add_argument("--log-level", default="warning", help="logging level")
 
 
 def server_config(args: argparse.Namespace) -> GrpcServerConfig:
+    """The server config of a service's flags; with TLS flags, also how the process dials other services
+    (set now: a worker spawns its scheduler, which calls the grammar service, before its server exists)."""
+    tls = tls_config_from_args(args)
+    if tls is not None:
+        configure_clients(tls)
     return GrpcServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
-                            drain_timeout_s=args.drain_timeout_s, otlp_endpoint=args.otlp_endpoint)
+                            drain_timeout_s=args.drain_timeout_s, otlp_endpoint=args.otlp_endpoint,
+                            tls=tls, health_port=args.health_port)
 
 
 def setup_logging(level: str, service: str) -> None:
@@ -160,6 +177,8 @@ class GrpcServer:
                    ("grpc.max_receive_message_length", config.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
         tracing.configure(name, config.otlp_endpoint, trace_attributes)  # before the server: it takes the interceptors
+        if config.tls is not None:
+            configure_clients(config.tls)  # before any channel to another service is built
         self.server = grpc.aio.server(options=options, interceptors=tracing.server_interceptors())
         self.readiness = Readiness(name)
         self.health = ReadinessHealthServicer(self.readiness)
@@ -168,6 +187,8 @@ class GrpcServer:
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
         self.port = 0
+        self.health_port: int | None = None
+        self._health_server: grpc.aio.Server | None = None
         self.metrics_port: int | None = None
         self._metrics_httpd: Any = None
         self._stop = asyncio.Event()
@@ -182,18 +203,41 @@ class GrpcServer:
 
     async def start(self) -> None:
         """Bind, start serving, report health (SERVING once ready), print where it listens."""
+        tls = self.config.tls
         try:
-            self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+            if tls is not None and tls.serves_tls:
+                credentials = tls.server_credentials(require_client_cert=tls.mutual)
+                self.port = self.server.add_secure_port(f"{self.config.host}:{self.config.port}", credentials)
+            else:
+                self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         except RuntimeError as exc:
             raise invalid_argument(f"cannot listen on {self.config.host}:{self.config.port}: {exc}", "port") from None
         self._start_metrics()
         await self.server.start()
+        await self._start_health_port()
         self._started = True
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.set_serving(self.readiness.ready)
         metrics = f", metrics on :{self.metrics_port}" if self.metrics_port is not None else ""
+        metrics += f", health on :{self.health_port}" if self.health_port is not None else ""
+        security = ""
+        if tls is not None and tls.serves_tls:
+            security = " (mutual TLS)" if tls.mutual else " (TLS)"
         waiting = "" if self.readiness.ready else f" (not ready: {self.readiness.reason})"
-        print(f"radixmesh {self.name}: listening on {self.address}{metrics}{waiting}", flush=True)
+        print(f"radixmesh {self.name}: listening on {self.address}{security}{metrics}{waiting}", flush=True)
+
+    async def _start_health_port(self) -> None:
+        """grpc.health.v1 alone on a plaintext port (the same statuses as the main port's)."""
+        if self.config.health_port is None:
+            return
+        self._health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        try:
+            self.health_port = self._health_server.add_insecure_port(f"{self.config.host}:{self.config.health_port}")
+        except RuntimeError as exc:
+            raise invalid_argument(f"cannot listen on {self.config.host}:{self.config.health_port}: {exc}",
+                                   "health_port") from None
+        await self._health_server.start()
 
     def _start_metrics(self) -> None:
         if self.config.metrics_port < 0:
@@ -247,6 +291,8 @@ class GrpcServer:
         logger.info("%s: draining (up to %.0f s)", self.name, self.config.drain_timeout_s)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.drain_timeout_s)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
             self._metrics_httpd = None

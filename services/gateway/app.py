@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import inspect
 import logging
 from typing import Any
@@ -18,6 +17,7 @@ from radixmesh import __version__
 from radixmesh.common import tracing
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.gateway import native_api, openai_api, tokenize_api
+from radixmesh.gateway.auth import ApiKeys, api_keys_of
 from radixmesh.gateway.backend import Backend
 from radixmesh.gateway.config import GatewayConfig
 from radixmesh.gateway.dispatch import Dispatcher
@@ -40,9 +40,10 @@ UNGATED_PATHS = frozenset({"/metrics", "/version", "/docs", "/redoc", "/openapi.
 """Paths answered while the backend is not ready; every other one gets 503 naming what is missing."""
 
 
-def create_app(backend: Backend, config: GatewayConfig) -> FastAPI:
+def create_app(backend: Backend, config: GatewayConfig, api_keys: ApiKeys | None = None) -> FastAPI:
     """The gateway over `backend`; the caller owns the backend's lifetime. The backend may not be ready yet
-    (a gateway whose router is not up): the app serves at once and answers 503 until it is."""
+    (a gateway whose router is not up): the app serves at once and answers 503 until it is. `api_keys`:
+    the keys (shared with the gRPC API), by default those of `config`."""
     service = "gateway" if isinstance(backend, GrpcBackend) else "serve"
     metrics = GatewayMetrics(config.served_model_name or "", service)
     backend.when_card_known(lambda card: metrics.set_model_name(card.name))
@@ -57,8 +58,9 @@ def create_app(backend: Backend, config: GatewayConfig) -> FastAPI:
         app.include_router(router)
     _add_exception_handlers(app)
     app.add_middleware(ReadinessGateMiddleware, backend=backend)
-    if config.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    keys = api_keys or api_keys_of(config)
+    if keys is not None:
+        app.add_middleware(ApiKeyMiddleware, keys=keys)
     routes = frozenset(getattr(route, "path", "") for router in routers
                        for route in router.routes)
     app.add_middleware(BodySizeLimitMiddleware)  # 413 for bodies over RequestLimits.max_request_bytes
@@ -146,20 +148,16 @@ def _add_exception_handlers(app: FastAPI) -> None:
 class ApiKeyMiddleware:
     """Requires `Authorization: Bearer <key>` on every path but `OPEN_PATHS` (pure ASGI: streams untouched)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization")
-        if given is None:
-            exc = RadixMeshError(ErrorCode.UNAUTHENTICATED, "Missing API key: send it as 'Authorization: Bearer <key>'")
-        elif not hmac.compare_digest(given.strip(), self.expected):
-            exc = RadixMeshError(ErrorCode.UNAUTHENTICATED, "Incorrect API key provided")
-        else:
+        exc = self.keys.check(dict(scope["headers"]).get(b"authorization"), "'Authorization: Bearer <key>'")
+        if exc is None:
             await self.app(scope, receive, send)
             return
         await error_response(exc)(scope, receive, send)

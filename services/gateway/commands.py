@@ -6,6 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from radixmesh.common.env import env_str
+from radixmesh.common.tls import add_tls_args
 from radixmesh.common.tracing import add_tracing_args
 
 if TYPE_CHECKING:
@@ -31,8 +32,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _add_http_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one)")
+    parser.add_argument("--grpc-port", type=int, default=None,
+                        help="also serve the public gRPC API (radixmesh.v1.InferenceService, health, reflection) on "
+                             "this port (0 picks a free one; default: no gRPC API)")
     parser.add_argument("--api-key", default=env_str("API_KEY"),
-                        help="require 'Authorization: Bearer <key>' (default: $RADIXMESH_API_KEY; none: open)")
+                        help="require 'Authorization: Bearer <key>' on HTTP and gRPC (default: $RADIXMESH_API_KEY; "
+                             "none: open). Prefer --api-key-file: a flag shows in the process list")
+    parser.add_argument("--api-key-file", default=env_str("API_KEY_FILE"),
+                        help="accepted keys, one per line, or a directory of such files (a mounted Kubernetes "
+                             "Secret); read again when it changes (default: $RADIXMESH_API_KEY_FILE)")
     parser.add_argument("--served-model-name", default=None,
                         help="name clients pass as 'model' (default: the model's own name)")
     parser.add_argument("--max-queued-requests", type=int, default=None,
@@ -43,13 +51,19 @@ def _add_http_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graceful-shutdown-s", type=float, default=5.0,
                         help="on SIGINT/SIGTERM, seconds open requests may finish before they are aborted")
     add_tracing_args(parser)
+    add_tls_args(parser, public=True)
 
 
 def _gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    """The gateway's config; also sets how this process dials other services (mutual TLS with --tls-ca)."""
+    from radixmesh.common.tls import configure_clients, tls_config_from_args
     from radixmesh.engine.mm.config import image_limits_from_args
     from radixmesh.gateway.config import GatewayConfig
 
-    return GatewayConfig(host=args.host, port=args.port, api_key=args.api_key,
+    tls = tls_config_from_args(args)
+    configure_clients(tls)
+    return GatewayConfig(host=args.host, port=args.port, api_key=args.api_key, api_key_file=args.api_key_file,
+                         grpc_port=args.grpc_port, tls=tls,
                          served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
                          max_default_tokens=args.max_default_tokens, graceful_shutdown_s=args.graceful_shutdown_s,
                          log_level=args.log_level, image_limits=image_limits_from_args(args))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixmesh.common.errors import invalid_argument
+from radixmesh.common.tls import TlsConfig
 from radixmesh.engine.mm.config import ImageLimits
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -18,8 +19,14 @@ class GatewayConfig:
     """Interface to listen on (0.0.0.0 for all)."""
     port: int = 8000
     """TCP port; 0 picks a free one (the printed URL names it)."""
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     """When set, every API call needs `Authorization: Bearer <key>` (health and metrics stay open)."""
+    api_key_file: str | None = None
+    """More keys: a file with one per line, or a directory of such files (a mounted Secret), read as it changes."""
+    grpc_port: int | None = None
+    """Port of the public gRPC API (InferenceService, health, reflection); 0 picks a free one; None: no gRPC API."""
+    tls: TlsConfig | None = None
+    """TLS of the HTTP and gRPC ports (cert, key) and mutual TLS of calls to other services (CA); None: plaintext."""
     served_model_name: str | None = None
     """Name clients pass as `model`; defaults to the model's own name."""
     max_queued_requests: int | None = None
@@ -38,6 +45,8 @@ class GatewayConfig:
             raise invalid_argument(f"port must be in [0, 65535] (got {self.port})", "port")
         if self.api_key is not None and not self.api_key.strip():
             raise invalid_argument("api_key must not be empty", "api_key")
+        if self.grpc_port is not None and not 0 <= self.grpc_port <= 65535:
+            raise invalid_argument(f"grpc_port must be in [0, 65535] (got {self.grpc_port})", "grpc_port")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise invalid_argument("max_queued_requests must be >= 0", "max_queued_requests")
         if self.max_default_tokens < 1:
@@ -47,7 +56,11 @@ class GatewayConfig:
         if self.log_level.lower() not in LOG_LEVELS:
             raise invalid_argument(f"log_level must be one of {', '.join(LOG_LEVELS)}", "log_level")
 
+    @property
+    def serves_tls(self) -> bool:
+        return self.tls is not None and self.tls.serves_tls
+
     def url(self, port: int | None = None) -> str:
         """Base URL for clients; a wildcard host is shown as itself."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port if port is None else port}"
+        return f"{'https' if self.serves_tls else 'http'}://{host}:{self.port if port is None else port}"

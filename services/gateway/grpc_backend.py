@@ -22,7 +22,7 @@ import grpc
 import grpc.aio
 import msgspec
 
-from radixmesh.common import tracing
+from radixmesh.common import tls, tracing
 from radixmesh.common.convert import images_to_proto, load_from_proto, proto_to_chunk, sampling_to_proto
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.common.grpc_errors import ERROR_METADATA_KEY, from_rpc_error
@@ -78,7 +78,7 @@ class GrpcBackend(Backend):
         self.tokenizer_address, self.target_kind = tokenizer_address, target_kind
         self.target_address = ",".join(targets)
         self.served_model_name = served_model_name
-        self._tok_sync_channel = grpc.insecure_channel(tokenizer_address, options=CHANNEL_OPTIONS)
+        self._tok_sync_channel = tls.sync_channel(tokenizer_address, options=CHANNEL_OPTIONS)
         self._tok_sync = tokenizer_pb2_grpc.TokenizerServiceStub(tracing.instrument_channel(self._tok_sync_channel))
         self.tokenizer = UpstreamGroup("tokenizer", [Upstream("tokenizer", tokenizer_address,
                                                               tokenizer_pb2_grpc.TokenizerServiceStub)])

@@ -330,7 +330,9 @@ async def server_info(request: Request) -> Response:
     _unavailable(state)
     stats = await state.backend.server_info()
     info = {**state.backend.card.extra, **_model_info(state), "version": __version__,
-            "host": state.config.host, "port": state.config.port, "api_key_set": state.config.api_key is not None,
+            "host": state.config.host, "port": state.config.port,
+            "api_key_set": state.config.api_key is not None or state.config.api_key_file is not None,
+            "grpc_port": state.config.grpc_port, "tls": state.config.serves_tls,
             "max_queued_requests": state.config.max_queued_requests,
             "num_gateway_requests": state.dispatcher.num_in_flight, **stats, "internal_states": [stats]}
     # A router's aggregated load does not know the workers' running slots; the model card does.

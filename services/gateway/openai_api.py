@@ -47,7 +47,7 @@ def _json(model: CompletionResponse | ChatCompletionResponse | ModelList | Model
 
 
 # ---- models --------------------------------------------------------------------------------------
-def _model_object(state: GatewayState) -> ModelObject:
+def model_object(state: GatewayState) -> ModelObject:
     card = state.backend.card
     return ModelObject(id=card.name, created=card.created, root=card.model_path or card.name,
                        max_model_len=card.context_len)
@@ -55,21 +55,26 @@ def _model_object(state: GatewayState) -> ModelObject:
 
 @router.get("/models")
 async def list_models(request: Request) -> Response:
-    return _json(ModelList(data=[_model_object(get_state(request))]))
+    return _json(ModelList(data=[model_object(get_state(request))]))
 
 
 @router.get("/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> Response:
     state = get_state(request)
     state.resolve_model(model_id)
-    return _json(_model_object(state))
+    return _json(model_object(state))
 
 
 # ---- completions ---------------------------------------------------------------------------------
 @router.post("/completions")
 async def completions(request: Request) -> Response:
     state = get_state(request)
-    req = parse_body(await request.body(), CompletionRequest)
+    run = start_completion(state, parse_body(await request.body(), CompletionRequest))
+    return await _respond(request, run, run.req.stream)
+
+
+def start_completion(state: GatewayState, req: CompletionRequest) -> CompletionRun:
+    """Validate and admit a completion request (HTTP and gRPC alike); the run is not started yet."""
     model = state.resolve_model(req.model)
     conv.check_completion_supported(req)
     prompts = _completion_prompts(state, req)
@@ -81,13 +86,16 @@ async def completions(request: Request) -> Response:
                                                   16, "max_tokens", "prompt")
             jobs.append(PromptJob(ids, conv.sampling_params(req, max_new, req.logprobs)))
         generation = state.dispatcher.open("completions", jobs)
-    run = _CompletionRun(state, req, model, generation, echoes)
-    if req.stream:
-        return EventStreamResponse(with_error_events(run.events()), on_close=generation.aclose)
+    return CompletionRun(state, req, model, generation, echoes)
+
+
+async def _respond(request: Request, run: CompletionRun | ChatRun, stream: bool) -> Response:
+    if stream:
+        return EventStreamResponse(with_error_events(run.events()), on_close=run.generation.aclose)
     try:
         return _json(await unless_disconnected(request, run.collect()))
     finally:
-        await generation.aclose()
+        await run.generation.aclose()
 
 
 def _completion_prompts(state: GatewayState, req: CompletionRequest) -> list[list[int]]:
@@ -101,7 +109,7 @@ def _completion_prompts(state: GatewayState, req: CompletionRequest) -> list[lis
     return [state.backend.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
-class _CompletionRun:
+class CompletionRun:
     """One /v1/completions request turned into a response or a stream of chunks."""
 
     def __init__(self, state: GatewayState, req: CompletionRequest, model: str, generation: Generation,
@@ -134,10 +142,11 @@ class _CompletionRun:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                   usage=conv.usage(self.states, self.req.n))
 
-    def _chunk(self, choice: CompletionChoice) -> str:
-        return event(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice]))
+    def _chunk(self, choice: CompletionChoice) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
 
-    async def events(self) -> AsyncGenerator[str, None]:
+    async def chunks(self) -> AsyncGenerator[CompletionResponse, None]:
+        """The stream's messages: text deltas per choice, then usage when asked for."""
         if self.req.echo:
             for index in range(len(self.states)):
                 yield self._chunk(CompletionChoice(index=index, text=self.echoes[index // self.req.n]))
@@ -149,8 +158,12 @@ class _CompletionRun:
                 yield self._chunk(CompletionChoice(index=index, text=chunk.text, finish_reason=chunk.finish_reason,
                                                    logprobs=self._logprobs(chunk.token_ids, chunk, offset)))
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
-            yield event(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
-                                           usage=conv.usage(self.states, self.req.n)))
+            yield CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
+                                     usage=conv.usage(self.states, self.req.n))
+
+    async def events(self) -> AsyncGenerator[str, None]:
+        async for chunk in self.chunks():
+            yield event(chunk)
         yield DONE
 
 
@@ -158,7 +171,12 @@ class _CompletionRun:
 @router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state = get_state(request)
-    req = parse_body(await request.body(), ChatCompletionRequest)
+    run = await start_chat(state, parse_body(await request.body(), ChatCompletionRequest))
+    return await _respond(request, run, run.req.stream)
+
+
+async def start_chat(state: GatewayState, req: ChatCompletionRequest) -> ChatRun:
+    """Validate and admit a chat request (HTTP and gRPC alike); the run is not started yet."""
     model = state.resolve_model(req.model)
     conv.check_chat_supported(req)
     mm = None
@@ -178,16 +196,10 @@ async def chat_completions(request: Request) -> Response:
         top = (req.top_logprobs or 0) if req.logprobs else None
         generation = state.dispatcher.open("chat_completions", [PromptJob(input_ids, conv.sampling_params(
             req, max_new, top), mm)])
-    run = _ChatRun(state, req, model, generation)
-    if req.stream:
-        return EventStreamResponse(with_error_events(run.events()), on_close=generation.aclose)
-    try:
-        return _json(await unless_disconnected(request, run.collect()))
-    finally:
-        await generation.aclose()
+    return ChatRun(state, req, model, generation)
 
 
-class _ChatRun:
+class ChatRun:
     """One /v1/chat/completions request turned into a response or a stream of chunks."""
 
     def __init__(self, state: GatewayState, req: ChatCompletionRequest, model: str,
@@ -212,10 +224,12 @@ class _ChatRun:
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=conv.usage(self.states, self.req.n))
 
-    def _chunk(self, choice: ChatChunkChoice) -> str:
-        return event(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]))
+    def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
-    async def events(self) -> AsyncGenerator[str, None]:
+    async def chunks(self) -> AsyncGenerator[ChatCompletionChunk, None]:
+        """The stream's messages: the role, content deltas and the finish reason per choice, then usage when
+        asked for."""
         for index in range(len(self.states)):
             yield self._chunk(ChatChunkChoice(index=index, delta=Delta(role="assistant", content="")))
         async for index, chunk in self.generation.stream():
@@ -226,6 +240,10 @@ class _ChatRun:
             if chunk.finished:
                 yield self._chunk(ChatChunkChoice(index=index, delta=Delta(), finish_reason=chunk.finish_reason))
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
-            yield event(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
-                                            usage=conv.usage(self.states, self.req.n)))
+            yield ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
+                                      usage=conv.usage(self.states, self.req.n))
+
+    async def events(self) -> AsyncGenerator[str, None]:
+        async for chunk in self.chunks():
+            yield event(chunk)
         yield DONE

@@ -44,6 +44,11 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     if not isinstance(data, dict):
         raise invalid_argument("the request body must be a JSON object")
     _check_json_values(raw, data)
+    return validate_data(data, model)
+
+
+def validate_data(data: dict[str, Any], model: type[M]) -> M:
+    """Validate a request already decoded (from JSON or from protobuf); failures are 400s naming the field."""
     try:
         return model.model_validate(data, strict=True)
     except ValidationError as exc:

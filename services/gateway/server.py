@@ -18,14 +18,17 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import uvicorn
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.engine.config import EngineConfig
 from radixmesh.gateway.app import create_app
+from radixmesh.gateway.auth import api_keys_of
 from radixmesh.gateway.backend import Backend
 from radixmesh.gateway.config import GatewayConfig
+from radixmesh.gateway.grpc_api_server import PublicGrpcServer
 from radixmesh.gateway.local_backend import LocalBackend
 from radixmesh.gateway.state import GatewayState
 
@@ -62,13 +65,19 @@ async def serve(config: GatewayConfig, engine_config: EngineConfig) -> int:
 
 
 async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Awaitable[Backend]], starting: str) -> int:
-    """Start a backend, serve HTTP over it until SIGINT/SIGTERM; returns the process exit code."""
+    """Start a backend, serve HTTP (and the gRPC API) over it until SIGINT/SIGTERM; returns the exit code."""
+    keys = api_keys_of(config)  # a bad key file fails now, not after the model loaded
     sock = bind_socket(config.host, config.port)
     port = sock.getsockname()[1]
+    grpc_api = PublicGrpcServer(config, keys) if config.grpc_port is not None else None
+    if grpc_api is not None:
+        grpc_api.bind()
+        await grpc_api.start()  # health NOT_SERVING, calls UNAVAILABLE, until the backend is up
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     assert main_task is not None
     server: _Server | None = None
+    stopping: list[asyncio.Task[None]] = []
 
     def on_signal() -> None:
         if server is None:
@@ -77,6 +86,8 @@ async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Await
             server.force_exit = True
         else:
             server.should_exit = True
+            if grpc_api is not None:
+                stopping.append(loop.create_task(grpc_api.stop(config.graceful_shutdown_s)))
             # Requests still open at the deadline end with finish_reason "abort" rather than a reset.
             loop.call_later(config.graceful_shutdown_s, lambda: loop.create_task(state.dispatcher.abort_all()))
 
@@ -86,21 +97,24 @@ async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Await
     try:
         print(f"radixmesh: {starting} ...", file=sys.stderr, flush=True)
         backend = await start_backend()
-        app = create_app(backend, config)
+        app = create_app(backend, config, keys)
         state: GatewayState = app.state.gateway
-        server = _Server(uvicorn.Config(app, log_level=config.log_level.lower(), lifespan="off",
-                                        timeout_graceful_shutdown=round(config.graceful_shutdown_s) + 5))
+        if grpc_api is not None:
+            grpc_api.attach(state)
+        server = _http_server(app, config)
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():
             await asyncio.sleep(0.02)
         if server.started:
-            _print_started(backend, config.url(port))
+            _print_started(backend, config.url(port), grpc_api)
         await serving
         return 0
     except asyncio.CancelledError:
         print("radixmesh: interrupted while starting", file=sys.stderr, flush=True)
         return 130
     finally:
+        if grpc_api is not None:
+            await (stopping[0] if stopping else grpc_api.stop(0))
         if backend is not None:
             await backend.close()
         sock.close()
@@ -108,7 +122,19 @@ async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Await
             loop.remove_signal_handler(sig)
 
 
-def _print_started(backend: Backend, url: str) -> None:
+def _http_server(app: Any, config: GatewayConfig) -> _Server:
+    """uvicorn over `app`, serving TLS when the gateway has a certificate."""
+    tls = config.tls if config.serves_tls else None
+    return _Server(uvicorn.Config(app, log_level=config.log_level.lower(), lifespan="off",
+                                  timeout_graceful_shutdown=round(config.graceful_shutdown_s) + 5,
+                                  ssl_certfile=tls.cert_file if tls else None,
+                                  ssl_keyfile=tls.key_file if tls else None))
+
+
+def _print_started(backend: Backend, url: str, grpc_api: PublicGrpcServer | None) -> None:
+    if grpc_api is not None:
+        security = " (TLS)" if grpc_api.serves_tls else ""
+        print(f"radixmesh: gRPC API (radixmesh.v1.InferenceService) on port {grpc_api.port}{security}", flush=True)
     reason = backend.not_ready_reason()
     if reason:  # a gateway whose dependencies are not up yet: it serves /live now and /health once they are
         print(f"radixmesh: listening at {url} (OpenAI API under /v1); not ready yet: {reason}", flush=True)

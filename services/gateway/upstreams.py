@@ -17,10 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc.aio
 from grpc_health.v1 import health_pb2_grpc
 
-from radixmesh.common import tracing
+from radixmesh.common import tls, tracing
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.common.grpc_server import RECONNECT_OPTIONS, check_peer_health
 from radixmesh.common.readiness import Readiness
@@ -69,8 +68,7 @@ class Upstream:
 
     def __init__(self, kind: str, address: str, stub_class: Callable[[Any], Any]) -> None:
         self.kind, self.address = kind, address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
-                                                 interceptors=tracing.client_interceptors())
+        self.channel = tls.aio_channel(address, options=CHANNEL_OPTIONS, interceptors=tracing.client_interceptors())
         self.stub: Any = stub_class(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.up = False

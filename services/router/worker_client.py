@@ -13,7 +13,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from radixmesh.common import tracing
+from radixmesh.common import tls, tracing
 from radixmesh.common.convert import ROLE_FROM_PROTO
 from radixmesh.common.errors import RadixMeshError
 from radixmesh.common.grpc_errors import from_rpc_error
@@ -61,8 +61,8 @@ def load_from_proto(load: common_pb2.WorkerLoad) -> LoadSnapshot:
 class WorkerClient:
     def __init__(self, endpoint: WorkerEndpoint) -> None:
         self.endpoint = endpoint
-        self.channel = grpc.aio.insecure_channel(endpoint.address, options=CHANNEL_OPTIONS,
-                                                 interceptors=tracing.client_interceptors())
+        self.channel = tls.aio_channel(endpoint.address, options=CHANNEL_OPTIONS,
+                                       interceptors=tracing.client_interceptors())
         self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 

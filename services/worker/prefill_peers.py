@@ -6,7 +6,7 @@ import asyncio
 
 import grpc.aio
 
-from radixmesh.common import tracing
+from radixmesh.common import tls, tracing
 from radixmesh.common.grpc_server import MAX_MESSAGE_BYTES
 from radixmesh.protocol import worker_pb2_grpc
 
@@ -38,8 +38,7 @@ class PrefillPeers:
                 task = asyncio.ensure_future(channel.close(grace=30.0))  # open calls on it may finish
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
-                                                interceptors=tracing.client_interceptors())
+            channel = tls.aio_channel(address, options=CHANNEL_OPTIONS, interceptors=tracing.client_interceptors())
             entry = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
             self._channels[address] = entry
         return entry[1]

@@ -125,12 +125,12 @@ class _GrammarProbe:
     """grpc.health.v1 of the grammar service (the engine falls back to compiling locally while it is down)."""
 
     def __init__(self, address: str) -> None:
-        import grpc.aio
         from grpc_health.v1 import health_pb2_grpc
 
+        from radixmesh.common import tls
         from radixmesh.common.grpc_server import RECONNECT_OPTIONS
 
-        self.channel = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
+        self.channel = tls.aio_channel(address, options=RECONNECT_OPTIONS)
         self.stub = health_pb2_grpc.HealthStub(self.channel)
 
     async def check(self) -> tuple[bool, str]:

@@ -32,7 +32,7 @@ from .chart import (
 pytestmark = pytest.mark.helm
 
 VALUE_SETS = [pytest.param(None, id="defaults")] + [pytest.param(p, id=p.stem) for p in EXAMPLES]
-CRD_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1"}
+CRD_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1", "Certificate": "cert-manager.io/v1"}
 """Kinds of custom resources the chart may render; the Kubernetes schemas do not cover them."""
 THIRD_PARTY = ("redis", "otel-collector")
 """Components that run someone else's image (probed their own way, no radixmesh command line)."""
@@ -56,7 +56,8 @@ def _docs(rendered: dict[str, list[dict[str, Any]]], values_file: Path | None) -
 
 
 def test_examples_exist() -> None:
-    assert {p.stem for p in EXAMPLES} >= {"unified-1gpu", "pd-2p4d", "external-redis", "autoscaling", "observability"}
+    assert {p.stem for p in EXAMPLES} >= {"unified-1gpu", "pd-2p4d", "external-redis", "autoscaling", "observability",
+                                          "tls-cert-manager"}
 
 
 @pytest.mark.parametrize("values_file", VALUE_SETS)
@@ -114,11 +115,15 @@ def test_objects_refer_to_each_other_consistently(rendered: dict[str, list[dict[
     values = load_yaml(values_file) if values_file else {}
     external_secrets = {values.get("redis", {}).get("external", {}).get("existingSecret"),
                         values.get("gateway", {}).get("apiKey", {}).get("existingSecret")} - {None, ""}
+    secrets |= {c["spec"]["secretName"] for c in of_kind(docs, "Certificate").values()}  # cert-manager fills them
     for name, dep in deployments.items():
         pod = dep["spec"]["template"]
         labels = pod["metadata"]["labels"]
         assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
         volumes = {v["name"] for v in pod["spec"].get("volumes", [])}
+        for volume in pod["spec"].get("volumes", []):
+            if "secret" in volume:
+                assert volume["secret"]["secretName"] in secrets | external_secrets, f"{name}: {volume}"
         for c in pod["spec"]["containers"] + pod["spec"].get("initContainers", []):
             assert {m["name"] for m in c.get("volumeMounts", [])} <= volumes, f"{name}/{c['name']}"
             for env in c.get("env", []):
@@ -195,8 +200,11 @@ def test_workers_carry_discovery_labels_gpus_and_shm(rendered: dict[str, list[di
 
 @pytest.mark.parametrize("values_file", VALUE_SETS)
 def test_probes(rendered: dict[str, list[dict[str, Any]]], values_file: Path | None) -> None:
-    """gRPC probes on each gRPC service's own port; HTTP probes on the gateway; a long startup window for workers.
-    Liveness and startup pass while the process serves; readiness follows the service's dependencies."""
+    """gRPC probes on each gRPC service's own port (its plaintext health port under mutual TLS); HTTP(S) probes on
+    the gateway; a long startup window for workers. Liveness and startup pass while the process serves; readiness
+    follows the service's dependencies."""
+    values = load_yaml(values_file) if values_file else {}
+    tls = values.get("tls", {})
     for dep in of_kind(_docs(rendered, values_file), "Deployment").values():
         component, c = component_of(dep), container(dep)
         if component in THIRD_PARTY:
@@ -205,8 +213,11 @@ def test_probes(rendered: dict[str, list[dict[str, Any]]], values_file: Path | N
         if component == "gateway":
             paths = [p["httpGet"]["path"] for p in probes]
             assert paths == ["/live", "/health", "/live"] and all(p["httpGet"]["port"] == "http" for p in probes)
+            scheme = "HTTPS" if tls.get("public", {}).get("enabled") else "HTTP"
+            assert all(p["httpGet"]["scheme"] == scheme for p in probes)
             continue
-        grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+        probe_port = "health" if tls.get("internal", {}).get("enabled") else "grpc"
+        grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == probe_port)
         assert all(p["grpc"]["port"] == grpc_port for p in probes), component
         assert [p["grpc"]["service"] for p in probes] == ["liveness", "", "liveness"], component
         startup_window_s = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
@@ -252,7 +263,7 @@ def test_network_policies_only_when_enabled(helm: str, rendered: dict[str, list[
     assert [component_role(p) for p in callers("worker-prefill")] == [("router", None), ("worker", "decode")]
     assert {component_role(p) for p in callers("redis")} == {("router", None), ("worker", None), ("grammar", None)}
     gateway_rules = policies[f"{RELEASE}-radixmesh-gateway"]["spec"]["ingress"]
-    assert gateway_rules == [{"ports": [{"port": 8000, "protocol": "TCP"}]}]
+    assert gateway_rules == [{"ports": [{"port": 8000, "protocol": "TCP"}, {"port": 50050, "protocol": "TCP"}]}]
     unified = of_kind(render(helm, sets=["networkPolicy.enabled=true"]), "NetworkPolicy")
     assert [component_role(p["podSelector"]["matchLabels"])
             for p in unified[f"{RELEASE}-radixmesh-worker-unified"]["spec"]["ingress"][0]["from"]] == [("router", None)]
@@ -384,6 +395,16 @@ BAD_VALUES = [
     (["otelCollector.exporters.Bad!.endpoint=x:1"], "invalid propertyName 'Bad!'"),
     (["grafana.dashboards.namespace=Monitoring"], "/grafana/dashboards/namespace"),
     (["grafana.dashboards.labels.grafana_dashboard=1"], "/grafana/dashboards/labels/grafana_dashboard"),
+    (["gateway.grpcPort=70000"], "/gateway/grpcPort"),
+    (["tls.public.enabled=true"], "tls.public.enabled needs tls.public.secretName"),
+    (["tls.internal.enabled=true"], "tls.internal.enabled needs tls.internal.secretName"),
+    (["tls.internal.enabled=true", "tls.internal.secretName=s", "tls.internal.healthPort=9090"],
+     "tls.internal.healthPort must differ"),
+    (["tls.certManager.enabled=true"], "tls.certManager.enabled needs tls.certManager.issuerRef.name"),
+    (["tls.certManager.enabled=true", "tls.certManager.issuerRef.name=ca", "tls.public.enabled=true"],
+     "tls.certManager with tls.public needs tls.public.dnsNames"),
+    (["tls.internal.serverName=Bad_Name"], "/tls/internal/serverName"),
+    (["tls.certManager.issuerRef.kind=Secret"], "/tls/certManager/issuerRef/kind"),
 ]
 
 
@@ -401,6 +422,11 @@ def test_notes_tell_how_to_call_the_api(helm: str, tmp_path: Path) -> None:
     assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in notes
     assert 'Authorization: Bearer $RADIXMESH_API_KEY' in notes
     assert '"model": "smollm2-135m-instruct"' in notes
+    assert "grpcurl -plaintext -H \"authorization: Bearer $RADIXMESH_API_KEY\"" in notes
+    assert "127.0.0.1:50050 radixmesh.v1.InferenceService/Chat" in notes
+    tls = render_notes(helm, tmp_path, [CHART / "examples" / "tls-cert-manager.yaml"])
+    assert "curl -s --cacert ca.crt https://127.0.0.1:8000/v1/models" in tls
+    assert "grpcurl -cacert ca.crt -authority llm.example.com" in tls
     plain = render_notes(helm, tmp_path, [CHART / "examples" / "pd-2p4d.yaml"])
     assert "Authorization" not in plain and '"model": "llama-3.1-8b-instruct"' in plain
     assert "prefill: 2 pod(s)" in plain and "decode: 4 pod(s)" in plain

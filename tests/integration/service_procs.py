@@ -40,6 +40,8 @@ class ServiceProc:
     """host:port (gRPC) or base URL (HTTP)."""
     proc: subprocess.Popen[bytes]
     log_path: Path
+    health_address: str = ""
+    """host:port of its plaintext health port (with `health_port=True`), else ""."""
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -56,16 +58,26 @@ class ServiceProc:
         return int(self.proc.returncode)
 
 
-def start_service(name: str, args: list[str], http: bool = False, env: dict[str, str] | None = None) -> ServiceProc:
-    """`radixmesh <name> --port P <args>` (with `env` on top of ours), waited on until ready."""
+def start_service(name: str, args: list[str], http: bool = False, env: dict[str, str] | None = None,
+                  health_port: bool = False, wait_ready: bool = True) -> ServiceProc:
+    """`radixmesh <name> --port P <args>` (with `env` on top of ours), waited on until ready (unless not
+    `wait_ready`). `health_port`: also serve plaintext health on a second port and wait on that one (the
+    main port may need mutual TLS)."""
     port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix=f"radixmesh-{name}-")) / f"{name}.log"
     cmd = [sys.executable, "-m", "radixmesh.cli", name, "--host", "127.0.0.1", "--port", str(port), *args]
+    health_address = ""
+    if health_port:
+        health = free_port()
+        cmd += ["--health-port", str(health)]
+        health_address = f"127.0.0.1:{health}"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     address = f"http://127.0.0.1:{port}" if http else f"127.0.0.1:{port}"
-    service = ServiceProc(name, address, proc, log_path)
+    service = ServiceProc(name, address, proc, log_path, health_address)
+    if not wait_ready:
+        return service
     try:
         _wait_ready(service, http)
     except BaseException:
@@ -79,7 +91,7 @@ def _wait_ready(service: ServiceProc, http: bool) -> None:
     while time.monotonic() < deadline:
         if service.proc.poll() is not None:
             raise RuntimeError(f"radixmesh {service.name} exited with {service.proc.returncode}:\n{service.log()}")
-        if (_http_ready(service.address) if http else grpc_serving(service.address)):
+        if (_http_ready(service.address) if http else grpc_serving(service.health_address or service.address)):
             return
         time.sleep(0.25)
     raise RuntimeError(f"radixmesh {service.name} did not become ready:\n{service.log()}")

@@ -67,6 +67,7 @@ spec:
             {{- range .args }}
             - {{ . | quote }}
             {{- end }}
+            {{- with include "radixmesh.internalTlsArgs" $root | trim }}{{ . | nindent 12 }}{{ end }}
             {{- range $v.extraArgs }}
             - {{ . | quote }}
             {{- end }}
@@ -77,6 +78,7 @@ spec:
             - name: metrics
               containerPort: {{ $root.Values.metrics.port }}
               protocol: TCP
+            {{- with include "radixmesh.healthContainerPort" $root | trim }}{{ . | nindent 12 }}{{ end }}
           env:
             - name: POD_NAME
               valueFrom: {fieldRef: {fieldPath: metadata.name}}
@@ -91,7 +93,7 @@ spec:
             {{- with $v.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
-          {{- include "radixmesh.grpcProbes" (dict "port" $v.port "probes" $v.probes) | nindent 10 }}
+          {{- include "radixmesh.grpcProbes" (dict "root" $root "port" $v.port "probes" $v.probes) | nindent 10 }}
           resources: {{- toYaml $v.resources | nindent 12 }}
           securityContext: {{- toYaml $root.Values.containerSecurityContext | nindent 12 }}
           volumeMounts:
@@ -101,6 +103,7 @@ spec:
             - name: tmp
               mountPath: /tmp
             {{- end }}
+            {{- with include "radixmesh.internalTlsMount" $root | trim }}{{ . | nindent 12 }}{{ end }}
       volumes:
         {{- if .loadsModel }}
         {{- include "radixmesh.modelVolumes" $root | trim | nindent 8 }}
@@ -108,6 +111,7 @@ spec:
         - name: tmp
           emptyDir: {}
         {{- end }}
+        {{- with include "radixmesh.internalTlsVolume" $root | trim }}{{ . | nindent 8 }}{{ end }}
       {{- with include "radixmesh.scheduling" (dict "values" $v) | trim }}{{ . | nindent 6 }}{{ end }}
 ---
 apiVersion: v1

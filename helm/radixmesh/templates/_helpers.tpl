@@ -239,21 +239,77 @@ app.kubernetes.io/component=worker,app.kubernetes.io/instance={{ .Release.Name }
 {{/* Pod pieces ------------------------------------------------------------------------- */}}
 
 {{/*
-gRPC probes on a numeric port: (dict "port" 50051 "probes" .probes).
+gRPC probes of a service: (dict "root" $ "port" 50051 "probes" .probes), on its gRPC port, or on the plaintext
+health port with tls.internal (the kubelet's gRPC probes cannot present a client certificate).
 Liveness (and startup) ask grpc.health.v1 for the service "liveness", SERVING while the process serves;
 readiness asks for "" (the whole server), SERVING only while the service's dependencies answer (a router
 with a healthy worker). A missing dependency takes a pod out of its Service, never restarts it.
 */}}
 {{- define "radixmesh.grpcProbes" -}}
+{{- $port := int .port -}}
+{{- if .root.Values.tls.internal.enabled }}{{ $port = int .root.Values.tls.internal.healthPort }}{{ end -}}
 startupProbe:
-  grpc: {port: {{ int .port }}, service: liveness}
+  grpc: {port: {{ $port }}, service: liveness}
   {{- toYaml .probes.startup | nindent 2 }}
 readinessProbe:
-  grpc: {port: {{ int .port }}, service: ""}
+  grpc: {port: {{ $port }}, service: ""}
   {{- toYaml .probes.readiness | nindent 2 }}
 livenessProbe:
-  grpc: {port: {{ int .port }}, service: liveness}
+  grpc: {port: {{ $port }}, service: liveness}
   {{- toYaml .probes.liveness | nindent 2 }}
+{{- end -}}
+
+{{/* TLS ---------------------------------------------------------------------------------------- */}}
+
+{{- define "radixmesh.tlsDir" -}}/etc/radixmesh/tls{{- end -}}
+
+{{/* Secret of the internal (mutual TLS) certificate: tls.internal.secretName, else the chart's Certificate's. */}}
+{{- define "radixmesh.internalTlsSecret" -}}
+{{- default (include "radixmesh.componentName" (dict "root" . "component" "internal-tls")) .Values.tls.internal.secretName -}}
+{{- end -}}
+
+{{/* Secret of the gateway's public certificate: tls.public.secretName, else the chart's Certificate's. */}}
+{{- define "radixmesh.publicTlsSecret" -}}
+{{- default (include "radixmesh.componentName" (dict "root" . "component" "gateway-tls")) .Values.tls.public.secretName -}}
+{{- end -}}
+
+{{/* Flags of a gRPC service (router, tokenizer, grammar, worker) with tls.internal: serve mutual TLS, dial peers
+with it, and serve plaintext health for the probes. */}}
+{{- define "radixmesh.internalTlsArgs" -}}
+{{- if .Values.tls.internal.enabled }}
+{{- $dir := printf "%s/internal" (include "radixmesh.tlsDir" .) }}
+- --tls-cert={{ $dir }}/tls.crt
+- --tls-key={{ $dir }}/tls.key
+- --tls-ca={{ $dir }}/ca.crt
+- --tls-server-name={{ .Values.tls.internal.serverName }}
+- --health-port={{ .Values.tls.internal.healthPort }}
+{{- end }}
+{{- end -}}
+
+{{/* The health port's container port (with tls.internal). */}}
+{{- define "radixmesh.healthContainerPort" -}}
+{{- if .Values.tls.internal.enabled }}
+- name: health
+  containerPort: {{ .Values.tls.internal.healthPort }}
+  protocol: TCP
+{{- end }}
+{{- end -}}
+
+{{- define "radixmesh.internalTlsVolume" -}}
+{{- if .Values.tls.internal.enabled }}
+- name: tls-internal
+  secret:
+    secretName: {{ include "radixmesh.internalTlsSecret" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+
+{{- define "radixmesh.internalTlsMount" -}}
+{{- if .Values.tls.internal.enabled }}
+- name: tls-internal
+  mountPath: {{ include "radixmesh.tlsDir" . }}/internal
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{/* Scheduling of a pod: (dict "values" componentValues). */}}

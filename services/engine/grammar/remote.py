@@ -45,13 +45,13 @@ class GrammarServiceClient:
     def _connect(self) -> tuple[Any, str]:
         with self._lock:
             if self._stub is None:
-                import grpc
 
+                from radixmesh.common import tls
                 from radixmesh.protocol import grammar_pb2_grpc
                 from radixmesh.tokenizer.fingerprint import tokenizer_fingerprint
 
                 self._fingerprint = tokenizer_fingerprint(self.tokenizer)
-                channel = grpc.insecure_channel(self.address, options=[
+                channel = tls.sync_channel(self.address, options=[
                     ("grpc.max_receive_message_length", 256 << 20)])
                 self._stub = grammar_pb2_grpc.GrammarServiceStub(channel)
             assert self._fingerprint is not None

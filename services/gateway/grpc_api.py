@@ -1,0 +1,102 @@
+"""The public gRPC API (radixmesh.v1.InferenceService) of the gateway and of `radixmesh serve`.
+
+Each call takes the HTTP API's path: its request becomes the HTTP request model (grpc_api_convert),
+`start_completion` / `start_chat` validate and admit it through the same dispatcher and backend, and the
+run's response objects become the reply. Errors are `RadixMeshError`s mapped to gRPC statuses in the one
+place (`map_errors`); a call the client cancels aborts its sequences and frees their KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+import grpc.aio
+
+from radixmesh.common.grpc_errors import map_errors
+from radixmesh.gateway import grpc_api_convert as conv
+from radixmesh.gateway.openai_api import ChatRun, CompletionRun, model_object, start_chat, start_completion
+from radixmesh.gateway.state import GatewayState
+from radixmesh.gateway.upstreams import not_ready_error
+from radixmesh.protocol import inference_pb2 as pb
+from radixmesh.protocol import inference_pb2_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+"""radixmesh.v1.InferenceService"""
+ERROR_SOURCE = "gateway"
+"""The `service` of the ErrorDetail a failed call carries."""
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
+    """The API over the gateway's state; `state` is None while the backend starts (calls get UNAVAILABLE)."""
+
+    def __init__(self, state: GatewayState | None = None) -> None:
+        self.state = state
+
+    def _ready_state(self) -> GatewayState:
+        if self.state is None:
+            raise not_ready_error("")
+        reason = self.state.backend.not_ready_reason()
+        if reason:
+            raise not_ready_error(reason)
+        return self.state
+
+    @map_errors(ERROR_SOURCE)
+    async def Complete(self, request: pb.CompleteRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
+        run = start_completion(self._ready_state(), conv.completion_request(request, stream=False))
+        response = await _collected(run)
+        return conv.completion_reply(response, conv.TokenCursor(run.states))
+
+    @map_errors(ERROR_SOURCE)
+    async def StreamComplete(self, request: pb.CompleteRequest,
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.CompleteResponse]:
+        run = start_completion(self._ready_state(), conv.completion_request(request, stream=True))
+        tokens = conv.TokenCursor(run.states)
+        try:
+            async for chunk in run.chunks():
+                yield conv.completion_reply(chunk, tokens)
+        finally:
+            await _shielded(run.generation.aclose())
+
+    @map_errors(ERROR_SOURCE)
+    async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> pb.ChatResponse:
+        run = await start_chat(self._ready_state(), conv.chat_request(request, stream=False))
+        response = await _collected(run)
+        return conv.chat_reply(response, conv.TokenCursor(run.states))
+
+    @map_errors(ERROR_SOURCE)
+    async def StreamChat(self, request: pb.ChatRequest,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ChatResponse]:
+        run = await start_chat(self._ready_state(), conv.chat_request(request, stream=True))
+        tokens = conv.TokenCursor(run.states)
+        try:
+            async for chunk in run.chunks():
+                yield conv.chat_reply(chunk, tokens)
+        finally:
+            await _shielded(run.generation.aclose())
+
+    @map_errors(ERROR_SOURCE)
+    async def ListModels(self, request: pb.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[conv.model_reply(model_object(self._ready_state()))])
+
+
+async def _collected(run: CompletionRun | ChatRun) -> Any:
+    """The run's whole response; its sequences are aborted if the call ends first (cancelled by the client)."""
+    try:
+        return await run.collect()
+    finally:
+        await _shielded(run.generation.aclose())
+
+
+async def _shielded(work: Awaitable[Any]) -> None:
+    # Cleanup (aborting sequences, freeing KV) finishes even when the call's task is cancelled again.
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await task
+        raise
