@@ -23,7 +23,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -188,15 +187,13 @@ class HiRadixCache(RadixCache):
         heapq.heapify(heap)
         freed, to_free = 0, []
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        protect: set[TreeNode] = set()
         while freed < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
             slots = node.value
             if node.host_value is None:
-                node.host_value = self._alloc_host(len(node.key), protect)
+                node.host_value = self._alloc_host(len(node.key), copies)
                 if node.host_value is not None:
                     copies.append((slots, node.host_value))
-                    protect.add(node)
             freed += len(node.key)
             to_free.append(slots)
             parent = node.parent
@@ -206,8 +203,7 @@ class HiRadixCache(RadixCache):
                 self._drop(node)
             if parent is not None and self._is_device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access_time, next(tie), parent))
-        if copies:
-            self._write([d for d, _ in copies], [h for _, h in copies])
+        self._write(copies)
         for slots in to_free:
             self.allocator.free(slots)
         return freed
@@ -251,17 +247,20 @@ class HiRadixCache(RadixCache):
         del parent.children[node.key[0]]
 
     # ---- the host tier --------------------------------------------------------------------------
-    def _alloc_host(self, num: int, protect: set[TreeNode]) -> torch.Tensor | None:
+    def _alloc_host(self, num: int, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """Host slots for `num` tokens, evicting from the host if needed. The `copies` queued so far are
+        enqueued first: once their writes are on the copy stream, their slots may be evicted and reused."""
         short = num - self.host_allocator.available_size()
         if short > 0:
-            self.evict_host(short, protect)
+            self._write(copies)
+            copies.clear()
+            self.evict_host(short)
         return self.host_allocator.alloc(num)
 
-    def evict_host(self, num_tokens: int, protect: Iterable[TreeNode] = ()) -> int:
+    def evict_host(self, num_tokens: int) -> int:
         """Free host slots, LRU first: host-only leaves leave the tree; then device nodes lose their host copy."""
-        protected = set(protect)
         tie = itertools.count()
-        heap = [(n.last_access_time, next(tie), n) for n in self._all_nodes() if self._is_host_leaf(n, protected)]
+        heap = [(n.last_access_time, next(tie), n) for n in self._all_nodes() if self._is_host_leaf(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -269,11 +268,11 @@ class HiRadixCache(RadixCache):
             freed += len(node.key)
             parent = node.parent
             self._drop(node)
-            if parent is not None and self._is_host_leaf(parent, protected):
+            if parent is not None and self._is_host_leaf(parent):
                 heapq.heappush(heap, (parent.last_access_time, next(tie), parent))
         if freed < num_tokens:
-            backed = sorted((n for n in self._all_nodes() if n.on_device and n.host_value is not None
-                             and n not in protected), key=lambda n: n.last_access_time)
+            backed = sorted((n for n in self._all_nodes() if n.on_device and n.host_value is not None),
+                            key=lambda n: n.last_access_time)
             for node in backed:
                 if freed >= num_tokens:
                     break
@@ -281,17 +280,20 @@ class HiRadixCache(RadixCache):
                 self._free_host_copy(node)
         return freed
 
-    def _is_host_leaf(self, node: TreeNode, protected: set[TreeNode]) -> bool:
+    def _is_host_leaf(self, node: TreeNode) -> bool:
         return (node is not self.root and not node.on_device and not node.children and node.lock_ref == 0
-                and node not in self.loading and node not in protected)
+                and node not in self.loading)
 
     def _free_host_copy(self, node: TreeNode) -> None:
         if node.host_value is not None:
             self.host_allocator.free(node.host_value)
             node.host_value = None
 
-    def _write(self, device_slots: list[torch.Tensor], host_slots: list[torch.Tensor]) -> None:
-        op = self.transfer.write(torch.cat(device_slots), torch.cat(host_slots))
+    def _write(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Enqueue one write of (device slots, host slots) pairs (nothing when empty)."""
+        if not copies:
+            return
+        op = self.transfer.write(torch.cat([d for d, _ in copies]), torch.cat([h for _, h in copies]))
         self.writes.append(op)
         self.counters["hicache_num_writes"] += 1
         self.counters["hicache_write_tokens"] += op.num_tokens
@@ -317,17 +319,16 @@ class HiRadixCache(RadixCache):
                 batch.append(current)
                 current = current.parent
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        protect: set[TreeNode] = set()
+        written = 0
         for node in batch:
-            host = self._alloc_host(len(node.key), protect)
+            host = self._alloc_host(len(node.key), copies)
             if host is None:
-                break  # the host is full of locked or in-flight nodes: these get written at eviction
+                break  # the host is full of locked nodes: these get written at eviction, if at all
             node.host_value = host
-            protect.add(node)
             copies.append((node.value, host))
-        if copies:
-            self._write([d for d, _ in copies], [h for _, h in copies])
-        return sum(len(h) for _, h in copies)
+            written += len(node.key)
+        self._write(copies)
+        return written
 
     def _in_tree(self, node: TreeNode) -> bool:
         parent = node.parent
