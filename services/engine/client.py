@@ -28,6 +28,7 @@ from radixmesh.engine.disagg.messages import (
     ExportCachedReqMsg,
     KVExportMsg,
     PrefillReqMsg,
+    PrefixLenReqMsg,
     ReserveReqMsg,
     ResolveReservationMsg,
     TransferDoneReqMsg,
@@ -59,7 +60,7 @@ QUERY_TIMEOUT_S = 60.0
 StreamedMsg: TypeAlias = GenerateReqMsg | PrefillReqMsg | ResolveReservationMsg | ExportCachedReqMsg | CommitFetchMsg
 """Requests answered by a stream of TokenOut (a prefill's or an export's also by its KVExportMsg chunks, before its
 last)."""
-QueryMsg: TypeAlias = FlushCacheReqMsg | ServerInfoReqMsg | ReserveReqMsg | TransferDoneReqMsg
+QueryMsg: TypeAlias = FlushCacheReqMsg | ServerInfoReqMsg | ReserveReqMsg | TransferDoneReqMsg | PrefixLenReqMsg
 """Requests answered by one QueryOutMsg."""
 
 

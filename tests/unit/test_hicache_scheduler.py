@@ -54,7 +54,8 @@ def test_prompt_evicted_to_host_and_hit_again_gives_identical_tokens(policy: str
         sched.add_request(clone(req))
         run_until_idle(sched)
     tree = tree_of(sched)
-    assert tree.counters["hicache_offloaded_tokens"] > 0 and len(tree.match_prefix(reqs[0].origin_input_ids).indices) == 0
+    assert tree.counters["hicache_offloaded_tokens"] > 0
+    assert len(tree.match_prefix(reqs[0].origin_input_ids).indices) == 0
     for req in reqs[:3]:
         sched.add_request(renamed(req, "-again"))
         run_until_idle(sched)
@@ -149,7 +150,7 @@ def test_two_requests_on_one_loading_path_share_the_load() -> None:
     tree_of(sched).evict(1000)
     gate = hold_loads(sched)
     a, b = renamed(base, "-a"), renamed(base, "-b")
-    b.origin_input_ids = base.origin_input_ids[:40] + [1, 2, 3]
+    b.origin_input_ids = [*base.origin_input_ids[:40], 1, 2, 3]
     sched.add_request(a)
     sched.step()
     sched.add_request(b)
@@ -216,5 +217,5 @@ def test_bad_hicache_options_are_named(overrides: dict[str, Any], message: str) 
 
 
 def test_host_tier_larger_than_ram_is_refused_with_the_sizes() -> None:
-    with pytest.raises(RadixMeshError, match="the host tier needs .* GB .* of RAM are available"):
+    with pytest.raises(RadixMeshError, match=r"the host tier needs .* GB .* of RAM are available"):
         hi_scheduler(hicache_size=1e6)

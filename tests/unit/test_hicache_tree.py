@@ -76,7 +76,7 @@ def test_evicted_node_moves_to_host_and_loads_back_bit_for_bit(write_through: bo
         assert tree.flush_backups() == 30 and tree.host_size() == 30
     assert tree.evict(30) == 30
     assert tree.total_size() == 0 and tree.host_size() == 30 and len(tree.match_prefix(key).indices) == 0
-    match = tree.match_host(key + [7])
+    match = tree.match_host([*key, 7])
     assert match.host_len == 30 and len(match.device.indices) == 0
     assert load(tree, key) == 30
     after = tree.match_prefix(key).indices
@@ -89,7 +89,7 @@ def test_partial_hit_splits_a_host_node_and_loads_only_the_matched_part() -> Non
     key = list(range(40))
     before = kv_at(pool, insert(tree, key)).clone()
     tree.evict(40)
-    assert load(tree, key[:25] + [999]) == 25
+    assert load(tree, [*key[:25], 999]) == 25
     assert len(tree.match_prefix(key).indices) == 25  # the rest stays on the host
     assert tree.match_host(key).host_len == 15
     assert torch.equal(kv_at(pool, tree.match_prefix(key[:25]).indices), before[:25])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from radixmesh.engine.disagg.messages import CommitFetchMsg, TrimReservationMsg
+from radixmesh.engine.disagg.messages import CommitFetchMsg, PrefixLenReqMsg, TrimReservationMsg
 from radixmesh.engine.request import Req
 
 if TYPE_CHECKING:
@@ -29,6 +29,16 @@ class FetchCommitter:
         self.reservations = reservations
         self.counters = {"num_peer_fetch_commits": 0, "peer_fetched_tokens": 0, "num_peer_fetch_fallbacks": 0}
         self.fallback_reasons: dict[str, int] = {}
+
+    def prefix_len(self, msg: PrefixLenReqMsg) -> dict[str, int]:
+        """This worker's cached prefix of the ids: on the device, and beyond it in the host tier."""
+        from radixmesh.engine.hicache.tree import HiRadixCache
+
+        tree = self.sched.kv.tree
+        if isinstance(tree, HiRadixCache):
+            match = tree.match_host(list(msg.input_ids))
+            return {"device_len": len(match.device.indices), "host_len": match.host_len}
+        return {"device_len": len(tree.match_prefix(list(msg.input_ids)).indices), "host_len": 0}
 
     def trim(self, msg: TrimReservationMsg) -> None:
         """Shrink a reservation nothing has landed in yet to its first `num_tokens` slots (>= 1)."""

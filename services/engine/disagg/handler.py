@@ -19,6 +19,7 @@ from radixmesh.engine.disagg.messages import (
     ExportCachedReqMsg,
     KVChunkInMsg,
     PrefillReqMsg,
+    PrefixLenReqMsg,
     ReleaseTransferMsg,
     ReserveReqMsg,
     ResolveReservationMsg,
@@ -41,6 +42,7 @@ class DisaggHandler:
         self._emit = scheduler.emit
         self._transports: dict[str, BaseKVTransport] = {}
         self.reservations = ReservationManager(scheduler, self.transport, reply)
+        self._reply = reply
         self.exports = ExportManager(scheduler, self.transport, send)
         self.fetches = FetchCommitter(scheduler, self.reservations)
         """Prefix sharing: fetched prefixes into the radix cache (exports of cached KV are in `exports`)."""
@@ -74,6 +76,8 @@ class DisaggHandler:
             self.exports.release(msg.transfer_id)
         elif isinstance(msg, ExportCachedReqMsg):
             self.exports.export_cached(msg)
+        elif isinstance(msg, PrefixLenReqMsg):
+            self._reply(msg.query_id, self.fetches.prefix_len(msg))
         elif isinstance(msg, TrimReservationMsg):
             self.fetches.trim(msg)
         elif isinstance(msg, CommitFetchMsg):

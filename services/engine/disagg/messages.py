@@ -120,6 +120,14 @@ class ExportCachedReqMsg(msgspec.Struct, tag="disagg_export_cached", frozen=True
     lease_s: float
 
 
+class PrefixLenReqMsg(msgspec.Struct, tag="disagg_prefix_len", frozen=True):
+    """How much of `input_ids` this worker holds: answered {"device_len": n, "host_len": m} (m tokens beyond
+    the device's n in the host tier)."""
+
+    query_id: str
+    input_ids: list[int]
+
+
 class TrimReservationMsg(msgspec.Struct, tag="disagg_trim", frozen=True):
     """Keep only the first `num_tokens` reserved slots (the peer holds less of the prefix than was asked);
     sent before the first chunk lands."""
@@ -143,6 +151,7 @@ class CommitFetchMsg(msgspec.Struct, tag="disagg_commit_fetch", frozen=True):
 
 DisaggToSchedulerMsg = (ReserveReqMsg | KVChunkInMsg | TransferDoneReqMsg | ResolveReservationMsg
                         | CancelReservationMsg | PrefillReqMsg | ReleaseTransferMsg | ExportCachedReqMsg
-                        | TrimReservationMsg | CommitFetchMsg)
+                        | PrefixLenReqMsg | TrimReservationMsg | CommitFetchMsg)
 DISAGG_MSG_TYPES = (ReserveReqMsg, KVChunkInMsg, TransferDoneReqMsg, ResolveReservationMsg, CancelReservationMsg,
-                    PrefillReqMsg, ReleaseTransferMsg, ExportCachedReqMsg, TrimReservationMsg, CommitFetchMsg)
+                    PrefillReqMsg, ReleaseTransferMsg, ExportCachedReqMsg, PrefixLenReqMsg, TrimReservationMsg,
+                    CommitFetchMsg)

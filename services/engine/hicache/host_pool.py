@@ -80,7 +80,7 @@ class HostSlotAllocator:
 
     def _insert_run(self, start: int, length: int) -> None:
         i = bisect.bisect_left(self._starts, start)
-        assert 1 <= start and start + length - 1 <= self.size, f"host slots [{start}, {start + length}) out of range"
+        assert start >= 1 and start + length - 1 <= self.size, f"host slots [{start}, {start + length}) out of range"
         if i < len(self._starts):
             assert start + length <= self._starts[i], f"host slot {self._starts[i]} freed twice"
         if i > 0:

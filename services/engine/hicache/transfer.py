@@ -99,7 +99,8 @@ class HostTransfer:
                         device_slots=device_slots)
         pool, host = self.device_pool, self.host_pool
         if not self.is_cuda:
-            scatter_kv_tokens_torch(pool.k_buffers, pool.v_buffers, device_slots, host.buffer.index_select(0, host_slots))
+            packed = host.buffer.index_select(0, host_slots)
+            scatter_kv_tokens_torch(pool.k_buffers, pool.v_buffers, device_slots, packed)
             op.finished, op.done_s = True, time.perf_counter()
             return op
         assert self.copy_stream is not None

@@ -7,7 +7,8 @@ figures, so a burst is seen before the next poll. The score of a candidate is
     cached fraction of the prompt  -  load_weight * load
 
 where a token cached in a worker's host tier (hierarchical cache) counts `host_hit_weight` of one
-cached on its device: below a device hit, above a miss. The score is used except in two cases. When the busiest worker has many more requests than the idlest (both
+cached on its device: below a device hit, above a miss. The score is used except in two cases.
+When the busiest worker has many more requests than the idlest (both
 an absolute and a relative gap), load alone decides. When no worker holds at least
 `cache_threshold` of the prompt, the prompt is a new prefix and goes to the least loaded
 worker; ties go to the worker with the smallest cache footprint and then to a rendezvous
