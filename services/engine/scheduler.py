@@ -367,7 +367,7 @@ class Scheduler:
             input_logprobs=req.pending_input_logprobs or None,
             input_top_logprobs=req.pending_input_top_logprobs if req.params.top_logprobs
             and req.pending_input_logprobs else None,
-            admitted_at=req.admitted_at,
+            admitted_at=req.admitted_at, host_load=req.host_load,
         )
         req.pending_ids, req.pending_logprobs, req.pending_top_logprobs = [], [], []
         req.pending_input_logprobs, req.pending_input_top_logprobs = [], []

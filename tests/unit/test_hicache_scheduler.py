@@ -127,6 +127,8 @@ def test_request_whose_prefix_is_loading_waits_without_blocking_others() -> None
     run_until_idle(sched)
     tree_of(sched).evict(1000)  # everything to the host
     gate = hold_loads(sched)
+    loads: dict[str, tuple[float, float, int]] = {}
+    sched.emit = lambda outs: (loads.update({o.rid: o.host_load for o in outs if o.host_load}), out(outs))  # type: ignore
     sched.add_request(renamed(first, "-again"))
     sched.step()
     assert sched.hicache is not None and sched.hicache.loading and sched.waiting[0].rid == first.rid + "-again"
@@ -139,6 +141,8 @@ def test_request_whose_prefix_is_loading_waits_without_blocking_others() -> None
     run_until_idle(sched)
     assert out.tokens[first.rid + "-again"] == expected[first.rid] and out.tokens[other.rid] == expected[other.rid]
     assert out.cached[first.rid + "-again"] == 69
+    start, end, tokens = loads[first.rid + "-again"]  # for the worker's hicache_load span
+    assert tokens == 69 and start <= end and other.rid not in loads
     assert_no_leak_either_tier(sched)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixmesh.engine.hicache.tree import HiRadixCache
 from radixmesh.engine.kv_manager import KVCacheManager
@@ -35,12 +35,14 @@ IDLE_POLL_S = 0.0005
 
 @dataclass
 class _Hold:
+    req: Req
     node: TreeNode
     """The deepest node of the loaded path, locked until the request leaves the queue."""
     num_tokens: int
     """Host-tier tokens the request reuses."""
     need: int
     """KV the request still needs beyond its prefix (its uncached part plus its decode reserve)."""
+    started_s: float = field(default_factory=time.time)
     ticks_done: int = 0
 
 
@@ -95,6 +97,8 @@ class HiCacheController:
         for rid, hold in list(self.holds.items()):
             if hold.node not in self.tree.loading:
                 hold.ticks_done += 1
+                if hold.req.host_load is None and hold.num_tokens:
+                    hold.req.host_load = (hold.started_s, time.time(), hold.num_tokens)
             timed_out = hold.ticks_done > MAX_HOLD_TICKS
             if rid not in waiting_ids or timed_out:
                 if rid in waiting_ids:
@@ -129,13 +133,13 @@ class HiCacheController:
                 self.tree.dec_lock_ref(node)
                 continue
             self.tree.start_load(match.host_nodes, slots)
-            self.holds[req.rid] = _Hold(node, match.host_len, rest)
+            self.holds[req.rid] = _Hold(req, node, match.host_len, rest)
             self.num_host_hit_tokens += match.host_len
             reserved += rest
 
     def _hold(self, req: Req, node: TreeNode, num_tokens: int, need: int) -> None:
         self.tree.inc_lock_ref(node)
-        self.holds[req.rid] = _Hold(node, num_tokens, need)
+        self.holds[req.rid] = _Hold(req, node, num_tokens, need)
         self.num_host_hit_tokens += num_tokens
 
     # ---- introspection --------------------------------------------------------------------------
