@@ -14,7 +14,9 @@ BENCH_COMMANDS = [
     "radixmesh.engine.bench:register_one_batch",
     "radixmesh.engine.bench:register_offline",
     "radixmesh.engine.bench_structured:register_structured",
+    "radixmesh.engine.bench_hicache:register_hicache",
     "radixmesh.cluster.bench:register_routing",
+    "radixmesh.cluster.bench_peer_fetch:register_peer_fetch",
     "radixmesh.cluster.bench_faults:register_faults",
     "radixmesh.cluster.soak:register_soak",
 ]

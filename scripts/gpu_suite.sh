@@ -4,6 +4,7 @@
 # plus msgspec pyzmq gguf pytest pluggy iniconfig; the default model's tokenizer files in .gpu-model,
 # copied there by scripts/gpu_tokenizer_model.py --stage). Results go to $OUT as JSON.
 #   STAGES="tests hot-path kernel one-batch offline profile-offline online services trace-split compare" bash scripts/gpu_suite.sh
+#   STAGES="hicache" (one GPU); STAGES="peer-fetch" needs two GPUs (it says "skipped" with one)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -117,6 +118,16 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       $RM bench structured $common --schema person --profile-host
       $RM bench structured $common --schema long-keys --profile-host
       $RM bench structured $common --schema long-keys --enable-jump-forward ;;
+    hicache)  # host tier: its GPU tests, then multi-turn sessions 3x the device pool with and without it (8B)
+      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_hicache_gpu.py
+      $RM bench hicache --model-shape llama-3.1-8b --context-length 8192 --max-total-tokens 32768 \
+        --cuda-graph-max-bs 8 --num-turns 4 --turn-input-len 1024 --output-len 32 --max-concurrency 6 \
+        --working-set-ratio 3 --hicache-ratio 3.5 --result-file "$OUT/hicache.jsonl" ;;
+    peer-fetch)  # prefix sharing, two workers on two GPUs (cuda-ipc): TTFT of a 16k-token prefix fetched vs recomputed
+      [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "skipped: needs two GPUs"; return 0; }
+      model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
+      $RM bench peer-fetch --device cuda --model "$model" --load-format dummy --context-length 20000 \
+        --prefix-len 16384 --samples 3 --result-file "$OUT/peer-fetch.jsonl" ;;
     *) echo "unknown stage $stage" ;;
   esac
 }
