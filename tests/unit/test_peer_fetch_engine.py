@@ -129,3 +129,16 @@ def test_fetch_failing_mid_transfer_frees_the_reservation_and_computes() -> None
     a.handler.tick()
     assert a.handler.stats()["num_transfers_held"] == 0 and a.handler.stats()["num_transfers_lapsed"] == 1
     assert_no_leak(a.sched)
+
+
+def test_prefix_len_counts_the_host_tier() -> None:
+    from radixmesh.engine.disagg.messages import PrefixLenReqMsg
+
+    me = make_side(max_total_tokens=200, enable_hierarchical_cache=True, hicache_ratio=4.0)
+    ids = make_requests(1, seed=26, prompt_len=(90, 90))[0].origin_input_ids
+    warm(me, ids)
+    assert me.query(PrefixLenReqMsg("q1", ids)) == {"device_len": 90, "host_len": 0}
+    me.sched.kv.tree.evict(1000)
+    held = me.query(PrefixLenReqMsg("q2", ids[:60]))
+    assert held == {"device_len": 0, "host_len": 60}
+    assert_no_leak(me.sched)
