@@ -44,6 +44,9 @@ class RunResult:
     output_tokens: int = 0
     ttft_s: list[float] = field(default_factory=list)
     duration_s: float = 0.0
+    cpu_s: float = 0.0
+    """CPU time of this process over the run (all threads): on a shared CPU, the work done, whatever the
+    other processes took."""
 
 
 def make_sessions(args: argparse.Namespace, vocab: int, pool_tokens: int) -> list[Session]:
@@ -93,7 +96,7 @@ class MultiTurnDriver:
 
         sync = _sync_fn(self.sched)
         sync()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         while self.queue or self.inflight or self.sched.has_work:
             while self.queue and len(self.inflight) < self.max_concurrency:
                 session = self.queue.pop(0)
@@ -109,6 +112,7 @@ class MultiTurnDriver:
             self.sched.step()
         sync()
         self.result.duration_s = time.perf_counter() - start
+        self.result.cpu_s = time.process_time() - cpu_start
         return self.result
 
 
@@ -136,6 +140,9 @@ def summarize(name: str, result: RunResult, stats: dict[str, Any]) -> dict[str, 
            "output_throughput_tok_s": round(result.output_tokens / result.duration_s, 1),
            "total_throughput_tok_s": round((result.prompt_tokens + result.output_tokens) / result.duration_s, 1),
            "median_ttft_s": round(statistics.median(result.ttft_s), 4) if result.ttft_s else None,
+           "cpu_s": round(result.cpu_s, 3),
+           "total_tok_per_cpu_s": round((result.prompt_tokens + result.output_tokens) / max(result.cpu_s, 1e-9), 1),
+           "num_forward_passes": stats.get("num_forward_passes", 0),
            "num_retractions": stats.get("num_retractions", 0)}
     row.update({key: stats[key] for key in HICACHE_KEYS if key in stats})
     if stats.get("hicache_num_loads"):
@@ -144,31 +151,31 @@ def summarize(name: str, result: RunResult, stats: dict[str, Any]) -> dict[str, 
 
 
 def cmd_hicache(args: argparse.Namespace) -> int:
-    runs, runner, rows = [("without", False), ("with", True)], None, []
+    """Runs without and with the host tier (alternating, `--repeats` times each), then the report."""
+    runner, rows, sched = None, [], None
     sessions_spec: list[Session] | None = None
-    for name, hierarchical in runs:
-        sched = build(args, hierarchical, runner)
-        runner = sched.runner
-        if sessions_spec is None:
-            sessions_spec = make_sessions(args, runner.model_config.vocab_size, sched.kv.capacity)
-        sessions = [Session(list(s.turns)) for s in sessions_spec]
-        driver = MultiTurnDriver(sched, sessions, args.max_concurrency)
-        sched.emit = driver
-        result = driver.run()
-        rows.append(summarize(name, result, sched.stats()))
-        print(_row_line(rows[-1]), flush=True)
-        assert sched.flush_cache(), "the cache could not be emptied after a run"
-    without, with_host = rows
+    for repeat in range(args.repeats):
+        order = [("without", False), ("with", True)]
+        for name, hierarchical in order if repeat % 2 == 0 else order[::-1]:
+            sched = build(args, hierarchical, runner)
+            runner = sched.runner
+            if sessions_spec is None:
+                sessions_spec = make_sessions(args, runner.model_config.vocab_size, sched.kv.capacity)
+            driver = MultiTurnDriver(sched, [Session(list(s.turns)) for s in sessions_spec], args.max_concurrency)
+            sched.emit = driver
+            rows.append(summarize(name, driver.run(), sched.stats()))
+            print(_row_line(rows[-1]), flush=True)
+            assert sched.flush_cache(), "the cache could not be emptied after a run"
+    assert sched is not None and sessions_spec is not None
     report = {"bench": "hicache", **device_info(sched), "command": " ".join(sys.argv),
               "model": sched.config.model, "max_total_tokens": sched.kv.capacity,
-              "num_sessions": len(sessions_spec or []), "num_turns": args.num_turns,
+              "num_sessions": len(sessions_spec), "num_turns": args.num_turns,
               "turn_input_len": args.turn_input_len, "output_len": args.output_len,
               "max_concurrency": args.max_concurrency, "working_set_ratio": args.working_set_ratio,
-              "hicache_write_policy": sched.config.hicache_write_policy, "runs": rows,
-              "hit_rate_ratio": round(with_host["cache_hit_rate"] / without["cache_hit_rate"], 3)
-              if without["cache_hit_rate"] else None,  # None: nothing hit without the host tier
-              "throughput_ratio": round(with_host["total_throughput_tok_s"] / without["total_throughput_tok_s"], 3)}
-    print(f"hit rate x{report['hit_rate_ratio']}  throughput x{report['throughput_ratio']} (with / without host tier)")
+              "hicache_write_policy": sched.config.hicache_write_policy, "repeats": args.repeats, "runs": rows,
+              **_ratios(rows)}
+    print(f"hit rate x{report['hit_rate_ratio']}  throughput x{report['throughput_ratio']}  CPU time "
+          f"/{report['cpu_time_ratio']} (with / without the host tier; medians over {args.repeats} run(s) each)")
     line = json.dumps(report)
     print(line)
     if args.result_file:
@@ -177,10 +184,23 @@ def cmd_hicache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """With / without the host tier, from the medians of each mode's runs."""
+    def median(run: str, key: str) -> float:
+        return float(statistics.median(r[key] for r in rows if r["run"] == run))
+
+    hit_without = median("without", "cache_hit_rate")
+    return {"hit_rate_ratio": round(median("with", "cache_hit_rate") / hit_without, 3) if hit_without else None,
+            "throughput_ratio": round(median("with", "total_throughput_tok_s")
+                                      / median("without", "total_throughput_tok_s"), 3),
+            "cpu_time_ratio": round(median("without", "cpu_s") / max(median("with", "cpu_s"), 1e-9), 3)}
+
+
 def _row_line(row: dict[str, Any]) -> str:
     return (f"{row['run']:>8} host tier: hit rate {100 * row['cache_hit_rate']:5.1f}%  "
             f"{row['total_throughput_tok_s']:9.1f} tok/s (prompt + output)  {row['output_throughput_tok_s']:8.1f} "
-            f"output tok/s  median TTFT {row['median_ttft_s']} s  {row['duration_s']} s")
+            f"output tok/s  median TTFT {row['median_ttft_s']} s  {row['duration_s']} s ({row['cpu_s']} s CPU, "
+            f"{row['num_forward_passes']} passes)")
 
 
 def register_hicache(bench: argparse._SubParsersAction) -> None:
@@ -200,6 +220,8 @@ def register_hicache(bench: argparse._SubParsersAction) -> None:
     parser.add_argument("--output-len", type=int, default=32, help="tokens of each reply")
     parser.add_argument("--max-concurrency", type=int, default=8, help="turns in flight at most")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each mode, alternating their order (the ratios use medians)")
     parser.add_argument("--result-file", default=None, help="append the JSON result to this file")
     parser.set_defaults(func=cmd_hicache)
 

@@ -139,6 +139,10 @@ class PeerFetchFlow:
             reason = "" if fetch.grant is None or fetch.end > fetch.grant.prefix_len else "peer_holds_nothing"
         except asyncio.TimeoutError:
             reason = "peer_timeout"
+        except asyncio.CancelledError:  # the caller went away: free the reservation now, not at its lease
+            if fetch.grant is not None:
+                await self.disagg.cancel(fetch.grant.reservation_id)
+            raise
         except RadixMeshError as exc:
             reason = {ErrorCode.UNAVAILABLE: "peer_unavailable", ErrorCode.ABORTED: "peer_stale",
                       ErrorCode.RESOURCE_EXHAUSTED: "reservation_refused"}.get(exc.code, "peer_error")

@@ -31,3 +31,25 @@ def test_host_tier_multiplies_the_hit_rate_of_a_working_set_three_times_the_pool
     without, with_host = run(False), run(True)
     assert float(with_host["cache_hit_rate"]) > 3 * float(without["cache_hit_rate"])  # type: ignore[arg-type]
     assert with_host["hicache_num_loads"] and "hicache_num_loads" not in without
+
+
+def test_the_command_runs_both_modes_and_reports_json(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from radixmesh.cli import main
+
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+              "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "bos_token_id": 1,
+              "eos_token_id": 2, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "result.jsonl"
+    assert main(["bench", "hicache", "--model", str(tmp_path), "--device", "cpu", "--max-total-tokens", "200",
+                 "--num-turns", "2", "--turn-input-len", "24", "--output-len", "3", "--max-concurrency", "2",
+                 "--hicache-ratio", "6", "--result-file", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["run"] for r in report["runs"]] == ["without", "with"]
+    without, with_host = report["runs"]
+    assert with_host["hicache_num_loads"] > 0 and with_host["cache_hit_rate"] > without["cache_hit_rate"]
+    assert report["hit_rate_ratio"] is None if without["cache_hit_rate"] == 0 else report["hit_rate_ratio"] > 1
+    assert "hit rate x" in capsys.readouterr().out
