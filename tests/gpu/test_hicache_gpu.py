@@ -75,12 +75,22 @@ def test_copies_through_pinned_memory_survive_immediate_reuse_of_the_device_slot
     assert torch.equal(after, before)
 
 
+def _again(req: Req) -> Req:
+    again = clone(req)
+    again.rid += "-again"
+    return again
+
+
 def _reference(reqs: list[Req]) -> dict[str, list[int]]:
+    """Each request alone on a pool that holds everything, then once more from the (device) cache: the same
+    kernels as a run whose cached prefix came back from the host tier."""
     sched, out = make_scheduler(device="cuda", max_total_tokens=8192)
     for req in reqs:
         sched.add_request(clone(req))
         run_until_idle(sched)
-    return {req.rid: out.tokens[req.rid] for req in reqs}
+        sched.add_request(_again(req))
+        run_until_idle(sched)
+    return dict(out.tokens)
 
 
 @pytest.mark.parametrize("policy", ["write-through", "write-back"])
@@ -94,14 +104,12 @@ def test_scheduler_with_graphs_and_overlap_gives_the_same_tokens_with_the_host_t
         sched.add_request(clone(req))
         run_until_idle(sched)
     for req in reqs[:4]:  # evicted to the host by the later ones; now loaded back
-        again = clone(req)
-        again.rid += "-again"
-        sched.add_request(again)
+        sched.add_request(_again(req))
         run_until_idle(sched)
     for req in reqs:
         assert out.tokens[req.rid] == expected[req.rid]
     for req in reqs[:4]:
-        assert out.tokens[req.rid + "-again"] == expected[req.rid]
+        assert out.tokens[req.rid + "-again"] == expected[req.rid + "-again"]
         assert out.cached[req.rid + "-again"] >= len(req.origin_input_ids) - 1 - 16  # loaded, not recomputed
     stats = sched.stats()
     assert stats["hicache_num_loads"] >= 1 and stats["hicache_host_hit_tokens"] > 0
@@ -110,3 +118,47 @@ def test_scheduler_with_graphs_and_overlap_gives_the_same_tokens_with_the_host_t
     tree.complete_writes(wait=True)
     assert_no_leak(sched)
     assert tree.host_allocator.available_size() + tree.host_size() == tree.host_pool.size
+
+
+# ---- prefix sharing between two worker processes on two GPUs --------------------------------------
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["grpc", "cuda-ipc"])
+def test_prefix_fetched_from_a_peer_on_another_gpu_gives_the_computed_tokens(transport: str) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    import grpc
+
+    from radixmesh.protocol import sampling_pb2, worker_pb2, worker_pb2_grpc
+    from tests.integration.service_procs import start_service
+
+    engine = ["--device", "cuda", "--max-total-tokens", "16384", "--kv-transport", transport, "--peer-fetch",
+              "always", "--metrics-port", "-1"]
+    procs = [start_service("worker", [*engine, "--worker-id", "a"], env={"CUDA_VISIBLE_DEVICES": "0,1"})]
+    try:
+        procs.append(start_service("worker", [*engine, "--worker-id", "b"], env={"CUDA_VISIBLE_DEVICES": "1,0"}))
+        a, b = (worker_pb2_grpc.WorkerServiceStub(grpc.insecure_channel(p.address)) for p in procs)
+        prefix = [1, *range(1000, 3000)]
+        params = sampling_pb2.SamplingParams(max_new_tokens=16, temperature=0.0)
+
+        def generate(stub: worker_pb2_grpc.WorkerServiceStub, ids: list[int],
+                     peer: worker_pb2.PeerPrefix | None = None) -> list[worker_pb2.GenerateResponse]:
+            request = worker_pb2.GenerateRequest(token_ids=ids, sampling_params=params)
+            if peer is not None:
+                request.peer_prefix.CopyFrom(peer)
+            return list(stub.Generate(request, timeout=300))
+
+        generate(a, [*prefix, 7, 8])
+        generate(b, [*prefix, 7, 8])  # b computes the same KV as a, and then reuses it from its own cache:
+        computed = generate(b, [*prefix, 9, 10])  # the same kernels as after a fetch, so the same bits
+        assert computed[-1].cached_tokens == len(prefix)
+        assert b.FlushCache(worker_pb2.FlushCacheRequest(), timeout=60).flushed
+        peer = worker_pb2.PeerPrefix(worker_id="a", address=procs[0].address, num_tokens=len(prefix))
+        fetched = generate(b, [*prefix, 9, 10], peer)
+        assert fetched[0].fetched_tokens == len(prefix) and fetched[-1].cached_tokens == len(prefix)
+        assert [t for m in fetched for t in m.token_ids] == [t for m in computed for t in m.token_ids]
+        load = b.GetLoad(worker_pb2.GetLoadRequest(), timeout=30)
+        assert load.load.kv_used_tokens == 0 and load.disagg.num_reservations_active == 0
+    finally:
+        for proc in reversed(procs):
+            proc.stop(30)
