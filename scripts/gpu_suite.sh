@@ -7,6 +7,7 @@
 #   STAGES=tp STAGE_TIMEOUT_S=600 bash scripts/gpu_suite.sh     # tensor parallelism: needs 2 GPUs
 #   FP8 (issue 21): STAGES="fp8-tests fp8-kernel fp8-one-batch fp8-capacity fp8-accuracy fp8-offline" bash scripts/gpu_suite.sh
 #   STAGES="mm-tests images" bash scripts/gpu_suite.sh     (multimodal: LLaVA / Qwen2-VL)
+#   STAGES="hicache" (one GPU); STAGES="peer-fetch" needs two GPUs (it says "skipped" with one)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -54,7 +55,7 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       # the CPU kernel tests run on the GPU too (compiled, not interpreted)
       python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_fused_kernels.py \
         tests/unit/test_decode_inputs_kernel.py tests/unit/test_argmax_kernel.py tests/unit/test_triton_kernels.py \
-        tests/unit/test_gemv_kernel.py tests/unit/test_tp_kernels.py \
+        tests/unit/test_gemv_kernel.py tests/unit/test_tp_kernels.py tests/unit/test_kv_host_kernels.py \
         -k "not scheduler"
       # the one-shot all-reduce kernel over CUDA IPC between two processes (on one GPU here)
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_custom_all_reduce_gpu.py ;;
@@ -201,6 +202,16 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
         --context-length 4096 --cuda-graph-max-bs 32 --result-file "$OUT/images.jsonl"
       $RM bench images --model-shape qwen2-vl-7b --image-size 448 --batch-size 32 --output-len 64 \
         --context-length 4096 --cuda-graph-max-bs 32 --result-file "$OUT/images.jsonl" ;;
+    hicache)  # host tier: its GPU tests, then multi-turn sessions 3x the device pool with and without it (8B)
+      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_hicache_gpu.py
+      $RM bench hicache --model-shape llama-3.1-8b --context-length 8192 --max-total-tokens 32768 \
+        --cuda-graph-max-bs 8 --num-turns 4 --turn-input-len 1024 --output-len 32 --max-concurrency 6 \
+        --working-set-ratio 3 --hicache-ratio 3.5 --result-file "$OUT/hicache.jsonl" ;;
+    peer-fetch)  # prefix sharing, two workers on two GPUs (cuda-ipc): TTFT of a 16k-token prefix fetched vs recomputed
+      [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "skipped: needs two GPUs"; return 0; }
+      model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
+      $RM bench peer-fetch --device cuda --model "$model" --load-format dummy --context-length 20000 \
+        --prefix-len 16384 --samples 3 --result-file "$OUT/peer-fetch.jsonl" ;;
     *) echo "unknown stage $stage" ;;
   esac
 }

@@ -24,8 +24,11 @@ import zmq.asyncio
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.disagg.messages import (
+    CommitFetchMsg,
+    ExportCachedReqMsg,
     KVExportMsg,
     PrefillReqMsg,
+    PrefixLenReqMsg,
     ReserveReqMsg,
     ResolveReservationMsg,
     TransferDoneReqMsg,
@@ -57,9 +60,10 @@ from radixmesh.engine.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 900.0
 QUERY_TIMEOUT_S = 60.0
-StreamedMsg: TypeAlias = GenerateReqMsg | PrefillReqMsg | ResolveReservationMsg
-"""Requests answered by a stream of TokenOut (a prefill's also by its KVExportMsg chunks, before its last)."""
-QueryMsg: TypeAlias = FlushCacheReqMsg | ServerInfoReqMsg | ReserveReqMsg | TransferDoneReqMsg
+StreamedMsg: TypeAlias = GenerateReqMsg | PrefillReqMsg | ResolveReservationMsg | ExportCachedReqMsg | CommitFetchMsg
+"""Requests answered by a stream of TokenOut (a prefill's or an export's also by its KVExportMsg chunks, before its
+last)."""
+QueryMsg: TypeAlias = FlushCacheReqMsg | ServerInfoReqMsg | ReserveReqMsg | TransferDoneReqMsg | PrefixLenReqMsg
 """Requests answered by one QueryOutMsg."""
 
 

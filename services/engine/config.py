@@ -52,6 +52,15 @@ class EngineConfig:
     once (0: off)."""
     disable_radix_cache: bool = False
     """Turn prefix caching off (every prompt is computed from scratch)."""
+    enable_hierarchical_cache: bool = False
+    """Keep KV evicted from the device pool in a host-memory tier and load it back on a hit (docs/hicache.md)."""
+    hicache_size: float = 0.0
+    """Host tier size in GB (10^9 bytes; pinned memory on CUDA); 0: hicache_ratio times the device pool."""
+    hicache_ratio: float = 2.0
+    """Host tier size as a multiple of the device KV pool's tokens, when hicache_size is 0."""
+    hicache_write_policy: str = "write-through"
+    """write-through (new KV is copied to the host at once; eviction only frees) | write-back (copied when
+    evicted from the device)."""
     context_length: int | None = None
     """Override the model's context length (max prompt + output tokens)."""
     init_new_token_ratio: float = 0.7
@@ -132,6 +141,9 @@ class EngineConfig:
             raise invalid_argument(f"tp_size must be in [1, {MAX_TP_SIZE}] (got {self.tp_size})", "tp_size")
         self._check_grammar_options()
         self._check_quant_options()
+        from radixmesh.engine.hicache.options import check_hicache_options
+
+        check_hicache_options(self)
 
     def _check_quant_options(self) -> None:
         from radixmesh.engine.quant.registry import FP8_GEMM_BACKENDS, KV_CACHE_DTYPES, QUANT_METHODS

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 class BlocksStored(msgspec.Struct, tag="stored", frozen=True):
     block_hashes: list[int]
     """Keys of blocks the cache now holds, parents before children."""
+    tier: str = "device"
+    """Where their KV is now: device (the GPU pool) | host (the hierarchical cache's host tier). A block
+    stored again with another tier moved between tiers."""
 
 
 class BlocksRemoved(msgspec.Struct, tag="removed", frozen=True):
@@ -79,6 +82,11 @@ class BlockEventRecorder:
     def on_reset(self) -> None:
         self.events = [AllBlocksCleared()]
 
+    def on_tier(self, node: TreeNode, tier: str) -> None:
+        hashes = self._leaf_blocks(node)
+        if hashes:
+            self.events.append(BlocksStored(hashes, tier))
+
     def drain(self) -> KVEventsMsg | None:
         """The events recorded since the last drain, or None when there are none."""
         if not self.events:
@@ -87,7 +95,7 @@ class BlockEventRecorder:
         return KVEventsMsg(events, self.block_size)
 
     def _leaf_blocks(self, leaf: TreeNode) -> list[int]:
-        """Keys of the blocks that end inside `leaf`'s own key (after its parent's path)."""
+        """Keys of the blocks that end inside `leaf`'s own key (after its parent's path); `leaf` may be any node."""
         path = token_path(leaf)
         start = len(path) - len(leaf.key)
         first, end = start // self.block_size, len(path) // self.block_size

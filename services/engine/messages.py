@@ -64,6 +64,9 @@ class TokenOut(msgspec.Struct, frozen=True):
     admitted_at: float | None = None
     """Wall-clock time (time.time()) the scheduler first admitted the request to a prefill batch: the
     end of its queue wait, for the front end's metrics and trace spans (None: not admitted, e.g. failed)."""
+    host_load: tuple[float, float, int] | None = None
+    """Hierarchical cache: (start, end, tokens) of the load of the prompt's prefix from the host tier
+    (time.time()), during the queue wait; None when nothing was loaded."""
 
 
 class BatchOutMsg(msgspec.Struct, tag="batch_out", frozen=True):

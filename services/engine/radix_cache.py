@@ -38,6 +38,10 @@ class TreeNode:
     lock_ref: int = 0
     """Number of locks held on this node or a descendant; > 0 means never evicted."""
     last_access_time: float = field(default_factory=_now)
+    on_device: bool = True
+    """`value` holds the key's KV in the device pool; False: only the host tier has it (`value` is empty)."""
+    host_value: torch.Tensor | None = None
+    """Hierarchical cache: host-tier slots of `key` (CPU int64 [len(key)]); None when the host has no copy."""
 
     @property
     def is_leaf(self) -> bool:
@@ -68,6 +72,9 @@ class CacheListener(Protocol):
 
     def on_reset(self) -> None:
         """The whole tree was emptied."""
+
+    def on_tier(self, node: TreeNode, tier: str) -> None:
+        """Hierarchical cache: `node`'s KV now lives in `tier` (device | host); its path stays cached."""
 
 
 def common_prefix_len(edge: list[int], key: list[int], start: int = 0) -> int:
@@ -302,10 +309,14 @@ class RadixCache:
             children={node.key[split_len]: node},
             lock_ref=node.lock_ref,
             last_access_time=node.last_access_time,
+            on_device=node.on_device,
+            host_value=None if node.host_value is None else node.host_value[:split_len],
         )
         parent.children[upper.key[0]] = upper
         node.key = node.key[split_len:]
         node.value = node.value[split_len:]
+        if node.host_value is not None:
+            node.host_value = node.host_value[split_len:]
         node.parent = upper
         return upper
 

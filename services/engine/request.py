@@ -62,6 +62,8 @@ class Req:
     """Matcher of the request's grammar (structured output), set once the grammar is compiled."""
     num_jumps: int = 0
     """Jump-forwards so far: each sent the request back to the queue to prefill the forced tokens."""
+    host_load: tuple[float, float, int] | None = None
+    """Hierarchical cache: (start, end, tokens) of the load of its prefix from the host tier (time.time())."""
     # per-step outputs not yet sent to the client
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[float] = field(default_factory=list)

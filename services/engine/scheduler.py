@@ -15,10 +15,10 @@ from radixmesh.engine.batch import ScheduleBatch, build_decode_batch, build_exte
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.grammar.manager import GrammarManager
 from radixmesh.engine.grammar.vocab_mask import VocabMask
+from radixmesh.engine.hicache.factory import build_controller, build_tree
 from radixmesh.engine.kv_manager import KVCacheManager
 from radixmesh.engine.messages import TokenOut
 from radixmesh.engine.model_runner import ModelRunner
-from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import FinishReason, Req
 from radixmesh.engine.sampling.sampler import HostSample, SampleOutput
 from radixmesh.engine.schedule_policy import PrefillAdder, order_waiting
@@ -47,8 +47,10 @@ class Scheduler:
         self.runner = runner
         self.tokenizer = tokenizer
         self.emit = emit
-        tree = RadixCache(runner.allocator, disable=config.disable_radix_cache)
+        tree = build_tree(config, runner.allocator, runner.kv_pool)
         self.kv = KVCacheManager(runner.req_pool, runner.kv_pool, runner.allocator, tree)
+        self.hicache = build_controller(config, self.kv)
+        """The host tier's loads and holds (--enable-hierarchical-cache); None without it."""
         self.context_len = runner.context_len
         self.eos_ids = set(runner.model_config.eos_token_ids)
         self.waiting: list[Req] = []
@@ -77,6 +79,8 @@ class Scheduler:
         back, so the host never waits on the device with nothing queued behind.
         """
         self._admit_compiled_grammars()
+        if self.hicache is not None:
+            self.hicache.tick(self.waiting, self.running, self.new_token_ratio)
         if self.in_flight is not None and self._needs_host_tokens():
             self.process_batch_result(self._take_in_flight())
         batch = self.get_next_batch()
@@ -89,12 +93,15 @@ class Scheduler:
         if batch is None and previous is None and self.grammar.has_compiling:
             self.grammar.wait(GRAMMAR_IDLE_WAIT_S)
             return True
+        if batch is None and previous is None and self.hicache is not None and self.hicache.loading:
+            self.hicache.wait(GRAMMAR_IDLE_WAIT_S)  # only loads are pending: wait for one here
+            return True
         return batch is not None or previous is not None
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req or self.in_flight
-                    or self.grammar.has_compiling)
+                    or self.grammar.has_compiling or (self.hicache is not None and self.hicache.busy))
 
     # ---- intake -----------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -150,7 +157,8 @@ class Scheduler:
         adder = PrefillAdder(self.config, self.kv, self.running, self.new_token_ratio)
         if self.chunked_req is not None:
             adder.add_chunked(self.chunked_req)
-        adder.add_waiting(order_waiting(self.waiting, self.config, self.kv, self.chunked_req))
+        waiting = self.waiting if self.hicache is None else self.hicache.ready(self.waiting)
+        adder.add_waiting(order_waiting(waiting, self.config, self.kv, self.chunked_req))
         if not adder.can_run:
             return None
         admitted = {id(r) for r in adder.can_run}
@@ -359,7 +367,7 @@ class Scheduler:
             input_logprobs=req.pending_input_logprobs or None,
             input_top_logprobs=req.pending_input_top_logprobs if req.params.top_logprobs
             and req.pending_input_logprobs else None,
-            admitted_at=req.admitted_at,
+            admitted_at=req.admitted_at, host_load=req.host_load,
         )
         req.pending_ids, req.pending_logprobs, req.pending_top_logprobs = [], [], []
         req.pending_input_logprobs, req.pending_input_top_logprobs = [], []
@@ -394,6 +402,7 @@ class Scheduler:
             "num_cached_tokens": self.num_cached_tokens,
             "num_forward_passes": self.num_forward_passes,
             **self.grammar.stats(),
+            **(self.hicache.stats() if self.hicache is not None else {}),
             "cache_hit_rate": self.num_cached_tokens / max(self.num_prompt_tokens, 1),
             "context_len": self.context_len,
             "max_running_requests": self.runner.plan.max_running_requests,

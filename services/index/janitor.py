@@ -13,7 +13,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from radixmesh.index.keys import IndexKeys, parse_block_member
+from radixmesh.index.keys import TIERS, IndexKeys, parse_block_member
 from radixmesh.index.lease import WorkerLease
 
 logger = logging.getLogger(__name__)
@@ -49,18 +49,21 @@ class IndexJanitor:
         return removed
 
     async def clean_epoch(self, worker_id: str, epoch: int) -> int:
-        """Remove every entry `worker_id` wrote in `epoch`; returns how many block fields were deleted."""
-        set_key = self.keys.worker_blocks(worker_id, epoch)
+        """Remove every entry `worker_id` wrote in `epoch` (both tiers); returns how many block fields were deleted."""
         removed = 0
-        cursor = 0
-        while True:
-            cursor, members = await self.redis.sscan(set_key, cursor=cursor, count=SCAN_COUNT)
-            hashes = [h for h in (parse_block_member(m) for m in members) if h is not None]
-            removed += await self.delete_if_epoch(worker_id, str(epoch), [self.keys.block(h) for h in hashes])
-            if cursor == 0:
-                break
+        for tier in TIERS:
+            set_key = self.keys.tier_blocks(worker_id, epoch, tier)
+            cursor = 0
+            while True:
+                cursor, members = await self.redis.sscan(set_key, cursor=cursor, count=SCAN_COUNT)
+                hashes = [h for h in (parse_block_member(m) for m in members) if h is not None]
+                removed += await self.delete_if_epoch(worker_id, str(epoch),
+                                                      [self.keys.tier_block(h, tier) for h in hashes])
+                if cursor == 0:
+                    break
         pipe = self.redis.pipeline(transaction=False)
-        pipe.delete(set_key)
+        for tier in TIERS:
+            pipe.delete(self.keys.tier_blocks(worker_id, epoch, tier))
         pipe.srem(self.keys.worker_epochs(worker_id), str(epoch))
         await pipe.execute()
         if removed:

@@ -18,7 +18,7 @@ def apply_events(writer: KVIndexWriter, msg: KVEventsMsg) -> None:
         f"engine hashes blocks of {msg.block_size} tokens, the index expects {writer.config.block_size}")
     for event in msg.events:
         if isinstance(event, BlocksStored):
-            writer.stored(event.block_hashes)
+            writer.stored(event.block_hashes, event.tier)
         elif isinstance(event, BlocksRemoved):
             writer.removed(event.block_hashes)
         elif isinstance(event, AllBlocksCleared):

@@ -44,10 +44,18 @@ class PrefixMatch:
     speculative: frozenset[str] = frozenset()
     """Workers whose count includes speculative entries."""
     footprint: dict[str, int] = field(default_factory=dict)
-    """worker id -> blocks it holds in total, for every live worker."""
+    """worker id -> blocks it holds in total (both tiers), for every live worker."""
+    device_blocks: dict[str, int] | None = None
+    """worker id -> leading blocks it holds on its device; the rest of `cached_blocks` is in its host tier
+    (hierarchical cache). None: every cached block is on the device."""
 
     def blocks_of(self, worker_id: str) -> int:
         return self.cached_blocks.get(worker_id, 0)
+
+    def device_blocks_of(self, worker_id: str) -> int:
+        if self.device_blocks is None:
+            return self.blocks_of(worker_id)
+        return min(self.device_blocks.get(worker_id, 0), self.blocks_of(worker_id))
 
     def tokens_of(self, worker_id: str) -> int:
         return self.blocks_of(worker_id) * self.block_size
@@ -116,17 +124,18 @@ class KVIndexReader:
         """
         leases = await self.live_leases()
         live = sorted(leases)
-        keys = [self.keys.worker_blocks(w, leases[w].epoch) for w in live]
+        keys = [key for w in live for key in (self.keys.worker_blocks(w, leases[w].epoch),
+                                              self.keys.worker_host_blocks(w, leases[w].epoch))]
         args: list[str | int] = [self.keys.namespace, pack_hashes(block_hashes)]
         for w in live:
             args += [w, str(leases[w].epoch)]
         walk = parse_reply(await self._walk(keys=keys, args=args))
-        for index, worker, value in walk.odd:
-            self._note_odd(block_hashes[index], worker, value, leases)
+        for index, worker, value, tier in walk.odd:
+            self._note_odd(block_hashes[index], worker, value, tier, leases)
         return PrefixMatch(len(block_hashes), self.config.block_size, walk.counts, frozenset(walk.speculative),
-                           walk.footprint)
+                           walk.footprint, walk.device_counts)
 
-    def _note_odd(self, block_hash: int, worker: str, value: str, leases: dict[str, WorkerLease]) -> None:
+    def _note_odd(self, block_hash: int, worker: str, value: str, tier: str, leases: dict[str, WorkerLease]) -> None:
         try:
             epoch = int(value)
         except ValueError:
@@ -134,7 +143,7 @@ class KVIndexReader:
             return
         lease = leases.get(worker)
         if lease is None or epoch < lease.epoch:
-            self._queue_stale(worker, value, self.keys.block(block_hash))
+            self._queue_stale(worker, value, self.keys.tier_block(block_hash, tier))
 
     async def record_speculative(self, block_hashes: Sequence[int], worker_id: str, from_block: int = 0) -> None:
         """Mark blocks [from_block:] as about to be held by `worker_id` (short-lived)."""

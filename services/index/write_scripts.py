@@ -7,9 +7,10 @@ stored them. These scripts take the block hashes packed into one string (16 lowe
 digits each, as `radixmesh.index.keys` writes them) and build the key names in Redis, as
 the lookup script (`radixmesh.index.chain_script`) does.
 
-    APPLY_EVENTS  KEYS[1] the worker's `wb` set of the current epoch
-                  ARGV    namespace, worker id, epoch, events: one '+' (stored) or '-' (removed)
-                          and 16 hex digits per event, applied in order
+    APPLY_EVENTS  KEYS    the worker's `wb` (device) and `wbh` (host tier) sets of the current epoch
+                  ARGV    namespace, worker id, epoch, events: per event the old tier, the new tier
+                          ('d' device, 'h' host, '-' none: a new block, or a removed one) and 16 hex
+                          digits, applied in order (a move between tiers drops the old entry, adds the new)
                   reply   the number of events applied
     SET_SPECULATIVE  ARGV namespace, worker id, TTL in ms, block hashes (16 hex digits each)
                      reply the number of entries set
@@ -19,22 +20,29 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-EVENT_WIDTH = 17
-"""Characters per packed event: the operation and the block hash."""
+from radixmesh.index.keys import DEVICE_TIER, HOST_TIER
+
+EVENT_WIDTH = 18
+"""Characters per packed event: old tier, new tier, block hash."""
+_TIER_CODE = {None: "-", DEVICE_TIER: "d", HOST_TIER: "h"}
 
 APPLY_EVENTS = """
 local ns, wid, epoch, events = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-for i = 1, #events, 17 do
-  local hash = string.sub(events, i + 1, i + 16)
-  if string.sub(events, i, i) == '+' then
-    redis.call('HSET', ns .. ':b:' .. hash, wid, epoch)
-    redis.call('SADD', KEYS[1], hash)
-  else
-    redis.call('HDEL', ns .. ':b:' .. hash, wid)
-    redis.call('SREM', KEYS[1], hash)
+local prefix = {d = ns .. ':b:', h = ns .. ':bh:'}
+local members = {d = KEYS[1], h = KEYS[2]}
+for i = 1, #events, 18 do
+  local old, new = string.sub(events, i, i), string.sub(events, i + 1, i + 1)
+  local hash = string.sub(events, i + 2, i + 17)
+  if old ~= '-' then
+    redis.call('HDEL', prefix[old] .. hash, wid)
+    redis.call('SREM', members[old], hash)
+  end
+  if new ~= '-' then
+    redis.call('HSET', prefix[new] .. hash, wid, epoch)
+    redis.call('SADD', members[new], hash)
   end
 end
-return #events / 17
+return #events / 18
 """
 
 SET_SPECULATIVE = """
@@ -46,9 +54,9 @@ return #chain / 16
 """
 
 
-def pack_events(events: Iterable[tuple[bool, int]]) -> str:
-    """(stored?, block hash) pairs as APPLY_EVENTS reads them."""
-    return "".join(f"{'+' if stored else '-'}{h:016x}" for stored, h in events)
+def pack_events(events: Iterable[tuple[int, str | None, str | None]]) -> str:
+    """(block hash, new tier or None when removed, old tier or None when new) as APPLY_EVENTS reads them."""
+    return "".join(f"{_TIER_CODE[old]}{_TIER_CODE[new]}{h:016x}" for h, new, old in events)
 
 
 def pack_hashes(block_hashes: Sequence[int]) -> str:

@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 
 from radixmesh.index.config import IndexConfig
 from radixmesh.index.janitor import IndexJanitor
-from radixmesh.index.keys import IndexKeys
+from radixmesh.index.keys import DEVICE_TIER, HOST_TIER, TIERS, IndexKeys
 from radixmesh.index.lease import WorkerLease
 from radixmesh.index.write_scripts import APPLY_EVENTS, pack_events
 
@@ -64,8 +64,9 @@ class KVIndexWriter:
         self._apply: Any = self.redis.register_script(APPLY_EVENTS)
         self.epoch = 0
         """Epoch of the entries in Redis; 0 until the first publish."""
-        self.held: set[int] = set()
-        self._pending: list[tuple[bool, int]] = []  # (stored?, block hash), in event order
+        self.held: dict[int, str] = {}
+        """Block hash -> the tier (device | host) this worker holds it in."""
+        self._pending: list[tuple[int, str | None, str | None]] = []  # (hash, new tier, old tier), in event order
         self._needs_resync = True
         self._in_resync = False
         self._wake = asyncio.Event()
@@ -79,18 +80,21 @@ class KVIndexWriter:
         self.num_flushed_events = 0
 
     # ---- events (called from the worker's receive loop) --------------------------------------
-    def stored(self, block_hashes: Iterable[int]) -> None:
+    def stored(self, block_hashes: Iterable[int], tier: str = DEVICE_TIER) -> None:
+        """The blocks are held in `tier` now (new ones, or ones that moved from the other tier)."""
+        assert tier in TIERS, f"unknown tier {tier!r}"
         for h in block_hashes:
-            if h not in self.held:
-                self.held.add(h)
-                self._pending.append((True, h))
+            old = self.held.get(h)
+            if old != tier:
+                self.held[h] = tier
+                self._pending.append((h, tier, old))
         self._maybe_wake()
 
     def removed(self, block_hashes: Iterable[int]) -> None:
         for h in block_hashes:
-            if h in self.held:
-                self.held.discard(h)
-                self._pending.append((False, h))
+            old = self.held.pop(h, None)
+            if old is not None:
+                self._pending.append((h, None, old))
         self._maybe_wake()
 
     def cleared(self) -> None:
@@ -193,14 +197,14 @@ class KVIndexWriter:
         # A clear or an error during the awaits below sets _needs_resync again, for another round.
         self._needs_resync = False
         self._pending.clear()
-        snapshot = list(self.held)
+        snapshot = list(self.held.items())
         self._in_resync = True
         try:
             await self._publish_snapshot(snapshot)
         finally:
             self._in_resync = False
 
-    async def _publish_snapshot(self, snapshot: list[int]) -> None:
+    async def _publish_snapshot(self, snapshot: list[tuple[int, str]]) -> None:
         wid = self.identity.worker_id
         epoch = int(await self.redis.incr(self.keys.epoch(wid)))
         pipe = self.redis.pipeline(transaction=True)
@@ -210,7 +214,7 @@ class KVIndexWriter:
         await pipe.execute()
         previous, self.epoch = self.epoch, epoch
         for start in range(0, len(snapshot), self.config.max_batch_events):
-            await self._write([(True, h) for h in snapshot[start:start + self.config.max_batch_events]])
+            await self._write([(h, tier, None) for h, tier in snapshot[start:start + self.config.max_batch_events]])
         self.num_resyncs += 1
         logger.info("index: worker %s published %d blocks in epoch %d (was %d)", wid, len(snapshot), epoch, previous)
         await self.janitor.clean_worker(wid, keep_epoch=epoch)
@@ -225,9 +229,10 @@ class KVIndexWriter:
         del self._pending[: len(batch)]
         await self._write(batch)
 
-    async def _write(self, batch: list[tuple[bool, int]]) -> None:
-        """Apply `batch` in order in one script call (radixmesh.index.write_scripts)."""
+    async def _write(self, batch: list[tuple[int, str | None, str | None]]) -> None:
+        """Apply `(hash, new tier or None when removed, old tier or None when new)` changes in order, in one
+        script call (radixmesh.index.write_scripts)."""
         wid = self.identity.worker_id
-        await self._apply(keys=[self.keys.worker_blocks(wid, self.epoch)],
-                          args=[self.keys.namespace, wid, str(self.epoch), pack_events(batch)])
+        keys = [self.keys.tier_blocks(wid, self.epoch, tier) for tier in (DEVICE_TIER, HOST_TIER)]
+        await self._apply(keys=keys, args=[self.keys.namespace, wid, str(self.epoch), pack_events(batch)])
         self.num_flushed_events += len(batch)

@@ -11,12 +11,22 @@ tokens (default 16); only full blocks are hashed. Block i's key is
          + len(extra_key) as 4 bytes little-endian + extra_key
          + the block's token ids, each as uint32 little-endian
 Implemented once in radixmesh.index.block_hash.block_hashes(token_ids, block_size=16, extra_key=b"").
+
+Tiers (hierarchical cache, docs/hicache.md): a worker holds a block's KV on its device (the GPU
+pool) or, with --enable-hierarchical-cache, only in its host-memory tier, from where it loads it
+back instead of recomputing. In Redis (radixmesh.index.keys) a device block is a field of
+{ns}:b:{hash} (worker id -> epoch), as before tiers existed; a host-tier block is the same field of
+{ns}:bh:{hash} instead (and its member set is {ns}:wbh:{worker}:{epoch} beside {ns}:wb:...). A block
+is under one of the two keys per worker, never both. Readers that predate tiers never look at bh:
+keys, so to them a host-tier block is a miss, as it was before: the format stays compatible both
+ways. Routers that know tiers score a host-tier hit below a device hit and above a miss.
 """
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from radixmesh.protocol import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -29,16 +39,41 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _CacheTier:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CacheTierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CacheTier.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CACHE_TIER_DEVICE: _CacheTier.ValueType  # 0
+    """the device KV pool (the default: what every block was before tiers)"""
+    CACHE_TIER_HOST: _CacheTier.ValueType  # 1
+    """the host-memory tier only (loaded back to the device on a hit)"""
+
+class CacheTier(_CacheTier, metaclass=_CacheTierEnumTypeWrapper):
+    """Where a worker holds a block's KV."""
+
+CACHE_TIER_DEVICE: CacheTier.ValueType  # 0
+"""the device KV pool (the default: what every block was before tiers)"""
+CACHE_TIER_HOST: CacheTier.ValueType  # 1
+"""the host-memory tier only (loaded back to the device on a hit)"""
+Global___CacheTier: _TypeAlias = CacheTier  # noqa: Y015
+
 @_typing.final
 class BlockStored(_message.Message):
-    """Blocks now held by the worker; `block_hashes` is a chain in prompt order."""
+    """Blocks now held by the worker; `block_hashes` is a chain in prompt order. A block stored again with
+    another tier moved between the tiers (it is not a second copy).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     PARENT_BLOCK_HASH_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
     parent_block_hash: _builtins.int
     """key of the block before block_hashes[0]; 0 when it is block 0"""
+    tier: Global___CacheTier.ValueType
+    """absent (old writers): CACHE_TIER_DEVICE"""
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -46,10 +81,11 @@ class BlockStored(_message.Message):
         *,
         block_hashes: _abc.Iterable[_builtins.int] | None = ...,
         parent_block_hash: _builtins.int = ...,
+        tier: Global___CacheTier.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "parent_block_hash", b"parent_block_hash"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "parent_block_hash", b"parent_block_hash", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -57,7 +93,7 @@ Global___BlockStored: _TypeAlias = BlockStored  # noqa: Y015
 
 @_typing.final
 class BlockRemoved(_message.Message):
-    """Blocks the worker evicted."""
+    """Blocks the worker evicted (from whichever tier held them)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 

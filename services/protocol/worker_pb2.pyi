@@ -33,6 +33,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_PARAMS_FIELD_NUMBER: _builtins.int
     PREFILL_ONLY_FIELD_NUMBER: _builtins.int
     PREFILL_FIELD_NUMBER: _builtins.int
+    PEER_PREFIX_FIELD_NUMBER: _builtins.int
     IMAGES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """unique per sequence; empty = the worker picks one"""
@@ -56,8 +57,15 @@ class GenerateRequest(_message.Message):
         """
 
     @_builtins.property
+    def peer_prefix(self) -> Global___PeerPrefix:
+        """Prefix sharing, set by a router: worker `peer_prefix` holds the first num_tokens tokens of the
+        prompt on its device (per the KV-cache index); this worker may fetch their KV from it
+        (WorkerService.FetchKV) instead of computing them. Ignored where a prefill worker is named.
+        """
+
+    @_builtins.property
     def images(self) -> _containers.RepeatedCompositeFieldContainer[_multimodal_pb2.ImageInput]:
-        """Field numbers 7-9 are kept for routing hints and structured outputs.
+        """Field numbers 8-9 are kept for routing hints and structured outputs.
         The prompt's preprocessed images (from the tokenizer service); their positions in token_ids
         hold their pad ids. Sequences with images are never disaggregated (the decode worker computes them).
         """
@@ -71,15 +79,50 @@ class GenerateRequest(_message.Message):
         sampling_params: _sampling_pb2.SamplingParams | None = ...,
         prefill_only: _builtins.bool = ...,
         prefill: Global___PrefillTarget | None = ...,
+        peer_prefix: Global___PeerPrefix | None = ...,
         images: _abc.Iterable[_multimodal_pb2.ImageInput] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "prefill", b"prefill", "sampling_params", b"sampling_params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "peer_prefix", b"peer_prefix", "prefill", b"prefill", "sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "images", b"images", "prefill", b"prefill", "prefill_only", b"prefill_only", "request_id", b"request_id", "sampling_params", b"sampling_params", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "images", b"images", "peer_prefix", b"peer_prefix", "prefill", b"prefill", "prefill_only", b"prefill_only", "request_id", b"request_id", "sampling_params", b"sampling_params", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class PeerPrefix(_message.Message):
+    """A worker holding a prefix of a prompt, as a router names it to the worker it chose."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    """its id (logs, metrics, traces)"""
+    address: _builtins.str
+    """host:port of its WorkerService"""
+    num_tokens: _builtins.int
+    """leading prompt tokens it holds on its device (whole blocks)"""
+    epoch: _builtins.int
+    """epoch of its index entries the router read (0: unknown); a peer"""
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+        num_tokens: _builtins.int = ...,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "epoch", b"epoch", "num_tokens", b"num_tokens", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerPrefix: _TypeAlias = PeerPrefix  # noqa: Y015
 
 @_typing.final
 class PrefillTarget(_message.Message):
@@ -126,6 +169,7 @@ class GenerateResponse(_message.Message):
     ROUTING_FIELD_NUMBER: _builtins.int
     WORKER_ID_FIELD_NUMBER: _builtins.int
     INPUT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    FETCHED_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_tokens: _builtins.int
     cached_tokens: _builtins.int
@@ -137,6 +181,8 @@ class GenerateResponse(_message.Message):
     matched_stop_token_id: _builtins.int
     worker_id: _builtins.str
     """the worker that generated (first message)"""
+    fetched_tokens: _builtins.int
+    """prompt tokens whose KV was fetched from a peer worker"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """new tokens since the previous message"""
@@ -175,10 +221,11 @@ class GenerateResponse(_message.Message):
         routing: _common_pb2.RoutingInfo | None = ...,
         worker_id: _builtins.str = ...,
         input_logprobs: _abc.Iterable[Global___InputLogprob] | None = ...,
+        fetched_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop", "matched_stop_str", b"matched_stop_str", "matched_stop_token_id", b"matched_stop_token_id", "routing", b"routing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "input_logprobs", b"input_logprobs", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_str", b"matched_stop_str", "matched_stop_token_id", b"matched_stop_token_id", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "routing", b"routing", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "fetched_tokens", b"fetched_tokens", "finish_reason", b"finish_reason", "input_logprobs", b"input_logprobs", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_str", b"matched_stop_str", "matched_stop_token_id", b"matched_stop_token_id", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "routing", b"routing", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_matched_stop: _TypeAlias = _typing.Literal["matched_stop_str", "matched_stop_token_id"]  # noqa: Y015
     _WhichOneofArgType_matched_stop: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop"]  # noqa: Y015
@@ -727,3 +774,141 @@ class PrefillResult(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprob) -> _WhichOneofReturnType__logprob | None: ...
 
 Global___PrefillResult: _TypeAlias = PrefillResult  # noqa: Y015
+
+@_typing.final
+class FetchKVRequest(_message.Message):
+    """---- Prefix sharing messages (WorkerService.FetchKV) -------------------------------------------"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def start(self) -> Global___FetchKVStart:
+        """the first message of the call"""
+
+    @_builtins.property
+    def release(self) -> Global___PrefillRelease:
+        """the last one, after FetchKVResponse.result arrived"""
+
+    def __init__(
+        self,
+        *,
+        start: Global___FetchKVStart | None = ...,
+        release: Global___PrefillRelease | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "release", b"release", "start", b"start"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "release", b"release", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["start", "release"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___FetchKVRequest: _TypeAlias = FetchKVRequest  # noqa: Y015
+
+@_typing.final
+class FetchKVStart(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    START_POS_FIELD_NUMBER: _builtins.int
+    KV_TRANSPORT_FIELD_NUMBER: _builtins.int
+    LEASE_MS_FIELD_NUMBER: _builtins.int
+    REQUESTER_WORKER_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """the sequence the prefix is fetched for (logs, traces)"""
+    start_pos: _builtins.int
+    """first position to send: the fetcher holds [0, start_pos) already"""
+    kv_transport: _builtins.str
+    """transport id (grpc | cuda-ipc)"""
+    lease_ms: _builtins.int
+    """the exported KV is released this long after it was sent, at the latest"""
+    requester_worker_id: _builtins.str
+    """who asks (logs, traces)"""
+    epoch: _builtins.int
+    """PeerPrefix.epoch (0: any)"""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the prefix whose KV is wanted, from position 0"""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        start_pos: _builtins.int = ...,
+        kv_transport: _builtins.str = ...,
+        lease_ms: _builtins.int = ...,
+        requester_worker_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "kv_transport", b"kv_transport", "lease_ms", b"lease_ms", "request_id", b"request_id", "requester_worker_id", b"requester_worker_id", "start_pos", b"start_pos", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchKVStart: _TypeAlias = FetchKVStart  # noqa: Y015
+
+@_typing.final
+class FetchKVResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KV_CHUNK_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def kv_chunk(self) -> Global___KVChunk:
+        """zero or more, before the result"""
+
+    @_builtins.property
+    def result(self) -> Global___FetchKVResult:
+        """exactly one, last"""
+
+    def __init__(
+        self,
+        *,
+        kv_chunk: Global___KVChunk | None = ...,
+        result: Global___FetchKVResult | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "kv_chunk", b"kv_chunk", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "kv_chunk", b"kv_chunk", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["kv_chunk", "result"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___FetchKVResponse: _TypeAlias = FetchKVResponse  # noqa: Y015
+
+@_typing.final
+class FetchKVResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    END_POS_FIELD_NUMBER: _builtins.int
+    KV_BYTES_FIELD_NUMBER: _builtins.int
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    end_pos: _builtins.int
+    """the chunks hold positions [start_pos, end_pos); end_pos <= start_pos:"""
+    kv_bytes: _builtins.int
+    """this worker holds nothing beyond start_pos (no chunk was sent)
+    sum of the chunks' num_bytes
+    """
+    worker_id: _builtins.str
+    """the exporting worker"""
+    def __init__(
+        self,
+        *,
+        end_pos: _builtins.int = ...,
+        kv_bytes: _builtins.int = ...,
+        worker_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_pos", b"end_pos", "kv_bytes", b"kv_bytes", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchKVResult: _TypeAlias = FetchKVResult  # noqa: Y015

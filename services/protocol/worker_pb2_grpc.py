@@ -64,6 +64,11 @@ class WorkerServiceStub:
                 request_serializer=radixmesh_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=radixmesh_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.FetchKV = channel.stream_stream(
+                '/radixmesh.v1.WorkerService/FetchKV',
+                request_serializer=radixmesh_dot_v1_dot_worker__pb2.FetchKVRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_worker__pb2.FetchKVResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -123,6 +128,26 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchKV(self, request_iterator, context):
+        """---- Cluster-wide prefix sharing (docs/hicache.md) -------------------------------------------
+        When the KV-cache index shows another worker A holding a longer prefix of the prompt than the
+        worker B it chose, a router names A in GenerateRequest.peer_prefix. B, when its cost model (its
+        measured prefill rate against the measured transfer rate) says fetching is cheaper than
+        computing, reserves KV slots for the part it lacks and calls FetchKV on A, one call per fetch:
+        B -> A: FetchKVRequest.start (the prefix's token ids, the first position to send, the transport,
+        the epoch of A's index entries the router saw)
+        A -> B: FetchKVResponse.kv_chunk, ... (every layer of positions start_pos..end_pos exactly once),
+        then FetchKVResponse.result
+        B -> A: FetchKVRequest.release once the KV is in B's pool (or given up)
+        A computes nothing: it sends what its radix cache holds on its device (possibly less than asked,
+        never more), locked until the release or lease_ms. B inserts the received KV into its radix cache
+        and serves the request from there. If A evicted the prefix, restarted (another epoch), died or is
+        too slow, B computes the prompt itself: the request is never lost.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +180,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=radixmesh_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=radixmesh_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'FetchKV': grpc.stream_stream_rpc_method_handler(
+                    servicer.FetchKV,
+                    request_deserializer=radixmesh_dot_v1_dot_worker__pb2.FetchKVRequest.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_worker__pb2.FetchKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -319,6 +349,33 @@ class WorkerService:
             '/radixmesh.v1.WorkerService/Prefill',
             radixmesh_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             radixmesh_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchKV(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/radixmesh.v1.WorkerService/FetchKV',
+            radixmesh_dot_v1_dot_worker__pb2.FetchKVRequest.SerializeToString,
+            radixmesh_dot_v1_dot_worker__pb2.FetchKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,6 +59,22 @@ class WorkerServiceStub:
     does not come within lease_ms releases it too. If the call fails or times out, the decode
     worker computes the prompt itself: the sequence is never lost.
     """
+    FetchKV: _grpc.StreamStreamMultiCallable[_worker_pb2.FetchKVRequest, _worker_pb2.FetchKVResponse]
+    """---- Cluster-wide prefix sharing (docs/hicache.md) -------------------------------------------
+    When the KV-cache index shows another worker A holding a longer prefix of the prompt than the
+    worker B it chose, a router names A in GenerateRequest.peer_prefix. B, when its cost model (its
+    measured prefill rate against the measured transfer rate) says fetching is cheaper than
+    computing, reserves KV slots for the part it lacks and calls FetchKV on A, one call per fetch:
+      B -> A: FetchKVRequest.start (the prefix's token ids, the first position to send, the transport,
+              the epoch of A's index entries the router saw)
+      A -> B: FetchKVResponse.kv_chunk, ... (every layer of positions start_pos..end_pos exactly once),
+              then FetchKVResponse.result
+      B -> A: FetchKVRequest.release once the KV is in B's pool (or given up)
+    A computes nothing: it sends what its radix cache holds on its device (possibly less than asked,
+    never more), locked until the release or lease_ms. B inserts the received KV into its radix cache
+    and serves the request from there. If A evicted the prefix, restarted (another epoch), died or is
+    too slow, B computes the prompt itself: the request is never lost.
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -88,6 +104,22 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     decode side gave up or was aborted) aborts the prefill and releases its KV; a release that
     does not come within lease_ms releases it too. If the call fails or times out, the decode
     worker computes the prompt itself: the sequence is never lost.
+    """
+    FetchKV: _aio.StreamStreamMultiCallable[_worker_pb2.FetchKVRequest, _worker_pb2.FetchKVResponse]  # type: ignore[assignment]
+    """---- Cluster-wide prefix sharing (docs/hicache.md) -------------------------------------------
+    When the KV-cache index shows another worker A holding a longer prefix of the prompt than the
+    worker B it chose, a router names A in GenerateRequest.peer_prefix. B, when its cost model (its
+    measured prefill rate against the measured transfer rate) says fetching is cheaper than
+    computing, reserves KV slots for the part it lacks and calls FetchKV on A, one call per fetch:
+      B -> A: FetchKVRequest.start (the prefix's token ids, the first position to send, the transport,
+              the epoch of A's index entries the router saw)
+      A -> B: FetchKVResponse.kv_chunk, ... (every layer of positions start_pos..end_pos exactly once),
+              then FetchKVResponse.result
+      B -> A: FetchKVRequest.release once the KV is in B's pool (or given up)
+    A computes nothing: it sends what its radix cache holds on its device (possibly less than asked,
+    never more), locked until the release or lease_ms. B inserts the received KV into its radix cache
+    and serves the request from there. If A evicted the prefix, restarted (another epoch), died or is
+    too slow, B computes the prompt itself: the request is never lost.
     """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -151,6 +183,28 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         decode side gave up or was aborted) aborts the prefill and releases its KV; a release that
         does not come within lease_ms releases it too. If the call fails or times out, the decode
         worker computes the prompt itself: the sequence is never lost.
+        """
+
+    @_abc_1.abstractmethod
+    def FetchKV(
+        self,
+        request_iterator: _MaybeAsyncIterator[_worker_pb2.FetchKVRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_worker_pb2.FetchKVResponse], _abc.AsyncIterator[_worker_pb2.FetchKVResponse]]:
+        """---- Cluster-wide prefix sharing (docs/hicache.md) -------------------------------------------
+        When the KV-cache index shows another worker A holding a longer prefix of the prompt than the
+        worker B it chose, a router names A in GenerateRequest.peer_prefix. B, when its cost model (its
+        measured prefill rate against the measured transfer rate) says fetching is cheaper than
+        computing, reserves KV slots for the part it lacks and calls FetchKV on A, one call per fetch:
+          B -> A: FetchKVRequest.start (the prefix's token ids, the first position to send, the transport,
+                  the epoch of A's index entries the router saw)
+          A -> B: FetchKVResponse.kv_chunk, ... (every layer of positions start_pos..end_pos exactly once),
+                  then FetchKVResponse.result
+          B -> A: FetchKVRequest.release once the KV is in B's pool (or given up)
+        A computes nothing: it sends what its radix cache holds on its device (possibly less than asked,
+        never more), locked until the release or lease_ms. B inserts the received KV into its radix cache
+        and serves the request from there. If A evicted the prefix, restarted (another epoch), died or is
+        too slow, B computes the prompt itself: the request is never lost.
         """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -42,6 +42,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--pd-min-prefill-tokens", type=int, default=256,
                      help="disaggregation: prompts with fewer tokens uncached on the chosen decode worker skip the "
                           "prefill workers (0: every prompt goes through a prefill worker)")
+    cmd.add_argument("--peer-fetch-min-tokens", type=int, default=512,
+                     help="cache-aware: name a peer worker holding at least this many more prompt tokens on its "
+                          "device than the chosen worker, which may then fetch their KV (0: never)")
+    cmd.add_argument("--host-hit-weight", type=float, default=0.5,
+                     help="cache-aware: a prompt token in a worker's host tier counts this much of one on its device")
     add_server_args(cmd, DEFAULT_PORT)
     cmd.set_defaults(func=cmd_router)
 
@@ -60,7 +65,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
-    from radixmesh.router.config import HealthConfig, PDConfig, RetryConfig, RouterConfig
+    from radixmesh.router.config import HealthConfig, PDConfig, RetryConfig, RouterConfig, ScoringConfig
 
     return RouterConfig(policy=args.policy, block_size=args.block_size, redis_url=args.redis_url,
                         index_namespace=args.index_namespace, seed=args.seed, redis_probe_s=args.redis_probe_s,
@@ -68,7 +73,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                                             failure_threshold=args.health_failure_threshold,
                                             success_threshold=args.health_success_threshold),
                         retry=RetryConfig(max_attempts=args.max_attempts),
-                        pd=PDConfig(min_prefill_tokens=args.pd_min_prefill_tokens))
+                        pd=PDConfig(min_prefill_tokens=args.pd_min_prefill_tokens),
+                        scoring=ScoringConfig(host_hit_weight=args.host_hit_weight),
+                        peer_fetch_min_tokens=args.peer_fetch_min_tokens)
 
 
 def make_discovery(args: argparse.Namespace) -> BaseDiscovery:

@@ -76,6 +76,9 @@ class ScoringConfig:
     """...and this many times as many as the idlest one."""
     approx_blocks_per_worker: int = 65536
     """approx-tree: blocks remembered per worker (least recently routed forgotten first)."""
+    host_hit_weight: float = 0.5
+    """A cached token in a worker's host tier counts this much of one on its device (0 < w < 1: below a
+    device hit, above a miss); the host copy loads faster than a prefill but is not free."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.cache_threshold <= 1 or self.load_weight < 0 or self.prefill_norm_tokens < 1:
@@ -84,6 +87,9 @@ class ScoringConfig:
         if self.balance_abs_reqs < 0 or self.balance_rel < 1 or self.approx_blocks_per_worker < 1:
             raise invalid_argument("scoring needs balance_abs_reqs >= 0, balance_rel >= 1, "
                                    "approx_blocks_per_worker >= 1", "scoring")
+        if not 0 < self.host_hit_weight < 1:
+            raise invalid_argument(f"host_hit_weight must be in (0, 1) (got {self.host_hit_weight:g})",
+                                   "host_hit_weight")
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,9 @@ class RouterConfig:
     """Cache-aware scoring."""
     pd: PDConfig = field(default_factory=PDConfig)
     """Prefill/decode disaggregation (used when decode and prefill workers are discovered)."""
+    peer_fetch_min_tokens: int = 512
+    """cache-aware: name a peer holding at least this many more prompt tokens on its device than the chosen
+    worker holds, so that it may fetch their KV instead of computing them (0: never)."""
     seed: int | None = None
     """Seed of the random and power-of-two policies (None: from the OS)."""
 
@@ -136,5 +145,7 @@ class RouterConfig:
             raise invalid_argument(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICY_IDS)}", "policy")
         if self.block_size < 1:
             raise invalid_argument("block_size must be >= 1", "block_size")
+        if self.peer_fetch_min_tokens < 0:
+            raise invalid_argument("peer_fetch_min_tokens must be >= 0", "peer_fetch_min_tokens")
         if self.redis_probe_s <= 0 or self.sweep_interval_s < 0:
             raise invalid_argument("redis_probe_s must be > 0 and sweep_interval_s >= 0", "redis_probe_s")

@@ -47,6 +47,17 @@ def routing_info(decision: RoutingDecision, attempt: int) -> common_pb2.RoutingI
     return info
 
 
+def name_peer(request: worker_pb2.GenerateRequest, decision: RoutingDecision) -> None:
+    """Tell the chosen worker which peer holds a longer prefix of the prompt (clears it for other decisions)."""
+    if decision.peer is None:
+        request.ClearField("peer_prefix")
+        return
+    peer = decision.peer
+    request.peer_prefix.CopyFrom(worker_pb2.PeerPrefix(worker_id=peer.worker.index_id or peer.worker.worker_id,
+                                                       address=peer.worker.address, num_tokens=peer.num_tokens,
+                                                       epoch=peer.epoch))
+
+
 def name_prefill_worker(request: worker_pb2.GenerateRequest, decision: RoutingDecision) -> None:
     """Tell the decode worker which prefill worker computes the prompt (clears it for other decisions)."""
     if decision.prefill is None:
@@ -92,6 +103,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                               attempt: int) -> AsyncIterator[worker_pb2.GenerateResponse]:
             call.worker_call_s = time.perf_counter()
             name_prefill_worker(request, decision)
+            name_peer(request, decision)
             async for msg in worker.client.generate(request):
                 yield msg
 

@@ -28,6 +28,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--prefill-timeout-s", type=float, default=30.0,
                      help="decode: seconds to wait for the prefill worker's KV and first token before computing "
                           "the prompt here (below --kv-lease-s)")
+    cmd.add_argument("--peer-fetch", default="auto", choices=("auto", "always", "off"),
+                     help="prefix sharing: fetch the KV of a prompt prefix that a router says another worker holds "
+                          "(auto: when the measured transfer rate beats this worker's measured prefill rate)")
+    cmd.add_argument("--peer-fetch-timeout-s", type=float, default=10.0,
+                     help="prefix sharing: seconds a fetch may take before the prompt is computed here instead")
+    cmd.add_argument("--peer-fetch-min-tokens", type=int, default=32,
+                     help="prefix sharing: fetch only when the peer holds at least this many more prompt tokens")
     cmd.add_argument("--worker-id", default="", help="id in the KV-cache index and routing (default: host:port)")
     cmd.add_argument("--advertise-address", default="",
                      help="host:port others dial (default: the listening host:port)")
@@ -49,5 +56,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "worker")
     config = WorkerConfig(role=args.role, worker_id=args.worker_id, advertise_address=args.advertise_address,
                           block_size=args.block_size, redis_url=args.redis_url, kv_transport=args.kv_transport,
-                          kv_lease_s=args.kv_lease_s, prefill_timeout_s=args.prefill_timeout_s)
+                          kv_lease_s=args.kv_lease_s, prefill_timeout_s=args.prefill_timeout_s,
+                          peer_fetch=args.peer_fetch, peer_fetch_timeout_s=args.peer_fetch_timeout_s,
+                          peer_fetch_min_tokens=args.peer_fetch_min_tokens)
     return asyncio.run(serve_worker(server_config(args), config, EngineConfig(**engine_kwargs(args))))

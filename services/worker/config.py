@@ -9,6 +9,8 @@ from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.disagg.transport.registry import check_transport_id
 
 WORKER_ROLES = ("unified", "prefill", "decode")
+PEER_FETCH_MODES = ("auto", "always", "off")
+"""auto: fetch a peer's prefix when the cost model says it beats computing it; always; off (compute)."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,13 @@ class WorkerConfig:
     prefill_timeout_s: float = 30.0
     """Decode: seconds to wait for a prefill worker's KV and first token before computing the prompt here
     (below kv_lease_s, so that a reservation outlives the wait)."""
+    peer_fetch: str = "auto"
+    """Prefix sharing: auto (fetch a router-named peer's cached prefix when cheaper than computing it, by
+    measured rates) | always | off."""
+    peer_fetch_timeout_s: float = 10.0
+    """Prefix sharing: seconds a fetch from a peer may take before the prompt is computed here instead."""
+    peer_fetch_min_tokens: int = 32
+    """Prefix sharing: fetch only when the peer holds at least this many more prompt tokens than this worker."""
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
@@ -46,6 +55,12 @@ class WorkerConfig:
             raise invalid_argument(f"prefill_timeout_s ({self.prefill_timeout_s:g}) must be below kv_lease_s "
                                    f"({self.kv_lease_s:g}): a reservation must outlive the wait for its KV",
                                    "prefill_timeout_s")
+        if self.peer_fetch not in PEER_FETCH_MODES:
+            raise invalid_argument(f"peer_fetch must be one of {', '.join(PEER_FETCH_MODES)} (got {self.peer_fetch!r})",
+                                   "peer_fetch")
+        if not 0 < self.peer_fetch_timeout_s <= 3600 or self.peer_fetch_min_tokens < 1:
+            raise invalid_argument("peer_fetch_timeout_s must be in (0, 3600] seconds and peer_fetch_min_tokens >= 1",
+                                   "peer_fetch_timeout_s")
         if self.advertise_address and ":" not in self.advertise_address:
             raise invalid_argument(f"advertise_address must be host:port (got {self.advertise_address!r})",
                                    "advertise_address")

@@ -64,7 +64,7 @@ class PrefillFlow:
             return
         sent_at = time.time()
         try:
-            await _wait_release(requests, msg.lease_s)
+            await wait_release(requests, msg.lease_s)
         finally:
             await self.disagg.release(msg.transfer_id)
             record_kv_transfer(msg.transport, "send", num_bytes, sent_at, time.time(),
@@ -106,8 +106,10 @@ class PrefillFlow:
             timeline.close()
 
 
-async def _wait_release(requests: AsyncIterator[worker_pb2.PrefillRequest], lease_s: float) -> None:
-    """Until the decode worker releases the KV, ends its side of the call, or the lease runs out."""
+async def wait_release(requests: AsyncIterator[worker_pb2.PrefillRequest] | AsyncIterator[worker_pb2.FetchKVRequest],
+                       lease_s: float) -> None:
+    """Until the peer (a decode worker, or a worker fetching a prefix) releases the KV, ends its side of the
+    call, or the lease runs out."""
     try:
         message = await asyncio.wait_for(anext(requests, None), lease_s)
     except asyncio.TimeoutError:

@@ -52,6 +52,8 @@ async def serve_worker(server_config: GrpcServerConfig, config: WorkerConfig, en
         await server.start()
         config = servicer.resolve(server.address)
         publisher = await attach_kv_events(client, config, server.metrics_port or 0)
+        if publisher is not None:
+            servicer.index_epoch = lambda: publisher.epoch  # peers fetch only entries of this epoch
         watchers = [asyncio.create_task(_watch_engine(client, server)),
                     asyncio.create_task(_watch_optional(server, publisher, engine_config.grammar_service))]
         stats = metrics.start_worker_metrics(client.get_server_info, servicer.load, config.role, config.worker_id)

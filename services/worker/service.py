@@ -7,7 +7,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 
 import grpc.aio
@@ -33,6 +33,8 @@ from radixmesh.worker.config import WorkerConfig
 from radixmesh.worker.load import LoadTracker
 from radixmesh.worker.pd_decode import DecodeFlow
 from radixmesh.worker.pd_prefill import PrefillFlow
+from radixmesh.worker.peer_export import PeerExportFlow
+from radixmesh.worker.peer_fetch import PeerFetchFlow
 from radixmesh.worker.timeline import RequestTimeline
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
@@ -49,11 +51,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """Generate calls naming a prefill worker (decode role only)."""
         self.prefill = PrefillFlow(client, config, self.load) if config.role == "prefill" else None
         """Prefill calls (prefill role only)."""
+        self.peer_fetch = PeerFetchFlow(client, config) if config.role != "prefill" else None
+        """Generate calls naming a peer that holds a prefix (prefix sharing; unified and decode roles)."""
+        self.index_epoch: Callable[[], int] = lambda: 0
+        """This worker's current KV-cache index epoch (set once its publisher runs; 0: none)."""
+        self.peer_export = PeerExportFlow(client, config, lambda: self.index_epoch())
+        """FetchKV calls: cached prefixes sent to peers (every role)."""
 
     def resolve(self, listen_address: str) -> WorkerConfig:
         """Fill the worker id and advertise address once the server bound its address."""
         self.config = self.config.resolve(listen_address)
-        for flow in (self.decode, self.prefill):
+        for flow in (self.decode, self.prefill, self.peer_fetch, self.peer_export):
             if flow is not None:
                 flow.config = self.config
         return self.config
@@ -84,19 +92,33 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         metrics.GENERATED_TOKENS.inc(len(out.token_ids))
                         if out.finish_reason is not None:
                             _count_finished(out.finish_reason, out.prompt_tokens, out.cached_tokens, start)
-                        yield token_out_to_proto(out, worker_id)
+                        msg = token_out_to_proto(out, worker_id)
+                        if worker_id and self.peer_fetch is not None:
+                            msg.fetched_tokens = self.peer_fetch.take_fetched(rid)
+                        yield msg
                         worker_id = ""  # named on the first message only
         finally:
             metrics.RUNNING.dec()
             timeline.close()
+            self._observe_prefill_rate(timeline)
 
     def _tokens(self, request: worker_pb2.GenerateRequest, ids: list[int], params: SamplingParams,
                 rid: str, mm: MultimodalInputs | None) -> AsyncGenerator[TokenOut, None]:
         if self.decode is not None and request.HasField("prefill") and not request.prefill_only and mm is None:
             return self.decode.generate(rid, ids, params, request.prefill)
+        if (self.peer_fetch is not None and request.HasField("peer_prefix") and not request.prefill_only
+                and mm is None):
+            return self.peer_fetch.generate(rid, ids, params, request.peer_prefix)
         if mm is None:
             return self.client.generate_tokens(ids, params, rid, request.prefill_only)
         return self.client.generate_tokens(ids, params, rid, request.prefill_only, mm=mm)
+
+    def _observe_prefill_rate(self, timeline: RequestTimeline) -> None:
+        """Feed the prefix-sharing cost model this worker's own prefill rate (admission to first token)."""
+        if self.peer_fetch is None or timeline.admitted_ns is None or timeline.first_token_ns is None:
+            return
+        computed = timeline.prompt_len - timeline.cached_tokens
+        self.peer_fetch.costs.observe_prefill(computed, (timeline.first_token_ns - timeline.admitted_ns) / 1e9)
 
     @map_errors("worker")
     async def Prefill(self, request_iterator: AsyncIterator[worker_pb2.PrefillRequest],
@@ -111,6 +133,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     yield msg
         finally:
             metrics.RUNNING.dec()
+
+    @map_errors("worker")
+    async def FetchKV(self, request_iterator: AsyncIterator[worker_pb2.FetchKVRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.FetchKVResponse]:
+        async with contextlib.aclosing(self.peer_export.serve(request_iterator)) as msgs:
+            async for msg in msgs:
+                yield msg
 
     @map_errors("worker")
     async def Abort(self, request: worker_pb2.AbortRequest,
@@ -153,8 +182,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             has_image_understanding=client.model_config.is_multimodal)
 
     async def close(self) -> None:
-        if self.decode is not None:
-            await self.decode.close()
+        for flow in (self.decode, self.peer_fetch):
+            if flow is not None:
+                await flow.close()
 
 
 def _count_finished(reason: str, prompt_tokens: int, cached_tokens: int, start: float) -> None:

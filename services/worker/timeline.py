@@ -50,6 +50,7 @@ class RequestTimeline:
         self.first_token_ns: int | None = None
         self.last_token_ns: int | None = None
         self.cached_tokens = 0
+        self.host_load: tuple[float, float, int] | None = None
         self.num_output_tokens = 0
         self.finish_reason = ""
         self.parent: Span | None = None
@@ -73,6 +74,7 @@ class RequestTimeline:
                 self.first_token_ns = now
             self.last_token_ns = now
         self.cached_tokens = out.cached_tokens
+        self.host_load = self.host_load or out.host_load
         self.num_output_tokens = out.completion_tokens
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
@@ -87,11 +89,16 @@ class RequestTimeline:
         admitted = self.admitted_ns if self.admitted_ns is not None else end_ns
         prefix = self.span_prefix
         tracing.record_span(f"{prefix}.queue", self.arrival_ns, admitted, base, self.parent)
+        if self.host_load is not None:  # the prefix's load from the host tier, during the queue wait
+            start_s, end_s, tokens = self.host_load
+            tracing.record_span(f"{prefix}.hicache_load", tracing.epoch_ns(start_s), tracing.epoch_ns(end_s),
+                                {**base, "hicache.tokens": tokens}, self.parent)
         if self.admitted_ns is None:
             return
         prefill_end = self.first_token_ns if self.first_token_ns is not None else end_ns
         tracing.record_span(f"{prefix}.prefill", self.admitted_ns, prefill_end, {
             **base, "prefill.prompt_tokens": self.prompt_len, "prefill.cached_tokens": self.cached_tokens,
+            "prefill.host_cached_tokens": self.host_load[2] if self.host_load else 0,
             "prefill.computed_tokens": self.prompt_len - self.cached_tokens}, self.parent)
         if self.first_token_ns is None:
             return

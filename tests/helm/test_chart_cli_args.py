@@ -15,7 +15,8 @@ from .chart import CHART, component_of, container, of_kind, render
 pytestmark = pytest.mark.helm
 
 VALUE_FILES = [None, CHART / "examples" / "pd-2p4d.yaml", CHART / "examples" / "external-redis.yaml",
-               CHART / "examples" / "observability.yaml", CHART / "examples" / "tls-cert-manager.yaml"]
+               CHART / "examples" / "observability.yaml", CHART / "examples" / "tls-cert-manager.yaml",
+               CHART / "examples" / "hicache-2gpu.yaml"]
 
 
 def _parse(parser: argparse.ArgumentParser, args: list[str]) -> str | None:

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from radixmesh.common.errors import RadixMeshError
-from radixmesh.engine.disagg.messages import KVExportMsg, PrefillReqMsg
+from radixmesh.engine.disagg.messages import ExportCachedReqMsg, KVExportMsg, PrefillReqMsg
 from radixmesh.engine.messages import TokenOut
 from radixmesh.engine.request import Req
 
 if TYPE_CHECKING:
     from radixmesh.engine.disagg.transport.base import BaseKVTransport
-    from radixmesh.engine.radix_cache import TreeNode
+    from radixmesh.engine.radix_cache import MatchResult, TreeNode
     from radixmesh.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ class ExportManager:
         self.requested: dict[str, PrefillReqMsg] = {}
         """rid -> prefill request still computing."""
         self.held: dict[str, HeldTransfer] = {}
-        self.counters = {"num_exports": 0, "kv_bytes_exported": 0, "num_transfers_lapsed": 0, "num_export_errors": 0}
+        self.counters = {"num_exports": 0, "kv_bytes_exported": 0, "num_transfers_lapsed": 0, "num_export_errors": 0,
+                         "num_cached_exports": 0, "cached_tokens_exported": 0}
 
     def prefill(self, msg: PrefillReqMsg) -> None:
         """Queue the prompt as a one-token request; its KV from `start_pos` on is exported when done."""
@@ -86,24 +87,46 @@ class ExportManager:
         return result
 
     def _export(self, msg: PrefillReqMsg) -> str | None:
-        tree = self.sched.kv.tree
-        match = tree.match_prefix(list(msg.input_ids))
+        match = self.sched.kv.tree.match_prefix(list(msg.input_ids))
         if len(match.indices) < len(msg.input_ids):
             return ("the prompt's KV is not in the radix cache after prefill "
                     "(a prefill worker needs its radix cache on)")
-        tree.inc_lock_ref(match.last_node)
-        held = HeldTransfer(msg.transfer_id, msg.rid, match.last_node, msg.transport, self.clock() + msg.lease_s)
-        self.held[msg.transfer_id] = held
+        error = self._export_match(msg.rid, msg.transfer_id, match, msg.start_pos, msg.transport, msg.lease_s)
+        if error is None:
+            self.counters["num_exports"] += 1
+        return error
+
+    def export_cached(self, msg: ExportCachedReqMsg) -> None:
+        """Prefix sharing: send the KV this worker holds of positions start_pos.. of `input_ids`, computing
+        nothing, then one TokenOut whose `cached_tokens` is where the sent KV ends (see ExportCachedReqMsg)."""
+        match = self.sched.kv.tree.match_prefix(list(msg.input_ids))
+        end, error = len(match.indices), None
         try:
-            chunks = self.transport(msg.transport).export(msg.transfer_id, match.indices[msg.start_pos:])
+            self.transport(msg.transport)
+        except RadixMeshError as exc:
+            error = exc.message
+        if error is None and end > msg.start_pos:
+            error = self._export_match(msg.rid, msg.transfer_id, match, msg.start_pos, msg.transport, msg.lease_s)
+            if error is None:
+                self.counters["num_cached_exports"] += 1
+                self.counters["cached_tokens_exported"] += end - msg.start_pos
+        self.sched.emit([TokenOut(msg.rid, [], len(msg.input_ids), end if error is None else 0, 0,
+                                  finish_reason="error" if error else "length", error=error)])
+
+    def _export_match(self, rid: str, transfer_id: str, match: MatchResult, start_pos: int, transport: str,
+                      lease_s: float) -> str | None:
+        """Lock the matched path and send the KV of its positions start_pos.. as chunks; an error message or None."""
+        self.sched.kv.tree.inc_lock_ref(match.last_node)
+        self.held[transfer_id] = HeldTransfer(transfer_id, rid, match.last_node, transport, self.clock() + lease_s)
+        try:
+            chunks = self.transport(transport).export(transfer_id, match.indices[start_pos:])
         except (RadixMeshError, AssertionError, RuntimeError) as exc:
-            self.release(msg.transfer_id)
-            logger.warning("request %s: KV export failed: %s", msg.rid, exc)
+            self.release(transfer_id)
+            logger.warning("request %s: KV export failed: %s", rid, exc)
             return f"KV export failed: {exc}"
         for index, chunk in enumerate(chunks):
-            self.send(KVExportMsg(msg.rid, msg.transfer_id, index, len(chunks), chunk))
+            self.send(KVExportMsg(rid, transfer_id, index, len(chunks), chunk))
             self.counters["kv_bytes_exported"] += chunk.num_bytes
-        self.counters["num_exports"] += 1
         return None
 
     def release(self, transfer_id: str) -> None:

@@ -12,14 +12,19 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from radixmesh.engine.disagg.exports import ExportManager
+from radixmesh.engine.disagg.fetch import FetchCommitter
 from radixmesh.engine.disagg.messages import (
     CancelReservationMsg,
+    CommitFetchMsg,
+    ExportCachedReqMsg,
     KVChunkInMsg,
     PrefillReqMsg,
+    PrefixLenReqMsg,
     ReleaseTransferMsg,
     ReserveReqMsg,
     ResolveReservationMsg,
     TransferDoneReqMsg,
+    TrimReservationMsg,
 )
 from radixmesh.engine.disagg.reservations import ReservationManager
 from radixmesh.engine.disagg.transport.registry import create_transport
@@ -37,7 +42,10 @@ class DisaggHandler:
         self._emit = scheduler.emit
         self._transports: dict[str, BaseKVTransport] = {}
         self.reservations = ReservationManager(scheduler, self.transport, reply)
+        self._reply = reply
         self.exports = ExportManager(scheduler, self.transport, send)
+        self.fetches = FetchCommitter(scheduler, self.reservations)
+        """Prefix sharing: fetched prefixes into the radix cache (exports of cached KV are in `exports`)."""
         scheduler.emit = self.emit_outputs
 
     def transport(self, transport_id: str) -> BaseKVTransport:
@@ -66,6 +74,14 @@ class DisaggHandler:
             self.exports.prefill(msg)
         elif isinstance(msg, ReleaseTransferMsg):
             self.exports.release(msg.transfer_id)
+        elif isinstance(msg, ExportCachedReqMsg):
+            self.exports.export_cached(msg)
+        elif isinstance(msg, PrefixLenReqMsg):
+            self._reply(msg.query_id, self.fetches.prefix_len(msg))
+        elif isinstance(msg, TrimReservationMsg):
+            self.fetches.trim(msg)
+        elif isinstance(msg, CommitFetchMsg):
+            self.fetches.commit(msg)
         else:
             raise AssertionError(f"not a disaggregation message: {type(msg).__name__}")
 
@@ -79,5 +95,6 @@ class DisaggHandler:
         self.exports.abort(rid)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.reservations.stats(), **self.exports.stats(),
-                "disagg_fallback_reasons": dict(self.reservations.fallback_reasons)}
+        return {**self.reservations.stats(), **self.exports.stats(), **self.fetches.stats(),
+                "disagg_fallback_reasons": dict(self.reservations.fallback_reasons),
+                "peer_fetch_fallback_reasons": dict(self.fetches.fallback_reasons)}

@@ -6,6 +6,10 @@ Decode side: `ReserveReqMsg` (answered by a `QueryOutMsg`, possibly later, once 
 tokens stream like a Generate), `CancelReservationMsg`.
 Prefill side: `PrefillReqMsg` (its tokens stream like a Generate; `KVExportMsg`s carrying the
 KV chunks come just before its last token), `ReleaseTransferMsg`.
+Prefix sharing (docs/hicache.md) reuses both sides: the fetching worker reserves with `ReserveReqMsg`
+and lands chunks like a decode worker, then `CommitFetchMsg` puts the fetched prefix into its radix
+cache and runs the request; the exporting worker answers `ExportCachedReqMsg` with the KV it holds
+(computing nothing) and `ReleaseTransferMsg` unlocks it.
 """
 
 from __future__ import annotations
@@ -100,7 +104,54 @@ class ReleaseTransferMsg(msgspec.Struct, tag="disagg_release", frozen=True):
     transfer_id: str
 
 
+# ---- prefix sharing ----------------------------------------------------------------------------
+class ExportCachedReqMsg(msgspec.Struct, tag="disagg_export_cached", frozen=True):
+    """Export the KV of positions [start_pos, end) of `input_ids` that this worker's radix cache holds on
+    its device, `end` being as far as it holds them (nothing is computed). Answered like a PrefillReqMsg:
+    `KVExportMsg` chunks, then one TokenOut (finish_reason "length") whose `cached_tokens` is `end`
+    (end <= start_pos: nothing to send, no chunk). The KV stays locked until `ReleaseTransferMsg` or
+    the lease."""
+
+    rid: str
+    transfer_id: str
+    input_ids: list[int]
+    start_pos: int
+    transport: str
+    lease_s: float
+
+
+class PrefixLenReqMsg(msgspec.Struct, tag="disagg_prefix_len", frozen=True):
+    """How much of `input_ids` this worker holds: answered {"device_len": n, "host_len": m} (m tokens beyond
+    the device's n in the host tier)."""
+
+    query_id: str
+    input_ids: list[int]
+
+
+class TrimReservationMsg(msgspec.Struct, tag="disagg_trim", frozen=True):
+    """Keep only the first `num_tokens` reserved slots (the peer holds less of the prefix than was asked);
+    sent before the first chunk lands."""
+
+    reservation_id: str
+    num_tokens: int
+
+
+class CommitFetchMsg(msgspec.Struct, tag="disagg_commit_fetch", frozen=True):
+    """The reservation holds the KV of a prefix of `input_ids` fetched from a peer: put it into the radix
+    cache (when every layer arrived and no `fallback_reason` is given; else free it) and run the request
+    here. Its tokens stream like a Generate's."""
+
+    rid: str
+    reservation_id: str
+    input_ids: list[int]
+    params: SamplingParams
+    fallback_reason: str = ""
+    """Why the fetched KV is not used (the fetch failed), for the fallback counter; "" to commit."""
+
+
 DisaggToSchedulerMsg = (ReserveReqMsg | KVChunkInMsg | TransferDoneReqMsg | ResolveReservationMsg
-                        | CancelReservationMsg | PrefillReqMsg | ReleaseTransferMsg)
+                        | CancelReservationMsg | PrefillReqMsg | ReleaseTransferMsg | ExportCachedReqMsg
+                        | PrefixLenReqMsg | TrimReservationMsg | CommitFetchMsg)
 DISAGG_MSG_TYPES = (ReserveReqMsg, KVChunkInMsg, TransferDoneReqMsg, ResolveReservationMsg, CancelReservationMsg,
-                    PrefillReqMsg, ReleaseTransferMsg)
+                    PrefillReqMsg, ReleaseTransferMsg, ExportCachedReqMsg, PrefixLenReqMsg, TrimReservationMsg,
+                    CommitFetchMsg)

@@ -200,7 +200,7 @@ class ReservationManager:
         reason = msg.fallback_reason or ("lease lapsed" if reservation is None else
                                          reservation.error or "KV incomplete")
         if reservation is not None:
-            self._free(reservation)
+            self.free(reservation)
         self.counters["num_fallbacks"] += 1
         self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
         logger.info("request %s: computing the prompt here (%s)", msg.rid, reason)
@@ -236,9 +236,14 @@ class ReservationManager:
             self.pending.remove(pending)
             self.reply(pending.msg.query_id, {"ok": False, "error": "cancelled"})
         if not keep and reservation_id in self.active:
-            self._free(self.active.pop(reservation_id))
+            self.free(self.active.pop(reservation_id))
             if count_lapse:
                 self.counters["num_reservations_lapsed"] += 1
+
+    def take(self, reservation_id: str) -> Reservation | None:
+        """Remove a granted reservation for its owner to commit or free (a pending one is cancelled: None)."""
+        self.cancel(reservation_id, keep=True)
+        return self.active.pop(reservation_id, None)
 
     def abort(self, rid: str) -> None:
         for pending in [p for p in self.pending if p.msg.rid == rid]:
@@ -257,7 +262,8 @@ class ReservationManager:
             self._refuse(pending.msg, "no KV slots became free within the lease")
         self._grant_pending()
 
-    def _free(self, reservation: Reservation) -> None:
+    def free(self, reservation: Reservation) -> None:
+        """Give a taken (or lapsed) reservation's slots, lock and row back."""
         kv, req = self.sched.kv, reservation.req
         kv.allocator.free(reservation.slots)
         kv.unlock(req)

@@ -6,9 +6,12 @@ import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from radixmesh.router.workers import WorkerHandle
+
+if TYPE_CHECKING:
+    from radixmesh.router.peer_hint import PeerHint
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ class RoutingDecision:
     """Disaggregation: the prefill worker's decision, when the chosen (decode) worker gets one."""
     pd_reason: str = ""
     """For a decode worker: prefill-tier (it gets `prefill`) | short-prompt | no-prefill-worker; else ""."""
+    peer: PeerHint | None = None
+    """Prefix sharing: another worker holding more of the prompt on its device, named to the chosen one."""
 
     def attributes(self) -> dict[str, str | int | float]:
         attrs: dict[str, str | int | float] = {
@@ -64,6 +69,9 @@ class RoutingDecision:
             attrs[f"routing.candidate.{worker_id}.cached_tokens"] = self.cached_tokens.get(worker_id, 0)
         if self.pd_reason:
             attrs["routing.pd_reason"] = self.pd_reason
+        if self.peer is not None:
+            attrs["routing.peer_worker_id"] = self.peer.worker.worker_id
+            attrs["routing.peer_cached_tokens"] = self.peer.num_tokens
         if self.prefill is not None:
             attrs["routing.prefill_worker_id"] = self.prefill.worker.worker_id
             attrs["routing.prefill_worker_address"] = self.prefill.worker.address

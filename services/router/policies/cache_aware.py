@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 
 from radixmesh.index.reader import KVIndexReader
 from radixmesh.router.config import RouterConfig
+from radixmesh.router.peer_hint import plan_peer
 from radixmesh.router.policies.approx_tree import ApproxTreePolicy
 from radixmesh.router.policies.base import BaseRoutingPolicy, RouteRequest, RoutingDecision
 from radixmesh.router.policies.scoring import decide
@@ -121,12 +122,19 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         by_index = {(w.index_id or w.worker_id): w for w in candidates}
         match = await reader.lookup(request.block_hashes)
         cached = {by_index[i].worker_id: n for i, n in match.cached_blocks.items() if i in by_index}
+        device = {w.worker_id: match.device_blocks_of(i) for i, w in by_index.items()}
         footprint = {by_index[i].worker_id: n for i, n in match.footprint.items() if i in by_index}
         ids = {w.worker_id for w in candidates}
         for worker_id, n in self.recent.match(request.block_hashes).items():
-            if worker_id in ids:
+            if worker_id in ids:  # this router just sent the prefix there: it is computed on the device
                 cached[worker_id] = max(cached.get(worker_id, 0), n)
-        decision = decide(self.policy_id, request, candidates, cached, footprint, self.config.scoring)
+                device[worker_id] = max(device.get(worker_id, 0), n)
+        decision = decide(self.policy_id, request, candidates, cached, footprint, self.config.scoring, device)
+        if self.config.peer_fetch_min_tokens > 0:
+            leases = await reader.live_leases()  # cached: the lookup has just read them
+            epochs = {w.worker_id: leases[i].epoch for i, w in by_index.items() if i in leases}
+            decision.peer = plan_peer(request, decision, candidates, device, epochs,
+                                      self.config.peer_fetch_min_tokens)
         self.recent.record(decision.worker.worker_id, request.block_hashes)
         return decision
 

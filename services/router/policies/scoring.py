@@ -6,7 +6,9 @@ figures, so a burst is seen before the next poll. The score of a candidate is
 
     cached fraction of the prompt  -  load_weight * load
 
-except in two cases. When the busiest worker has many more requests than the idlest (both
+where a token cached in a worker's host tier (hierarchical cache) counts `host_hit_weight` of one
+cached on its device: below a device hit, above a miss. The score is used except in two cases.
+When the busiest worker has many more requests than the idlest (both
 an absolute and a relative gap), load alone decides. When no worker holds at least
 `cache_threshold` of the prompt, the prompt is a new prefix and goes to the least loaded
 worker; ties go to the worker with the smallest cache footprint and then to a rendezvous
@@ -45,14 +47,21 @@ def is_imbalanced(candidates: Sequence[WorkerHandle], scoring: ScoringConfig) ->
 
 
 def decide(policy_id: str, request: RouteRequest, candidates: Sequence[WorkerHandle],
-           cached_blocks: Mapping[str, int], footprint: Mapping[str, int], scoring: ScoringConfig) -> RoutingDecision:
-    """The cache-aware decision given each candidate's cached leading blocks (keyed by worker_id)."""
+           cached_blocks: Mapping[str, int], footprint: Mapping[str, int], scoring: ScoringConfig,
+           device_blocks: Mapping[str, int] | None = None) -> RoutingDecision:
+    """The cache-aware decision given each candidate's cached leading blocks in either tier (keyed by
+    worker_id) and, of those, the leading blocks on its device (None: all of them)."""
     key = request.routing_key
     loads = {w.worker_id: load_fraction(w, scoring) for w in candidates}
     tokens = {w.worker_id: min(request.num_prompt_tokens, cached_blocks.get(w.worker_id, 0) * request.block_size)
               for w in candidates}
+    weighted = dict(tokens)
+    if device_blocks is not None:
+        for wid, held in tokens.items():
+            on_device = min(held, device_blocks.get(wid, 0) * request.block_size)
+            weighted[wid] = on_device + scoring.host_hit_weight * (held - on_device)
     prompt = max(request.num_prompt_tokens, 1)
-    scores = {wid: tokens[wid] / prompt - scoring.load_weight * loads[wid] for wid in loads}
+    scores = {wid: weighted[wid] / prompt - scoring.load_weight * loads[wid] for wid in loads}
 
     def rank(w: WorkerHandle) -> int:
         return rendezvous_rank(key, w.index_id or w.worker_id)
@@ -60,7 +69,7 @@ def decide(policy_id: str, request: RouteRequest, candidates: Sequence[WorkerHan
     if len(candidates) > 1 and is_imbalanced(candidates, scoring):
         chosen = min(candidates, key=lambda w: (num_requests(w), loads[w.worker_id], -rank(w)))
         reason = "load-imbalance"
-    elif max(tokens.values()) / prompt < scoring.cache_threshold:
+    elif max(weighted.values()) / prompt < scoring.cache_threshold:
         chosen = min(candidates, key=lambda w: (loads[w.worker_id], footprint.get(w.worker_id, 0), -rank(w)))
         reason = "new-prefix"
     else:
