@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from radixmesh.common.errors import invalid_argument
+
+logger = logging.getLogger(__name__)
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+MAX_DRAFT_TOKENS = 16
+MAX_NGRAM_MATCH = 16
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,22 @@ class EngineConfig:
     """Append text a grammar forces without one forward pass per token (re-tokenized at the boundary)."""
     grammar_service: str | None = None
     """host:port of `radixmesh grammar`: fetch compiled grammars from it (compile here if it is unreachable)."""
+    speculative_algorithm: str | None = None
+    """Speculative decoding: ngram (drafts looked up in the request's own prompt and output) | draft (a
+    small draft model, --speculative-draft-model); None: off."""
+    speculative_num_draft_tokens: int = 4
+    """Most draft tokens verified per request and step (the back-off may propose fewer), 1 to 16."""
+    speculative_draft_model: str | None = None
+    """Draft model of --speculative-algorithm draft (name, HF directory, .gguf file or named shape); it must
+    share the target's tokenizer."""
+    speculative_draft_load_format: str = "auto"
+    """auto | safetensors | gguf | dummy: how the draft model's weights load (dummy: random, seeded like the target)."""
+    speculative_ngram_min_match: int = 2
+    """ngram: shortest suffix of the request's tokens that must recur earlier for a lookup to propose drafts."""
+    speculative_ngram_max_match: int = 4
+    """ngram: longest suffix tried first (longer matches propose better drafts), at most 16."""
+    disable_speculative_backoff: bool = False
+    """Always propose the full number of drafts (no back-off per request or batch size): benchmarks only."""
 
     def __post_init__(self) -> None:
         _in(self.device, DEVICES, "device")
@@ -116,6 +137,7 @@ class EngineConfig:
         if self.context_length is not None and self.context_length < 2:
             raise invalid_argument("context_length must be >= 2", "context_length")
         self._check_grammar_options()
+        self._check_speculative_options()
 
     def _check_grammar_options(self) -> None:
         from radixmesh.engine.grammar.registry import GRAMMAR_BACKENDS
@@ -127,6 +149,23 @@ class EngineConfig:
             raise invalid_argument("grammar_compile_threads must be >= 1", "grammar_compile_threads")
         if self.grammar_cache_size < 1:
             raise invalid_argument("grammar_cache_size must be >= 1", "grammar_cache_size")
+
+    def _check_speculative_options(self) -> None:
+        from radixmesh.engine.speculative.registry import PROPOSERS
+
+        algorithm = self.speculative_algorithm
+        if algorithm is not None:
+            _in(algorithm, tuple(PROPOSERS), "speculative_algorithm")
+        if not 1 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise invalid_argument(f"speculative_num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]",
+                                   "speculative_num_draft_tokens")
+        if (algorithm == "draft") != (self.speculative_draft_model is not None):
+            raise invalid_argument("--speculative-draft-model goes with --speculative-algorithm draft (and only "
+                                   "with it)", "speculative_draft_model")
+        _in(self.speculative_draft_load_format, LOAD_FORMATS, "speculative_draft_load_format")
+        if not 1 <= self.speculative_ngram_min_match <= self.speculative_ngram_max_match <= MAX_NGRAM_MATCH:
+            raise invalid_argument(f"need 1 <= speculative_ngram_min_match <= speculative_ngram_max_match <= "
+                                   f"{MAX_NGRAM_MATCH}", "speculative_ngram_min_match")
 
     @property
     def prefill_token_budget(self) -> int:
@@ -152,6 +191,11 @@ class EngineConfig:
         overlap = self.overlap_schedule
         if overlap == "auto":
             overlap = "on" if device == "cuda" else "off"
+        if self.speculative_algorithm is not None and overlap == "on":
+            # the next step's drafts need this step's accepted tokens on the host (docs/speculative.md)
+            if self.overlap_schedule == "on":
+                logger.warning("--overlap-schedule on is ignored: speculative decoding runs without it")
+            overlap = "off"
         return dataclasses.replace(self, device=device, dtype=dtype, overlap_schedule=overlap,
                                    attention_backend=backend)
 

@@ -22,6 +22,8 @@ from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import FinishReason, Req
 from radixmesh.engine.sampling.sampler import HostSample, SampleOutput
 from radixmesh.engine.schedule_policy import PrefillAdder, order_waiting
+from radixmesh.engine.speculative.decoder import SpecDecoder
+from radixmesh.engine.speculative.verify_batch import VerifyBatch
 from radixmesh.engine.stop import check_finished
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,7 @@ class Scheduler:
         self.grammar = GrammarManager(config, tokenizer, runner.model_config.vocab_size,
                                       runner.model_config.eos_token_ids, self.context_len)
         self.grammar.warm_up(runner.device)
+        self.spec = SpecDecoder.create(self) if config.speculative_algorithm else None
 
     # ---- the core loop ----------------------------------------------------------------------
     def step(self) -> bool:
@@ -133,7 +136,7 @@ class Scheduler:
     def flush_cache(self) -> bool:
         if self.has_work:
             return False
-        return self.kv.flush()
+        return self.kv.flush() and (self.spec is None or self.spec.flush())
 
     # ---- scheduling -------------------------------------------------------------------------
     def get_next_batch(self) -> ScheduleBatch | None:
@@ -176,7 +179,7 @@ class Scheduler:
         if not reqs:
             return None
         self.new_token_ratio = max(self.config.min_new_token_ratio, self.new_token_ratio - self._ratio_decay)
-        batch = build_decode_batch(reqs, self.kv)
+        batch = self.spec.build_batch(reqs) if self.spec is not None else build_decode_batch(reqs, self.kv)
         assert batch is not None, "decode slots were checked before allocation"
         return batch
 
@@ -211,6 +214,9 @@ class Scheduler:
         self.launch_id += 1
         self.num_forward_passes += 1
         launch_id = self.launch_id
+        if isinstance(batch, VerifyBatch):
+            assert self.spec is not None, "a verify batch without speculative decoding"
+            return LaunchedBatch(launch_id, batch, self.spec.launch(batch, launch_id))
 
         def before_sample() -> VocabMask | None:
             self._commit_launch(batch, launch_id)
@@ -261,7 +267,12 @@ class Scheduler:
             if not req.futures or req.futures[0] != (launched.launch_id, row):
                 continue  # chunk, prefill-only, or finished/retracted/aborted since launch
             req.futures.pop(0)
-            self._append_token(req, host, row)
+            for token_row in host.token_rows(row):  # several when drafts were verified
+                self._append_token(req, host, token_row)
+                if req.finished:
+                    break
+            if self.spec is not None:
+                self.spec.settle(req, host, row)
             if not req.finished and self.grammar.may_jump(req):
                 self._jump_forward(req)
             if req.finished:
@@ -394,6 +405,7 @@ class Scheduler:
             "num_cached_tokens": self.num_cached_tokens,
             "num_forward_passes": self.num_forward_passes,
             **self.grammar.stats(),
+            **(self.spec.stats() if self.spec is not None else {}),
             "cache_hit_rate": self.num_cached_tokens / max(self.num_prompt_tokens, 1),
             "context_len": self.context_len,
             "max_running_requests": self.runner.plan.max_running_requests,
