@@ -4,8 +4,8 @@ Per request, acceptance decides the draft length. With each draft accepted with 
 (estimated from the request's recent verifications), `k` drafts yield `E(k) = 1 + a + ... + a^k`
 tokens per step for a cost of about `1 + c k` steps (`c`: one draft's cost relative to a target
 step, plus verifying it); the request gets the `k` maximizing `E(k) / (1 + c k)`, which is 0 when
-drafts do not pay. A request left at 0 drifts back toward the prior while it waits, so it tries
-again later (and keeps its drafts if its text turned repetitive).
+drafts do not pay. A request at 0 rests a few steps, then probes with one draft; each failed probe
+doubles its rest, so one whose text turns repetitive later gets its drafts back.
 
 Per batch size (buckets by powers of two), measured step time decides: tokens per second of
 speculative steps against plain decode steps. When speculation loses (large batches are compute
@@ -17,15 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PRIOR_ACCEPTED = 2.0
-PRIOR_TRIALS = 3.0
-"""Pseudo-counts of an unseen request: acceptance 2/3 until observations say otherwise."""
-COUNT_DECAY = 0.8
+PRIOR_ACCEPTED = 0.6
+PRIOR_TRIALS = 1.0
+"""Pseudo-counts of an unseen request: acceptance 0.6 until a few verifications say otherwise."""
+COUNT_DECAY = 0.85
 """Weight of older verifications each time a new one is counted."""
-IDLE_DECAY = 0.9
-"""Each step a request is held at 0 drafts, its counts shrink by this (its estimate returns to the prior)."""
-VERIFY_TOKEN_COST = 0.05
-"""Cost of verifying one extra token relative to one decode step (memory-bound passes barely notice it)."""
+MIN_REQUEST_REST, MAX_REQUEST_REST = 4, 64
+"""Steps a request whose drafts do not pay waits before probing with one draft (doubling per failure)."""
+VERIFY_TOKEN_COST = 0.1
+"""Cost of verifying one extra token relative to one decode step (small for memory-bound passes)."""
 RATE_EMA = 0.3
 """Weight of the newest step in a bucket's tokens-per-second averages."""
 MIN_REST, MAX_REST = 4, 256
@@ -38,6 +38,11 @@ PLAIN_REFRESH = 64
 class _Acceptance:
     accepted: float = 0.0
     trials: float = 0.0
+    rest: int = 0
+    """Steps left without drafts."""
+    next_rest: int = MIN_REQUEST_REST
+    probe_due: bool = False
+    """The rest just ended: the next plan probes with one draft."""
 
     @property
     def rate(self) -> float:
@@ -111,13 +116,21 @@ class AdaptivePolicy:
         return stats.steps_since_spec >= stats.rest
 
     def draft_len(self, rid: str) -> int:
-        """Drafts for one request from its acceptance; a request held at 0 drifts back to the prior."""
+        """Drafts for one request from its acceptance; when none pay it rests, then probes with one."""
         acc = self.requests.setdefault(rid, _Acceptance())
+        if acc.rest > 0:
+            acc.rest -= 1
+            return 0
         k = best_draft_len(acc.rate, self.cost, self.max_drafts)
-        if k == 0:
-            acc.accepted *= IDLE_DECAY
-            acc.trials *= IDLE_DECAY
-        return k
+        if k > 0:
+            acc.next_rest, acc.probe_due = MIN_REQUEST_REST, False
+            return k
+        if acc.probe_due:
+            acc.probe_due = False
+            return 1
+        acc.rest, acc.probe_due = acc.next_rest - 1, True
+        acc.next_rest = min(2 * acc.next_rest, MAX_REQUEST_REST)
+        return 0
 
     # ---- observations -----------------------------------------------------------------------
     def observe_request(self, rid: str, num_drafts: int, num_accepted: int) -> None:
