@@ -92,7 +92,7 @@ class EngineConfig:
     """host:port of `radixmesh grammar`: fetch compiled grammars from it (compile here if it is unreachable)."""
     speculative_algorithm: str | None = None
     """Speculative decoding: ngram (drafts looked up in the request's own prompt and output) | draft (a
-    small draft model, --speculative-draft-model); None: off."""
+    small draft model, --speculative-draft-model); unset: off."""
     speculative_num_draft_tokens: int = 4
     """Most draft tokens verified per request and step (the back-off may propose fewer), 1 to 16."""
     speculative_draft_model: str | None = None
