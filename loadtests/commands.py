@@ -14,6 +14,7 @@ BENCH_COMMANDS = [
     "radixmesh.engine.bench:register_one_batch",
     "radixmesh.engine.bench:register_offline",
     "radixmesh.engine.bench_structured:register_structured",
+    "radixmesh.engine.bench_spec:register_speculative",
     "radixmesh.cluster.bench:register_routing",
     "radixmesh.cluster.bench_faults:register_faults",
     "radixmesh.cluster.soak:register_soak",

@@ -8,7 +8,8 @@ import torch
 def chi_square_pvalue(observed: torch.Tensor, expected_probs: torch.Tensor, min_expected: float = 5.0) -> float:
     """P-value of Pearson's test that `observed` counts follow `expected_probs`.
 
-    An outcome of probability 0 that occurred gives 0. Cells expected below `min_expected` are pooled into one (the test's usual validity condition).
+    An outcome of probability 0 that occurred gives 0. Cells expected below `min_expected` are
+    pooled into one (the test's usual validity condition).
     The p-value is the chi-square survival function, the regularized upper incomplete gamma
     Q(dof / 2, stat / 2).
     """

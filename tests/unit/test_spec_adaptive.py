@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from radixmesh.engine.speculative.adaptive import (
@@ -84,7 +86,7 @@ def test_request_that_stops_accepting_backs_off_then_probes_ever_rarer() -> None
     assert first_zero <= 4  # a few failed verifications are enough
     probes = [i for i in range(first_zero, 200) if lens[i]]
     assert all(lens[i] == 1 for i in probes)  # probes use one draft
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
     assert probes[0] - first_zero == MIN_REQUEST_REST  # rests of 4, 8, 16, ... steps between probes
     assert gaps == sorted(gaps) and gaps[0] == 2 * MIN_REQUEST_REST + 1 and gaps[-1] == MAX_REQUEST_REST + 1
     assert policy.draft_len("b") >= 2  # another request is unaffected

@@ -238,3 +238,22 @@ def test_overlap_is_turned_off_with_speculation() -> None:
 
 def test_vocab_constant_matches_the_tiny_model() -> None:
     assert VOCAB == 101 and torch.get_default_dtype() == torch.float32
+
+
+def test_speculative_series_on_the_worker_and_serve() -> None:
+    from prometheus_client import generate_latest
+
+    from radixmesh.gateway.metrics import GatewayMetrics
+    from radixmesh.worker import metrics as worker_metrics
+
+    stats = {"spec_num_draft_tokens": 40, "spec_num_accepted_tokens": 30, "spec_accept_length": 2.5}
+    serve = GatewayMetrics("m", "serve")
+    serve.update_engine(stats, 0)
+    text = serve.render().decode()
+    assert 'radixmesh_spec_draft_tokens_total{service="serve"} 40.0' in text
+    assert 'radixmesh_spec_accept_length{service="serve"} 2.5' in text
+    worker_metrics.ENGINE_STATS.update(stats)
+    text = generate_latest(worker_metrics.REGISTRY).decode()
+    assert "radixmesh_spec_accepted_tokens_total 30.0" in text
+    assert GatewayMetrics("m", "gateway").speculative is None  # a gateway sums nothing of the kind
+    worker_metrics.ENGINE_STATS.update({})

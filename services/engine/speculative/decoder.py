@@ -214,6 +214,7 @@ class SpecDecoder:
             "spec_num_draft_tokens": self.num_proposed,
             "spec_num_accepted_tokens": self.num_accepted,
             "spec_num_verify_passes": self.num_verify_passes,
+            "spec_num_verified_requests": self.num_verified,
             "spec_accept_rate": self.num_accepted / max(self.num_proposed, 1),
             "spec_accept_length": (self.num_accepted + self.num_verified) / verified if self.num_verified else 0.0,
             "spec_num_backoff_steps": self.policy.num_backoff_steps,
