@@ -32,6 +32,8 @@ def _build(args: argparse.Namespace, speculative: bool, timeline: Timeline) -> A
 
     kwargs = engine_kwargs(args)
     kwargs["model"] = args.model_shape or args.model or (DEFAULT_SHAPE if args.workload == "random" else None)
+    if args.model_shape:
+        kwargs["load_format"] = "dummy"
     config = EngineConfig(**kwargs)
     if not speculative:
         config = dataclasses.replace(config, speculative_algorithm=None, speculative_draft_model=None)
@@ -102,10 +104,12 @@ def _measure(args: argparse.Namespace, speculative: bool) -> tuple[Any, dict[int
     timeline = Timeline()
     sched = _build(args, speculative, timeline)
     prompts = _prompts(args, sched)
-    if args.num_prompts:
-        prompts = [prompts[i % len(prompts)] for i in range(args.num_prompts)]
     _run_batch(sched, timeline, prompts[:2], 8, "warm")  # kernels compile, graphs warm
-    return sched, {b: _run_size(sched, timeline, prompts, b, args.output_len) for b in args.batch_sizes}
+    results = {}
+    for b in args.batch_sizes:
+        num = args.num_prompts or (len(prompts) if args.workload == "copy" else b)
+        results[b] = _run_size(sched, timeline, [prompts[i % len(prompts)] for i in range(num)], b, args.output_len)
+    return sched, results
 
 
 def _release(sched: Any) -> None:
@@ -169,7 +173,7 @@ def register_speculative(bench: argparse._SubParsersAction) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=0,
                         help="requests per batch size, run batch-size at a time (default: every copy prompt once; "
-                             "random: the largest batch size)")
+                             "random: one batch)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--result-file", default=None, help="append the JSON results to this file")
     parser.set_defaults(func=cmd_speculative)

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 
 from radixmesh.common.errors import invalid_argument
-
-logger = logging.getLogger(__name__)
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 DEVICES = ("auto", "cpu", "cuda")
@@ -191,11 +188,6 @@ class EngineConfig:
         overlap = self.overlap_schedule
         if overlap == "auto":
             overlap = "on" if device == "cuda" else "off"
-        if self.speculative_algorithm is not None and overlap == "on":
-            # the next step's drafts need this step's accepted tokens on the host (docs/speculative.md)
-            if self.overlap_schedule == "on":
-                logger.warning("--overlap-schedule on is ignored: speculative decoding runs without it")
-            overlap = "off"
         return dataclasses.replace(self, device=device, dtype=dtype, overlap_schedule=overlap,
                                    attention_backend=backend)
 

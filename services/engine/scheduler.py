@@ -296,7 +296,11 @@ class Scheduler:
 
     def _needs_host_tokens(self) -> bool:
         """Penalties need every generated token on the host before the next step is sampled;
-        jump-forward needs it before the next step is scheduled (it may re-queue the request)."""
+        jump-forward needs it before the next step is scheduled (it may re-queue the request);
+        so do drafts, and the step after a verification (its token counts decide the next batch)."""
+        if self.spec is not None and self.in_flight is not None and self.spec.needs_host_tokens(
+                self.in_flight.batch, len(self.running)):
+            return True
         return any((r.params.has_penalties or self.grammar.may_jump(r)) and r.futures for r in self.running)
 
     def _append_token(self, req: Req, host: HostSample, row: int) -> None:

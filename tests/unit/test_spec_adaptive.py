@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from radixmesh.engine.speculative.adaptive import (
+    BucketStats,
     MAX_REQUEST_REST,
     MAX_REST,
     MIN_REQUEST_REST,
@@ -123,3 +124,14 @@ def test_chain_observations_count_the_first_rejection_only(drafts: int, accepted
     policy.observe_request("a", drafts, accepted)
     acc = policy.requests["a"]
     assert (acc.accepted, acc.trials) == pytest.approx(expected)
+
+
+def test_a_bucket_probe_drafts_for_resting_requests_too() -> None:
+    policy = AdaptivePolicy(4, 0.1)
+    policy.buckets[bucket_of(2)] = BucketStats(spec_rate=80.0, plain_rate=100.0, steps_since_spec=10**6)
+    for _ in range(8):  # both requests learn that their drafts fail
+        policy.observe_request("a", 1, 0)
+        policy.observe_request("b", 1, 0)
+    assert policy.plan(["a", "b"]) == [1, 1]  # losing bucket, probe due: each request drafts once
+    policy.buckets[bucket_of(2)] = BucketStats(spec_rate=120.0, plain_rate=100.0)
+    assert policy.plan(["a", "b"]) == [0, 0]  # winning bucket: these requests rest

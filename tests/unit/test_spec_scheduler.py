@@ -228,12 +228,25 @@ def test_draft_with_another_vocabulary_fails_at_start(tmp_path: Path) -> None:
         draft_scheduler(write_model_dir(tmp_path / "short", max_position_embeddings=64))
 
 
-def test_overlap_is_turned_off_with_speculation() -> None:
-    from radixmesh.engine.config import EngineConfig
-
-    config = EngineConfig(device="cpu", overlap_schedule="on", speculative_algorithm="ngram").resolve()
-    assert not config.overlap_enabled
-    assert EngineConfig(device="cpu", overlap_schedule="on").resolve().overlap_enabled
+@pytest.mark.parametrize("algorithm", ["oracle", "ngram", "draft"])
+def test_overlap_scheduler_runs_ahead_only_between_plain_steps(oracle: type[OracleProposer], tmp_path: Path,
+                                                              algorithm: str) -> None:
+    reqs = _repetitive(make_requests(8, seed=15, max_new_tokens=30, prompt_len=(4, 12)))
+    expected, _ = _reference(reqs, overlap_schedule="on")
+    oracle.reference = expected
+    overrides: dict[str, Any] = dict(overlap_schedule="on", speculative_ngram_min_match=1)
+    if algorithm == "draft":  # a random draft: rejected, so the back-off soon decodes plainly (overlapped)
+        sched, col = draft_scheduler(write_model_dir(tmp_path / "draft"), **overrides)
+    else:
+        sched, col = make_scheduler(speculative_algorithm=algorithm, **overrides)
+    assert sched.config.overlap_enabled
+    assert _run(sched, col, reqs) == expected
+    stats = _spec_stats(sched)
+    assert stats["spec_num_verify_passes"] > 0
+    assert sched.num_forward_passes > stats["spec_num_verify_passes"]  # plain steps too
+    if algorithm == "draft":
+        assert stats["spec_num_overlapped_steps"] > 10  # built while the previous step ran
+    assert_no_leak(sched)
 
 
 def test_vocab_constant_matches_the_tiny_model() -> None:

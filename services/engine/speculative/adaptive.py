@@ -10,7 +10,9 @@ doubles its rest, so one whose text turns repetitive later gets its drafts back.
 Per batch size (buckets by powers of two), measured step time decides: tokens per second of
 speculative steps against plain decode steps. When speculation loses (large batches are compute
 bound, the verify pass runs without CUDA graphs), the bucket decodes plainly and probes again
-after a rest that doubles while it keeps losing, so it comes back when it pays.
+after a rest that doubles while it keeps losing, so it comes back when it pays. A probe (and any
+step before speculation has won) gives every request at least one draft, resting or not, so that
+it measures something.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class AdaptivePolicy:
         if not self.speculate(len(rids)):
             self.num_backoff_steps += 1
             return [0] * len(rids)
+        if not self.buckets[bucket_of(len(rids))].spec_wins:  # measuring: every request drafts
+            return [max(self.draft_len(rid, rest=False), 1) for rid in rids]
         return [self.draft_len(rid) for rid in rids]
 
     def speculate(self, batch_size: int) -> bool:
@@ -115,9 +119,12 @@ class AdaptivePolicy:
             return stats.steps_since_plain < PLAIN_REFRESH
         return stats.steps_since_spec >= stats.rest
 
-    def draft_len(self, rid: str) -> int:
-        """Drafts for one request from its acceptance; when none pay it rests, then probes with one."""
+    def draft_len(self, rid: str, rest: bool = True) -> int:
+        """Drafts for one request from its acceptance; when none pay it rests, then probes with one
+        (`rest=False`: its estimate alone, rests untouched)."""
         acc = self.requests.setdefault(rid, _Acceptance())
+        if not rest:
+            return best_draft_len(acc.rate, self.cost, self.max_drafts)
         if acc.rest > 0:
             acc.rest -= 1
             return 0

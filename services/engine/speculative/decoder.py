@@ -2,9 +2,9 @@
 
 Per decode step the scheduler calls `build_batch(reqs)` (a plain decode batch, or a `VerifyBatch`
 with drafts), `launch(batch, launch_id)` for a verify batch, and `settle(req, host, row)` for each
-request once its tokens were appended. Speculation runs with the overlap scheduler off (the next
-drafts need this step's accepted tokens on the host) and verify passes run eagerly; decode steps
-without drafts keep their CUDA graphs (docs/speculative.md).
+request once its tokens were appended; under the overlap scheduler, `needs_host_tokens` says when a
+step must wait for the previous one's tokens (drafting needs them). Verify passes run eagerly; decode
+steps without drafts keep their CUDA graphs and overlap (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ class SpecDecoder:
         self.num_verified = 0
         """Request-steps that verified at least one draft."""
         self.num_verify_passes = 0
+        self.num_overlapped_steps = 0
+        """Plain decode steps built while the previous step ran (overlap scheduler)."""
 
     @classmethod
     def create(cls, sched: Scheduler) -> SpecDecoder:
@@ -77,21 +79,32 @@ class SpecDecoder:
         assert config.speculative_algorithm is not None, "SpecDecoder without --speculative-algorithm"
         proposer = create_proposer(config.speculative_algorithm, ProposerContext(config, sched.runner, sched.tokenizer))
         graphs = sched.runner.graph_runner is not None
-        logger.info("speculative decoding: %s, up to %d draft tokens, back-off %s; overlap scheduler off; verify "
-                    "passes run eagerly%s", config.speculative_algorithm, config.speculative_num_draft_tokens,
-                    "off" if config.disable_speculative_backoff else "on",
-                    " (decode steps without drafts replay CUDA graphs)" if graphs else "")
+        logger.info("speculative decoding: %s, up to %d draft tokens, back-off %s; verify passes run eagerly and "
+                    "wait for the previous step's tokens%s", config.speculative_algorithm,
+                    config.speculative_num_draft_tokens, "off" if config.disable_speculative_backoff else "on",
+                    " (decode steps without drafts replay CUDA graphs and overlap)" if graphs else "")
         return cls(sched, proposer)
 
     # ---- the decode step --------------------------------------------------------------------
+    def needs_host_tokens(self, in_flight: ScheduleBatch, num_running: int) -> bool:
+        """Under the overlap scheduler: whether the launched batch's tokens must reach the host before the
+        next batch is built: after a verification (its accepted counts place the next tokens), and
+        whenever this batch size speculates (drafts continue the request's text)."""
+        return isinstance(in_flight, VerifyBatch) or (num_running > 0 and self.policy.speculate(num_running))
+
     def build_batch(self, reqs: list[Req]) -> ScheduleBatch | None:
-        """This step's batch: drafts where they pay and fit, else a plain decode batch."""
+        """This step's batch: drafts where they pay and fit, else a plain decode batch (always plain
+        while some token is still on the device: the overlap scheduler runs ahead when drafts do not pay)."""
         self._observe_last_step()
         self._release_gone(reqs)
-        limits = [min(planned, self._room(req)) for req, planned in zip(reqs, self.policy.plan([r.rid for r in reqs]))]
         batch: ScheduleBatch | None = None
-        if any(limits):
-            batch = self._verify_batch(reqs, limits)
+        if any(r.futures for r in reqs):
+            self.num_overlapped_steps += 1
+        else:
+            planned = self.policy.plan([r.rid for r in reqs])
+            limits = [min(k, self._room(req)) for req, k in zip(reqs, planned)]
+            if any(limits):
+                batch = self._verify_batch(reqs, limits)
         if batch is None:
             batch = build_decode_batch(reqs, self.sched.kv)
         self._last = _LastStep(time.perf_counter(), len(reqs), isinstance(batch, VerifyBatch),
@@ -218,6 +231,7 @@ class SpecDecoder:
             "spec_accept_rate": self.num_accepted / max(self.num_proposed, 1),
             "spec_accept_length": (self.num_accepted + self.num_verified) / verified if self.num_verified else 0.0,
             "spec_num_backoff_steps": self.policy.num_backoff_steps,
+            "spec_num_overlapped_steps": self.num_overlapped_steps,
             **self.proposer.stats(),
         }
 
