@@ -205,9 +205,11 @@ class SpecDecoder:
                 continue
             advanced = 0
             for i in range(len(drafts) + 1):
+                if matcher.is_terminated():  # a draft ended the grammar: the request stops there
+                    break
                 backend.fill_masks([matcher], mask, [start + i])
                 rows.append(start + i)
-                if i == len(drafts) or matcher.is_terminated() or not matcher.accept_token(drafts[i]):
+                if i == len(drafts) or not matcher.accept_token(drafts[i]):
                     break
                 advanced += 1
             if advanced:
