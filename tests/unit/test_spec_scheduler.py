@@ -270,3 +270,29 @@ def test_speculative_series_on_the_worker_and_serve() -> None:
     assert "radixmesh_spec_accepted_tokens_total 30.0" in text
     assert GatewayMetrics("m", "gateway").speculative is None  # a gateway sums nothing of the kind
     worker_metrics.ENGINE_STATS.update({})
+
+
+def test_abort_while_a_verification_is_in_flight_frees_its_slots(oracle: type[OracleProposer], tmp_path: Path) -> None:
+    from radixmesh.engine.speculative.verify_batch import VerifyBatch
+
+    reqs = make_requests(3, seed=16, max_new_tokens=30)
+    expected, _ = _reference(reqs)
+    oracle.reference = expected
+    for algorithm in ("oracle", "draft"):
+        overrides: dict[str, Any] = dict(overlap_schedule="on", disable_speculative_backoff=True)
+        if algorithm == "draft":
+            sched, col = draft_scheduler(write_model_dir(tmp_path / "draft"), same_weights=True, **overrides)
+        else:
+            sched, col = make_scheduler(speculative_algorithm="oracle", **overrides)
+        for req in reqs:
+            sched.add_request(clone(req))
+        while not (sched.in_flight is not None and isinstance(sched.in_flight.batch, VerifyBatch)):
+            sched.step()
+        sched.abort(reqs[0].rid)  # its verify pass was launched, not yet read back
+        run_until_idle(sched)
+        assert col.finish[reqs[0].rid] == "abort"
+        assert {r.rid: col.tokens[r.rid] for r in reqs[1:]} == {r.rid: expected[r.rid] for r in reqs[1:]}
+        assert_no_leak(sched)
+        assert sched.spec is not None and not sched.spec.pending
+        if algorithm == "draft":
+            _assert_draft_clean(sched)

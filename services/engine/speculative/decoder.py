@@ -35,10 +35,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Pending:
-    """A request's verification in flight: KV reserved from `start`, `num_drafts` drafts fed."""
+    """A request's verification in flight: KV `slots` reserved from position `start`, `num_drafts` drafts fed."""
 
     start: int
     num_drafts: int
+    slots: torch.Tensor
 
 
 @dataclass
@@ -130,8 +131,9 @@ class SpecDecoder:
                 self.proposer.on_verified(req, 0)
                 drafts.clear()
             return None
-        for req, drafts in zip(reqs, proposal.drafts):
-            self.pending[req.rid] = _Pending(req.kv_len, len(drafts))
+        for req, drafts, row in zip(reqs, proposal.drafts, batch.row_starts):
+            slots = batch.out_cache_loc[row:row + len(drafts) + 1]
+            self.pending[req.rid] = _Pending(req.kv_len, len(drafts), slots)
         return batch
 
     def _fit_memory(self, proposal: Proposal) -> None:
@@ -186,6 +188,10 @@ class SpecDecoder:
             self._release(self.active[rid])
 
     def _release(self, req: Req) -> None:
+        pending = self.pending.pop(req.rid, None)
+        if pending is not None:  # aborted while its verification ran (overlap): nothing settled its slots
+            self.sched.kv.allocator.free(pending.slots)
+            self.proposer.on_verified(req, 0)
         if self.active.pop(req.rid, None) is not None:
             self.proposer.release(req)
         self.policy.forget(req.rid)
