@@ -94,7 +94,7 @@ class DraftModelProposer(BaseProposer):
     def propose(self, reqs: list[Req], max_drafts: list[int]) -> Proposal:
         drafts: list[list[int]] = [[] for _ in reqs]
         chains, logits = self._catch_up(reqs, max_drafts)
-        if not chains:
+        if logits is None:
             return Proposal(drafts)
         passes = self._draft(chains, logits)
         flat = torch.cat(passes.tokens).tolist()  # the one host read of this step's drafts
