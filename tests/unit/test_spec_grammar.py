@@ -68,3 +68,26 @@ def test_sampled_structured_output_stays_valid_with_ngram_drafts(tokenizer: Any)
     assert re.fullmatch(REGEX, text_of(tokenizer, out[reqs[3].rid]))
     assert expr_parses(text_of(tokenizer, out[reqs[4].rid]))
     assert sched.stats()["spec_num_draft_tokens"] > 0
+
+
+def test_draft_with_another_tokenizer_of_the_same_size_fails_at_start(tokenizer: Any, default_model_dir: Any,
+                                                                       tmp_path: Any) -> None:
+    """Same vocabulary size, two token ids swapped: the draft would propose other tokens than it means."""
+    import shutil
+
+    from radixmesh.common.errors import RadixMeshError
+
+    from .spec_factory import draft_scheduler, write_model_dir
+
+    draft = write_model_dir(tmp_path / "draft", vocab_size=VOCAB)
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        if (default_model_dir / name).is_file():
+            shutil.copy(default_model_dir / name, draft / name)
+    spec = json.loads((default_model_dir / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = "hello", "world"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(RadixMeshError, match=r"tokenizer .* differs from the target's: 2 of its 49152 tokens"):
+        draft_scheduler(draft, model_config=tiny_model_config(vocab_size=VOCAB, eos_token_ids=(EOS,)),
+                        tokenizer=tokenizer)
