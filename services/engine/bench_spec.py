@@ -1,8 +1,11 @@
 """`radixmesh bench speculative`: decode throughput with and without speculative decoding.
 
-For each batch size, the same greedy requests (all prompts, that many at a time) run on a plain
-engine and on one with the `--speculative-*` flags given; prints tokens per second, the speedup, the mean acceptance
-length and whether the outputs were identical, and ends with one JSON line per batch size.
+Two engines are built side by side, a plain one and one with the `--speculative-*` flags given.
+For each batch size the same greedy requests (every prompt, that many at a time) run on both,
+round by round and alternating which goes first, so that a machine whose load drifts (a shared
+CPU) slows both alike. Prints decode tokens per second (wall clock, and on a CPU also per second
+of this thread's CPU time, which other processes do not inflate), the speedup, the mean acceptance
+length and whether the outputs were identical; one JSON line per batch size.
 Workloads: `copy` (rewrite or extend a passage, edit code; the model's tokenizer and chat
 template) or `random` (random token ids; any shape, e.g. `--model-shape llama-3.1-8b`).
 """
@@ -11,18 +14,49 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
-import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
-from radixmesh.engine.bench import DEFAULT_SHAPE, Timeline, _report, device_info, run_all, settings
+from radixmesh.engine.bench import DEFAULT_SHAPE, _report, device_info, settings
 
 SPEC_STATS = ("spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_verify_passes",
               "spec_num_verified_requests", "spec_num_backoff_steps")
 
 
-def _build(args: argparse.Namespace, speculative: bool, timeline: Timeline) -> Any:
+@dataclass
+class Clocks:
+    """Wall and thread CPU time when each request got its first token and its last."""
+
+    first: dict[str, tuple[float, float]] = field(default_factory=dict)
+    done: dict[str, tuple[float, float]] = field(default_factory=dict)
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+
+    def __call__(self, outputs: list[Any]) -> None:
+        now = (time.perf_counter(), time.thread_time())
+        for out in outputs:
+            if out.error:
+                raise RuntimeError(f"request {out.rid} failed: {out.error}")
+            if out.token_ids:
+                self.first.setdefault(out.rid, now)
+                self.tokens.setdefault(out.rid, []).extend(out.token_ids)
+            if out.finish_reason:
+                self.done[out.rid] = now
+
+
+@dataclass
+class Totals:
+    """One engine's sums over the rounds of one batch size."""
+
+    decode_wall_s: float = 0.0
+    decode_cpu_s: float = 0.0
+    e2e_wall_s: float = 0.0
+    decoded: int = 0
+    outputs: list[list[int]] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SPEC_STATS, 0.0))
+
+
+def _build(args: argparse.Namespace, speculative: bool) -> Any:
     from radixmesh.cli import engine_kwargs
     from radixmesh.engine.config import EngineConfig
     from radixmesh.engine.loader import prepare_model
@@ -40,7 +74,7 @@ def _build(args: argparse.Namespace, speculative: bool, timeline: Timeline) -> A
     config = config.resolve()
     prepared = prepare_model(config.model, config.load_format, lend_tokenizer=args.workload == "copy")
     tokenizer = load_tokenizer(prepared.tokenizer_path) if prepared.tokenizer_path else None
-    return Scheduler(config, ModelRunner(config, prepared), tokenizer, timeline)
+    return Scheduler(config, ModelRunner(config, prepared), tokenizer, Clocks())
 
 
 def _prompts(args: argparse.Namespace, sched: Any) -> list[list[int]]:
@@ -58,105 +92,97 @@ def _prompts(args: argparse.Namespace, sched: Any) -> list[list[int]]:
     return [[rng.randrange(100, vocab - 1) for _ in range(args.input_len)] for _ in range(max(args.batch_sizes))]
 
 
+def _run_round(sched: Any, prompts: list[list[int]], output_len: int, tag: str, totals: Totals) -> None:
+    """All `prompts` at once (greedy, exactly `output_len` tokens each), added to `totals`."""
+    import torch
 
-def _run_batch(sched: Any, timeline: Timeline, prompts: list[list[int]], output_len: int,
-               tag: str) -> dict[str, Any]:
-    """All `prompts` at once (greedy, exactly `output_len` tokens each); times, outputs, speculation counters."""
     from radixmesh.engine.request import Req
     from radixmesh.engine.sampling.params import SamplingParams
 
     reqs = [Req(rid=f"{tag}{i}", origin_input_ids=list(ids),
                 params=SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True))
             for i, ids in enumerate(prompts)]
-    outputs: dict[str, list[int]] = {}
-    timeline.reset()
-    before = {k: sched.stats().get(k, 0) for k in SPEC_STATS}
-
-    def collect(outs: list[Any]) -> None:
-        timeline(outs)
-        for out in outs:
-            outputs.setdefault(out.rid, []).extend(out.token_ids)
-
-    sched.emit = collect
-    start = run_all(sched, reqs)
-    sched.emit = timeline
-    first, done = max(timeline.first_token_s.values()), max(timeline.done_s.values())
+    clocks = sched.emit = Clocks()
+    before = sched.stats()
+    cuda = sched.runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for req in reqs:
+        sched.add_request(req)
+    while sched.has_work:
+        sched.step()
+    if cuda:
+        torch.cuda.synchronize()
+    first = max(clocks.first.values())
+    done = max(clocks.done.values())
+    totals.decode_wall_s += done[0] - first[0]
+    totals.decode_cpu_s += done[1] - first[1]
+    totals.e2e_wall_s += done[0] - start
+    totals.decoded += sum(len(t) for t in clocks.tokens.values()) - len(reqs)
+    totals.outputs += [clocks.tokens[r.rid] for r in reqs]
     after = sched.stats()
-    return {"e2e_s": done - start, "decode_s": done - first,
-            "decoded": sum(timeline.num_tokens.values()) - len(reqs), "outputs": [outputs[r.rid] for r in reqs],
-            **{k: after.get(k, 0) - before[k] for k in SPEC_STATS}}
+    for key in SPEC_STATS:
+        totals.stats[key] += after.get(key, 0) - before.get(key, 0)
 
 
-def _run_size(sched: Any, timeline: Timeline, prompts: list[list[int]], batch_size: int,
-              output_len: int) -> dict[str, Any]:
-    """Every prompt once, `batch_size` at a time; sums over the rounds."""
-    total: dict[str, Any] = {"e2e_s": 0.0, "decode_s": 0.0, "decoded": 0, "outputs": [],
-                             **dict.fromkeys(SPEC_STATS, 0)}
-    for start in range(0, len(prompts), batch_size):
-        one = _run_batch(sched, timeline, prompts[start:start + batch_size], output_len, f"b{batch_size}-{start}-")
-        for key, value in one.items():
-            total[key] += value
-    total["decode_tok_s"] = total["decoded"] / max(total["decode_s"], 1e-9)
-    return total
+def _compare(args: argparse.Namespace, plain: Any, spec: Any, prompts: list[list[int]],
+             batch_size: int) -> tuple[Totals, Totals]:
+    """Every request of this batch size on both engines, round by round, alternating which goes first."""
+    num = args.num_prompts or (len(prompts) if args.workload == "copy" else batch_size)
+    work = [prompts[i % len(prompts)] for i in range(num)]
+    totals = (Totals(), Totals())
+    for round_index, start in enumerate(range(0, num, batch_size)):
+        order = (0, 1) if round_index % 2 == 0 else (1, 0)
+        for which in order:
+            _run_round((plain, spec)[which], work[start:start + batch_size], args.output_len,
+                       f"b{batch_size}-r{round_index}-", totals[which])
+    return totals
 
 
-def _measure(args: argparse.Namespace, speculative: bool) -> tuple[Any, dict[int, dict[str, Any]]]:
-    timeline = Timeline()
-    sched = _build(args, speculative, timeline)
-    prompts = _prompts(args, sched)
-    _run_batch(sched, timeline, prompts[:2], 8, "warm")  # kernels compile, graphs warm
-    results = {}
-    for b in args.batch_sizes:
-        num = args.num_prompts or (len(prompts) if args.workload == "copy" else b)
-        results[b] = _run_size(sched, timeline, [prompts[i % len(prompts)] for i in range(num)], b, args.output_len)
-    return sched, results
-
-
-def _release(sched: Any) -> None:
-    import torch
-
-    del sched
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def _row(p: Totals, s: Totals, cpu: bool) -> dict[str, Any]:
+    stats = s.stats
+    drafts, accepted, verified = (int(stats[k]) for k in ("spec_num_draft_tokens", "spec_num_accepted_tokens",
+                                                         "spec_num_verified_requests"))
+    row: dict[str, Any] = {
+        "plain_decode_tok_s": round(p.decoded / p.decode_wall_s, 2),
+        "spec_decode_tok_s": round(s.decoded / s.decode_wall_s, 2),
+        "speedup": round((s.decoded / s.decode_wall_s) / (p.decoded / p.decode_wall_s), 3),
+    }
+    if cpu:  # per second of this thread's CPU time: what other processes' load does not change
+        row["plain_decode_tok_per_cpu_s"] = round(p.decoded / p.decode_cpu_s, 2)
+        row["spec_decode_tok_per_cpu_s"] = round(s.decoded / s.decode_cpu_s, 2)
+        row["speedup_cpu_time"] = round((s.decoded / s.decode_cpu_s) / (p.decoded / p.decode_cpu_s), 3)
+    same = sum(a == b for a, b in zip(p.outputs, s.outputs))
+    row.update({
+        "plain_e2e_s": round(p.e2e_wall_s, 3), "spec_e2e_s": round(s.e2e_wall_s, 3),
+        "draft_tokens": drafts, "accepted_tokens": accepted,
+        "accept_rate": round(accepted / drafts, 4) if drafts else 0.0,
+        "mean_accept_length": round((accepted + verified) / verified, 3) if verified else 0.0,
+        "verify_passes": int(stats["spec_num_verify_passes"]), "backoff_steps": int(stats["spec_num_backoff_steps"]),
+        "num_requests": len(p.outputs), "identical_outputs": f"{same}/{len(p.outputs)}"})
+    return row
 
 
 def cmd_speculative(args: argparse.Namespace) -> int:
     if args.speculative_algorithm is None:
-        print("radixmesh: error: bench speculative needs --speculative-algorithm", file=sys.stderr)
-        return 2
-    sched, plain = _measure(args, speculative=False)
-    _release(sched)
-    started = time.perf_counter()
-    sched, spec = _measure(args, speculative=True)
-    cfg = sched.config
-    common = {"bench": "speculative", **device_info(sched), **settings(sched, args), "workload": args.workload,
+        raise SystemExit("radixmesh: error: bench speculative needs --speculative-algorithm")
+    plain = _build(args, speculative=False)
+    spec = _build(args, speculative=True)
+    prompts = _prompts(args, plain)
+    for sched in (plain, spec):  # kernels compile, graphs warm; the back-off starts fresh per batch size
+        _run_round(sched, prompts[:2], 8, "warm-", Totals())
+    cfg = spec.config
+    common = {"bench": "speculative", **device_info(spec), **settings(spec, args), "workload": args.workload,
               "speculative_algorithm": cfg.speculative_algorithm,
               "speculative_draft_model": cfg.speculative_draft_model,
               "speculative_num_draft_tokens": cfg.speculative_num_draft_tokens,
-              "backoff": not cfg.disable_speculative_backoff, "output_len": args.output_len,
-              "spec_setup_and_run_s": round(time.perf_counter() - started, 1)}
+              "backoff": not cfg.disable_speculative_backoff, "output_len": args.output_len}
+    cpu = spec.runner.device.type == "cpu"
     for b in args.batch_sizes:
-        p, s = plain[b], spec[b]
-        verified = s["spec_num_draft_tokens"]
-        same = sum(a == c for a, c in zip(p["outputs"], s["outputs"]))
-        num = len(p["outputs"])
-        _report({**common, "batch_size": b,
-                 "plain_decode_tok_s": round(p["decode_tok_s"], 2), "spec_decode_tok_s": round(s["decode_tok_s"], 2),
-                 "speedup": round(s["decode_tok_s"] / p["decode_tok_s"], 3),
-                 "plain_e2e_s": round(p["e2e_s"], 3), "spec_e2e_s": round(s["e2e_s"], 3),
-                 "draft_tokens": verified, "accepted_tokens": s["spec_num_accepted_tokens"],
-                 "accept_rate": round(s["spec_num_accepted_tokens"] / verified, 4) if verified else 0.0,
-                 "verify_passes": s["spec_num_verify_passes"], "backoff_steps": s["spec_num_backoff_steps"],
-                 "mean_accept_length": _accept_length(s),
-                 "num_requests": num, "identical_outputs": f"{same}/{num}"}, args)
+        p, s = _compare(args, plain, spec, prompts, b)
+        _report({**common, "batch_size": b, **_row(p, s, cpu)}, args)
     return 0
-
-
-def _accept_length(result: dict[str, Any]) -> float:
-    """Tokens per request and verification that had drafts: accepted drafts + 1 (the target's token)."""
-    verified = result["spec_num_verified_requests"]
-    return round((result["spec_num_accepted_tokens"] + verified) / verified, 3) if verified else 0.0
 
 
 def register_speculative(bench: argparse._SubParsersAction) -> None:
