@@ -7,12 +7,12 @@ import itertools
 import pytest
 
 from radixmesh.engine.speculative.adaptive import (
-    BucketStats,
     MAX_REQUEST_REST,
     MAX_REST,
     MIN_REQUEST_REST,
     MIN_REST,
     AdaptivePolicy,
+    BucketStats,
     best_draft_len,
     bucket_of,
 )
