@@ -1,4 +1,5 @@
-"""Speculative decoding of structured outputs: a tiny random model with the real tokenizer and xgrammar.
+"""Speculative decoding with the real tokenizer (a tiny random model): structured outputs, stop strings,
+and a draft whose tokenizer differs.
 
 Drafts the grammar refuses are cut before verification and every verified row is masked, so greedy
 output equals the non-speculative output and sampled output stays inside the grammar.
@@ -91,3 +92,24 @@ def test_draft_with_another_tokenizer_of_the_same_size_fails_at_start(tokenizer:
     with pytest.raises(RadixMeshError, match=r"tokenizer .* differs from the target's: 2 of its 49152 tokens"):
         draft_scheduler(draft, model_config=tiny_model_config(vocab_size=VOCAB, eos_token_ids=(EOS,)),
                         tokenizer=tokenizer)
+
+
+def test_stop_strings_cut_accepted_drafts_as_plain_decoding_does(tokenizer: Any,
+                                                                 oracle: type[OracleProposer]) -> None:
+    free = [req(40 + i, max_new_tokens=24) for i in range(4)]
+    for r in free:
+        r.params = msgspec.structs.replace(r.params, temperature=0.0)
+    free_out = _run(*_scheduler(tokenizer), free)
+    stopped = []
+    for r in free:  # stop at a piece of text the free run produced mid-way
+        text = text_of(tokenizer, free_out[r.rid])
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        stopped.append(Req(rid=r.rid, origin_input_ids=r.origin_input_ids,
+                           params=msgspec.structs.replace(r.params, stop=[stop] if stop.strip() else [])))
+    plain_sched, plain_col = _scheduler(tokenizer)
+    expected = _run(plain_sched, plain_col, stopped)
+    oracle.reference = free_out  # drafts run past the stop strings
+    sched, col = _scheduler(tokenizer, speculative_algorithm="oracle", speculative_num_draft_tokens=6,
+                            disable_speculative_backoff=True)
+    assert _run(sched, col, stopped) == expected
+    assert col.finish == plain_col.finish and "stop" in col.finish.values()
