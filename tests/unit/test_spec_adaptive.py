@@ -135,3 +135,9 @@ def test_a_bucket_probe_drafts_for_resting_requests_too() -> None:
     assert policy.plan(["a", "b"]) == [1, 1]  # losing bucket, probe due: each request drafts once
     policy.buckets[bucket_of(2)] = BucketStats(spec_rate=120.0, plain_rate=100.0)
     assert policy.plan(["a", "b"]) == [0, 0]  # winning bucket: these requests rest
+
+
+def test_near_parity_the_bucket_stays_plain_and_probes_rarely() -> None:
+    policy = AdaptivePolicy(4, 0.0)
+    modes = _run_steps(policy, 4, 500, plain_rate=100, spec_rate=102)  # 2% faster: within the noise margin
+    assert sum(modes) <= 10, sum(modes)

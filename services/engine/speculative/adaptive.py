@@ -10,7 +10,8 @@ doubles its rest, so one whose text turns repetitive later gets its drafts back.
 Per batch size (buckets by powers of two), measured step time decides: tokens per second of
 speculative steps against plain decode steps. When speculation loses (large batches are compute
 bound, the verify pass runs without CUDA graphs), the bucket decodes plainly and probes again
-after a rest that doubles while it keeps losing, so it comes back when it pays. A probe (and any
+after a rest that doubles while it keeps losing, so it comes back when it pays (speculation must be
+faster by a margin: at parity, probing would cost more than it finds). A probe (and any
 step before speculation has won) gives every request at least one draft, resting or not, so that
 it measures something.
 """
@@ -34,6 +35,9 @@ MIN_REST, MAX_REST = 4, 256
 """Plain steps before speculation is probed again in a bucket where it lost (doubling)."""
 PLAIN_REFRESH = 64
 """Speculative steps after which a winning bucket runs one plain step to refresh its comparison."""
+WIN_MARGIN = 0.05
+"""Speculation counts as faster only above this relative margin: near parity, noisy step times would
+otherwise flip the comparison and every flip resets the rest (probes, each a slower step, pile up)."""
 
 
 @dataclass
@@ -63,7 +67,8 @@ class BucketStats:
 
     @property
     def spec_wins(self) -> bool:
-        return self.spec_rate is not None and self.plain_rate is not None and self.spec_rate >= self.plain_rate
+        return (self.spec_rate is not None and self.plain_rate is not None
+                and self.spec_rate > self.plain_rate * (1 + WIN_MARGIN))
 
 
 def best_draft_len(acceptance: float, cost: float, max_drafts: int) -> int:
