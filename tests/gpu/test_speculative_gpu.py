@@ -1,4 +1,5 @@
-"""Speculative decoding on a GPU: verify passes through the Triton extend kernel beside decode CUDA graphs.
+"""Speculative decoding on a GPU: verify passes (Triton extend kernel, captured per batch size and draft
+length) beside the decode CUDA graphs.
 
 A small random model (wide weights: well-separated logits); float32 so that greedy output must be
 identical to plain decoding (CUDA graphs, overlap scheduler) token for token. The draft model's
@@ -67,6 +68,33 @@ def test_oracle_drafts_through_the_triton_verify_are_exact(oracle: type[OraclePr
     stats = sched.stats()
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
     assert sched.config.overlap_enabled  # verify steps wait for their tokens; the overlap scheduler stays on
+    graphs = sched.spec.verifier.graphs  # type: ignore[union-attr]
+    assert graphs is not None and graphs.num_replays == stats["spec_num_verify_passes"]  # every verify replayed
+
+
+def test_verify_graphs_give_the_eager_logits(oracle: type[OracleProposer]) -> None:
+    """Each captured verify replay (padding and dummy rows included) against the eager pass of the same batch."""
+    reqs = _requests(5, 24)
+    _, expected = _run(reqs)
+    oracle.reference = expected
+    compared: list[float] = []
+    sched, col = make_scheduler(tiny_model_config(**SHAPE), dtype="float32", speculative_algorithm="oracle",
+                                disable_speculative_backoff=True, **GPU)
+    verifier = sched.spec.verifier  # type: ignore[union-attr]
+    graph_forward = verifier.forward
+
+    def both(batch: Any) -> torch.Tensor:
+        eager = verifier._forward_eager(batch)
+        logits = graph_forward(batch)
+        compared.append(float((logits - eager).abs().max()))
+        return logits
+
+    verifier.forward = both  # type: ignore[method-assign]
+    for req in reqs:
+        sched.add_request(clone(req))
+    run_until_idle(sched)
+    assert {r.rid: col.tokens[r.rid] for r in reqs} == expected
+    assert compared and max(compared) < 1e-3, compared
 
 
 def test_ngram_greedy_is_exact() -> None:

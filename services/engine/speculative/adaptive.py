@@ -9,7 +9,7 @@ doubles its rest, so one whose text turns repetitive later gets its drafts back.
 
 Per batch size (buckets by powers of two), measured step time decides: tokens per second of
 speculative steps against plain decode steps. When speculation loses (large batches are compute
-bound, the verify pass runs without CUDA graphs), the bucket decodes plainly and probes again
+bound, drafts cost too much or are rarely accepted), the bucket decodes plainly and probes again
 after a rest that doubles while it keeps losing, so it comes back when it pays (speculation must be
 faster by a margin: at parity, probing would cost more than it finds). A probe (and any
 step before speculation has won) gives every request at least one draft, resting or not, so that

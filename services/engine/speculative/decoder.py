@@ -3,8 +3,9 @@
 Per decode step the scheduler calls `build_batch(reqs)` (a plain decode batch, or a `VerifyBatch`
 with drafts), `launch(batch, launch_id)` for a verify batch, and `settle(req, host, row)` for each
 request once its tokens were appended; under the overlap scheduler, `needs_host_tokens` says when a
-step must wait for the previous one's tokens (drafting needs them). Verify passes run eagerly; decode
-steps without drafts keep their CUDA graphs and overlap (docs/speculative.md).
+step must wait for the previous one's tokens (drafting needs them). Verify passes replay their own
+CUDA graphs where captured (verify_graphs.py); decode steps without drafts keep theirs and overlap
+(docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from radixmesh.engine.speculative.base import BaseProposer, Proposal, ProposerCo
 from radixmesh.engine.speculative.registry import create_proposer
 from radixmesh.engine.speculative.verifier import Verifier, VerifyHostSample, VerifyOutput
 from radixmesh.engine.speculative.verify_batch import VerifyBatch, build_verify_batch, settle_kv
+from radixmesh.engine.speculative.verify_graphs import make_verify_graphs
 
 if TYPE_CHECKING:
     from radixmesh.engine.request import Req
@@ -59,7 +61,8 @@ class SpecDecoder:
         self.sched = sched
         self.proposer = proposer
         self.max_drafts = config.speculative_num_draft_tokens
-        self.verifier = Verifier(sched.runner, config.random_seed)
+        self.verifier = Verifier(sched.runner, config.random_seed,
+                                 make_verify_graphs(sched.runner, self.max_drafts, config.cuda_graph_max_bs))
         self.policy = AdaptivePolicy(self.max_drafts, proposer.relative_cost,
                                      enabled=not config.disable_speculative_backoff)
         self.pending: dict[str, _Pending] = {}
@@ -79,12 +82,14 @@ class SpecDecoder:
         config = sched.config
         assert config.speculative_algorithm is not None, "SpecDecoder without --speculative-algorithm"
         proposer = create_proposer(config.speculative_algorithm, ProposerContext(config, sched.runner, sched.tokenizer))
-        graphs = sched.runner.graph_runner is not None
-        logger.info("speculative decoding: %s, up to %d draft tokens, back-off %s; verify passes run eagerly and "
-                    "wait for the previous step's tokens%s", config.speculative_algorithm,
+        decoder = cls(sched, proposer)
+        graphs = decoder.verifier.graphs
+        logger.info("speculative decoding: %s, up to %d draft tokens, back-off %s; verify passes %s and wait for "
+                    "the previous step's tokens; plain decode steps %s", config.speculative_algorithm,
                     config.speculative_num_draft_tokens, "off" if config.disable_speculative_backoff else "on",
-                    " (decode steps without drafts replay CUDA graphs and overlap)" if graphs else "")
-        return cls(sched, proposer)
+                    f"replay CUDA graphs (batch <= {graphs.max_bs}, else eager)" if graphs else "run eagerly",
+                    "replay CUDA graphs and overlap" if sched.runner.graph_runner is not None else "as usual")
+        return decoder
 
     # ---- the decode step --------------------------------------------------------------------
     def needs_host_tokens(self, in_flight: ScheduleBatch, num_running: int) -> bool:

@@ -36,6 +36,7 @@ from radixmesh.engine.speculative.rejection import (
     target_probs,
 )
 from radixmesh.engine.speculative.verify_batch import VerifyBatch
+from radixmesh.engine.speculative.verify_graphs import VerifyGraphRunner
 
 ACCEPT_SALT = 0x5A17
 RESAMPLE_SALT = 0x7E57
@@ -79,16 +80,24 @@ class VerifyOutput(SampleOutput):
 
 
 class Verifier:
-    """Runs verify passes on the target runner; `seed` drives rows of requests without their own."""
+    """Runs verify passes on the target runner (replaying `graphs` where one holds the batch);
+    `seed` drives rows of requests without their own."""
 
-    def __init__(self, runner: ModelRunner, seed: int) -> None:
+    def __init__(self, runner: ModelRunner, seed: int, graphs: VerifyGraphRunner | None = None) -> None:
         self.runner = runner
+        self.graphs = graphs
         self._shared = torch.Generator(device="cpu")
         self._shared.manual_seed((seed ^ ACCEPT_SALT) & SEED_MASK)
         self._seeded = torch.Generator(device="cpu")
 
     def forward(self, batch: VerifyBatch) -> torch.Tensor:
-        """Float32 logits `[rows, vocab]` at every fed token, in packed order (eager EXTEND pass)."""
+        """Float32 logits `[rows, vocab]` at every fed token, in packed order."""
+        key = self.graphs.key(batch) if self.graphs is not None else None
+        if self.graphs is not None and key is not None:
+            return self.graphs.replay(batch, key)
+        return self._forward_eager(batch)
+
+    def _forward_eager(self, batch: VerifyBatch) -> torch.Tensor:
         r = self.runner
         device = r.device
         starts = batch.row_starts
