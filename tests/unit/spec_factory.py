@@ -44,7 +44,8 @@ def draft_scheduler(draft_dir: Path, same_weights: bool = False, **overrides: An
 
 class OracleProposer(BaseProposer):
     """Proposes each request's known greedy continuation, with one token spoiled at a position that
-    depends on the request and its progress, so that acceptance lengths vary from 0 to all."""
+    depends on the request's prompt and progress (reproducibly), so that acceptance lengths vary
+    from 0 to all."""
 
     id = "oracle"
     reference: ClassVar[dict[str, list[int]]] = {}
@@ -59,7 +60,7 @@ class OracleProposer(BaseProposer):
         for req, limit in zip(reqs, max_drafts):
             done = len(req.output_ids)
             tokens = list(self.reference.get(req.rid, [])[done:done + limit])
-            spoil = zlib.crc32(f"{req.rid}:{done}".encode()) % (limit + 2)
+            spoil = zlib.crc32(f"{req.origin_input_ids}:{done}".encode()) % (limit + 2)  # not the rid: random
             if spoil < len(tokens):
                 tokens[spoil] = (tokens[spoil] + 1) % self.vocab
             drafts.append(tokens)
