@@ -4,7 +4,7 @@
 # plus msgspec pyzmq gguf pytest pluggy iniconfig; the default model's tokenizer files in .gpu-model,
 # copied there by scripts/gpu_tokenizer_model.py --stage). Results go to $OUT as JSON.
 #   STAGES="tests hot-path kernel one-batch offline profile-offline online services trace-split compare" bash scripts/gpu_suite.sh
-#   STAGES="spec-tests spec-same spec-unrelated spec-ngram" bash scripts/gpu_suite.sh   (speculative decoding)
+#   STAGES="spec-tests spec-same spec-unrelated spec-unrelated-raw spec-ngram" bash scripts/gpu_suite.sh (speculation)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -120,18 +120,19 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       $RM bench structured $common --schema long-keys --enable-jump-forward ;;
     spec-tests)  # speculative decoding: Triton verify beside CUDA graphs, exact greedy, device rejection sampling
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_speculative_gpu.py ;;
-    spec-same|spec-unrelated|spec-ngram)  # 8B shape, random weights, batch 1/8/32: plain vs speculative decode
+    spec-same|spec-unrelated|spec-unrelated-raw|spec-ngram)  # 8B shape, random weights, batch 1/8/32: plain vs spec
       spec="--model-shape llama-3.1-8b --workload random --batch-sizes 1,8,32 --input-len 512 --output-len 256 \
         --context-length 4096 --max-total-tokens 32768 --cuda-graph-max-bs 32 --result-file $OUT/spec.jsonl"
       case $stage in
         spec-same)  # (a) a draft with the target's own weights: every draft accepted, the machinery's best case
           $RM bench speculative $spec --speculative-algorithm draft --speculative-draft-model llama-3.1-8b \
             --speculative-draft-load-format dummy --disable-speculative-backoff ;;
-        spec-unrelated)  # (b) an unrelated random 1B-shape draft: nothing accepted; back-off on, then off (raw cost)
-          for backoff in "" --disable-speculative-backoff; do
-            $RM bench speculative $spec --speculative-algorithm draft --speculative-draft-model llama-3.2-1b \
-              --speculative-draft-load-format dummy $backoff
-          done ;;
+        spec-unrelated)  # (b) an unrelated random 1B-shape draft: nothing accepted, the back-off limits the cost
+          $RM bench speculative $spec --speculative-algorithm draft --speculative-draft-model llama-3.2-1b \
+            --speculative-draft-load-format dummy ;;
+        spec-unrelated-raw)  # (b) without the back-off: the raw cost of drafting and verifying for nothing
+          $RM bench speculative $spec --speculative-algorithm draft --speculative-draft-model llama-3.2-1b \
+            --speculative-draft-load-format dummy --disable-speculative-backoff ;;
         spec-ngram)
           $RM bench speculative $spec --speculative-algorithm ngram ;;
       esac ;;
