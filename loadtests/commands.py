@@ -19,6 +19,7 @@ BENCH_COMMANDS = [
     "radixmesh.engine.quant.commands:register_kv_capacity",
     "radixmesh.engine.bench_mm:register_images",
     "radixmesh.engine.bench_hicache:register_hicache",
+    "radixmesh.engine.bench_spec:register_speculative",
     "radixmesh.cluster.bench:register_routing",
     "radixmesh.cluster.bench_peer_fetch:register_peer_fetch",
     "radixmesh.cluster.bench_faults:register_faults",

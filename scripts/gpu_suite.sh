@@ -8,6 +8,7 @@
 #   FP8 (issue 21): STAGES="fp8-tests fp8-kernel fp8-one-batch fp8-capacity fp8-accuracy fp8-offline" bash scripts/gpu_suite.sh
 #   STAGES="mm-tests images" bash scripts/gpu_suite.sh     (multimodal: LLaVA / Qwen2-VL)
 #   STAGES="hicache" (one GPU); STAGES="peer-fetch" needs two GPUs (it says "skipped" with one)
+#   STAGES="spec-tests spec-same spec-unrelated spec-unrelated-raw spec-ngram" bash scripts/gpu_suite.sh (speculation)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -212,6 +213,24 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
       model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
       $RM bench peer-fetch --device cuda --model "$model" --load-format dummy --context-length 20000 \
         --prefix-len 16384 --samples 3 --result-file "$OUT/peer-fetch.jsonl" ;;
+    spec-tests)  # speculative decoding: Triton verify beside CUDA graphs, exact greedy, device rejection sampling
+      python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_speculative_gpu.py ;;
+    spec-same|spec-unrelated|spec-unrelated-raw|spec-ngram)  # 8B shape, random weights, batch 1/8/32: plain vs spec
+      spec="--model-shape llama-3.1-8b --workload random --batch-sizes 1,8,32 --input-len 512 --output-len 256 \
+        --context-length 4096 --max-total-tokens 32768 --cuda-graph-max-bs 32 --result-file $OUT/spec.jsonl"
+      case $stage in
+        spec-same)  # (a) a draft with the target's own weights: every draft accepted, the machinery's best case
+          $RM bench speculative $spec --speculative-algorithm draft --speculative-draft-model llama-3.1-8b \
+            --speculative-draft-load-format dummy --disable-speculative-backoff ;;
+        spec-unrelated)  # (b) an unrelated random 1B-shape draft: nothing accepted, the back-off limits the cost
+          $RM bench speculative $spec --speculative-algorithm draft --speculative-draft-model llama-3.2-1b \
+            --speculative-draft-load-format dummy ;;
+        spec-unrelated-raw)  # (b) without the back-off: the raw cost of drafting and verifying for nothing
+          $RM bench speculative $spec --speculative-algorithm draft --speculative-draft-model llama-3.2-1b \
+            --speculative-draft-load-format dummy --disable-speculative-backoff ;;
+        spec-ngram)
+          $RM bench speculative $spec --speculative-algorithm ngram ;;
+      esac ;;
     *) echo "unknown stage $stage" ;;
   esac
 }

@@ -12,6 +12,8 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MAX_TP_SIZE = 64
+MAX_DRAFT_TOKENS = 16
+MAX_NGRAM_MATCH = 16
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,22 @@ class EngineConfig:
     """Tensor-parallel ranks of this worker (one device each; NCCL on CUDA, gloo on CPU): docs/tensor-parallel.md."""
     enable_custom_all_reduce: bool = False
     """TP on CUDA: small all-reduces by a one-shot kernel over CUDA-IPC buffers instead of NCCL (needs GPU P2P)."""
+    speculative_algorithm: str | None = None
+    """Speculative decoding: ngram (drafts looked up in the request's own prompt and output) | draft (a
+    small draft model, --speculative-draft-model); unset: off."""
+    speculative_num_draft_tokens: int = 4
+    """Most draft tokens verified per request and step (the back-off may propose fewer), 1 to 16."""
+    speculative_draft_model: str | None = None
+    """Draft model of --speculative-algorithm draft (name, HF directory, .gguf file or named shape); it must
+    share the target's tokenizer."""
+    speculative_draft_load_format: str = "auto"
+    """auto | safetensors | gguf | dummy: how the draft model's weights load (dummy: random, seeded like the target)."""
+    speculative_ngram_min_match: int = 2
+    """ngram: shortest suffix of the request's tokens that must recur earlier for a lookup to propose drafts."""
+    speculative_ngram_max_match: int = 4
+    """ngram: longest suffix tried first (longer matches propose better drafts), at most 16."""
+    disable_speculative_backoff: bool = False
+    """Always propose the full number of drafts (no back-off per request or batch size): benchmarks only."""
 
     def __post_init__(self) -> None:
         _in(self.device, DEVICES, "device")
@@ -141,6 +159,7 @@ class EngineConfig:
             raise invalid_argument(f"tp_size must be in [1, {MAX_TP_SIZE}] (got {self.tp_size})", "tp_size")
         self._check_grammar_options()
         self._check_quant_options()
+        self._check_speculative_options()
         from radixmesh.engine.hicache.options import check_hicache_options
 
         check_hicache_options(self)
@@ -163,6 +182,26 @@ class EngineConfig:
             raise invalid_argument("grammar_compile_threads must be >= 1", "grammar_compile_threads")
         if self.grammar_cache_size < 1:
             raise invalid_argument("grammar_cache_size must be >= 1", "grammar_cache_size")
+
+    def _check_speculative_options(self) -> None:
+        from radixmesh.engine.speculative.registry import PROPOSERS
+
+        algorithm = self.speculative_algorithm
+        if algorithm is not None:
+            _in(algorithm, tuple(PROPOSERS), "speculative_algorithm")
+        if not 1 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise invalid_argument(f"speculative_num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]",
+                                   "speculative_num_draft_tokens")
+        if (algorithm == "draft") != (self.speculative_draft_model is not None):
+            raise invalid_argument("--speculative-draft-model goes with --speculative-algorithm draft (and only "
+                                   "with it)", "speculative_draft_model")
+        _in(self.speculative_draft_load_format, LOAD_FORMATS, "speculative_draft_load_format")
+        if not 1 <= self.speculative_ngram_min_match <= self.speculative_ngram_max_match <= MAX_NGRAM_MATCH:
+            raise invalid_argument(f"need 1 <= speculative_ngram_min_match <= speculative_ngram_max_match <= "
+                                   f"{MAX_NGRAM_MATCH}", "speculative_ngram_min_match")
+        if algorithm is not None and self.tp_size > 1:
+            raise invalid_argument(f"speculative decoding does not run with tensor parallelism yet (--tp-size "
+                                   f"{self.tp_size}): use one or the other", "speculative_algorithm")
 
     @property
     def prefill_token_budget(self) -> int:

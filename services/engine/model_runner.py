@@ -32,6 +32,7 @@ from radixmesh.engine.request import Req
 from radixmesh.engine.sampling.batch_info import SamplingBatchInfo, SamplingInfoCache
 from radixmesh.engine.sampling.prompt_logprobs import score_prompt_tokens
 from radixmesh.engine.sampling.sampler import SampleOutput, Sampler
+from radixmesh.engine.speculative.draft_setup import draft_memory_need
 
 if TYPE_CHECKING:
     from radixmesh.engine.distributed.leader import TpLeader
@@ -155,6 +156,8 @@ class ModelRunner:
         mc = self.model_config
         per_token = TokenToKVPool.bytes_per_token(mc.num_layers, self.layout.num_kv_heads, mc.head_dim,
                                                   self.kv_dtype)
+        draft = draft_memory_need(self.config, self.dtype)  # a draft model's weights and equal-length pool
+        per_token += draft.kv_bytes_per_token
         if self.config.max_total_tokens is not None:
             total = self.config.max_total_tokens
         elif self.device.type == "cuda":
@@ -162,7 +165,7 @@ class ModelRunner:
             # in mem_get_info: hand them back first, or the pool loses them (15.7 GB for the 8B shape on an H100).
             torch.cuda.empty_cache()
             free, all_bytes = torch.cuda.mem_get_info(self.device)
-            budget = free - all_bytes * (1 - self.config.mem_fraction_static)
+            budget = free - all_bytes * (1 - self.config.mem_fraction_static) - draft.weight_bytes
             total = int(budget // per_token)
         else:
             free_ram = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -22,6 +22,8 @@ from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.request import FinishReason, Req
 from radixmesh.engine.sampling.sampler import HostSample, SampleOutput
 from radixmesh.engine.schedule_policy import PrefillAdder, order_waiting
+from radixmesh.engine.speculative.decoder import SpecDecoder
+from radixmesh.engine.speculative.verify_batch import VerifyBatch
 from radixmesh.engine.stop import check_finished
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class Scheduler:
         self.grammar = GrammarManager(config, tokenizer, runner.model_config.vocab_size,
                                       runner.model_config.eos_token_ids, self.context_len)
         self.grammar.warm_up(runner.device)
+        self.spec = SpecDecoder.create(self) if config.speculative_algorithm else None
 
     # ---- the core loop ----------------------------------------------------------------------
     def step(self) -> bool:
@@ -140,7 +143,7 @@ class Scheduler:
     def flush_cache(self) -> bool:
         if self.has_work:
             return False
-        return self.kv.flush()
+        return self.kv.flush() and (self.spec is None or self.spec.flush())
 
     # ---- scheduling -------------------------------------------------------------------------
     def get_next_batch(self) -> ScheduleBatch | None:
@@ -184,7 +187,7 @@ class Scheduler:
         if not reqs:
             return None
         self.new_token_ratio = max(self.config.min_new_token_ratio, self.new_token_ratio - self._ratio_decay)
-        batch = build_decode_batch(reqs, self.kv)
+        batch = self.spec.build_batch(reqs) if self.spec is not None else build_decode_batch(reqs, self.kv)
         assert batch is not None, "decode slots were checked before allocation"
         return batch
 
@@ -219,6 +222,9 @@ class Scheduler:
         self.launch_id += 1
         self.num_forward_passes += 1
         launch_id = self.launch_id
+        if isinstance(batch, VerifyBatch):
+            assert self.spec is not None, "a verify batch without speculative decoding"
+            return LaunchedBatch(launch_id, batch, self.spec.launch(batch, launch_id))
 
         def before_sample() -> VocabMask | None:
             self._commit_launch(batch, launch_id)
@@ -269,7 +275,12 @@ class Scheduler:
             if not req.futures or req.futures[0] != (launched.launch_id, row):
                 continue  # chunk, prefill-only, or finished/retracted/aborted since launch
             req.futures.pop(0)
-            self._append_token(req, host, row)
+            for token_row in host.token_rows(row):  # several when drafts were verified
+                self._append_token(req, host, token_row)
+                if req.finished:
+                    break
+            if self.spec is not None:
+                self.spec.settle(req, host, row)
             if not req.finished and self.grammar.may_jump(req):
                 self._jump_forward(req)
             if req.finished:
@@ -293,7 +304,11 @@ class Scheduler:
 
     def _needs_host_tokens(self) -> bool:
         """Penalties need every generated token on the host before the next step is sampled;
-        jump-forward needs it before the next step is scheduled (it may re-queue the request)."""
+        jump-forward needs it before the next step is scheduled (it may re-queue the request);
+        so do drafts, and the step after a verification (its token counts decide the next batch)."""
+        if self.spec is not None and self.in_flight is not None and self.spec.needs_host_tokens(
+                self.in_flight.batch, len(self.running)):
+            return True
         return any((r.params.has_penalties or self.grammar.may_jump(r)) and r.futures for r in self.running)
 
     def _append_token(self, req: Req, host: HostSample, row: int) -> None:
@@ -403,6 +418,7 @@ class Scheduler:
             "num_forward_passes": self.num_forward_passes,
             **self.grammar.stats(),
             **(self.hicache.stats() if self.hicache is not None else {}),
+            **(self.spec.stats() if self.spec is not None else {}),
             "cache_hit_rate": self.num_cached_tokens / max(self.num_prompt_tokens, 1),
             "context_len": self.context_len,
             "max_running_requests": self.runner.plan.max_running_requests,

@@ -17,6 +17,7 @@ from radixmesh.common.metrics import (
     TTFT_BUCKETS_S,
     LabelledRegistry,
 )
+from radixmesh.common.spec_metrics import SpecStatsCollector
 
 __all__ = ["CONTENT_TYPE_LATEST", "GatewayMetrics"]
 
@@ -63,6 +64,11 @@ class GatewayMetrics:
         self.cache_hit_rate = Gauge(p + "cache_hit_rate", "Share of prompt tokens served from the prefix cache",
                                     registry=reg)
         self.model_info = Gauge(p + "model_info", "The served model (value is always 1)", ["model_name"], registry=reg)
+        self.speculative: SpecStatsCollector | None = None
+        """Speculative decoding series: with a local engine only (the workers report theirs)."""
+        if service == "serve":
+            self.speculative = SpecStatsCollector()
+            reg.register(self.speculative)
         self.set_model_name(model_name)
 
     def set_model_name(self, model_name: str) -> None:
@@ -102,6 +108,8 @@ class GatewayMetrics:
         self.kv_capacity.set(float(stats.get("max_total_num_tokens", 0)))
         self.cache_hit_rate.set(float(stats.get("cache_hit_rate", 0.0)))
         self.in_flight.set(in_flight)
+        if self.speculative is not None:
+            self.speculative.update(stats)
 
     def render(self) -> bytes:
         return generate_latest(self.exposed)

@@ -28,6 +28,7 @@ from radixmesh.common.metrics import (
     histogram_from_stats,
     set_process_labels,
 )
+from radixmesh.common.spec_metrics import SPEC_COUNTERS, SPEC_GAUGES
 from radixmesh.worker.load import LoadTracker
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class EngineStatsCollector(Collector):
                                 "KV slots held by decode reservations waiting for transferred KV"),
         "num_transfers_held": ("radixmesh_kv_exports_held",
                                "Prefilled prompts whose KV stays locked until the decode worker has it"),
+        **SPEC_GAUGES,
     }
     COUNTERS: ClassVar[dict[str, tuple[str, str]]] = {
         "num_grammars_compiled": ("radixmesh_grammar_compiles", "Grammars compiled by this worker"),
@@ -88,6 +90,7 @@ class EngineStatsCollector(Collector):
                                     "KV reservations whose lease ran out before commit (their slots were freed)"),
         "num_transfers_lapsed": ("radixmesh_kv_exports_lapsed",
                                  "Exported KV released by its lease rather than by the decode worker"),
+        **SPEC_COUNTERS,
     }
 
     def __init__(self) -> None:

@@ -106,3 +106,16 @@ def test_dummy_weights_of_a_multimodal_directory_generate(models: dict[str, Path
         result = engine.generate(_prompt(QWEN_IMAGE, 1), {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
                                  image_data=mf.data_url(PNGS[0]))
     assert isinstance(result, dict) and len(result["output_ids"]) == 3
+
+
+def test_image_prompts_decode_without_speculation_text_prompts_with_it(models: dict[str, Path]) -> None:
+    """An engine with n-gram speculation: the image request's tokens still equal Hugging Face's (its pad
+    ids never reach a draft), and a repetitive text prompt in the same engine is speculated."""
+    prompt = _prompt(LLAVA_IMAGE, 1)
+    expected = mf.hf_llava_greedy(models["llava"], prompt, PNGS[:1], MAX_NEW)
+    with Engine(str(models["llava"]), device="cpu", max_total_tokens=4096,
+                speculative_algorithm="ngram") as engine:
+        result = engine.generate(prompt, GREEDY, image_data=[mf.data_url(PNGS[0])])
+        assert isinstance(result, dict) and result["output_ids"] == expected
+        engine.generate("a b c d a b c d a b c d a b c d", GREEDY)
+        assert engine.get_server_info()["spec_num_draft_tokens"] > 0

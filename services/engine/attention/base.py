@@ -104,6 +104,16 @@ class AttentionBackend(abc.ABC):
         """Plan a DECODE pass into the static buffers, with device work only (it is captured)."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
+    supports_extend_graph: bool = False
+    """Whether `init_extend_metadata_graph` is implemented (verify passes of speculative decoding)."""
+
+    def init_extend_metadata_graph(self, forward_batch: ForwardBatch, extend_len: int, kv_indptr: torch.Tensor,
+                                   kv_indices: torch.Tensor) -> None:
+        """Plan an EXTEND pass of exactly `extend_len` new tokens per request into the caller's static
+        buffers `kv_indptr` `[>= batch + 1]` and `kv_indices` `[>= sum(seq_lens)]`, with device work
+        only (it is captured)."""
+        raise NotImplementedError(f"{type(self).__name__} does not capture extend passes")
+
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
                 forward_batch: ForwardBatch, save_kv: bool = True) -> torch.Tensor: ...

@@ -66,6 +66,7 @@ class TritonBackend(AttentionBackend):
     """Attention through the kernels in `radixmesh.kernels`; same results as `TorchNativeBackend`."""
 
     supports_cuda_graph = True
+    supports_extend_graph = True
     # graph-mode kv_indices capacity, as a multiple of the pool's slots (shared prefixes repeat slots)
     GRAPH_INDICES_PER_SLOT = 4
 
@@ -124,6 +125,17 @@ class TritonBackend(AttentionBackend):
                         graph.kv_indices, compute_indptr=one_launch)
         self.metadata = TritonForwardMetadata(kv_indptr, graph.kv_indices, None, 0,
                                               graph.num_kv_splits[batch_size], graph.scratch)
+
+    def init_extend_metadata_graph(self, forward_batch: ForwardBatch, extend_len: int, kv_indptr: torch.Tensor,
+                                   kv_indices: torch.Tensor) -> None:
+        fb = forward_batch
+        assert not fb.is_decode and extend_len >= 1, f"an extend graph of {extend_len} tokens per request"
+        batch = fb.req_pool_indices.shape[0]
+        kv_indptr = kv_indptr[:batch + 1]
+        compute_kv_indptr(fb.seq_lens, out=kv_indptr)
+        fill_kv_indices(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr, kv_indices)
+        self.metadata = TritonForwardMetadata(kv_indptr, kv_indices, compute_kv_indptr(fb.extend_seq_lens),
+                                              extend_len, 1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
                 forward_batch: ForwardBatch, save_kv: bool = True) -> torch.Tensor:

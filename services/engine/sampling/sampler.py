@@ -46,6 +46,10 @@ class HostSample:
     """Log-probs of the prompt tokens scored in this pass, in plan order."""
     prompt_top_logprobs: TopLogprobs | None = None
 
+    def token_rows(self, row: int) -> range:
+        """Rows of `token_ids` that batch row `row` appends, in order (one; several after verification)."""
+        return range(row, row + 1)
+
 
 @dataclass
 class SampleOutput:

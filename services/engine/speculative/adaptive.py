@@ -1,0 +1,181 @@
+"""The back-off: how many drafts each request gets, and whether this batch size speculates at all.
+
+Per request, acceptance decides the draft length. With each draft accepted with probability `a`
+(estimated from the request's recent verifications), `k` drafts yield `E(k) = 1 + a + ... + a^k`
+tokens per step for a cost of about `1 + c k` steps (`c`: one draft's cost relative to a target
+step, plus verifying it); the request gets the `k` maximizing `E(k) / (1 + c k)`, which is 0 when
+drafts do not pay. A request at 0 rests a few steps, then probes with one draft; each failed probe
+doubles its rest, so one whose text turns repetitive later gets its drafts back.
+
+Per batch size (buckets by powers of two), measured step time decides: tokens per second of
+speculative steps against plain decode steps. When speculation loses (large batches are compute
+bound, drafts cost too much or are rarely accepted), the bucket decodes plainly and probes again
+after a rest that doubles while it keeps losing, so it comes back when it pays (speculation must be
+faster by a margin: at parity, probing would cost more than it finds). A probe (and any
+step before speculation has won) gives every request at least one draft, resting or not, so that
+it measures something.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRIOR_ACCEPTED = 0.6
+PRIOR_TRIALS = 1.0
+"""Pseudo-counts of an unseen request: acceptance 0.6 until a few verifications say otherwise."""
+COUNT_DECAY = 0.85
+"""Weight of older verifications each time a new one is counted."""
+MIN_REQUEST_REST, MAX_REQUEST_REST = 4, 64
+"""Steps a request whose drafts do not pay waits before probing with one draft (doubling per failure)."""
+VERIFY_TOKEN_COST = 0.1
+"""Cost of verifying one extra token relative to one decode step (small for memory-bound passes)."""
+RATE_EMA = 0.3
+"""Weight of the newest step in a bucket's tokens-per-second averages."""
+MIN_REST, MAX_REST = 4, 256
+"""Plain steps before speculation is probed again in a bucket where it lost (doubling)."""
+PLAIN_REFRESH = 64
+"""Speculative steps after which a winning bucket runs one plain step to refresh its comparison."""
+WIN_MARGIN = 0.05
+"""Speculation counts as faster only above this relative margin: near parity, noisy step times would
+otherwise flip the comparison and every flip resets the rest (probes, each a slower step, pile up)."""
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = 0.0
+    trials: float = 0.0
+    rest: int = 0
+    """Steps left without drafts."""
+    next_rest: int = MIN_REQUEST_REST
+    probe_due: bool = False
+    """The rest just ended: the next plan probes with one draft."""
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + PRIOR_ACCEPTED) / (self.trials + PRIOR_TRIALS)
+
+
+@dataclass
+class BucketStats:
+    """Tokens per second of the two kinds of decode steps at one batch-size bucket."""
+
+    spec_rate: float | None = None
+    plain_rate: float | None = None
+    steps_since_spec: int = 0
+    steps_since_plain: int = 0
+    rest: int = MIN_REST
+
+    @property
+    def spec_wins(self) -> bool:
+        return (self.spec_rate is not None and self.plain_rate is not None
+                and self.spec_rate > self.plain_rate * (1 + WIN_MARGIN))
+
+
+def best_draft_len(acceptance: float, cost: float, max_drafts: int) -> int:
+    """The `k` in [0, max_drafts] maximizing `E(k) / (1 + cost k)`, `E(k) = sum(acceptance^i, i <= k)`."""
+    best_k, best, expected, term = 0, 1.0, 1.0, 1.0
+    for k in range(1, max_drafts + 1):
+        term *= acceptance
+        expected += term
+        value = expected / (1.0 + cost * k)
+        if value > best + 1e-9:
+            best_k, best = k, value
+    return best_k
+
+
+def bucket_of(batch_size: int) -> int:
+    """Batch sizes 1, 2-3, 4-7, 8-15, ... share statistics."""
+    return max(batch_size, 1).bit_length()
+
+
+class AdaptivePolicy:
+    """Plans each decode step's draft lengths; learns from what the steps cost and produced."""
+
+    def __init__(self, max_drafts: int, draft_cost: float, enabled: bool = True) -> None:
+        assert max_drafts >= 1, f"max_drafts must be >= 1, got {max_drafts}"
+        self.max_drafts = max_drafts
+        self.cost = draft_cost + VERIFY_TOKEN_COST
+        self.enabled = enabled
+        self.requests: dict[str, _Acceptance] = {}
+        self.buckets: dict[int, BucketStats] = {}
+        self.num_backoff_steps = 0
+        """Decode steps the batch-size rule ran without drafts."""
+
+    # ---- decisions --------------------------------------------------------------------------
+    def plan(self, rids: list[str]) -> list[int]:
+        """Draft budget per request for this step (all 0: decode without speculation)."""
+        if not self.enabled:
+            return [self.max_drafts] * len(rids)
+        if not self.speculate(len(rids)):
+            self.num_backoff_steps += 1
+            return [0] * len(rids)
+        if not self.buckets[bucket_of(len(rids))].spec_wins:  # measuring: every request drafts
+            return [max(self.draft_len(rid, rest=False), 1) for rid in rids]
+        return [self.draft_len(rid) for rid in rids]
+
+    def speculate(self, batch_size: int) -> bool:
+        """Whether this batch size speculates now (measuring each mode first, then the faster one)."""
+        stats = self.buckets.setdefault(bucket_of(batch_size), BucketStats())
+        if stats.plain_rate is None:
+            return False
+        if stats.spec_rate is None:
+            return True
+        if stats.spec_wins:
+            return stats.steps_since_plain < PLAIN_REFRESH
+        return stats.steps_since_spec >= stats.rest
+
+    def draft_len(self, rid: str, rest: bool = True) -> int:
+        """Drafts for one request from its acceptance; when none pay it rests, then probes with one
+        (`rest=False`: its estimate alone, rests untouched)."""
+        acc = self.requests.setdefault(rid, _Acceptance())
+        if not rest:
+            return best_draft_len(acc.rate, self.cost, self.max_drafts)
+        if acc.rest > 0:
+            acc.rest -= 1
+            return 0
+        k = best_draft_len(acc.rate, self.cost, self.max_drafts)
+        if k > 0:
+            acc.next_rest, acc.probe_due = MIN_REQUEST_REST, False
+            return k
+        if acc.probe_due:
+            acc.probe_due = False
+            return 1
+        acc.rest, acc.probe_due = acc.next_rest - 1, True
+        acc.next_rest = min(2 * acc.next_rest, MAX_REQUEST_REST)
+        return 0
+
+    # ---- observations -----------------------------------------------------------------------
+    def observe_request(self, rid: str, num_drafts: int, num_accepted: int) -> None:
+        """A verification of `num_drafts` drafts accepted the first `num_accepted`."""
+        if num_drafts <= 0:
+            return
+        acc = self.requests.setdefault(rid, _Acceptance())
+        # a chain stops at its first rejection: accepted drafts are successes, the rejected one a failure
+        trials = num_accepted + (1 if num_accepted < num_drafts else 0)
+        acc.accepted = acc.accepted * COUNT_DECAY + num_accepted
+        acc.trials = acc.trials * COUNT_DECAY + trials
+
+    def observe_step(self, batch_size: int, speculated: bool, seconds: float, num_tokens: int) -> None:
+        """One decode step of `batch_size` requests took `seconds` and produced `num_tokens` tokens."""
+        if seconds <= 0 or num_tokens <= 0:
+            return
+        stats = self.buckets.setdefault(bucket_of(batch_size), BucketStats())
+        rate = num_tokens / seconds
+        if speculated:
+            stats.spec_rate = rate if stats.spec_rate is None else (1 - RATE_EMA) * stats.spec_rate + RATE_EMA * rate
+            stats.steps_since_spec = 0
+            stats.steps_since_plain += 1
+            if stats.plain_rate is not None:
+                stats.rest = MIN_REST if stats.spec_wins else min(stats.rest * 2, MAX_REST)
+        else:
+            stats.plain_rate = rate if stats.plain_rate is None else (1 - RATE_EMA) * stats.plain_rate + RATE_EMA * rate
+            stats.steps_since_plain = 0
+            stats.steps_since_spec += 1
+
+    def forget(self, rid: str) -> None:
+        self.requests.pop(rid, None)
+
+    def acceptance(self, rid: str) -> float:
+        """The current acceptance estimate of a request (the prior when it was never verified)."""
+        acc = self.requests.get(rid)
+        return acc.rate if acc is not None else _Acceptance().rate

@@ -1,0 +1,85 @@
+"""The proposer contract: what a draft source (n-gram lookup, draft model, later an EAGLE head) provides."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from radixmesh.engine.config import EngineConfig
+    from radixmesh.engine.model_runner import ModelRunner
+    from radixmesh.engine.request import Req
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    """What a proposer may use: the engine's settings, the target model and its tokenizer."""
+
+    config: EngineConfig
+    target: ModelRunner
+    """The target's runner: its device, model config (vocabulary, EOS) and, for a head, its weights."""
+    tokenizer: Any
+    """The target's Hugging Face tokenizer (None when the engine runs on token ids only)."""
+
+
+@dataclass
+class Proposal:
+    """Draft tokens of one decode step, per request in batch order."""
+
+    drafts: list[list[int]]
+    """Tokens that would follow each request's current tokens (empty: no drafts for it)."""
+    draft_probs: torch.Tensor | None = None
+    """[rows, vocab] float32 on the target's device: row `prob_rows[i] + j` is the distribution draft j
+    of request i was drawn from. None: every draft is deterministic (a point mass), as lookups are."""
+    prob_rows: list[int] = field(default_factory=list)
+    """First row of each request's drafts in `draft_probs` (fixed when the proposal is made, so that
+    shortening `drafts` later keeps rows aligned)."""
+
+    @property
+    def num_drafts(self) -> int:
+        return sum(len(d) for d in self.drafts)
+
+
+class BaseProposer(abc.ABC):
+    """Proposes draft tokens for decoding requests; the verifier checks them in one target pass.
+
+    Contract:
+
+    - `propose(reqs, max_drafts)` returns, for each `reqs[i]`, at most `max_drafts[i]` tokens that
+      would follow `reqs[i].all_ids` (its prompt and output; the last output token has no KV in the
+      target yet). Fewer (or none) is always allowed. With `draft_probs`, a sampled request's draft
+      j must have been drawn from row j's distribution (rejection sampling divides by it); greedy
+      requests' drafts may be anything.
+    - `on_verified(req, num_accepted)` follows every proposal that reached verification, once the
+      request's tokens include the accepted drafts and the token after them (and may have been cut
+      by a stop). A proposer keeping state per request (a draft model's KV) trims it there.
+    - `release(req)` when the request left decoding (finished, aborted, retracted): free its state.
+    - `flush()` drops caches (the engine's flush_cache); False when it cannot (requests hold state).
+
+    An EAGLE-style head would implement the same calls with its own one-layer model reading the
+    target's embedding and LM head (`ctx.target.model`); it also needs the target's last hidden
+    states, which the verify pass does not return yet.
+    """
+
+    id: str
+    """Registry id (kebab-case), as in --speculative-algorithm."""
+    relative_cost: float = 0.0
+    """Cost of one draft token relative to one target decode step; the back-off weighs drafts with it."""
+
+    @abc.abstractmethod
+    def propose(self, reqs: list[Req], max_drafts: list[int]) -> Proposal: ...
+
+    def on_verified(self, req: Req, num_accepted: int) -> None:  # noqa: B027 (optional hook)
+        """The target accepted the first `num_accepted` drafts of `req`'s last proposal."""
+
+    def release(self, req: Req) -> None:  # noqa: B027 (optional hook)
+        """`req` left decoding: drop what is kept for it."""
+
+    def flush(self) -> bool:
+        return True
+
+    def stats(self) -> dict[str, float | int]:
+        return {}

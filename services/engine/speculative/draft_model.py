@@ -1,0 +1,259 @@
+"""Drafts from a small model with the target's tokenizer: its own runner, KV pool and radix cache.
+
+Per step, one EXTEND pass brings each request's draft KV up to its last token (the tokens the
+target accepted since, or a whole prompt the first time, within the prefill budget), then up to
+`k - 1` DECODE passes (replaying CUDA graphs where captured) extend the chains, each feeding the
+previous pass's tokens on the device; the drafts are read back once. Each target request has a
+shadow `Req` here sharing its token lists; draft KV past the shadow's `kv_len` is provisional
+until `on_verified` keeps the accepted part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from radixmesh.engine.attention.base import ForwardMode
+from radixmesh.engine.batch import ScheduleBatch
+from radixmesh.engine.device_io import to_device
+from radixmesh.engine.kv_manager import KVCacheManager
+from radixmesh.engine.model_runner import ModelRunner
+from radixmesh.engine.radix_cache import RadixCache
+from radixmesh.engine.request import Req
+from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.engine.sampling.sampler import argmax
+from radixmesh.engine.speculative.base import BaseProposer, Proposal, ProposerContext
+from radixmesh.engine.speculative.draft_setup import check_draft_fits, num_parameters, prepare_draft
+from radixmesh.engine.speculative.rejection import inverse_cdf
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Shadow:
+    """The draft side of one request: `req.kv_len` of its tokens have draft KV; positions up to
+    `draft_end` hold this step's unverified drafts."""
+
+    req: Req
+    draft_end: int | None = None
+
+
+@dataclass
+class _Chain:
+    """A request drafting this step."""
+
+    index: int
+    """Its place in the proposal."""
+    shadow: _Shadow
+    limit: int
+    greedy: bool
+    temperature: float
+
+
+@dataclass
+class _Passes:
+    """The drafting passes of one step: per pass, the drafted tokens and which chains they extend."""
+
+    tokens: list[torch.Tensor] = field(default_factory=list)
+    """Per pass `[rows]` int64 on the device."""
+    members: list[list[int]] = field(default_factory=list)
+    """Per pass, the proposal index of each row."""
+    probs: list[torch.Tensor] = field(default_factory=list)
+    """Per pass `[rows, vocab]` the distributions drawn from (only when some request samples)."""
+
+
+class DraftModelProposer(BaseProposer):
+    id = "draft"
+
+    def __init__(self, ctx: ProposerContext) -> None:
+        config, target = ctx.config, ctx.target
+        prepared = prepare_draft(config)
+        check_draft_fits(target.model_config, target.context_len, ctx.tokenizer,
+                         getattr(ctx.tokenizer, "name_or_path", None), prepared)
+        draft_config = dataclasses.replace(
+            config, model=config.speculative_draft_model, load_format=prepared.load_format, tokenizer=None,
+            max_total_tokens=target.plan.max_total_tokens, max_running_requests=target.plan.max_running_requests,
+            context_length=target.context_len, speculative_algorithm=None, speculative_draft_model=None)
+        self.runner = ModelRunner(draft_config, prepared)
+        tree = RadixCache(self.runner.allocator, disable=config.disable_radix_cache)
+        self.kv = KVCacheManager(self.runner.req_pool, self.runner.kv_pool, self.runner.allocator, tree)
+        self.device = target.device
+        self.prefill_budget = config.prefill_token_budget
+        self.shadows: dict[str, _Shadow] = {}
+        self.relative_cost = num_parameters(prepared.config) / max(num_parameters(target.model_config), 1)
+        self._generator = torch.Generator(device="cpu")
+        self._generator.manual_seed(config.random_seed + 1)
+        self.num_draft_passes = 0
+        logger.info("draft model %s (%s weights, %.3fx the target's parameters)", prepared.name,
+                    prepared.load_format, self.relative_cost)
+
+    # ---- proposing --------------------------------------------------------------------------
+    def propose(self, reqs: list[Req], max_drafts: list[int]) -> Proposal:
+        drafts: list[list[int]] = [[] for _ in reqs]
+        chains, logits = self._catch_up(reqs, max_drafts)
+        if logits is None:
+            return Proposal(drafts)
+        passes = self._draft(chains, logits)
+        flat = torch.cat(passes.tokens).tolist()  # the one host read of this step's drafts
+        rows: dict[int, list[int]] = {c.index: [] for c in chains}  # proposal index -> flat rows, in order
+        offset = 0
+        for members in passes.members:
+            for row, index in enumerate(members):
+                rows[index].append(offset + row)
+            offset += len(members)
+        prob_rows = [0] * len(reqs)
+        order: list[int] = []
+        for chain in chains:
+            drafts[chain.index] = [flat[r] for r in rows[chain.index]]
+            prob_rows[chain.index] = len(order)
+            order += rows[chain.index]
+            chain.shadow.draft_end = chain.shadow.req.kv_len + len(rows[chain.index]) - 1
+        draft_probs = None
+        if passes.probs:
+            draft_probs = torch.cat(passes.probs).index_select(0, to_device(order, torch.int64, self.device))
+        return Proposal(drafts, draft_probs, prob_rows)
+
+    def _catch_up(self, reqs: list[Req], max_drafts: list[int]) -> tuple[list[_Chain], torch.Tensor | None]:
+        """One EXTEND pass feeding each request the tokens the draft has no KV for, its last one
+        included; those that caught up draft from their last row's logits (returned, `[chains, vocab]`)."""
+        fed: list[tuple[int, _Shadow, int]] = []  # (proposal index, shadow, tokens fed)
+        budget = self.prefill_budget
+        for i, (req, limit) in enumerate(zip(reqs, max_drafts)):
+            shadow = self._shadow(req) if limit > 0 and budget > 0 else None
+            if shadow is None:
+                continue
+            feed = min(req.fill_len - shadow.req.kv_len, budget)
+            assert feed >= 1, f"request {req.rid}: the draft already has KV for its last token"
+            budget -= feed
+            fed.append((i, shadow, feed))
+        slots = self.kv.alloc_slots(sum(n for _, _, n in fed)) if fed else None
+        if slots is None:
+            return [], None
+        input_ids: list[int] = []
+        positions: list[int] = []
+        offset = 0
+        for _, shadow, feed in fed:
+            sreq = shadow.req
+            start = sreq.kv_len
+            input_ids += sreq.all_ids[start:start + feed]
+            positions += range(start, start + feed)
+            assert sreq.req_pool_idx is not None
+            self.kv.req_pool.req_to_token[sreq.req_pool_idx, start:start + feed] = slots[offset:offset + feed]
+            offset += feed
+        shadows = [shadow.req for _, shadow, _ in fed]
+        batch = ScheduleBatch(ForwardMode.EXTEND, shadows, input_ids, positions, slots,
+                              [r.kv_len for r in shadows], [n for _, _, n in fed], _pool_rows(shadows))
+        logits = self.runner.forward(batch)  # [len(fed), vocab]: each request's last fed token
+        self.num_draft_passes += 1
+        chains: list[_Chain] = []
+        rows: list[int] = []
+        for row, (i, shadow, feed) in enumerate(fed):
+            shadow.req.kv_len += feed
+            if shadow.req.kv_len == reqs[i].fill_len:  # caught up (else: a long prompt, continued next step)
+                params = reqs[i].params
+                chains.append(_Chain(i, shadow, max_drafts[i], params.is_greedy, params.temperature))
+                rows.append(row)
+        if not chains:
+            return [], None
+        return chains, logits.index_select(0, to_device(rows, torch.int64, self.device))
+
+    def _draft(self, chains: list[_Chain], logits: torch.Tensor) -> _Passes:
+        """Draft token 1 from the catch-up logits, then one DECODE pass per further token."""
+        sampled = any(not c.greedy for c in chains)
+        passes = _Passes()
+        active = chains
+        for step in range(1, max(c.limit for c in chains) + 1):
+            if step > 1:
+                keep = [row for row, c in enumerate(active) if c.limit >= step]
+                active = [active[row] for row in keep]
+                next_logits = self._decode(active, step, passes.tokens[-1], keep)
+                if next_logits is None:  # no KV slot left for another pass: the chains end here
+                    break
+                logits = next_logits
+            tokens, q = self._pick(logits, active, sampled)
+            passes.tokens.append(tokens)
+            passes.members.append([c.index for c in active])
+            if q is not None:
+                passes.probs.append(q)
+        return passes
+
+    def _decode(self, active: list[_Chain], step: int, prev: torch.Tensor, keep: list[int]) -> torch.Tensor | None:
+        """Feed each chain its draft `step - 1` (row `keep[i]` of `prev`, read on the device)."""
+        slots = self.kv.alloc_slots(len(active))
+        if slots is None:
+            return None
+        shadows = [c.shadow.req for c in active]
+        positions = [r.kv_len + step - 2 for r in shadows]
+        batch = ScheduleBatch(ForwardMode.DECODE, shadows, [0] * len(active), positions, slots, positions,
+                              [1] * len(active), _pool_rows(shadows), future_rows=keep)
+        self.runner.last_tokens = prev
+        self.num_draft_passes += 1
+        return self.runner.forward(batch)
+
+    def _pick(self, logits: torch.Tensor, active: list[_Chain],
+              sampled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy chains take the argmax; the others draw from the temperature softmax `q` (returned)."""
+        greedy_ids = argmax(logits)
+        if not sampled:
+            return greedy_ids, None
+        temps = to_device([1.0 if c.greedy else c.temperature for c in active], torch.float32, self.device)
+        q = torch.softmax(logits.float() / temps.unsqueeze(1), dim=-1)
+        uniforms = torch.rand(len(active), generator=self._generator).to(self.device)
+        is_greedy = to_device([c.greedy for c in active], torch.bool, self.device)
+        return torch.where(is_greedy, greedy_ids, inverse_cdf(q, uniforms)), q
+
+    # ---- per-request state ------------------------------------------------------------------
+    def _shadow(self, req: Req) -> _Shadow | None:
+        """The request's draft side, created on first use (its cached prefix matched and locked)."""
+        shadow = self.shadows.get(req.rid)
+        if shadow is not None:
+            return shadow
+        sreq = Req(rid=req.rid, origin_input_ids=req.origin_input_ids, params=SamplingParams())
+        sreq.output_ids = req.output_ids  # the same list: the draft always sees the request's tokens
+        self.kv.match(sreq)
+        self.kv.lock(sreq)
+        if not self.kv.assign_row(sreq):
+            self.kv.unlock(sreq)
+            return None
+        shadow = self.shadows[req.rid] = _Shadow(sreq)
+        return shadow
+
+    def on_verified(self, req: Req, num_accepted: int) -> None:
+        """Keep the draft KV of accepted drafts (never of the request's last token), free the rest."""
+        shadow = self.shadows.get(req.rid)
+        if shadow is None or shadow.draft_end is None:
+            return
+        sreq, end = shadow.req, shadow.draft_end
+        shadow.draft_end = None
+        # kv_len covers the verified token; drafts 1..num_accepted follow it, the last token has no KV
+        valid = min(end, sreq.kv_len + num_accepted, len(req.all_ids) - 1)
+        assert sreq.req_pool_idx is not None
+        row = self.kv.req_pool.req_to_token[sreq.req_pool_idx]
+        if valid < end:
+            self.kv.allocator.free(row[max(valid, sreq.kv_len):end].clone())
+        if valid < sreq.kv_len:  # nothing was verified: the last token's KV goes too
+            self.kv.allocator.free(row[valid:sreq.kv_len].clone())
+        sreq.kv_len = valid
+
+    def release(self, req: Req) -> None:
+        shadow = self.shadows.pop(req.rid, None)
+        if shadow is not None:
+            assert shadow.draft_end is None, f"request {req.rid} released with unverified draft KV"
+            self.kv.release(shadow.req)
+
+    def flush(self) -> bool:
+        return not self.shadows and self.kv.flush()
+
+    def stats(self) -> dict[str, float | int]:
+        kv = self.kv
+        return {"spec_draft_passes": self.num_draft_passes, "spec_draft_kv_used_tokens": kv.used_tokens(),
+                "spec_draft_kv_cached_tokens": kv.tree.total_size()}
+
+
+def _pool_rows(reqs: list[Req]) -> list[int]:
+    rows = [r.req_pool_idx for r in reqs if r.req_pool_idx is not None]
+    assert len(rows) == len(reqs), "a drafting request has no row in the draft's req_to_token"
+    return rows

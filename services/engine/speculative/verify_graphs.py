@@ -1,0 +1,208 @@
+"""Verify passes through captured CUDA graphs, one per (bucketed batch size, tokens per request).
+
+A verify pass feeds each request its last token and its drafts. Graphs are captured for the
+decode graphs' batch-size buckets and for a few lengths `E` (tokens per request: 2, 3, 5, 9, ...
+up to `K + 1`); a batch replays the graph of the smallest `E` that holds its longest request and
+the smallest batch size that holds it. Shorter requests are padded with dummy tokens and missing
+requests with dummy rows (row 0 of `req_to_token`); padding writes its K/V to the dummy slot 0 and
+its logits are dropped. Real tokens never attend to padding (it comes after them in their own
+request), so their logits are those of the eager pass.
+
+Per replay: one host-to-device copy of the inputs (ids, positions, request rows, lengths), a
+scatter of the real tokens' KV slots into the static `out_cache_loc`, the replay, and a gather of
+the real tokens' logits. With `capture=False` the same static-buffer pass runs eagerly (CPU tests).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixmesh.engine.attention.base import ForwardBatch, ForwardMode
+from radixmesh.engine.cuda_graph_runner import graph_batch_sizes
+from radixmesh.engine.device_io import copy_to_device, rows_to_device
+
+if TYPE_CHECKING:
+    from radixmesh.engine.model_runner import ModelRunner
+    from radixmesh.engine.speculative.verify_batch import VerifyBatch
+
+logger = logging.getLogger(__name__)
+
+MAX_GRAPH_BATCH = 32
+"""Largest verify batch captured (larger ones verify eagerly: they are compute bound anyway)."""
+MAX_GRAPH_TOKENS = 256
+"""Most tokens (batch size x tokens per request) in one captured verify pass."""
+
+
+def graph_lengths(max_drafts: int) -> list[int]:
+    """Tokens per request captured: 2, 3, 5, 9, ... (at most twice the need) and `max_drafts + 1`."""
+    lens = {max_drafts + 1}
+    n = 1
+    while n + 1 < max_drafts + 1:
+        lens.add(n + 1)
+        n *= 2
+    return sorted(lens)
+
+
+@dataclass
+class _Graph:
+    run: Callable[[], torch.Tensor]
+    graph: torch.cuda.CUDAGraph | None
+    order: list[int]
+    """Packed graph row -> its row in the model's output (each request's last token first, then the rest)."""
+
+
+class VerifyGraphRunner:
+    """Replays verify passes; `key(batch)` says whether (and in which graph) a batch can run."""
+
+    def __init__(self, runner: ModelRunner, max_drafts: int, max_bs: int, capture: bool = True) -> None:
+        backend = runner.attn_backend
+        assert backend.supports_extend_graph, f"{type(backend).__name__} cannot capture extend passes"
+        self.runner = runner
+        self.lens = graph_lengths(max_drafts)
+        self.sizes = graph_batch_sizes(max_bs)
+        self.keys = [(bs, e) for bs in self.sizes for e in self.lens if bs * e <= MAX_GRAPH_TOKENS]
+        max_tokens = max(bs * e for bs, e in self.keys)
+        max_bs = self.max_bs = max(bs for bs, _ in self.keys)
+        device = runner.device
+        self.max_seq_len = runner.req_pool.max_context_len
+        # [2 * tokens + 2 * batch] int64 viewed per graph: ids, positions, request rows, lengths
+        self.flat = torch.zeros(2 * max_tokens + 2 * max_bs, dtype=torch.int64, device=device)
+        self.out_cache_loc = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int64, device=device)
+        self.kv_indices = torch.zeros(max_bs * self.max_seq_len, dtype=torch.int32, device=device)
+        self.logits = torch.zeros(max_tokens, runner.model_config.vocab_size, dtype=torch.float32, device=device)
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.num_replays = 0
+        start = time.perf_counter()
+        self._build_all(capture)
+        if capture:
+            logger.info("captured %d verify CUDA graphs (batch sizes up to %d, %s tokens per request) in %.1f s",
+                        len(self.graphs), max_bs, self.lens, time.perf_counter() - start)
+
+    def _views(self, bs: int, e: int) -> tuple[torch.Tensor, ...]:
+        """ids `[bs * e]`, positions `[bs * e]`, request rows `[bs]`, lengths `[bs]`, and all four (one copy)."""
+        t, f = bs * e, self.flat
+        return f[:t], f[t:2 * t], f[2 * t:2 * t + bs], f[2 * t + bs:2 * t + 2 * bs], f[:2 * t + 2 * bs]
+
+    def _make(self, bs: int, e: int) -> _Graph:
+        r = self.runner
+        device = r.device
+        ids, positions, rows, seq_lens, _ = self._views(bs, e)
+        ids.zero_()
+        rows.zero_()
+        seq_lens.fill_(e)
+        positions.copy_(torch.arange(e, device=device).repeat(bs))  # dummy rows: row 0, positions 0..e-1
+        out_cache_loc = self.out_cache_loc[:bs * e]
+        out_cache_loc.zero_()
+        lasts = [(i + 1) * e - 1 for i in range(bs)]
+        extras = [g for g in range(bs * e) if g % e != e - 1]
+        place = {g: i for i, g in enumerate(lasts + extras)}
+        fb = ForwardBatch(
+            mode=ForwardMode.EXTEND, input_ids=ids, positions=positions, out_cache_loc=out_cache_loc,
+            req_pool_indices=rows, seq_lens=seq_lens,
+            extend_prefix_lens=torch.zeros(bs, dtype=torch.int64, device=device),  # read by no backend in graphs
+            extend_seq_lens=torch.full((bs,), e, dtype=torch.int64, device=device), req_to_token_pool=r.req_pool,
+            token_to_kv_pool=r.kv_pool, attn_backend=r.attn_backend, seq_lens_cpu=[e] * bs,
+            extend_prefix_lens_cpu=[0] * bs, extend_seq_lens_cpu=[e] * bs,
+            extra_logit_rows=torch.tensor(extras, dtype=torch.int64, device=device))
+        out = self.logits[:bs * e]
+
+        def run() -> torch.Tensor:
+            r.attn_backend.init_extend_metadata_graph(fb, e, self.kv_indptr, self.kv_indices)
+            return out.copy_(r.model(fb.input_ids, fb.positions, fb))
+
+        return _Graph(run, None, [place[g] for g in range(bs * e)])
+
+    def _build_all(self, capture: bool) -> None:
+        if not capture:
+            self.graphs = {key: self._make(*key) for key in self.keys}
+            return
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()  # a collected CUDA object would invalidate the capture (see cuda_graph_runner)
+        try:
+            for key in sorted(self.keys, key=lambda k: k[0] * k[1], reverse=True):  # largest first: pool reuse
+                self.graphs[key] = self._capture(self._make(*key), pool, stream)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        torch.cuda.synchronize()
+
+    @staticmethod
+    def _capture(item: _Graph, pool: Any, stream: torch.cuda.Stream) -> _Graph:
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: Triton compiles, the allocator settles
+                item.run()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                item.run()
+        item.graph = graph
+        return item
+
+    def key(self, batch: VerifyBatch) -> tuple[int, int] | None:
+        """The graph (batch size, tokens per request) that holds `batch`, or None (verify eagerly)."""
+        bs, need = len(batch.reqs), max(batch.extend_lens)
+        e = next((e for e in self.lens if e >= need), None)
+        size = next((s for s in self.sizes if s >= bs), None)
+        if e is None or size is None or (size, e) not in self.graphs:
+            return None
+        # padding runs past each request's own tokens: its positions must stay inside the context
+        if any(p + e > self.max_seq_len - 1 for p in batch.prefix_lens):
+            return None
+        return size, e
+
+    def replay(self, batch: VerifyBatch, key: tuple[int, int]) -> torch.Tensor:
+        """Float32 logits `[rows, vocab]` of the batch's tokens, in packed order (as the eager pass)."""
+        size, e = key
+        item = self.graphs[key]
+        ids: list[int] = []
+        positions: list[int] = []
+        graph_rows: list[int] = []
+        offset = 0
+        for i, (prefix, n) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
+            ids += batch.input_ids[offset:offset + n] + [0] * (e - n)
+            positions += range(prefix, prefix + e)
+            graph_rows += range(i * e, i * e + n)
+            offset += n
+        dummy = size - len(batch.reqs)
+        ids += [0] * (dummy * e)
+        positions += list(range(e)) * dummy
+        rows = batch.req_pool_indices + [0] * dummy
+        seq_lens = [p + e for p in batch.prefix_lens] + [e] * dummy
+        *_, host = self._views(size, e)
+        copy_to_device(host, ids + positions + rows + seq_lens)
+        device = self.runner.device
+        scatter, gather = rows_to_device([graph_rows, [item.order[g] for g in graph_rows]], device)
+        out_cache_loc = self.out_cache_loc[:size * e]
+        out_cache_loc.zero_()  # padding writes its K/V to the dummy slot 0
+        out_cache_loc.index_copy_(0, scatter, batch.out_cache_loc)
+        if item.graph is not None:
+            item.graph.replay()
+            logits = self.logits[:size * e]
+        else:
+            logits = item.run()
+        self.num_replays += 1
+        return logits.index_select(0, gather)
+
+
+def make_verify_graphs(runner: ModelRunner, max_drafts: int, max_bs: int) -> VerifyGraphRunner | None:
+    """Verify graphs when the target replays decode graphs and its backend can capture extend passes;
+    None (verify eagerly) otherwise, or when capturing fails (logged)."""
+    if runner.graph_runner is None or not runner.attn_backend.supports_extend_graph:
+        return None
+    try:
+        return VerifyGraphRunner(runner, max_drafts, min(max_bs, MAX_GRAPH_BATCH))
+    except Exception as exc:  # the engine still serves, verifying eagerly
+        logger.warning("verify passes run eagerly: capturing their CUDA graphs failed (%s: %s)",
+                       type(exc).__name__, exc)
+        return None
