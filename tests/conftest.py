@@ -5,6 +5,14 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without CUDA, Triton kernels run under the interpreter. The mode of a kernel is fixed when its
+# module is first imported, by whichever test module imports radixmesh first: set it here, before
+# any of them, so that no test depends on the order in which files are collected.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
