@@ -60,6 +60,12 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
         -k "not scheduler"
       # the one-shot all-reduce kernel over CUDA IPC between two processes (on one GPU here)
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_custom_all_reduce_gpu.py ;;
+    gpu-tests)  # every GPU test file, newest features first, without stopping at a failure (10 minutes at most)
+      python3 -m pytest -v -p no:cacheprovider -m gpu --timeout 240 -rfE tests/gpu/test_fp8_gpu.py \
+        tests/gpu/test_speculative_gpu.py tests/gpu/test_mm_gpu.py tests/gpu/test_hicache_gpu.py \
+        tests/gpu/test_custom_all_reduce_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_hot_path_gpu.py \
+        tests/gpu/test_triton_kernels_gpu.py tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_kv_transfer_gpu.py \
+        tests/gpu/test_tensor_parallel_gpu.py ;;
     engine-tests)
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_engine_gpu.py ;;
     hot-path)  # no implicit host-device sync in scheduling, launch, sampling, results (graphs + overlap)
