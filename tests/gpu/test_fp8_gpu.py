@@ -168,7 +168,8 @@ def test_fp8_weights_and_kv_decode_in_cuda_graphs_with_overlap_like_eager() -> N
     weights = None
     for mode, overrides in (("eager", dict(disable_cuda_graph=True, overlap_schedule="off")),
                             ("graphs", dict(overlap_schedule="on"))):
-        runner = _runner(quantization="fp8", kv_cache_dtype="fp8_e4m3", **overrides)
+        # one GEMM backend for both: `auto` times the backends at each load and two loads may pick differently
+        runner = _runner(quantization="fp8", kv_cache_dtype="fp8_e4m3", fp8_gemm_backend="scaled-mm", **overrides)
         if weights is None:  # the same wide random weights in both: stable greedy paths
             ref = _runner(disable_cuda_graph=True)
             with torch.no_grad():
@@ -206,7 +207,9 @@ def test_fp8_checkpoint_on_the_gpu_matches_quantization_at_load(tmp_path) -> Non
         return ModelRunner(config, prepare_model(path, "auto", progress=False))
 
     prompts = random_prompts(16, HF_CONFIG["vocab_size"], 3, 60, seed=2)  # type: ignore[arg-type]
-    at_load, published = load(plain, quantization="fp8"), load(fp8_dir)
+    # one GEMM backend for both (see above): then the two loads run the same FP8 weights through the same kernels
+    at_load = load(plain, quantization="fp8", fp8_gemm_backend="scaled-mm")
+    published = load(fp8_dir, fp8_gemm_backend="scaled-mm")
     torch.testing.assert_close(prefill_logits(published, prompts), prefill_logits(at_load, prompts), atol=1e-3,
                                rtol=1e-3)
 

@@ -22,9 +22,18 @@ from radixmesh.engine.memory import TokenToKVPool
 from radixmesh.engine.request import Req
 from radixmesh.kernels.kv_host import gather_kv_tokens, scatter_kv_tokens
 from radixmesh.kernels.kv_host_ref import gather_kv_tokens_torch
-from tests.unit.scheduler_factory import assert_no_leak, clone, make_requests, make_scheduler, run_until_idle
+from tests.unit.scheduler_factory import (
+    assert_no_leak,
+    clone,
+    make_requests,
+    make_scheduler,
+    run_until_idle,
+    tiny_model_config,
+)
 
 pytestmark = pytest.mark.gpu
+GPU_SHAPE = tiny_model_config(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16)
+"""The tiny scheduler model with a head size the Triton kernels take (tl.dot needs head_dim >= 16)."""
 LAYERS, HEADS, DIM = 32, 8, 128  # Llama-3.1-8B's KV
 
 
@@ -84,7 +93,7 @@ def _again(req: Req) -> Req:
 def _reference(reqs: list[Req]) -> dict[str, list[int]]:
     """Each request alone on a pool that holds everything, then once more from the (device) cache: the same
     kernels as a run whose cached prefix came back from the host tier."""
-    sched, out = make_scheduler(device="cuda", max_total_tokens=8192)
+    sched, out = make_scheduler(GPU_SHAPE, device="cuda", max_total_tokens=8192)
     for req in reqs:
         sched.add_request(clone(req))
         run_until_idle(sched)
@@ -97,7 +106,7 @@ def _reference(reqs: list[Req]) -> dict[str, list[int]]:
 def test_scheduler_with_graphs_and_overlap_gives_the_same_tokens_with_the_host_tier(policy: str) -> None:
     reqs = make_requests(8, seed=3, prompt_len=(60, 90), max_new_tokens=8)
     expected = _reference(reqs)
-    sched, out = make_scheduler(device="cuda", max_total_tokens=256, enable_hierarchical_cache=True,
+    sched, out = make_scheduler(GPU_SHAPE, device="cuda", max_total_tokens=256, enable_hierarchical_cache=True,
                                 hicache_ratio=8.0, hicache_write_policy=policy)
     assert sched.config.overlap_enabled and sched.runner.graph_runner is not None
     for req in reqs:

@@ -75,14 +75,16 @@ class MRotaryEmbedding(RotaryEmbedding):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def forward_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor) -> None:
+                      k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         if positions.dim() == 1:
-            super().forward_store(positions, q, k, v, k_buffer, v_buffer, loc)
+            super().forward_store(positions, q, k, v, k_buffer, v_buffer, loc, k_scale, v_scale)
             return
+        from radixmesh.kernels.kv_store import store_kv
+
         q_rot, k_rot = self.forward(positions, q, k)
         q.copy_(q_rot)
-        k_buffer[loc] = k_rot.to(k_buffer.dtype)
-        v_buffer[loc] = v.to(v_buffer.dtype)
+        store_kv(k_buffer, v_buffer, loc, k_rot, v, k_scale, v_scale)  # FP8 pools: through their scales
 
 
 class Qwen2VLForConditionalGeneration(nn.Module):
