@@ -269,8 +269,10 @@ def test_grammar_rows_stay_sync_free(tokenizer: Any) -> None:
     run_until_idle(sched)
     reqs = grammar_reqs("g")
     _run_monitored(sched, reqs)
+    assert not col.errors, col.errors
     for i, req in enumerate(reqs):
         text = tokenizer.decode(col.tokens[req.rid], skip_special_tokens=True)
+        assert text or i % 3 == 2, (req.rid, col.tokens[req.rid], col.finish.get(req.rid))
         if i % 3 == 0:
             value = json.loads(text)
             assert set(value) == {"n", "ok"} and 0 <= value["n"] <= 99, text
