@@ -201,7 +201,7 @@ class RadixCache:
         """Lock the path root..node against eviction; return tokens moved from evictable to protected."""
         moved = 0
         while node is not self.root:
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and node.on_device:  # host-tier nodes hold no device slots
                 moved += len(node.key)
             node.lock_ref += 1
             assert node.parent is not None, "locking a node that is not in the tree"
@@ -216,7 +216,7 @@ class RadixCache:
         while node is not self.root:
             assert node.lock_ref > 0, f"unlocking an unlocked node (key starts {node.key[:4]})"
             node.lock_ref -= 1
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and node.on_device:
                 moved += len(node.key)
             assert node.parent is not None, "unlocking a node that is not in the tree"
             node = node.parent

@@ -151,31 +151,6 @@ class HiRadixCache(RadixCache):
             i += matched
         return i if device_len < 0 else device_len
 
-    def inc_lock_ref(self, node: TreeNode) -> int:
-        moved = 0
-        while node is not self.root:
-            if node.lock_ref == 0 and node.on_device:
-                moved += len(node.key)
-            node.lock_ref += 1
-            assert node.parent is not None, "locking a node that is not in the tree"
-            node = node.parent
-        self._evictable_size -= moved
-        self._protected_size += moved
-        return moved
-
-    def dec_lock_ref(self, node: TreeNode) -> int:
-        moved = 0
-        while node is not self.root:
-            assert node.lock_ref > 0, f"unlocking an unlocked node (key starts {node.key[:4]})"
-            node.lock_ref -= 1
-            if node.lock_ref == 0 and node.on_device:
-                moved += len(node.key)
-            assert node.parent is not None, "unlocking a node that is not in the tree"
-            node = node.parent
-        self._protected_size -= moved
-        self._evictable_size += moved
-        return moved
-
     # ---- device eviction ------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
         """Free device slots of unlocked device leaves, LRU first: each moves to the host tier (written
