@@ -185,9 +185,12 @@ class KVIndexWriter:
                 self._on_error(exc)
 
     def _on_error(self, exc: BaseException) -> None:
-        # Writes may be lost and the lease may lapse while Redis is away: republish on return.
+        # Writes may be lost and the lease may lapse while Redis is away: republish on return. The flush
+        # loop is woken even when nothing else is queued (a failed heartbeat of an idle worker): it retries
+        # every RETRY_S until Redis answers.
         self._needs_resync = True
         self._pending.clear()
+        self._wake.set()
         now = time.monotonic()
         if now - self._last_error_log > 10.0:
             self._last_error_log = now

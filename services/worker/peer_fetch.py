@@ -107,8 +107,6 @@ class PeerFetchFlow:
     async def _skip_reason(self, fetch: _Fetch) -> str | None:
         """Why the prefix is computed here without asking the peer (None: fetch it)."""
         peer, config = fetch.peer, self.config
-        if config.peer_fetch == "off":
-            return "off"
         if peer.worker_id == config.worker_id or peer.address == config.advertise_address:
             return "peer_is_self"
         if fetch.params.logprob_start_len >= 0:

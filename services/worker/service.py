@@ -40,6 +40,10 @@ from radixmesh.worker.timeline import RequestTimeline
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
 
+def may_fetch_from_peers(config: WorkerConfig) -> bool:
+    return config.role != "prefill" and config.peer_fetch != "off"
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """Streams a sequence's tokens from the scheduler process; cancelling the call aborts it."""
 
@@ -51,8 +55,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """Generate calls naming a prefill worker (decode role only)."""
         self.prefill = PrefillFlow(client, config, self.load) if config.role == "prefill" else None
         """Prefill calls (prefill role only)."""
-        self.peer_fetch = PeerFetchFlow(client, config) if config.role != "prefill" else None
-        """Generate calls naming a peer that holds a prefix (prefix sharing; unified and decode roles)."""
+        self.peer_fetch = PeerFetchFlow(client, config) if may_fetch_from_peers(config) else None
+        """Generate calls naming a peer that holds a prefix (prefix sharing; unified and decode roles, unless
+        --peer-fetch off: such calls then compute the prefix here)."""
         self.index_epoch: Callable[[], int] = lambda: 0
         """This worker's current KV-cache index epoch (set once its publisher runs; 0: none)."""
         self.peer_export = PeerExportFlow(client, config, lambda: self.index_epoch())

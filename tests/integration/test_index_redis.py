@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import time
 
 import pytest
 import redis as sync_redis
@@ -258,6 +259,36 @@ def test_writer_republishes_after_redis_restart(tmp_path_factory: pytest.TempPat
         await reader.redis.aclose()
 
     server = start_local_redis(tmp_path_factory.mktemp("redis-restart"))
+    try:
+        asyncio.run(run(server))
+    finally:
+        server.stop()
+
+
+def test_an_idle_writer_republishes_once_redis_returns(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """No event arrives during or after the outage: the failed heartbeat alone must bring the resync
+    (nothing here calls wait_published, which would wake the writer itself)."""
+    from tests.redis_helpers import start_local_redis
+
+    async def run(server: LocalRedis) -> None:
+        config = make_config(server)
+        hashes = block_hashes(prompt(9, 3), 4)
+        writer = make_writer(config, "idle")
+        await writer.start()
+        writer.stored(hashes)
+        await published(writer)
+        server.stop()
+        await asyncio.sleep(3 * config.heartbeat_s)  # at least two heartbeats fail
+        server.start()
+        reader = KVIndexReader(config, connect(config))
+        deadline = time.monotonic() + 10
+        while (await reader.lookup(hashes)).cached_blocks != {"idle": 3}:
+            assert time.monotonic() < deadline, "the idle writer never republished"
+            await asyncio.sleep(0.1)
+        await writer.close()
+        await reader.redis.aclose()
+
+    server = start_local_redis(tmp_path_factory.mktemp("redis-idle-restart"))
     try:
         asyncio.run(run(server))
     finally:

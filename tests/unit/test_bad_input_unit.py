@@ -141,7 +141,7 @@ class _FakeContext:
 
 
 def _call_generate(request: worker_pb2.GenerateRequest) -> tuple[_FakeContext, list[worker_pb2.GenerateResponse]]:
-    servicer = WorkerServicer(_FakeEngineClient(), WorkerConfig())  # type: ignore[arg-type]
+    servicer = WorkerServicer(_FakeEngineClient(), WorkerConfig(peer_fetch="off"))  # type: ignore[arg-type]
     context = _FakeContext()
 
     async def run() -> list[worker_pb2.GenerateResponse]:
