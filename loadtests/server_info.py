@@ -62,10 +62,10 @@ def _looks_like_hub_id(value: str) -> bool:
 
 def load_tokenizer(path: str, source: str = "--tokenizer") -> Any:
     """The tokenizer at `path`; ValueError (with what to pass instead) when it cannot be loaded."""
-    from transformers import AutoTokenizer
+    from radixmesh.engine.tokenizer import pretrained_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return pretrained_tokenizer(path)
     except (OSError, ValueError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         hint = "" if source == "--tokenizer" else f"; {TOKENIZER_HINT}"

@@ -22,3 +22,11 @@ def local_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis
     server = start_local_redis(tmp_path_factory.mktemp("redis"))
     yield server
     server.stop()
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[LocalRedis]:
+    """A Redis of the test's own, which it may stop and start again (it loses everything: no persistence)."""
+    server = start_local_redis(tmp_path / "redis")
+    yield server
+    server.stop()

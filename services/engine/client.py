@@ -33,7 +33,7 @@ from radixmesh.engine.disagg.messages import (
     ResolveReservationMsg,
     TransferDoneReqMsg,
 )
-from radixmesh.engine.distributed.sharding import check_tensor_parallel
+from radixmesh.engine.distributed.layout import check_tensor_parallel
 from radixmesh.engine.kv_events import KVEventsMsg
 from radixmesh.engine.loader import PreparedModel, prepare_model
 from radixmesh.engine.messages import (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from radixmesh.common.errors import invalid_argument
@@ -215,9 +216,7 @@ class EngineConfig:
         """A copy with `device` and `dtype` made concrete."""
         device = self.device
         if device == "auto":
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = "cuda" if cuda_available() else "cpu"
         dtype = self.dtype
         if dtype == "auto":
             dtype = "float32" if device == "cpu" else "bfloat16"
@@ -237,6 +236,20 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")
+"""Present wherever torch can see a GPU (NVIDIA's driver; ROCm's /dev/kfd)."""
+
+
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch where no GPU driver exists (front ends on CPU
+    machines then start ~2 s sooner; the scheduler process imports torch anyway)."""
+    if not any(os.path.exists(path) for path in GPU_DRIVER_PATHS):
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def _in(value: str, allowed: tuple[str, ...], name: str) -> None:

@@ -18,7 +18,8 @@ from radixmesh.engine.batch import ScheduleBatch, future_index, resolve_futures
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.cuda_graph_runner import CudaGraphRunner
 from radixmesh.engine.device_io import rows_to_device
-from radixmesh.engine.distributed.sharding import TP_NONE, RankLink, ShardLayout
+from radixmesh.engine.distributed.layout import ShardLayout
+from radixmesh.engine.distributed.sharding import TP_NONE, RankLink
 from radixmesh.engine.grammar.vocab_mask import VocabMask
 from radixmesh.engine.loader import PreparedModel, iter_weight_slices, iter_weights
 from radixmesh.engine.loader.dummy import init_dummy_

@@ -2,21 +2,49 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 from radixmesh.common.errors import invalid_argument
 
+GENERIC_FAST_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+"""`tokenizer_class` values that name transformers' generic fast tokenizer (its v4 and v5 names)."""
 
-def load_tokenizer(path: str | Path) -> Any:
+
+def names_generic_fast_tokenizer(path: str | Path) -> bool:
+    """Whether `path` is a local directory whose tokenizer is transformers' generic fast tokenizer over its
+    tokenizer.json. AutoTokenizer would build that same class, but finding it imports torch and the model
+    registry (~3 s of CPU per process start on a small machine); the class itself needs neither."""
+    directory = Path(path)
+    if not (directory / "tokenizer.json").is_file():
+        return False
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("tokenizer_class") in GENERIC_FAST_CLASSES
+
+
+def pretrained_tokenizer(path: str | Path) -> Any:
+    """transformers' tokenizer of a model directory or hub id (exceptions as from_pretrained raises them)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if names_generic_fast_tokenizer(path):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_tokenizer(path: str | Path) -> Any:
     try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as exc:
-        raise invalid_argument(f"cannot load the tokenizer from {path}: {exc}".splitlines()[0]) from None
+        return pretrained_tokenizer(path)
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ... for broken files
+        detail = str(exc) or type(exc).__name__
+        raise invalid_argument(f"cannot load the tokenizer from {path}: {detail}".splitlines()[0]) from None
 
 
 # The text <-> ids conventions of every front end (HTTP gateway, tokenizer service), in one place.

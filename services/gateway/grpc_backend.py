@@ -274,9 +274,7 @@ class GrpcBackend(Backend):
         request = self._request(list(input_ids), params, rid, mm=mm)
         # The detokenize session opens while the prompt is computed: the first token does not wait for it.
         detok = self.tokenizer.upstreams[0].stub.Detokenize()
-        started = asyncio.ensure_future(self._detok_call(detok, detok.write(tokenizer_pb2.DetokenizeRequest(
-            start=tokenizer_pb2.DetokenizeStart(request_id=rid, skip_special_tokens=params.skip_special_tokens,
-                                                stop=list(params.stop))))))
+        started = asyncio.ensure_future(self._start_detokenize(detok, rid, params))
         call = None
         try:
             target, call, first = await self._open_stream(request)
@@ -341,6 +339,13 @@ class GrpcBackend(Backend):
         if response is grpc.aio.EOF:
             raise self._tokenizer_error(await _status_error(detok))
         return str(response.text)
+
+    async def _start_detokenize(self, detok: Any, rid: str, params: SamplingParams) -> None:
+        # The write is made here, not by the caller: a request that fails before this task runs cancels it,
+        # and a write coroutine made up front would then never be awaited.
+        start = tokenizer_pb2.DetokenizeStart(request_id=rid, skip_special_tokens=params.skip_special_tokens,
+                                              stop=list(params.stop))
+        await self._detok_call(detok, detok.write(tokenizer_pb2.DetokenizeRequest(start=start)))
 
     async def _detok_call(self, detok: Any, step: Awaitable[Any]) -> Any:
         """One write or read on the Detokenize stream; a tokenizer that went away (the RPC failed, or

@@ -9,12 +9,14 @@ hundreds of replies in Python costs more than the network on loopback). It only 
            script builds the `b:`, `bh:` and `spec:` key names itself: packing hundreds of separate
            arguments costs the client more than the walk costs Redis); then worker id and lease
            epoch of every live worker
-    reply  [counts, speculative, footprints, odd, device_counts] where counts is worker, blocks, ...
+    reply  [counts, speculative, footprints, odd, device_counts, lease_version] where counts is worker, blocks, ...
            (leading blocks held in either tier); speculative lists the workers whose count includes a
            speculative entry; footprints is worker, total blocks (both tiers), ...; odd is block index,
            worker, value, tier (d | h) of up to 64 entries that are stale (no lease, or an older epoch)
            or malformed (not an integer); device_counts is worker, blocks, ... of the leading blocks held
-           on the device (a speculative entry counts as on the device: the prompt is computed there)
+           on the device (a speculative entry counts as on the device: the prompt is computed there);
+           lease_version is the `leasever` counter (nil before any lease was written), which tells the
+           reader whether the leases it passed may be out of date
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ for k, w in ipairs(order) do
   table.insert(out_foot, w)
   table.insert(out_foot, redis.call('SCARD', KEYS[2 * k - 1]) + redis.call('SCARD', KEYS[2 * k]))
 end
-return {out_counts, out_spec, out_foot, odd, out_dev}
+return {out_counts, out_spec, out_foot, odd, out_dev, redis.call('GET', ns .. ':leasever')}
 """.replace("MAX_ODD", str(MAX_ODD))
 
 
@@ -91,6 +93,8 @@ class ChainWalk:
     """(block index, worker, stored value, tier: device | host) of stale or malformed entries."""
     device_counts: dict[str, int] = field(default_factory=dict)
     """Leading blocks each worker holds on its device (the rest of its count is in its host tier)."""
+    lease_version: int = 0
+    """The index's lease counter when the walk ran (0: no lease was ever written)."""
 
 
 def _text(value: Any) -> str:
@@ -98,7 +102,7 @@ def _text(value: Any) -> str:
 
 
 def parse_reply(reply: list[Any]) -> ChainWalk:
-    counts_raw, spec_raw, foot_raw, odd_raw, dev_raw = reply
+    counts_raw, spec_raw, foot_raw, odd_raw, dev_raw, version_raw = reply
     walk = ChainWalk()
     walk.counts = {_text(counts_raw[i]): int(counts_raw[i + 1]) for i in range(0, len(counts_raw), 2)}
     walk.speculative = {_text(w) for w in spec_raw}
@@ -106,4 +110,13 @@ def parse_reply(reply: list[Any]) -> ChainWalk:
     walk.odd = [(int(odd_raw[i]), _text(odd_raw[i + 1]), _text(odd_raw[i + 2]),
                  "host" if _text(odd_raw[i + 3]) == "h" else "device") for i in range(0, len(odd_raw), 4)]
     walk.device_counts = {_text(dev_raw[i]): int(dev_raw[i + 1]) for i in range(0, len(dev_raw), 2)}
+    walk.lease_version = parse_lease_version(version_raw)
     return walk
+
+
+def parse_lease_version(raw: Any) -> int:
+    """The `leasever` counter as Redis returned it (None or a missing key: 0)."""
+    try:
+        return int(raw) if raw is not None else 0
+    except (TypeError, ValueError):
+        return 0

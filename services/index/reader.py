@@ -19,7 +19,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from radixmesh.index.chain_script import SCRIPT, parse_reply
+from radixmesh.index.chain_script import SCRIPT, ChainWalk, parse_lease_version, parse_reply
 from radixmesh.index.config import IndexConfig
 from radixmesh.index.janitor import IndexJanitor
 from radixmesh.index.keys import IndexKeys
@@ -77,6 +77,10 @@ class KVIndexReader:
         self.janitor = IndexJanitor(redis, self.keys)
         self._leases: dict[str, WorkerLease] = {}
         self._leases_read_s = float("-inf")
+        self._lease_version = -1
+        """The index's lease counter when `_leases` was read (-1: never read)."""
+        self.num_lease_rereads = 0
+        """Lookups that found the lease counter moved and read the leases again before answering."""
         self._stale: dict[tuple[str, str], set[str]] = {}  # (worker, epoch value) -> block keys
         self._malformed = _Malformed()
         self._walk: Any = redis.register_script(SCRIPT)
@@ -103,7 +107,12 @@ class KVIndexReader:
         return await self._read_leases()
 
     async def _read_leases(self) -> dict[str, WorkerLease]:
-        ids = sorted(_text(m) for m in await self.redis.smembers(self.keys.workers))
+        # The counter is read first: a lease written after it makes the next lookup read them again.
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.get(self.keys.lease_version)
+        pipe.smembers(self.keys.workers)
+        version_raw, members = await pipe.execute()
+        ids = sorted(_text(m) for m in members)
         pipe = self.redis.pipeline(transaction=False)
         for wid in ids:
             pipe.get(self.keys.lease(wid))
@@ -113,6 +122,7 @@ class KVIndexReader:
             if lease is not None:
                 leases[wid] = lease
         self._leases, self._leases_read_s = leases, time.monotonic()
+        self._lease_version = parse_lease_version(version_raw)
         return leases
 
     # ---- lookups -----------------------------------------------------------------------------
@@ -120,20 +130,30 @@ class KVIndexReader:
         """Per live worker, the number of leading blocks of `block_hashes` it holds, and its footprint.
 
         One round trip: the walk runs in Redis (radixmesh.index.chain_script) and stops at the
-        first block that no live worker holds.
+        first block that no live worker holds. When the walk reports that a lease was written since the
+        cached lease set was read (a worker started, restarted or republished after a Redis outage), the
+        leases are read again and the chain walked again, so a lookup never misses a holder for a stale
+        cache; that costs two more round trips once per lease change.
         """
         leases = await self.live_leases()
+        walk = await self._walk_chain(block_hashes, leases)
+        if walk.lease_version != self._lease_version:
+            self.num_lease_rereads += 1
+            leases = await self.live_leases(max_age_s=0)
+            walk = await self._walk_chain(block_hashes, leases)
+        for index, worker, value, tier in walk.odd:
+            self._note_odd(block_hashes[index], worker, value, tier, leases)
+        return PrefixMatch(len(block_hashes), self.config.block_size, walk.counts, frozenset(walk.speculative),
+                           walk.footprint, walk.device_counts)
+
+    async def _walk_chain(self, block_hashes: Sequence[int], leases: dict[str, WorkerLease]) -> ChainWalk:
         live = sorted(leases)
         keys = [key for w in live for key in (self.keys.worker_blocks(w, leases[w].epoch),
                                               self.keys.worker_host_blocks(w, leases[w].epoch))]
         args: list[str | int] = [self.keys.namespace, pack_hashes(block_hashes)]
         for w in live:
             args += [w, str(leases[w].epoch)]
-        walk = parse_reply(await self._walk(keys=keys, args=args))
-        for index, worker, value, tier in walk.odd:
-            self._note_odd(block_hashes[index], worker, value, tier, leases)
-        return PrefixMatch(len(block_hashes), self.config.block_size, walk.counts, frozenset(walk.speculative),
-                           walk.footprint, walk.device_counts)
+        return parse_reply(await self._walk(keys=keys, args=args))
 
     def _note_odd(self, block_hash: int, worker: str, value: str, tier: str, leases: dict[str, WorkerLease]) -> None:
         try:

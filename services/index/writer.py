@@ -144,6 +144,7 @@ class KVIndexWriter:
                 await self.redis.delete(self.keys.lease(self.identity.worker_id))
                 await self.janitor.clean_worker(self.identity.worker_id, keep_epoch=None)
                 await self.redis.srem(self.keys.workers, self.identity.worker_id)
+                await self.redis.incr(self.keys.lease_version)
             except RedisError as exc:
                 logger.warning("index: could not withdraw worker %s: %s", self.identity.worker_id, exc)
         await self.redis.aclose()
@@ -214,6 +215,7 @@ class KVIndexWriter:
         pipe.set(self.keys.lease(wid), self._lease(epoch).to_bytes(), px=self.config.lease_ttl_ms)
         pipe.sadd(self.keys.workers, wid)
         pipe.sadd(self.keys.worker_epochs(wid), str(epoch))
+        pipe.incr(self.keys.lease_version)
         await pipe.execute()
         previous, self.epoch = self.epoch, epoch
         for start in range(0, len(snapshot), self.config.max_batch_events):

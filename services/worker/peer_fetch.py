@@ -30,7 +30,6 @@ from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.disagg.messages import CommitFetchMsg, PrefixLenReqMsg, TrimReservationMsg
 from radixmesh.engine.disagg_client import DisaggClient, Grant
-from radixmesh.engine.memory import TokenToKVPool
 from radixmesh.engine.messages import TokenOut
 from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.protocol import worker_pb2
@@ -60,12 +59,15 @@ class _Fetch:
     num_bytes: int = 0
 
 
-def kv_bytes_per_token(engine: EngineClient) -> int:
-    import torch
+KV_ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+"""Bytes of one K or V element by the engine's dtype or --kv-cache-dtype (the front end imports no torch)."""
 
-    mc = engine.model_config
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[engine.config.dtype]
-    return TokenToKVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+
+def kv_bytes_per_token(engine: EngineClient) -> int:
+    """Bytes of K plus V for one token across all layers, as the KV pool stores them."""
+    mc, config = engine.model_config, engine.config
+    dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * KV_ITEM_BYTES[dtype]
 
 
 class PeerFetchFlow:

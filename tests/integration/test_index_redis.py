@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import time
 
 import pytest
 import redis as sync_redis
+from redis.exceptions import RedisError
 
 from radixmesh.index.block_hash import block_hashes
 from radixmesh.index.config import IndexConfig
@@ -17,7 +19,7 @@ from radixmesh.index.lease import WorkerLease
 from radixmesh.index.reader import KVIndexReader
 from radixmesh.index.redis_server import LocalRedis
 from radixmesh.index.writer import KVIndexWriter, WriterIdentity, connect
-from tests.redis_helpers import local_redis  # noqa: F401  (fixture)
+from tests.redis_helpers import local_redis, own_redis  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.integration
 _ns = itertools.count()
@@ -125,6 +127,41 @@ def test_clear_and_restart_start_new_epochs_and_clean_old_ones(local_redis: Loca
         raw.close()
 
     asyncio.run(run())
+
+
+def test_a_cached_lease_set_is_read_again_when_a_lease_changed(own_redis: LocalRedis) -> None:  # noqa: F811
+    """A reader that caches leases for a long time still sees, on its very next lookup, a worker that
+    started or republished under a new epoch since (the lease counter moved); otherwise it costs nothing."""
+    async def run(server: LocalRedis) -> None:
+        config = make_config(server, lease_cache_s=600.0, lease_ttl_s=600.0)
+        hashes = block_hashes(prompt(11, 3), 4)
+        reader = KVIndexReader(config, connect(config))
+        one = make_writer(config, "one")
+        await one.start()
+        one.stored(hashes)
+        await published(one)
+        assert (await reader.lookup(hashes)).cached_blocks == {"one": 3}
+        assert (await reader.lookup(hashes)).cached_blocks == {"one": 3} and reader.num_lease_rereads == 0
+        two = make_writer(config, "two")  # a new worker: its lease is not in the reader's cached set
+        await two.start()
+        two.stored(hashes[:2])
+        await published(two)
+        assert (await reader.lookup(hashes)).cached_blocks == {"one": 3, "two": 2}
+        assert reader.num_lease_rereads == 1
+        server.stop()  # Redis loses everything; the workers republish under epochs counted from 1 again
+        server.start()
+        with contextlib.suppress(RedisError):  # the first command after a restart finds its connection closed
+            await reader.redis.ping()
+        for writer in (one, two):
+            writer.cleared()
+            writer.stored(hashes[:1])
+            assert await writer.wait_published(timeout_s=10)
+        assert (await reader.lookup(hashes)).cached_blocks == {"one": 1, "two": 1}
+        for writer in (one, two):
+            await writer.close()
+        await reader.redis.aclose()
+
+    asyncio.run(run(own_redis))
 
 
 def test_lapsed_lease_is_ignored_then_swept(local_redis: LocalRedis) -> None:  # noqa: F811
@@ -237,9 +274,7 @@ def test_two_readers_agree(local_redis: LocalRedis) -> None:  # noqa: F811
     asyncio.run(run())
 
 
-def test_writer_republishes_after_redis_restart(tmp_path_factory: pytest.TempPathFactory) -> None:
-    from tests.redis_helpers import start_local_redis
-
+def test_writer_republishes_after_redis_restart(own_redis: LocalRedis) -> None:  # noqa: F811
     async def run(server: LocalRedis) -> None:
         config = make_config(server)
         hashes = block_hashes(prompt(8, 4), 4)
@@ -258,18 +293,12 @@ def test_writer_republishes_after_redis_restart(tmp_path_factory: pytest.TempPat
         await writer.close()
         await reader.redis.aclose()
 
-    server = start_local_redis(tmp_path_factory.mktemp("redis-restart"))
-    try:
-        asyncio.run(run(server))
-    finally:
-        server.stop()
+    asyncio.run(run(own_redis))
 
 
-def test_an_idle_writer_republishes_once_redis_returns(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_an_idle_writer_republishes_once_redis_returns(own_redis: LocalRedis) -> None:  # noqa: F811
     """No event arrives during or after the outage: the failed heartbeat alone must bring the resync
     (nothing here calls wait_published, which would wake the writer itself)."""
-    from tests.redis_helpers import start_local_redis
-
     async def run(server: LocalRedis) -> None:
         config = make_config(server)
         hashes = block_hashes(prompt(9, 3), 4)
@@ -288,37 +317,32 @@ def test_an_idle_writer_republishes_once_redis_returns(tmp_path_factory: pytest.
         await writer.close()
         await reader.redis.aclose()
 
-    server = start_local_redis(tmp_path_factory.mktemp("redis-idle-restart"))
-    try:
-        asyncio.run(run(server))
-    finally:
-        server.stop()
+    asyncio.run(run(own_redis))
 
 
 def test_an_expired_lease_set_is_refreshed_off_the_lookup_path(local_redis: LocalRedis) -> None:  # noqa: F811
-    """Within the lease TTL, a lookup after the cache expired uses the cached leases and reads
-    them again in the background; past the TTL it reads them first."""
+    """A lease that lapses changes no lease counter: within the lease TTL, a lookup after the cache
+    expired uses the cached leases and reads them again in the background; past the TTL it reads them first."""
     async def run() -> None:
-        config = make_config(local_redis, lease_cache_s=0.2, lease_ttl_s=1.0)
+        config = make_config(local_redis, lease_cache_s=0.5, lease_ttl_s=1.0)
         hashes = block_hashes(prompt(7, 2), 4)
         first, second = make_writer(config, "first"), make_writer(config, "second")
-        await first.start()
-        first.stored(hashes)
-        await published(first)
+        for writer in (first, second):
+            await writer.start()
+            writer.stored(hashes)
+            await published(writer)
         reader = KVIndexReader(config, connect(config))
-        assert (await reader.lookup(hashes)).cached_blocks == {"first": 2}
-        await second.start()
-        second.stored(hashes)
-        await published(second)
-        await asyncio.sleep(0.3)  # the cached set is stale now, but younger than the TTL
-        assert (await reader.lookup(hashes)).cached_blocks == {"first": 2}, "served from the cache"
+        assert (await reader.lookup(hashes)).cached_blocks == {"first": 2, "second": 2}
+        await second.close(withdraw=False)  # a crash: its lease lapses within the TTL
+        await asyncio.sleep(1.2)  # lapsed, and the cached set is stale but younger than cache + TTL
+        assert (await reader.lookup(hashes)).cached_blocks == {"first": 2, "second": 2}, "served from the cache"
         assert reader._refresh is not None
         await reader._refresh
-        assert (await reader.lookup(hashes)).cached_blocks == {"first": 2, "second": 2}
-        await second.close(withdraw=False)  # its entries stay; its lease lapses after the TTL
-        await asyncio.sleep(1.3)  # past cache + TTL: the leases are read before the lookup
         assert (await reader.lookup(hashes)).cached_blocks == {"first": 2}
-        await first.close()
+        await first.close(withdraw=False)
+        await asyncio.sleep(1.6)  # past cache + TTL: the leases are read before the lookup
+        assert (await reader.lookup(hashes)).cached_blocks == {}
+        assert reader.num_lease_rereads == 0
         await reader.redis.aclose()
 
     asyncio.run(run())

@@ -118,6 +118,8 @@ def test_gateway_waits_for_two_routers_then_fails_over_when_one_dies() -> None:
                 assert await backend.wait_ready(20), backend.not_ready_reason()
                 assert backend.card.name == "fake"
                 assert await generate_text(backend, [1, 2, 3]) == "<0><1><2>"
+                # Ready means one replica answers; the failover below needs the other seen up as well.
+                await wait_until(lambda: all(u.up for u in backend.targets.upstreams), 10, "both replicas up")
                 # One replica dies at once (no drain): every request still succeeds, on the other one.
                 await routers[0].server.server.stop(0)
                 await routers[0].close_parts()

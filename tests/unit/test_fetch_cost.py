@@ -46,3 +46,20 @@ def test_measurements_replace_the_prior_then_average_and_tiny_samples_are_ignore
 def test_bad_peer_fetch_options_are_named(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(RadixMeshError, match=message):
         WorkerConfig(**overrides)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [("float32", "auto"), ("bfloat16", "auto"),
+                                                        ("float16", "auto"), ("bfloat16", "fp8_e4m3"),
+                                                        ("bfloat16", "fp8_e5m2")])
+def test_kv_bytes_per_token_is_what_the_pool_stores(dtype: str, kv_cache_dtype: str) -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    from radixmesh.engine.memory import TokenToKVPool
+    from radixmesh.worker.peer_fetch import kv_bytes_per_token
+
+    shape = SimpleNamespace(num_layers=32, num_kv_heads=8, head_dim=128)
+    engine = SimpleNamespace(model_config=shape, config=SimpleNamespace(dtype=dtype, kv_cache_dtype=kv_cache_dtype))
+    pool_dtype = {"auto": getattr(torch, dtype), "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+    assert kv_bytes_per_token(engine) == TokenToKVPool.bytes_per_token(32, 8, 128, pool_dtype[kv_cache_dtype])

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from radixmesh.engine.distributed.sharding import ShardLayout
+from radixmesh.engine.distributed.layout import ShardLayout
 from radixmesh.engine.loader.dummy import named_shape_config
 from radixmesh.engine.models.layers import RotaryEmbedding, _rotate
 from radixmesh.kernels.fused import KVStoreTarget, apply_rotary_, silu_and_mul

@@ -10,7 +10,8 @@ import torch
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.engine.distributed.dummy_weights import iter_whole_dummy_weights
-from radixmesh.engine.distributed.sharding import ShardLayout, TensorParallel, check_tensor_parallel
+from radixmesh.engine.distributed.layout import ShardLayout, check_tensor_parallel
+from radixmesh.engine.distributed.sharding import TensorParallel
 from radixmesh.engine.loader import init_dummy_, iter_weight_slices, iter_weights, prepare_model
 from radixmesh.engine.loader.dummy import named_shape_config
 from radixmesh.engine.model_config import ModelConfig

@@ -23,6 +23,7 @@ from radixmesh.engine.attention.base import ForwardMode
 from radixmesh.engine.batch import PromptLogprobPlan, ScheduleBatch
 from radixmesh.engine.distributed.comm import TorchCommunicator, rank_device
 from radixmesh.engine.distributed.kv_pool import gather_shards, scatter_own_heads
+from radixmesh.engine.distributed.layout import ShardLayout
 from radixmesh.engine.distributed.leader import RankSpec
 from radixmesh.engine.distributed.messages import (
     KVGatherMsg,
@@ -34,7 +35,7 @@ from radixmesh.engine.distributed.messages import (
     encoder,
     to_rank_decoder,
 )
-from radixmesh.engine.distributed.sharding import ShardLayout, TensorParallel
+from radixmesh.engine.distributed.sharding import TensorParallel
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.request import Req
 from radixmesh.engine.sampling.params import SamplingParams

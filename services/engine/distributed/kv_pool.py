@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixmesh.engine.disagg import kv_io
+from radixmesh.engine.distributed.layout import ShardLayout
 from radixmesh.engine.distributed.messages import KVGatherMsg, KVScatterMsg
-from radixmesh.engine.distributed.sharding import Communicator, ShardLayout
+from radixmesh.engine.distributed.sharding import Communicator
 from radixmesh.engine.memory import TokenToKVPool
 
 if TYPE_CHECKING:

@@ -27,6 +27,7 @@ from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.engine.batch import ScheduleBatch
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.distributed.comm import TorchCommunicator, rank_device
+from radixmesh.engine.distributed.layout import ShardLayout, check_tensor_parallel
 from radixmesh.engine.distributed.messages import (
     KVGatherMsg,
     KVScatterMsg,
@@ -38,7 +39,7 @@ from radixmesh.engine.distributed.messages import (
     encoder,
     status_decoder,
 )
-from radixmesh.engine.distributed.sharding import ShardLayout, TensorParallel, check_tensor_parallel
+from radixmesh.engine.distributed.sharding import TensorParallel
 from radixmesh.engine.loader import PreparedModel
 
 logger = logging.getLogger(__name__)

@@ -14,8 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from radixmesh.common.errors import invalid_argument
-from radixmesh.engine.model_config import ModelConfig
+from radixmesh.engine.distributed.layout import VOCAB_MODULES, ShardLayout
 
 
 class Communicator(Protocol):
@@ -80,108 +79,6 @@ class RankLink(Protocol):
     def tp(self) -> TensorParallel: ...
 
     def stage(self, stage: str) -> None: ...
-
-VOCAB_MODULES = ("embed_tokens", "lm_head")
-"""Modules split by vocabulary rows (padded to a multiple of the TP size)."""
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """One rank's share of a model: which heads, MLP columns and vocabulary rows it holds."""
-
-    rank: int
-    """The rank this layout is for."""
-    size: int
-    """Ranks in the group."""
-    head_dim: int
-    """Width of one head (the same on every rank)."""
-    num_heads: int
-    """Query heads on this rank."""
-    num_kv_heads: int
-    """KV heads on this rank (1 when they are replicated)."""
-    q_head_begin: int
-    """First query head of this rank in the whole model."""
-    kv_head_begin: int
-    """First KV head of this rank in the whole model."""
-    total_kv_heads: int
-    """KV heads of the whole model."""
-    intermediate_size: int
-    """MLP width on this rank."""
-    vocab_begin: int
-    """First vocabulary row of this rank."""
-    vocab_rows: int
-    """Vocabulary rows of this rank's embedding and LM head (padded: the same on every rank)."""
-    vocab_valid: int
-    """Rows of `vocab_rows` that are real tokens (the rest are zero padding)."""
-
-    @classmethod
-    def of(cls, config: ModelConfig, rank: int = 0, size: int = 1) -> ShardLayout:
-        """The layout of `rank` of `size`; INVALID_ARGUMENT naming the numbers when the model cannot be split."""
-        heads, kv_heads = config.num_heads, config.num_kv_heads
-        if heads % size:
-            raise invalid_argument(
-                f"tensor parallelism: the model's {heads} attention heads cannot be split over --tp-size {size} "
-                f"(the TP size must divide the number of heads)", "tp_size")
-        if kv_heads >= size and kv_heads % size:
-            raise invalid_argument(
-                f"tensor parallelism: the model's {kv_heads} KV heads cannot be split over --tp-size {size} "
-                f"(the TP size must divide the KV heads, or be a multiple of them)", "tp_size")
-        if kv_heads < size and size % kv_heads:
-            raise invalid_argument(
-                f"tensor parallelism: --tp-size {size} is not a multiple of the model's {kv_heads} KV heads "
-                f"(with fewer KV heads than ranks each KV head is replicated on size / KV heads ranks)", "tp_size")
-        if config.intermediate_size % size:
-            raise invalid_argument(
-                f"tensor parallelism: --tp-size {size} does not divide the model's MLP width "
-                f"{config.intermediate_size}", "tp_size")
-        local_kv = max(kv_heads // size, 1)
-        vocab_rows = -(-config.vocab_size // size)  # ceil
-        vocab_begin = rank * vocab_rows
-        return cls(rank=rank, size=size, head_dim=config.head_dim, num_heads=heads // size,
-                   num_kv_heads=local_kv, q_head_begin=rank * (heads // size),
-                   kv_head_begin=rank * kv_heads // size, total_kv_heads=kv_heads,
-                   intermediate_size=config.intermediate_size // size, vocab_begin=vocab_begin,
-                   vocab_rows=vocab_rows, vocab_valid=max(0, min(vocab_rows, config.vocab_size - vocab_begin)))
-
-    @property
-    def kv_replicated(self) -> bool:
-        """Each KV head lives on several ranks (fewer KV heads than ranks)."""
-        return self.total_kv_heads < self.size
-
-    def kv_source_ranks(self) -> list[int]:
-        """One rank per KV head, in head order: the ranks whose shards tile the whole model's KV heads."""
-        step = self.size // self.total_kv_heads if self.kv_replicated else 1
-        return list(range(0, self.size, step))
-
-    def checkpoint_slice(self, name: str) -> tuple[int, int, int] | None:
-        """`(dim, start, length)` of this rank's part of checkpoint tensor `name`; None: it is replicated.
-
-        Vocabulary slices cover the real rows only (`vocab_valid`); the padding stays zero.
-        """
-        if self.size == 1:
-            return None
-        module_path, _, leaf = name.rpartition(".")
-        module = module_path.rpartition(".")[2]
-        d, inter = self.head_dim, self.intermediate_size
-        if module == "q_proj":
-            return 0, self.q_head_begin * d, self.num_heads * d
-        if module in ("k_proj", "v_proj"):
-            return 0, self.kv_head_begin * d, self.num_kv_heads * d
-        if module in ("gate_proj", "up_proj"):
-            return 0, self.rank * inter, inter
-        if module == "o_proj" and leaf == "weight":
-            return 1, self.q_head_begin * d, self.num_heads * d
-        if module == "down_proj" and leaf == "weight":
-            return 1, self.rank * inter, inter
-        if module in VOCAB_MODULES:
-            return 0, self.vocab_begin, self.vocab_valid
-        return None
-
-
-def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
-    """INVALID_ARGUMENT, naming the numbers, when `config` cannot run at `tp_size`."""
-    ShardLayout.of(config, 0, tp_size)
-
 
 class WeightSource(Protocol):
     """A checkpoint tensor, or a lazy handle that reads only the slice asked for (a torch.Tensor is one)."""

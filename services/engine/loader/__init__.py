@@ -18,8 +18,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from radixmesh.common.errors import RadixMeshError, invalid_argument, not_found
 from radixmesh.engine.loader.default_model import (
@@ -37,6 +36,9 @@ from radixmesh.engine.loader.safetensors_loader import (
     safetensors_files,
 )
 from radixmesh.engine.model_config import ModelConfig
+
+if TYPE_CHECKING:  # torch is imported where weights are read: preparing a model (services without a model
+    import torch  # on this machine, such as the tokenizer service) needs none of it
 
 LOAD_FORMATS = frozenset({"auto", "safetensors", "gguf", "dummy"})
 """Accepted values of `--load-format`."""

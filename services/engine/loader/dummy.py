@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from radixmesh.common.errors import not_found
 from radixmesh.engine.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def _llama3_rope(factor: float) -> dict[str, Any]:
@@ -100,13 +100,21 @@ def named_shape_config(name: str) -> ModelConfig:
     return ModelConfig.from_hf_dict(cfg)
 
 
-@torch.no_grad()
 def init_dummy_(model: nn.Module, seed: int = 0) -> None:
     """Fill every parameter in place: N(0, 0.02) matrices, ones for norm weights, zero biases.
 
     Works on whatever device the parameters live on (one generator per device), so GPU
     models are filled on the GPU without a host copy. Tied parameters are filled once.
     """
+    import torch
+
+    with torch.no_grad():
+        _fill_dummy_(model, seed)
+
+
+def _fill_dummy_(model: nn.Module, seed: int) -> None:
+    import torch
+
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if param.device.type == "meta" or param.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):

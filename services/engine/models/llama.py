@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from radixmesh.engine.attention.base import AttentionLayerSpec, ForwardBatch
-from radixmesh.engine.distributed.sharding import TP_NONE, ShardLayout, TensorParallel, WeightSource, take_shard
+from radixmesh.engine.distributed.layout import ShardLayout
+from radixmesh.engine.distributed.sharding import TP_NONE, TensorParallel, WeightSource, take_shard
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from radixmesh.engine.models.parallel import ParallelLMHead, VocabParallelEmbedding, row_parallel_linear
@@ -82,6 +83,12 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def _embedding(num_rows: int, dim: int) -> nn.Embedding:
+    """An embedding table without nn.Embedding's random init: the loader fills it, and the init on the meta
+    device runs through torch's decompositions, whose first use imports torch._dynamo (~1 s per start)."""
+    return nn.Embedding.from_pretrained(torch.empty(num_rows, dim), freeze=False)
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel = TP_NONE) -> None:
         super().__init__()
@@ -89,7 +96,7 @@ class DecoderModel(nn.Module):
                                       config.rope_theta, config.rope_scaling)
         self.embed_tokens: nn.Module = (VocabParallelEmbedding(ShardLayout.of(config, tp.rank, tp.size),
                                                                config.hidden_size, tp) if tp.enabled
-                                        else nn.Embedding(config.vocab_size, config.hidden_size))
+                                        else _embedding(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixmesh.engine.distributed.sharding import ShardLayout, TensorParallel
+from radixmesh.engine.distributed.layout import ShardLayout
+from radixmesh.engine.distributed.sharding import TensorParallel
 from radixmesh.engine.models.layers import Linear
 
 
