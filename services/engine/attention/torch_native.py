@@ -24,8 +24,9 @@ class TorchNativeBackend(AttentionBackend):
         self._masks: list[torch.Tensor | None] = []
         self._decode_batched = False
         self._decode_slots: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
-        """Per chunk of a batched decode: first request, request count, slots [n, max_len] (padding reads
-        the dummy slot 0) and the key mask [n, 1, 1, max_len]; built by the first layer of the pass."""
+        """Per chunk of a batched decode: first request, request count, slots [n, max_len] and the key mask
+        [n, 1, 1, max_len]; built by the first layer of the pass. Padding reads each request's first key: a
+        masked key still multiplies its value by 0, so it must be finite (the dummy slot 0 need not be)."""
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         rows = forward_batch.req_pool_indices_cpu
@@ -100,7 +101,8 @@ def _decode_chunks(forward_batch: ForwardBatch, rows: list[int], device: torch.d
         index = torch.tensor(rows[first:first + count], dtype=torch.int64, device=device)
         lens = torch.tensor(seq_lens[first:first + count], dtype=torch.int64, device=device)
         valid = torch.arange(longest, device=device)[None, :] < lens[:, None]  # [count, longest]
-        slots = req_to_token[index, :longest].to(torch.int64).masked_fill(~valid, 0)
+        slots = req_to_token[index, :longest].to(torch.int64)
+        slots = torch.where(valid, slots, slots[:, :1])  # padding reads the request's own first key (masked)
         chunks.append((first, count, slots, valid[:, None, None, :]))
         first += count
     return chunks
