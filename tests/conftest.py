@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from grpc.experimental import aio as _grpc_aio
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Without CUDA, Triton kernels run under the interpreter. The mode of a kernel is fixed when its
@@ -13,6 +14,15 @@ if "TRITON_INTERPRET" not in os.environ:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+# gRPC's asyncio stack shares one completion queue and poller thread per process, created with the first
+# grpc.aio object and shut down when the last one is freed. Tests run many event loops one after another,
+# so that shutdown happens again and again, at whatever moment garbage collection frees the last object
+# (after its loop closed, with operations still pending): twice the join of the poller thread never
+# returned and the run stalled. Holding one reference for the whole session keeps the queue alive, as a
+# long-running service's one event loop does.
+_grpc_aio.init_grpc_aio()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
