@@ -21,6 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from radixmesh.common import aio
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.disagg.messages import (
@@ -234,7 +235,7 @@ class EngineClient:
         self._queries[msg.query_id] = fut
         await self._send.send(encoder.encode(msg))
         try:
-            return await asyncio.wait_for(fut, timeout=timeout_s)
+            return await aio.wait_for(fut, timeout_s)
         finally:
             self._queries.pop(msg.query_id, None)
 

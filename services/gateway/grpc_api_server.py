@@ -17,7 +17,6 @@ when the gateway has keys, as the HTTP API's routes do.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -28,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from radixmesh.common import tracing
+from radixmesh.common import aio, tracing
 from radixmesh.common.errors import RadixMeshError, invalid_argument
 from radixmesh.common.grpc_errors import abort_with
 from radixmesh.common.grpc_server import LIVENESS_SERVICE, MAX_MESSAGE_BYTES, NOT_READY_METADATA_KEY
@@ -173,10 +172,7 @@ class PublicGrpcServer:
     async def stop(self, grace_s: float) -> None:
         """Report NOT_SERVING, refuse new calls and let open ones run for `grace_s` (then they are cancelled,
         which aborts their sequences)."""
-        if self._poll is not None:
-            self._poll.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poll
+        await aio.cancel_and_wait(self._poll)
         self.health.stopping = True
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)

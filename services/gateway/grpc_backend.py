@@ -22,7 +22,7 @@ import grpc
 import grpc.aio
 import msgspec
 
-from radixmesh.common import tls, tracing
+from radixmesh.common import aio, tls, tracing
 from radixmesh.common.convert import images_to_proto, load_from_proto, proto_to_chunk, sampling_to_proto
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.common.grpc_errors import ERROR_METADATA_KEY, from_rpc_error
@@ -400,10 +400,7 @@ class GrpcBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        if self._card_task is not None:
-            self._card_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._card_task
+        await aio.cancel_and_wait(self._card_task)
         await self.watcher.close()
         self._tok_sync_channel.close()
 
@@ -450,7 +447,7 @@ async def _end_stream(call: Any) -> None:
     being cancelled. The text is complete by then: a tokenizer failing to say goodbye is not the client's error."""
     with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
         await call.done_writing()
-        await asyncio.wait_for(call.read(), TOKENIZE_TIMEOUT_S)
+        await aio.wait_for(call.read(), TOKENIZE_TIMEOUT_S)
 
 
 async def _status_error(call: Any) -> grpc.RpcError:

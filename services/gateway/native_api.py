@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from radixmesh import __version__
+from radixmesh.common import aio
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument, unsupported
 from radixmesh.engine.mm.inputs import MultimodalInputs
 from radixmesh.engine.mm.prompt import PromptWithImages
@@ -302,7 +303,7 @@ async def health_generate(request: Request) -> Response:
                 pass
 
     try:
-        await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
+        await aio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise RadixMeshError(ErrorCode.UNAVAILABLE, "the engine did not generate a token in time") from None
     return Response(status_code=200)
@@ -373,6 +374,6 @@ async def metrics(request: Request) -> Response:
     state = get_state(request)
     if state.backend.is_healthy:
         with contextlib.suppress(RadixMeshError, asyncio.TimeoutError):
-            stats = await asyncio.wait_for(state.backend.server_info(), 5.0)
+            stats = await aio.wait_for(state.backend.server_info(), 5.0)
             state.metrics.update_engine(stats, state.dispatcher.num_in_flight)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

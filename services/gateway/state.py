@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from starlette.requests import Request
 
+from radixmesh.common import aio
 from radixmesh.common.errors import ErrorCode, RadixMeshError, not_found
 from radixmesh.gateway.backend import Backend
 from radixmesh.gateway.config import GatewayConfig
@@ -53,11 +53,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             return task.result()
         raise RadixMeshError(ErrorCode.ABORTED, "the client disconnected before the response was ready")
     finally:
-        for pending in (task, watcher):
-            if not pending.done():
-                pending.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await pending
+        await aio.cancel_and_wait(task, watcher)
 
 
 async def _wait_for_disconnect(request: Request) -> None:

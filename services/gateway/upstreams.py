@@ -19,7 +19,7 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2_grpc
 
-from radixmesh.common import tls, tracing
+from radixmesh.common import aio, tls, tracing
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.common.grpc_server import RECONNECT_OPTIONS, check_peer_health
 from radixmesh.common.readiness import Readiness
@@ -145,7 +145,7 @@ class UpstreamWatcher:
             retry_s = self.config.retry_min_s if up else min(self.config.retry_max_s, retry_s * 2)
             upstream.wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(upstream.wake.wait(), wait_s)
+                await aio.wait_for(upstream.wake.wait(), wait_s)
 
     def record(self, group: UpstreamGroup, upstream: Upstream, up: bool, detail: str) -> None:
         changed = upstream.up != up
@@ -165,11 +165,7 @@ class UpstreamWatcher:
         upstream.wake.set()
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await aio.cancel_and_wait(*self._tasks)
         self._tasks = []
         for group in self.groups:
             for upstream in group.upstreams:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
+from radixmesh.common import aio
 from radixmesh.common.errors import invalid_argument
 from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
 from radixmesh.engine.grammar.registry import grammar_backend_class
@@ -56,9 +56,7 @@ async def serve_grammar(config: GrpcServerConfig, model: str | None, load_format
     try:
         await server.run_until_signal()
     finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        await aio.cancel_and_wait(watcher)
         servicer.close()
         await servicer.store.close()
     return 0

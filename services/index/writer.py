@@ -10,7 +10,6 @@ of the lease's current epoch, so a resync never shows a mix of old and new state
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Iterable
@@ -20,6 +19,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from radixmesh.common import aio
 from radixmesh.index.config import IndexConfig
 from radixmesh.index.janitor import IndexJanitor
 from radixmesh.index.keys import DEVICE_TIER, HOST_TIER, TIERS, IndexKeys
@@ -133,11 +133,7 @@ class KVIndexWriter:
         """Stop; with `withdraw`, delete the lease and this worker's entries (graceful shutdown)."""
         self._stopping = True
         self._wake.set()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await aio.cancel_and_wait(*self._tasks)
         self._tasks = []
         if withdraw and self.epoch:
             try:

@@ -8,10 +8,10 @@ refreshes the worker's load snapshot and the id it publishes index entries under
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
+from radixmesh.common import aio
 from radixmesh.router.config import HealthConfig
 from radixmesh.router.workers import WorkerHandle, WorkerRegistry
 
@@ -37,7 +37,7 @@ class HealthChecker:
 
     async def check_once(self, handle: WorkerHandle) -> None:
         try:
-            result = await asyncio.wait_for(handle.client.probe(self.config.timeout_s), self.config.timeout_s * 2.5)
+            result = await aio.wait_for(handle.client.probe(self.config.timeout_s), self.config.timeout_s * 2.5)
         except asyncio.TimeoutError:
             ok, error, load, reported_id, role = False, "probe timed out", None, "", ""
         else:
@@ -67,8 +67,4 @@ class HealthChecker:
     async def close(self) -> None:
         tasks = list(self._tasks.values())
         self._tasks.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await aio.cancel_and_wait(*tasks)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 
+from radixmesh.common import aio
 from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
 from radixmesh.index.reader import KVIndexReader
 from radixmesh.protocol import router_pb2_grpc
@@ -82,10 +82,7 @@ class RouterApp:
 
     async def close_parts(self) -> None:
         await self.discovery.stop()
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await aio.cancel_and_wait(*self._tasks)
         await self.checker.close()
         await self.policy.close()
         await self.router.prefill.close()

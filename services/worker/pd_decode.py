@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import grpc
 import grpc.aio
 
+from radixmesh.common import aio
 from radixmesh.common.convert import kv_chunk_from_proto, sampling_to_proto
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.common.grpc_errors import from_rpc_error
@@ -212,7 +213,7 @@ class DecodeFlow:
             try:
                 await call.write(worker_pb2.PrefillRequest(release=worker_pb2.PrefillRelease(committed=True)))
                 await call.done_writing()
-                await asyncio.wait_for(call.read(), RELEASE_DRAIN_S)
+                await aio.wait_for(call.read(), RELEASE_DRAIN_S)
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
                 pass  # the prefill worker releases by lease (or on the broken call) instead
             finally:

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
+from radixmesh.common import aio
 from radixmesh.common.convert import kv_chunk_to_proto, prefill_result_to_proto, sampling_from_proto
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.client import EngineClient
@@ -111,7 +112,7 @@ async def wait_release(requests: AsyncIterator[worker_pb2.PrefillRequest] | Asyn
     """Until the peer (a decode worker, or a worker fetching a prefix) releases the KV, ends its side of the
     call, or the lease runs out."""
     try:
-        message = await asyncio.wait_for(anext(requests, None), lease_s)
+        message = await aio.wait_for(anext(requests, None), lease_s)
     except asyncio.TimeoutError:
         logger.warning("no release within the %.0f s lease; releasing the exported KV", lease_s)
         return

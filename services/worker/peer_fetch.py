@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import grpc
 import grpc.aio
 
+from radixmesh.common import aio
 from radixmesh.common.convert import kv_chunk_from_proto
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.common.grpc_errors import from_rpc_error
@@ -135,7 +136,7 @@ class PeerFetchFlow:
             return None
         start = time.time()
         try:
-            await asyncio.wait_for(self._fetch(fetch), self.config.peer_fetch_timeout_s)
+            await aio.wait_for(self._fetch(fetch), self.config.peer_fetch_timeout_s)
             reason = "" if fetch.grant is None or fetch.end > fetch.grant.prefix_len else "peer_holds_nothing"
         except asyncio.TimeoutError:
             reason = "peer_timeout"
@@ -214,7 +215,7 @@ class PeerFetchFlow:
             try:
                 await call.write(worker_pb2.FetchKVRequest(release=worker_pb2.PrefillRelease(committed=True)))
                 await call.done_writing()
-                await asyncio.wait_for(call.read(), RELEASE_DRAIN_S)
+                await aio.wait_for(call.read(), RELEASE_DRAIN_S)
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
                 pass  # the peer releases by lease (or on the broken call) instead
             finally:

@@ -13,12 +13,12 @@ worker degraded (logged once per change); both are retried in the background, ne
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import sys
 from typing import TYPE_CHECKING
 
+from radixmesh.common import aio
 from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.config import EngineConfig
@@ -58,10 +58,7 @@ async def serve_worker(server_config: GrpcServerConfig, config: WorkerConfig, en
                     asyncio.create_task(_watch_optional(server, publisher, engine_config.grammar_service))]
         stats = metrics.start_worker_metrics(client.get_server_info, servicer.load, config.role, config.worker_id)
         await server.run_until_signal()
-        for task in (*watchers, stats):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await aio.cancel_and_wait(*watchers, stats)
         return 0
     finally:
         if publisher is not None:
@@ -117,7 +114,7 @@ async def _watch_optional(server: GrpcServer, publisher: KVIndexWriter | None, g
 
 async def _redis_up(publisher: KVIndexWriter) -> tuple[bool, str]:
     try:
-        await asyncio.wait_for(publisher.redis.ping(), DEPENDENCY_CHECK_S)
+        await aio.wait_for(publisher.redis.ping(), DEPENDENCY_CHECK_S)
     except Exception as exc:  # any failure means "down"; the writer retries on its own
         return False, f"{type(exc).__name__}: {exc}"
     return True, ""

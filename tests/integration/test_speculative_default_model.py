@@ -95,8 +95,12 @@ def test_ngram_greedy_is_identical(tokenizer: Any, prompts: list[list[int]], pla
 def test_draft_model_greedy_is_identical(tokenizer: Any, prompts: list[list[int]], plain_outputs: list[list[int]],
                                          draft: str) -> None:
     model, load_format = ("smollm2-135m", "dummy") if draft == "random-weights" else ("smollm2-135m-instruct", "auto")
+    # Two drafts a step suffice where every draft is rejected (each costs a pass of a draft as large as the
+    # target); four where they are accepted.
+    num_drafts = 2 if draft == "random-weights" else 4
     sched, col = _scheduler(tokenizer, speculative_algorithm="draft", speculative_draft_model=model,
-                            speculative_draft_load_format=load_format, disable_speculative_backoff=True)
+                            speculative_draft_load_format=load_format, disable_speculative_backoff=True,
+                            speculative_num_draft_tokens=num_drafts)
     assert _generate(sched, col, prompts) == plain_outputs
     stats = _spec_stats(sched)
     print(f"draft {draft}:", json.dumps(stats))

@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from radixmesh.common import aio
+
 STARTED_MARKERS = ("mid-stream", "after it started")
 """Words of the router's and gateway's errors for a stream that had begun: its tokens were under way to the
 client (on a loaded machine they can trail the fault) and it could not be moved to another worker."""
@@ -106,7 +108,7 @@ class LoadGen:
             record = RequestRecord(spec.kind, self.now_s())
             self.records.append(record)
             try:
-                await asyncio.wait_for(self._send(client, spec, record), self.timeout_s)
+                await aio.wait_for(self._send(client, spec, record), self.timeout_s)
             except TimeoutError:
                 record.outcome, record.error = "hung", f"no end within {self.timeout_s:.0f} s"
                 continue

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from radixmesh.common import aio
 from radixmesh.common.errors import invalid_argument
 from radixmesh.router.discovery.base import BaseDiscovery, OnChange, WorkerEndpoint
 from radixmesh.router.discovery.kubernetes_pods import endpoint_from_pod, pod_name
@@ -215,7 +216,7 @@ class KubernetesDiscovery(BaseDiscovery):
 
     async def _sleep(self, delay_s: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._stopped.wait(), timeout=delay_s)
+            await aio.wait_for(self._stopped.wait(), delay_s)
 
 
 def _log_api_error(exc: Any, config: KubernetesDiscoveryConfig) -> None:

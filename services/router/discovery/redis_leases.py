@@ -13,6 +13,7 @@ import logging
 
 from redis.exceptions import RedisError
 
+from radixmesh.common import aio
 from radixmesh.index.reader import KVIndexReader
 from radixmesh.router.discovery.base import BaseDiscovery, OnChange, WorkerEndpoint
 
@@ -46,7 +47,7 @@ class RedisLeaseDiscovery(BaseDiscovery):
                     if inspect.isawaitable(result):
                         await result
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stopped.wait(), timeout=delay)
+                await aio.wait_for(self._stopped.wait(), delay)
 
     async def poll(self) -> list[WorkerEndpoint]:
         leases = await self.reader.live_leases(max_age_s=0)

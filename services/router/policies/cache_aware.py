@@ -15,13 +15,13 @@ and probes Redis in the background; the first good probe switches back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
 
 from redis.exceptions import RedisError
 
+from radixmesh.common import aio
 from radixmesh.index.reader import KVIndexReader
 from radixmesh.router.config import RouterConfig
 from radixmesh.router.peer_hint import plan_peer
@@ -101,11 +101,7 @@ class CacheAwarePolicy(BaseRoutingPolicy):
             self._watch_task = asyncio.create_task(self._watch_while_up(self.reader), name="redis-watch")
 
     async def close(self) -> None:
-        for task in (self._probe_task, self._sweep_task, self._watch_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await aio.cancel_and_wait(self._probe_task, self._sweep_task, self._watch_task)
         self._probe_task = self._sweep_task = self._watch_task = None
 
     async def choose(self, request: RouteRequest, candidates: Sequence[WorkerHandle]) -> RoutingDecision:
@@ -172,7 +168,7 @@ class CacheAwarePolicy(BaseRoutingPolicy):
             if not self.redis_up:
                 continue
             try:
-                await asyncio.wait_for(reader.redis.ping(), timeout=max(self.config.redis_probe_s, 0.5))
+                await aio.wait_for(reader.redis.ping(), max(self.config.redis_probe_s, 0.5))
             except REDIS_ERRORS as exc:
                 self._redis_failed(exc)
 
