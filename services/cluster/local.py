@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shlex
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ class _Starter:
                 reason = "exited" if not is_alive(pid) else f"did not answer within {self.spec.timeout_s:.0f} s"
                 raise RadixMeshError(ErrorCode.UNAVAILABLE, f"{name} {reason} ({what}); last lines of its log:\n"
                                      + log_tail(self.log_dir, name))
-            time.sleep(0.3)
+            time.sleep(0.1)
 
     def stop_all(self) -> None:
         for name in reversed(list(self.pids)):
@@ -105,6 +106,8 @@ def _start_all(spec: ClusterSpec, starter: _Starter) -> ClusterState:
     for name, address in routers.items():
         starter.start(name, ["router", *_listen(address), *starter.metrics_args(name), "--policy", spec.policy,
                              "--workers", ",".join(workers), *index, *shlex.split(spec.router_args)])
+    # Start order does not matter (each service waits for what it needs), so the gateway starts with the rest.
+    gateway_url, gateway_ready = _start_gateway(spec, starter, list(routers.values()), tokenizer)
     if grammar:
         starter.wait("grammar", lambda: grpc_serving(grammar), f"gRPC health at {grammar}")
     for name, (address, _) in named.items():
@@ -112,7 +115,7 @@ def _start_all(spec: ClusterSpec, starter: _Starter) -> ClusterState:
     starter.wait("tokenizer", lambda: grpc_serving(tokenizer), f"gRPC health at {tokenizer}")
     for name, address in routers.items():
         starter.wait(name, lambda a=address: router_sees_all(a, len(workers)), f"all workers healthy at {address}")
-    gateway_url = _start_gateway(spec, starter, list(routers.values()), tokenizer)
+    starter.wait("gateway", gateway_ready, f"GET {gateway_url}/health")
     state = ClusterState(gateway_url=gateway_url, router_address=next(iter(routers.values())),
                          tokenizer_address=tokenizer, worker_addresses=workers, redis_url=redis_url,
                          policy=spec.policy, log_dir=str(starter.log_dir), pids=dict(starter.pids),
@@ -131,18 +134,18 @@ def _listen(address: str) -> list[str]:
     return ["--host", HOST, "--port", address.rsplit(":", 1)[1]]
 
 
-def _start_gateway(spec: ClusterSpec, starter: _Starter, routers: list[str], tokenizer: str) -> str:
-    """Start the gateway over every router (comma-separated) and wait for its /health; returns its URL."""
+def _start_gateway(spec: ClusterSpec, starter: _Starter, routers: list[str],
+                   tokenizer: str) -> tuple[str, Callable[[], bool]]:
+    """Start the gateway over every router (comma-separated); returns its URL and a check of its /health."""
     gateway_port = spec.gateway_port or free_port(HOST)
     starter.start("gateway", ["gateway", "--host", HOST, "--port", str(gateway_port), "--router", ",".join(routers),
                               "--tokenizer", tokenizer, *shlex.split(spec.gateway_args)])
     tls = spec.tls_config()
     gateway_url = f"{'https' if tls else 'http'}://{HOST}:{gateway_port}"
     ca_file = tls.ca_file if tls else None
-    starter.wait("gateway", lambda: http_ok(f"{gateway_url}/health", ca_file=ca_file), f"GET {gateway_url}/health")
     if spec.metrics:
         starter.metrics_urls["gateway"] = f"{gateway_url}/metrics"
-    return gateway_url
+    return gateway_url, lambda: http_ok(f"{gateway_url}/health", ca_file=ca_file)
 
 
 def _start_grammar(spec: ClusterSpec, starter: _Starter, model: list[str], index: list[str]) -> str | None:
