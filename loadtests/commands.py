@@ -11,6 +11,7 @@ import importlib
 
 BENCH_COMMANDS = [
     "loadtests.serving:register",
+    "loadtests.goodput:register",
     "loadtests.api_overhead:register",
     "radixmesh.engine.bench:register_one_batch",
     "radixmesh.engine.bench:register_offline",
@@ -20,6 +21,7 @@ BENCH_COMMANDS = [
     "radixmesh.engine.bench_mm:register_images",
     "radixmesh.engine.bench_hicache:register_hicache",
     "radixmesh.engine.bench_spec:register_speculative",
+    "radixmesh.engine.disagg.bench_transfer:register_kv_transfer",
     "radixmesh.cluster.bench:register_routing",
     "radixmesh.cluster.bench_peer_fetch:register_peer_fetch",
     "radixmesh.cluster.bench_faults:register_faults",

@@ -12,6 +12,7 @@
 #   STAGES=tp STAGE_TIMEOUT_S=600 bash scripts/gpu_suite.sh     # tensor parallelism: needs 2 GPUs
 #   FP8 (issue 21): STAGES="fp8-tests fp8-kernel fp8-one-batch fp8-capacity fp8-accuracy fp8-offline" bash scripts/gpu_suite.sh
 #   STAGES="mm-tests images" bash scripts/gpu_suite.sh     (multimodal: LLaVA / Qwen2-VL)
+#   STAGES="pd-tests pd-transfer pd-goodput" (two GPUs: P/D); a stage's own time limit: TIMEOUT_<stage>=S (- as _)
 #   STAGES="hicache" (one GPU); STAGES="peer-fetch" needs two GPUs (it says "skipped" with one)
 #   STAGES="spec-tests spec-same spec-unrelated spec-unrelated-raw spec-ngram" bash scripts/gpu_suite.sh (speculation)
 set -uo pipefail
@@ -224,6 +225,38 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
       model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
       $RM bench peer-fetch --device cuda --model "$model" --load-format dummy --context-length 20000 \
         --prefix-len 16384 --samples 3 --result-file "$OUT/peer-fetch.jsonl" ;;
+    pd-goodput)  # 2 GPUs, 8B shape: goodput (TTFT <= 1 s, p99 ITL <= 50 ms) of (a) 2 unified workers vs (b) 1 prefill +
+      # 1 decode worker (cuda-ipc), one GPU each (cluster up --gpus auto); prompts 2k-8k tokens, outputs 256-1024, at
+      # each of $PD_RATES req/s. About 5 minutes (2 x H200) with the defaults: STAGE_TIMEOUT_S=600
+      [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "skipped: needs two GPUs"; return 0; }
+      model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
+      export PATH="${REDIS_DIR:-$PWD/.gpu-redis}/bin:$PATH" LD_LIBRARY_PATH="${REDIS_DIR:-$PWD/.gpu-redis}/lib"
+      for cfg in a b; do
+        tiers="--workers 2" wargs="--context-length=10240 ${PD_WORKER_ARGS:-}" state=/tmp/cluster-pd-$cfg files=""
+        [ $cfg = b ] && tiers="--prefill-workers 1 --decode-workers 1" wargs="$wargs --kv-transport cuda-ipc"
+        rm -f /tmp/pd-$cfg-*.json
+        if ! $RM cluster up $tiers --model "$model" --load-format dummy --worker-args="$wargs" --timeout-s 400 \
+            --state-dir $state > /tmp/pd-up-$cfg.txt; then
+          cat /tmp/pd-up-$cfg.txt; echo "config $cfg: cluster up failed"; continue
+        fi
+        cat /tmp/pd-up-$cfg.txt; url=$(tail -1 /tmp/pd-up-$cfg.txt)
+        for rate in ${PD_RATES:-2 4 6}; do
+          $RM bench serving --base-url "$url" --backend sglang --workload random-ids --random-input-len 8192 \
+            --random-range-ratio 0.25 --random-output-len 1024 --num-prompts ${PD_PROMPTS:-60} --request-rate $rate \
+            --warmup-requests 2 --disable-tqdm --tokenizer "$model" --output-file /tmp/pd-$cfg-$rate.json \
+            || tail -n 15 $state/logs/*-[0-9]*.log
+          [ -f /tmp/pd-$cfg-$rate.json ] && files="$files /tmp/pd-$cfg-$rate.json"
+        done
+        $RM cluster down --state-dir $state
+        [ -n "$files" ] && $RM bench goodput $files --ttft-ms ${PD_TTFT_MS:-1000} --itl-p99-ms ${PD_ITL_P99_MS:-50} \
+          --label $cfg --result-file "$OUT/pd-goodput.jsonl"
+      done ;;
+    pd-tests)  # 2 GPUs: cuda-ipc vs grpc greedy tokens (8B shape), faults (prefill worker stopped / killed)
+      python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/gpu/test_kv_transfer_gpu.py ;;
+    pd-transfer)  # prefill-to-decode KV of the 8B shape between two processes on two GPUs (cuda-ipc) vs a plain copy
+      [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "skipped: needs two GPUs"; return 0; }
+      $RM bench kv-transfer --device cuda --num-tokens 1024 4096 16384 --repeats 10 \
+        --result-file "$OUT/kv-transfer.jsonl" ;;
     spec-tests)  # speculative decoding: Triton verify beside CUDA graphs, exact greedy, device rejection sampling
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_speculative_gpu.py ;;
     spec-same|spec-unrelated|spec-unrelated-raw|spec-ngram)  # 8B shape, random weights, batch 1/8/32: plain vs spec
@@ -246,7 +279,8 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
   esac
 }
 for stage in $STAGES; do
-  timeout "$STAGE_TIMEOUT_S" bash -c "$(declare -f run_stage spy spy_collect); RM='$RM' OUT='$OUT' run_stage $stage" \
+  limit=$(eval echo "\${TIMEOUT_${stage//-/_}:-$STAGE_TIMEOUT_S}")  # TIMEOUT_pd_goodput=500: one stage's own limit
+  timeout "$limit" bash -c "$(declare -f run_stage spy spy_collect); RM='$RM' OUT='$OUT' run_stage $stage" \
     > "$OUT/$stage.log" 2>&1
   echo "=== stage $stage: exit $? (log: $stage.log)"; tail -5 "$OUT/$stage.log"
 done

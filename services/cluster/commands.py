@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixmesh.cluster.spec import ClusterSpec
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                     choices=("cache-aware", "approx-tree", "power-of-two", "round-robin", "random"),
                     help="routing policy of the routers")
     add_model_args(up)
+    up.add_argument("--gpus", default="auto", metavar="auto|none|IDS",
+                    help="GPUs of the workers: auto (when they run on CUDA: this host's GPUs, or those "
+                         "CUDA_VISIBLE_DEVICES names, round robin; a worker with --tp-size N takes N in a row), "
+                         "none (leave CUDA_VISIBLE_DEVICES as it is) or a list such as 0,1. Each worker sees every "
+                         "selected GPU, its own first, as the cuda-ipc KV transport needs")
     up.add_argument("--port", type=int, default=0, help="gateway HTTP port (0 picks a free one)")
     services = up.add_argument_group("per-service flags", "extra flags handed to one kind of service, shell-quoted; "
                                      "the model flags above already go to every service that loads the model or "
@@ -77,7 +87,7 @@ def _state_dir(args: argparse.Namespace) -> Path:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from radixmesh.cli import model_kwargs
-    from radixmesh.cluster.local import ClusterSpec, cluster_up
+    from radixmesh.cluster.local import ClusterSpec, cluster_up, resolve_gpus
 
     num_workers = args.workers if args.workers is not None else (0 if args.decode_workers else 2)
     spec = ClusterSpec(num_workers=num_workers, num_prefill_workers=args.prefill_workers,
@@ -87,7 +97,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                        grammar_args=args.grammar_args, gateway_args=args.gateway_args, log_level=args.log_level,
                        state_dir=_state_dir(args), timeout_s=args.timeout_s, otlp_endpoint=args.otlp_endpoint,
                        metrics=args.metrics, grammar=args.grammar, tls_dir=args.tls_dir,
-                       tls_server_name=args.tls_server_name)
+                       tls_server_name=args.tls_server_name, gpus=args.gpus)
+    spec = resolve_gpus(spec)
+    _print_gpus(spec)
     state = cluster_up(spec)
     roles = [role for _, role in spec.worker_roles()]
     tiers = ", ".join(f"{roles.count(r)} {r}" for r in ("unified", "prefill", "decode") if r in roles)
@@ -105,6 +117,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"radixmesh cluster: logs in {state.log_dir}; stop with `radixmesh cluster down`")
     print(state.gateway_url, flush=True)
     return 0
+
+
+def _print_gpus(spec: ClusterSpec) -> None:
+    """One line per worker placed on GPUs (none when the environment is left alone), a warning when they share."""
+    placement = spec.worker_gpus()
+    num_own = spec.worker_tp_size()
+    for name, visible in placement.items():
+        own = ",".join(visible[:num_own])
+        print(f"radixmesh cluster: {name} on GPU {own} (CUDA_VISIBLE_DEVICES={','.join(visible)})")
+    num_needed, num_gpus = num_own * len(placement), len(spec.gpu_ids())
+    if num_needed > num_gpus:
+        print(f"radixmesh cluster: warning: {len(placement)} workers need {num_needed} GPUs, {num_gpus} selected: "
+              "they share GPUs round robin", file=sys.stderr)
+    sys.stdout.flush()
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -125,5 +151,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     routers = ",".join(state.router_addresses or [state.router_address])
     print(f"gateway {state.gateway_url}  router {routers}  redis {state.redis_url or 'none'}")
     for name, pid in state.pids.items():
-        print(f"  {name:<10} pid {pid:<8} {'running' if alive[name] else 'stopped'}")
+        gpus = f"  GPUs {state.worker_gpus[name]}" if name in state.worker_gpus else ""
+        print(f"  {name:<10} pid {pid:<8} {'running' if alive[name] else 'stopped'}{gpus}")
     return 0 if all(alive.values()) else 1

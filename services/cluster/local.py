@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from radixmesh.cluster.processes import cmdline, grpc_serving, http_ok, is_alive, log_tail, spawn, stop_group
-from radixmesh.cluster.spec import STATE_FILE, ClusterSpec, ClusterState, default_state_dir
+from radixmesh.cluster.spec import GPUS_AUTO, STATE_FILE, ClusterSpec, ClusterState, default_state_dir
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.common.tls import configure_clients, sync_channel
 from radixmesh.index.redis_server import LocalRedis, free_port, redis_server_binary
 
 __all__ = ["HOST", "STATE_FILE", "ClusterSpec", "ClusterState", "cluster_down", "cluster_status", "cluster_up",
-           "default_state_dir", "router_sees_all"]
+           "default_state_dir", "detect_gpus", "resolve_gpus", "router_sees_all"]
 
 HOST = "127.0.0.1"
 
@@ -66,6 +68,7 @@ class _Starter:
 
 def cluster_up(spec: ClusterSpec) -> ClusterState:
     """Start the cluster (see the module docstring); on any failure stop what was started and raise."""
+    spec = resolve_gpus(spec)
     existing = ClusterState.load(spec.state_dir)
     if existing is not None and any(_alive(existing).values()):
         raise invalid_argument(f"a cluster from {spec.state_dir / STATE_FILE} is still running "
@@ -91,14 +94,13 @@ def _start_all(spec: ClusterSpec, starter: _Starter) -> ClusterState:
     index = ["--redis-url", redis_url] if redis_url else []
     named = {name: (_address(), role) for name, role in spec.worker_roles()}
     workers = [address for address, _ in named.values()]
-    # CPU workers share the machine's cores instead of each spinning up one thread per core.
-    threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // len(workers)))}
+    gpus = spec.worker_gpus()
     grammar = _start_grammar(spec, starter, model, index)
     grammar_args = ["--grammar-service", grammar] if grammar else []
     for name, (address, role) in named.items():
         starter.start(name, ["worker", *_listen(address), "--role", role, *starter.metrics_args(name), *model,
                              *index, *grammar_args, *shlex.split(spec.worker_args)],
-                      env=threads if "OMP_NUM_THREADS" not in os.environ else None)
+                      env=_worker_env(len(workers), gpus.get(name)))
     tokenizer = _address()
     starter.start("tokenizer", ["tokenizer", *_listen(tokenizer), *starter.metrics_args("tokenizer"), *model,
                                 *shlex.split(spec.tokenizer_args)])
@@ -121,9 +123,60 @@ def _start_all(spec: ClusterSpec, starter: _Starter) -> ClusterState:
                          policy=spec.policy, log_dir=str(starter.log_dir), pids=dict(starter.pids),
                          metrics_urls=dict(starter.metrics_urls), grammar_address=grammar,
                          worker_roles={address: role for address, role in named.values()},
-                         router_addresses=list(routers.values()), router_names=list(routers), model_args=model)
+                         router_addresses=list(routers.values()), router_names=list(routers), model_args=model,
+                         worker_gpus={name: ",".join(ids) for name, ids in gpus.items()})
     state.save(spec.state_dir)
     return state
+
+
+def _worker_env(num_workers: int, gpu_ids: list[str] | None) -> dict[str, str]:
+    env = {}
+    if "OMP_NUM_THREADS" not in os.environ:
+        # CPU workers share the machine's cores instead of each spinning up one thread per core.
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_workers))
+    if gpu_ids:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+    return env
+
+
+def resolve_gpus(spec: ClusterSpec) -> ClusterSpec:
+    """`spec` with gpus=auto resolved against this host's GPUs (detect_gpus); other values as they are."""
+    return spec.with_gpus(detect_gpus()) if spec.gpus == GPUS_AUTO else spec
+
+
+def detect_gpus() -> list[str]:
+    """This host's GPUs as CUDA_VISIBLE_DEVICES ids, without importing torch: the ones this process's
+    CUDA_VISIBLE_DEVICES names when set, else one index per GPU that `nvidia-smi -L` (or the driver's
+    /proc/driver/nvidia/gpus) lists."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return visible_gpu_ids(visible)
+    return [str(i) for i in range(_count_nvidia_gpus())]
+
+
+def visible_gpu_ids(visible: str) -> list[str]:
+    """The ids of a CUDA_VISIBLE_DEVICES value as CUDA reads it: up to the first empty or negative entry."""
+    ids: list[str] = []
+    for part in visible.split(","):
+        part = part.strip()
+        if not part or part.startswith("-") or part in ids:
+            break
+        ids.append(part)
+    return ids
+
+
+def _count_nvidia_gpus() -> int:
+    smi = shutil.which("nvidia-smi")
+    if smi is not None:
+        try:
+            listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
+            return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        return sum(1 for _ in Path("/proc/driver/nvidia/gpus").iterdir())
+    except OSError:
+        return 0
 
 
 def _address() -> str:

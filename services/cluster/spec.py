@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shlex
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,8 @@ from radixmesh.engine.config import DTYPES, LOAD_FORMATS
 STATE_FILE = "state.json"
 TLS_FILES = ("ca.crt", "tls.crt", "tls.key")
 """What ClusterSpec.tls_dir holds: the layout of a cert-manager Secret."""
+GPUS_AUTO, GPUS_NONE = "auto", "none"
+"""ClusterSpec.gpus besides an explicit list of GPU ids."""
 
 
 def default_state_dir() -> Path:
@@ -75,6 +80,8 @@ class ClusterSpec:
     """Directory with ca.crt, tls.crt, tls.key: mutual TLS between all services, TLS on the gateway; None: plaintext."""
     tls_server_name: str | None = None
     """Name checked in the services' certificate instead of 127.0.0.1 (--tls-server-name)."""
+    gpus: str = GPUS_AUTO
+    """Workers' GPUs: auto (the host's, when workers run on CUDA) | none (environment as is) | ids like 0,1."""
 
     def __post_init__(self) -> None:
         if min(self.num_workers, self.num_prefill_workers, self.num_decode_workers) < 0:
@@ -97,6 +104,8 @@ class ClusterSpec:
                 raise invalid_argument(f"--tls-dir {self.tls_dir} lacks {', '.join(missing)} (it needs ca.crt, "
                                        "tls.crt and tls.key, as a cert-manager Secret holds them)", "tls_dir")
             self.tls_config()  # unreadable or mismatched files fail now, naming the flag
+        if self.gpus not in (GPUS_AUTO, GPUS_NONE):
+            parse_gpu_ids(self.gpus)
 
     def tls_config(self) -> TlsConfig | None:
         """The certificates every service (and `cluster up`'s own health checks) use; None without tls_dir."""
@@ -139,6 +148,76 @@ class ClusterSpec:
             args += ["--context-length", str(self.context_length)]
         return args
 
+    def worker_device(self) -> str:
+        """The workers' --device as worker_args set it (auto: CUDA when the host has a GPU)."""
+        return _last_flag_value(shlex.split(self.worker_args), "--device") or "auto"
+
+    def worker_tp_size(self) -> int:
+        """GPUs per worker: its --tp-size as worker_args set it (1 when unset)."""
+        value = _last_flag_value(shlex.split(self.worker_args), "--tp-size") or "1"
+        try:
+            return max(1, int(value))
+        except ValueError:
+            raise invalid_argument(f"--worker-args: --tp-size must be an integer (got {value!r})", "tp_size") from None
+
+    def with_gpus(self, detected: Sequence[str]) -> ClusterSpec:
+        """A copy with gpus=auto resolved: the `detected` GPU ids when the workers may run on CUDA, else none."""
+        if self.gpus != GPUS_AUTO:
+            return self
+        on_gpu = bool(detected) and self.worker_device() != "cpu"
+        return dataclasses.replace(self, gpus=",".join(detected) if on_gpu else GPUS_NONE)
+
+    def gpu_ids(self) -> list[str]:
+        """The selected GPU ids ([] for none); gpus=auto must be resolved first (with_gpus)."""
+        assert self.gpus != GPUS_AUTO, "resolve gpus=auto with ClusterSpec.with_gpus first"
+        return [] if self.gpus == GPUS_NONE else parse_gpu_ids(self.gpus)
+
+    def worker_gpus(self) -> dict[str, list[str]]:
+        """Worker process name -> its CUDA_VISIBLE_DEVICES (place_workers); {} leaves every worker's
+        environment alone (gpus none, or workers on --device cpu)."""
+        gpu_ids = self.gpu_ids()
+        if not gpu_ids or self.worker_device() == "cpu":
+            return {}
+        names = [name for name, _ in self.worker_roles()]
+        return dict(zip(names, place_workers(gpu_ids, [self.worker_tp_size()] * len(names))))
+
+
+def parse_gpu_ids(text: str) -> list[str]:
+    """The ids of a GPU list such as "0,1" (indices or UUIDs, as CUDA_VISIBLE_DEVICES takes them)."""
+    ids = [part.strip() for part in text.split(",")]
+    if not all(ids) or len(set(ids)) != len(ids):
+        raise invalid_argument(f"--gpus takes auto, none or distinct GPU ids such as 0,1 (got {text!r})", "gpus")
+    return ids
+
+
+def place_workers(gpu_ids: Sequence[str], gpus_per_worker: Sequence[int]) -> list[list[str]]:
+    """Each worker's CUDA_VISIBLE_DEVICES order: every GPU of `gpu_ids`, rotated so that its own come first.
+
+    Worker w owns the next gpus_per_worker[w] GPUs round robin (consecutive ones for tensor parallelism);
+    more GPUs asked for than selected means sharing. A worker uses its first visible device (its tensor-
+    parallel rank r the r-th), and every worker sees all of them: cuda-ipc opens a peer's GPU memory.
+    """
+    assert gpu_ids, "no GPUs to place workers on"
+    placements, start = [], 0
+    for num_gpus in gpus_per_worker:
+        if num_gpus > len(gpu_ids):
+            raise invalid_argument(f"a worker with --tp-size {num_gpus} needs {num_gpus} GPUs; {len(gpu_ids)} "
+                                   f"selected ({','.join(gpu_ids)})", "gpus")
+        placements.append([*gpu_ids[start:], *gpu_ids[:start]])
+        start = (start + num_gpus) % len(gpu_ids)
+    return placements
+
+
+def _last_flag_value(args: list[str], flag: str) -> str | None:
+    """The value of the last `flag VALUE` or `flag=VALUE` in `args` (argparse's last one wins), else None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
 
 @dataclass
 class ClusterState:
@@ -166,6 +245,8 @@ class ClusterState:
     """Process name (key of `pids`) of each router in router_addresses: router, or router-<i> for several."""
     model_args: list[str] = field(default_factory=list)
     """The model flags every model-loading service was started with."""
+    worker_gpus: dict[str, str] = field(default_factory=dict)
+    """Worker process name -> the CUDA_VISIBLE_DEVICES it was started with, its own GPU(s) first (none: as is)."""
 
     def save(self, state_dir: Path) -> Path:
         state_dir.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,18 @@
 """KV gather/scatter kernels at a real shape (Llama-3.1-8B KV: 32 layers, 8 KV heads, head dim 128, bf16), and the
-cuda-ipc transport between a prefill and a decode worker process on two GPUs."""
+cuda-ipc transport between a prefill and a decode worker process on two GPUs: random weights of the Llama-3.1-8B
+shape speaking the default model's tokenizer (its files staged in RADIXMESH_TEST_TOKENIZER_DIR: the GPU machine
+has no network), the same tokens as the grpc transport, and the faults (prefill worker stopped or killed while it
+has the request) ending in a completed request and idle KV pools."""
 
 from __future__ import annotations
 
 import os
-import time
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import torch
@@ -18,8 +26,9 @@ import pytest
 
 from radixmesh.kernels.kv_transfer import gather_kv, scatter_kv
 from radixmesh.kernels.kv_transfer_ref import gather_kv_torch
-from radixmesh.protocol import common_pb2, router_pb2, router_pb2_grpc, sampling_pb2, worker_pb2, worker_pb2_grpc
-from tests.integration.service_procs import start_service
+from radixmesh.protocol import common_pb2, router_pb2, router_pb2_grpc, sampling_pb2, worker_pb2
+from tests.integration.service_procs import ServiceProc, start_service
+from tests.integration.test_disaggregation import is_idle, load, metric, queued_on_prefill, start_in_thread, wait_for
 
 pytestmark = pytest.mark.gpu
 
@@ -48,35 +57,67 @@ def test_gather_scatter_at_llama_8b_shape(num_tokens: int) -> None:
 
 # ---- two worker processes on two GPUs ------------------------------------------------------------
 PD_PROMPTS = [[1, *range(1000, 1300)], [1, *range(5000, 5040)], [1, *range(20000, 20700)]]
+FAULT_PROMPT_LEN = 12000  # long enough that the prefill worker still has it when the fault comes
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def _pd_tokens(transport: str) -> tuple[list[list[int]], worker_pb2.DisaggStats]:
-    """Greedy tokens of PD_PROMPTS through a router, a prefill worker on GPU 0 and a decode worker on GPU 1
-    (each sees both GPUs, its own first), with `transport`; and the decode worker's counters."""
-    engine = ["--device", "cuda", "--max-total-tokens", "8192", "--kv-transport", transport, "--metrics-port", "-1"]
-    procs = [start_service("worker", [*engine, "--role", "prefill"], env={"CUDA_VISIBLE_DEVICES": "0,1"})]
+@pytest.fixture(scope="module")
+def model_8b(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Worker flags for random weights of the Llama-3.1-8B shape with the default model's tokenizer."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    staged = os.environ.get("RADIXMESH_TEST_TOKENIZER_DIR")
+    if not staged:
+        pytest.skip("RADIXMESH_TEST_TOKENIZER_DIR (the default model's tokenizer files) is not set")
+    out = tmp_path_factory.mktemp("pd") / "llama-3.1-8b"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_tokenizer_model.py"), "llama-3.1-8b", staged,
+                    str(out)], check=True, capture_output=True)
+    return ["--model", str(out), "--load-format", "dummy", "--context-length", "16384"]
+
+
+def _start_pd(model: list[str], transport: str, decode_args: tuple[str, ...] = ()) -> dict[str, ServiceProc]:
+    """A prefill worker on GPU 0, a decode worker on GPU 1 (each sees both, its own first; started together)
+    and a router."""
+    engine = [*model, "--device", "cuda", "--max-total-tokens", "40000", "--kv-transport", transport,
+              "--metrics-port", "0", "--kv-lease-s", "30"]
+    specs = {"prefill": ([*engine, "--role", "prefill", "--worker-id", "prefill-0"], "0,1"),
+             "decode": ([*engine, "--role", "decode", "--worker-id", "decode-0", *decode_args], "1,0")}
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(start_service, "worker", args, env={"CUDA_VISIBLE_DEVICES": gpus})
+                   for name, (args, gpus) in specs.items()}
+    procs: dict[str, ServiceProc] = {}
+    errors = []
+    for name, future in futures.items():
+        try:
+            procs[name] = future.result()
+        except Exception as exc:  # the other one may have started: stop it below
+            errors.append(exc)
     try:
-        procs.append(start_service("worker", [*engine, "--role", "decode"], env={"CUDA_VISIBLE_DEVICES": "1,0"}))
-        procs.append(start_service("router", ["--workers", f"{procs[0].address},{procs[1].address}",
-                                              "--pd-min-prefill-tokens", "1", "--health-interval-s", "0.3",
-                                              "--metrics-port", "-1"]))
-        router = router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(procs[2].address))
-        deadline = time.monotonic() + 60
-        while not _sees_both_roles(router):
-            assert time.monotonic() < deadline, "the router did not see a prefill and a decode worker"
-            time.sleep(0.2)
-        results = []
-        for ids in PD_PROMPTS:
-            params = sampling_pb2.SamplingParams(max_new_tokens=16, temperature=0.0)
-            msgs = list(router.Generate(worker_pb2.GenerateRequest(token_ids=ids, sampling_params=params), timeout=300))
-            assert msgs[0].routing.pd_reason == "prefill-tier", msgs[0].routing
-            results.append([t for m in msgs for t in m.token_ids])
-        decode = worker_pb2_grpc.WorkerServiceStub(grpc.insecure_channel(procs[1].address))
-        stats = decode.GetLoad(worker_pb2.GetLoadRequest(), timeout=30).disagg
-        return results, stats
-    finally:
-        for proc in reversed(procs):
+        if errors:
+            raise errors[0]
+        procs["router"] = start_service("router", ["--workers", f"{procs['prefill'].address},{procs['decode'].address}",
+                                                   "--pd-min-prefill-tokens", "1", "--health-interval-s", "0.3",
+                                                   "--metrics-port", "-1"])
+        router = router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(procs["router"].address))
+        wait_for(lambda: _sees_both_roles(router), 60, "the router to see a prefill and a decode worker")
+    except BaseException:
+        for proc in reversed(list(procs.values())):
             proc.stop(30)
+        raise
+    return procs
+
+
+def _pd_tokens(procs: dict[str, ServiceProc]) -> tuple[list[list[int]], worker_pb2.DisaggStats]:
+    """Greedy tokens of PD_PROMPTS through the router of `procs` (prefill on GPU 0, decode on GPU 1), and the
+    decode worker's counters."""
+    router = router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(procs["router"].address))
+    results = []
+    for ids in PD_PROMPTS:
+        params = sampling_pb2.SamplingParams(max_new_tokens=16, temperature=0.0)
+        msgs = list(router.Generate(worker_pb2.GenerateRequest(token_ids=ids, sampling_params=params), timeout=300))
+        assert msgs[0].routing.pd_reason == "prefill-tier", msgs[0].routing
+        results.append([t for m in msgs for t in m.token_ids])
+    return results, load(procs, "decode").disagg
 
 
 def _sees_both_roles(router: router_pb2_grpc.RouterServiceStub) -> bool:
@@ -85,14 +126,71 @@ def _sees_both_roles(router: router_pb2_grpc.RouterServiceStub) -> bool:
                                                               common_pb2.WORKER_ROLE_DECODE}
 
 
+@pytest.fixture(scope="module")
+def pd_ipc(model_8b: list[str]) -> Iterator[dict[str, ServiceProc]]:
+    procs = _start_pd(model_8b, "cuda-ipc", ("--prefill-timeout-s", "4"))
+    try:
+        yield procs
+    finally:
+        for proc in reversed(list(procs.values())):
+            proc.stop(30)
+
+
 @pytest.mark.integration
 @pytest.mark.slow
-def test_cuda_ipc_between_two_gpus_gives_the_grpc_tokens() -> None:
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    by_grpc, grpc_stats = _pd_tokens("grpc")
-    by_ipc, ipc_stats = _pd_tokens("cuda-ipc")
+def test_cuda_ipc_between_two_gpus_gives_the_grpc_tokens(model_8b: list[str], pd_ipc: dict[str, ServiceProc]) -> None:
+    by_ipc, ipc_stats = _pd_tokens(pd_ipc)
+    procs = _start_pd(model_8b, "grpc")
+    try:
+        by_grpc, grpc_stats = _pd_tokens(procs)
+    finally:
+        for proc in reversed(list(procs.values())):
+            proc.stop(30)
     assert by_ipc == by_grpc
     for stats in (grpc_stats, ipc_stats):
         assert stats.num_committed == len(PD_PROMPTS) and stats.num_fallbacks == 0, stats
     assert ipc_stats.kv_bytes_received == grpc_stats.kv_bytes_received > 0  # the same KV, moved GPU to GPU
+
+
+# ---- faults on the GPUs: the request completes (the decode worker computes the prompt), both pools go idle ----
+def _fault_ids(seed: int) -> list[int]:
+    return [1] + [300 + (i * 71 + seed * 977) % 40000 for i in range(FAULT_PROMPT_LEN - 1)]
+
+
+def _answer_despite(procs: dict[str, ServiceProc], seed: int,
+                    fault: Callable[[], object]) -> list[worker_pb2.GenerateResponse]:
+    """Tokens of a long prompt whose prefill worker suffers `fault` once it has the request; the decode worker
+    must have fallen back to computing the prompt itself exactly once."""
+    fallbacks = load(procs, "decode").disagg.num_fallbacks
+    params = sampling_pb2.SamplingParams(max_new_tokens=8, temperature=0.0)
+    _, result, thread = start_in_thread(procs, _fault_ids(seed), params)
+    wait_for(lambda: queued_on_prefill(procs) > 0, 60, "the prefill worker to have the request")
+    fault()
+    thread.join(180)
+    assert "msgs" in result, result
+    assert load(procs, "decode").disagg.num_fallbacks == fallbacks + 1
+    msgs: list[worker_pb2.GenerateResponse] = result["msgs"]
+    assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert len([t for m in msgs for t in m.token_ids]) == 8
+    return msgs
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_prefill_worker_stopped_the_transfer_times_out_and_the_request_completes(
+        pd_ipc: dict[str, ServiceProc]) -> None:
+    prefill = pd_ipc["prefill"].proc
+    try:
+        _answer_despite(pd_ipc, 1, lambda: prefill.send_signal(signal.SIGSTOP))
+    finally:
+        prefill.send_signal(signal.SIGCONT)
+    assert metric(pd_ipc["decode"], "radixmesh_kv_transfer_fallbacks_total", reason="prefill_timeout") == 1
+    wait_for(lambda: is_idle(pd_ipc, "prefill") and is_idle(pd_ipc, "decode"), 60, "both KV pools empty")
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_prefill_worker_killed_the_request_completes(pd_ipc: dict[str, ServiceProc]) -> None:
+    _answer_despite(pd_ipc, 2, pd_ipc["prefill"].proc.kill)
+    assert metric(pd_ipc["decode"], "radixmesh_kv_transfer_fallbacks_total", reason="prefill_unavailable") == 1
+    wait_for(lambda: is_idle(pd_ipc, "decode"), 60, "the decode worker's KV pool empty")

@@ -1,0 +1,203 @@
+"""The decode-side process of `radixmesh bench kv-transfer`, and what both sides of the benchmark share.
+
+The receiver owns a KV pool and a transport like a decode worker's scheduler. It answers the sender
+(the benchmark's own process, the prefill side) over a multiprocessing pipe, one msgpack message at a
+time: `PrepareMsg` (zero the pool, draw the slots of the next size), `ChunkMsg`s (receive; after the
+last one finish, synchronize and report the time spent), `CheckMsg` (a fingerprint of the KV at its
+slots), `StopMsg`. Every request gets one `ReplyMsg`; a failure comes back as its `error`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import msgspec
+import torch
+
+from radixmesh.engine.disagg.messages import KVChunk
+from radixmesh.engine.disagg.transport.base import BaseKVTransport
+from radixmesh.engine.disagg.transport.registry import create_transport
+from radixmesh.engine.memory import TokenToKVPool
+
+KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+             "float8_e4m3fn": torch.float8_e4m3fn}
+_BITS_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+_WEIGHT_PERIOD = 8191
+"""Weights of the fingerprint cycle through 1..8191: position-dependent, and small enough for int64 sums."""
+
+
+class PoolSpec(msgspec.Struct, frozen=True):
+    """One side's KV pool and transport."""
+
+    device: str
+    """torch device of the pool, e.g. cuda:1 (that device becomes the process's current one)."""
+    size: int
+    """Usable slots of the pool (more than any size's tokens, so the slots drawn are scattered)."""
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    """A key of KV_DTYPES."""
+    transport: str
+    """A KV transport id of the registry."""
+
+
+class PrepareMsg(msgspec.Struct, tag="prepare", frozen=True):
+    num_tokens: int
+    seed: int
+
+
+class ChunkMsg(msgspec.Struct, tag="chunk", frozen=True):
+    chunk: KVChunk
+    last: bool
+    """The transfer's last chunk: finish and reply."""
+
+
+class CheckMsg(msgspec.Struct, tag="check", frozen=True):
+    pass
+
+
+class StopMsg(msgspec.Struct, tag="stop", frozen=True):
+    pass
+
+
+class ReplyMsg(msgspec.Struct, frozen=True):
+    receive_s: float = 0.0
+    """Seconds in `receive` and `finish` (device work synchronized) of the transfer that just ended."""
+    sums: list[int] = []
+    """Per layer, the fingerprint of the KV at the receiver's slots (answering CheckMsg)."""
+    error: str = ""
+    """The receiver's traceback when it failed."""
+
+
+ToReceiverMsg = PrepareMsg | ChunkMsg | CheckMsg | StopMsg
+encoder = msgspec.msgpack.Encoder()
+reply_decoder = msgspec.msgpack.Decoder(ReplyMsg)
+_request_decoder = msgspec.msgpack.Decoder(ToReceiverMsg)
+REPLY_TIMEOUT_S = 600.0
+
+
+def open_side(spec: PoolSpec) -> tuple[TokenToKVPool, BaseKVTransport]:
+    """The pool (zeroed) and transport of one side, its device made current (Triton launches there)."""
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    pool = TokenToKVPool(spec.size, spec.num_layers, spec.kv_heads, spec.head_dim, KV_DTYPES[spec.dtype], device)
+    return pool, create_transport(spec.transport, pool)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_slots(pool: TokenToKVPool, num_tokens: int, seed: int) -> torch.Tensor:
+    """`num_tokens` distinct slots in random order, as a worker's allocator hands out after a while."""
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randperm(pool.size, generator=generator)[:num_tokens] + 1).to(pool.device)
+
+
+def fill_random(pool: TokenToKVPool, seed: int) -> None:
+    torch.manual_seed(seed)
+    for buf in (*pool.k_buffers, *pool.v_buffers):
+        buf.copy_(torch.randn(buf.shape, device=buf.device))
+
+
+def fingerprint(pool: TokenToKVPool, slots: torch.Tensor) -> list[int]:
+    """Per layer, an exact checksum of the bits of K and V at `slots` (in their order), weighted by position.
+
+    Plain indexing, not the transfer kernels: a fault shared by gather and scatter cannot cancel out.
+    """
+    bits_dtype = _BITS_DTYPES[pool.dtype.itemsize]
+    sums = []
+    for k_buf, v_buf in zip(pool.k_buffers, pool.v_buffers):
+        # [2 * tokens * heads * dim], integer views (FP8 has few indexing kernels)
+        bits = torch.stack([k_buf.view(bits_dtype)[slots], v_buf.view(bits_dtype)[slots]]).flatten().long()
+        weights = torch.arange(bits.numel(), device=bits.device) % _WEIGHT_PERIOD + 1
+        sums.append(int((bits * weights).sum()))
+    return sums
+
+
+class Receiver:
+    """The receiver process, seen from the sender: requests go out, one reply comes back for each."""
+
+    def __init__(self, spec: PoolSpec) -> None:
+        context = multiprocessing.get_context("spawn")  # CUDA IPC handles open only in another process
+        self._conn, child_conn = context.Pipe()
+        self._proc = context.Process(target=receiver_main, args=(child_conn, spec), name="kv-transfer-receiver",
+                                     daemon=True)
+        self._proc.start()
+        child_conn.close()
+
+    def send(self, msg: ToReceiverMsg) -> None:
+        self._conn.send_bytes(encoder.encode(msg))
+
+    def request(self, msg: ToReceiverMsg) -> ReplyMsg:
+        self.send(msg)
+        return self.reply()
+
+    def reply(self) -> ReplyMsg:
+        """The next reply; RuntimeError when the receiver failed, died or went silent."""
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while not self._conn.poll(0.5):
+            if not self._proc.is_alive():
+                raise RuntimeError(f"the receiver process exited with code {self._proc.exitcode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the receiver process did not answer in {REPLY_TIMEOUT_S:.0f} s")
+        reply = reply_decoder.decode(self._conn.recv_bytes())
+        if reply.error:
+            raise RuntimeError(f"the receiver process failed:\n{reply.error}")
+        return reply
+
+    def stop(self) -> None:
+        if self._proc.is_alive():
+            with contextlib.suppress(OSError):
+                self.send(StopMsg())
+            self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(5)
+        self._conn.close()
+
+
+def receiver_main(conn: Connection, spec: PoolSpec) -> None:
+    """Entry point of the receiver process (multiprocessing 'spawn')."""
+    try:
+        pool, transport = open_side(spec)
+        _serve(conn, pool, transport)
+    except Exception:  # the sender raises it: a failing receiver must not leave it waiting
+        conn.send_bytes(encoder.encode(ReplyMsg(error=traceback.format_exc())))
+    finally:
+        conn.close()
+
+
+def _serve(conn: Connection, pool: TokenToKVPool, transport: BaseKVTransport) -> None:
+    slots = torch.empty(0, dtype=torch.int64, device=pool.device)
+    receive_s = 0.0
+    while True:
+        msg = _request_decoder.decode(conn.recv_bytes())
+        if isinstance(msg, StopMsg):
+            return
+        if isinstance(msg, PrepareMsg):
+            for buf in (*pool.k_buffers, *pool.v_buffers):
+                buf.zero_()
+            slots = random_slots(pool, msg.num_tokens, msg.seed)
+            synchronize(pool.device)
+            reply = ReplyMsg()
+        elif isinstance(msg, ChunkMsg):
+            start = time.perf_counter()
+            transport.receive(msg.chunk, slots)
+            if msg.last:
+                transport.finish()  # cuda-ipc: drops the mapping of the sender's staging buffer
+                synchronize(pool.device)
+            receive_s += time.perf_counter() - start
+            if not msg.last:
+                continue
+            reply, receive_s = ReplyMsg(receive_s=receive_s), 0.0
+        else:
+            reply = ReplyMsg(sums=fingerprint(pool, slots))
+        conn.send_bytes(encoder.encode(reply))
