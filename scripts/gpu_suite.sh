@@ -242,7 +242,7 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
         cat /tmp/pd-up-$cfg.txt; url=$(tail -1 /tmp/pd-up-$cfg.txt)
         for rate in ${PD_RATES:-2 4 6}; do
           $RM bench serving --base-url "$url" --backend sglang --workload random-ids --random-input-len 8192 \
-            --random-range-ratio 0.25 --random-output-len 1024 --num-prompts ${PD_PROMPTS:-60} --request-rate $rate \
+            --random-range-ratio 0.25 --random-output-len 1024 --num-prompts ${PD_PROMPTS:-60} --request-rate $rate --seed ${rate%.*} \
             --warmup-requests 2 --disable-tqdm --tokenizer "$model" --output-file /tmp/pd-$cfg-$rate.json \
             || tail -n 15 $state/logs/*-[0-9]*.log
           [ -f /tmp/pd-$cfg-$rate.json ] && files="$files /tmp/pd-$cfg-$rate.json"

@@ -79,7 +79,7 @@ def _start_pd(model: list[str], transport: str, decode_args: tuple[str, ...] = (
     """A prefill worker on GPU 0, a decode worker on GPU 1 (each sees both, its own first; started together)
     and a router."""
     engine = [*model, "--device", "cuda", "--max-total-tokens", "40000", "--kv-transport", transport,
-              "--metrics-port", "0", "--kv-lease-s", "30"]
+              "--metrics-port", "0", "--kv-lease-s", "60"]
     specs = {"prefill": ([*engine, "--role", "prefill", "--worker-id", "prefill-0"], "0,1"),
              "decode": ([*engine, "--role", "decode", "--worker-id", "decode-0", *decode_args], "1,0")}
     with ThreadPoolExecutor(2) as pool:

@@ -84,11 +84,17 @@ class TorchCommunicator:
         return int(t.item())
 
     @staticmethod
-    def destroy() -> None:
-        """Leave the group (and give the process back its CPU threads)."""
+    def destroy(abort: bool = False) -> None:
+        """Leave the group (and give the process back its CPU threads); every rank calls it at about the same
+        time. `abort`: another rank is gone, so NCCL's orderly teardown would wait for it."""
         global _threads_before
         if dist.is_initialized():
-            dist.destroy_process_group()
+            abort_group = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort and abort_group is not None and dist.get_backend() == "nccl":
+                logger.warning("a tensor-parallel rank is gone: aborting the NCCL group")
+                abort_group()
+            else:
+                dist.destroy_process_group()
         if _threads_before is not None:
             torch.set_num_threads(_threads_before)
             _threads_before = None

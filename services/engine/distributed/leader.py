@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -45,6 +46,8 @@ from radixmesh.engine.loader import PreparedModel
 logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 900.0
 """How long rank 0 waits for the other ranks to start and to load their shards."""
+TEARDOWN_TIMEOUT_S = 10.0
+"""Longest wait for leaving the torch.distributed group at close."""
 STOP_TIMEOUT_S = 10.0
 
 
@@ -201,6 +204,8 @@ class TpLeader:
         for sock in self._sends:
             with contextlib.suppress(zmq.ZMQError):
                 sock.send(encoder.encode(StopMsg()), zmq.NOBLOCK)
+        # Every rank leaves the group at once (each rank's Stop handler does too); a rank already gone: abort.
+        _leave_group(abort=any(proc.poll() is not None for proc in self._procs))
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for proc in self._procs:
             try:
@@ -212,7 +217,6 @@ class TpLeader:
         for sock in [*self._sends, self._status]:
             sock.close(0)
         self._ctx.term()
-        TorchCommunicator.destroy()
         shutil.rmtree(self._dir, ignore_errors=True)
         atexit.unregister(self.close)
 
@@ -220,3 +224,16 @@ class TpLeader:
     def pids(self) -> list[int]:
         """Process ids of ranks 1..N-1."""
         return [proc.pid for proc in self._procs]
+
+
+def _leave_group(abort: bool) -> None:
+    """Leave the tensor-parallel group, waiting at most TEARDOWN_TIMEOUT_S: on two H200s (torch 2.11, NCCL 2.28)
+    neither `destroy_process_group` nor an abort returned after a TP 2 run with CUDA graphs, and a worker's
+    shutdown must not hang on it (the process then exits without it)."""
+    thread = threading.Thread(target=TorchCommunicator.destroy, kwargs={"abort": abort}, daemon=True,
+                              name="tp-leave-group")
+    thread.start()
+    thread.join(TEARDOWN_TIMEOUT_S)
+    if thread.is_alive():
+        logger.error("leaving the tensor-parallel group did not finish within %.0f s; going on without it",
+                     TEARDOWN_TIMEOUT_S)
