@@ -56,7 +56,7 @@ class SchedulerLoop:
             if self.stopping:
                 break
             if self.disagg is not None:
-                self.disagg.tick()
+                self.disagg.tick()  # right before the step: it queues KV exports ahead of the next launch
             stepped = self.scheduler.step()
             if self.kv_events is not None:
                 self._send_kv_events()

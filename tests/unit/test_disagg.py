@@ -71,9 +71,19 @@ def reserve(decode: Side, rid: str, ids: list[int], params: SamplingParams) -> d
     return decode.query(ReserveReqMsg(uuid.uuid4().hex, f"res-{rid}", rid, list(ids), params, LEASE_S))
 
 
+def run_loop(side: Side, max_steps: int = 10_000) -> None:
+    """Step as the scheduler loop does: the handler's tick right before every step."""
+    for _ in range(max_steps):
+        if not side.sched.has_work:
+            return
+        side.handler.tick()
+        side.sched.step()
+    raise AssertionError("scheduler did not finish")
+
+
 def prefill(prefill_side: Side, rid: str, ids: list[int], params: SamplingParams, start_pos: int) -> list[KVExportMsg]:
     prefill_side.handler.handle(PrefillReqMsg(rid, f"tx-{rid}", list(ids), params, start_pos, "grpc", LEASE_S))
-    run_until_idle(prefill_side.sched)
+    run_loop(prefill_side)
     chunks = [m for m in prefill_side.exports if m.rid == rid]
     prefill_side.exports[:] = [m for m in prefill_side.exports if m.rid != rid]
     return chunks
@@ -99,8 +109,9 @@ def transfer(prefill_side: Side, decode: Side, rid: str, ids: list[int], params:
     return {**grant, "num_bytes": done["num_bytes"]}
 
 
-def test_prefill_then_decode_equals_unified_and_leaks_nothing() -> None:
-    p, d = make_side(), make_side()
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_prefill_then_decode_equals_unified_and_leaks_nothing(overlap: str) -> None:
+    p, d = make_side(overlap_schedule=overlap), make_side()
     for i, req in enumerate(make_requests(3, seed=5, prompt_len=(6, 30))):
         expected = unified_tokens(req.origin_input_ids, req.params)
         grant = transfer(p, d, f"r{i}", req.origin_input_ids, req.params)
@@ -231,6 +242,76 @@ def test_exported_kv_is_released_by_its_lease() -> None:
     p.clock.now += LEASE_S + 1
     p.handler.tick()
     assert p.handler.stats()["num_transfers_lapsed"] == 1
+    assert_no_leak(p.sched)
+
+
+def test_overlap_queues_each_export_before_the_next_pass_and_sends_it_with_the_first_token(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under overlap a pass's tokens are read back after the next pass was launched. An export queued then
+    # runs on the GPU behind that whole next pass, and so does the decode worker's copy (cuda-ipc waits on
+    # the gather's event on the decode GPU's stream): its decode steps stall for a prefill pass.
+    p = make_side(overlap_schedule="on", chunked_prefill_size=64)
+    events: list[tuple[str, str]] = []
+    launch, transport, exports = p.sched.runner.launch, p.handler.transport("grpc"), p.handler.exports
+    export, send, emit = transport.export, exports.send, p.handler._emit
+
+    def traced_launch(batch: Any, before_sample: Any) -> Any:
+        events.append(("launch", ",".join(req.rid for req in batch.reqs)))
+        return launch(batch, before_sample)
+
+    def traced_export(transfer_id: str, slots: Any) -> Any:
+        events.append(("export", transfer_id.removeprefix("tx-")))
+        return export(transfer_id, slots)
+
+    def traced_send(msg: KVExportMsg) -> None:
+        events.append(("send", msg.rid))
+        send(msg)
+
+    def traced_emit(outputs: list[Any]) -> None:
+        events.extend(("token", out.rid) for out in outputs if out.token_ids)
+        emit(outputs)
+
+    monkeypatch.setattr(p.sched.runner, "launch", traced_launch)
+    monkeypatch.setattr(transport, "export", traced_export)
+    monkeypatch.setattr(exports, "send", traced_send)
+    monkeypatch.setattr(p.handler, "_emit", traced_emit)
+    reqs = make_requests(6, seed=1, prompt_len=(40, 60))
+    for i, req in enumerate(reqs):
+        p.handler.handle(PrefillReqMsg(f"p{i}", f"tx-p{i}", req.origin_input_ids, greedy(5), 0, "grpc", LEASE_S))
+    run_loop(p)
+    passes = [at for at, (kind, _) in enumerate(events) if kind == "launch"]
+    assert len(passes) == 5, "six prompts of 40-60 tokens pack into 5 passes of 64 tokens"
+    for i in range(len(reqs)):
+        rid = f"p{i}"
+        last_pass = max(at for at in passes if rid in events[at][1].split(","))
+        next_pass = min((at for at in passes if at > last_pass), default=len(events))
+        exported, sent = events.index(("export", rid)), events.index(("send", rid))
+        assert last_pass < exported < next_pass, f"{rid}: KV gathered behind the next pass: {events}"
+        assert next_pass < sent or next_pass == len(events), f"{rid}: chunks sent while its pass ran: {events}"
+        assert sent < events.index(("token", rid)), f"{rid}: first token ahead of its KV"
+        assert p.out.finish[rid] in ("length", "stop") and len(p.out.tokens[rid]) == 1
+    reference = make_side()
+    for i, req in enumerate(reqs):
+        prefill(reference, f"p{i}", req.origin_input_ids, greedy(5), 0)
+        assert reference.out.tokens[f"p{i}"] == p.out.tokens[f"p{i}"]
+        p.handler.handle(ReleaseTransferMsg(f"tx-p{i}"))
+    assert exports.stats()["num_exports"] == 6 and not exports.staged
+    assert_no_leak(p.sched)
+
+
+def test_a_prompt_aborted_after_its_export_was_queued_sends_nothing_and_leaks_nothing() -> None:
+    p = make_side(overlap_schedule="on")
+    ids = make_requests(1, seed=7, prompt_len=(30, 30))[0].origin_input_ids
+    p.handler.handle(PrefillReqMsg("s", "tx-s", list(ids), greedy(3), 0, "grpc", LEASE_S))
+    p.handler.tick()
+    p.sched.step()  # launches the prompt's pass
+    p.handler.tick()  # queues its export
+    assert "s" in p.handler.exports.staged and p.handler.stats()["num_transfers_held"] == 1
+    p.sched.abort("s")
+    p.handler.abort("s")
+    run_loop(p)
+    assert p.out.finish["s"] == "abort" and not p.exports
+    assert p.handler.stats()["num_transfers_held"] == 0 and not p.handler.exports.staged
     assert_no_leak(p.sched)
 
 

@@ -1,10 +1,17 @@
 """Prefill side: compute a prompt (reusing this worker's radix cache), sample its first token, and
 expose the KV of the requested suffix to a transport until the decode side has it.
 
-The request runs as an ordinary one-token request. When its last output is emitted the scheduler
-has just handed the prompt's KV to the radix tree; the export locks that path (so nothing evicts
-it), lets the transport gather the suffix's slots, and sends the chunks to the front end ahead of
-the first token. `ReleaseTransferMsg` (or the lease) unlocks it; the KV stays cached here.
+The request runs as an ordinary one-token request. The export locks the prompt's path in the radix
+tree (so nothing evicts it) and lets the transport gather the suffix's slots; the chunks go to the
+front end ahead of the first token, once that token is emitted. `ReleaseTransferMsg` (or the lease)
+unlocks it; the KV stays cached here.
+
+When the export is staged matters on a GPU. Under the overlap scheduler a pass's outputs are read
+back after the next pass was launched, so a gather queued then runs behind that whole next pass, and
+so does anything the decode side queues behind it (cuda-ipc's copy waits on the gather's event on the
+decode GPU's stream, stalling its decode steps). `stage_launched` therefore queues the gather of the
+prompts finishing in the pass on the device *before* the scheduler launches the next one; their
+chunks are still sent only with the first token, when the gather right behind that pass is done.
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ class ExportManager:
         self.clock = clock
         self.requested: dict[str, PrefillReqMsg] = {}
         """rid -> prefill request still computing."""
+        self.staged: dict[str, list[KVExportMsg] | str] = {}
+        """rid -> chunks of a prompt still computing whose gather is queued (or why its export failed)."""
         self.held: dict[str, HeldTransfer] = {}
         self.counters = {"num_exports": 0, "kv_bytes_exported": 0, "num_transfers_lapsed": 0, "num_export_errors": 0,
                          "num_cached_exports": 0, "cached_tokens_exported": 0}
@@ -70,31 +79,50 @@ class ExportManager:
         self.requested[msg.rid] = msg
         self.sched.add_request(req)
 
+    def stage_launched(self) -> None:
+        """Queue the export of the prompts whose last pass is on the device, before the next pass is launched
+        (call between `Scheduler.step`s; see the module docstring). Without overlap nothing is in flight here."""
+        launched = self.sched.in_flight
+        if launched is None or not self.requested:
+            return
+        for row, req in enumerate(launched.batch.reqs):
+            msg = self.requested.get(req.rid)
+            if msg is not None and req.rid not in self.staged and (launched.launch_id, row) in req.futures:
+                self.staged[req.rid] = self._stage(msg)
+
     def on_outputs(self, outputs: list[TokenOut]) -> list[TokenOut]:
-        """Export the KV of prefill requests that just finished; returns the outputs to emit (a failed
-        export turns its output into an error)."""
+        """Send the KV of prefill requests that just finished ahead of their outputs; returns the outputs to
+        emit (a failed export turns its output into an error)."""
         if not self.requested:
             return outputs
         result = []
         for out in outputs:
             msg = self.requested.pop(out.rid, None) if out.finish_reason is not None else None
-            if msg is not None and out.finish_reason not in ("abort", "error"):
-                error = self._export(msg)
-                if error is not None:
-                    self.counters["num_export_errors"] += 1
-                    out = msgspec.structs.replace(out, finish_reason="error", error=error)
-            result.append(out)
+            result.append(out if msg is None else self._finish(msg, out))
         return result
 
-    def _export(self, msg: PrefillReqMsg) -> str | None:
+    def _finish(self, msg: PrefillReqMsg, out: TokenOut) -> TokenOut:
+        staged = self.staged.pop(msg.rid, None)
+        if out.finish_reason in ("abort", "error"):
+            self.release(msg.transfer_id)  # staged, never sent
+            return out
+        if staged is None:
+            staged = self._stage(msg)
+        elif isinstance(staged, list) and msg.transfer_id not in self.held:
+            staged = "the exported KV's lease ran out before the prompt's first token"
+        if isinstance(staged, str):
+            self.counters["num_export_errors"] += 1
+            return msgspec.structs.replace(out, finish_reason="error", error=staged)
+        self._send(staged)
+        self.counters["num_exports"] += 1
+        return out
+
+    def _stage(self, msg: PrefillReqMsg) -> list[KVExportMsg] | str:
         match = self.sched.kv.tree.match_prefix(list(msg.input_ids))
         if len(match.indices) < len(msg.input_ids):
             return ("the prompt's KV is not in the radix cache after prefill "
                     "(a prefill worker needs its radix cache on)")
-        error = self._export_match(msg.rid, msg.transfer_id, match, msg.start_pos, msg.transport, msg.lease_s)
-        if error is None:
-            self.counters["num_exports"] += 1
-        return error
+        return self._stage_match(msg.rid, msg.transfer_id, match, msg.start_pos, msg.transport, msg.lease_s)
 
     def export_cached(self, msg: ExportCachedReqMsg) -> None:
         """Prefix sharing: send the KV this worker holds of positions start_pos.. of `input_ids`, computing
@@ -106,16 +134,19 @@ class ExportManager:
         except RadixMeshError as exc:
             error = exc.message
         if error is None and end > msg.start_pos:
-            error = self._export_match(msg.rid, msg.transfer_id, match, msg.start_pos, msg.transport, msg.lease_s)
-            if error is None:
+            staged = self._stage_match(msg.rid, msg.transfer_id, match, msg.start_pos, msg.transport, msg.lease_s)
+            if isinstance(staged, str):
+                error = staged
+            else:
+                self._send(staged)
                 self.counters["num_cached_exports"] += 1
                 self.counters["cached_tokens_exported"] += end - msg.start_pos
         self.sched.emit([TokenOut(msg.rid, [], len(msg.input_ids), end if error is None else 0, 0,
                                   finish_reason="error" if error else "length", error=error)])
 
-    def _export_match(self, rid: str, transfer_id: str, match: MatchResult, start_pos: int, transport: str,
-                      lease_s: float) -> str | None:
-        """Lock the matched path and send the KV of its positions start_pos.. as chunks; an error message or None."""
+    def _stage_match(self, rid: str, transfer_id: str, match: MatchResult, start_pos: int, transport: str,
+                     lease_s: float) -> list[KVExportMsg] | str:
+        """Lock the matched path and export the KV of its positions start_pos..: the chunks to send, or an error."""
         self.sched.kv.tree.inc_lock_ref(match.last_node)
         self.held[transfer_id] = HeldTransfer(transfer_id, rid, match.last_node, transport, self.clock() + lease_s)
         try:
@@ -124,10 +155,12 @@ class ExportManager:
             self.release(transfer_id)
             logger.warning("request %s: KV export failed: %s", rid, exc)
             return f"KV export failed: {exc}"
-        for index, chunk in enumerate(chunks):
-            self.send(KVExportMsg(rid, transfer_id, index, len(chunks), chunk))
-            self.counters["kv_bytes_exported"] += chunk.num_bytes
-        return None
+        return [KVExportMsg(rid, transfer_id, index, len(chunks), chunk) for index, chunk in enumerate(chunks)]
+
+    def _send(self, msgs: list[KVExportMsg]) -> None:
+        for msg in msgs:
+            self.send(msg)
+            self.counters["kv_bytes_exported"] += msg.chunk.num_bytes
 
     def release(self, transfer_id: str) -> None:
         held = self.held.pop(transfer_id, None)
@@ -138,6 +171,7 @@ class ExportManager:
 
     def abort(self, rid: str) -> None:
         self.requested.pop(rid, None)  # the scheduler aborts the request itself
+        self.staged.pop(rid, None)
         for transfer_id in [t for t, h in self.held.items() if h.rid == rid]:
             self.release(transfer_id)
 

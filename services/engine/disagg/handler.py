@@ -2,7 +2,7 @@
 the prefill-side exports, runs their leases, and reports their counters.
 
 The scheduler loop calls `handle` for each disaggregation message, `tick` once per iteration
-(outside `Scheduler.step`), `abort` with every abort, and emits the scheduler's outputs through
+(right before `Scheduler.step`), `abort` with every abort, and emits the scheduler's outputs through
 `emit_outputs` so that exported KV leaves ahead of the first token.
 """
 
@@ -86,9 +86,12 @@ class DisaggHandler:
             raise AssertionError(f"not a disaggregation message: {type(msg).__name__}")
 
     def tick(self) -> None:
-        """Leases: free lapsed reservations and held transfers; grant queued reservations that now fit."""
+        """Leases: free lapsed reservations and held transfers; grant queued reservations that now fit.
+        Then, before the step launches its batch, queue the KV export of prompts finishing in the pass on the
+        device (`ExportManager.stage_launched`)."""
         self.reservations.tick()
         self.exports.tick()
+        self.exports.stage_launched()
 
     def abort(self, rid: str) -> None:
         self.reservations.abort(rid)
