@@ -122,6 +122,17 @@ class CudaGraphRunner:
         self.num_replays = 0
         self._capture_all()
 
+    def release(self) -> None:
+        """Drop every captured graph (after the device finished them). Graphs that captured NCCL collectives
+        keep the group's teardown waiting (pytorch/pytorch#115388), so a tensor-parallel rank releases them
+        before it leaves the group; nothing replays afterwards."""
+        try:
+            torch.cuda.synchronize(self.device)
+        except RuntimeError as exc:  # a failed device: drop the graphs all the same
+            logger.warning("releasing CUDA graphs after a device error: %s", exc)
+        self.graphs.clear()
+        self.outputs.clear()
+
     def _forward_batch(self, bs: int) -> ForwardBatch:
         r = self.runner
         views = self.inputs[bs]

@@ -264,7 +264,14 @@ class ModelRunner:
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (rank 0; nothing to do otherwise)."""
         if self.tp_leader is not None:
+            self.release_graphs()
             self.tp_leader.close()
+
+    def release_graphs(self) -> None:
+        """Drop the captured CUDA graphs before this rank leaves its tensor-parallel group (see
+        `CudaGraphRunner.release`)."""
+        if self.graph_runner is not None:
+            self.graph_runner.release()
 
     def _build_sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo:
         return SamplingBatchInfo.build(

@@ -118,6 +118,7 @@ def run_rank(spec: RankSpec) -> int:
     recv.connect(spec.recv_addr)
     status.send(encoder.encode(RankStatusMsg(spec.rank, "started")))
     code = 0
+    runner: ModelRunner | None = None
     try:
         device = rank_device(spec.config.device, spec.rank)
         comm = TorchCommunicator.init(spec.rank, spec.config.tp_size, spec.init_method, device,
@@ -133,6 +134,8 @@ def run_rank(spec: RankSpec) -> int:
         recv.close(0)
         status.close(linger=1000)
         ctx.term()
+        if runner is not None:
+            runner.release_graphs()  # before leaving the group, as rank 0 does
         TorchCommunicator.destroy()
     return code
 

@@ -1,0 +1,41 @@
+"""Leaving a tensor-parallel group: CUDA graphs go first, and a teardown that never returns cannot hang
+the worker's shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from radixmesh.engine.distributed import leader
+from radixmesh.engine.model_runner import ModelRunner
+
+
+def test_close_releases_the_graphs_before_leaving_the_group() -> None:
+    calls: list[str] = []
+    runner = object.__new__(ModelRunner)
+    runner.graph_runner = SimpleNamespace(release=lambda: calls.append("release graphs"))
+    runner.tp_leader = SimpleNamespace(close=lambda: calls.append("leave group"))
+    runner.close()
+    assert calls == ["release graphs", "leave group"]
+
+
+def test_a_teardown_that_never_returns_is_left_behind(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    never = threading.Event()
+    seen: list[bool] = []
+
+    def stuck_destroy(abort: bool = False) -> None:
+        seen.append(abort)
+        never.wait(30)
+
+    monkeypatch.setattr(leader.TorchCommunicator, "destroy", staticmethod(stuck_destroy))
+    monkeypatch.setattr(leader, "TEARDOWN_TIMEOUT_S", 0.2)
+    start = time.monotonic()
+    leader._leave_group(abort=True)
+    assert time.monotonic() - start < 5
+    assert seen == [True]
+    assert "did not finish within" in caplog.text
+    never.set()
