@@ -27,8 +27,8 @@ from radixmesh.kernels.fp8_quant import quantize_rows
 from radixmesh.kernels.gemv import GemvConfig, default_config_fp8, gemv, gemv_fp8
 
 DEFAULT_MS = [1, 2, 8, 32, 64, 128, 256, 512, 1024, 4096, 8192]
-FP8_SWEEP = [GemvConfig(bn, bk, warps, stages) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024, 2048)
-             for warps in (4, 8) for stages in (2, 4) if 1024 <= bn * bk <= 16384]
+FP8_SWEEP = [GemvConfig(bn, bk, warps, stages) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024)
+             for warps in (2, 4, 8) for stages in (3, 4, 6) if 2048 <= bn * bk <= 16384]
 
 
 def _scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:

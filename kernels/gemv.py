@@ -112,17 +112,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     return out
 
 
-TUNED_FP8: dict[tuple[int, int], GemvConfig] = {}
-"""(N, K) -> the best FP8 configuration of `bench_fp8 --gemv-sweep` on an H100 (none measured yet)."""
+TUNED_FP8: dict[tuple[int, int], GemvConfig] = {
+    # (N, K) -> the best of `bench_fp8 --gemv-sweep` on an H100 (docs/benchmarks/h100-fp8-kernel-2026-11-26.jsonl)
+    (6144, 4096): GemvConfig(16, 512, 4, 4), (4096, 4096): GemvConfig(8, 512, 4, 4),
+    (28672, 4096): GemvConfig(8, 512, 4, 4), (4096, 14336): GemvConfig(8, 512, 4, 4),
+}
 
 
 def default_config_fp8(n: int, k: int) -> GemvConfig:
-    """The tuned FP8 configuration of this shape, else bf16's pattern with twice the K per tile (the
-    same bytes per load: FP8 elements are half as wide)."""
+    """The tuned FP8 configuration of this shape, else the pattern that won three of the four tuned 8B
+    shapes: 8 rows a program, K in tiles of up to 512."""
     tuned = TUNED_FP8.get((n, k))
     if tuned is not None:
         return tuned
-    return GemvConfig(4, max(64, min(1024, next_power_of_2(k))), 4, 4)
+    return GemvConfig(8, max(64, min(512, next_power_of_2(k))), 4, 4)
 
 
 def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor | None = None,

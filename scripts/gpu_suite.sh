@@ -187,7 +187,7 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
       python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/gpu/test_fp8_gpu.py -s
       python3 -m pytest -q -p no:cacheprovider tests/unit/test_fp8_kernels.py ;;
     fp8-kernel)  # 8B layer shapes: bf16 cuBLAS vs torch._scaled_mm vs the Triton FP8 GEMM per M; FP8 GEMV at M = 1
-      python3 -m radixmesh.kernels.bench_fp8 | tee "$OUT/fp8-kernel.jsonl" ;;
+      python3 -m radixmesh.kernels.bench_fp8 ${FP8_KERNEL_ARGS:-} | tee "$OUT/fp8-kernel.jsonl" ;;  # FP8_KERNEL_ARGS=--gemv-sweep
     fp8-one-batch)  # 8B batch-1 decode with FP8 weights (target >= 300 tok/s), then with FP8 weights + FP8 KV
       for kv in auto fp8_e4m3; do
         $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 256 \
@@ -285,3 +285,8 @@ for stage in $STAGES; do
   echo "=== stage $stage: exit $? (log: $stage.log)"; tail -5 "$OUT/$stage.log"
 done
 ls -la "$OUT"
+# the device tool brings back at most 8 files: past 7, pack them all into one (device.txt stays beside it)
+if [ "$(ls "$OUT" | wc -l)" -gt 7 ]; then
+  (cd "$OUT" && tar czf suite.tar.gz --remove-files $(ls | grep -vx -e device.txt -e suite.tar.gz)) \
+    && echo "packed into $OUT/suite.tar.gz"
+fi

@@ -86,7 +86,9 @@ def test_fp8_gemm_matches_float32_product_of_its_operands(m: int, n: int, k: int
     got = fp8_gemm(a.to(DEVICE), a_s.to(DEVICE), w.to(DEVICE), w_s.to(DEVICE), out_dtype,
                    config=Fp8GemmConfig(16, 32, 32, 2, 1, 1) if DEVICE.type == "cpu" else None)
     assert got.shape == (m, n) and got.dtype == out_dtype
-    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+    # float32 output: exact sums in the interpreter; an H100's FP8 tensor cores add their products in fewer bits
+    # than float32 (the kernel leaves Triton's fast accumulation on), 2.2e-4 of the largest output measured
+    tol = 1e-2 if out_dtype != torch.float32 else 1e-5 if DEVICE.type == "cpu" else 2**-10
     torch.testing.assert_close(got.float().cpu(), want, atol=tol * float(want.abs().max()), rtol=tol)
 
 
