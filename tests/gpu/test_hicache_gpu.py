@@ -5,6 +5,9 @@ the same greedy tokens with the host tier as without."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -133,16 +136,22 @@ def test_scheduler_with_graphs_and_overlap_gives_the_same_tokens_with_the_host_t
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["grpc", "cuda-ipc"])
-def test_prefix_fetched_from_a_peer_on_another_gpu_gives_the_computed_tokens(transport: str) -> None:
+def test_prefix_fetched_from_a_peer_on_another_gpu_gives_the_computed_tokens(transport: str, tmp_path) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
+    staged = os.environ.get("RADIXMESH_TEST_TOKENIZER_DIR")
+    if not staged:  # the GPU machine has no network for the default model: random weights, its tokenizer
+        pytest.skip("RADIXMESH_TEST_TOKENIZER_DIR (the default model's tokenizer files) is not set")
+    model = tmp_path / "llama-3.2-1b"
+    subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu_tokenizer_model.py"),
+                    "llama-3.2-1b", staged, str(model)], check=True, capture_output=True)
     import grpc
 
     from radixmesh.protocol import sampling_pb2, worker_pb2, worker_pb2_grpc
     from tests.integration.service_procs import start_service
 
-    engine = ["--device", "cuda", "--max-total-tokens", "16384", "--kv-transport", transport, "--peer-fetch",
-              "always", "--metrics-port", "-1"]
+    engine = ["--model", str(model), "--load-format", "dummy", "--device", "cuda", "--max-total-tokens", "16384",
+              "--kv-transport", transport, "--peer-fetch", "always", "--metrics-port", "-1"]
     procs = [start_service("worker", [*engine, "--worker-id", "a"], env={"CUDA_VISIBLE_DEVICES": "0,1"})]
     try:
         procs.append(start_service("worker", [*engine, "--worker-id", "b"], env={"CUDA_VISIBLE_DEVICES": "1,0"}))

@@ -74,8 +74,8 @@ class CustomAllReduce:
                 buffers.append(buffer)
                 flag_arrays.append(flags)
                 continue
-            buffers.append(_open(buffer_handle, torch.uint8))
-            flag_arrays.append(_open(flags_handle, torch.int32))
+            buffers.append(_open(buffer_handle, torch.uint8, index))
+            flag_arrays.append(_open(flags_handle, torch.int32, index))
         gather(True)  # a barrier: every rank mapped every buffer before anyone raises a flag
         logger.info("custom all-reduce on for messages up to %d bytes", max_bytes)
         return cls(rank, world, buffers, flag_arrays, device, max_bytes)
@@ -89,11 +89,16 @@ def _all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def _open(handle: tuple[Any, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A peer's shared storage (torch's `_share_cuda_` fields) mapped into this process, as a flat tensor."""
-    owner = handle[0]
-    with torch.cuda.device(owner):
-        storage = torch.UntypedStorage._new_shared_cuda(*handle)
-        tensor = torch.empty(0, dtype=dtype, device=f"cuda:{owner}")
+def _open(handle: tuple[Any, ...], dtype: torch.dtype, device: int) -> torch.Tensor:
+    """A peer's shared storage (torch's `_share_cuda_` fields) mapped for this rank's `device`, as a flat tensor.
+
+    Opened under this rank's device, not the peer's: the mapping then gives this device access (peer
+    access for a cudaMalloc block, an access grant for a segment of torch's expandable allocator). Opened
+    under the peer's device, copies still work but this device's kernels fault on the addresses (an
+    illegal memory access on two H200s). The tensor says `device` though the memory lives on the peer's
+    GPU: only its address is used."""
+    with torch.cuda.device(device):
+        storage = torch.UntypedStorage._new_shared_cuda(device, *handle[1:])
+        tensor = torch.empty(0, dtype=dtype, device=f"cuda:{device}")
         tensor.set_(storage, 0, (storage.nbytes() // tensor.element_size(),), (1,))
     return tensor
