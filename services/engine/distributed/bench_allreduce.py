@@ -98,9 +98,9 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str, results: Any) -
     ways: dict[str, Callable[[torch.Tensor], Any]] = {"nccl" if device.type == "cuda" else "gloo": dist.all_reduce}
     custom = None
     if args.custom:
-        from radixmesh.engine.distributed.custom_all_reduce import CustomAllReduce
+        from radixmesh.engine.distributed.custom_all_reduce import BENCH_MAX_BYTES, CustomAllReduce
 
-        custom = CustomAllReduce.over_cuda_ipc(rank, args.tp_size, device)
+        custom = CustomAllReduce.over_cuda_ipc(rank, args.tp_size, device, max_bytes=BENCH_MAX_BYTES)
         if custom is not None:
             ways["custom"] = custom.all_reduce
     rows_out = []
