@@ -112,26 +112,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# Subcommands living in other packages: "module:function" taking the subparsers object.
+# Subcommands living in other packages: "module:function" taking the subparsers object, and the commands it adds.
 # Those modules must import nothing heavy at module level (the CLI starts fast).
-EXTERNAL_COMMANDS = [
-    "radixmesh.gateway.commands:register",
-    "radixmesh.tokenizer.commands:register",
-    "radixmesh.worker.commands:register",
-    "radixmesh.router.commands:register",
-    "radixmesh.grammar.commands:register",
-    "radixmesh.cluster.commands:register",
-    "loadtests.commands:register",
-]
+EXTERNAL_COMMANDS = {
+    "radixmesh.gateway.commands:register": ("serve", "gateway"),
+    "radixmesh.tokenizer.commands:register": ("tokenizer",),
+    "radixmesh.worker.commands:register": ("worker",),
+    "radixmesh.router.commands:register": ("router",),
+    "radixmesh.grammar.commands:register": ("grammar",),
+    "radixmesh.cluster.commands:register": ("cluster",),
+    "loadtests.commands:register": ("bench",),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with a known `command`, only that command's part. Every service is a
+    process of its own: building the others' flags (and importing their modules) would cost each start
+    a few tenths of a second of CPU."""
     import importlib
 
     parser = argparse.ArgumentParser(prog="radixmesh", description="LLM serving with radix prefix caching")
     sub = parser.add_subparsers(dest="command", required=True)
-    _register_generate(sub)
-    for target in EXTERNAL_COMMANDS:
+    known = command == "generate" or any(command in names for names in EXTERNAL_COMMANDS.values())
+    if not known or command == "generate":
+        _register_generate(sub)
+    for target, names in EXTERNAL_COMMANDS.items():
+        if known and command not in names:
+            continue
         module, _, func = target.partition(":")
         try:
             getattr(importlib.import_module(module), func)(sub)
@@ -157,7 +164,8 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         code: int = args.func(args)
         return code

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from grpc.experimental import aio as _grpc_aio
@@ -43,3 +45,13 @@ def default_model_dir():
     from radixmesh.engine.loader.default_model import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def default_engine() -> Iterator[Any]:
+    """One in-process `Engine()` (the default model, default settings) for every test that needs no other:
+    starting one costs seconds. Tests that need an empty prefix cache flush it first."""
+    from radixmesh import Engine
+
+    with Engine() as engine:
+        yield engine

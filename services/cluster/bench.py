@@ -159,10 +159,12 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 def _device() -> dict[str, Any]:
-    try:
-        import torch
+    from radixmesh.engine.config import cuda_available
 
-        if torch.cuda.is_available():
+    try:
+        if cuda_available():  # imports torch only where a GPU driver is (this process needs it for nothing else)
+            import torch
+
             return {"kind": "gpu", "name": torch.cuda.get_device_name(0), "count": torch.cuda.device_count()}
     except ImportError:
         pass

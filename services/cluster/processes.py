@@ -92,6 +92,24 @@ def stop_group(pid: int, expect: str, timeout_s: float = 30.0) -> bool:
     return True
 
 
+def stop_groups(groups: list[tuple[int, str]], timeout_s: float = 30.0) -> None:
+    """`stop_group` of every (pid, expect) at once: all are sent SIGTERM, then waited on together (for
+    processes that need no order, such as those of a finished benchmark)."""
+    ours = [pid for pid, expect in groups if is_alive(pid) and expect in cmdline(pid)]
+    for pid in ours:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while any(is_alive(pid) for pid in ours) and time.monotonic() < deadline:
+        for pid in ours:
+            _reap(pid)
+        time.sleep(POLL_S)
+    for pid in ours:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        _reap(pid)
+
+
 def _reap(pid: int) -> None:
     with contextlib.suppress(ChildProcessError, OSError):
         os.waitpid(pid, os.WNOHANG)

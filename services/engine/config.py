@@ -158,12 +158,20 @@ class EngineConfig:
             raise invalid_argument("context_length must be >= 2", "context_length")
         if not 1 <= self.tp_size <= MAX_TP_SIZE:
             raise invalid_argument(f"tp_size must be in [1, {MAX_TP_SIZE}] (got {self.tp_size})", "tp_size")
+        self._check_attention_backend()
         self._check_grammar_options()
         self._check_quant_options()
         self._check_speculative_options()
         from radixmesh.engine.hicache.options import check_hicache_options
 
         check_hicache_options(self)
+
+    def _check_attention_backend(self) -> None:
+        """An unknown id fails here, not in the scheduler process once the model has loaded."""
+        from radixmesh.engine.attention.registry import backend_target
+
+        if self.attention_backend != "auto":
+            backend_target(self.attention_backend)
 
     def _check_quant_options(self) -> None:
         from radixmesh.engine.quant.registry import FP8_GEMM_BACKENDS, KV_CACHE_DTYPES, QUANT_METHODS

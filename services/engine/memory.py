@@ -154,7 +154,9 @@ class TokenToKVPool:
 
     def read(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V `[len(slots), num_kv_heads, head_dim]` of one layer at `slots`, in `dtype` (dequantized)."""
-        k, v = self.k_buffers[layer_id][slots], self.v_buffers[layer_id][slots]
+        # index_select gathers whole rows; `buffer[slots]` takes the general indexing path (4x slower on the CPU)
+        k = torch.index_select(self.k_buffers[layer_id], 0, slots)
+        v = torch.index_select(self.v_buffers[layer_id], 0, slots)
         if not self.is_fp8:
             return k.to(dtype), v.to(dtype)
         k_scale, v_scale = self.scales(layer_id)

@@ -27,6 +27,7 @@ from radixmesh.engine.memory import KVSlotAllocator, ReqToTokenPool, TokenToKVPo
 from radixmesh.engine.mm.runtime import MultimodalRuntime, sampling_prompt_ids
 from radixmesh.engine.models.layers import enable_gemv
 from radixmesh.engine.models.registry import model_class
+from radixmesh.engine.models.weights import materialize
 from radixmesh.engine.quant.build import build_linear_method
 from radixmesh.engine.quant.device import resolve_kv_dtype
 from radixmesh.engine.request import Req
@@ -126,7 +127,7 @@ class ModelRunner:
         model = model.to(self.dtype)  # still on meta: the quantized layers then get their own storage
         if self.quant is not None:
             self.quant.prepare(model)
-        model = model.to_empty(device=self.device)
+        model = materialize(model, self.device)
         for module in model.modules():
             if hasattr(module, "init_buffers"):
                 module.init_buffers()

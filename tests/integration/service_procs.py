@@ -2,7 +2,8 @@
 
 Each process gets a free port, logs to a file, is ready once its grpc.health.v1 says SERVING
 (or, for HTTP services, once /health answers 200), and is stopped by its PID: SIGTERM, then
-SIGKILL after a timeout.
+SIGKILL after a timeout. Services wait for what they need themselves, so several can be started
+at once (`wait_ready=False`, then `wait_all_ready`) and stopped at once (`stop_all`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 STARTUP_TIMEOUT_S = 600.0
+POLL_S = 0.1
 
 
 def free_port() -> int:
@@ -42,20 +44,34 @@ class ServiceProc:
     log_path: Path
     health_address: str = ""
     """host:port of its plaintext health port (with `health_port=True`), else ""."""
+    http: bool = False
+    """Ready once /health answers 200 (else: once gRPC health says SERVING)."""
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM, wait, SIGKILL if needed; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        self.terminate()
+        if self.proc.returncode is None:
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
         return int(self.proc.returncode)
+
+    def terminate(self) -> None:
+        """SIGTERM, if it still runs."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+
+def stop_all(services: list[ServiceProc], timeout_s: float = 30.0) -> list[int]:
+    """Stop every service (all told to stop at once, in the order given); their exit codes."""
+    for service in services:
+        service.terminate()
+    return [service.stop(timeout_s) for service in services]
 
 
 def start_service(name: str, args: list[str], http: bool = False, env: dict[str, str] | None = None,
@@ -75,26 +91,41 @@ def start_service(name: str, args: list[str], http: bool = False, env: dict[str,
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     address = f"http://127.0.0.1:{port}" if http else f"127.0.0.1:{port}"
-    service = ServiceProc(name, address, proc, log_path, health_address)
-    if not wait_ready:
-        return service
-    try:
-        _wait_ready(service, http)
-    except BaseException:
-        service.stop(5)
-        raise
+    service = ServiceProc(name, address, proc, log_path, health_address, http)
+    if wait_ready:
+        wait_all_ready([service])
     return service
 
 
-def _wait_ready(service: ServiceProc, http: bool) -> None:
+def wait_all_ready(services: list[ServiceProc]) -> None:
+    """Wait until every service is ready; if one exits or times out, stop them all and raise."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if service.proc.poll() is not None:
-            raise RuntimeError(f"radixmesh {service.name} exited with {service.proc.returncode}:\n{service.log()}")
-        if (_http_ready(service.address) if http else grpc_serving(service.health_address or service.address)):
-            return
-        time.sleep(0.25)
-    raise RuntimeError(f"radixmesh {service.name} did not become ready:\n{service.log()}")
+    waiting = list(services)
+    try:
+        with httpx.Client(timeout=2) as client:
+            while waiting:
+                for service in list(waiting):
+                    if service.proc.poll() is not None:
+                        raise RuntimeError(f"radixmesh {service.name} exited with {service.proc.returncode}:\n"
+                                           f"{service.log()}")
+                    if _ready(client, service):
+                        waiting.remove(service)
+                if waiting and time.monotonic() > deadline:
+                    raise RuntimeError(f"radixmesh {waiting[0].name} did not become ready:\n{waiting[0].log()}")
+                if waiting:
+                    time.sleep(POLL_S)
+    except BaseException:
+        stop_all(services, 5)
+        raise
+
+
+def _ready(client: httpx.Client, service: ServiceProc) -> bool:
+    if not service.http:
+        return grpc_serving(service.health_address or service.address)
+    try:
+        return client.get(service.address + "/health").status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def grpc_serving(address: str, service: str = "") -> bool:
@@ -105,11 +136,4 @@ def grpc_serving(address: str, service: str = "") -> bool:
                                                               timeout=2)
             return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
     except grpc.RpcError:
-        return False
-
-
-def _http_ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.TransportError:
         return False

@@ -17,7 +17,7 @@ import pytest
 
 from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.protocol import common_pb2, sampling_pb2, worker_pb2, worker_pb2_grpc
-from tests.integration.service_procs import ServiceProc, grpc_serving, start_service
+from tests.integration.service_procs import ServiceProc, grpc_serving, start_service, stop_all, wait_all_ready
 from tests.unit.bad_input_cases import GOOD_REQUESTS, GRPC_CASES, HTTP_CASES, GrpcCase, HttpCase, check_http_error
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -26,17 +26,23 @@ SMALL_ENGINE = ["--device", "cpu", "--max-total-tokens", "4096", "--max-running-
 
 
 @pytest.fixture(scope="module")
-def serve_svc() -> Iterator[ServiceProc]:
-    svc = start_service("serve", SMALL_ENGINE, http=True)
-    yield svc
-    svc.stop()
+def services() -> Iterator[dict[str, ServiceProc]]:
+    """`serve` and a worker, started together."""
+    procs = {"serve": start_service("serve", SMALL_ENGINE, http=True, wait_ready=False),
+             "worker": start_service("worker", [*SMALL_ENGINE, "--worker-id", "bad-input-worker"], wait_ready=False)}
+    wait_all_ready(list(procs.values()))
+    yield procs
+    stop_all(list(procs.values()))
 
 
 @pytest.fixture(scope="module")
-def worker_svc() -> Iterator[ServiceProc]:
-    svc = start_service("worker", [*SMALL_ENGINE, "--worker-id", "bad-input-worker"])
-    yield svc
-    svc.stop()
+def serve_svc(services: dict[str, ServiceProc]) -> ServiceProc:
+    return services["serve"]
+
+
+@pytest.fixture(scope="module")
+def worker_svc(services: dict[str, ServiceProc]) -> ServiceProc:
+    return services["worker"]
 
 
 @pytest.fixture(scope="module")

@@ -22,20 +22,20 @@ def _flush(engine: Engine) -> None:
         time.sleep(0.05)
 
 
-def test_burst_with_a_shared_prefix_reuses_it():
-    with Engine() as engine:
-        text = " ".join(f"Rule {i}: answer briefly, politely and only about the topic asked." for i in range(60))
-        prefix = engine.encode(text)[:PREFIX_LEN]
-        assert len(prefix) == PREFIX_LEN
-        prompts = [prefix + engine.encode(f" Question {i}: what is {i} plus {i}?") for i in range(NUM_REQUESTS)]
+def test_burst_with_a_shared_prefix_reuses_it(default_engine: Engine) -> None:
+    engine = default_engine
+    text = " ".join(f"Rule {i}: answer briefly, politely and only about the topic asked." for i in range(60))
+    prefix = engine.encode(text)[:PREFIX_LEN]
+    assert len(prefix) == PREFIX_LEN
+    prompts = [prefix + engine.encode(f" Question {i}: what is {i} plus {i}?") for i in range(NUM_REQUESTS)]
+    _flush(engine)
+    burst = engine.generate(prompts, PARAMS)
+    assert isinstance(burst, list)
+    cached = [r["meta_info"]["cached_tokens"] for r in burst]
+    assert sum(cached) >= 0.9 * (NUM_REQUESTS - 1) * PREFIX_LEN, cached
+    for prompt, result in zip(prompts, burst):
         _flush(engine)
-        burst = engine.generate(prompts, PARAMS)
-        assert isinstance(burst, list)
-        cached = [r["meta_info"]["cached_tokens"] for r in burst]
-        assert sum(cached) >= 0.9 * (NUM_REQUESTS - 1) * PREFIX_LEN, cached
-        for prompt, result in zip(prompts, burst):
-            _flush(engine)
-            alone = engine.generate(prompt, PARAMS)
-            assert isinstance(alone, dict)
-            assert alone["meta_info"]["cached_tokens"] == 0
-            assert result["output_ids"] == alone["output_ids"]
+        alone = engine.generate(prompt, PARAMS)
+        assert isinstance(alone, dict)
+        assert alone["meta_info"]["cached_tokens"] == 0
+        assert result["output_ids"] == alone["output_ids"]

@@ -3,7 +3,7 @@ and a router (default model, CPU, grpc KV transport).
 
 One set of processes for the module; its tests run in order. The fault tests stop and kill the
 prefill worker, so they come last. Reference answers come from an in-process engine (the same
-engine a unified worker runs), computed before the services start.
+engine a unified worker runs), computed while the services start.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from radixmesh.protocol import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from tests.integration.service_procs import ServiceProc, start_service
+from tests.integration.service_procs import ServiceProc, start_service, stop_all, wait_all_ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -53,8 +52,7 @@ def long_ids(seed: int, length: int = LONG_PROMPT_LEN) -> list[int]:
     return [1] + [300 + (i * 71 + seed * 977) % 9000 for i in range(length - 1)]
 
 
-@pytest.fixture(scope="module")
-def reference(tokenizer: Any) -> dict[str, list[int]]:
+def reference_answers() -> dict[str, list[int]]:
     """Greedy output ids of a unified engine for PROMPTS and the long prompts of the fault tests."""
     from radixmesh.engine.engine import Engine
 
@@ -66,24 +64,35 @@ def reference(tokenizer: Any) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def services(reference: dict[str, list[int]]) -> Iterator[dict[str, ServiceProc]]:
+def started() -> Iterator[tuple[dict[str, ServiceProc], dict[str, list[int]]]]:
+    """The services, and the reference answers, computed by an in-process engine while they start."""
     common = [*ENGINE, "--kv-transport", "grpc", "--kv-lease-s", "20"]
     specs = {"prefill": [*common, "--role", "prefill", "--worker-id", "prefill-0", "--metrics-port", "0"],
              "decode": [*common, "--role", "decode", "--worker-id", "decode-0", "--metrics-port", "0",
                         "--prefill-timeout-s", str(PREFILL_TIMEOUT_S)]}
     threads = {"OMP_NUM_THREADS": "1"}  # two engines share the machine's cores
-    with ThreadPoolExecutor(2) as pool:
-        futures = {name: pool.submit(start_service, "worker", args, env=threads) for name, args in specs.items()}
-        procs = {name: f.result() for name, f in futures.items()}
+    procs = {name: start_service("worker", args, env=threads, wait_ready=False) for name, args in specs.items()}
     workers = f"{procs['prefill'].address},{procs['decode'].address}"
     procs["router"] = start_service("router", ["--workers", workers, "--pd-min-prefill-tokens", "8",
-                                               "--health-interval-s", "0.3", "--metrics-port", "-1"])
+                                               "--health-interval-s", "0.3", "--metrics-port", "-1"],
+                                    wait_ready=False)
     try:
+        answers = reference_answers()
+        wait_all_ready(list(procs.values()))
         wait_for(lambda: roles_seen(procs["router"].address) == {"prefill", "decode"}, 60, "the router to see roles")
-        yield procs
+        yield procs, answers
     finally:
-        for proc in procs.values():
-            proc.stop(20)
+        stop_all(list(procs.values()), 20)
+
+
+@pytest.fixture(scope="module")
+def services(started: tuple[dict[str, ServiceProc], dict[str, list[int]]]) -> dict[str, ServiceProc]:
+    return started[0]
+
+
+@pytest.fixture(scope="module")
+def reference(started: tuple[dict[str, ServiceProc], dict[str, list[int]]]) -> dict[str, list[int]]:
+    return started[1]
 
 
 def roles_seen(router_address: str) -> set[str]:

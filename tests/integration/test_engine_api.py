@@ -15,9 +15,8 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def engine():
-    with Engine() as eng:
-        yield eng
+def engine(default_engine: Engine) -> Engine:
+    return default_engine
 
 
 def _greedy(engine, prompt=PROMPT, **params):

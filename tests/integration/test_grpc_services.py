@@ -27,7 +27,7 @@ from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.engine.tokenizer import load_tokenizer
 from radixmesh.index.block_hash import block_hashes
 from radixmesh.protocol import common_pb2, sampling_pb2, tokenizer_pb2, tokenizer_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.integration.service_procs import ServiceProc, grpc_serving, start_service
+from tests.integration.service_procs import ServiceProc, grpc_serving, start_service, stop_all, wait_all_ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -38,31 +38,38 @@ UNICODE_TEXT = "héllo 你好 🎉 naïve"
 
 
 @pytest.fixture(scope="module")
-def tokenizer_svc() -> Iterator[ServiceProc]:
-    svc = start_service("tokenizer", ["--metrics-port", "-1"])
-    yield svc
-    svc.stop()
+def services() -> Iterator[dict[str, ServiceProc]]:
+    """The tokenizer service, a worker, `serve`, and a gateway over the first two, started together."""
+    tokenizer = start_service("tokenizer", ["--metrics-port", "-1"], wait_ready=False)
+    worker = start_service("worker", [*SMALL_ENGINE, "--worker-id", "worker-a", "--drain-timeout-s", "60"],
+                           wait_ready=False)
+    procs = {"tokenizer": tokenizer, "worker": worker,
+             "serve": start_service("serve", SMALL_ENGINE, http=True, wait_ready=False),
+             "gateway": start_service("gateway", ["--worker", worker.address, "--tokenizer", tokenizer.address],
+                                      http=True, wait_ready=False)}
+    wait_all_ready(list(procs.values()))
+    yield procs
+    stop_all(list(procs.values()))
 
 
 @pytest.fixture(scope="module")
-def worker_svc() -> Iterator[ServiceProc]:
-    svc = start_service("worker", [*SMALL_ENGINE, "--worker-id", "worker-a", "--drain-timeout-s", "60"])
-    yield svc
-    svc.stop()
+def tokenizer_svc(services: dict[str, ServiceProc]) -> ServiceProc:
+    return services["tokenizer"]
 
 
 @pytest.fixture(scope="module")
-def serve_svc() -> Iterator[ServiceProc]:
-    svc = start_service("serve", SMALL_ENGINE, http=True)
-    yield svc
-    svc.stop()
+def worker_svc(services: dict[str, ServiceProc]) -> ServiceProc:
+    return services["worker"]
 
 
 @pytest.fixture(scope="module")
-def gateway_svc(tokenizer_svc: ServiceProc, worker_svc: ServiceProc) -> Iterator[ServiceProc]:
-    svc = start_service("gateway", ["--worker", worker_svc.address, "--tokenizer", tokenizer_svc.address], http=True)
-    yield svc
-    svc.stop()
+def serve_svc(services: dict[str, ServiceProc]) -> ServiceProc:
+    return services["serve"]
+
+
+@pytest.fixture(scope="module")
+def gateway_svc(services: dict[str, ServiceProc]) -> ServiceProc:
+    return services["gateway"]
 
 
 @pytest.fixture(scope="module")

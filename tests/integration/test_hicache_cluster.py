@@ -2,7 +2,7 @@
 worker A runs with a small KV pool and a host tier, worker B fetches prefixes from peers.
 
 One set of processes for the module; its tests run in order and the last one kills worker A.
-Reference answers come from an in-process engine, computed before the workers start.
+Reference answers come from an in-process engine, computed while the workers start.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from radixmesh.index.reader import KVIndexReader
 from radixmesh.index.redis_server import LocalRedis
 from radixmesh.index.writer import connect
 from radixmesh.protocol import sampling_pb2, worker_pb2, worker_pb2_grpc
-from tests.integration.service_procs import ServiceProc, start_service
+from tests.integration.service_procs import ServiceProc, start_service, stop_all, wait_all_ready
 from tests.redis_helpers import local_redis  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -42,8 +42,7 @@ def prompt_ids(seed: int, length: int = PROMPT_LEN) -> list[int]:
 PROMPTS = {name: prompt_ids(seed) for seed, name in enumerate(["evicted", "filler1", "filler2", "shared", "killed"])}
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict[str, list[int]]:
+def reference_answers() -> dict[str, list[int]]:
     from radixmesh.engine.engine import Engine
 
     names = list(PROMPTS)
@@ -54,21 +53,31 @@ def reference() -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def workers(reference: dict[str, list[int]], local_redis: LocalRedis) -> Iterator[dict[str, ServiceProc]]:  # noqa: F811
+def started(local_redis: LocalRedis) -> Iterator[tuple[dict[str, ServiceProc], dict[str, list[int]]]]:  # noqa: F811
+    """The two workers, and the reference answers, computed by an in-process engine while they start."""
     common = ["--device", "cpu", "--max-running-requests", "4", "--redis-url", local_redis.url, "--metrics-port", "0"]
     a = start_service("worker", [*common, "--worker-id", "a", "--max-total-tokens", "900",
-                                 "--enable-hierarchical-cache", "--hicache-ratio", "4"], env={"OMP_NUM_THREADS": "1"})
+                                 "--enable-hierarchical-cache", "--hicache-ratio", "4"], env={"OMP_NUM_THREADS": "1"},
+                      wait_ready=False)
+    b = start_service("worker", [*common, "--worker-id", "b", "--max-total-tokens", "2048", "--peer-fetch",
+                                 "always", "--peer-fetch-timeout-s", "4"], env={"OMP_NUM_THREADS": "1"},
+                      wait_ready=False)
     try:
-        b = start_service("worker", [*common, "--worker-id", "b", "--max-total-tokens", "2048", "--peer-fetch",
-                                     "always", "--peer-fetch-timeout-s", "4"], env={"OMP_NUM_THREADS": "1"})
-    except BaseException:
-        a.stop(20)
-        raise
-    try:
-        yield {"a": a, "b": b}
+        answers = reference_answers()
+        wait_all_ready([a, b])
+        yield {"a": a, "b": b}, answers
     finally:
-        for proc in (a, b):
-            proc.stop(20)
+        stop_all([a, b], 20)
+
+
+@pytest.fixture(scope="module")
+def workers(started: tuple[dict[str, ServiceProc], dict[str, list[int]]]) -> dict[str, ServiceProc]:
+    return started[0]
+
+
+@pytest.fixture(scope="module")
+def reference(started: tuple[dict[str, ServiceProc], dict[str, list[int]]]) -> dict[str, list[int]]:
+    return started[1]
 
 
 def stub(proc: ServiceProc) -> worker_pb2_grpc.WorkerServiceStub:

@@ -3,7 +3,9 @@ Qwen2.5-VL checkpoints (built and saved here), one and two images; a repeated im
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,16 +31,29 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def llava(models: dict[str, Path]) -> Iterator[Engine]:
-    with Engine(str(models["llava"]), device="cpu", max_total_tokens=4096) as engine:
-        yield engine
+def engines(models: dict[str, Path]) -> Iterator[dict[str, Engine]]:
+    """One engine per architecture, started side by side."""
+    configs = {"llava": dict(model=str(models["llava"]), max_total_tokens=4096),
+               # prefill chunks of 8 tokens: an image's tokens are split across passes
+               "qwen2_vl": dict(model=str(models["qwen2_vl"]), max_total_tokens=4096, chunked_prefill_size=8),
+               "qwen2_5_vl": dict(model=str(models["qwen2_5_vl"]), max_total_tokens=2048)}
+    with ThreadPoolExecutor(len(configs)) as pool:
+        futures = {name: pool.submit(Engine, device="cpu", **kwargs) for name, kwargs in configs.items()}
+    with contextlib.ExitStack() as stack:
+        for future in futures.values():  # every engine that started is shut down, even if another failed
+            if future.exception() is None:
+                stack.enter_context(future.result())
+        yield {name: future.result() for name, future in futures.items()}
 
 
 @pytest.fixture(scope="module")
-def qwen(models: dict[str, Path]) -> Iterator[Engine]:
-    # prefill chunks of 8 tokens: an image's tokens are split across passes
-    with Engine(str(models["qwen2_vl"]), device="cpu", max_total_tokens=4096, chunked_prefill_size=8) as engine:
-        yield engine
+def llava(engines: dict[str, Engine]) -> Engine:
+    return engines["llava"]
+
+
+@pytest.fixture(scope="module")
+def qwen(engines: dict[str, Engine]) -> Engine:
+    return engines["qwen2_vl"]
 
 
 def _prompt(image: str, n: int) -> str:
@@ -64,13 +79,15 @@ def test_qwen2_vl_greedy_tokens_equal_hugging_face(qwen: Engine, models: dict[st
 
 
 @pytest.mark.parametrize("num_images", [1, 2])
-def test_qwen2_5_vl_greedy_tokens_equal_hugging_face(models: dict[str, Path], num_images: int) -> None:
+def test_qwen2_5_vl_greedy_tokens_equal_hugging_face(engines: dict[str, Engine], models: dict[str, Path],
+                                                     num_images: int) -> None:
     """Window attention in the vision encoder: the 140x100 image spans two windows of 2x2 merged tokens."""
     pngs = [mf.image_png(4, 140, 100), PNGS[1]][:num_images]
     prompt = _prompt(QWEN_IMAGE, num_images)
     expected = mf.hf_qwen2_vl_greedy(models["qwen2_5_vl"], prompt, pngs, MAX_NEW)
-    with Engine(str(models["qwen2_5_vl"]), device="cpu", max_total_tokens=2048) as engine:
-        result = engine.generate(prompt, GREEDY, image_data=[mf.data_url(p) for p in pngs])
+    engine = engines["qwen2_5_vl"]
+    assert engine.flush_cache()  # every image computed, none served from an earlier case's cache
+    result = engine.generate(prompt, GREEDY, image_data=[mf.data_url(p) for p in pngs])
     assert isinstance(result, dict)
     assert result["output_ids"] == expected
 

@@ -18,7 +18,7 @@ import pytest
 from radixmesh.engine.mm.inputs import image_pad_ids
 from radixmesh.protocol import multimodal_pb2, sampling_pb2, worker_pb2, worker_pb2_grpc
 from tests import mm_factory as mf
-from tests.integration.service_procs import ServiceProc, start_service
+from tests.integration.service_procs import start_service, stop_all, wait_all_ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -36,18 +36,18 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def servers(model_dir: Path) -> Iterator[dict[str, str]]:
     model = ["--model", str(model_dir)]
-    procs: list[ServiceProc] = []
+    # started together: each service waits for what it needs
+    serve = start_service("serve", [*model, *ENGINE, *LIMITS], http=True, wait_ready=False)
+    tokenizer = start_service("tokenizer", [*model, *LIMITS, "--metrics-port", "0"], wait_ready=False)
+    worker = start_service("worker", [*model, *ENGINE, "--metrics-port", "0"], wait_ready=False)
+    gateway = start_service("gateway", ["--worker", worker.address, "--tokenizer", tokenizer.address], http=True,
+                            wait_ready=False)
+    procs = [serve, tokenizer, worker, gateway]
+    wait_all_ready(procs)
     try:
-        procs.append(start_service("serve", [*model, *ENGINE, *LIMITS], http=True))
-        tokenizer = start_service("tokenizer", [*model, *LIMITS, "--metrics-port", "0"])
-        worker = start_service("worker", [*model, *ENGINE, "--metrics-port", "0"])
-        procs += [tokenizer, worker]
-        gateway = ["--worker", worker.address, "--tokenizer", tokenizer.address]
-        procs.append(start_service("gateway", gateway, http=True))
-        yield {"serve": procs[0].address, "services": procs[-1].address, "worker": worker.address}
+        yield {"serve": serve.address, "services": gateway.address, "worker": worker.address}
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        stop_all(procs[::-1])
 
 
 @pytest.fixture(scope="module", params=["serve", "services"])  # HTTP front ends

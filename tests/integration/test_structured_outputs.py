@@ -17,7 +17,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.integration.service_procs import ServiceProc, start_service
+from tests.integration.service_procs import ServiceProc, start_service, stop_all, wait_all_ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -112,17 +112,23 @@ def parse_expr(text: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServiceProc]:
-    proc = start_service("serve", [], http=True)
-    yield proc
-    proc.stop()
+def servers() -> Iterator[dict[str, ServiceProc]]:
+    """`serve` with jump-forward off ("plain") and on ("jf"), started together."""
+    procs = {"plain": start_service("serve", [], http=True, wait_ready=False),
+             "jf": start_service("serve", ["--enable-jump-forward"], http=True, wait_ready=False)}
+    wait_all_ready(list(procs.values()))
+    yield procs
+    stop_all(list(procs.values()))
 
 
 @pytest.fixture(scope="module")
-def server_jf() -> Iterator[ServiceProc]:
-    proc = start_service("serve", ["--enable-jump-forward"], http=True)
-    yield proc
-    proc.stop()
+def server(servers: dict[str, ServiceProc]) -> ServiceProc:
+    return servers["plain"]
+
+
+@pytest.fixture(scope="module")
+def server_jf(servers: dict[str, ServiceProc]) -> ServiceProc:
+    return servers["jf"]
 
 
 def post(server: ServiceProc, path: str, body: dict[str, Any]) -> httpx.Response:

@@ -19,7 +19,6 @@ import ssl
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from radixmesh.common.grpc_server import NOT_READY_METADATA_KEY
 from radixmesh.protocol import inference_pb2 as pb
 from radixmesh.protocol import inference_pb2_grpc, router_pb2_grpc, sampling_pb2, worker_pb2
 from tests.certs import Issued, make_ca
-from tests.integration.service_procs import ServiceProc, start_service
+from tests.integration.service_procs import ServiceProc, start_service, stop_all, wait_all_ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -78,30 +77,29 @@ def pki() -> Pki:
 
 @pytest.fixture(scope="module")
 def services(pki: Pki) -> Iterator[dict[str, ServiceProc]]:
+    """Every service, started together (each waits for what it needs)."""
     tls = pki.internal_flags()
     procs: dict[str, ServiceProc] = {}
     try:
-        procs["grammar"] = start_service("grammar", [*tls, "--metrics-port", "-1"], health_port=True)
+        procs["grammar"] = start_service("grammar", [*tls, "--metrics-port", "-1"], health_port=True,
+                                         wait_ready=False)
         common = [*ENGINE, *tls, "--kv-transport", "grpc", "--metrics-port", "0", "--grammar-service",
                   procs["grammar"].address]
-        specs = {"prefill": [*common, "--role", "prefill", "--worker-id", "prefill-0"],
-                 "decode": [*common, "--role", "decode", "--worker-id", "decode-0"]}
-        with ThreadPoolExecutor(3) as pool:
-            futures = {name: pool.submit(start_service, "worker", args, env={"OMP_NUM_THREADS": "1"},
-                                         health_port=True) for name, args in specs.items()}
-            futures["tokenizer"] = pool.submit(start_service, "tokenizer", [*tls, "--metrics-port", "-1"],
-                                               health_port=True)
-            for name, future in futures.items():
-                procs[name] = future.result()
+        for role in ("prefill", "decode"):
+            procs[role] = start_service("worker", [*common, "--role", role, "--worker-id", f"{role}-0"],
+                                        env={"OMP_NUM_THREADS": "1"}, health_port=True, wait_ready=False)
+        procs["tokenizer"] = start_service("tokenizer", [*tls, "--metrics-port", "-1"], health_port=True,
+                                           wait_ready=False)
         workers = f"{procs['prefill'].address},{procs['decode'].address}"
         procs["router"] = start_service("router", ["--workers", workers, "--pd-min-prefill-tokens", "8",
                                                    "--health-interval-s", "0.3", "--metrics-port", "-1", *tls],
-                                        health_port=True)
+                                        health_port=True, wait_ready=False)
         procs["gateway"] = _start_gateway(pki, procs)
+        wait_all_ready([proc for name, proc in procs.items() if name != "gateway"])
+        _wait_gateway(pki, procs["gateway"])  # its /health answers over TLS only
         yield procs
     finally:
-        for proc in procs.values():
-            proc.stop(20)
+        stop_all(list(procs.values()), 20)
 
 
 def _start_gateway(pki: Pki, procs: dict[str, ServiceProc]) -> ServiceProc:
@@ -115,16 +113,20 @@ def _start_gateway(pki: Pki, procs: dict[str, ServiceProc]) -> ServiceProc:
     gateway = start_service("gateway", args, http=True, wait_ready=False)
     gateway.address = gateway.address.replace("http://", "https://")
     gateway.health_address = f"127.0.0.1:{grpc_port}"  # here: the public gRPC port
+    return gateway
+
+
+def _wait_gateway(pki: Pki, gateway: ServiceProc) -> None:
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert gateway.proc.poll() is None, gateway.log()
-        try:
-            if httpx.get(gateway.address + "/health", verify=_trusting(pki.public_ca), timeout=2).status_code == 200:
-                return gateway
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    gateway.stop(5)
+    with httpx.Client(verify=_trusting(pki.public_ca), timeout=2) as client:
+        while time.monotonic() < deadline:
+            assert gateway.proc.poll() is None, gateway.log()
+            try:
+                if client.get(gateway.address + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
     raise AssertionError(f"the gateway did not become ready over mutual TLS:\n{gateway.log()}")
 
 
@@ -170,10 +172,12 @@ def test_workers_fetch_grammars_over_mutual_tls(pki: Pki, services: dict[str, Se
                            options=pb.GenerationOptions(max_tokens=24, temperature=0.0, json_schema=schema)),
             metadata=(("authorization", f"Bearer {API_KEY}"),), timeout=120)
     assert reply.choices[0].content.startswith("{")
-    deadline, fetched = time.monotonic() + 20, 0.0
-    while fetched < 1 and time.monotonic() < deadline:  # worker metrics follow the scheduler's stats each second
-        time.sleep(0.5)
+    deadline = time.monotonic() + 20
+    while True:  # worker metrics follow the scheduler's stats each second
         fetched = sum(_metric(services[w], "radixmesh_grammar_fetches_total") for w in ("prefill", "decode"))
+        if fetched >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert fetched >= 1, "no worker fetched the grammar from the grammar service"
     assert sum(_metric(services[w], "radixmesh_grammar_compiles_total") for w in ("prefill", "decode")) == 0
 
@@ -205,7 +209,7 @@ def test_a_router_with_a_foreign_certificate_cannot_reach_workers(pki: Pki, serv
         deadline, reason = time.monotonic() + 60, ""
         while "none of 2 workers is healthy" not in reason and time.monotonic() < deadline:
             assert rogue.proc.poll() is None, rogue.log()
-            time.sleep(0.5)
+            time.sleep(0.1)
             reason = _not_ready_reason(rogue.health_address)
         assert "none of 2 workers is healthy" in reason, reason  # the workers refused its certificate
         assert services["prefill"].address in reason or services["decode"].address in reason

@@ -44,3 +44,11 @@ def test_cuda_available_asks_torch_where_a_driver_may_exist(tmp_path: Path, monk
     assert engine_config.cuda_available() is False
     monkeypatch.setattr(engine_config, "GPU_DRIVER_PATHS", (str(tmp_path),))
     assert engine_config.cuda_available() is torch.cuda.is_available()
+
+
+def test_an_unknown_attention_backend_fails_when_the_config_is_built_without_torch() -> None:
+    code = ("from radixmesh.common.errors import RadixMeshError\nfrom radixmesh.engine.config import EngineConfig\n"
+            "EngineConfig(attention_backend='torch_native')\n"
+            "try:\n    EngineConfig(attention_backend='nope')\n    raise SystemExit('accepted')\n"
+            "except RadixMeshError as exc:\n    assert 'unknown attention backend' in exc.message, exc.message")
+    assert not _imports_torch(code)

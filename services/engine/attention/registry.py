@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from radixmesh.common.errors import invalid_argument
-from radixmesh.engine.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from radixmesh.engine.attention.base import AttentionBackend
 
 BACKENDS: dict[str, str] = {
     "torch-native": "radixmesh.engine.attention.torch_native:TorchNativeBackend",
@@ -14,12 +17,16 @@ BACKENDS: dict[str, str] = {
 }
 
 
-def create_backend(name: str) -> AttentionBackend:
-    key = name.replace("_", "-")
-    target = BACKENDS.get(key)
+def backend_target(name: str) -> str:
+    """The "module:attr" factory of backend `name` (imports nothing); INVALID_ARGUMENT for an unknown id."""
+    target = BACKENDS.get(name.replace("_", "-"))
     if target is None:
         raise invalid_argument(f"unknown attention backend {name!r} (known: {', '.join(sorted(BACKENDS))})",
                                param="attention_backend")
-    module, _, attr = target.partition(":")
+    return target
+
+
+def create_backend(name: str) -> AttentionBackend:
+    module, _, attr = backend_target(name).partition(":")
     backend: AttentionBackend = getattr(importlib.import_module(module), attr)()
     return backend

@@ -1,9 +1,17 @@
-"""Copying checkpoint tensors into a module's own parameters by name (vision towers, projectors)."""
+"""Giving a module built on the meta device its storage, and copying checkpoint tensors into its parameters by
+name (vision towers, projectors)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+def materialize(module: nn.Module, device: torch.device) -> nn.Module:
+    """What `module.to_empty(device=device)` does (uninitialized storage of every parameter's and buffer's
+    shape, strides and dtype), allocated directly: `empty_like` of a meta tensor runs torch's Python meta
+    kernels, whose first call imports sympy, half a second of CPU in every process that loads a model."""
+    return module._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
 
 
 class ParamLoader:
