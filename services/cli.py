@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import sys
 from typing import Any
@@ -74,7 +75,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in EngineConfig.field_names() if hasattr(args, name)}
 
 
+@functools.cache
 def _field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the docstring under it in `cls`'s source (parsed once per class: every command that takes
+    engine flags asks again). Callers must not modify the dict."""
     import ast
     import inspect
 

@@ -38,12 +38,10 @@ PARITY_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def reference_answers(default_model_dir: Path) -> dict[str, list[int]]:
-    """Greedy output ids of a single local engine (run before the cluster starts, to spare memory)."""
-    from radixmesh.engine.engine import Engine
-
-    with Engine(max_total_tokens=MAX_TOTAL_TOKENS) as engine:
-        results = engine.generate(PARITY_PROMPTS, {"max_new_tokens": PARITY_TOKENS, "temperature": 0.0})
+def reference_answers(default_engine: Any) -> dict[str, list[int]]:
+    """Greedy output ids of a single local engine (the session's, from an empty prefix cache)."""
+    assert default_engine.flush_cache()
+    results = default_engine.generate(PARITY_PROMPTS, {"max_new_tokens": PARITY_TOKENS, "temperature": 0.0})
     assert isinstance(results, list)
     return {p: list(r["output_ids"]) for p, r in zip(PARITY_PROMPTS, results)}
 

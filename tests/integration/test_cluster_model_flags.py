@@ -21,7 +21,7 @@ from loadtests.__main__ import main as bench_main
 from radixmesh.cluster.local import ClusterSpec, ClusterState, cluster_down, cluster_up, router_sees_all
 from radixmesh.engine.config import EngineConfig
 from radixmesh.protocol import tokenizer_pb2, tokenizer_pb2_grpc
-from tests.integration.service_procs import ServiceProc, start_service
+from tests.integration.service_procs import ServiceProc, start_service, wait_all_ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -47,7 +47,20 @@ def dummy_model_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFa
 
 
 @pytest.fixture(scope="module")
-def cluster(dummy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
+def serve_started(dummy_model_dir: Path) -> Iterator[ServiceProc]:
+    """`radixmesh serve` on the same model, the reference for the gateway's informational endpoints; not waited
+    on here, so that it loads while the cluster starts."""
+    proc = start_service("serve", ["--model", str(dummy_model_dir), "--load-format", "dummy", "--device", "cpu",
+                                   *ENGINE_ARGS], http=True, wait_ready=False)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(serve_started: ServiceProc, dummy_model_dir: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
     state_dir = tmp_path_factory.mktemp("cluster-model-flags")
     spec = ClusterSpec(num_workers=1, num_routers=2, model=str(dummy_model_dir), load_format="dummy",
                        state_dir=state_dir, worker_args=" ".join(ENGINE_ARGS), tokenizer_args="--block-size 32",
@@ -60,14 +73,9 @@ def cluster(dummy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="module")
-def serve(dummy_model_dir: Path) -> Iterator[ServiceProc]:
-    """`radixmesh serve` on the same model: the reference for the gateway's informational endpoints."""
-    proc = start_service("serve", ["--model", str(dummy_model_dir), "--load-format", "dummy", "--device", "cpu",
-                                   *ENGINE_ARGS], http=True)
-    try:
-        yield proc
-    finally:
-        proc.stop()
+def serve(serve_started: ServiceProc, cluster: ClusterState) -> ServiceProc:
+    wait_all_ready([serve_started])
+    return serve_started
 
 
 def test_every_service_got_the_model_flags_and_the_tokenizer_needs_no_weights(cluster: ClusterState,

@@ -52,20 +52,18 @@ def long_ids(seed: int, length: int = LONG_PROMPT_LEN) -> list[int]:
     return [1] + [300 + (i * 71 + seed * 977) % 9000 for i in range(length - 1)]
 
 
-def reference_answers() -> dict[str, list[int]]:
+def reference_answers(engine: Any) -> dict[str, list[int]]:
     """Greedy output ids of a unified engine for PROMPTS and the long prompts of the fault tests."""
-    from radixmesh.engine.engine import Engine
-
     prompts: list[str | list[int]] = [*PROMPTS, long_ids(0), long_ids(1)]
-    with Engine(device="cpu", max_total_tokens=4096) as engine:
-        results = engine.generate(prompts, {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0})
+    assert engine.flush_cache()
+    results = engine.generate(prompts, {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0})
     assert isinstance(results, list)
     return {str(p): list(r["output_ids"]) for p, r in zip(prompts, results)}
 
 
 @pytest.fixture(scope="module")
-def started() -> Iterator[tuple[dict[str, ServiceProc], dict[str, list[int]]]]:
-    """The services, and the reference answers, computed by an in-process engine while they start."""
+def started(default_engine: Any) -> Iterator[tuple[dict[str, ServiceProc], dict[str, list[int]]]]:
+    """The services, and the reference answers, computed by the session's in-process engine while they start."""
     common = [*ENGINE, "--kv-transport", "grpc", "--kv-lease-s", "20"]
     specs = {"prefill": [*common, "--role", "prefill", "--worker-id", "prefill-0", "--metrics-port", "0"],
              "decode": [*common, "--role", "decode", "--worker-id", "decode-0", "--metrics-port", "0",
@@ -77,7 +75,7 @@ def started() -> Iterator[tuple[dict[str, ServiceProc], dict[str, list[int]]]]:
                                                "--health-interval-s", "0.3", "--metrics-port", "-1"],
                                     wait_ready=False)
     try:
-        answers = reference_answers()
+        answers = reference_answers(default_engine)
         wait_all_ready(list(procs.values()))
         wait_for(lambda: roles_seen(procs["router"].address) == {"prefill", "decode"}, 60, "the router to see roles")
         yield procs, answers

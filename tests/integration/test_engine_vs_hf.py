@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import torch
@@ -21,17 +24,49 @@ CHAT_PROMPTS = ["What is the capital of France?", "Name three colors."]
 
 
 @pytest.fixture(scope="module")
-def reference(default_model_dir):
+def prompts(default_model_dir) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    ids = [tok.encode(p) for p in RAW_PROMPTS]
+    for text in CHAT_PROMPTS:
+        chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids.append(tok.encode(chat, add_special_tokens=False))
+    return ids
+
+
+@pytest.fixture(scope="module")
+def engines(prompts) -> Iterator[dict[str, Future[Engine]]]:
+    """The engine of each test below that needs its own settings, all starting in the background (they load
+    while the reference answers are computed); a test closes its engine when it is done."""
+    need = max(len(p) for p in prompts) + MAX_NEW + 2
+    configs: dict[str, dict[str, Any]] = {
+        "chunked": dict(chunked_prefill_size=7),
+        # Admission reserves almost nothing for decode, so decode must run out of KV and retract. The pool
+        # is tight because the two chat prompts share their template's ~30-token system prompt, cached once.
+        "retraction": dict(max_total_tokens=need + 20, chunked_prefill_size=-1, init_new_token_ratio=0.05,
+                           min_new_token_ratio=0.05),
+        "overlap": dict(overlap_schedule="on", chunked_prefill_size=16),
+        "radix-off": dict(disable_radix_cache=True, schedule_policy="fcfs"),
+    }
+    pool = ThreadPoolExecutor(len(configs))
+    futures = {name: pool.submit(Engine, **kwargs) for name, kwargs in configs.items()}
+    pool.shutdown(wait=False)
+    yield futures
+    for future in futures.values():  # those a failed test left open
+        if future.exception() is None:
+            future.result().shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_dir, prompts, engines):
+    """HF's greedy tokens for every prompt (computed while `engines` start)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     model.eval()
-    prompts = [tok.encode(p) for p in RAW_PROMPTS]
-    for text in CHAT_PROMPTS:
-        chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                       add_generation_prompt=True)
-        prompts.append(tok.encode(chat, add_special_tokens=False))
     outputs = []
     for ids in prompts:
         with torch.no_grad():
@@ -85,35 +120,31 @@ def test_prefix_cache_hit_matches_hf(reference, default_engine):
     assert again[4]["meta_info"]["cached_tokens"] > 10
 
 
-def test_chunked_prefill_matches_hf(reference):
+def test_chunked_prefill_matches_hf(reference, engines):
     prompts, expected = reference
-    with Engine(chunked_prefill_size=7) as engine:
+    with engines["chunked"].result() as engine:
         _check(engine, prompts, expected, batched=True)
         _check(engine, prompts, expected, batched=False)
 
 
-def test_forced_retraction_matches_hf(reference):
+def test_forced_retraction_matches_hf(reference, engines):
     prompts, expected = reference
-    need = max(len(p) for p in prompts) + MAX_NEW + 2
-    # Admission reserves almost nothing for decode, so decode must run out of KV and retract. The pool
-    # is tight because the two chat prompts share their template's ~30-token system prompt, cached once.
-    with Engine(max_total_tokens=need + 20, chunked_prefill_size=-1, init_new_token_ratio=0.05,
-                min_new_token_ratio=0.05) as engine:
+    with engines["retraction"].result() as engine:
         _check(engine, prompts, expected, batched=True)
         info = engine.get_server_info()
         assert info["num_retractions"] > 0
         assert info["kv_used_tokens"] == 0
 
 
-def test_overlap_schedule_matches_hf(reference):
+def test_overlap_schedule_matches_hf(reference, engines):
     prompts, expected = reference
-    with Engine(overlap_schedule="on", chunked_prefill_size=16) as engine:
+    with engines["overlap"].result() as engine:
         _check(engine, prompts, expected, batched=True)
         _check(engine, prompts[:2], expected[:2], batched=False)
 
 
-def test_radix_cache_disabled_matches_hf(reference):
+def test_radix_cache_disabled_matches_hf(reference, engines):
     prompts, expected = reference
-    with Engine(disable_radix_cache=True, schedule_policy="fcfs") as engine:
+    with engines["radix-off"].result() as engine:
         results = _check(engine, prompts, expected, batched=True)
         assert all(r["meta_info"]["cached_tokens"] == 0 for r in results)

@@ -21,7 +21,7 @@ from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.index.redis_server import LocalRedis
 from radixmesh.protocol import grammar_pb2, grammar_pb2_grpc
 from radixmesh.tokenizer.fingerprint import tokenizer_fingerprint
-from tests.integration.service_procs import ServiceProc, free_port, start_service
+from tests.integration.service_procs import ServiceProc, free_port, start_service, stop_all, wait_all_ready
 from tests.redis_helpers import local_redis  # noqa: F401  (fixture)
 from tests.unit.scheduler_factory import assert_no_leak, make_scheduler, run_until_idle, tiny_model_config
 
@@ -42,15 +42,12 @@ def tokenizer(default_model_dir):
 
 @pytest.fixture(scope="module")
 def services(local_redis: LocalRedis) -> Iterator[tuple[ServiceProc, ServiceProc]]:  # noqa: F811
-    """Two grammar service replicas sharing one Redis."""
-    first = start_service("grammar", ["--redis-url", local_redis.url, "--metrics-port", "-1"])
-    try:
-        second = start_service("grammar", ["--redis-url", local_redis.url, "--metrics-port", "-1"])
-    except BaseException:
-        first.stop()
-        raise
-    yield first, second
-    assert second.stop() == 0 and first.stop() == 0
+    """Two grammar service replicas sharing one Redis, started together."""
+    replicas = [start_service("grammar", ["--redis-url", local_redis.url, "--metrics-port", "-1"], wait_ready=False)
+                for _ in range(2)]
+    wait_all_ready(replicas)
+    yield replicas[0], replicas[1]
+    assert stop_all(replicas) == [0, 0]
 
 
 def compile_call(address: str, request: grammar_pb2.CompileRequest) -> grammar_pb2.CompileResponse:

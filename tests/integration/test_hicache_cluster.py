@@ -42,19 +42,19 @@ def prompt_ids(seed: int, length: int = PROMPT_LEN) -> list[int]:
 PROMPTS = {name: prompt_ids(seed) for seed, name in enumerate(["evicted", "filler1", "filler2", "shared", "killed"])}
 
 
-def reference_answers() -> dict[str, list[int]]:
-    from radixmesh.engine.engine import Engine
-
+def reference_answers(engine: Any) -> dict[str, list[int]]:
     names = list(PROMPTS)
-    with Engine(device="cpu", max_total_tokens=4096) as engine:
-        results = engine.generate([PROMPTS[n] for n in names], {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0})
+    assert engine.flush_cache()
+    results = engine.generate([PROMPTS[n] for n in names], {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0})
     assert isinstance(results, list)
     return {name: list(r["output_ids"]) for name, r in zip(names, results)}
 
 
 @pytest.fixture(scope="module")
-def started(local_redis: LocalRedis) -> Iterator[tuple[dict[str, ServiceProc], dict[str, list[int]]]]:  # noqa: F811
-    """The two workers, and the reference answers, computed by an in-process engine while they start."""
+def started(local_redis: LocalRedis,  # noqa: F811
+            default_engine: Any) -> Iterator[tuple[dict[str, ServiceProc], dict[str, list[int]]]]:
+    """The two workers, and the reference answers, computed by the session's in-process engine while they
+    start."""
     common = ["--device", "cpu", "--max-running-requests", "4", "--redis-url", local_redis.url, "--metrics-port", "0"]
     a = start_service("worker", [*common, "--worker-id", "a", "--max-total-tokens", "900",
                                  "--enable-hierarchical-cache", "--hicache-ratio", "4"], env={"OMP_NUM_THREADS": "1"},
@@ -63,7 +63,7 @@ def started(local_redis: LocalRedis) -> Iterator[tuple[dict[str, ServiceProc], d
                                  "always", "--peer-fetch-timeout-s", "4"], env={"OMP_NUM_THREADS": "1"},
                       wait_ready=False)
     try:
-        answers = reference_answers()
+        answers = reference_answers(default_engine)
         wait_all_ready([a, b])
         yield {"a": a, "b": b}, answers
     finally:
