@@ -10,6 +10,7 @@
 # copied there by scripts/gpu_tokenizer_model.py --stage). Results go to $OUT as JSON.
 #   STAGES="tests hot-path kernel one-batch offline profile-offline online services trace-split compare grpc-api" bash scripts/gpu_suite.sh
 #   STAGES=tp STAGE_TIMEOUT_S=600 bash scripts/gpu_suite.sh     # tensor parallelism: needs 2 GPUs (tp-bench, tp-custom)
+#   STAGES="tp-tests tp-70b" then STAGES=tp-70b-offline TIMEOUT_tp_70b_offline=580 (70B shape at TP 2, two H200s)
 #   FP8 (issue 21): STAGES="fp8-tests fp8-kernel fp8-one-batch fp8-capacity fp8-accuracy fp8-offline" bash scripts/gpu_suite.sh
 #   STAGES="mm-tests images" bash scripts/gpu_suite.sh     (multimodal: LLaVA / Qwen2-VL)
 #   STAGES="pd-tests pd-transfer pd-goodput" (two GPUs: P/D); a stage's own time limit: TIMEOUT_<stage>=S (- as _)
@@ -189,6 +190,22 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
         && $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 128 \
           --context-length 8192 --cuda-graph-max-bs 8 --tp-size 2 --enable-custom-all-reduce \
           --result-file "$OUT/tp-one-batch.jsonl" ;;
+    tp-tests)  # 2 GPUs: TP 2 vs TP 1 greedy tokens, then the custom all-reduce kernel's tests
+      python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/gpu/test_tensor_parallel_gpu.py \
+        tests/gpu/test_custom_all_reduce_gpu.py ;;
+    tp-70b)  # 2 GPUs: Llama-3.1-70B shape at TP 2 (custom all-reduce): each GPU's copy bandwidth and the all-reduce of
+      # one 8192-wide row, then batch-1 decode with its steps' kernels profiled (the all-reduce share of a step)
+      [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "skipped: needs two GPUs"; return 0; }
+      python3 -m radixmesh.engine.distributed.bench_allreduce --tp-size 2 --hidden 8192 --rows 1 4 16 64 --custom \
+        --result-file "$OUT/tp70b-allreduce.jsonl" \
+        && $RM bench one-batch --model-shape llama-3.1-70b --batch-size 1 --input-len 1024 --output-len 128 \
+          --context-length 8192 --cuda-graph-max-bs 8 --tp-size 2 --enable-custom-all-reduce --profile-graph \
+          --result-file "$OUT/tp70b-one-batch.jsonl" ;;
+    tp-70b-offline)  # 2 GPUs: the 500-prompt offline workload on the Llama-3.1-70B shape at TP 2 (TIMEOUT_tp_70b_offline=580)
+      [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "skipped: needs two GPUs"; return 0; }
+      $RM bench offline --model-shape llama-3.1-70b --tp-size 2 --enable-custom-all-reduce \
+        --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 --random-output-len 2048 --random-range-ratio 0.0 \
+        --context-length 8192 --result-file "$OUT/tp70b-offline.jsonl" ;;
     fp8-tests)  # FP8 kernels vs their references (compiled) and FP8 engine paths on small random models
       python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/gpu/test_fp8_gpu.py -s
       python3 -m pytest -q -p no:cacheprovider tests/unit/test_fp8_kernels.py ;;

@@ -11,6 +11,8 @@ from radixmesh.engine.speculative.adaptive import (
     MAX_REST,
     MIN_REQUEST_REST,
     MIN_REST,
+    PROBE_BUDGET,
+    PROBE_SAMPLE,
     AdaptivePolicy,
     BucketStats,
     best_draft_len,
@@ -90,7 +92,7 @@ def test_request_that_stops_accepting_backs_off_then_probes_ever_rarer() -> None
     gaps = [b - a for a, b in itertools.pairwise(probes)]
     assert probes[0] - first_zero == MIN_REQUEST_REST  # rests of 4, 8, 16, ... steps between probes
     assert gaps == sorted(gaps) and gaps[0] == 2 * MIN_REQUEST_REST + 1 and gaps[-1] == MAX_REQUEST_REST + 1
-    assert policy.draft_len("b") >= 2  # another request is unaffected
+    assert policy.draft_len("b") == 0  # a new request starts from the others' recent acceptance
 
 
 def test_request_whose_probe_succeeds_gets_its_drafts_back() -> None:
@@ -141,3 +143,35 @@ def test_near_parity_the_bucket_stays_plain_and_probes_rarely() -> None:
     policy = AdaptivePolicy(4, 0.0)
     modes = _run_steps(policy, 4, 500, plain_rate=100, spec_rate=102)  # 2% faster: within the noise margin
     assert sum(modes) <= 10, sum(modes)
+
+
+def test_first_probe_drafts_for_a_sample_then_for_all_when_drafts_pay() -> None:
+    rids = [f"r{i}" for i in range(32)]
+    good = AdaptivePolicy(4, 0.1)
+    good.observe_step(32, False, 1.0, 100)  # plain measured: the next step probes
+    plan = good.plan(rids)
+    assert sum(k > 0 for k in plan) == PROBE_SAMPLE and max(plan) >= 2  # nothing known yet: a sample drafts
+    for rid, k in zip(rids, plan):
+        good.observe_request(rid, k, k)  # every draft accepted
+    assert all(k >= 3 for k in good.plan(rids))  # the others take the sample's acceptance: all draft
+
+    bad = AdaptivePolicy(4, 0.1)
+    bad.observe_step(32, False, 1.0, 100)
+    plan = bad.plan(rids)
+    for rid, k in zip(rids, plan):
+        bad.observe_request(rid, k, 0)  # nothing accepted
+    again = bad.plan(rids)
+    assert sum(k > 0 for k in again) == PROBE_SAMPLE and max(again) == 1  # only another sample, one draft each
+    assert all(again[i] for i, k in enumerate(plan) if k == 0 and i < 4 + PROBE_SAMPLE)  # those never verified
+
+
+def test_rest_after_a_costly_probe_keeps_probing_within_budget() -> None:
+    policy = AdaptivePolicy(4, 0.0)
+    policy.observe_step(8, False, 1.0, 8)  # a plain step: 1 s for 8 tokens
+    policy.observe_step(8, True, 4.0, 8)  # a probe that cost 4 plain steps' time for the same tokens: lost 3
+    rest = policy.buckets[bucket_of(8)].rest
+    assert rest == min(MAX_REST, round(3 / PROBE_BUDGET))
+    cheap = AdaptivePolicy(4, 0.0)
+    cheap.observe_step(8, False, 1.0, 8)
+    cheap.observe_step(8, True, 1.01, 8)  # lost 1% of a step: the doubling rest alone
+    assert cheap.buckets[bucket_of(8)].rest == 2 * MIN_REST

@@ -11,18 +11,26 @@ Per batch size (buckets by powers of two), measured step time decides: tokens pe
 speculative steps against plain decode steps. When speculation loses (large batches are compute
 bound, drafts cost too much or are rarely accepted), the bucket decodes plainly and probes again
 after a rest that doubles while it keeps losing, so it comes back when it pays (speculation must be
-faster by a margin: at parity, probing would cost more than it finds). A probe (and any
-step before speculation has won) gives every request at least one draft, resting or not, so that
-it measures something.
+faster by a margin: at parity, probing would cost more than it finds). The rest is also long enough
+that probing costs at most PROBE_BUDGET of the plain steps: a probe that lost the time of `n` plain
+steps is followed by at least `n / PROBE_BUDGET` of them.
+
+A probe is cheap when drafts are known not to pay: requests whose acceptance says drafts pay draft
+as usual, and only a sample of the others (those never verified first) draft, at least one each.
+A request never verified takes the acceptance of recent verifications of other requests once there
+are any (the draft model is the same for all), so an unrelated draft costs one sampled probe, not a
+draft prefill of every prompt in the batch.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 PRIOR_ACCEPTED = 0.6
 PRIOR_TRIALS = 1.0
-"""Pseudo-counts of an unseen request: acceptance 0.6 until a few verifications say otherwise."""
+"""Pseudo-counts of an unseen request: acceptance 0.6 (before any verification; afterwards the recent
+acceptance of all requests) until a few verifications say otherwise."""
 COUNT_DECAY = 0.85
 """Weight of older verifications each time a new one is counted."""
 MIN_REQUEST_REST, MAX_REQUEST_REST = 4, 64
@@ -35,6 +43,10 @@ MIN_REST, MAX_REST = 4, 256
 """Plain steps before speculation is probed again in a bucket where it lost (doubling)."""
 PLAIN_REFRESH = 64
 """Speculative steps after which a winning bucket runs one plain step to refresh its comparison."""
+PROBE_BUDGET = 0.02
+"""Most time probes of a losing batch size may cost, as a fraction of the plain steps between them."""
+PROBE_SAMPLE = 4
+"""Requests whose drafts are not known to pay that draft in a probe step (to learn their acceptance)."""
 WIN_MARGIN = 0.05
 """Speculation counts as faster only above this relative margin: near parity, noisy step times would
 otherwise flip the comparison and every flip resets the rest (probes, each a slower step, pile up)."""
@@ -50,9 +62,8 @@ class _Acceptance:
     probe_due: bool = False
     """The rest just ended: the next plan probes with one draft."""
 
-    @property
-    def rate(self) -> float:
-        return (self.accepted + PRIOR_ACCEPTED) / (self.trials + PRIOR_TRIALS)
+    def rate(self, prior: float = PRIOR_ACCEPTED) -> float:
+        return (self.accepted + prior * PRIOR_TRIALS) / (self.trials + PRIOR_TRIALS)
 
 
 @dataclass
@@ -97,6 +108,8 @@ class AdaptivePolicy:
         self.cost = draft_cost + VERIFY_TOKEN_COST
         self.enabled = enabled
         self.requests: dict[str, _Acceptance] = {}
+        self.population = _Acceptance()
+        """Recent verifications of all requests: the prior of a request never verified."""
         self.buckets: dict[int, BucketStats] = {}
         self.num_backoff_steps = 0
         """Decode steps the batch-size rule ran without drafts."""
@@ -109,9 +122,30 @@ class AdaptivePolicy:
         if not self.speculate(len(rids)):
             self.num_backoff_steps += 1
             return [0] * len(rids)
-        if not self.buckets[bucket_of(len(rids))].spec_wins:  # measuring: every request drafts
-            return [max(self.draft_len(rid, rest=False), 1) for rid in rids]
+        if not self.buckets[bucket_of(len(rids))].spec_wins:
+            return self._probe(rids)
         return [self.draft_len(rid) for rid in rids]
+
+    def _probe(self, rids: list[str]) -> list[int]:
+        """A step that measures speculation: requests whose drafts are known to pay draft as usual (rests
+        aside); PROBE_SAMPLE of the others draft at least one, those never verified first."""
+        known = self.population.trials > 0
+        plan, others = [], []
+        for i, rid in enumerate(rids):
+            acc = self.requests.setdefault(rid, _Acceptance())
+            k = best_draft_len(acc.rate(self.prior), self.cost, self.max_drafts) if known or acc.trials else 0
+            plan.append(k)
+            if k == 0:
+                others.append((acc.trials, i))
+        for _, i in sorted(others)[:PROBE_SAMPLE]:
+            acc = self.requests[rids[i]]
+            plan[i] = max(best_draft_len(acc.rate(self.prior), self.cost, self.max_drafts), 1)
+        return plan
+
+    @property
+    def prior(self) -> float:
+        """The acceptance a request never verified is assumed to have."""
+        return self.population.rate()
 
     def speculate(self, batch_size: int) -> bool:
         """Whether this batch size speculates now (measuring each mode first, then the faster one)."""
@@ -129,11 +163,11 @@ class AdaptivePolicy:
         (`rest=False`: its estimate alone, rests untouched)."""
         acc = self.requests.setdefault(rid, _Acceptance())
         if not rest:
-            return best_draft_len(acc.rate, self.cost, self.max_drafts)
+            return best_draft_len(acc.rate(self.prior), self.cost, self.max_drafts)
         if acc.rest > 0:
             acc.rest -= 1
             return 0
-        k = best_draft_len(acc.rate, self.cost, self.max_drafts)
+        k = best_draft_len(acc.rate(self.prior), self.cost, self.max_drafts)
         if k > 0:
             acc.next_rest, acc.probe_due = MIN_REQUEST_REST, False
             return k
@@ -149,11 +183,11 @@ class AdaptivePolicy:
         """A verification of `num_drafts` drafts accepted the first `num_accepted`."""
         if num_drafts <= 0:
             return
-        acc = self.requests.setdefault(rid, _Acceptance())
         # a chain stops at its first rejection: accepted drafts are successes, the rejected one a failure
         trials = num_accepted + (1 if num_accepted < num_drafts else 0)
-        acc.accepted = acc.accepted * COUNT_DECAY + num_accepted
-        acc.trials = acc.trials * COUNT_DECAY + trials
+        for acc in (self.requests.setdefault(rid, _Acceptance()), self.population):
+            acc.accepted = acc.accepted * COUNT_DECAY + num_accepted
+            acc.trials = acc.trials * COUNT_DECAY + trials
 
     def observe_step(self, batch_size: int, speculated: bool, seconds: float, num_tokens: int) -> None:
         """One decode step of `batch_size` requests took `seconds` and produced `num_tokens` tokens."""
@@ -166,7 +200,8 @@ class AdaptivePolicy:
             stats.steps_since_spec = 0
             stats.steps_since_plain += 1
             if stats.plain_rate is not None:
-                stats.rest = MIN_REST if stats.spec_wins else min(stats.rest * 2, MAX_REST)
+                stats.rest = MIN_REST if stats.spec_wins else min(max(stats.rest * 2, _rest_for(
+                    stats.plain_rate, batch_size, seconds, num_tokens)), MAX_REST)
         else:
             stats.plain_rate = rate if stats.plain_rate is None else (1 - RATE_EMA) * stats.plain_rate + RATE_EMA * rate
             stats.steps_since_plain = 0
@@ -178,4 +213,12 @@ class AdaptivePolicy:
     def acceptance(self, rid: str) -> float:
         """The current acceptance estimate of a request (the prior when it was never verified)."""
         acc = self.requests.get(rid)
-        return acc.rate if acc is not None else _Acceptance().rate
+        return (acc or _Acceptance()).rate(self.prior)
+
+
+def _rest_for(plain_rate: float, batch_size: int, seconds: float, num_tokens: int) -> int:
+    """Plain steps after a losing probe that keep probing within PROBE_BUDGET: the probe lost the time
+    of `lost` plain steps (its time minus what plain steps take for its tokens)."""
+    plain_step_s = batch_size / plain_rate
+    lost = (seconds - num_tokens / plain_rate) / plain_step_s
+    return math.ceil(lost / PROBE_BUDGET) if lost > 0 else 0
