@@ -284,7 +284,7 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_speculative_gpu.py ;;
     spec-same|spec-unrelated|spec-unrelated-raw|spec-ngram)  # 8B shape, random weights, batch 1/8/32: plain vs spec
       spec="--model-shape llama-3.1-8b --workload random --batch-sizes 1,8,32 --input-len 512 --output-len 256 \
-        --context-length 4096 --max-total-tokens 32768 --cuda-graph-max-bs 32 --result-file $OUT/spec.jsonl"
+        --context-length 4096 --max-total-tokens 32768 --cuda-graph-max-bs 32 --result-file $OUT/spec.jsonl ${SPEC_ARGS:-}"
       case $stage in
         spec-same)  # (a) a draft with the target's own weights: every draft accepted, the machinery's best case
           $RM bench speculative $spec --speculative-algorithm draft --speculative-draft-model llama-3.1-8b \

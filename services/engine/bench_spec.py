@@ -77,7 +77,8 @@ def _build(args: argparse.Namespace, speculative: bool) -> Any:
     return Scheduler(config, ModelRunner(config, prepared), tokenizer, Clocks())
 
 
-def _prompts(args: argparse.Namespace, sched: Any) -> list[list[int]]:
+def _prompts(args: argparse.Namespace, sched: Any, count: int = 0, seed: int | None = None) -> list[list[int]]:
+    """The copy workload's prompts, or `count` random prompts (default: the largest batch size)."""
     import random
 
     if args.workload == "copy":
@@ -87,9 +88,10 @@ def _prompts(args: argparse.Namespace, sched: Any) -> list[list[int]]:
         if sched.tokenizer is None:
             raise SystemExit("radixmesh: error: --workload copy needs a model with a tokenizer and chat template")
         return [encode_chat(sched.tokenizer, messages) for messages in copy_heavy_messages()]
-    rng = random.Random(args.seed)
+    rng = random.Random(args.seed if seed is None else seed)
     vocab = sched.runner.model_config.vocab_size
-    return [[rng.randrange(100, vocab - 1) for _ in range(args.input_len)] for _ in range(max(args.batch_sizes))]
+    return [[rng.randrange(100, vocab - 1) for _ in range(args.input_len)]
+            for _ in range(count or max(args.batch_sizes))]
 
 
 def _run_round(sched: Any, prompts: list[list[int]], output_len: int, tag: str, totals: Totals) -> None:
@@ -128,9 +130,18 @@ def _run_round(sched: Any, prompts: list[list[int]], output_len: int, tag: str, 
 
 def _compare(args: argparse.Namespace, plain: Any, spec: Any, prompts: list[list[int]],
              batch_size: int) -> tuple[Totals, Totals]:
-    """Every request of this batch size on both engines, round by round, alternating which goes first."""
-    num = args.num_prompts or (len(prompts) if args.workload == "copy" else batch_size)
-    work = [prompts[i % len(prompts)] for i in range(num)]
+    """Every request of this batch size on both engines, round by round, alternating which goes first.
+    Random prompts are new for each batch size (none cached); a short warm-up round at this batch size
+    on both engines first compiles what this size needs, then the back-off forgets it and learns anew."""
+    num = args.num_prompts or (len(prompts) if args.workload == "copy" else args.rounds * batch_size)
+    if args.workload == "random":
+        work = _prompts(args, plain, num, seed=args.seed * 1000 + batch_size)
+        warm = _prompts(args, plain, batch_size, seed=args.seed * 1000 + batch_size + 500)
+        for sched in (plain, spec):
+            _run_round(sched, warm, 8, f"warm{batch_size}-", Totals())
+        spec.spec.policy.reset()
+    else:
+        work = [prompts[i % len(prompts)] for i in range(num)]
     totals = (Totals(), Totals())
     for round_index, start in enumerate(range(0, num, batch_size)):
         order = (0, 1) if round_index % 2 == 0 else (1, 0)
@@ -172,6 +183,7 @@ def cmd_speculative(args: argparse.Namespace) -> int:
     prompts = _prompts(args, plain)
     for sched in (plain, spec):  # kernels compile, graphs warm; the back-off starts fresh per batch size
         _run_round(sched, prompts[:2], 8, "warm-", Totals())
+    spec.spec.policy.reset()
     cfg = spec.config
     common = {"bench": "speculative", **device_info(spec), **settings(spec, args), "workload": args.workload,
               "speculative_algorithm": cfg.speculative_algorithm,
@@ -199,7 +211,9 @@ def register_speculative(bench: argparse._SubParsersAction) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=0,
                         help="requests per batch size, run batch-size at a time (default: every copy prompt once; "
-                             "random: one batch)")
+                             "random: one batch; more rounds average out noise)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="random workload without --num-prompts: batches per batch size (noise averages out)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--result-file", default=None, help="append the JSON results to this file")
     parser.set_defaults(func=cmd_speculative)

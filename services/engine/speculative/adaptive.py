@@ -114,6 +114,12 @@ class AdaptivePolicy:
         self.num_backoff_steps = 0
         """Decode steps the batch-size rule ran without drafts."""
 
+    def reset(self) -> None:
+        """Forget what was learned (acceptance, step rates); the counters stay."""
+        self.requests.clear()
+        self.population = _Acceptance()
+        self.buckets.clear()
+
     # ---- decisions --------------------------------------------------------------------------
     def plan(self, rids: list[str]) -> list[int]:
         """Draft budget per request for this step (all 0: decode without speculation)."""
