@@ -238,6 +238,8 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
         --context-length 4096 --cuda-graph-max-bs 32 --result-file "$OUT/images.jsonl"
       $RM bench images --model-shape qwen2-vl-7b --image-size 448 --batch-size 32 --output-len 64 \
         --context-length 4096 --cuda-graph-max-bs 32 --result-file "$OUT/images.jsonl" ;;
+    hicache-tests)  # host tier and peer fetch GPU tests (the peer-fetch one needs two GPUs)
+      python3 -m pytest -v -p no:cacheprovider -m gpu -rfEs tests/gpu/test_hicache_gpu.py ;;
     hicache)  # host tier: its GPU tests, then multi-turn sessions 3x the device pool with and without it (8B)
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_hicache_gpu.py
       $RM bench hicache --model-shape llama-3.1-8b --context-length 8192 --max-total-tokens 32768 \
