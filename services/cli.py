@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import os
 import sys
 from typing import Any
 
@@ -172,12 +173,23 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         code: int = args.func(args)
-        return code
     except RadixMeshError as exc:
         print(f"radixmesh: error: {exc.message}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    _exit_now_if_a_group_is_stuck(code)
+    return code
+
+
+def _exit_now_if_a_group_is_stuck(code: int) -> None:
+    """A tensor-parallel group that could not be left (distributed/leader.py) would abort the interpreter's
+    exit; once everything is written, leave without running the remaining destructors."""
+    leader = sys.modules.get("radixmesh.engine.distributed.leader")
+    if leader is not None and getattr(leader, "GROUP_LEFT_UNFINISHED", False):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

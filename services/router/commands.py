@@ -38,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--redis-probe-s", type=float, default=1.0,
                      help="while Redis is down (routing falls back to approx-tree), seconds between checks for it")
     cmd.add_argument("--max-attempts", type=int, default=3, help="tries per request before its first token")
+    cmd.add_argument("--wait-for-worker-s", type=float, default=5.0,
+                     help="a request that finds no healthy worker waits this long for one before failing (0: at once)")
     cmd.add_argument("--seed", type=int, default=None, help="seed of the random and power-of-two policies")
     cmd.add_argument("--pd-min-prefill-tokens", type=int, default=256,
                      help="disaggregation: prompts with fewer tokens uncached on the chosen decode worker skip the "
@@ -72,7 +74,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         health=HealthConfig(interval_s=args.health_interval_s,
                                             failure_threshold=args.health_failure_threshold,
                                             success_threshold=args.health_success_threshold),
-                        retry=RetryConfig(max_attempts=args.max_attempts),
+                        retry=RetryConfig(max_attempts=args.max_attempts, wait_for_worker_s=args.wait_for_worker_s),
                         pd=PDConfig(min_prefill_tokens=args.pd_min_prefill_tokens),
                         scoring=ScoringConfig(host_hit_weight=args.host_hit_weight),
                         peer_fetch_min_tokens=args.peer_fetch_min_tokens)

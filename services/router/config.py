@@ -54,10 +54,15 @@ class RetryConfig:
     """Backoff before the second try; doubles per try, with full jitter."""
     max_backoff_s: float = 0.5
     """Cap of one backoff."""
+    wait_for_worker_s: float = 5.0
+    """A request that finds no healthy worker waits up to this long for one before failing UNAVAILABLE (health
+    probes bring workers back after a blip, e.g. probes that timed out on a loaded node)."""
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.base_backoff_s < 0 or self.max_backoff_s < self.base_backoff_s:
             raise invalid_argument("retry needs max_attempts >= 1 and 0 <= base_backoff_s <= max_backoff_s", "retry")
+        if self.wait_for_worker_s < 0:
+            raise invalid_argument("retry needs wait_for_worker_s >= 0", "retry")
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,8 @@ from radixmesh.router.workers import WorkerHandle, WorkerRegistry
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+WORKER_POLL_S = 0.1
+"""How often a request waiting for a healthy worker looks again."""
 RETRYABLE = {ErrorCode.UNAVAILABLE, ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.INTERNAL}
 WORKER_FAULTS = {ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL}
 OpenStream = Callable[[WorkerHandle, RoutingDecision, int], AsyncIterator[T]]
@@ -56,7 +58,7 @@ class RequestRouter:
 
     async def select(self, request: RouteRequest, exclude: set[str] | frozenset[str] = frozenset()) -> RoutingDecision:
         """The policy's decision among available workers not in `exclude`; UNAVAILABLE when there are none."""
-        candidates = [w for w in self.registry.available(*SERVING_ROLES) if w.worker_id not in exclude]
+        candidates = await self._candidates(exclude)
         if not candidates:
             known = len(self.registry)
             detail = f"{known} known, none healthy" if known else "none discovered"
@@ -73,6 +75,16 @@ class RequestRouter:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("route %s: %s", request.request_id, decision.attributes())
         return decision
+
+    async def _candidates(self, exclude: set[str] | frozenset[str]) -> list[WorkerHandle]:
+        """Available workers not in `exclude`; on a first try with none, polled for up to wait_for_worker_s."""
+        polls = 0 if exclude else round(self.config.retry.wait_for_worker_s / WORKER_POLL_S)
+        for poll in range(polls + 1):
+            candidates = [w for w in self.registry.available(*SERVING_ROLES) if w.worker_id not in exclude]
+            if candidates or poll == polls:
+                return candidates
+            await self.sleep(WORKER_POLL_S)
+        return []
 
     def backoff_s(self, attempt: int) -> float:
         """Full jitter: uniform in [0, min(max, base * 2^(attempt-1))]."""

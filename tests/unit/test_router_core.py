@@ -185,10 +185,39 @@ class TestDispatch:
         assert calls == ["w0", "w1"]
 
     def test_no_worker_at_all(self) -> None:
-        router, _ = make_router(num_workers=0)
+        router, sleeps = make_router(num_workers=0)
         with pytest.raises(RadixMeshError, match="no worker available") as info:
             collect(router, {}, [])
         assert info.value.code is ErrorCode.UNAVAILABLE
+        assert sum(sleeps) == pytest.approx(router.config.retry.wait_for_worker_s)  # waited for one, then failed
+
+    def test_a_request_waits_for_a_worker_that_comes_back(self) -> None:
+        router, sleeps = make_router(num_workers=2)
+        for worker in router.registry.all():
+            worker.health.mark_down("probe timed out")  # every worker blipped at once
+        w1 = router.registry.get("w1")
+        assert w1 is not None
+
+        async def probe_passes_later(seconds: float) -> None:
+            sleeps.append(seconds)
+            if len(sleeps) == 3:
+                w1.health.on_probe(True)
+
+        router.sleep = probe_passes_later
+        calls: list[str] = []
+        assert collect(router, {"w1": ["a", "b"]}, calls) == ["w1:a", "w1:b"]
+        assert calls == ["w1"] and len(sleeps) == 3
+
+    def test_no_wait_when_configured_off(self) -> None:
+        import dataclasses
+
+        router, sleeps = make_router(num_workers=1)
+        router.config = dataclasses.replace(router.config, retry=dataclasses.replace(router.config.retry,
+                                                                                     wait_for_worker_s=0.0))
+        router.registry.all()[0].health.mark_down("gone")
+        with pytest.raises(RadixMeshError, match="1 known, none healthy"):
+            collect(router, {}, [])
+        assert sleeps == []
 
     def test_breaker_keeps_a_failing_worker_out(self) -> None:
         router, _ = make_router(num_workers=2)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from radixmesh import cli
 from radixmesh.engine.distributed import leader
 from radixmesh.engine.model_runner import ModelRunner
 
@@ -33,9 +34,23 @@ def test_a_teardown_that_never_returns_is_left_behind(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(leader.TorchCommunicator, "destroy", staticmethod(stuck_destroy))
     monkeypatch.setattr(leader, "TEARDOWN_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(leader, "GROUP_LEFT_UNFINISHED", False)
     start = time.monotonic()
     leader._leave_group(abort=True)
     assert time.monotonic() - start < 5
     assert seen == [True]
     assert "did not finish within" in caplog.text
+    assert leader.GROUP_LEFT_UNFINISHED
+    exits: list[int] = []
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    cli._exit_now_if_a_group_is_stuck(3)  # the command's code, without the destructor that would abort
+    assert exits == [3]
     never.set()
+
+
+def test_a_normal_exit_runs_the_destructors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(leader, "GROUP_LEFT_UNFINISHED", False)
+    exits: list[int] = []
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    cli._exit_now_if_a_group_is_stuck(0)
+    assert exits == []

@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 900.0
 """How long rank 0 waits for the other ranks to start and to load their shards."""
 TEARDOWN_TIMEOUT_S = 10.0
+GROUP_LEFT_UNFINISHED = False
+"""Set when leaving the group timed out: torch's NCCL destructor, run at interpreter exit, would then abort the
+process (SIGABRT, "Should never been called" in ProcessGroupNCCL::shutdown), so the CLI exits without it."""
 """Longest wait for leaving the torch.distributed group at close."""
 STOP_TIMEOUT_S = 10.0
 
@@ -235,5 +238,7 @@ def _leave_group(abort: bool) -> None:
     thread.start()
     thread.join(TEARDOWN_TIMEOUT_S)
     if thread.is_alive():
-        logger.error("leaving the tensor-parallel group did not finish within %.0f s; going on without it",
-                     TEARDOWN_TIMEOUT_S)
+        global GROUP_LEFT_UNFINISHED
+        GROUP_LEFT_UNFINISHED = True
+        logger.error("leaving the tensor-parallel group did not finish within %.0f s; going on without it (the "
+                     "process will exit without running the group's destructor)", TEARDOWN_TIMEOUT_S)
