@@ -22,6 +22,8 @@ from tests.integration.service_procs import ServiceProc, start_service, stop_all
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NUM_SAMPLES = 50
+SEED = 20261126
+"""Sampled requests are seeded (branch i of n gets SEED + i): the same outputs, and the same run time, every run."""
 PERSON = {
     "type": "object",
     "properties": {
@@ -155,7 +157,7 @@ def assert_all_valid(choices: list[dict[str, Any]], schema: dict[str, Any]) -> N
 
 @pytest.mark.parametrize("schema", [PERSON, ORDER, READING], ids=["person", "order", "reading"])
 def test_json_schema_samples_all_validate(server, schema):
-    body = chat(server, "Answer in JSON.", n=NUM_SAMPLES, temperature=1.0, max_tokens=256,
+    body = chat(server, "Answer in JSON.", n=NUM_SAMPLES, temperature=1.0, max_tokens=256, seed=SEED,
                 response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
                                                                         "strict": True}})
     assert_all_valid(body["choices"], schema)
@@ -164,7 +166,7 @@ def test_json_schema_samples_all_validate(server, schema):
 
 def test_regex_samples_all_fullmatch(server):
     response = post(server, "/v1/completions", {"prompt": "A date and a pet:", "n": NUM_SAMPLES, "temperature": 1.0,
-                                                "max_tokens": 32, "regex": REGEX})
+                                                "max_tokens": 32, "regex": REGEX, "seed": SEED})
     assert response.status_code == 200, response.text
     choices = response.json()["choices"]
     assert len(choices) == NUM_SAMPLES
@@ -174,7 +176,7 @@ def test_regex_samples_all_fullmatch(server):
 
 def test_ebnf_samples_all_parse(server):
     response = post(server, "/generate", {"text": "An arithmetic expression:", "sampling_params": {
-        "n": NUM_SAMPLES, "temperature": 1.0, "max_new_tokens": 128, "ebnf": EBNF}})
+        "n": NUM_SAMPLES, "temperature": 1.0, "max_new_tokens": 128, "ebnf": EBNF, "seed": SEED}})
     assert response.status_code == 200, response.text
     results = response.json()
     assert len(results) == NUM_SAMPLES
@@ -184,7 +186,7 @@ def test_ebnf_samples_all_parse(server):
 
 
 def test_json_object_is_json(server):
-    body = chat(server, "Give me a JSON object about cats.", n=8, temperature=0.7, max_tokens=192,
+    body = chat(server, "Give me a JSON object about cats.", n=8, temperature=0.7, max_tokens=192, seed=SEED,
                 response_format={"type": "json_object"})
     finished = [c for c in body["choices"] if c["finish_reason"] == "stop"]
     assert finished, "no json_object sample finished within max_tokens"
@@ -216,7 +218,7 @@ def test_jump_forward_valid_with_fewer_forward_passes(server, server_jf):
 
 
 def test_jump_forward_samples_all_validate(server_jf):
-    body = chat(server_jf, "Answer in JSON.", n=NUM_SAMPLES, temperature=1.0, max_tokens=256,
+    body = chat(server_jf, "Answer in JSON.", n=NUM_SAMPLES, temperature=1.0, max_tokens=256, seed=SEED,
                 response_format={"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER}})
     assert_all_valid(body["choices"], ORDER)
 
