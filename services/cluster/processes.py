@@ -78,23 +78,12 @@ def stop_group(pid: int, expect: str, timeout_s: float = 30.0) -> bool:
 
     Returns False when there was nothing of ours to stop.
     """
-    if not is_alive(pid) or expect not in cmdline(pid):
-        return False
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while is_alive(pid) and time.monotonic() < deadline:
-        _reap(pid)
-        time.sleep(POLL_S)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)  # the leader, if it hung, and anything left in its group
-    _reap(pid)
-    return True
+    return bool(stop_groups([(pid, expect)], timeout_s))
 
 
-def stop_groups(groups: list[tuple[int, str]], timeout_s: float = 30.0) -> None:
+def stop_groups(groups: list[tuple[int, str]], timeout_s: float = 30.0) -> list[int]:
     """`stop_group` of every (pid, expect) at once: all are sent SIGTERM, then waited on together (for
-    processes that need no order, such as those of a finished benchmark)."""
+    processes that need no order, such as those of a finished benchmark). Returns the pids that were ours."""
     ours = [pid for pid, expect in groups if is_alive(pid) and expect in cmdline(pid)]
     for pid in ours:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -106,8 +95,9 @@ def stop_groups(groups: list[tuple[int, str]], timeout_s: float = 30.0) -> None:
         time.sleep(POLL_S)
     for pid in ours:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)  # the leader, if it hung, and anything left in its group
         _reap(pid)
+    return ours
 
 
 def _reap(pid: int) -> None:

@@ -79,12 +79,12 @@ class RequestRouter:
     async def _candidates(self, exclude: set[str] | frozenset[str]) -> list[WorkerHandle]:
         """Available workers not in `exclude`; on a first try with none, polled for up to wait_for_worker_s."""
         polls = 0 if exclude else round(self.config.retry.wait_for_worker_s / WORKER_POLL_S)
-        for poll in range(polls + 1):
-            candidates = [w for w in self.registry.available(*SERVING_ROLES) if w.worker_id not in exclude]
-            if candidates or poll == polls:
-                return candidates
+        candidates = [w for w in self.registry.available(*SERVING_ROLES) if w.worker_id not in exclude]
+        while not candidates and polls > 0:
             await self.sleep(WORKER_POLL_S)
-        return []
+            polls -= 1
+            candidates = self.registry.available(*SERVING_ROLES)
+        return candidates
 
     def backoff_s(self, attempt: int) -> float:
         """Full jitter: uniform in [0, min(max, base * 2^(attempt-1))]."""

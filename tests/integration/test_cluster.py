@@ -27,6 +27,7 @@ from radixmesh.index.reader import KVIndexReader
 from radixmesh.index.redis_server import LocalRedis, free_port
 from radixmesh.index.writer import connect
 from radixmesh.protocol import common_pb2, router_pb2, router_pb2_grpc, sampling_pb2, worker_pb2
+from tests.integration.greedy import greedy_ids
 from tests.redis_helpers import start_local_redis
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -40,10 +41,7 @@ PARITY_TOKENS = 12
 @pytest.fixture(scope="module")
 def reference_answers(default_engine: Any) -> dict[str, list[int]]:
     """Greedy output ids of a single local engine (the session's, from an empty prefix cache)."""
-    assert default_engine.flush_cache()
-    results = default_engine.generate(PARITY_PROMPTS, {"max_new_tokens": PARITY_TOKENS, "temperature": 0.0})
-    assert isinstance(results, list)
-    return {p: list(r["output_ids"]) for p, r in zip(PARITY_PROMPTS, results)}
+    return dict(zip(PARITY_PROMPTS, greedy_ids(default_engine, PARITY_PROMPTS, PARITY_TOKENS)))
 
 
 @pytest.fixture(scope="module")

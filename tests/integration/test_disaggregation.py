@@ -29,6 +29,7 @@ from radixmesh.protocol import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from tests.integration.greedy import greedy_ids
 from tests.integration.service_procs import ServiceProc, start_service, stop_all, wait_all_ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -55,10 +56,7 @@ def long_ids(seed: int, length: int = LONG_PROMPT_LEN) -> list[int]:
 def reference_answers(engine: Any) -> dict[str, list[int]]:
     """Greedy output ids of a unified engine for PROMPTS and the long prompts of the fault tests."""
     prompts: list[str | list[int]] = [*PROMPTS, long_ids(0), long_ids(1)]
-    assert engine.flush_cache()
-    results = engine.generate(prompts, {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0})
-    assert isinstance(results, list)
-    return {str(p): list(r["output_ids"]) for p, r in zip(prompts, results)}
+    return {str(p): ids for p, ids in zip(prompts, greedy_ids(engine, prompts, MAX_NEW_TOKENS))}
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from radixmesh.index.reader import KVIndexReader
 from radixmesh.index.redis_server import LocalRedis
 from radixmesh.index.writer import connect
 from radixmesh.protocol import sampling_pb2, worker_pb2, worker_pb2_grpc
+from tests.integration.greedy import greedy_ids
 from tests.integration.service_procs import ServiceProc, start_service, stop_all, wait_all_ready
 from tests.redis_helpers import local_redis  # noqa: F401  (fixture)
 
@@ -43,11 +44,7 @@ PROMPTS = {name: prompt_ids(seed) for seed, name in enumerate(["evicted", "fille
 
 
 def reference_answers(engine: Any) -> dict[str, list[int]]:
-    names = list(PROMPTS)
-    assert engine.flush_cache()
-    results = engine.generate([PROMPTS[n] for n in names], {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0})
-    assert isinstance(results, list)
-    return {name: list(r["output_ids"]) for name, r in zip(names, results)}
+    return dict(zip(PROMPTS, greedy_ids(engine, list(PROMPTS.values()), MAX_NEW_TOKENS)))
 
 
 @pytest.fixture(scope="module")

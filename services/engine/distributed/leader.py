@@ -47,10 +47,10 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 900.0
 """How long rank 0 waits for the other ranks to start and to load their shards."""
 TEARDOWN_TIMEOUT_S = 10.0
+"""Longest wait for leaving the torch.distributed group at close."""
 GROUP_LEFT_UNFINISHED = False
 """Set when leaving the group timed out: torch's NCCL destructor, run at interpreter exit, would then abort the
 process (SIGABRT, "Should never been called" in ProcessGroupNCCL::shutdown), so the CLI exits without it."""
-"""Longest wait for leaving the torch.distributed group at close."""
 STOP_TIMEOUT_S = 10.0
 
 

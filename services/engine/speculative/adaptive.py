@@ -135,23 +135,17 @@ class AdaptivePolicy:
     def _probe(self, rids: list[str]) -> list[int]:
         """A step that measures speculation: requests whose drafts are known to pay draft as usual (rests
         aside); PROBE_SAMPLE of the others draft at least one, those never verified first."""
-        known = self.population.trials > 0
-        plan, others = [], []
-        for i, rid in enumerate(rids):
-            acc = self.requests.setdefault(rid, _Acceptance())
-            k = best_draft_len(acc.rate(self.prior), self.cost, self.max_drafts) if known or acc.trials else 0
-            plan.append(k)
-            if k == 0:
-                others.append((acc.trials, i))
-        for _, i in sorted(others)[:PROBE_SAMPLE]:
-            acc = self.requests[rids[i]]
-            plan[i] = max(best_draft_len(acc.rate(self.prior), self.cost, self.max_drafts), 1)
+        known = self.population.trials > 0  # before any verification, no estimate is trusted
+        accs = [self.requests.setdefault(rid, _Acceptance()) for rid in rids]
+        plan = [self._estimate(acc) if known else 0 for acc in accs]
+        others = sorted((acc.trials, i) for i, (acc, k) in enumerate(zip(accs, plan)) if k == 0)
+        for _, i in others[:PROBE_SAMPLE]:
+            plan[i] = max(self._estimate(accs[i]), 1)
         return plan
 
-    @property
-    def prior(self) -> float:
-        """The acceptance a request never verified is assumed to have."""
-        return self.population.rate()
+    def _estimate(self, acc: _Acceptance) -> int:
+        """The draft length that pays at this acceptance (a request never verified: the population's)."""
+        return best_draft_len(acc.rate(self.population.rate()), self.cost, self.max_drafts)
 
     def speculate(self, batch_size: int) -> bool:
         """Whether this batch size speculates now (measuring each mode first, then the faster one)."""
@@ -164,16 +158,13 @@ class AdaptivePolicy:
             return stats.steps_since_plain < PLAIN_REFRESH
         return stats.steps_since_spec >= stats.rest
 
-    def draft_len(self, rid: str, rest: bool = True) -> int:
-        """Drafts for one request from its acceptance; when none pay it rests, then probes with one
-        (`rest=False`: its estimate alone, rests untouched)."""
+    def draft_len(self, rid: str) -> int:
+        """Drafts for one request from its acceptance; when none pay it rests, then probes with one."""
         acc = self.requests.setdefault(rid, _Acceptance())
-        if not rest:
-            return best_draft_len(acc.rate(self.prior), self.cost, self.max_drafts)
         if acc.rest > 0:
             acc.rest -= 1
             return 0
-        k = best_draft_len(acc.rate(self.prior), self.cost, self.max_drafts)
+        k = self._estimate(acc)
         if k > 0:
             acc.next_rest, acc.probe_due = MIN_REQUEST_REST, False
             return k
@@ -219,7 +210,7 @@ class AdaptivePolicy:
     def acceptance(self, rid: str) -> float:
         """The current acceptance estimate of a request (the prior when it was never verified)."""
         acc = self.requests.get(rid)
-        return (acc or _Acceptance()).rate(self.prior)
+        return (acc or _Acceptance()).rate(self.population.rate())
 
 
 def _rest_for(plain_rate: float, batch_size: int, seconds: float, num_tokens: int) -> int:
