@@ -1,5 +1,5 @@
-"""KV gather/scatter with PyTorch indexing: the CPU path of KV transfer and the reference of the Triton
-kernels in `kv_transfer` (same arguments, same checks). Importing it compiles no kernel.
+"""KV gather/scatter and the pool-to-pool pull with PyTorch indexing: the CPU path of KV transfer and the
+reference of the Triton kernels in `kv_transfer` (same arguments, same checks). Importing it compiles no kernel.
 
 KV moves bit for bit: FP8 pools are copied as bytes (`as_bytes`), so their values and the scales
 they were written with arrive unchanged (both pools must share dtype and scales)."""
@@ -67,3 +67,45 @@ def scatter_kv_torch(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torc
     for i in range(src.shape[0]):
         as_bytes(k_buffers[layer_begin + i]).index_copy_(0, index, src[i, 0])
         as_bytes(v_buffers[layer_begin + i]).index_copy_(0, index, src[i, 1])
+
+
+def check_pull_buffers(src_k: Sequence[torch.Tensor], src_v: Sequence[torch.Tensor], dst_k: Sequence[torch.Tensor],
+                       dst_v: Sequence[torch.Tensor]) -> None:
+    """Two pools' per-layer buffers for a pull (`pull_kv_rows`): the same layers, row shape and dtype; contiguous."""
+    num_layers = len(dst_k)
+    assert num_layers > 0 and len(src_k) == len(src_v) == len(dst_v) == num_layers, (
+        f"need as many K as V buffers in both pools, at least one: got source {len(src_k)} K, {len(src_v)} V, "
+        f"destination {len(dst_k)} K, {len(dst_v)} V")
+    row = tuple(dst_k[0].shape[1:])
+    for side, k_bufs, v_bufs in (("src", src_k, src_v), ("dst", dst_k, dst_v)):
+        first = k_bufs[0]
+        assert first.dim() == 3, f"{side}_k[0] must be [num_slots, kv_heads, head_dim], got {tuple(first.shape)}"
+        assert tuple(first.shape[1:]) == row, (
+            f"{side}_k[0] rows are {tuple(first.shape[1:])}, dst_k[0] rows {row}: the pools must share "
+            "kv_heads and head_dim")
+        for name, bufs in ((f"{side}_k", k_bufs), (f"{side}_v", v_bufs)):
+            for i, buf in enumerate(bufs):
+                check_shape(f"{name}[{i}]", buf, tuple(first.shape))
+                assert buf.dtype == dst_k[0].dtype, (
+                    f"{name}[{i}] has dtype {buf.dtype}, expected {dst_k[0].dtype} (KV moves bit for bit)")
+                assert buf.is_contiguous(), f"{name}[{i}] must be contiguous, got strides {buf.stride()}"
+    check_kv("dst_k[0]", dst_k[0])
+
+
+def check_pull_slots(src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    check_index("src_slots", src_slots)
+    check_index("dst_slots", dst_slots)
+    assert src_slots.dtype == torch.int64, f"src_slots has dtype {src_slots.dtype}, expected int64 (a slot ring)"
+    assert src_slots.shape == dst_slots.shape, (
+        f"src_slots has {src_slots.shape[0]} slots, dst_slots {dst_slots.shape[0]}: one per token on both sides")
+
+
+def pull_kv_rows_torch(src_k: Sequence[torch.Tensor], src_v: Sequence[torch.Tensor], dst_k: Sequence[torch.Tensor],
+                       dst_v: Sequence[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """`pull_kv_rows` with PyTorch indexing: `dst_k|v[l][dst_slots[t]] = src_k|v[l][src_slots[t]]` for every
+    layer l and token t (all on one device)."""
+    check_pull_buffers(src_k, src_v, dst_k, dst_v)
+    check_pull_slots(src_slots, dst_slots)
+    src_index, dst_index = src_slots.to(src_k[0].device), dst_slots.long()
+    for src, dst in zip((*src_k, *src_v), (*dst_k, *dst_v)):
+        as_bytes(dst).index_copy_(0, dst_index, as_bytes(src).index_select(0, src_index).to(dst.device))

@@ -1,11 +1,13 @@
-"""KV gather/scatter kernels at a real shape (Llama-3.1-8B KV: 32 layers, 8 KV heads, head dim 128, bf16), and the
-cuda-ipc transport between a prefill and a decode worker process on two GPUs: random weights of the Llama-3.1-8B
-shape speaking the default model's tokenizer (its files staged in RADIXMESH_TEST_TOKENIZER_DIR: the GPU machine
-has no network), the same tokens as the grpc transport, and the faults (prefill worker stopped or killed while it
-has the request) ending in a completed request and idle KV pools."""
+"""KV gather/scatter and pull kernels at a real shape (Llama-3.1-8B KV: 32 layers, 8 KV heads, head dim 128, bf16);
+`bench kv-transfer` between two processes on two GPUs in both cuda-ipc modes (the receiver's KV checked bit for
+bit); and the cuda-ipc transport between a prefill and a decode worker process on two GPUs: random weights of the
+Llama-3.1-8B shape speaking the default model's tokenizer (its files staged in RADIXMESH_TEST_TOKENIZER_DIR: the GPU
+machine has no network), the same tokens as the grpc transport, and the faults (prefill worker stopped or killed
+while it has the request) ending in a completed request and idle KV pools."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,7 +26,8 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from radixmesh.kernels.kv_transfer import gather_kv, scatter_kv
+from radixmesh.cli import main
+from radixmesh.kernels.kv_transfer import gather_kv, make_kv_row_table, pull_kv_rows, scatter_kv
 from radixmesh.kernels.kv_transfer_ref import gather_kv_torch
 from radixmesh.protocol import common_pb2, router_pb2, router_pb2_grpc, sampling_pb2, worker_pb2
 from tests.integration.service_procs import ServiceProc, start_service
@@ -53,6 +56,76 @@ def test_gather_scatter_at_llama_8b_shape(num_tokens: int) -> None:
     for layer in (0, 17, 31):
         assert torch.equal(k_dst[layer][dst_slots], k_src[layer][src_slots])
         assert torch.equal(v_dst[layer][dst_slots], v_src[layer][src_slots])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("num_tokens", [1, 1000, 4096])
+def test_pull_at_llama_8b_shape(num_tokens: int, dtype: torch.dtype) -> None:
+    """One launch moves every layer from one pool to another (here both on this GPU), bit for bit."""
+    device = torch.device("cuda")
+    layers, heads, dim = 32, 8, 128
+    gen = torch.Generator(device=device).manual_seed(0)
+    src_k = [torch.randn(8192, heads, dim, generator=gen, device=device).to(dtype) for _ in range(layers)]
+    src_v = [torch.randn(8192, heads, dim, generator=gen, device=device).to(dtype) for _ in range(layers)]
+    dst_k = [torch.zeros(6000, heads, dim, dtype=dtype, device=device) for _ in range(layers)]
+    dst_v = [torch.zeros(6000, heads, dim, dtype=dtype, device=device) for _ in range(layers)]
+    src_slots = torch.randperm(8191, device=device)[:num_tokens] + 1
+    dst_slots = torch.randperm(5999, device=device)[:num_tokens] + 1
+    table = make_kv_row_table(src_k, src_v, dst_k, dst_v)
+    assert table.word_bytes == 8 and table.aligned
+    pull_kv_rows(table, src_slots, dst_slots)
+    torch.cuda.synchronize()
+    untouched = torch.ones(6000, dtype=torch.bool, device=device)
+    untouched[dst_slots] = False
+    for layer in (0, 17, 31):
+        for src, dst in ((src_k[layer], dst_k[layer]), (src_v[layer], dst_v[layer])):
+            assert torch.equal(dst.view(torch.uint8)[dst_slots], src.view(torch.uint8)[src_slots])
+            assert not dst.view(torch.uint8)[untouched].any()
+
+
+# ---- bench kv-transfer: two processes on two GPUs ---------------------------------------------------
+@pytest.mark.parametrize(("mode", "dtype"), [("direct", "bfloat16"), ("direct", "float8_e4m3fn"),
+                                             ("staging", "bfloat16")])
+def test_bench_kv_transfer_moves_the_kv_between_two_gpus(mode: str, dtype: str, tmp_path: Path) -> None:
+    """The receiver's KV equals the sender's (the bench fails otherwise); direct mode maps the sender's pool in the
+    receiving process and pulls over NVLink, or gathers on the sender's GPU without peer access."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = tmp_path / "kv-transfer.jsonl"
+    assert main(["bench", "kv-transfer", "--device", "cuda", "--mode", mode, "--dtype", dtype, "--num-tokens", "1",
+                 "1000", "4096", "--repeats", "3", "--warmup", "2", "--result-file", str(out)]) == 0
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["num_tokens"] for r in results] == [1, 1000, 4096]
+    assert all(r["verified"] and r["mode"] == mode and r["num_chunks"] == 1 for r in results)
+    print({r["num_tokens"]: (r["total_ms_median"], r["bandwidth_ratio"]) for r in results})
+
+
+@pytest.mark.parametrize("mode", ["direct", "staging"])
+def test_the_receiver_waits_for_the_senders_export(mode: str) -> None:
+    """The sender's export is queued behind ~0.5 s of GPU work and its chunk sent at once: the receiving process
+    must wait on the sender's IPC event (opened on its own GPU) before reading, or it reads an unwritten ring
+    region (slot 0) and the KV differs."""
+    from radixmesh.engine.disagg import bench_transfer_peer as peer
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    shape = (8192, 4, 8, 128, "bfloat16", "cuda-ipc")
+    receiver = peer.Receiver(peer.PoolSpec("cuda:1", *shape))
+    try:
+        pool, transport = peer.open_side(peer.PoolSpec("cuda:0", *shape), mode=mode)
+        peer.fill_random(pool, seed=0)
+        slots = peer.random_slots(pool, 1000, seed=1)
+        for i, sleep_cycles in enumerate((0, 1_000_000_000)):  # the first maps the pool and compiles the kernel
+            receiver.request(peer.PrepareMsg(1000, seed=2))  # zeroes the receiver's pool
+            torch.cuda.synchronize()
+            torch.cuda._sleep(sleep_cycles)
+            chunks = transport.export(f"t{i}", slots)  # not synchronized
+            receiver.send(peer.ChunkMsg(chunks[0], last=True))
+            receiver.reply()
+            transport.release(f"t{i}")
+            assert receiver.request(peer.CheckMsg()).sums == peer.fingerprint(pool, slots), i
+    finally:
+        receiver.stop()
 
 
 # ---- two worker processes on two GPUs ------------------------------------------------------------

@@ -27,6 +27,7 @@ def test_the_command_moves_kv_between_two_processes_and_reports_json_lines(tmp_p
     assert [r["num_tokens"] for r in lines] == [64, 256]
     for r in lines:
         assert r["bench"] == "kv-transfer" and r["transport"] == "grpc" and r["device"] == "cpu"
+        assert r["mode"] is None  # --mode is cuda-ipc's
         assert r["num_bytes"] == r["num_tokens"] * 2 * 2 * 2 * 8 * 2  # tokens x layers x (K, V) x heads x dim x 2 B
         assert r["verified"] is True and r["num_chunks"] == 1 and r["repeats"] == 2
         for phase in ("export", "handoff", "receive", "total", "copy"):

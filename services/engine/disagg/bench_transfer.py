@@ -5,13 +5,18 @@ spawned process is the decode side (`bench_transfer_peer`): its own pool and the
 On CUDA the sender's pool is on GPU 0 and the receiver's on GPU 1, each process seeing both (cuda-ipc
 matches GPUs by UUID); on CPU both pools are in host memory. For each `--num-tokens` both sides draw
 random distinct slots (as a worker's allocator hands out), then every repeat times:
-  export    the transport's export (cuda-ipc: gather into a staging buffer and share its IPC handle;
-            grpc: gather and copy to the host), device work synchronized;
+  export    the transport's export, device work synchronized (cuda-ipc direct: copy the slot indices
+            into the shared slot ring and record an IPC event; cuda-ipc staging: gather into a staging
+            buffer and share its IPC handle; grpc: gather and copy to the host);
   handoff   the chunks' messages to the receiver and its reply (round trip less the receiver's work);
-            cuda-ipc sends a handle, grpc the KV bytes themselves;
-  receive   receive and finish on the receiver (cuda-ipc: open the handle, peer copy, scatter), synchronized;
+            cuda-ipc sends handles (direct: the pool's, the ring's and the event's), grpc the KV bytes;
+  receive   receive and finish on the receiver, synchronized (cuda-ipc direct: wait on the event and one
+            kernel pulling every layer's rows over NVLink, the pool mapped at the first transfer (a
+            warm-up one); staging: open the handle, peer copy, scatter);
   total     export to reply; the sender then releases the transfer, as a prefill worker does when the
-            decode worker is done (cuda-ipc: the staging buffer stays alive until the receiver dropped it).
+            decode worker is done (cuda-ipc direct: frees the ring region; staging: the staging buffer
+            stays alive until the receiver dropped it).
+`--mode` picks cuda-ipc's mode (direct by default; staging to compare with the older path).
 The KV at the receiver's slots must equal the sender's (an exact per-layer checksum) or the command
 fails. Baseline: a plain copy of as many bytes, GPU 0 to GPU 1 (on CPU: host memory to host memory).
 Prints a table; one JSON line per size goes to --result-file.
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixmesh.common.errors import invalid_argument, unsupported
-from radixmesh.engine.disagg.transport.registry import KV_TRANSPORT_IDS, check_transport_device
+from radixmesh.engine.disagg.transport.registry import CUDA_IPC_MODES, KV_TRANSPORT_IDS, check_transport_device
 
 PHASES = ("export", "handoff", "receive", "total")
 DEFAULT_NUM_TOKENS = (1024, 4096, 16384)
@@ -46,6 +51,9 @@ def register_kv_transfer(sub: argparse._SubParsersAction) -> None:
                      help="cuda: sender on GPU 0, receiver on GPU 1 (needs two); default cuda when available")
     cmd.add_argument("--transport", default=None, choices=KV_TRANSPORT_IDS,
                      help="KV transport (default: cuda-ipc on cuda, else grpc)")
+    cmd.add_argument("--mode", default="direct", choices=CUDA_IPC_MODES,
+                     help="cuda-ipc only: the decode GPU pulls the rows from the prefill pool (direct), or copies a "
+                          "gathered staging buffer (staging)")
     cmd.add_argument("--num-tokens", type=int, nargs="+", default=list(DEFAULT_NUM_TOKENS),
                      help="prompt lengths whose KV is moved")
     cmd.add_argument("--repeats", type=int, default=10, help="timed transfers per size")
@@ -92,7 +100,8 @@ def cmd_kv_transfer(args: argparse.Namespace) -> int:
     kind, transport_id, sender_device, receiver_device = _resolve(args)
     shape = (2 * max(args.num_tokens), args.num_layers, args.kv_heads, args.head_dim, args.dtype, transport_id)
     receiver = peer.Receiver(peer.PoolSpec(receiver_device, *shape))  # starts while this side fills its pool
-    pool, transport = peer.open_side(peer.PoolSpec(sender_device, *shape))
+    options = {"mode": args.mode} if transport_id == "cuda-ipc" else {}
+    pool, transport = peer.open_side(peer.PoolSpec(sender_device, *shape), **options)
     peer.fill_random(pool, args.seed)
     sides = _Sides(pool, transport, receiver, receiver_device)
     info = _info(kind, sender_device, receiver_device, transport_id, args)
@@ -159,7 +168,7 @@ def _transfer_once(sides: _Sides, slots: Any, transfer_id: str) -> tuple[dict[st
         sides.receiver.send(peer.ChunkMsg(chunk, last=index == len(chunks) - 1))
     receive_s = sides.receiver.reply().receive_s  # sent once the receiver finished and let go of the chunks
     total_s = time.perf_counter() - start
-    sides.transport.release(transfer_id)  # cuda-ipc: the staging buffer is freed only now
+    sides.transport.release(transfer_id)  # cuda-ipc: the ring region (or staging buffer) is freed only now
     export_s = exported - start
     return {"export": export_s, "handoff": total_s - export_s - receive_s, "receive": receive_s,
             "total": total_s}, len(chunks)
@@ -207,9 +216,11 @@ def _info(kind: str, sender_device: str, receiver_device: str, transport_id: str
     def name(device: str) -> str:
         return torch.cuda.get_device_name(device) if kind == "cuda" else platform.processor() or platform.machine()
 
-    return {"bench": "kv-transfer", "transport": transport_id, "device": kind, "sender_device": sender_device,
-            "receiver_device": receiver_device, "sender_device_name": name(sender_device),
-            "receiver_device_name": name(receiver_device), "num_layers": args.num_layers, "kv_heads": args.kv_heads,
+    mode = args.mode if transport_id == "cuda-ipc" else None
+    return {"bench": "kv-transfer", "transport": transport_id, "mode": mode, "device": kind,
+            "sender_device": sender_device, "receiver_device": receiver_device,
+            "sender_device_name": name(sender_device), "receiver_device_name": name(receiver_device),
+            "num_layers": args.num_layers, "kv_heads": args.kv_heads,
             "head_dim": args.head_dim, "dtype": args.dtype, "repeats": args.repeats, "warmup": args.warmup,
             "torch": torch.__version__, "host": platform.node(), "command": " ".join(sys.argv)}
 
@@ -219,7 +230,8 @@ COLUMNS = (("tokens", 8), ("MiB", 9), ("export ms", 10), ("handoff ms", 11), ("r
 
 
 def _print_header(info: dict[str, Any], token_bytes: int) -> None:
-    print(f"kv-transfer over {info['transport']}: {info['sender_device']} ({info['sender_device_name']}) -> "
+    mode = f" ({info['mode']})" if info["mode"] else ""
+    print(f"kv-transfer over {info['transport']}{mode}: {info['sender_device']} ({info['sender_device_name']}) -> "
           f"{info['receiver_device']} ({info['receiver_device_name']}), torch {info['torch']}")
     print(f"KV {info['num_layers']} layers x {info['kv_heads']} heads x {info['head_dim']} {info['dtype']} = "
           f"{token_bytes / 1024:g} KiB per token; median of {info['repeats']} after {info['warmup']} warm-up; "

@@ -14,6 +14,7 @@ import multiprocessing
 import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import Any
 
 import msgspec
 import torch
@@ -81,13 +82,14 @@ _request_decoder = msgspec.msgpack.Decoder(ToReceiverMsg)
 REPLY_TIMEOUT_S = 600.0
 
 
-def open_side(spec: PoolSpec) -> tuple[TokenToKVPool, BaseKVTransport]:
-    """The pool (zeroed) and transport of one side, its device made current (Triton launches there)."""
+def open_side(spec: PoolSpec, **options: Any) -> tuple[TokenToKVPool, BaseKVTransport]:
+    """The pool (zeroed) and transport (`options` go to its constructor) of one side, its device made current
+    (Triton launches there)."""
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     pool = TokenToKVPool(spec.size, spec.num_layers, spec.kv_heads, spec.head_dim, KV_DTYPES[spec.dtype], device)
-    return pool, create_transport(spec.transport, pool)
+    return pool, create_transport(spec.transport, pool, **options)
 
 
 def synchronize(device: torch.device) -> None:
@@ -192,7 +194,7 @@ def _serve(conn: Connection, pool: TokenToKVPool, transport: BaseKVTransport) ->
             start = time.perf_counter()
             transport.receive(msg.chunk, slots)
             if msg.last:
-                transport.finish()  # cuda-ipc: drops the mapping of the sender's staging buffer
+                transport.finish()  # cuda-ipc staging: drops the mapping of the sender's staging buffer
                 synchronize(pool.device)
             receive_s += time.perf_counter() - start
             if not msg.last:

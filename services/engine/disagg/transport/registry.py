@@ -8,7 +8,7 @@ docs/disaggregation.md.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from radixmesh.common.errors import invalid_argument, unsupported
 
@@ -21,6 +21,9 @@ KV_TRANSPORTS: dict[str, str] = {
     "cuda-ipc": "radixmesh.engine.disagg.transport.cuda_ipc:CudaIpcKVTransport",
 }
 KV_TRANSPORT_IDS = tuple(KV_TRANSPORTS)
+CUDA_IPC_MODES = ("direct", "staging")
+"""How cuda-ipc exports move KV (its `mode` option; `radixmesh bench kv-transfer --mode`): the decode GPU pulls
+the rows out of the prefill pool, or copies a gathered staging buffer (see `transport.cuda_ipc`)."""
 
 
 def check_transport_id(transport_id: str) -> None:
@@ -38,10 +41,11 @@ def check_transport_device(transport_id: str, device_type: str) -> None:
                           f"not {device_type}", "kv_transport")
 
 
-def create_transport(transport_id: str, pool: TokenToKVPool) -> BaseKVTransport:
-    """The transport `transport_id` over `pool`; INVALID_ARGUMENT/UNSUPPORTED when it cannot run here."""
+def create_transport(transport_id: str, pool: TokenToKVPool, **options: Any) -> BaseKVTransport:
+    """The transport `transport_id` over `pool`; INVALID_ARGUMENT/UNSUPPORTED when it cannot run here.
+    `options` go to its constructor (e.g. cuda-ipc's `mode`)."""
     check_transport_id(transport_id)
-    transport: BaseKVTransport = _factory(transport_id)(pool)
+    transport: BaseKVTransport = _factory(transport_id)(pool, **options)
     return transport
 
 
