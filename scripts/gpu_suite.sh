@@ -281,7 +281,11 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
     pd-transfer)  # prefill-to-decode KV of the 8B shape between two processes on two GPUs (cuda-ipc) vs a plain copy
       [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "skipped: needs two GPUs"; return 0; }
       $RM bench kv-transfer --device cuda --num-tokens 1024 4096 16384 --repeats 10 \
-        --result-file "$OUT/kv-transfer.jsonl" ;;
+        --result-file "$OUT/kv-transfer.jsonl"
+      # the same prompts' prefill on one of these GPUs (the transfer must take < 10% of it)
+      CUDA_VISIBLE_DEVICES=0 $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 \
+        --input-len 1024 4096 16384 --output-len 4 --context-length 16640 --disable-cuda-graph \
+        --result-file "$OUT/pd-prefill.jsonl" ;;
     spec-tests)  # speculative decoding: Triton verify beside CUDA graphs, exact greedy, device rejection sampling
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_speculative_gpu.py ;;
     spec-same|spec-unrelated|spec-unrelated-raw|spec-ngram)  # 8B shape, random weights, batch 1/8/32: plain vs spec

@@ -9,6 +9,8 @@ export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff"; ruff check services kernels tests loadtests
 echo "== mypy"; mypy services kernels loadtests
 echo "== pytest"
+# the pytest process runs models in-process too: the CPU malloc settings the engine gives its own processes
+eval "$(python -c 'from radixmesh.engine.malloc_env import CPU_MALLOC_ENV as e; print(" ".join(f"export {k}={v}" for k, v in e.items()))')"
 set +e
 python -m pytest -q "$@"
 rc=$?

@@ -161,12 +161,19 @@ def settings(sched: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_one_batch(args: argparse.Namespace) -> int:
+    """One batch per `--input-len` on one loaded model: a JSON line each."""
     timeline = Timeline()
     sched = build_scheduler(args, timeline)
+    for seed, input_len in enumerate(args.input_len):
+        _one_batch(sched, timeline, args, input_len, 3 * seed + 1)
+    return 0
+
+
+def _one_batch(sched: Any, timeline: Timeline, args: argparse.Namespace, input_len: int, seed: int) -> None:
     vocab = sched.runner.model_config.vocab_size
-    run_all(sched, make_reqs([(args.input_len, min(args.output_len, 4))] * args.batch_size, vocab, 1, "warm"))
+    run_all(sched, make_reqs([(input_len, min(args.output_len, 4))] * args.batch_size, vocab, seed, "warm"))
     timeline.reset()
-    reqs = make_reqs([(args.input_len, args.output_len)] * args.batch_size, vocab, 2, "r")
+    reqs = make_reqs([(input_len, args.output_len)] * args.batch_size, vocab, seed + 1, "r")
     clock = StepClock(sched)
     start = run_all(sched, reqs, clock)
     prefill_s = max(timeline.first_token_s.values()) - start
@@ -174,9 +181,9 @@ def cmd_one_batch(args: argparse.Namespace) -> int:
     steps = max(args.output_len - 1, 1)
     result = {
         "bench": "one-batch", **device_info(sched), **settings(sched, args),
-        "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
+        "batch_size": args.batch_size, "input_len": input_len, "output_len": args.output_len,
         "prefill_latency_s": round(prefill_s, 5),
-        "prefill_throughput_tok_s": round(args.batch_size * args.input_len / prefill_s, 1),
+        "prefill_throughput_tok_s": round(args.batch_size * input_len / prefill_s, 1),
         "decode_step_latency_ms": round(1000 * decode_s / steps, 4),
         "decode_throughput_tok_s": round(args.batch_size * steps / decode_s, 1),
         "per_request_decode_tok_s": round(steps / decode_s, 1),
@@ -185,15 +192,14 @@ def cmd_one_batch(args: argparse.Namespace) -> int:
     graphs = sched.runner.graph_runner
     if graphs is not None and sched.config.tp_size == 1:  # (a lone replay on rank 0 would leave the other ranks out)
         # the device floor of a step: the captured forward alone, at the mean decode length
-        seq_len = args.input_len + args.output_len // 2
+        seq_len = input_len + args.output_len // 2
         replay_ms = graphs.time_replay_ms(args.batch_size, seq_len)
         result["graph_replay_ms"] = round(replay_ms, 4) if replay_ms is not None else None
         if args.profile_graph and replay_ms is not None:
             result.update(profile_graph(graphs, args.batch_size, seq_len))
     if args.profile_graph and graphs is not None:
-        result.update(profile_decode_steps(sched, make_reqs([(args.input_len, 24)] * args.batch_size, vocab, 3, "p")))
+        result.update(profile_decode_steps(sched, make_reqs([(input_len, 24)] * args.batch_size, vocab, seed + 2, "p")))
     _report(result, args)
-    return 0
 
 
 def profile_decode_steps(sched: Any, reqs: list[Any], skip: int = 4, steps: int = 16) -> dict[str, Any]:
@@ -325,7 +331,8 @@ def register_one_batch(bench: argparse._SubParsersAction) -> None:
     parser = bench.add_parser("one-batch", help="prefill and decode latency of one batch")
     _common(parser)
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--input-len", type=int, nargs="+", default=[1024],
+                        help="prompt length; several: one batch each, on the same loaded model")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--profile-graph", action="store_true",
                         help="also list the kernels of one decode graph replay (torch.profiler)")

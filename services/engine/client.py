@@ -37,6 +37,7 @@ from radixmesh.engine.disagg.messages import (
 from radixmesh.engine.distributed.layout import check_tensor_parallel
 from radixmesh.engine.kv_events import KVEventsMsg
 from radixmesh.engine.loader import PreparedModel, prepare_model
+from radixmesh.engine.malloc_env import spawn_env
 from radixmesh.engine.messages import (
     AbortReqMsg,
     BatchOutMsg,
@@ -111,7 +112,8 @@ class EngineClient:
         ctx = mp.get_context("spawn")
         self._proc = ctx.Process(target=run_scheduler_process, name="radixmesh-scheduler",
                                  args=(self.config, self.prepared, to_sched, from_sched), daemon=True)
-        self._proc.start()
+        with spawn_env(self.config.device):
+            self._proc.start()
         first = await self._wait_ready()
         if isinstance(first, FatalMsg):
             await self.shutdown()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,10 +27,15 @@ def run_bench(*args: str) -> dict[str, Any]:
     return result
 
 
-def test_one_batch() -> None:
-    result = run_bench("one-batch", *TINY, "--batch-size", "2", "--input-len", "16", "--output-len", "4")
-    assert result["bench"] == "one-batch" and result["batch_size"] == 2
+def test_one_batch(tmp_path: Path) -> None:
+    """Two prompt lengths on one loaded model: a JSON line each, in order."""
+    results = tmp_path / "one-batch.jsonl"
+    result = run_bench("one-batch", *TINY, "--batch-size", "2", "--input-len", "8", "16", "--output-len", "4",
+                       "--result-file", str(results))
+    assert result["bench"] == "one-batch" and result["batch_size"] == 2 and result["input_len"] == 16
     assert result["decode_step_latency_ms"] > 0 and result["prefill_throughput_tok_s"] > 0
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [line["input_len"] for line in lines] == [8, 16]
 
 
 def test_offline() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import pickle
 import shutil
 import subprocess
@@ -42,6 +43,7 @@ from radixmesh.engine.distributed.messages import (
 )
 from radixmesh.engine.distributed.sharding import TensorParallel
 from radixmesh.engine.loader import PreparedModel
+from radixmesh.engine.malloc_env import compute_env
 
 logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 900.0
@@ -116,7 +118,7 @@ class TpLeader:
             spec = RankSpec(self.config, self.prepared, rank, init_method, f"ipc://{self._dir}/rank-{rank}",
                             f"ipc://{self._dir}/status")
             proc = subprocess.Popen([sys.executable, "-m", "radixmesh.engine.distributed.follower"],
-                                    stdin=subprocess.PIPE)
+                                    stdin=subprocess.PIPE, env=compute_env(self.config.device, os.environ))
             assert proc.stdin is not None
             proc.stdin.write(pickle.dumps(spec))
             proc.stdin.close()
