@@ -280,8 +280,10 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
       python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/gpu/test_kv_transfer_gpu.py ;;
     pd-transfer)  # prefill-to-decode KV of the 8B shape between two processes on two GPUs (cuda-ipc) vs a plain copy
       [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "skipped: needs two GPUs"; return 0; }
-      $RM bench kv-transfer --device cuda --num-tokens 1024 4096 16384 --repeats 10 \
-        --result-file "$OUT/kv-transfer.jsonl"
+      for mode in direct staging; do  # direct: the default; staging: the earlier path, for comparison
+        $RM bench kv-transfer --device cuda --num-tokens 1024 4096 16384 --repeats 10 --mode $mode \
+          --result-file "$OUT/kv-transfer.jsonl"
+      done
       # the same prompts' prefill on one of these GPUs (the transfer must take < 10% of it)
       CUDA_VISIBLE_DEVICES=0 $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 \
         --input-len 1024 4096 16384 --output-len 4 --context-length 16640 --disable-cuda-graph \
