@@ -63,7 +63,8 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       # the CPU kernel tests run on the GPU too (compiled, not interpreted)
       python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_fused_kernels.py \
         tests/unit/test_decode_inputs_kernel.py tests/unit/test_argmax_kernel.py tests/unit/test_triton_kernels.py \
-        tests/unit/test_gemv_kernel.py tests/unit/test_tp_kernels.py tests/unit/test_kv_host_kernels.py \
+        tests/unit/test_gemv_kernel.py tests/unit/test_gemv_fused_kernel.py tests/unit/test_tp_kernels.py \
+        tests/unit/test_kv_host_kernels.py \
         -k "not scheduler"
       # the one-shot all-reduce kernel over CUDA IPC between two processes (on one GPU here)
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_custom_all_reduce_gpu.py ;;

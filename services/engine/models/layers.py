@@ -149,7 +149,13 @@ class Linear(nn.Linear):
     quant_method: Any = None
     """A `radixmesh.engine.quant.base.LinearMethod` owning this layer's weights (set by its `prepare`)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prologue: Prologue | None = None) -> torch.Tensor:
+        """`x @ W.T (+ bias)`; with a `prologue`, of `prologue(x)`: inside the GEMV kernel where one runs."""
+        if prologue is not None:
+            fused = prologue.fused_gemv(self, x)
+            if fused is not None:
+                return fused if self.bias is None else fused.add_(self.bias)
+            x = prologue.apply(x)
         if self.quant_method is not None:
             y: torch.Tensor = self.quant_method.apply(self, x)
             return y
@@ -164,6 +170,67 @@ class Linear(nn.Linear):
             y = torch.mm(self.weight, x.t()).t().contiguous()  # [rows, out]
             return y if self.bias is None else y.add_(self.bias)
         return super().forward(x)
+
+
+    def gemv_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight, its FP8 row scales or None) when the one-row call `x` runs a GEMV kernel; else None."""
+        if not (self.use_gemv and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()):
+            return None
+        if self.quant_method is None:
+            return (self.weight, None) if self.weight.dtype == x.dtype else None
+        weights: tuple[torch.Tensor, torch.Tensor | None] | None = self.quant_method.gemv_weights(self)
+        return weights
+
+
+class Prologue:
+    """An elementwise step before a projection (`Linear.forward(x, prologue)`): fused into the batch-1 GEMV
+    where one runs (`radixmesh.kernels.gemv_fused`), else applied as its own op first."""
+
+    def fused_gemv(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """The layer's output computed by one fused kernel, or None when this call cannot fuse."""
+        return None
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class AddRMSNorm(Prologue):
+    """`norm(x + residual)`; after the call `summed` holds `x + residual` (the residual stream)."""
+
+    def __init__(self, norm: RMSNorm, residual: torch.Tensor) -> None:
+        self.norm, self.residual = norm, residual
+        self.summed: torch.Tensor | None = None
+
+    def fused_gemv(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        weights = layer.gemv_weights(x)
+        if weights is None or not self.residual.is_contiguous() or self.residual.shape != x.shape:
+            return None
+        from radixmesh.kernels.gemv_fused import gemv_add_rmsnorm
+
+        y, self.summed = gemv_add_rmsnorm(x, self.residual, self.norm.weight, self.norm.eps, *weights)
+        return y
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        h, self.summed = self.norm.forward_add(x, self.residual)
+        return h
+
+
+class SiluMul(Prologue):
+    """`silu(gate) * up` of `x = [gate | up]`."""
+
+    def fused_gemv(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        weights = layer.gemv_weights(x)
+        if weights is None:
+            return None
+        from radixmesh.kernels.gemv_fused import gemv_silu_mul
+
+        return gemv_silu_mul(x, *weights)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x)
+
+
+SILU_MUL = SiluMul()
 
 
 WEIGHT_MAJOR_MAX_ROWS = 64
@@ -193,5 +260,6 @@ class GatedMLP(nn.Module):
         # tensor parallelism passes a row-parallel layer (its all-reduce sums the ranks' halves)
         self.down_proj = down_proj if down_proj is not None else Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, prologue: Prologue | None = None) -> torch.Tensor:
+        """The MLP of `x` (of `prologue(x)` with one: see `Linear.forward`); SiLU-and-mul runs in the down GEMV."""
+        return self.down_proj(self.gate_up_proj(x, prologue), SILU_MUL)

@@ -15,7 +15,7 @@ from radixmesh.engine.attention.base import AttentionLayerSpec, ForwardBatch
 from radixmesh.engine.distributed.layout import ShardLayout
 from radixmesh.engine.distributed.sharding import TP_NONE, TensorParallel, WeightSource, take_shard
 from radixmesh.engine.model_config import ModelConfig
-from radixmesh.engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from radixmesh.engine.models.layers import AddRMSNorm, GatedMLP, Linear, Prologue, RMSNorm, RotaryEmbedding
 from radixmesh.engine.models.parallel import ParallelLMHead, VocabParallelEmbedding, row_parallel_linear
 
 # checkpoint projection -> (stacked parameter, shard index): q/k/v and gate/up are one GEMM each
@@ -38,11 +38,13 @@ class Attention(nn.Module):
         self.rotary = [rotary]  # shared; kept in a list so it is not registered once per layer
         self.spec = AttentionLayerSpec(layer_id, h, kvh, d, d**-0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
+                prologue: Prologue | None = None) -> torch.Tensor:
+        """Attention over `x` (over `prologue(x)` with one: the input norm, fused into the q/k/v GEMV at batch 1)."""
         n = x.shape[0]
         spec = self.spec
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x, prologue).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(n, spec.num_heads, spec.head_dim)
         k = k.view(n, spec.num_kv_heads, spec.head_dim)
         v = v.view(n, spec.num_kv_heads, spec.head_dim)
@@ -75,12 +77,17 @@ class DecoderLayer(nn.Module):
         """One layer over `(x, residual)` whose sum is the hidden state: the residual adds are
         fused into the next norm. Returns the MLP output and the residual stream before it."""
         if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.forward_add(x, residual)
-        h = self.self_attn(positions, h, batch)
-        h, residual = self.post_attention_layernorm.forward_add(h, residual)
-        return self.mlp(h), residual
+            h = self.self_attn(positions, self.input_layernorm(x), batch)
+            residual = x
+        else:  # each norm with its residual add is the prologue of the projection after it
+            norm = AddRMSNorm(self.input_layernorm, residual)
+            h = self.self_attn(positions, x, batch, norm)
+            assert norm.summed is not None
+            residual = norm.summed
+        norm = AddRMSNorm(self.post_attention_layernorm, residual)
+        out = self.mlp(h, norm)
+        assert norm.summed is not None
+        return out, norm.summed
 
 
 def _embedding(num_rows: int, dim: int) -> nn.Embedding:

@@ -12,7 +12,7 @@ from torch import nn
 
 from radixmesh.engine.distributed.layout import ShardLayout
 from radixmesh.engine.distributed.sharding import TensorParallel
-from radixmesh.engine.models.layers import Linear
+from radixmesh.engine.models.layers import Linear, Prologue
 
 
 class RowParallelLinear(Linear):
@@ -22,8 +22,8 @@ class RowParallelLinear(Linear):
         super().__init__(in_features_local, out_features, bias=False)  # a bias would be added size times
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x))
+    def forward(self, x: torch.Tensor, prologue: Prologue | None = None) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x, prologue))
 
 
 def row_parallel_linear(in_features_local: int, out_features: int, tp: TensorParallel) -> Linear:

@@ -48,6 +48,11 @@ class LinearMethod(abc.ABC):
     def apply(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """The layer's output for `x` `[tokens, in_features]`."""
 
+    def gemv_weights(self, layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight, row scales) a batch-1 GEMV kernel reads for this layer (`radixmesh.kernels.gemv_fused`);
+        None: one-row calls go through `apply` alone."""
+        return None
+
     def describe(self) -> dict[str, object]:
         """What /server_info and logs show about the method (kernels chosen, formats)."""
         return {"quantization": self.name}

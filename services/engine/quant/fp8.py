@@ -106,6 +106,11 @@ class Fp8LinearMethod(LinearMethod):
         return info
 
     # ---- forward -----------------------------------------------------------------------------
+    def gemv_weights(self, layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        scale = layer.weight_scale
+        assert isinstance(scale, torch.Tensor)
+        return (layer.weight, scale) if self.gemm is not None else None
+
     def apply(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         weight, scale = layer.weight, layer.weight_scale
         shape = x.shape

@@ -1,0 +1,90 @@
+"""The GEMVs with a fused prologue (add + RMSNorm, SiLU-and-mul) against the launches they replace
+(`radixmesh.kernels.fused`, then the product in float32; under the Triton interpreter without CUDA):
+the new residual bit for bit, the output within the GEMV's own tolerance, bf16/fp16/fp32 and FP8 weights."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before radixmesh.kernels is imported (see test_triton_kernels)
+
+import pytest
+
+from radixmesh.kernels.fp8_ref import quantize_rows as quantize_rows_ref
+from radixmesh.kernels.fused import rms_norm, silu_and_mul
+from radixmesh.kernels.gemv import GemvConfig
+from radixmesh.kernels.gemv_fused import gemv_add_rmsnorm, gemv_silu_mul
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+EPS = 1e-5
+
+
+def _rand(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float().cpu() - want).norm() / want.norm())
+
+
+def _weights(n: int, k: int, dtype: torch.dtype, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(weight, scale or None, the float32 matrix they stand for)."""
+    w = _rand(n, k, seed=n + k, scale=0.05)
+    if not fp8:
+        w = w.to(dtype)
+        return w, None, w.float()
+    wq, ws = quantize_rows_ref(w)
+    return wq, ws, wq.float() * ws[:, None]
+
+
+CASES = [(64, 256, GemvConfig(8, 64)), (70, 200, GemvConfig(16, 64)), (5, 1000, None)]
+
+
+@pytest.mark.parametrize("n,k,config", CASES)
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
+                                       (torch.bfloat16, True)])
+def test_add_rmsnorm_gemv_equals_the_norm_then_the_gemv(n: int, k: int, config: GemvConfig | None,
+                                                        dtype: torch.dtype, fp8: bool) -> None:
+    x, residual = _rand(1, k, seed=1).to(dtype), _rand(1, k, seed=2).to(dtype)
+    nw = (1.0 + _rand(k, seed=3, scale=0.1)).to(dtype)
+    w, ws, w_f32 = _weights(n, k, dtype, fp8)
+    h, want_summed = rms_norm(x.to(DEVICE), nw.to(DEVICE), EPS, residual.to(DEVICE))  # the launch it replaces
+    assert want_summed is not None
+    want = h.float().cpu() @ w_f32.t()
+    got, summed = gemv_add_rmsnorm(x.to(DEVICE), residual.to(DEVICE), nw.to(DEVICE), EPS, w.to(DEVICE),
+                                   ws.to(DEVICE) if ws is not None else None, config=config)
+    assert torch.equal(summed.cpu(), want_summed.cpu())
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert _rel_err(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("n,k,config", CASES)
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_silu_mul_gemv_equals_the_activation_then_the_gemv(n: int, k: int, config: GemvConfig | None,
+                                                           dtype: torch.dtype, fp8: bool) -> None:
+    x = _rand(1, 2 * k, seed=4).to(dtype)
+    w, ws, w_f32 = _weights(n, k, dtype, fp8)
+    want = silu_and_mul(x.to(DEVICE)).float().cpu() @ w_f32.t()  # the launch it replaces
+    got = gemv_silu_mul(x.to(DEVICE), w.to(DEVICE), ws.to(DEVICE) if ws is not None else None, config=config)
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert _rel_err(got, want) < TOL[dtype]
+
+
+def test_the_fused_gemvs_check_their_inputs() -> None:
+    x, w = torch.randn(1, 64).to(DEVICE), torch.randn(32, 64).to(DEVICE)
+    nw = torch.ones(64).to(DEVICE)
+    with pytest.raises(AssertionError, match="residual must be"):
+        gemv_add_rmsnorm(x, torch.randn(1, 63).to(DEVICE), nw, EPS, w)
+    with pytest.raises(AssertionError, match="norm_weight must be"):
+        gemv_add_rmsnorm(x, x, nw[:10], EPS, w)
+    with pytest.raises(AssertionError, match="weight expects"):
+        gemv_add_rmsnorm(x, x, nw, EPS, torch.randn(32, 65).to(DEVICE))
+    with pytest.raises(AssertionError, match=r"x must be \[1, 2 \* K\]"):
+        gemv_silu_mul(torch.randn(1, 63).to(DEVICE), w)
+    with pytest.raises(AssertionError, match="weight_scale must be"):
+        wq, ws = quantize_rows_ref(torch.randn(32, 32))
+        gemv_silu_mul(x, wq.to(DEVICE), ws[:3].to(DEVICE))
