@@ -88,10 +88,11 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       done; done ;;
     gemv)  # batch-1 linear layers of the 1B and 8B shapes: our GEMV (default and best of a sweep) vs cuBLAS
       python3 -m radixmesh.kernels.bench_gemv --sweep | tee "$OUT/gemv.jsonl" ;;
-    one-batch)
-      for shape in llama-3.2-1b llama-3.1-8b; do
-        $RM bench one-batch --model-shape "$shape" --batch-size 1 --input-len 1024 --output-len 256 \
-          --context-length 8192 --cuda-graph-max-bs 8 --profile-graph --result-file "$OUT/one-batch.jsonl"
+    one-batch)  # FUSION_BASELINE=1: also the 8B without the GEMV prologue fusion (--disable-gemv-fusion)
+      for run in llama-3.2-1b llama-3.1-8b ${FUSION_BASELINE:+llama-3.1-8b:--disable-gemv-fusion}; do
+        $RM bench one-batch --model-shape "${run%%:*}" --batch-size 1 --input-len 1024 --output-len 256 \
+          --context-length 8192 --cuda-graph-max-bs 8 --profile-graph --result-file "$OUT/one-batch.jsonl" \
+          $([ "${run#*:}" != "$run" ] && echo "${run#*:}")
       done ;;
     offline)
       $RM bench offline --model-shape llama-3.1-8b --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 --random-output-len 2048 \
@@ -213,10 +214,10 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
     fp8-kernel)  # 8B layer shapes: bf16 cuBLAS vs torch._scaled_mm vs the Triton FP8 GEMM per M; FP8 GEMV at M = 1
       python3 -m radixmesh.kernels.bench_fp8 ${FP8_KERNEL_ARGS:-} | tee "$OUT/fp8-kernel.jsonl" ;;  # FP8_KERNEL_ARGS=--gemv-sweep
     fp8-one-batch)  # 8B batch-1 decode with FP8 weights (target >= 300 tok/s), then with FP8 weights + FP8 KV
-      for kv in auto fp8_e4m3; do
+      for run in auto fp8_e4m3 ${FUSION_BASELINE:+auto:--disable-gemv-fusion}; do  # FUSION_BASELINE: see one-batch
         $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 256 \
-          --context-length 8192 --cuda-graph-max-bs 8 --quantization fp8 --kv-cache-dtype $kv --profile-graph \
-          --result-file "$OUT/fp8-one-batch.jsonl"
+          --context-length 8192 --cuda-graph-max-bs 8 --quantization fp8 --kv-cache-dtype "${run%%:*}" --profile-graph \
+          --result-file "$OUT/fp8-one-batch.jsonl" $([ "${run#*:}" != "$run" ] && echo "${run#*:}")
       done ;;
     fp8-offline)  # the offline workload with FP8 weights + FP8 KV (target >= 4,300 output tok/s)
       $RM bench offline --model-shape llama-3.1-8b --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 \

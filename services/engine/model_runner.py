@@ -150,7 +150,8 @@ class ModelRunner:
             self.quant.finish(model)
         half = self.dtype in (torch.bfloat16, torch.float16)
         if self.device.type == "cuda" and half and not self.config.disable_gemv:
-            logger.info("batch-1 GEMV kernel on for %d linear layers", enable_gemv(model))
+            layers = enable_gemv(model, fuse_prologues=not self.config.disable_gemv_fusion)
+            logger.info("batch-1 GEMV kernel on for %d linear layers", layers)
         logger.info("model loaded in %.2f s", time.perf_counter() - start)
         return model
 

@@ -146,6 +146,8 @@ class Linear(nn.Linear):
     """
 
     use_gemv = False
+    fuse_prologues = False
+    """One-row calls run a `Prologue` inside the GEMV kernel (`enable_gemv`)."""
     quant_method: Any = None
     """A `radixmesh.engine.quant.base.LinearMethod` owning this layer's weights (set by its `prepare`)."""
 
@@ -173,8 +175,10 @@ class Linear(nn.Linear):
 
 
     def gemv_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(weight, its FP8 row scales or None) when the one-row call `x` runs a GEMV kernel; else None."""
-        if not (self.use_gemv and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()):
+        """(weight, its FP8 row scales or None) when the one-row call `x` runs a GEMV kernel that takes a prologue;
+        else None."""
+        if not (self.use_gemv and self.fuse_prologues and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+                and x.is_contiguous()):
             return None
         if self.quant_method is None:
             return (self.weight, None) if self.weight.dtype == x.dtype else None
@@ -242,11 +246,13 @@ def _weight_major_faster(x: torch.Tensor) -> bool:
             and x.dtype == torch.float32)
 
 
-def enable_gemv(model: nn.Module) -> int:
-    """Route the model's one-row linear calls to the GEMV kernel; how many layers now do."""
+def enable_gemv(model: nn.Module, fuse_prologues: bool = True) -> int:
+    """Route the model's one-row linear calls to the GEMV kernel (with their prologues inside it unless
+    `fuse_prologues` is False); how many layers now do."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     for layer in layers:
         layer.use_gemv = True
+        layer.fuse_prologues = fuse_prologues
     return len(layers)
 
 
