@@ -43,19 +43,19 @@ def _gemv_prologue_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, y_ptr, 
     if PROLOGUE == 1:  # the norm's scale over the whole row; program 0 writes the new residual
         offs_h = tl.arange(0, BLOCK_H)
         mask_h = offs_h < K
-        s = (tl.load(x_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-             + tl.load(r_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)).to(act)
-        tl.store(r_out_ptr + offs_h, s, mask=offs_h < tl.where(pid == 0, K, 0))
-        sf = s.to(tl.float32)
+        row = (tl.load(x_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+               + tl.load(r_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)).to(act)
+        tl.store(r_out_ptr + offs_h, row, mask=offs_h < tl.where(pid == 0, K, 0))
+        sf = row.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         cols = k + offs_k
         mask_k = cols < K
         if PROLOGUE == 1:
-            s = (tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
-                 + tl.load(r_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)).to(act).to(tl.float32)
-            normed = (s * rstd).to(act).to(tl.float32)
+            part = (tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
+                    + tl.load(r_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)).to(act).to(tl.float32)
+            normed = (part * rstd).to(act).to(tl.float32)
             h = (normed * tl.load(nw_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)).to(act).to(tl.float32)
         else:
             gate = tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
