@@ -5,15 +5,14 @@ A batch-1 decode step is ~10 launches per layer; two RMSNorms (with the residual
 SiLU-and-mul are tiny launches whose fixed cost (~2-3 us each on an H100, with their gaps) adds up to
 ~0.2 ms of an 8B step. Here:
 
-- `gemv_add_rmsnorm`: `y = W @ rmsnorm(x + residual) * norm_weight`, and `x + residual` (the new
-  residual stream) is written out. Every program reduces the whole row for the norm's scale (the row
-  is a few KB, read from L2) and re-reads its K tile in the loop; program 0 stores the sum.
-- `gemv_silu_mul`: `y = W @ (silu(gate) * up)` for `x = [gate | up]`.
+- `gemv_add_rmsnorm`: `y = W @ (rmsnorm(x + residual) * norm_weight)`, and `x + residual` (the new
+  residual stream) is written out (by program 0). The norm's scale is a reduction over the whole row:
+  every program sums the squares along its own K loop and scales its dot products at the end, so
+  the normalized row is never rounded to the activation dtype (the unfused path rounds it twice).
+- `gemv_silu_mul`: `y = W @ (silu(gate) * up)` for `x = [gate | up]`, rounded as
+  `radixmesh.kernels.fused.silu_and_mul` rounds (SiLU's output, then the product).
 
-Rounding follows `radixmesh.kernels.fused` step for step (the sum rounded to the activation dtype
-before it is normalized, the normalized row rounded before the weight multiplies it, SiLU's output
-rounded before the product, the product rounded), so the fused and unfused paths give the same
-activations; the projection is `gemv`'s loop (bf16/fp16/fp32 weights, or FP8 with one scale per row).
+The projection is `gemv`'s loop (bf16/fp16/fp32 weights, or FP8 with one scale per row).
 """
 
 from __future__ import annotations
@@ -22,53 +21,70 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels._checks import check_device, check_float, check_fp8, check_last_dim_contiguous, next_power_of_2
+from radixmesh.kernels._checks import check_device, check_float, check_fp8, check_last_dim_contiguous
 from radixmesh.kernels.gemv import GemvConfig, default_config, default_config_fp8
-
-ADD_RMSNORM = 1
-SILU_MUL = 2
 
 
 @triton.jit
-def _gemv_prologue_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, eps,
-                          PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          BLOCK_H: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
-                          HAS_SCALE: tl.constexpr):
+def _gemv_norm_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, eps,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
+                      HAS_SCALE: tl.constexpr):
+    # y = rstd * sum_k W[n, k] * (s[k] * nw[k]) with s = x + r: the norm's scale, a whole-row reduction, is
+    # summed along the same loop and applied to the dot products at the end, so the weights stream from the
+    # first instruction (a reduction before the loop held every program's first loads back)
     pid = tl.program_id(0)
     act = y_ptr.dtype.element_ty
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    rstd = 0.0
-    if PROLOGUE == 1:  # the norm's scale over the whole row; program 0 writes the new residual
-        offs_h = tl.arange(0, BLOCK_H)
-        mask_h = offs_h < K
-        row = (tl.load(x_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-               + tl.load(r_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)).to(act)
-        tl.store(r_out_ptr + offs_h, row, mask=offs_h < tl.where(pid == 0, K, 0))
-        sf = row.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / K + eps)
+    store_limit = tl.where(pid == 0, K, 0)  # program 0 writes the new residual
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         cols = k + offs_k
         mask_k = cols < K
-        if PROLOGUE == 1:
-            part = (tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
-                    + tl.load(r_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)).to(act).to(tl.float32)
-            normed = (part * rstd).to(act).to(tl.float32)
-            h = (normed * tl.load(nw_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)).to(act).to(tl.float32)
-        else:
-            gate = tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + K + cols, mask=mask_k, other=0.0).to(tl.float32)
-            h = ((gate / (1.0 + tl.exp(-gate))).to(act).to(tl.float32) * up).to(act).to(tl.float32)
         if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no mask on the weight tile
             w = tl.load(rows + cols[None, :], eviction_policy="evict_first")
         else:
             w = tl.load(rows + cols[None, :], mask=(offs_n[:, None] < N) & mask_k[None, :], other=0.0,
                         eviction_policy="evict_first")
+        summed = (tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
+                  + tl.load(r_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)).to(act)
+        tl.store(r_out_ptr + cols, summed, mask=cols < store_limit)
+        part = summed.to(tl.float32)
+        squares += part * part
+        h = part * tl.load(nw_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * h[None, :]
+    y = tl.sum(acc, axis=1) / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+    if HAS_SCALE:  # FP8 weights: one scale per output row
+        y = y * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
+    tl.store(y_ptr + offs_n, y.to(act), mask=offs_n < N)
+
+
+@triton.jit
+def _gemv_silu_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
+                      HAS_SCALE: tl.constexpr):
+    pid = tl.program_id(0)
+    act = y_ptr.dtype.element_ty
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        cols = k + offs_k
+        mask_k = cols < K
+        if EVEN:
+            w = tl.load(rows + cols[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(rows + cols[None, :], mask=(offs_n[:, None] < N) & mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        gate = tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + cols, mask=mask_k, other=0.0).to(tl.float32)
+        h = ((gate / (1.0 + tl.exp(-gate))).to(act).to(tl.float32) * up).to(act).to(tl.float32)
         acc += w.to(tl.float32) * h[None, :]
     y = tl.sum(acc, axis=1)
-    if HAS_SCALE:  # FP8 weights: one scale per output row
+    if HAS_SCALE:
         y = y * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
     tl.store(y_ptr + offs_n, y.to(act), mask=offs_n < N)
 
@@ -96,24 +112,15 @@ def _check_row(name: str, t: torch.Tensor, width: int, dtype: torch.dtype, devic
     assert t.is_contiguous(), f"{name} must be contiguous"
 
 
-def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-            residual_out: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, k: int,
-            eps: float, config: GemvConfig | None) -> torch.Tensor:
+def _plan(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, k: int,
+          config: GemvConfig | None) -> tuple[torch.Tensor, GemvConfig, bool]:
+    """(the output, the tile configuration, whether the tiles cover N and K evenly)."""
     n = weight.shape[0]
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    if n == 0:
-        return out
-    cfg = config or (default_config(n, k) if weight_scale is None else default_config_fp8(n, k))
     if weight_scale is None:
         assert weight.dtype == x.dtype, f"weight is {weight.dtype}, the input is {x.dtype}"
-    even = n % cfg.block_n == 0 and k % cfg.block_k == 0
-    _gemv_prologue_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, residual, norm_weight, residual_out, weight, weight_scale if weight_scale is not None else weight, out,
-        n, k, weight.stride(0), eps,
-        PROLOGUE=prologue, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_H=next_power_of_2(k),
-        NUM_STAGES=cfg.num_stages, EVEN=even, HAS_SCALE=weight_scale is not None, num_warps=cfg.num_warps,
-    )
-    return out
+    cfg = config or (default_config(n, k) if weight_scale is None else default_config_fp8(n, k))
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    return out, cfg, n % cfg.block_n == 0 and k % cfg.block_k == 0
 
 
 def gemv_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -129,9 +136,14 @@ def gemv_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
     check_float("norm_weight", norm_weight)
     assert tuple(norm_weight.shape) == (k,) and norm_weight.is_contiguous(), (
         f"norm_weight must be a contiguous [{k}], got {tuple(norm_weight.shape)}")
-    _check_weight(weight, weight_scale, k, x.device)
+    n = _check_weight(weight, weight_scale, k, x.device)
+    out, cfg, even = _plan(x, weight, weight_scale, k, config)
     summed = torch.empty_like(x)
-    out = _launch(ADD_RMSNORM, x, residual, norm_weight, summed, weight, weight_scale, k, eps, config)
+    if n:
+        _gemv_norm_kernel[(triton.cdiv(n, cfg.block_n),)](
+            x, residual, norm_weight, summed, weight, weight_scale if weight_scale is not None else weight, out,
+            n, k, weight.stride(0), eps, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+            EVEN=even, HAS_SCALE=weight_scale is not None, num_warps=cfg.num_warps)
     return out, summed
 
 
@@ -142,5 +154,11 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [1, 2 * K], got {tuple(x.shape)}"
     k = x.shape[1] // 2
     _check_row("x", x, 2 * k, x.dtype, x.device)
-    _check_weight(weight, weight_scale, k, x.device)
-    return _launch(SILU_MUL, x, x, x, x, weight, weight_scale, k, 0.0, config)
+    n = _check_weight(weight, weight_scale, k, x.device)
+    out, cfg, even = _plan(x, weight, weight_scale, k, config)
+    if n:
+        _gemv_silu_kernel[(triton.cdiv(n, cfg.block_n),)](
+            x, weight, weight_scale if weight_scale is not None else weight, out, n, k, weight.stride(0),
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN=even,
+            HAS_SCALE=weight_scale is not None, num_warps=cfg.num_warps)
+    return out
