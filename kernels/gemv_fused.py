@@ -9,8 +9,10 @@ SiLU-and-mul are tiny launches whose fixed cost (~2-3 us each on an H100, with t
   residual stream) is written out (by program 0). The norm's scale is a reduction over the whole row:
   every program sums the squares along its own K loop and scales its dot products at the end, so
   the normalized row is never rounded to the activation dtype (the unfused path rounds it twice).
-- `gemv_silu_mul`: `y = W @ (silu(gate) * up)` for `x = [gate | up]`, rounded as
-  `radixmesh.kernels.fused.silu_and_mul` rounds (SiLU's output, then the product).
+- with `gated=True` (an MLP's stacked gate/up projection), each program also takes the up rows that
+  match its gate rows and returns `silu(gate) * up`, rounded as `radixmesh.kernels.fused.silu_and_mul`
+  rounds: SiLU-and-mul costs a few instructions per output instead of a launch. (SiLU-and-mul computed
+  per input element inside the down projection's loop instead measured slower than its own launch.)
 
 The projection is `gemv`'s loop (bf16/fp16/fp32 weights, or FP8 with one scale per row).
 """
@@ -28,26 +30,33 @@ from radixmesh.kernels.gemv import GemvConfig, default_config, default_config_fp
 @triton.jit
 def _gemv_norm_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, eps,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
-                      HAS_SCALE: tl.constexpr):
+                      HAS_SCALE: tl.constexpr, GATED: tl.constexpr):
     # y = rstd * sum_k W[n, k] * (s[k] * nw[k]) with s = x + r: the norm's scale, a whole-row reduction, is
     # summed along the same loop and applied to the dot products at the end, so the weights stream from the
-    # first instruction (a reduction before the loop held every program's first loads back)
+    # first instruction (a reduction before the loop held every program's first loads back).
+    # GATED: W is [gate; up] (2N rows); the program takes gate rows n and up rows N + n, y = silu(gate) * up
     pid = tl.program_id(0)
     act = y_ptr.dtype.element_ty
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+    up_rows = rows + N.to(tl.int64) * stride_w
     store_limit = tl.where(pid == 0, K, 0)  # program 0 writes the new residual
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         cols = k + offs_k
         mask_k = cols < K
-        if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no mask on the weight tile
+        if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no mask on the weight tiles
             w = tl.load(rows + cols[None, :], eviction_policy="evict_first")
+            if GATED:
+                w_up = tl.load(up_rows + cols[None, :], eviction_policy="evict_first")
         else:
-            w = tl.load(rows + cols[None, :], mask=(offs_n[:, None] < N) & mask_k[None, :], other=0.0,
-                        eviction_policy="evict_first")
+            mask = (offs_n[:, None] < N) & mask_k[None, :]
+            w = tl.load(rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+            if GATED:
+                w_up = tl.load(up_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
         summed = (tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
                   + tl.load(r_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)).to(act)
         tl.store(r_out_ptr + cols, summed, mask=cols < store_limit)
@@ -55,37 +64,18 @@ def _gemv_norm_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, y_ptr, N, K
         squares += part * part
         h = part * tl.load(nw_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * h[None, :]
-    y = tl.sum(acc, axis=1) / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+        if GATED:
+            acc_up += w_up.to(tl.float32) * h[None, :]
+    rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+    y = tl.sum(acc, axis=1) * rstd
     if HAS_SCALE:  # FP8 weights: one scale per output row
         y = y * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
-    tl.store(y_ptr + offs_n, y.to(act), mask=offs_n < N)
-
-
-@triton.jit
-def _gemv_silu_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
-                      HAS_SCALE: tl.constexpr):
-    pid = tl.program_id(0)
-    act = y_ptr.dtype.element_ty
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        cols = k + offs_k
-        mask_k = cols < K
-        if EVEN:
-            w = tl.load(rows + cols[None, :], eviction_policy="evict_first")
-        else:
-            w = tl.load(rows + cols[None, :], mask=(offs_n[:, None] < N) & mask_k[None, :], other=0.0,
-                        eviction_policy="evict_first")
-        gate = tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + K + cols, mask=mask_k, other=0.0).to(tl.float32)
-        h = ((gate / (1.0 + tl.exp(-gate))).to(act).to(tl.float32) * up).to(act).to(tl.float32)
-        acc += w.to(tl.float32) * h[None, :]
-    y = tl.sum(acc, axis=1)
-    if HAS_SCALE:
-        y = y * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
+    if GATED:  # rounded as the unfused path rounds: the projection, SiLU's output, the product
+        up = tl.sum(acc_up, axis=1) * rstd
+        if HAS_SCALE:
+            up = up * tl.load(s_ptr + N + offs_n, mask=offs_n < N, other=0.0)
+        gate = y.to(act).to(tl.float32)
+        y = (gate / (1.0 + tl.exp(-gate))).to(act).to(tl.float32) * up.to(act).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(act), mask=offs_n < N)
 
 
@@ -112,22 +102,23 @@ def _check_row(name: str, t: torch.Tensor, width: int, dtype: torch.dtype, devic
     assert t.is_contiguous(), f"{name} must be contiguous"
 
 
-def _plan(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, k: int,
+def _plan(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, k: int, n_out: int,
           config: GemvConfig | None) -> tuple[torch.Tensor, GemvConfig, bool]:
-    """(the output, the tile configuration, whether the tiles cover N and K evenly)."""
+    """(the output `[1, n_out]`, the tile configuration, whether the tiles cover the rows and K evenly)."""
     n = weight.shape[0]
     if weight_scale is None:
         assert weight.dtype == x.dtype, f"weight is {weight.dtype}, the input is {x.dtype}"
     cfg = config or (default_config(n, k) if weight_scale is None else default_config_fp8(n, k))
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    return out, cfg, n % cfg.block_n == 0 and k % cfg.block_k == 0
+    out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
+    return out, cfg, n_out % cfg.block_n == 0 and k % cfg.block_k == 0
 
 
 def gemv_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                     weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+                     weight: torch.Tensor, weight_scale: torch.Tensor | None = None, gated: bool = False,
                      config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(rmsnorm(x + residual) * norm_weight @ weight.T, x + residual)` for `x`, `residual` `[1, K]`
-    (bf16/fp16/fp32) and `weight` `[N, K]` in x's dtype, or FP8 with `weight_scale` `[N]` float32."""
+    """`(y, x + residual)` for `x`, `residual` `[1, K]` (bf16/fp16/fp32) and `weight` `[N, K]` in x's dtype,
+    or FP8 with `weight_scale` `[N]` float32: `y = h @ weight.T` with `h = rmsnorm(x + residual) * norm_weight`,
+    `[1, N]`; `gated`: `weight` is `[gate; up]` and `y = silu(h @ gate.T) * (h @ up.T)`, `[1, N / 2]`."""
     check_float("x", x)
     k = x.shape[-1]
     _check_row("x", x, k, x.dtype, x.device)
@@ -137,28 +128,15 @@ def gemv_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
     assert tuple(norm_weight.shape) == (k,) and norm_weight.is_contiguous(), (
         f"norm_weight must be a contiguous [{k}], got {tuple(norm_weight.shape)}")
     n = _check_weight(weight, weight_scale, k, x.device)
-    out, cfg, even = _plan(x, weight, weight_scale, k, config)
+    assert not gated or n % 2 == 0, f"a gated weight stacks gate and up rows: {n} rows is odd"
+    n_out = n // 2 if gated else n
+    out, cfg, even = _plan(x, weight, weight_scale, k, n_out, config)
     summed = torch.empty_like(x)
-    if n:
-        _gemv_norm_kernel[(triton.cdiv(n, cfg.block_n),)](
+    if n_out:
+        _gemv_norm_kernel[(triton.cdiv(n_out, cfg.block_n),)](
             x, residual, norm_weight, summed, weight, weight_scale if weight_scale is not None else weight, out,
-            n, k, weight.stride(0), eps, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-            EVEN=even, HAS_SCALE=weight_scale is not None, num_warps=cfg.num_warps)
+            n_out, k, weight.stride(0), eps, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+            EVEN=even, HAS_SCALE=weight_scale is not None, GATED=gated, num_warps=cfg.num_warps)
+    else:
+        summed.copy_(x + residual)
     return out, summed
-
-
-def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
-                  config: GemvConfig | None = None) -> torch.Tensor:
-    """`(silu(gate) * up) @ weight.T` for `x = [gate | up]` `[1, 2K]` and `weight` `[N, K]` (see above)."""
-    check_float("x", x)
-    assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [1, 2 * K], got {tuple(x.shape)}"
-    k = x.shape[1] // 2
-    _check_row("x", x, 2 * k, x.dtype, x.device)
-    n = _check_weight(weight, weight_scale, k, x.device)
-    out, cfg, even = _plan(x, weight, weight_scale, k, config)
-    if n:
-        _gemv_silu_kernel[(triton.cdiv(n, cfg.block_n),)](
-            x, weight, weight_scale if weight_scale is not None else weight, out, n, k, weight.stride(0),
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN=even,
-            HAS_SCALE=weight_scale is not None, num_warps=cfg.num_warps)
-    return out

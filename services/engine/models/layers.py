@@ -205,36 +205,20 @@ class AddRMSNorm(Prologue):
         self.norm, self.residual = norm, residual
         self.summed: torch.Tensor | None = None
 
-    def fused_gemv(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+    def fused_gemv(self, layer: Linear, x: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
+        """`gated`: `layer` stacks gate and up rows and the result is `silu(gate) * up` (see `gemv_add_rmsnorm`)."""
         weights = layer.gemv_weights(x)
-        if weights is None or not self.residual.is_contiguous() or self.residual.shape != x.shape:
+        if weights is None or not self.residual.is_contiguous() or self.residual.shape != x.shape or (
+                gated and layer.bias is not None):
             return None
         from radixmesh.kernels.gemv_fused import gemv_add_rmsnorm
 
-        y, self.summed = gemv_add_rmsnorm(x, self.residual, self.norm.weight, self.norm.eps, *weights)
+        y, self.summed = gemv_add_rmsnorm(x, self.residual, self.norm.weight, self.norm.eps, *weights, gated=gated)
         return y
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         h, self.summed = self.norm.forward_add(x, self.residual)
         return h
-
-
-class SiluMul(Prologue):
-    """`silu(gate) * up` of `x = [gate | up]`."""
-
-    def fused_gemv(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
-        weights = layer.gemv_weights(x)
-        if weights is None:
-            return None
-        from radixmesh.kernels.gemv_fused import gemv_silu_mul
-
-        return gemv_silu_mul(x, *weights)
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
-
-
-SILU_MUL = SiluMul()
 
 
 WEIGHT_MAJOR_MAX_ROWS = 64
@@ -267,5 +251,10 @@ class GatedMLP(nn.Module):
         self.down_proj = down_proj if down_proj is not None else Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, prologue: Prologue | None = None) -> torch.Tensor:
-        """The MLP of `x` (of `prologue(x)` with one: see `Linear.forward`); SiLU-and-mul runs in the down GEMV."""
-        return self.down_proj(self.gate_up_proj(x, prologue), SILU_MUL)
+        """The MLP of `x` (of `prologue(x)` with one: see `Linear.forward`). At batch 1 with a norm before it,
+        the norm, the gate/up GEMV and SiLU-and-mul are one kernel."""
+        if isinstance(prologue, AddRMSNorm):
+            act = prologue.fused_gemv(self.gate_up_proj, x, gated=True)
+            if act is not None:
+                return self.down_proj(act)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x, prologue)))
