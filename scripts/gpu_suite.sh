@@ -185,6 +185,14 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
         $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 128 \
           --context-length 8192 --cuda-graph-max-bs 8 $args --result-file "$OUT/tp-one-batch.jsonl"
       done ;;
+    tp-pair)  # 2 GPUs: 8B batch-1 decode, TP 1 vs TP 2 with the custom all-reduce (FUSION_BASELINE=1: also both unfused)
+      runs="1: 2:--enable-custom-all-reduce"
+      [ -n "${FUSION_BASELINE:-}" ] && runs="$runs 1:--disable-gemv-fusion 2:--enable-custom-all-reduce,--disable-gemv-fusion"
+      for run in $runs; do
+        $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 128 \
+          --context-length 8192 --cuda-graph-max-bs 8 --tp-size "${run%%:*}" $(echo "${run#*:}" | tr , ' ') \
+          --result-file "$OUT/tp-one-batch.jsonl"
+      done ;;
     tp-custom)  # 2 GPUs: the custom all-reduce kernel (tests, all-reduce sizes vs NCCL), then TP 2 decode with it
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_custom_all_reduce_gpu.py \
         && python3 -m radixmesh.engine.distributed.bench_allreduce --tp-size 2 --hidden 4096 --rows 1 4 16 64 256 \
