@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -54,3 +55,38 @@ def test_a_normal_exit_runs_the_destructors(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(cli.os, "_exit", exits.append)
     cli._exit_now_if_a_group_is_stuck(0)
     assert exits == []
+
+
+class _StuckRank:
+    """A rank process that ignores the stop message until it is killed."""
+
+    pid = 4242
+
+    def __init__(self) -> None:
+        self.killed = False
+
+    def poll(self) -> int | None:
+        return -9 if self.killed else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self.killed:
+            raise leader.subprocess.TimeoutExpired("rank", timeout or 0)
+        return -9
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+def test_a_rank_killed_at_close_marks_the_group_unfinished(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import zmq
+
+    monkeypatch.setattr(leader, "GROUP_LEFT_UNFINISHED", False)
+    monkeypatch.setattr(leader, "STOP_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(leader, "_leave_group", lambda abort: None)
+    rank = _StuckRank()
+    lead = object.__new__(leader.TpLeader)
+    ctx = zmq.Context()
+    lead._closed, lead._sends, lead._procs, lead._ctx = False, [], [rank], ctx
+    lead._status, lead._dir = ctx.socket(zmq.PULL), str(tmp_path / "tp")
+    lead.close()
+    assert rank.killed and leader.GROUP_LEFT_UNFINISHED

@@ -219,6 +219,7 @@ class TpLeader:
                 logger.warning("tensor-parallel rank process %d did not stop; killing it", proc.pid)
                 proc.kill()
                 proc.wait()
+                _mark_group_unfinished()  # the group lost a member mid-teardown: its destructor would abort
         for sock in [*self._sends, self._status]:
             sock.close(0)
         self._ctx.term()
@@ -240,7 +241,12 @@ def _leave_group(abort: bool) -> None:
     thread.start()
     thread.join(TEARDOWN_TIMEOUT_S)
     if thread.is_alive():
-        global GROUP_LEFT_UNFINISHED
-        GROUP_LEFT_UNFINISHED = True
+        _mark_group_unfinished()
         logger.error("leaving the tensor-parallel group did not finish within %.0f s; going on without it (the "
                      "process will exit without running the group's destructor)", TEARDOWN_TIMEOUT_S)
+
+
+def _mark_group_unfinished() -> None:
+    """The group was not left cleanly: the CLI exits without the destructors (`GROUP_LEFT_UNFINISHED`)."""
+    global GROUP_LEFT_UNFINISHED
+    GROUP_LEFT_UNFINISHED = True
