@@ -46,6 +46,9 @@ class ServiceProc:
     """host:port of its plaintext health port (with `health_port=True`), else ""."""
     http: bool = False
     """Ready once /health answers 200 (else: once gRPC health says SERVING)."""
+    terminated: bool = False
+    """SIGTERM was sent (once: a second one means "cancel in-flight calls now", and one that lands after the
+    service removed its handlers ends it by the signal, exit code -15)."""
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -62,8 +65,9 @@ class ServiceProc:
         return int(self.proc.returncode)
 
     def terminate(self) -> None:
-        """SIGTERM, if it still runs."""
-        if self.proc.poll() is None:
+        """SIGTERM, if it still runs and was not sent one already."""
+        if not self.terminated and self.proc.poll() is None:
+            self.terminated = True
             self.proc.send_signal(signal.SIGTERM)
 
 

@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from radixmesh.common.grpc_server import NOT_READY_METADATA_KEY
 from radixmesh.protocol import inference_pb2 as pb
-from radixmesh.protocol import inference_pb2_grpc, router_pb2_grpc, sampling_pb2, worker_pb2
+from radixmesh.protocol import inference_pb2_grpc, router_pb2, router_pb2_grpc, sampling_pb2, worker_pb2
 from tests.certs import Issued, make_ca
 from tests.integration.service_procs import ServiceProc, start_service, stop_all, wait_all_ready
 
@@ -150,11 +150,25 @@ def test_requests_cross_every_mutual_tls_link(pki: Pki, services: dict[str, Serv
     assert reply.choices[0].content == content and content
 
 
+def _wait_until_healthy(stub: router_pb2_grpc.RouterServiceStub, addresses: set[str], timeout_s: float = 60) -> None:
+    """Until the router's health checks pass for every worker in `addresses` (on a loaded machine a probe can
+    time out and take a worker out for a while; the router then routes around it, by design)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers
+        if addresses <= {w.address for w in workers if w.healthy}:
+            return
+        assert time.monotonic() < deadline, f"workers not healthy at the router: {workers}"
+        time.sleep(0.2)
+
+
 def test_router_sends_prompts_through_the_prefill_tier(pki: Pki, services: dict[str, ServiceProc]) -> None:
     request = worker_pb2.GenerateRequest(token_ids=list(range(300, 360)),
                                          sampling_params=sampling_pb2.SamplingParams(max_new_tokens=4, temperature=0))
     with pki.channel(services["router"].address, pki.internal) as channel:
-        messages = list(router_pb2_grpc.RouterServiceStub(channel).Generate(request, timeout=120))
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        _wait_until_healthy(stub, {services["prefill"].address, services["decode"].address})
+        messages = list(stub.Generate(request, timeout=120))
     routing = messages[0].routing
     assert routing.worker_address == services["decode"].address, routing
     assert routing.prefill_worker_address == services["prefill"].address, routing
