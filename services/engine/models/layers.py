@@ -147,11 +147,11 @@ class Linear(nn.Linear):
 
     use_gemv = False
     fuse_prologues = False
-    """One-row calls run a `Prologue` inside the GEMV kernel (`enable_gemv`)."""
+    """One-row calls run an `AddRMSNorm` prologue inside the GEMV kernel (`enable_gemv`)."""
     quant_method: Any = None
     """A `radixmesh.engine.quant.base.LinearMethod` owning this layer's weights (set by its `prepare`)."""
 
-    def forward(self, x: torch.Tensor, prologue: Prologue | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prologue: AddRMSNorm | None = None) -> torch.Tensor:
         """`x @ W.T (+ bias)`; with a `prologue`, of `prologue(x)`: inside the GEMV kernel where one runs."""
         if prologue is not None:
             fused = prologue.fused_gemv(self, x)
@@ -186,20 +186,10 @@ class Linear(nn.Linear):
         return weights
 
 
-class Prologue:
-    """An elementwise step before a projection (`Linear.forward(x, prologue)`): fused into the batch-1 GEMV
-    where one runs (`radixmesh.kernels.gemv_fused`), else applied as its own op first."""
-
-    def fused_gemv(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
-        """The layer's output computed by one fused kernel, or None when this call cannot fuse."""
-        return None
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class AddRMSNorm(Prologue):
-    """`norm(x + residual)`; after the call `summed` holds `x + residual` (the residual stream)."""
+class AddRMSNorm:
+    """The step before a projection (`Linear.forward(x, prologue)`): `norm(x + residual)`, inside the batch-1 GEMV
+    where one runs (`radixmesh.kernels.gemv_fused`), else as its own op first. After the call `summed` holds
+    `x + residual` (the residual stream)."""
 
     def __init__(self, norm: RMSNorm, residual: torch.Tensor) -> None:
         self.norm, self.residual = norm, residual
@@ -250,10 +240,10 @@ class GatedMLP(nn.Module):
         # tensor parallelism passes a row-parallel layer (its all-reduce sums the ranks' halves)
         self.down_proj = down_proj if down_proj is not None else Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, prologue: Prologue | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prologue: AddRMSNorm | None = None) -> torch.Tensor:
         """The MLP of `x` (of `prologue(x)` with one: see `Linear.forward`). At batch 1 with a norm before it,
         the norm, the gate/up GEMV and SiLU-and-mul are one kernel."""
-        if isinstance(prologue, AddRMSNorm):
+        if prologue is not None:
             act = prologue.fused_gemv(self.gate_up_proj, x, gated=True)
             if act is not None:
                 return self.down_proj(act)

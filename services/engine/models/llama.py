@@ -15,7 +15,7 @@ from radixmesh.engine.attention.base import AttentionLayerSpec, ForwardBatch
 from radixmesh.engine.distributed.layout import ShardLayout
 from radixmesh.engine.distributed.sharding import TP_NONE, TensorParallel, WeightSource, take_shard
 from radixmesh.engine.model_config import ModelConfig
-from radixmesh.engine.models.layers import AddRMSNorm, GatedMLP, Linear, Prologue, RMSNorm, RotaryEmbedding
+from radixmesh.engine.models.layers import AddRMSNorm, GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from radixmesh.engine.models.parallel import ParallelLMHead, VocabParallelEmbedding, row_parallel_linear
 
 # checkpoint projection -> (stacked parameter, shard index): q/k/v and gate/up are one GEMM each
@@ -39,7 +39,7 @@ class Attention(nn.Module):
         self.spec = AttentionLayerSpec(layer_id, h, kvh, d, d**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
-                prologue: Prologue | None = None) -> torch.Tensor:
+                prologue: AddRMSNorm | None = None) -> torch.Tensor:
         """Attention over `x` (over `prologue(x)` with one: the input norm, fused into the q/k/v GEMV at batch 1)."""
         n = x.shape[0]
         spec = self.spec
