@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels._checks import check_device, check_float
+from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
 
 BLOCK = 1024
 """Elements a program moves per iteration."""
@@ -34,8 +35,11 @@ BLOCK = 1024
 @triton.jit
 def _one_shot_all_reduce_kernel(inp_ptr, out_ptr, table_ptr, counters_ptr, n, per_program, rank,
                                 WORLD: tl.constexpr, MAX_PROGRAMS: tl.constexpr, HALF: tl.constexpr,
-                                BLOCK: tl.constexpr):
+                                BLOCK: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
+    if PDL:  # the input comes from the kernel before; the next one may start loading its weights
+        gdc_wait()
+        gdc_launch_dependents()
     dtype = inp_ptr.dtype.element_ty
     epoch = tl.load(counters_ptr + pid) + 1
     half = (epoch % 2).to(tl.int64) * HALF
@@ -102,5 +106,5 @@ def one_shot_all_reduce(inp: torch.Tensor, out: torch.Tensor, table: torch.Tenso
     per_program = triton.cdiv(triton.cdiv(n, grid), BLOCK) * BLOCK
     _one_shot_all_reduce_kernel[(grid,)](
         inp, out, table, counters, n, per_program, rank,
-        WORLD=world, MAX_PROGRAMS=max_programs, HALF=half, BLOCK=BLOCK)
+        WORLD=world, MAX_PROGRAMS=max_programs, HALF=half, BLOCK=BLOCK, **pdl_args(device))
     return out

@@ -39,6 +39,7 @@ from radixmesh.kernels._checks import (
     dot_precision,
     next_power_of_2,
 )
+from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from radixmesh.kernels.kv_store import from_pool
 
 LOG2E = 1.4426950408889634
@@ -59,11 +60,13 @@ def _decode_split_kernel(
     stride_mo_req, stride_mo_head, stride_mo_split, stride_ml_req, stride_ml_head,
     head_dim,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if PDL:  # q and the new token's K/V come from the kernel before (radixmesh.kernels._pdl)
+        gdc_wait()
 
     kv_start = tl.load(kv_indptr_ptr + req).to(tl.int64)
     seq_len = tl.load(kv_indptr_ptr + req + 1).to(tl.int64) - kv_start
@@ -103,6 +106,8 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), from_pool(v, DOT_DTYPE, KV_FP8),
                                             input_precision=DOT_PRECISION)
         m_i = m_new
+    if PDL:
+        gdc_launch_dependents()
 
     # an empty split (past the end of a short request) writes lse = -inf and a zero partial
     has_keys = l_i > 0
@@ -121,10 +126,13 @@ def _decode_merge_kernel(
     stride_mo_req, stride_mo_head, stride_mo_split, stride_ml_req, stride_ml_head,
     stride_o_tok, stride_o_head,
     head_dim,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     seq_len = tl.load(kv_indptr_ptr + req + 1).to(tl.int64) - tl.load(kv_indptr_ptr + req).to(tl.int64)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N
 
@@ -257,7 +265,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         head_dim,
         GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision(operand_dtype), KV_FP8=k_buffer.dtype in FP8_DTYPES,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device),
     )
     _decode_merge_kernel[(batch, num_heads)](
         kv_indptr, mid_o, mid_lse, out,
@@ -266,7 +274,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         out.stride(0), out.stride(1),
         head_dim,
         BLOCK_S=next_power_of_2(num_kv_splits), BLOCK_D=block_d, BLOCK_N=block_n,
-        num_warps=4 if block_d >= 128 else 2,
+        num_warps=4 if block_d >= 128 else 2, **pdl_args(q.device),
     )
 
 

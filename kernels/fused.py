@@ -27,6 +27,7 @@ from radixmesh.kernels._checks import (
 )
 from radixmesh.kernels._fp8_cast import emulate_cast
 from radixmesh.kernels._jit import unspecialized
+from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from radixmesh.kernels.kv_store import fp8_store_args, to_pool
 
 _ACT_BLOCK = 1024  # elements of one SiLU-and-mul program
@@ -147,9 +148,12 @@ def _rotary_kernel(
     stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
     num_q_heads, num_k_heads, half, inv_k_scale, inv_v_scale, fp8_max,
     STORE_KV: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_FP8: tl.constexpr, EMULATE: tl.constexpr,
+    IS_FP8: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
+    if PDL:  # q and k come from the kernel before (radixmesh.kernels._pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < half
@@ -216,7 +220,7 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         num_q_heads, num_k_heads, half, inv_k, inv_v, limit,
         STORE_KV=kv_store is not None, BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(num_k_heads),
-        BLOCK_D=next_power_of_2(half), IS_FP8=is_fp8, EMULATE=emulate_cast(device),
+        BLOCK_D=next_power_of_2(half), IS_FP8=is_fp8, EMULATE=emulate_cast(device), **pdl_args(device),
     )
 
 

@@ -27,6 +27,7 @@ from radixmesh.kernels._checks import (
     check_last_dim_contiguous,
     next_power_of_2,
 )
+from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
 
 
 @dataclass(frozen=True)
@@ -40,13 +41,19 @@ class GemvConfig:
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
-                 HAS_SCALE: tl.constexpr):
+                 HAS_SCALE: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    # the first weight tile is loaded before waiting for the kernel that writes x (see radixmesh.kernels._pdl)
+    w = tl.load(rows + offs_k[None, :], mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0,
+                eviction_policy="evict_first")
+    if PDL:
+        gdc_wait()
+    x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
         cols = k + offs_k
         if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks in the loop
             w = tl.load(rows + cols[None, :], eviction_policy="evict_first")
@@ -56,6 +63,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w,
                         eviction_policy="evict_first")
             x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if PDL:
+        gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     if HAS_SCALE:  # FP8 weights: one scale per output row
         y = y * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
@@ -107,7 +116,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, weight, out, n, k, weight.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN=even, HAS_SCALE=False,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **pdl_args(x.device),
     )
     return out
 
@@ -157,6 +166,6 @@ def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, weight_scale, out, n, k, weight.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN=even, HAS_SCALE=True,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **pdl_args(x.device),
     )
     return out

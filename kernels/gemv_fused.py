@@ -24,13 +24,26 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels._checks import check_device, check_float, check_fp8, check_last_dim_contiguous
+from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from radixmesh.kernels.gemv import GemvConfig, default_config, default_config_fp8
+
+
+@triton.jit
+def _norm_tile(x_ptr, r_ptr, nw_ptr, r_out_ptr, cols, K, store_limit):
+    """(squares, h) of one K tile: `s = x + r` rounded to the activation dtype (written out where
+    `cols < store_limit`), its squares and `s * nw`, in float32."""
+    mask_k = cols < K
+    summed = (tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
+              + tl.load(r_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)).to(r_out_ptr.dtype.element_ty)
+    tl.store(r_out_ptr + cols, summed, mask=cols < store_limit)
+    part = summed.to(tl.float32)
+    return part * part, part * tl.load(nw_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _gemv_norm_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, eps,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
-                      HAS_SCALE: tl.constexpr, GATED: tl.constexpr):
+                      HAS_SCALE: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
     # y = rstd * sum_k W[n, k] * (s[k] * nw[k]) with s = x + r: the norm's scale, a whole-row reduction, is
     # summed along the same loop and applied to the dot products at the end, so the weights stream from the
     # first instruction (a reduction before the loop held every program's first loads back).
@@ -42,30 +55,36 @@ def _gemv_norm_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, y_ptr, N, K
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
     up_rows = rows + N.to(tl.int64) * stride_w
     store_limit = tl.where(pid == 0, K, 0)  # program 0 writes the new residual
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # the first weight tiles are loaded before waiting for the kernel that writes x (radixmesh.kernels._pdl)
+    first_mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    w = tl.load(rows + offs_k[None, :], mask=first_mask, other=0.0, eviction_policy="evict_first")
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    if GATED:
+        w_up = tl.load(up_rows + offs_k[None, :], mask=first_mask, other=0.0, eviction_policy="evict_first")
+    if PDL:
+        gdc_wait()
+    squares, h = _norm_tile(x_ptr, r_ptr, nw_ptr, r_out_ptr, offs_k, K, store_limit)
+    acc = w.to(tl.float32) * h[None, :]
+    if GATED:
+        acc_up = w_up.to(tl.float32) * h[None, :]
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
         cols = k + offs_k
-        mask_k = cols < K
         if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no mask on the weight tiles
             w = tl.load(rows + cols[None, :], eviction_policy="evict_first")
             if GATED:
                 w_up = tl.load(up_rows + cols[None, :], eviction_policy="evict_first")
         else:
-            mask = (offs_n[:, None] < N) & mask_k[None, :]
+            mask = (offs_n[:, None] < N) & (cols[None, :] < K)
             w = tl.load(rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
             if GATED:
                 w_up = tl.load(up_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-        summed = (tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
-                  + tl.load(r_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)).to(act)
-        tl.store(r_out_ptr + cols, summed, mask=cols < store_limit)
-        part = summed.to(tl.float32)
-        squares += part * part
-        h = part * tl.load(nw_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
+        sq, h = _norm_tile(x_ptr, r_ptr, nw_ptr, r_out_ptr, cols, K, store_limit)
+        squares += sq
         acc += w.to(tl.float32) * h[None, :]
         if GATED:
             acc_up += w_up.to(tl.float32) * h[None, :]
+    if PDL:
+        gdc_launch_dependents()
     rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     y = tl.sum(acc, axis=1) * rstd
     if HAS_SCALE:  # FP8 weights: one scale per output row
@@ -136,7 +155,8 @@ def gemv_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
         _gemv_norm_kernel[(triton.cdiv(n_out, cfg.block_n),)](
             x, residual, norm_weight, summed, weight, weight_scale if weight_scale is not None else weight, out,
             n_out, k, weight.stride(0), eps, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-            EVEN=even, HAS_SCALE=weight_scale is not None, GATED=gated, num_warps=cfg.num_warps)
+            EVEN=even, HAS_SCALE=weight_scale is not None, GATED=gated, num_warps=cfg.num_warps,
+            **pdl_args(x.device))
     else:
         summed.copy_(x + residual)
     return out, summed

@@ -74,6 +74,8 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
         tests/gpu/test_custom_all_reduce_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_hot_path_gpu.py \
         tests/gpu/test_triton_kernels_gpu.py tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_kv_transfer_gpu.py \
         tests/gpu/test_tensor_parallel_gpu.py ;;
+    pdl-tests)  # programmatic dependent launch: decode kernel chains in graphs vs without PDL, engine vs transformers
+      python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/gpu/test_pdl_gpu.py tests/gpu/test_engine_gpu.py ;;
     engine-tests)
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_engine_gpu.py ;;
     hot-path)  # no implicit host-device sync in scheduling, launch, sampling, results (graphs + overlap)
@@ -88,8 +90,10 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       done; done ;;
     gemv)  # batch-1 linear layers of the 1B and 8B shapes: our GEMV (default and best of a sweep) vs cuBLAS
       python3 -m radixmesh.kernels.bench_gemv --sweep | tee "$OUT/gemv.jsonl" ;;
-    one-batch)  # FUSION_BASELINE=1: also the 8B without the GEMV prologue fusion (--disable-gemv-fusion)
-      for run in llama-3.2-1b llama-3.1-8b ${FUSION_BASELINE:+llama-3.1-8b:--disable-gemv-fusion}; do
+    one-batch)  # FUSION_BASELINE=1: also the 8B without the GEMV prologue fusion (--disable-gemv-fusion);
+      # PDL_BASELINE=1: also the 8B without programmatic dependent launch (--disable-pdl)
+      for run in llama-3.2-1b llama-3.1-8b ${FUSION_BASELINE:+llama-3.1-8b:--disable-gemv-fusion} \
+          ${PDL_BASELINE:+llama-3.1-8b:--disable-pdl}; do
         $RM bench one-batch --model-shape "${run%%:*}" --batch-size 1 --input-len 1024 --output-len 256 \
           --context-length 8192 --cuda-graph-max-bs 8 --profile-graph --result-file "$OUT/one-batch.jsonl" \
           $([ "${run#*:}" != "$run" ] && echo "${run#*:}")
@@ -185,9 +189,11 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
         $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 128 \
           --context-length 8192 --cuda-graph-max-bs 8 $args --result-file "$OUT/tp-one-batch.jsonl"
       done ;;
-    tp-pair)  # 2 GPUs: 8B batch-1 decode, TP 1 vs TP 2 with the custom all-reduce (FUSION_BASELINE=1: also both unfused)
+    tp-pair)  # 2 GPUs: 8B batch-1 decode, TP 1 vs TP 2 with the custom all-reduce (FUSION_BASELINE=1: also both unfused;
+      # PDL_BASELINE=1: also both without programmatic dependent launch)
       runs="1: 2:--enable-custom-all-reduce"
       [ -n "${FUSION_BASELINE:-}" ] && runs="$runs 1:--disable-gemv-fusion 2:--enable-custom-all-reduce,--disable-gemv-fusion"
+      [ -n "${PDL_BASELINE:-}" ] && runs="$runs 1:--disable-pdl 2:--enable-custom-all-reduce,--disable-pdl"
       for run in $runs; do
         $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 128 \
           --context-length 8192 --cuda-graph-max-bs 8 --tp-size "${run%%:*}" $(echo "${run#*:}" | tr , ' ') \
@@ -222,7 +228,7 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
     fp8-kernel)  # 8B layer shapes: bf16 cuBLAS vs torch._scaled_mm vs the Triton FP8 GEMM per M; FP8 GEMV at M = 1
       python3 -m radixmesh.kernels.bench_fp8 ${FP8_KERNEL_ARGS:-} | tee "$OUT/fp8-kernel.jsonl" ;;  # FP8_KERNEL_ARGS=--gemv-sweep
     fp8-one-batch)  # 8B batch-1 decode with FP8 weights (target >= 300 tok/s), then with FP8 weights + FP8 KV
-      for run in auto fp8_e4m3 ${FUSION_BASELINE:+auto:--disable-gemv-fusion}; do  # FUSION_BASELINE: see one-batch
+      for run in auto fp8_e4m3 ${FUSION_BASELINE:+auto:--disable-gemv-fusion} ${PDL_BASELINE:+auto:--disable-pdl}; do
         $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 256 \
           --context-length 8192 --cuda-graph-max-bs 8 --quantization fp8 --kv-cache-dtype "${run%%:*}" --profile-graph \
           --result-file "$OUT/fp8-one-batch.jsonl" $([ "${run#*:}" != "$run" ] && echo "${run#*:}")

@@ -149,11 +149,18 @@ def device_info(sched: Any) -> dict[str, Any]:
     return info
 
 
+def _pdl_on(device: Any) -> bool:
+    from radixmesh.kernels._pdl import pdl_enabled
+
+    return pdl_enabled(device)
+
+
 def settings(sched: Any, args: argparse.Namespace) -> dict[str, Any]:
     cfg = sched.config
     return {"model": cfg.model, "load_format": cfg.load_format, "dtype": cfg.dtype, "tp_size": cfg.tp_size,
-            "custom_all_reduce": cfg.enable_custom_all_reduce,
-            "attention_backend": cfg.attention_backend, "overlap_schedule": cfg.overlap_schedule,
+            "custom_all_reduce": cfg.enable_custom_all_reduce, "gemv_fusion": not cfg.disable_gemv_fusion,
+            "pdl": _pdl_on(sched.runner.device), "attention_backend": cfg.attention_backend,
+            "overlap_schedule": cfg.overlap_schedule,
             **sched.runner.memory_info(),
             "cuda_graph": sched.runner.graph_runner is not None, "max_total_tokens": sched.kv.capacity,
             "max_running_requests": sched.runner.plan.max_running_requests,

@@ -80,6 +80,9 @@ class EngineConfig:
     """Batch-1 linear layers on CUDA use cuBLAS instead of the GEMV kernel (bf16/fp16 weights)."""
     disable_gemv_fusion: bool = False
     """Batch-1 decode runs RMSNorm and SiLU-and-mul as launches of their own, not inside the next GEMV."""
+    disable_pdl: bool = False
+    """Launch the decode kernels without programmatic dependent launch (on by default on Hopper and later: a
+    kernel's programs start, and a GEMV loads its first weights, while the kernel before it finishes)."""
     quantization: str | None = None
     """Linear layers: fp8 (weights quantized at load to FP8 e4m3, one scale per output channel; activations
     with dynamic per-token scales). None: as the checkpoint is (FP8 checkpoints run in FP8)."""

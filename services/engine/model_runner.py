@@ -149,6 +149,11 @@ class ModelRunner:
         if self.quant is not None:
             self.quant.finish(model)
         half = self.dtype in (torch.bfloat16, torch.float16)
+        if self.device.type == "cuda":
+            from radixmesh.kernels._pdl import pdl_enabled, set_pdl
+
+            set_pdl(not self.config.disable_pdl)
+            logger.info("programmatic dependent launch %s", "on" if pdl_enabled(self.device) else "off")
         if self.device.type == "cuda" and half and not self.config.disable_gemv:
             layers = enable_gemv(model, fuse_prologues=not self.config.disable_gemv_fusion)
             logger.info("batch-1 GEMV kernel on for %d linear layers", layers)
