@@ -63,7 +63,8 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       # the CPU kernel tests run on the GPU too (compiled, not interpreted)
       python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_fused_kernels.py \
         tests/unit/test_decode_inputs_kernel.py tests/unit/test_argmax_kernel.py tests/unit/test_triton_kernels.py \
-        tests/unit/test_gemv_kernel.py tests/unit/test_gemv_fused_kernel.py tests/unit/test_tp_kernels.py \
+        tests/unit/test_gemv_kernel.py tests/unit/test_gemv_fused_kernel.py tests/unit/test_gemv_rope_kernel.py \
+        tests/unit/test_tp_kernels.py \
         tests/unit/test_kv_host_kernels.py \
         -k "not scheduler"
       # the one-shot all-reduce kernel over CUDA IPC between two processes (on one GPU here)
@@ -75,7 +76,8 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
         tests/gpu/test_triton_kernels_gpu.py tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_kv_transfer_gpu.py \
         tests/gpu/test_tensor_parallel_gpu.py ;;
     pdl-tests)  # programmatic dependent launch: decode kernel chains in graphs vs without PDL, engine vs transformers
-      python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/gpu/test_pdl_gpu.py tests/gpu/test_engine_gpu.py ;;
+      python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/gpu/test_pdl_gpu.py tests/gpu/test_engine_gpu.py
+      python3 -m pytest -q -p no:cacheprovider -rfE tests/unit/test_gemv_rope_kernel.py tests/unit/test_gemv_fused_kernel.py ;;
     engine-tests)
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_engine_gpu.py ;;
     hot-path)  # no implicit host-device sync in scheduling, launch, sampling, results (graphs + overlap)

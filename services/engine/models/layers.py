@@ -206,6 +206,24 @@ class AddRMSNorm:
         y, self.summed = gemv_add_rmsnorm(x, self.residual, self.norm.weight, self.norm.eps, *weights, gated=gated)
         return y
 
+    def fused_gemv_rope(self, layer: Linear, x: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor | None:
+        """The stacked q/k/v projection of one token with the rotary embedding and the KV store in the same kernel
+        (`radixmesh.kernels.gemv_rope`; `rope`: the fields of its `RopeStore`), or None where it does not run."""
+        weights = layer.gemv_weights(x)
+        if weights is None or layer.bias is not None or not self.residual.is_contiguous() or \
+                self.residual.shape != x.shape:
+            return None
+        from radixmesh.kernels.gemv import default_config, default_config_fp8
+        from radixmesh.kernels.gemv_rope import RopeStore, gemv_add_rmsnorm_rope, rope_block_n
+
+        n, k = weights[0].shape
+        cfg = default_config(n, k) if weights[1] is None else default_config_fp8(n, k)
+        if rope_block_n(cfg, rope["head_dim"]) is None:
+            return None
+        y, self.summed = gemv_add_rmsnorm_rope(x, self.residual, self.norm.weight, self.norm.eps, *weights,
+                                               RopeStore(**rope))
+        return y
+
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         h, self.summed = self.norm.forward_add(x, self.residual)
         return h

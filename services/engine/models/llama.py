@@ -44,10 +44,16 @@ class Attention(nn.Module):
         n = x.shape[0]
         spec = self.spec
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        q, k, v = self.qkv_proj(x, prologue).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self._qkv_rope_store(positions, x, batch, prologue) if prologue is not None and n == 1 else None
+        stored = qkv is not None  # q and k rotated and k/v in the pool by the projection's kernel
+        if qkv is None:
+            qkv = self.qkv_proj(x, prologue)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(n, spec.num_heads, spec.head_dim)
         k = k.view(n, spec.num_kv_heads, spec.head_dim)
         v = v.view(n, spec.num_kv_heads, spec.head_dim)
+        if stored:
+            return self.o_proj(batch.attn_backend.forward(q, k, v, spec, batch, save_kv=False))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         rotary = self.rotary[0]
@@ -60,6 +66,21 @@ class Attention(nn.Module):
             q, k = rotary(positions, q, k)
             out = batch.attn_backend.forward(q, k, v, spec, batch)  # [n, heads * head_dim]
         return self.o_proj(out)
+
+
+    def _qkv_rope_store(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
+                        prologue: AddRMSNorm) -> torch.Tensor | None:
+        """One token's norm, q/k/v projection, rotary and KV store in one kernel (CUDA, batch 1), else None."""
+        rotary = self.rotary[0]
+        if self.q_norm is not None or not rotary.can_store_kv(x):
+            return None
+        spec, pool = self.spec, batch.token_to_kv_pool
+        k_buf, v_buf = pool.get_kv(spec.layer_id)
+        k_scale, v_scale = pool.scales(spec.layer_id)
+        return prologue.fused_gemv_rope(self.qkv_proj, x, dict(
+            positions=positions, cos_cache=rotary.cos_cache, sin_cache=rotary.sin_cache, k_buffer=k_buf,
+            v_buffer=v_buf, loc=batch.out_cache_loc, num_q_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim, k_scale=k_scale, v_scale=v_scale))
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,109 @@
+"""The batch-1 q/k/v GEMV with the norm before it and the rotary embedding and KV store after it
+(`radixmesh.kernels.gemv_rope`) against the two launches it replaces (`gemv_add_rmsnorm` with the same tiles,
+then `apply_rotary_` with a KV store), under the Triton interpreter without CUDA: the same outputs, the same
+pool rows (bf16 and FP8 pools), every other slot untouched; bf16/fp32 and FP8 weights."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before radixmesh.kernels is imported (see test_triton_kernels)
+
+import pytest
+
+from radixmesh.kernels.fp8_ref import quantize_rows as quantize_rows_ref
+from radixmesh.kernels.fused import KVStoreTarget, apply_rotary_
+from radixmesh.kernels.gemv import GemvConfig
+from radixmesh.kernels.gemv_fused import gemv_add_rmsnorm
+from radixmesh.kernels.gemv_rope import RopeStore, gemv_add_rmsnorm_rope, rope_block_n
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+EPS = 1e-5
+SLOTS = 9
+
+
+def _rand(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(DEVICE)
+
+
+def _caches(head_dim: int, positions: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
+    return freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
+
+
+def _setup(hq: int, hkv: int, d: int, k: int, dtype: torch.dtype, fp8: bool, seed: int = 0):
+    n = (hq + 2 * hkv) * d
+    x, residual = _rand(1, k, seed=seed + 1).to(dtype), _rand(1, k, seed=seed + 2).to(dtype)
+    nw = (1.0 + _rand(k, seed=seed + 3, scale=0.1)).to(dtype)
+    w = _rand(n, k, seed=seed + 4, scale=0.05)
+    if fp8:
+        wq, ws = quantize_rows_ref(w.cpu())
+        weights = (wq.to(DEVICE), ws.to(DEVICE))
+    else:
+        weights = (w.to(dtype), None)
+    return x, residual, nw, weights
+
+
+@pytest.mark.parametrize("hq,hkv,d,k,config", [(4, 2, 16, 64, GemvConfig(4, 32)), (3, 1, 32, 70, GemvConfig(8, 32)),
+                                               (2, 2, 8, 48, GemvConfig(2, 64))])
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("pool_dtype", [None, torch.float8_e4m3fn], ids=["pool-act", "pool-fp8"])
+def test_fused_rope_equals_the_gemv_then_the_rotary_store(hq: int, hkv: int, d: int, k: int, config: GemvConfig,
+                                                          dtype: torch.dtype, fp8: bool,
+                                                          pool_dtype: torch.dtype | None) -> None:
+    x, residual, nw, (w, ws) = _setup(hq, hkv, d, k, dtype, fp8)
+    cos, sin = _caches(d)
+    position, slot = 37, 5
+    positions = torch.tensor([position], device=DEVICE)
+    loc = torch.tensor([slot], device=DEVICE)
+    pool_dtype = pool_dtype or dtype
+    k_scale, v_scale = (0.5, 0.25) if pool_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    fill = torch.full((SLOTS, hkv, d), 3.0, device=DEVICE).to(pool_dtype)
+    want_k, want_v, got_k, got_v = fill.clone(), fill.clone(), fill.clone(), fill.clone()
+
+    # the launches it replaces
+    qkv, want_summed = gemv_add_rmsnorm(x, residual, nw, EPS, w, ws, config=config)
+    q_, k_, v_ = qkv.view(1, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
+    apply_rotary_(q_, k_, positions, cos, sin, KVStoreTarget(v_.contiguous(), want_k, want_v, loc, k_scale, v_scale))
+
+    rope = RopeStore(positions, cos, sin, got_k, got_v, loc, hq, hkv, d, k_scale, v_scale)
+    got, summed = gemv_add_rmsnorm_rope(x, residual, nw, EPS, w, ws, rope, config=config)
+    assert torch.equal(summed, want_summed)
+    # compiled, the dot products may be summed in another order (other tiles): one rounding step of the dtype
+    tol = dict(atol=0.0, rtol=0.0) if DEVICE.type == "cpu" else dict(atol=1e-2, rtol=1.6e-2)
+    torch.testing.assert_close(got.float(), qkv.float(), **tol)
+    fp8_tol = tol if pool_dtype != torch.float8_e4m3fn or DEVICE.type == "cpu" else dict(atol=1e-2, rtol=0.13)
+    torch.testing.assert_close(got_k.float(), want_k.float(), **fp8_tol)
+    torch.testing.assert_close(got_v.float(), want_v.float(), **fp8_tol)
+    others = [s for s in range(SLOTS) if s != slot]
+    assert torch.equal(got_k[others].float(), fill[others].float()) and torch.equal(got_v[others].float(),
+                                                                                    fill[others].float())
+
+
+def test_block_that_does_not_tile_half_a_head_is_refused() -> None:
+    assert rope_block_n(GemvConfig(8, 64), 16) == 4
+    assert rope_block_n(GemvConfig(32, 64), 16) is None  # 16 rows of each half; a half head has 8
+    assert rope_block_n(GemvConfig(4, 64), 128) == 2
+    x, residual, nw, (w, ws) = _setup(2, 1, 16, 32, torch.float32, False)
+    cos, sin = _caches(16)
+    one = torch.tensor([0], device=DEVICE)
+    pool = torch.zeros(SLOTS, 1, 16, device=DEVICE)
+    with pytest.raises(AssertionError, match="do not tile head_dim 16"):
+        gemv_add_rmsnorm_rope(x, residual, nw, EPS, w, ws, RopeStore(one, cos, sin, pool, pool.clone(), one, 2, 1, 16),
+                              config=GemvConfig(32, 64))
+
+
+def test_launcher_names_a_head_count_that_does_not_match_the_weight() -> None:
+    x, residual, nw, (w, ws) = _setup(2, 1, 16, 32, torch.float32, False)
+    cos, sin = _caches(16)
+    one = torch.tensor([0], device=DEVICE)
+    pool = torch.zeros(SLOTS, 1, 16, device=DEVICE)
+    with pytest.raises(AssertionError, match="weight has 64 rows; q/k/v heads 3/1/1 of 16 features need 80"):
+        gemv_add_rmsnorm_rope(x, residual, nw, EPS, w, ws, RopeStore(one, cos, sin, pool, pool.clone(), one, 3, 1, 16))
+    with pytest.raises(AssertionError, match="positions must hold the one token"):
+        gemv_add_rmsnorm_rope(x, residual, nw, EPS, w, ws,
+                              RopeStore(torch.tensor([0, 1], device=DEVICE), cos, sin, pool, pool.clone(), one, 2, 1, 16))
