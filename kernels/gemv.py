@@ -111,7 +111,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     check_device("out", out, x.device)
     if n == 0:
         return out
-    cfg = config or default_config(n, k)
+    cfg = config or fused_config("plain", n, k, fp8=False)
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, weight, out, n, k, weight.stride(0),
@@ -135,6 +135,21 @@ def default_config_fp8(n: int, k: int) -> GemvConfig:
     if tuned is not None:
         return tuned
     return GemvConfig(8, max(64, min(512, next_power_of_2(k))), 4, 4)
+
+
+TUNED_FUSED: dict[tuple[str, str, int, int], GemvConfig] = {
+    # (kind, weights, N, K) -> the best of `bench_gemv_fused --sweep` on an H100, for the kernels as a decode step
+    # launches them (kind: plain, gated, rope; see radixmesh.kernels.bench_gemv_fused)
+}
+
+
+def fused_config(kind: str, n: int, k: int, fp8: bool) -> GemvConfig:
+    """The tiles of a batch-1 GEMV of `kind` (plain, norm, gated, rope) over an `[n, k]` weight: tuned for that
+    kernel where measured, else the plain GEMV's choice for the shape."""
+    tuned = TUNED_FUSED.get((kind, "fp8" if fp8 else "bf16", n, k))
+    if tuned is not None:
+        return tuned
+    return default_config_fp8(n, k) if fp8 else default_config(n, k)
 
 
 def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor | None = None,
@@ -161,7 +176,7 @@ def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     check_device("out", out, x.device)
     if n == 0:
         return out
-    cfg = config or default_config_fp8(n, k)
+    cfg = config or fused_config("plain", n, k, fp8=True)
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, weight_scale, out, n, k, weight.stride(0),

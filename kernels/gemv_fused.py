@@ -25,7 +25,7 @@ import triton.language as tl
 
 from radixmesh.kernels._checks import check_device, check_float, check_fp8, check_last_dim_contiguous
 from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
-from radixmesh.kernels.gemv import GemvConfig, default_config, default_config_fp8
+from radixmesh.kernels.gemv import GemvConfig, fused_config
 
 
 @triton.jit
@@ -122,12 +122,12 @@ def _check_row(name: str, t: torch.Tensor, width: int, dtype: torch.dtype, devic
 
 
 def _plan(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, k: int, n_out: int,
-          config: GemvConfig | None) -> tuple[torch.Tensor, GemvConfig, bool]:
+          config: GemvConfig | None, kind: str) -> tuple[torch.Tensor, GemvConfig, bool]:
     """(the output `[1, n_out]`, the tile configuration, whether the tiles cover the rows and K evenly)."""
     n = weight.shape[0]
     if weight_scale is None:
         assert weight.dtype == x.dtype, f"weight is {weight.dtype}, the input is {x.dtype}"
-    cfg = config or (default_config(n, k) if weight_scale is None else default_config_fp8(n, k))
+    cfg = config or fused_config(kind, n, k, weight_scale is not None)
     out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
     return out, cfg, n_out % cfg.block_n == 0 and k % cfg.block_k == 0
 
@@ -149,7 +149,7 @@ def gemv_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
     n = _check_weight(weight, weight_scale, k, x.device)
     assert not gated or n % 2 == 0, f"a gated weight stacks gate and up rows: {n} rows is odd"
     n_out = n // 2 if gated else n
-    out, cfg, even = _plan(x, weight, weight_scale, k, n_out, config)
+    out, cfg, even = _plan(x, weight, weight_scale, k, n_out, config, "gated" if gated else "norm")
     summed = torch.empty_like(x)
     if n_out:
         _gemv_norm_kernel[(triton.cdiv(n_out, cfg.block_n),)](

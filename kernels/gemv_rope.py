@@ -24,7 +24,7 @@ from radixmesh.kernels._checks import check_device, check_float, check_index, ne
 from radixmesh.kernels._fp8_cast import emulate_cast
 from radixmesh.kernels._jit import unspecialized
 from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
-from radixmesh.kernels.gemv import GemvConfig, default_config, default_config_fp8
+from radixmesh.kernels.gemv import GemvConfig, fused_config
 from radixmesh.kernels.gemv_fused import _check_row, _check_weight, _norm_tile
 from radixmesh.kernels.kv_store import fp8_store_args, to_pool
 
@@ -161,7 +161,7 @@ def gemv_add_rmsnorm_rope(x: torch.Tensor, residual: torch.Tensor, norm_weight: 
         check_device(name, t, device)
         assert t.dim() == 3 and tuple(t.shape[1:]) == (hkv, d) and t.stride(2) == 1, (
             f"{name} must be [slots, {hkv}, {d}] with a contiguous last dim, got {tuple(t.shape)}")
-    cfg = config or (default_config(n, k) if weight_scale is None else default_config_fp8(n, k))
+    cfg = config or fused_config("rope", n, k, weight_scale is not None)
     block_n = rope_block_n(cfg, d)
     assert block_n is not None, f"{cfg.block_n} rows a program do not tile head_dim {d} in halves"
     out = torch.empty((1, n), dtype=x.dtype, device=device)

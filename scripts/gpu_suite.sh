@@ -92,6 +92,11 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       done; done ;;
     gemv)  # batch-1 linear layers of the 1B and 8B shapes: our GEMV (default and best of a sweep) vs cuBLAS
       python3 -m radixmesh.kernels.bench_gemv --sweep | tee "$OUT/gemv.jsonl" ;;
+    gemv-fused)  # the batch-1 GEMVs as a step launches them (plain, gated, rope), default tiles vs a sweep
+      # (TIMEOUT_gemv_fused=560; FP8 8B first, then the TP 2 shards, then bf16 8B)
+      for args in "--sets llama-3.1-8b --weights fp8" "--sets llama-3.1-8b-tp2" "--sets llama-3.1-8b --weights bf16"; do
+        python3 -m radixmesh.kernels.bench_gemv_fused $args --sweep | tee -a "$OUT/gemv-fused.jsonl"
+      done ;;
     one-batch)  # FUSION_BASELINE=1: also the 8B without the GEMV prologue fusion (--disable-gemv-fusion);
       # PDL_BASELINE=1: also the 8B without programmatic dependent launch (--disable-pdl)
       for run in llama-3.2-1b llama-3.1-8b ${FUSION_BASELINE:+llama-3.1-8b:--disable-gemv-fusion} \

@@ -213,12 +213,11 @@ class AddRMSNorm:
         if weights is None or layer.bias is not None or not self.residual.is_contiguous() or \
                 self.residual.shape != x.shape:
             return None
-        from radixmesh.kernels.gemv import default_config, default_config_fp8
+        from radixmesh.kernels.gemv import fused_config
         from radixmesh.kernels.gemv_rope import RopeStore, gemv_add_rmsnorm_rope, rope_block_n
 
         n, k = weights[0].shape
-        cfg = default_config(n, k) if weights[1] is None else default_config_fp8(n, k)
-        if rope_block_n(cfg, rope["head_dim"]) is None:
+        if rope_block_n(fused_config("rope", n, k, weights[1] is not None), rope["head_dim"]) is None:
             return None
         y, self.summed = gemv_add_rmsnorm_rope(x, self.residual, self.norm.weight, self.norm.eps, *weights,
                                                RopeStore(**rope))
