@@ -139,7 +139,15 @@ def default_config_fp8(n: int, k: int) -> GemvConfig:
 
 TUNED_FUSED: dict[tuple[str, str, int, int], GemvConfig] = {
     # (kind, weights, N, K) -> the best of `bench_gemv_fused --sweep` on an H100, for the kernels as a decode step
-    # launches them (kind: plain, gated, rope; see radixmesh.kernels.bench_gemv_fused)
+    # launches them (kind: plain, gated, rope; docs/benchmarks/h100-gemv-fused-2026-11-26.jsonl). Llama-3.1-8B:
+    ("rope", "fp8", 6144, 4096): GemvConfig(16, 512, 4, 3), ("plain", "fp8", 4096, 4096): GemvConfig(4, 1024, 2, 3),
+    ("gated", "fp8", 28672, 4096): GemvConfig(16, 256, 2, 3), ("plain", "fp8", 4096, 14336): GemvConfig(8, 1024, 4, 3),
+    ("rope", "bf16", 6144, 4096): GemvConfig(16, 256, 4, 3), ("plain", "bf16", 4096, 4096): GemvConfig(4, 512, 4, 3),
+    ("plain", "bf16", 4096, 14336): GemvConfig(4, 512, 2, 3),
+    # one rank of Llama-3.1-8B at tensor-parallel size 2
+    ("rope", "bf16", 3072, 4096): GemvConfig(4, 512, 2, 3), ("plain", "bf16", 4096, 2048): GemvConfig(4, 512, 4, 3),
+    ("gated", "bf16", 14336, 4096): GemvConfig(4, 1024, 2, 3), ("plain", "bf16", 4096, 7168): GemvConfig(4, 512, 2, 3),
+    ("plain", "bf16", 64128, 4096): GemvConfig(8, 1024, 8, 4),
 }
 
 
