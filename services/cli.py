@@ -186,6 +186,8 @@ def _exit_now_if_a_group_is_stuck(code: int) -> None:
     """A tensor-parallel group that could not be left (distributed/leader.py) would abort the interpreter's
     exit; once everything is written, leave without running the remaining destructors."""
     leader = sys.modules.get("radixmesh.engine.distributed.leader")
+    if leader is not None:
+        leader.close_open_leaders()  # a group the command left open is closed here, where a stuck one is seen
     if leader is not None and getattr(leader, "GROUP_LEFT_UNFINISHED", False):
         sys.stdout.flush()
         sys.stderr.flush()

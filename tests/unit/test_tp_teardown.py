@@ -90,3 +90,25 @@ def test_a_rank_killed_at_close_marks_the_group_unfinished(monkeypatch: pytest.M
     lead._status, lead._dir = ctx.socket(zmq.PULL), str(tmp_path / "tp")
     lead.close()
     assert rank.killed and leader.GROUP_LEFT_UNFINISHED
+
+
+def test_the_cli_closes_a_group_the_command_left_open_before_it_decides_how_to_exit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command that returns without closing its engine (the benchmarks) must not leave the group to `atexit`,
+    where a teardown still running aborts the interpreter's finalization."""
+    order: list[str] = []
+
+    class _Open:
+        def close(self) -> None:
+            order.append("closed")
+            leader._OPEN.discard(self)
+            leader._mark_group_unfinished()  # its teardown got stuck
+
+    monkeypatch.setattr(leader, "GROUP_LEFT_UNFINISHED", False)
+    lead = _Open()
+    leader._OPEN.add(lead)  # type: ignore[arg-type]
+    exits: list[int] = []
+    monkeypatch.setattr(cli.os, "_exit", lambda code: (order.append("exit"), exits.append(code)))
+    cli._exit_now_if_a_group_is_stuck(0)
+    assert order == ["closed", "exit"] and exits == [0]
+    assert lead not in leader._OPEN

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,8 @@ STARTUP_TIMEOUT_S = 900.0
 TEARDOWN_TIMEOUT_S = 10.0
 """Longest wait for leaving the torch.distributed group at close."""
 GROUP_LEFT_UNFINISHED = False
+_OPEN: weakref.WeakSet[TpLeader] = weakref.WeakSet()
+"""Leaders not closed yet (`close_open_leaders`)."""
 """Set when leaving the group timed out: torch's NCCL destructor, run at interpreter exit, would then abort the
 process (SIGABRT, "Should never been called" in ProcessGroupNCCL::shutdown), so the CLI exits without it."""
 STOP_TIMEOUT_S = 10.0
@@ -102,6 +105,7 @@ class TpLeader:
                                    f"{torch.cuda.device_count()} are visible", "tp_size")
         leader = cls(config, prepared)
         atexit.register(leader.close)
+        _OPEN.add(leader)
         try:
             leader._spawn_ranks()
         except BaseException:
@@ -225,6 +229,7 @@ class TpLeader:
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
         atexit.unregister(self.close)
+        _OPEN.discard(self)
 
     @property
     def pids(self) -> list[int]:
@@ -244,6 +249,13 @@ def _leave_group(abort: bool) -> None:
         _mark_group_unfinished()
         logger.error("leaving the tensor-parallel group did not finish within %.0f s; going on without it (the "
                      "process will exit without running the group's destructor)", TEARDOWN_TIMEOUT_S)
+
+
+def close_open_leaders() -> None:
+    """Close every group still open (a command that returned without closing its engine): before the CLI decides
+    how to exit, not in `atexit`, where a teardown left running would abort the interpreter's finalization."""
+    for lead in list(_OPEN):
+        lead.close()
 
 
 def _mark_group_unfinished() -> None:
