@@ -91,8 +91,9 @@ class EngineConfig:
     fp8_gemm_backend: str = "auto"
     """FP8 GEMMs: auto (torch._scaled_mm or the Triton kernel, whichever measures faster per shape at load) |
     scaled-mm | triton."""
-    cuda_graph_max_bs: int = 160
-    """Largest decode batch captured in a CUDA graph; larger batches run eagerly."""
+    cuda_graph_max_bs: int = 256
+    """Largest decode batch captured in a CUDA graph; larger batches run eagerly. 256 (the default of
+    max_running_requests): the 500-prompt offline run on an H100 gained 0.7% (bf16) and 2.6% (FP8) over 160."""
     random_seed: int = 0
     """Seed of the engine's shared generator (requests without their own seed)."""
     log_level: str = "warning"
