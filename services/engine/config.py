@@ -15,6 +15,10 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MAX_TP_SIZE = 64
 MAX_DRAFT_TOKENS = 16
 MAX_NGRAM_MATCH = 16
+DEFAULT_MEM_FRACTION = 0.85
+LARGE_GPU_MEM_FRACTION = 0.9
+LARGE_GPU_BYTES = 60 << 30
+"""GPUs with at least this much memory default to LARGE_GPU_MEM_FRACTION (`EngineConfig.mem_fraction`)."""
 
 
 @dataclass(frozen=True)
@@ -33,8 +37,9 @@ class EngineConfig:
     """auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16."""
     attention_backend: str = "auto"
     """auto (triton on CUDA, torch-native on CPU) | torch-native | triton | flashinfer."""
-    mem_fraction_static: float = 0.85
-    """Fraction of device memory for weights plus KV pool (GPU); of free RAM for KV (CPU: 0.1 of it)."""
+    mem_fraction_static: float | None = None
+    """Fraction of device memory for weights plus KV pool (GPU; default 0.9 on GPUs of 60 GiB or more, 0.85 on
+    smaller ones); of free RAM for KV (CPU: 0.1 of it; default 0.85)."""
     max_total_tokens: int | None = None
     """KV pool capacity in tokens; overrides mem_fraction_static."""
     max_running_requests: int = 256
@@ -141,7 +146,7 @@ class EngineConfig:
         if self.cuda_graph_max_bs < 1:
             raise invalid_argument("cuda_graph_max_bs must be >= 1", "cuda_graph_max_bs")
         _in(self.load_format, LOAD_FORMATS, "load_format")
-        if not 0.0 < self.mem_fraction_static < 1.0:
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise invalid_argument("mem_fraction_static must be in (0, 1)", "mem_fraction_static")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise invalid_argument("max_total_tokens must be >= 2", "max_total_tokens")
@@ -246,6 +251,14 @@ class EngineConfig:
     @property
     def overlap_enabled(self) -> bool:
         return self.overlap_schedule == "on"
+
+    def mem_fraction(self, device_bytes: int | None) -> float:
+        """`mem_fraction_static`, or its default for a GPU of `device_bytes` (None: the CPU)."""
+        if self.mem_fraction_static is not None:
+            return self.mem_fraction_static
+        if device_bytes is not None and device_bytes >= LARGE_GPU_BYTES:
+            return LARGE_GPU_MEM_FRACTION  # 8B on an H100: 455,762 KV tokens vs 423,330 at 0.85, offline +2.3%
+        return DEFAULT_MEM_FRACTION
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -173,11 +173,11 @@ class ModelRunner:
             # in mem_get_info: hand them back first, or the pool loses them (15.7 GB for the 8B shape on an H100).
             torch.cuda.empty_cache()
             free, all_bytes = torch.cuda.mem_get_info(self.device)
-            budget = free - all_bytes * (1 - self.config.mem_fraction_static) - draft.weight_bytes
+            budget = free - all_bytes * (1 - self.config.mem_fraction(all_bytes)) - draft.weight_bytes
             total = int(budget // per_token)
         else:
             free_ram = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            total = int(free_ram * CPU_KV_RAM_SHARE * self.config.mem_fraction_static // per_token)
+            total = int(free_ram * CPU_KV_RAM_SHARE * self.config.mem_fraction(None) // per_token)
         if self.tp.enabled:  # every rank's pool has the same slots
             assert self.tp.comm is not None
             total = self.tp.comm.min_int(total)

@@ -45,3 +45,4 @@ def test_the_engine_flag_exists() -> None:
 
     assert EngineConfig(model="m").disable_pdl is False
     assert EngineConfig(model="m", disable_pdl=True).disable_pdl is True
+
