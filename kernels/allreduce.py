@@ -1,9 +1,10 @@
 """One-shot all-reduce of small messages over buffers every rank can address (CUDA IPC peer mappings).
 
 NCCL's all-reduce of one 4096-wide bf16 row takes ~17 us inside a CUDA graph, a few times what
-moving 8 KB over NVLink needs. Here each rank copies its input into its own shared buffer,
-raises a flag in every peer's flag array, waits for every peer's flag, then reads all ranks'
-copies and sums them: one launch, one round of flags.
+moving 8 KB over NVLink needs. Here each rank writes its input into its own slot of every rank's
+shared buffer (NVLink writes are posted: no round trip), raises a flag in every peer's flag array,
+waits for every peer's flag, then sums the slots of its own buffer: one launch, one round of flags,
+no reads over the link.
 
 - Every program (block) owns one contiguous slice of the message and synchronises with the
   same program of the other ranks only (the ranks launch the same grid), so no grid-wide
@@ -16,7 +17,8 @@ copies and sums them: one launch, one round of flags.
   rank (the residual stream stays replicated exactly).
 
 `table` holds the int64 addresses (in this process) of every rank's buffer, then of every
-rank's flag array `[world, max_programs]` int32 (rank r raises `flags_p[r, program]`).
+rank's flag array `[world, max_programs]` int32 (rank r raises `flags_p[r, program]`). A buffer is two
+halves of `world` slots (rank r writes slot r): `buffer_bytes(max_bytes, world)`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ BLOCK = 1024
 @triton.jit
 def _one_shot_all_reduce_kernel(inp_ptr, out_ptr, table_ptr, counters_ptr, n, per_program, rank,
                                 WORLD: tl.constexpr, MAX_PROGRAMS: tl.constexpr, HALF: tl.constexpr,
-                                BLOCK: tl.constexpr, PDL: tl.constexpr):
+                                SLOT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     if PDL:  # the input comes from the kernel before; the next one may start loading its weights
         gdc_wait()
@@ -46,10 +48,13 @@ def _one_shot_all_reduce_kernel(inp_ptr, out_ptr, table_ptr, counters_ptr, n, pe
     begin = pid * per_program
     end = tl.minimum(begin + per_program, n)
     own = tl.load(table_ptr + rank).to(tl.pointer_type(dtype))
-    for off in range(begin, end, BLOCK):  # 1. publish this rank's slice
+    for off in range(begin, end, BLOCK):  # 1. this rank's slice into its slot of every rank's buffer
         offs = off + tl.arange(0, BLOCK)
         mask = offs < end
-        tl.store(own + half + offs, tl.load(inp_ptr + offs, mask=mask), mask=mask)
+        vals = tl.load(inp_ptr + offs, mask=mask)
+        for p in tl.static_range(WORLD):
+            buf = tl.load(table_ptr + p).to(tl.pointer_type(dtype))
+            tl.store(buf + half + rank * SLOT + offs, vals, mask=mask)
     tl.debug_barrier()
     for p in tl.static_range(WORLD):  # 2. tell every peer, then wait for every peer
         if p != rank:
@@ -62,15 +67,19 @@ def _one_shot_all_reduce_kernel(inp_ptr, out_ptr, table_ptr, counters_ptr, n, pe
             while seen < epoch:
                 seen = tl.atomic_add(own_flags + p * MAX_PROGRAMS + pid, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
-    for off in range(begin, end, BLOCK):  # 3. every rank's slice, summed in rank order
+    for off in range(begin, end, BLOCK):  # 3. every rank's slot of this rank's buffer, summed in rank order
         offs = off + tl.arange(0, BLOCK)
         mask = offs < end
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for p in tl.static_range(WORLD):
-            buf = tl.load(table_ptr + p).to(tl.pointer_type(dtype))
-            acc += tl.load(buf + half + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+            acc += tl.load(own + half + p * SLOT + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
         tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
     tl.store(counters_ptr + pid, epoch)
+
+
+def buffer_bytes(max_bytes: int, world: int) -> int:
+    """Size of each rank's shared buffer for messages of up to `max_bytes`: two halves of `world` slots."""
+    return 2 * world * max_bytes
 
 
 def num_programs(n: int, max_programs: int) -> int:
@@ -82,7 +91,8 @@ def one_shot_all_reduce(inp: torch.Tensor, out: torch.Tensor, table: torch.Tenso
                         rank: int, world: int, buffer_bytes: int) -> torch.Tensor:
     """`out = sum over ranks of inp` (every rank calls it with the same shape); `out` may be `inp`.
 
-    `buffer_bytes` is the size of each rank's shared buffer (two halves); `counters` `[max_programs]`
+    `buffer_bytes` is the size of each rank's shared buffer (`buffer_bytes(max_bytes, world)`: two halves of `world`
+    slots); `counters` `[max_programs]`
     int32 is this rank's epochs, zero at first; `table` `[2 * world]` int64 (see the module doc).
     """
     device = inp.device
@@ -96,9 +106,10 @@ def one_shot_all_reduce(inp: torch.Tensor, out: torch.Tensor, table: torch.Tenso
         f"table must be int64 [{2 * world}], got {table.dtype} {tuple(table.shape)}")
     assert counters.dtype == torch.int32 and counters.dim() == 1, f"counters must be int32 [programs], got {counters}"
     assert 0 <= rank < world, f"rank {rank} outside a group of {world}"
-    half = buffer_bytes // 2 // inp.element_size()
+    slot = buffer_bytes // 2 // world // inp.element_size()
     n = inp.numel()
-    assert n <= half, f"{n * inp.element_size()} bytes do not fit half of the {buffer_bytes}-byte buffer"
+    assert n <= slot, (f"{n * inp.element_size()} bytes do not fit a rank's slot ({slot * inp.element_size()} bytes) "
+                       f"of the {buffer_bytes}-byte buffer")
     if n == 0:
         return out
     max_programs = counters.shape[0]
@@ -106,5 +117,5 @@ def one_shot_all_reduce(inp: torch.Tensor, out: torch.Tensor, table: torch.Tenso
     per_program = triton.cdiv(triton.cdiv(n, grid), BLOCK) * BLOCK
     _one_shot_all_reduce_kernel[(grid,)](
         inp, out, table, counters, n, per_program, rank,
-        WORLD=world, MAX_PROGRAMS=max_programs, HALF=half, BLOCK=BLOCK, **pdl_args(device))
+        WORLD=world, MAX_PROGRAMS=max_programs, HALF=slot * world, SLOT=slot, BLOCK=BLOCK, **pdl_args(device))
     return out

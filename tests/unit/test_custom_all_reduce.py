@@ -37,7 +37,7 @@ def _rank(rank: int, world: int, tmp: str, queue: Any) -> None:
     from radixmesh.engine.distributed import custom_all_reduce
 
     assert custom_all_reduce.MAX_PROGRAMS == MAX_PROGRAMS
-    buffers = [torch.from_file(f"{tmp}/buffer-{p}", shared=True, size=2 * MAX_BYTES, dtype=torch.uint8)
+    buffers = [torch.from_file(f"{tmp}/buffer-{p}", shared=True, size=2 * world * MAX_BYTES, dtype=torch.uint8)
                for p in range(world)]
     flags = [torch.from_file(f"{tmp}/flags-{p}", shared=True, size=world * MAX_PROGRAMS, dtype=torch.int32)
              for p in range(world)]
@@ -54,7 +54,7 @@ def _rank(rank: int, world: int, tmp: str, queue: Any) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_rank_gets_the_same_exact_sum(tmp_path: Path, world: int) -> None:
     for p in range(world):
-        (tmp_path / f"buffer-{p}").write_bytes(bytes(2 * MAX_BYTES))
+        (tmp_path / f"buffer-{p}").write_bytes(bytes(2 * world * MAX_BYTES))
         (tmp_path / f"flags-{p}").write_bytes(bytes(4 * world * MAX_PROGRAMS))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -93,7 +93,9 @@ def test_the_launcher_checks_its_inputs() -> None:
     table, counters = torch.zeros(4, dtype=torch.int64), torch.zeros(MAX_PROGRAMS, dtype=torch.int32)
     with pytest.raises(AssertionError, match="table must be int64"):
         one_shot_all_reduce(x, x, table[:3], counters, 0, 2, 1024)
-    with pytest.raises(AssertionError, match="do not fit half"):
+    with pytest.raises(AssertionError, match="do not fit a rank's slot"):
         one_shot_all_reduce(torch.zeros(300), torch.zeros(300), table, counters, 0, 2, 1024)
+    with pytest.raises(AssertionError, match="do not fit a rank's slot"):  # 2 ranks x 2 halves of 1024 bytes
+        one_shot_all_reduce(torch.zeros(200), torch.zeros(200), table, counters, 0, 2, 1024)
     with pytest.raises(AssertionError, match="out is"):
         one_shot_all_reduce(x, torch.zeros(8, dtype=torch.float64), table, counters, 0, 2, 1024)

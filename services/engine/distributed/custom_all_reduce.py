@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from radixmesh.kernels.allreduce import one_shot_all_reduce
+from radixmesh.kernels.allreduce import buffer_bytes, one_shot_all_reduce
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 1 << 18
-"""Largest message the engine sends through the one-shot path (32 rows of 4096 bf16); each buffer is twice
-this. On two H200s in CUDA graphs it beat NCCL up to 16 rows (8.0 vs 14.1 us) and lost at 64 (19.4 vs 17.1)."""
+"""Largest message the engine sends through the one-shot path (32 rows of 4096 bf16); each buffer is `2 * world`
+times this. On two H200s in CUDA graphs it beat NCCL up to 16 rows (8.0 vs 14.1 us) and lost at 64 (19.4 vs 17.1)."""
 BENCH_MAX_BYTES = 1 << 20
 """The benchmark's limit: it times the one-shot path past the engine's, to find where NCCL wins."""
 MAX_PROGRAMS = 64
@@ -36,7 +36,8 @@ class CustomAllReduce:
     def __init__(self, rank: int, world: int, buffers: list[torch.Tensor], flags: list[torch.Tensor],
                  device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         assert len(buffers) == len(flags) == world, f"{len(buffers)} buffers, {len(flags)} flag arrays, {world} ranks"
-        assert all(b.numel() * b.element_size() >= 2 * max_bytes for b in buffers), "buffers smaller than 2 * max_bytes"
+        need = buffer_bytes(max_bytes, world)
+        assert all(b.numel() * b.element_size() >= need for b in buffers), f"buffers smaller than {need} bytes"
         assert all(f.dtype == torch.int32 and f.numel() >= world * MAX_PROGRAMS for f in flags), "flag arrays too small"
         self.rank, self.world, self.device, self.max_bytes = rank, world, device, max_bytes
         addresses = [b.data_ptr() for b in buffers] + [f.data_ptr() for f in flags]
@@ -50,7 +51,8 @@ class CustomAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks in place; returns `x`."""
-        return one_shot_all_reduce(x, x, self.table, self.counters, self.rank, self.world, 2 * self.max_bytes)
+        return one_shot_all_reduce(x, x, self.table, self.counters, self.rank, self.world,
+                                   buffer_bytes(self.max_bytes, self.world))
 
     @classmethod
     def over_cuda_ipc(cls, rank: int, world: int, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES,
@@ -67,7 +69,7 @@ class CustomAllReduce:
         if not all(gather(peers_ok)):
             logger.warning("custom all-reduce off: the GPUs of this group cannot access each other (no P2P)")
             return None
-        buffer = torch.empty(2 * max_bytes, dtype=torch.uint8, device=device)
+        buffer = torch.empty(buffer_bytes(max_bytes, world), dtype=torch.uint8, device=device)
         flags = torch.zeros(world * MAX_PROGRAMS, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)  # the flags are zero before any peer can see them
         handles = gather((buffer.untyped_storage()._share_cuda_(), flags.untyped_storage()._share_cuda_()))
