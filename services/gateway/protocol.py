@@ -116,7 +116,8 @@ class SamplingExtensions(RequestBody):
 
 class CompletionRequest(SamplingExtensions):
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]]
+    """Token ids before text lists: a union member that fails checks every element, and ids are the long prompts."""
     max_tokens: int | None = 16
     temperature: float | None = None
     top_p: float | None = None

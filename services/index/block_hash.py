@@ -30,17 +30,19 @@ def block_hashes(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE,
     if num_blocks == 0:
         return []
     salt = struct.pack("<I", len(extra_key)) + extra_key
-    block_format = f"<{block_size}I"
+    num_tokens = num_blocks * block_size
+    full = token_ids[:num_tokens]
+    try:  # every full block's ids at once: one pack, then a slice per block
+        packed = struct.pack(f"<{num_tokens}I", *full)
+    except struct.error as exc:
+        bad = next((t for t in full if not 0 <= t <= _MASK_32), None)
+        raise ValueError(f"token id {bad} does not fit in uint32") from exc
+    block_bytes = 4 * block_size
     keys: list[int] = []
     parent = 0
-    for i in range(num_blocks):
-        block = token_ids[i * block_size:(i + 1) * block_size]
-        try:
-            packed = struct.pack(block_format, *block)
-        except struct.error as exc:
-            bad = next((t for t in block if not 0 <= t <= _MASK_32), None)
-            raise ValueError(f"token id {bad} does not fit in uint32") from exc
-        digest = hashlib.blake2b(struct.pack("<Q", parent) + salt + packed, digest_size=8).digest()
+    for start in range(0, len(packed), block_bytes):
+        digest = hashlib.blake2b(struct.pack("<Q", parent) + salt + packed[start:start + block_bytes],
+                                 digest_size=8).digest()
         parent = int.from_bytes(digest, "little")
         keys.append(parent)
     return keys

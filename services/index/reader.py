@@ -29,6 +29,9 @@ from radixmesh.index.write_scripts import SET_SPECULATIVE, pack_hashes
 logger = logging.getLogger(__name__)
 
 MAX_STALE_QUEUE = 4096
+BACKGROUND_READ_DELAY_S = 0.02
+"""How long a background lease read waits, so that it does not share the event loop with the routing of the
+request that found the cached set stale (its lookup, decision and worker call)."""
 
 
 @dataclass(frozen=True)
@@ -101,9 +104,14 @@ class KVIndexReader:
             return self._leases
         if max_age_s > 0 and age_s <= max_age_s + self.config.lease_ttl_s:
             if self._refresh is None or self._refresh.done():
-                self._refresh = asyncio.create_task(self._read_leases(), name="index-leases")
+                self._refresh = asyncio.create_task(self._read_leases_later(), name="index-leases")
                 self._refresh.add_done_callback(_log_refresh_failure)
             return self._leases
+        return await self._read_leases()
+
+    async def _read_leases_later(self) -> dict[str, WorkerLease]:
+        # Not alongside the lookup that found the set stale: that request's walk and worker call go first.
+        await asyncio.sleep(BACKGROUND_READ_DELAY_S)
         return await self._read_leases()
 
     async def _read_leases(self) -> dict[str, WorkerLease]:

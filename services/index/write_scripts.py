@@ -18,6 +18,7 @@ the lookup script (`radixmesh.index.chain_script`) does.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Sequence
 
 from radixmesh.index.keys import DEVICE_TIER, HOST_TIER
@@ -61,4 +62,4 @@ def pack_events(events: Iterable[tuple[int, str | None, str | None]]) -> str:
 
 def pack_hashes(block_hashes: Sequence[int]) -> str:
     """Block hashes as one string of 16 hex digits each (SET_SPECULATIVE and the lookup script)."""
-    return "".join(f"{h:016x}" for h in block_hashes)
+    return struct.pack(f">{len(block_hashes)}Q", *block_hashes).hex()

@@ -123,6 +123,9 @@ def _compact_json(source: str) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
+_CONTAINERS = (dict, list)
+
+
 def json_depth(value: object) -> int:
     """Nesting depth of a parsed JSON value (a scalar is 0, `[]` and `{}` are 1); no recursion."""
     depth = 0
@@ -136,7 +139,7 @@ def json_depth(value: object) -> int:
         else:
             continue
         depth = max(depth, level + 1)
-        stack.extend((child, level + 1) for child in children if isinstance(child, dict | list))
+        stack.extend((child, level + 1) for child in children if isinstance(child, _CONTAINERS))
     return depth
 
 
