@@ -105,5 +105,5 @@ def test_launcher_names_a_head_count_that_does_not_match_the_weight() -> None:
     with pytest.raises(AssertionError, match="weight has 64 rows; q/k/v heads 3/1/1 of 16 features need 80"):
         gemv_add_rmsnorm_rope(x, residual, nw, EPS, w, ws, RopeStore(one, cos, sin, pool, pool.clone(), one, 3, 1, 16))
     with pytest.raises(AssertionError, match="positions must hold the one token"):
-        gemv_add_rmsnorm_rope(x, residual, nw, EPS, w, ws,
-                              RopeStore(torch.tensor([0, 1], device=DEVICE), cos, sin, pool, pool.clone(), one, 2, 1, 16))
+        two = torch.tensor([0, 1], device=DEVICE)
+        gemv_add_rmsnorm_rope(x, residual, nw, EPS, w, ws, RopeStore(two, cos, sin, pool, pool.clone(), one, 2, 1, 16))
