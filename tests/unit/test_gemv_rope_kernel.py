@@ -48,10 +48,16 @@ def _setup(hq: int, hkv: int, d: int, k: int, dtype: torch.dtype, fp8: bool, see
     return x, residual, nw, weights
 
 
-@pytest.mark.parametrize("hq,hkv,d,k,config", [(4, 2, 16, 64, GemvConfig(4, 32)), (3, 1, 32, 70, GemvConfig(8, 32)),
-                                               (2, 2, 8, 48, GemvConfig(2, 64))])
-@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
-@pytest.mark.parametrize("pool_dtype", [None, torch.float8_e4m3fn], ids=["pool-act", "pool-fp8"])
+_SHAPES = [(4, 2, 16, 64, GemvConfig(4, 32)), (3, 1, 32, 70, GemvConfig(8, 32)), (2, 2, 8, 48, GemvConfig(2, 64))]
+_FP32, _BF16, _BF16_FP8 = (torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)
+_FP8_POOL = torch.float8_e4m3fn
+# every weight kind on the even shape; the ragged K, one KV head and the smallest head with both pool kinds
+CASES = [(*_SHAPES[0], *w, None) for w in (_FP32, _BF16, _BF16_FP8)] + [
+    (*_SHAPES[1], *_BF16_FP8, None), (*_SHAPES[1], *_BF16_FP8, _FP8_POOL), (*_SHAPES[1], *_FP32, _FP8_POOL),
+    (*_SHAPES[2], *_BF16, _FP8_POOL), (*_SHAPES[2], *_BF16_FP8, None)]
+
+
+@pytest.mark.parametrize("hq,hkv,d,k,config,dtype,fp8,pool_dtype", CASES)
 def test_fused_rope_equals_the_gemv_then_the_rotary_store(hq: int, hkv: int, d: int, k: int, config: GemvConfig,
                                                           dtype: torch.dtype, fp8: bool,
                                                           pool_dtype: torch.dtype | None) -> None:
