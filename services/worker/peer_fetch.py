@@ -150,6 +150,9 @@ class PeerFetchFlow:
             logger.warning("request %s: fetching its prefix from %s failed (%s); computing it here", rid,
                            peer.worker_id, exc.message)
         elapsed = time.time() - start
+        if reason in ("peer_timeout", "peer_holds_nothing"):  # the other reasons were logged with their error
+            logger.warning("request %s: fetching its prefix from %s ended in %s after %.2f s; computing it here", rid,
+                           peer.worker_id, reason, elapsed)
         self._record(fetch, reason, start, elapsed)
         if fetch.grant is None:
             return None  # no reservation was made: an ordinary request

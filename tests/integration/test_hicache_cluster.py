@@ -57,7 +57,7 @@ def started(local_redis: LocalRedis,  # noqa: F811
                                  "--enable-hierarchical-cache", "--hicache-ratio", "4"], env={"OMP_NUM_THREADS": "1"},
                       wait_ready=False)
     b = start_service("worker", [*common, "--worker-id", "b", "--max-total-tokens", "2048", "--peer-fetch",
-                                 "always", "--peer-fetch-timeout-s", "4"], env={"OMP_NUM_THREADS": "1"},
+                                 "always", "--peer-fetch-timeout-s", "30"], env={"OMP_NUM_THREADS": "1"},
                       wait_ready=False)
     try:
         answers = reference_answers(default_engine)
