@@ -257,7 +257,8 @@ class EngineConfig:
         if self.mem_fraction_static is not None:
             return self.mem_fraction_static
         if device_bytes is not None and device_bytes >= LARGE_GPU_BYTES:
-            return LARGE_GPU_MEM_FRACTION  # 8B on an H100: 455,762 KV tokens vs 423,330 at 0.85, offline +2.3%
+            # 8B on an H100: 455,762 KV tokens vs 423,330 at 0.85; offline 4,017.6 vs 3,955.5 out tok/s
+            return LARGE_GPU_MEM_FRACTION
         return DEFAULT_MEM_FRACTION
 
     @classmethod
