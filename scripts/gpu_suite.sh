@@ -9,6 +9,8 @@
 # the default model's tokenizer files in .gpu-model,
 # copied there by scripts/gpu_tokenizer_model.py --stage). Results go to $OUT as JSON.
 #   STAGES="tests hot-path kernel one-batch offline profile-offline online services trace-split compare grpc-api" bash scripts/gpu_suite.sh
+#   STAGES=serve-vs-services TIMEOUT_serve_vs_services=580: serve and the services on the same workloads (issue 18;
+#   SVS_WORKLOADS, SVS_CLUSTER_ARGS e.g. "--gateway-args='--detokenize service'")
 #   STAGES=tp STAGE_TIMEOUT_S=600 bash scripts/gpu_suite.sh     # tensor parallelism: needs 2 GPUs (tp-bench, tp-custom)
 #   STAGES="tp-tests tp-70b" then STAGES=tp-70b-offline TIMEOUT_tp_70b_offline=580 (70B shape at TP 2, two H200s)
 #   FP8 (issue 21): STAGES="fp8-tests fp8-kernel fp8-one-batch fp8-capacity fp8-accuracy fp8-offline" bash scripts/gpu_suite.sh
@@ -156,6 +158,38 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
       $RM bench serving --port "$port" $bench --num-prompts 20 --output-file /tmp/serve-traced.json | grep -E "Median (TTFT|ITL)"
       kill -INT $server; wait $server; sleep 1; kill $collector; wait $collector
       python3 scripts/trace_split.py summarize /tmp/spans-serve.json --json "$OUT/split-serve.json" ;;
+    serve-vs-services)
+      # `serve`, then the services (cluster up with metrics), on the same seeded online workloads, one after the
+      # other on this GPU; scripts/serve_vs_services.py writes both results side by side with the differences and
+      # the router's added latency under each load. Workloads as NAME:RATE:IN:OUT:PROMPTS.
+      model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
+      export PATH="${REDIS_DIR:-$PWD/.gpu-redis}/bin:$PATH" LD_LIBRARY_PATH="${REDIS_DIR:-$PWD/.gpu-redis}/lib"
+      workloads=${SVS_WORKLOADS:-"rate1:1:4096:2048:100 rate8:8:2048:512:300"}
+      svs_bench() {  # svs_bench "TARGET FLAGS" OUTPUT NAME:RATE:IN:OUT:PROMPTS
+        local n rate in out num; IFS=: read -r n rate in out num <<< "$3"
+        $RM bench serving $1 --backend sglang --workload random-ids --random-input-len "$in" --random-output-len "$out" \
+          --random-range-ratio 0.0 --request-rate "$rate" --num-prompts "$num" --warmup-requests 2 --disable-tqdm \
+          --tokenizer "$model" --output-file "$2" | grep -E "Median (TTFT|ITL)"
+      }
+      port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+      $RM serve --model "$model" --load-format dummy --context-length 8192 --port "$port" ${SERVE_ARGS:-} \
+        > "$OUT/svs-serve.log" 2>&1 & server=$!
+      for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null || ! kill -0 $server 2>/dev/null && break; sleep 1; done
+      for w in $workloads; do echo "serve ${w%%:*}"; svs_bench "--port $port" "$OUT/serve-${w%%:*}.json" "$w"; done
+      kill -INT $server; wait $server
+      url=$($RM cluster up --workers 1 --model "$model" --load-format dummy --worker-args=--context-length=8192 \
+        --timeout-s 400 --metrics --state-dir /tmp/cluster-svs ${SVS_CLUSTER_ARGS:-} | tail -1)
+      router=$(python3 -c 'import json; u = json.load(open("/tmp/cluster-svs/state.json"))["metrics_urls"]
+print([v for k, v in u.items() if k.startswith("router")][0])')
+      for w in $workloads; do
+        echo "services ${w%%:*}"; curl -s "$router" > "$OUT/router-${w%%:*}-before.txt"
+        svs_bench "--base-url $url" "$OUT/services-${w%%:*}.json" "$w"
+        curl -s "$router" > "$OUT/router-${w%%:*}-after.txt"
+      done
+      curl -s "$url/ready" > "$OUT/svs-gateway-ready.json"
+      $RM cluster down --state-dir /tmp/cluster-svs
+      python3 scripts/serve_vs_services.py "$OUT" $(for w in $workloads; do echo "${w%%:*}"; done) \
+        --out "$OUT/serve-vs-services.json" ;;
     grpc-api)  # what the public gRPC API adds over HTTP on one `serve` (8B shape): paired, interleaved requests
       model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
       port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from radixmesh.common.env import env_str
 from radixmesh.common.tls import add_tls_args
 from radixmesh.common.tracing import add_tracing_args
+from radixmesh.gateway.config import DETOKENIZE_MODES
 
 if TYPE_CHECKING:
     from radixmesh.gateway.config import GatewayConfig
@@ -94,6 +95,11 @@ def _register_gateway(sub: argparse._SubParsersAction) -> None:
                                          "(requests go to the ready ones in turn, failing over before streaming)")
     target.add_argument("--worker", help="host:port of one worker, for a cluster without a router")
     gateway.add_argument("--tokenizer", required=True, help="host:port of the tokenizer service")
+    gateway.add_argument("--detokenize", choices=DETOKENIZE_MODES, default="local",
+                         help="where output tokens become text: 'local' copies the tokenizer service's tokenizer "
+                              "into the gateway once (fingerprint-checked) and saves a round trip per streamed "
+                              "message; 'service' sends every message through the service's Detokenize stream "
+                              "(default: %(default)s; local falls back to service if the copy fails)")
     _add_http_args(gateway)
     gateway.add_argument("--log-level", default="warning", help="logging level")
     gateway.set_defaults(func=cmd_gateway)
@@ -112,5 +118,6 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     config = _gateway_config(args)
     kind, address = ("router", args.router) if args.router else ("worker", args.worker)
     return asyncio.run(serve_backend(
-        config, lambda: GrpcBackend.start(args.tokenizer, address, kind, config.served_model_name),
+        config, lambda: GrpcBackend.start(args.tokenizer, address, kind, config.served_model_name,
+                                          detokenize=args.detokenize),
         f"connecting to the {kind} at {address} and the tokenizer at {args.tokenizer}"))

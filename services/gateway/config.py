@@ -9,6 +9,8 @@ from radixmesh.common.tls import TlsConfig
 from radixmesh.engine.mm.config import ImageLimits
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+DETOKENIZE_MODES = ("local", "service")
+"""Where a cluster gateway turns output tokens into text: a copy of the tokenizer here, or the tokenizer service."""
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """`grpc` backend: the gateway in a cluster. Tokenizes through the tokenizer service, generates
-through a router (or straight through one worker), detokenizes the stream through the tokenizer.
+through a router (or straight through one worker), and detokenizes the stream with a copy of the
+service's tokenizer (or, with `--detokenize service`, through the service).
 
 Tokenize once: `encode`/`apply_chat_template` get token ids and the prompt's block hashes from
 the tokenizer service; the hashes travel with the ids in GenerateRequest, so neither the router
@@ -15,7 +16,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import grpc
@@ -27,9 +28,12 @@ from radixmesh.common.convert import images_to_proto, load_from_proto, proto_to_
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.common.grpc_errors import ERROR_METADATA_KEY, from_rpc_error
 from radixmesh.common.readiness import Readiness
+from radixmesh.engine import tokenizer as hf_text
 from radixmesh.engine.mm.inputs import MultimodalInputs, masked_text_ids
 from radixmesh.engine.mm.prompt import MultimodalPrompt, PromptWithImages
 from radixmesh.gateway.backend import Backend, GenerationChunk, ModelCard, SamplingParams
+from radixmesh.gateway.config import DETOKENIZE_MODES
+from radixmesh.gateway.detokenizers import LocalText, ServiceText, StreamText, fetch_tokenizer
 from radixmesh.gateway.images import tokenize_request, tokenized_prompt
 from radixmesh.gateway.upstreams import (
     CHANNEL_OPTIONS,
@@ -70,8 +74,16 @@ class GrpcBackend(Backend):
     """
 
     def __init__(self, tokenizer_address: str, target_address: str, target_kind: str = "router",
-                 served_model_name: str | None = None, watch: WatchConfig | None = None) -> None:
+                 served_model_name: str | None = None, watch: WatchConfig | None = None,
+                 detokenize: str = "local") -> None:
         assert target_kind in ("router", "worker"), f"target_kind {target_kind!r} is not router or worker"
+        if detokenize not in DETOKENIZE_MODES:
+            raise invalid_argument(f"detokenize must be one of {', '.join(DETOKENIZE_MODES)} (got {detokenize!r})",
+                                   "detokenize")
+        self.detokenize = detokenize
+        self._local_tokenizer: Any = None
+        """The tokenizer service's tokenizer, copied here ("local" detokenization), once loaded."""
+        self._local_task: asyncio.Task[None] | None = None
         targets = parse_addresses(target_address, target_kind)
         if target_kind == "worker" and len(targets) > 1:
             raise invalid_argument("--worker takes one worker; put a router in front of several", "worker")
@@ -98,9 +110,10 @@ class GrpcBackend(Backend):
 
     @classmethod
     async def start(cls, tokenizer_address: str, target_address: str, target_kind: str = "router",
-                    served_model_name: str | None = None, watch: WatchConfig | None = None) -> GrpcBackend:
+                    served_model_name: str | None = None, watch: WatchConfig | None = None,
+                    detokenize: str = "local") -> GrpcBackend:
         """Start watching the dependencies; returns at once, ready or not (see `not_ready_reason`)."""
-        backend = cls(tokenizer_address, target_address, target_kind, served_model_name, watch)
+        backend = cls(tokenizer_address, target_address, target_kind, served_model_name, watch, detokenize)
         backend.watcher.start()
         return backend
 
@@ -135,6 +148,8 @@ class GrpcBackend(Backend):
             self.block_size = tok.block_size or DEFAULT_BLOCK_SIZE
             self._card = _make_card(info, tok, self.served_model_name, self)
             self.readiness.set("model", True)
+            if self.detokenize == "local" and self._local_task is None:
+                self._local_task = asyncio.get_running_loop().create_task(self._fetch_local_tokenizer())
             for callback in self._card_callbacks:
                 callback(self._card)
             logger.warning("gateway: ready: serving %s through %s and %s", self._card.name,
@@ -161,7 +176,8 @@ class GrpcBackend(Backend):
         groups = [self.tokenizer, self.targets]
         deps: dict[str, Any] = {u.address if len(g.upstreams) > 1 else g.name: {"kind": u.kind, "address": u.address,
                                 "up": u.up, "detail": u.detail} for g in groups for u in g.upstreams}
-        return {"ready": not self.not_ready_reason(), "reason": self.not_ready_reason(), "dependencies": deps}
+        return {"ready": not self.not_ready_reason(), "reason": self.not_ready_reason(), "dependencies": deps,
+                "detokenize": "local" if self._local_tokenizer is not None else "service"}
 
     async def _call(self, method: Callable[..., Any], request: Any, peer: str, **kwargs: Any) -> Any:
         try:
@@ -229,9 +245,13 @@ class GrpcBackend(Backend):
         return error
 
     def decode(self, token_ids: list[int]) -> str:
+        if self._local_tokenizer is not None:
+            return hf_text.decode_text(self._local_tokenizer, token_ids)
         return self._decode(token_ids, per_token=False).text
 
     def token_texts(self, token_ids: list[int]) -> list[str]:
+        if self._local_tokenizer is not None:
+            return hf_text.token_texts(self._local_tokenizer, token_ids)
         return list(self._decode(token_ids, per_token=True).token_texts)
 
     def _remember_hashes(self, ids: list[int], hashes: list[int]) -> None:
@@ -272,26 +292,39 @@ class GrpcBackend(Backend):
                        mm: MultimodalInputs | None = None) -> AsyncGenerator[GenerationChunk, None]:
         rid = rid or uuid.uuid4().hex
         request = self._request(list(input_ids), params, rid, mm=mm)
-        # The detokenize session opens while the prompt is computed: the first token does not wait for it.
-        detok = self.tokenizer.upstreams[0].stub.Detokenize()
-        started = asyncio.ensure_future(self._start_detokenize(detok, rid, params))
+        detok = self._stream_text(rid, params)
         call = None
         try:
             target, call, first = await self._open_stream(request)
             self._inflight[rid] = target
-            await started
             msg = first
             while msg is not grpc.aio.EOF:
-                text = await self._detokenize(detok, msg)
-                yield proto_to_chunk(msg, text)
+                yield proto_to_chunk(msg, await detok.text(msg))
                 msg = await self._read(target, call)
-            await _end_stream(detok)
+            await detok.finish()
         finally:
             self._inflight.pop(rid, None)
             if call is not None:
                 call.cancel()  # no-op once finished; otherwise the target aborts and frees the KV
-            detok.cancel()
-            _settle(started)
+            detok.close()
+
+    def _stream_text(self, rid: str, params: SamplingParams) -> StreamText:
+        if self._local_tokenizer is not None:
+            return LocalText(self._local_tokenizer, rid, params)
+        return ServiceText(self.tokenizer.upstreams[0].stub, rid, params, self._tokenizer_error)
+
+    async def _fetch_local_tokenizer(self) -> None:
+        """Detokenize in this process from now on, with a copy of the tokenizer service's tokenizer; until it is
+        loaded, and if it cannot be, streams go through the service's Detokenize."""
+        try:
+            tokenizer = await fetch_tokenizer(self.tokenizer.upstreams[0].stub, self.tokenizer_address)
+        except RadixMeshError as exc:
+            logger.warning("gateway: detokenizing through the tokenizer service: its tokenizer could not be "
+                           "copied here (%s)", exc.message)
+            return
+        self._local_tokenizer = tokenizer
+        logger.warning("gateway: detokenizing in this process (a copy of the tokenizer at %s, fingerprint "
+                       "checked)", self.tokenizer_address)
 
     async def _open_stream(self, request: worker_pb2.GenerateRequest) -> tuple[Upstream, Any, Any]:
         """Start Generate on a ready target and wait for its first message. A replica that is unavailable
@@ -329,33 +362,6 @@ class GrpcBackend(Backend):
                 self.watcher.mark_down(self.targets, target, error.message)
             raise RadixMeshError(ErrorCode.UNAVAILABLE, f"the stream from {target.description} broke after it "
                                                         f"started: {error.message}") from None
-
-    async def _detokenize(self, detok: Any, msg: worker_pb2.GenerateResponse) -> str:
-        stop_token = msg.finish_reason == common_pb2.FINISH_REASON_STOP and msg.HasField("matched_stop_token_id")
-        tokens = tokenizer_pb2.DetokenizeTokens(token_ids=msg.token_ids, finish_reason=msg.finish_reason,
-                                                ends_with_stop_token=stop_token and len(msg.token_ids) > 0)
-        await self._detok_call(detok, detok.write(tokenizer_pb2.DetokenizeRequest(tokens=tokens)))
-        response = await self._detok_call(detok, detok.read())
-        if response is grpc.aio.EOF:
-            raise self._tokenizer_error(await _status_error(detok))
-        return str(response.text)
-
-    async def _start_detokenize(self, detok: Any, rid: str, params: SamplingParams) -> None:
-        # The write is made here, not by the caller: a request that fails before this task runs cancels it,
-        # and a write coroutine made up front would then never be awaited.
-        start = tokenizer_pb2.DetokenizeStart(request_id=rid, skip_special_tokens=params.skip_special_tokens,
-                                              stop=list(params.stop))
-        await self._detok_call(detok, detok.write(tokenizer_pb2.DetokenizeRequest(start=start)))
-
-    async def _detok_call(self, detok: Any, step: Awaitable[Any]) -> Any:
-        """One write or read on the Detokenize stream; a tokenizer that went away (the RPC failed, or
-        finished under the write) becomes the tokenizer's UNAVAILABLE error, never a raw exception."""
-        try:
-            return await step
-        except grpc.RpcError as exc:
-            raise self._tokenizer_error(exc) from None
-        except asyncio.InvalidStateError:
-            raise self._tokenizer_error(await _status_error(detok)) from None
 
     async def cache_prefix(self, input_ids: list[int], mm: MultimodalInputs | None = None) -> None:
         rid = uuid.uuid4().hex
@@ -401,16 +407,9 @@ class GrpcBackend(Backend):
             return
         self._closed = True
         await aio.cancel_and_wait(self._card_task)
+        await aio.cancel_and_wait(self._local_task)
         await self.watcher.close()
         self._tok_sync_channel.close()
-
-
-def _settle(future: asyncio.Future[Any]) -> None:
-    """Cancel a helper future the request no longer needs, or collect its error (never left unretrieved)."""
-    if not future.done():
-        future.cancel()
-    elif not future.cancelled():
-        future.exception()
 
 
 def _unreachable(exc: grpc.RpcError) -> bool:
@@ -423,35 +422,6 @@ def _carries_error(exc: grpc.RpcError) -> bool:
     """The status came from a radixmesh service's own error (with its detail trailer), not from the transport."""
     metadata = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
     return any(key == ERROR_METADATA_KEY for key, _ in (metadata or ()))
-
-
-class _StreamFailed(grpc.RpcError):
-    """A stream that ended without a reply, carrying its final status."""
-
-    def __init__(self, code: grpc.StatusCode, details: str, trailing: Any) -> None:
-        super().__init__(details)
-        self._code, self._details, self._trailing = code, details, trailing
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def trailing_metadata(self) -> Any:
-        return self._trailing
-
-
-async def _end_stream(call: Any) -> None:
-    """Half-close a bidirectional call and read its end, so it finishes OK (its trace span too) instead of
-    being cancelled. The text is complete by then: a tokenizer failing to say goodbye is not the client's error."""
-    with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
-        await call.done_writing()
-        await aio.wait_for(call.read(), TOKENIZE_TIMEOUT_S)
-
-
-async def _status_error(call: Any) -> grpc.RpcError:
-    return _StreamFailed(await call.code(), await call.details(), await call.trailing_metadata())
 
 
 def _make_card(info: worker_pb2.GetModelInfoResponse, tok: tokenizer_pb2.GetTokenizerInfoResponse,

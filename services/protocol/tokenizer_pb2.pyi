@@ -487,3 +487,65 @@ class GetTokenizerInfoResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__bos_token_id) -> _WhichOneofReturnType__bos_token_id | None: ...
 
 Global___GetTokenizerInfoResponse: _TypeAlias = GetTokenizerInfoResponse  # noqa: Y015
+
+@_typing.final
+class GetTokenizerFilesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTokenizerFilesRequest: _TypeAlias = GetTokenizerFilesRequest  # noqa: Y015
+
+@_typing.final
+class TokenizerFile(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """a plain file name, no directories"""
+    data: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenizerFile: _TypeAlias = TokenizerFile  # noqa: Y015
+
+@_typing.final
+class GetTokenizerFilesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILES_FIELD_NUMBER: _builtins.int
+    FINGERPRINT_FIELD_NUMBER: _builtins.int
+    fingerprint: _builtins.str
+    """as GetTokenizerInfo reports it"""
+    @_builtins.property
+    def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenizerFile]: ...
+    def __init__(
+        self,
+        *,
+        files: _abc.Iterable[Global___TokenizerFile] | None = ...,
+        fingerprint: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "fingerprint", b"fingerprint"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTokenizerFilesResponse: _TypeAlias = GetTokenizerFilesResponse  # noqa: Y015

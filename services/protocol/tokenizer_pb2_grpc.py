@@ -54,6 +54,11 @@ class TokenizerServiceStub:
                 request_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerInfoRequest.SerializeToString,
                 response_deserializer=radixmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerInfoResponse.FromString,
                 _registered_method=True)
+        self.GetTokenizerFiles = channel.unary_unary(
+                '/radixmesh.v1.TokenizerService/GetTokenizerFiles',
+                request_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerFilesRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerFilesResponse.FromString,
+                _registered_method=True)
 
 
 class TokenizerServiceServicer:
@@ -90,6 +95,15 @@ class TokenizerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizerFiles(self, request, context):
+        """The files that load this tokenizer with transformers (as save_pretrained writes them), so that a
+        client can detokenize in its own process: the gateway does, and saves a round trip per message.
+        Loading them gives the fingerprint of GetTokenizerInfo.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TokenizerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +126,11 @@ def add_TokenizerServiceServicer_to_server(servicer, server):
                     servicer.GetTokenizerInfo,
                     request_deserializer=radixmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerInfoRequest.FromString,
                     response_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerInfoResponse.SerializeToString,
+            ),
+            'GetTokenizerFiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizerFiles,
+                    request_deserializer=radixmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerFilesRequest.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerFilesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +241,33 @@ class TokenizerService:
             '/radixmesh.v1.TokenizerService/GetTokenizerInfo',
             radixmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerInfoRequest.SerializeToString,
             radixmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizerFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.TokenizerService/GetTokenizerFiles',
+            radixmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerFilesRequest.SerializeToString,
+            radixmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerFilesResponse.FromString,
             options,
             channel_credentials,
             insecure,

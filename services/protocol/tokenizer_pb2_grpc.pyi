@@ -43,6 +43,11 @@ class TokenizerServiceStub:
     Decode: _grpc.UnaryUnaryMultiCallable[_tokenizer_pb2.DecodeRequest, _tokenizer_pb2.DecodeResponse]
     """Text of given ids, whole (e.g. to echo a prompt) or token by token (for logprobs)."""
     GetTokenizerInfo: _grpc.UnaryUnaryMultiCallable[_tokenizer_pb2.GetTokenizerInfoRequest, _tokenizer_pb2.GetTokenizerInfoResponse]
+    GetTokenizerFiles: _grpc.UnaryUnaryMultiCallable[_tokenizer_pb2.GetTokenizerFilesRequest, _tokenizer_pb2.GetTokenizerFilesResponse]
+    """The files that load this tokenizer with transformers (as save_pretrained writes them), so that a
+    client can detokenize in its own process: the gateway does, and saves a round trip per message.
+    Loading them gives the fingerprint of GetTokenizerInfo.
+    """
 
 @_typing.type_check_only
 class TokenizerServiceAsyncStub(TokenizerServiceStub):
@@ -59,6 +64,11 @@ class TokenizerServiceAsyncStub(TokenizerServiceStub):
     Decode: _aio.UnaryUnaryMultiCallable[_tokenizer_pb2.DecodeRequest, _tokenizer_pb2.DecodeResponse]  # type: ignore[assignment]
     """Text of given ids, whole (e.g. to echo a prompt) or token by token (for logprobs)."""
     GetTokenizerInfo: _aio.UnaryUnaryMultiCallable[_tokenizer_pb2.GetTokenizerInfoRequest, _tokenizer_pb2.GetTokenizerInfoResponse]  # type: ignore[assignment]
+    GetTokenizerFiles: _aio.UnaryUnaryMultiCallable[_tokenizer_pb2.GetTokenizerFilesRequest, _tokenizer_pb2.GetTokenizerFilesResponse]  # type: ignore[assignment]
+    """The files that load this tokenizer with transformers (as save_pretrained writes them), so that a
+    client can detokenize in its own process: the gateway does, and saves a round trip per message.
+    Loading them gives the fingerprint of GetTokenizerInfo.
+    """
 
 class TokenizerServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -96,5 +106,16 @@ class TokenizerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _tokenizer_pb2.GetTokenizerInfoRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_tokenizer_pb2.GetTokenizerInfoResponse, _abc.Awaitable[_tokenizer_pb2.GetTokenizerInfoResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetTokenizerFiles(
+        self,
+        request: _tokenizer_pb2.GetTokenizerFilesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_tokenizer_pb2.GetTokenizerFilesResponse, _abc.Awaitable[_tokenizer_pb2.GetTokenizerFilesResponse]]:
+        """The files that load this tokenizer with transformers (as save_pretrained writes them), so that a
+        client can detokenize in its own process: the gateway does, and saves a round trip per message.
+        Loading them gives the fingerprint of GetTokenizerInfo.
+        """
 
 def add_TokenizerServiceServicer_to_server(servicer: TokenizerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,4 +1,4 @@
-"""TokenizerService: Tokenize, Detokenize (bidirectional stream), Decode, GetTokenizerInfo."""
+"""TokenizerService: Tokenize, Detokenize (bidirectional stream), Decode, GetTokenizerInfo, GetTokenizerFiles."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.engine.tokenizer import decode_text, encode_text, render_chat, token_texts
 from radixmesh.index.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
 from radixmesh.protocol import common_pb2, multimodal_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from radixmesh.tokenizer.files import saved_files
 from radixmesh.tokenizer.fingerprint import tokenizer_fingerprint
 from radixmesh.tokenizer.images import chat_messages, text_only, tokenize_with_images
 
@@ -55,6 +56,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         self.images = images
         """Reads and places the images of prompts (None: a text-only model, which refuses them)."""
+        self._files: list[tuple[str, bytes]] | None = None
+        """What GetTokenizerFiles returns, written once on its first call."""
 
     @map_errors("tokenizer")
     async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest,
@@ -145,6 +148,20 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         if tok.eos_token_id is not None:
             info.eos_token_ids.append(tok.eos_token_id)
         return info
+
+    @map_errors("tokenizer")
+    async def GetTokenizerFiles(self, request: tokenizer_pb2.GetTokenizerFilesRequest,
+                                context: grpc.aio.ServicerContext) -> tokenizer_pb2.GetTokenizerFilesResponse:
+        REQUESTS.labels("GetTokenizerFiles").inc()
+        files = [tokenizer_pb2.TokenizerFile(name=name, data=data) for name, data in await self._saved_files()]
+        return tokenizer_pb2.GetTokenizerFilesResponse(files=files, fingerprint=self.fingerprint)
+
+    async def _saved_files(self) -> list[tuple[str, bytes]]:
+        if self._files is not None:
+            return self._files
+        files: list[tuple[str, bytes]] = await asyncio.to_thread(saved_files, self.tokenizer)
+        self._files = files
+        return files
 
     def _check_ids(self, ids: Any) -> None:
         if ids and max(ids) >= self.vocab_size:

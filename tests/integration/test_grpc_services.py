@@ -39,14 +39,17 @@ UNICODE_TEXT = "héllo 你好 🎉 naïve"
 
 @pytest.fixture(scope="module")
 def services() -> Iterator[dict[str, ServiceProc]]:
-    """The tokenizer service, a worker, `serve`, and a gateway over the first two, started together."""
+    """The tokenizer service, a worker, `serve`, and two gateways over the first two (one detokenizes with its
+    copy of the tokenizer, the other through the tokenizer service), started together."""
     tokenizer = start_service("tokenizer", ["--metrics-port", "-1"], wait_ready=False)
     worker = start_service("worker", [*SMALL_ENGINE, "--worker-id", "worker-a", "--drain-timeout-s", "60"],
                            wait_ready=False)
+    upstreams = ["--worker", worker.address, "--tokenizer", tokenizer.address]
     procs = {"tokenizer": tokenizer, "worker": worker,
              "serve": start_service("serve", SMALL_ENGINE, http=True, wait_ready=False),
-             "gateway": start_service("gateway", ["--worker", worker.address, "--tokenizer", tokenizer.address],
-                                      http=True, wait_ready=False)}
+             "gateway": start_service("gateway", upstreams, http=True, wait_ready=False),
+             "gateway-service-detok": start_service("gateway", [*upstreams, "--detokenize", "service"], http=True,
+                                                    wait_ready=False)}
     wait_all_ready(list(procs.values()))
     yield procs
     stop_all(list(procs.values()))
@@ -322,7 +325,20 @@ def _sse_text(url: str, path: str, body: dict[str, Any]) -> str:
     return text
 
 
-def test_gateway_answers_like_serve(gateway_svc: ServiceProc, serve_svc: ServiceProc) -> None:
+def _detokenize_mode(gateway: ServiceProc, expected: str) -> str:
+    """Where the gateway detokenizes; a local copy of the tokenizer is given 60 s to load."""
+    deadline = time.monotonic() + (60 if expected == "local" else 0)
+    while True:
+        mode = str(httpx.get(gateway.address + "/ready", timeout=30).json()["detokenize"])
+        if mode == expected or time.monotonic() > deadline:
+            return mode
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("detokenize", ["local", "service"])
+def test_gateway_answers_like_serve(services: dict[str, ServiceProc], serve_svc: ServiceProc, detokenize: str) -> None:
+    gateway_svc = services["gateway" if detokenize == "local" else "gateway-service-detok"]
+    assert _detokenize_mode(gateway_svc, detokenize) == detokenize
     ours, ref = _chat(gateway_svc.address), _chat(serve_svc.address)
     assert ours["choices"][0]["message"] == ref["choices"][0]["message"]
     assert ours["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
