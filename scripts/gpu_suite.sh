@@ -2,7 +2,7 @@
 # The GPU tests and benchmarks in one call, for a CUDA machine with torch and triton but no
 # network (wheels for the rest are carried in .whl, fetched by ../shared/tools/fetch-gpu-wheels.sh
 # plus msgspec pyzmq gguf pytest pluggy iniconfig py-spy, and for the services fastapi starlette uvicorn
-# annotated-doc redis grpcio grpcio-health-checking grpcio-reflection protobuf googleapis-common-protos and the
+# annotated-doc redis hiredis grpcio grpcio-health-checking grpcio-reflection protobuf googleapis-common-protos and the
 # opentelemetry api, sdk, semantic-conventions, proto, exporter-otlp-proto-grpc, exporter-otlp-proto-common,
 # exporter-otlp-common, instrumentation and instrumentation-grpc at the versions of .venv; xgrammar needs
 # apache-tvm-ffi; flashinfer and cudnn-frontend only for --attention-backend flashinfer (64 MiB in all);

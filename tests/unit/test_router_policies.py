@@ -202,3 +202,22 @@ def test_recent_decisions_match_chains_and_expire() -> None:
         recent.record("w0", make_request(10 + i, 4).block_hashes)
     assert recent.match(make_request(14, 4).block_hashes) == {"w0": 4}
     assert recent.match(make_request(10, 4).block_hashes) == {}
+
+
+def test_recent_decisions_keep_keys_a_later_decision_took_over() -> None:
+    from radixmesh.router.policies.cache_aware import RecentDecisions
+    from tests.unit.router_factory import FakeClock
+
+    clock = FakeClock()
+    recent = RecentDecisions(ttl_s=2.0, clock=clock)
+    a = make_request(1, 4).block_hashes
+    recent.record("w0", a)
+    clock.now = 1.5
+    recent.record("w1", a)  # the same prefix sent again, to w1: its entries replace w0's
+    clock.now = 2.5  # w0's decision expired (and is dropped by the next record); w1's has not
+    recent.record("w2", make_request(2, 4).block_hashes)
+    assert recent.match(a) == {"w1": 4}
+    clock.now = 3.6
+    recent.record("w2", make_request(3, 4).block_hashes)
+    assert recent.match(a) == {}
+    assert len(recent._owner) == 8  # the expired decisions' keys are gone

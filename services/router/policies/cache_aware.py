@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from redis.exceptions import RedisError
@@ -36,19 +37,26 @@ REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 
 class RecentDecisions:
-    """block key -> (worker id, expiry) of this router's latest decisions: a local speculative index."""
+    """block key -> (worker id, expiry) of this router's latest decisions: a local speculative index.
+
+    Recording is on every request's path, so it is one C-level dict update; each decision's keys are also
+    kept as one batch, and expired batches are dropped (the keys a later decision did not take over) when
+    the next decision is recorded."""
 
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, max_entries: int = 200_000) -> None:
         self.ttl_s = ttl_s
         self.clock = clock
         self.max_entries = max_entries
         self._owner: dict[int, tuple[str, float]] = {}
+        self._batches: deque[tuple[tuple[str, float], tuple[int, ...]]] = deque()
+        """(owner entry, its keys) per decision, oldest first (one TTL: expiry order)."""
 
     def record(self, worker_id: str, block_hashes: Sequence[int]) -> None:
-        expires = self.clock() + self.ttl_s
-        for h in block_hashes:
-            self._owner.pop(h, None)  # re-insert at the end: dict order is expiry order
-            self._owner[h] = (worker_id, expires)
+        self._prune()
+        entry = (worker_id, self.clock() + self.ttl_s)
+        keys = tuple(block_hashes)
+        self._owner.update(dict.fromkeys(keys, entry))
+        self._batches.append((entry, keys))
         if len(self._owner) > self.max_entries:
             self._prune(force=True)
 
@@ -61,16 +69,19 @@ class RecentDecisions:
             if entry is None or entry[1] < now or counts.get(entry[0], 0) != i:
                 break
             counts[entry[0]] = i + 1
-        self._prune()
         return counts
 
     def _prune(self, force: bool = False) -> None:
-        now = self.clock()
-        while self._owner:
-            h, (_, expires) = next(iter(self._owner.items()))
-            if expires >= now and not (force and len(self._owner) > self.max_entries // 2):
+        """Drop expired decisions (with `force`, the oldest until at most half of max_entries keys remain)."""
+        now, owner = self.clock(), self._owner
+        while self._batches:
+            entry, keys = self._batches[0]
+            if entry[1] >= now and not (force and len(owner) > self.max_entries // 2):
                 return
-            del self._owner[h]
+            self._batches.popleft()
+            for h in keys:
+                if owner.get(h) is entry:
+                    del owner[h]
 
 
 class CacheAwarePolicy(BaseRoutingPolicy):
