@@ -183,9 +183,14 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
 print([v for k, v in u.items() if k.startswith("router")][0])')
       for w in $workloads; do
         echo "services ${w%%:*}"; curl -s "$router" > "$OUT/router-${w%%:*}-before.txt"
+        if [ "${w%%:*}" = "${SVS_SPY:-}" ]; then  # SVS_SPY=rate8 PYSPY=1: py-spy on every service during that load
+          spy svs $(python3 -c 'import json; s = json.load(open("/tmp/cluster-svs/state.json"))
+print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))')
+        fi
         svs_bench "--base-url $url" "$OUT/services-${w%%:*}.json" "$w"
         curl -s "$router" > "$OUT/router-${w%%:*}-after.txt"
       done
+      spy_collect svs
       curl -s "$url/ready" > "$OUT/svs-gateway-ready.json"
       $RM cluster down --state-dir /tmp/cluster-svs
       python3 scripts/serve_vs_services.py "$OUT" $(for w in $workloads; do echo "${w%%:*}"; done) \
