@@ -83,7 +83,6 @@ class GrpcBackend(Backend):
         self.detokenize = detokenize
         self._local_tokenizer: Any = None
         """The tokenizer service's tokenizer, copied here ("local" detokenization), once loaded."""
-        self._local_task: asyncio.Task[None] | None = None
         targets = parse_addresses(target_address, target_kind)
         if target_kind == "worker" and len(targets) > 1:
             raise invalid_argument("--worker takes one worker; put a router in front of several", "worker")
@@ -146,10 +145,13 @@ class GrpcBackend(Backend):
                 self.readiness.set("model", False, exc.message)
                 continue
             self.block_size = tok.block_size or DEFAULT_BLOCK_SIZE
+            if self.detokenize == "local" and self._local_tokenizer is None:
+                # Before ready: loading it holds the GIL for seconds (a large vocabulary), which would
+                # stall the first requests' streams if they were already being served.
+                self.readiness.set("model", False, "copying the tokenizer service's tokenizer")
+                await self._fetch_local_tokenizer()
             self._card = _make_card(info, tok, self.served_model_name, self)
             self.readiness.set("model", True)
-            if self.detokenize == "local" and self._local_task is None:
-                self._local_task = asyncio.get_running_loop().create_task(self._fetch_local_tokenizer())
             for callback in self._card_callbacks:
                 callback(self._card)
             logger.warning("gateway: ready: serving %s through %s and %s", self._card.name,
@@ -314,8 +316,8 @@ class GrpcBackend(Backend):
         return ServiceText(self.tokenizer.upstreams[0].stub, rid, params, self._tokenizer_error)
 
     async def _fetch_local_tokenizer(self) -> None:
-        """Detokenize in this process from now on, with a copy of the tokenizer service's tokenizer; until it is
-        loaded, and if it cannot be, streams go through the service's Detokenize."""
+        """Detokenize in this process from now on, with a copy of the tokenizer service's tokenizer; if it cannot
+        be loaded, streams go through the service's Detokenize."""
         try:
             tokenizer = await fetch_tokenizer(self.tokenizer.upstreams[0].stub, self.tokenizer_address)
         except RadixMeshError as exc:
@@ -407,7 +409,6 @@ class GrpcBackend(Backend):
             return
         self._closed = True
         await aio.cancel_and_wait(self._card_task)
-        await aio.cancel_and_wait(self._local_task)
         await self.watcher.close()
         self._tok_sync_channel.close()
 
