@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from radixmesh.common import tracing
 from radixmesh.common.env import env_str
 from radixmesh.common.errors import invalid_argument
+from radixmesh.common.gc_tuning import freeze_startup_objects
 from radixmesh.common.readiness import Readiness
 from radixmesh.common.tls import TlsConfig, add_tls_args, configure_clients, tls_config_from_args
 
@@ -276,6 +277,7 @@ class GrpcServer:
 
     async def run_until_signal(self) -> None:
         """Serve until SIGTERM/SIGINT (or `request_stop`), then drain."""
+        freeze_startup_objects()  # the service is built: keep the collector off what startup made
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_stop)

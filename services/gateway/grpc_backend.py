@@ -26,6 +26,7 @@ import msgspec
 from radixmesh.common import aio, tls, tracing
 from radixmesh.common.convert import images_to_proto, load_from_proto, proto_to_chunk, sampling_to_proto
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
+from radixmesh.common.gc_tuning import freeze_startup_objects
 from radixmesh.common.grpc_errors import ERROR_METADATA_KEY, from_rpc_error
 from radixmesh.common.readiness import Readiness
 from radixmesh.engine import tokenizer as hf_text
@@ -150,6 +151,7 @@ class GrpcBackend(Backend):
                 # stall the first requests' streams if they were already being served.
                 self.readiness.set("model", False, "copying the tokenizer service's tokenizer")
                 await self._fetch_local_tokenizer()
+                freeze_startup_objects()  # the copy's vocabulary lives as long as the process
             self._card = _make_card(info, tok, self.served_model_name, self)
             self.readiness.set("model", True)
             for callback in self._card_callbacks:

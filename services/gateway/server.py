@@ -23,6 +23,7 @@ from typing import Any
 import uvicorn
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError
+from radixmesh.common.gc_tuning import freeze_startup_objects
 from radixmesh.engine.config import EngineConfig
 from radixmesh.gateway.app import create_app
 from radixmesh.gateway.auth import api_keys_of
@@ -98,6 +99,7 @@ async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Await
         print(f"radixmesh: {starting} ...", file=sys.stderr, flush=True)
         backend = await start_backend()
         app = create_app(backend, config, keys)
+        freeze_startup_objects()
         state: GatewayState = app.state.gateway
         if grpc_api is not None:
             grpc_api.attach(state)
