@@ -10,7 +10,8 @@
 # copied there by scripts/gpu_tokenizer_model.py --stage). Results go to $OUT as JSON.
 #   STAGES="tests hot-path kernel one-batch offline profile-offline online services trace-split compare grpc-api" bash scripts/gpu_suite.sh
 #   STAGES=serve-vs-services TIMEOUT_serve_vs_services=580: serve and the services on the same workloads (issue 18;
-#   SVS_WORKLOADS, SVS_CLUSTER_ARGS e.g. "--gateway-args='--detokenize service'")
+#   SVS_WORKLOADS, SVS_CLUSTER_ARGS e.g. "--gateway-args='--detokenize service'"; SVS_DIRECT=1 adds a gateway
+#   straight to the worker, without the router)
 #   STAGES=tp STAGE_TIMEOUT_S=600 bash scripts/gpu_suite.sh     # tensor parallelism: needs 2 GPUs (tp-bench, tp-custom)
 #   STAGES="tp-tests tp-70b" then STAGES=tp-70b-offline TIMEOUT_tp_70b_offline=580 (70B shape at TP 2, two H200s)
 #   FP8 (issue 21): STAGES="fp8-tests fp8-kernel fp8-one-batch fp8-capacity fp8-accuracy fp8-offline" bash scripts/gpu_suite.sh
@@ -165,17 +166,21 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
       model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
       export PATH="${REDIS_DIR:-$PWD/.gpu-redis}/bin:$PATH" LD_LIBRARY_PATH="${REDIS_DIR:-$PWD/.gpu-redis}/lib"
       workloads=${SVS_WORKLOADS:-"rate1:1:4096:2048:100 rate8:8:2048:512:300"}
-      svs_bench() {  # svs_bench "TARGET FLAGS" OUTPUT NAME:RATE:IN:OUT:PROMPTS
+      svs_bench() {  # svs_bench "TARGET FLAGS" OUTPUT NAME:RATE:IN:OUT:PROMPTS GATEWAY_METRICS_URL
         local n rate in out num; IFS=: read -r n rate in out num <<< "$3"
+        local gw="$OUT/gw-$(basename "$2" .json)"  # the front end's TTFT and TTFT-overhead histograms around the run
+        curl -s "$4" | grep -E '^(# (HELP|TYPE) )?radixmesh_(ttft_overhead|time_to_first_token)_seconds' > "$gw-before.txt"
         $RM bench serving $1 --backend sglang --workload random-ids --random-input-len "$in" --random-output-len "$out" \
           --random-range-ratio 0.0 --request-rate "$rate" --num-prompts "$num" --warmup-requests 2 --disable-tqdm \
           --tokenizer "$model" --output-file "$2" | grep -E "Median (TTFT|ITL)"
+        curl -s "$4" | grep -E '^(# (HELP|TYPE) )?radixmesh_(ttft_overhead|time_to_first_token)_seconds' > "$gw-after.txt"
       }
       port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
       $RM serve --model "$model" --load-format dummy --context-length 8192 --port "$port" ${SERVE_ARGS:-} \
         > "$OUT/svs-serve.log" 2>&1 & server=$!
       for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null || ! kill -0 $server 2>/dev/null && break; sleep 1; done
-      for w in $workloads; do echo "serve ${w%%:*}"; svs_bench "--port $port" "$OUT/serve-${w%%:*}.json" "$w"; done
+      for w in $workloads; do echo "serve ${w%%:*}"; svs_bench "--port $port" "$OUT/serve-${w%%:*}.json" "$w" \
+        "http://127.0.0.1:$port/metrics"; done
       kill -INT $server; wait $server
       url=$($RM cluster up --workers 1 --model "$model" --load-format dummy --worker-args=--context-length=8192 \
         --timeout-s 400 --metrics --state-dir /tmp/cluster-svs ${SVS_CLUSTER_ARGS:-} | tail -1)
@@ -187,14 +192,28 @@ print([v for k, v in u.items() if k.startswith("router")][0])')
           spy svs $(python3 -c 'import json; s = json.load(open("/tmp/cluster-svs/state.json"))
 print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))')
         fi
-        svs_bench "--base-url $url" "$OUT/services-${w%%:*}.json" "$w"
+        svs_bench "--base-url $url" "$OUT/services-${w%%:*}.json" "$w" "$url/metrics"
         curl -s "$router" > "$OUT/router-${w%%:*}-after.txt"
       done
       spy_collect svs
       curl -s "$url/ready" > "$OUT/svs-gateway-ready.json"
+      if [ -n "${SVS_DIRECT:-}" ]; then  # SVS_DIRECT=1: a second gateway straight to the worker (no router hop)
+        read -r tok wk <<< "$(python3 -c 'import json; s = json.load(open("/tmp/cluster-svs/state.json"))
+print(s["tokenizer_address"], s["worker_addresses"][0])')"
+        dport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+        $RM gateway --port "$dport" --tokenizer "$tok" --worker "$wk" > "$OUT/svs-direct.log" 2>&1 & direct=$!
+        for _ in $(seq 120); do curl -sf "http://127.0.0.1:$dport/ready" >/dev/null && break; sleep 0.5; done
+        for w in $workloads; do
+          echo "direct ${w%%:*}"; svs_bench "--base-url http://127.0.0.1:$dport" "$OUT/direct-${w%%:*}.json" "$w" \
+            "http://127.0.0.1:$dport/metrics"
+        done
+        kill -INT $direct; wait $direct
+      fi
       $RM cluster down --state-dir /tmp/cluster-svs
       python3 scripts/serve_vs_services.py "$OUT" $(for w in $workloads; do echo "${w%%:*}"; done) \
         --out "$OUT/serve-vs-services.json" ;;
+    grpc-hop)  # the floor under the services path: one gRPC hop of a streamed request, nothing else running
+      python3 scripts/grpc_hop_bench.py --out "$OUT/grpc-hop.json" ;;
     grpc-api)  # what the public gRPC API adds over HTTP on one `serve` (8B shape): paired, interleaved requests
       model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
       port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')

@@ -4,7 +4,11 @@ first token (of the medians, and request by request: the same seeded prompts at 
 difference, and the router's own added latency under that load (its histogram, scraped before and after).
 
     python3 scripts/serve_vs_services.py DIR NAME [NAME ...] --out OUT.json
-reads DIR/serve-NAME.json, DIR/services-NAME.json, DIR/router-NAME-before.txt and DIR/router-NAME-after.txt.
+reads DIR/serve-NAME.json, DIR/services-NAME.json, DIR/router-NAME-before.txt and DIR/router-NAME-after.txt,
+and DIR/direct-NAME.json when present (a gateway straight to the worker: the router's share of the difference).
+Where DIR/gw-ARM-NAME-before.txt and -after.txt exist (ARM: serve, services, direct), it also reads the front
+end's `radixmesh_ttft_overhead_seconds` histogram: each request's TTFT less the engine's own time, so the paths
+compare without the engine's run-to-run noise (queue waits, batch boundaries).
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ def paired_ttft_ms(serve: list[dict[str, Any]], services: list[dict[str, Any]]) 
     return {"median": statistics.median(diffs), "mean": statistics.fmean(diffs), "pairs": len(diffs)}
 
 
+def _median_of(paired: dict[str, float] | None) -> float:
+    return paired["median"] if paired else float("nan")
+
+
 def router_p50_ms(before: Path, after: Path) -> dict[str, float]:
     from radixmesh.cluster.bench_cluster import histogram_quantile
 
@@ -70,7 +78,29 @@ def compare(directory: Path, name: str) -> dict[str, Any]:
     before, after = directory / f"router-{name}-before.txt", directory / f"router-{name}-after.txt"
     if before.is_file() and after.is_file():
         result["router"] = router_p50_ms(before, after)
+    if (directory / f"direct-{name}.json").is_file():
+        direct = _run(directory / f"direct-{name}.json")
+        result["direct"] = _medians(direct["summary"])
+        result["direct_ttft_paired_diff_ms"] = paired_ttft_ms(serve["requests"], direct["requests"])
+        result["router_hop_paired_ms"] = paired_ttft_ms(direct["requests"], services["requests"])
+    found = {arm: _overhead_p50_ms(directory, arm, name) for arm in ("serve", "services", "direct")}
+    overhead = {arm: ms for arm, ms in found.items() if ms is not None}
+    if overhead:
+        result["ttft_overhead_p50_ms"] = overhead
+        if "serve" in overhead and "services" in overhead:
+            result["ttft_overhead_diff_ms"] = overhead["services"] - overhead["serve"]
     return result
+
+
+def _overhead_p50_ms(directory: Path, arm: str, name: str) -> float | None:
+    """Median of the TTFT less the engine's share over one run, from the front end's histogram scrapes."""
+    from radixmesh.cluster.bench_cluster import histogram_quantile
+
+    before, after = directory / f"gw-{arm}-{name}-before.txt", directory / f"gw-{arm}-{name}-after.txt"
+    if not (before.is_file() and after.is_file()):
+        return None
+    p50 = histogram_quantile(after.read_text(), "radixmesh_ttft_overhead_seconds", 0.5, before.read_text())
+    return None if p50 != p50 else p50 * 1e3
 
 
 def main() -> None:
@@ -89,6 +119,15 @@ def main() -> None:
               f"{paired['median'] if paired else float('nan'):+.2f}); ITL {r['serve']['itl_median_ms']:.3f} vs "
               f"{r['services']['itl_median_ms']:.3f} ms ({r['itl_median_diff_ms']:+.3f}); router overhead p50 "
               f"{router.get('overhead_p50_ms', float('nan')):.3f} ms")
+        if "ttft_overhead_p50_ms" in r:
+            arms = ", ".join(f"{arm} {ms:.3f}" for arm, ms in r["ttft_overhead_p50_ms"].items())
+            diff = r.get("ttft_overhead_diff_ms")
+            print(f"{name}: TTFT outside the engine, p50 (ms): {arms}"
+                  + (f"; services - serve {diff:+.3f} ms" if diff is not None else ""))
+        if "direct" in r:
+            print(f"{name}: gateway straight to the worker: TTFT median {r['direct']['ttft_median_ms']:.2f} ms, "
+                  f"paired vs serve {_median_of(r['direct_ttft_paired_diff_ms']):+.2f}; the router hop (services "
+                  f"vs direct, paired) {_median_of(r['router_hop_paired_ms']):+.2f} ms")
 
 
 if __name__ == "__main__":

@@ -130,7 +130,8 @@ def proto_to_chunk(msg: worker_pb2.GenerateResponse, text: str) -> GenerationChu
         cached_tokens=msg.cached_tokens, completion_tokens=msg.completion_tokens,
         logprobs=list(msg.logprobs) or None, top_logprobs=top or None,
         finish_reason=finish_reason_from_proto(msg.finish_reason), matched_stop=matched_stop_from_proto(msg),
-        input_logprobs=input_logprobs, input_top_logprobs=input_tops)
+        input_logprobs=input_logprobs, input_top_logprobs=input_tops,
+        engine_ttft_s=msg.engine_ttft_s if msg.HasField("engine_ttft_s") else None)
 
 
 # ---- load -----------------------------------------------------------------------------------------

@@ -27,6 +27,9 @@ class GenerationChunk:
     input_logprobs: list[float | None] | None = None
     """Prompt-token log-probs (from `logprob_start_len` on) that arrived with this chunk."""
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    engine_ttft_s: float | None = None
+    """First chunk only: seconds from the front end's call into the engine to the engine's first message
+    (queue wait and prefill); the gateway's TTFT less this is what the serving path itself added."""
 
     @classmethod
     def of(cls, out: TokenOut, text: str = "") -> GenerationChunk:

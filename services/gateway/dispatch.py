@@ -195,8 +195,9 @@ class Generation:
         now = time.perf_counter()
         last = self._last_token_s[index]
         if chunk.token_ids:
-            if last is None:
-                metrics.observe_first_token(now - self.start_s, chunk.cached_tokens)
+            if last is None:  # a branch of n > 1 waited for the shared prompt first: no engine share to subtract
+                engine_s = chunk.engine_ttft_s if self.num_seqs == 1 else None
+                metrics.observe_first_token(now - self.start_s, chunk.cached_tokens, engine_s)
             metrics.observe_tokens(len(chunk.token_ids), None if last is None else now - last)
             self._last_token_s[index] = now
         if chunk.finished:

@@ -111,12 +111,15 @@ class LocalBackend(Backend):
         timeline = RequestTimeline(rid, len(input_ids), {"radixmesh.role": "unified"}, queue_time=self._queue_time,
                                    itl=None, span_prefix="serve")  # the gateway's metrics observe the gaps
         detokenize_ns = 0
+        engine_start: float | None = time.perf_counter()
         try:
             async for out in self.client.generate_tokens(input_ids, params, rid, mm=mm):
                 timeline.on_output(out)
                 start_ns = time.perf_counter_ns()
                 chunk = assembler.feed(out) if assembler is not None else GenerationChunk.of(out)
                 detokenize_ns += time.perf_counter_ns() - start_ns
+                if engine_start is not None:
+                    chunk.engine_ttft_s, engine_start = start_ns / 1e9 - engine_start, None
                 yield chunk
         finally:
             timeline.close()

@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from radixmesh.common.metrics import (
     E2E_BUCKETS_S,
     ITL_BUCKETS_S,
+    OVERHEAD_BUCKETS_S,
     QUEUE_BUCKETS_S,
     TTFT_BUCKETS_S,
     LabelledRegistry,
@@ -44,6 +45,10 @@ class GatewayMetrics:
                                      registry=reg)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time from arrival to the first output token",
                               buckets=TTFT_BUCKETS_S, registry=reg)
+        self.ttft_overhead = Histogram(
+            p + "ttft_overhead_seconds", "Time from arrival to the first output token that the engine did not spend "
+            "(the front end; in a cluster also the hops, the router and the worker's front end)",
+            buckets=OVERHEAD_BUCKETS_S, registry=reg)
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between output tokens of a sequence",
                              buckets=ITL_BUCKETS_S, registry=reg)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from arrival to the last output token",
@@ -84,9 +89,12 @@ class GatewayMetrics:
         self.requests.labels(endpoint=endpoint).inc()
         self.prompt_tokens.inc(prompt_tokens)
 
-    def observe_first_token(self, elapsed_s: float, cached_tokens: int) -> None:
+    def observe_first_token(self, elapsed_s: float, cached_tokens: int, engine_s: float | None = None) -> None:
+        """`engine_s`: the engine's share of `elapsed_s` (its call to its first message), when the backend knows."""
         self.ttft.observe(elapsed_s)
         self.cached_tokens.inc(cached_tokens)
+        if engine_s is not None:
+            self.ttft_overhead.observe(max(0.0, elapsed_s - engine_s))
 
     def observe_tokens(self, num_tokens: int, gap_s: float | None) -> None:
         """`num_tokens` new tokens arrived together, `gap_s` after the sequence's previous ones."""

@@ -170,6 +170,7 @@ class GenerateResponse(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     INPUT_LOGPROBS_FIELD_NUMBER: _builtins.int
     FETCHED_TOKENS_FIELD_NUMBER: _builtins.int
+    ENGINE_TTFT_S_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_tokens: _builtins.int
     cached_tokens: _builtins.int
@@ -183,6 +184,12 @@ class GenerateResponse(_message.Message):
     """the worker that generated (first message)"""
     fetched_tokens: _builtins.int
     """prompt tokens whose KV was fetched from a peer worker"""
+    engine_ttft_s: _builtins.float
+    """(GenerateRequest.peer_prefix); counted in cached_tokens too
+    First message only: seconds from the worker's call into its engine to the engine's first message
+    (queue wait and prefill). The gateway subtracts it from its time to first token: what is left is
+    what the front end, the router and the hops added.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """new tokens since the previous message"""
@@ -222,13 +229,19 @@ class GenerateResponse(_message.Message):
         worker_id: _builtins.str = ...,
         input_logprobs: _abc.Iterable[Global___InputLogprob] | None = ...,
         fetched_tokens: _builtins.int = ...,
+        engine_ttft_s: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop", "matched_stop_str", b"matched_stop_str", "matched_stop_token_id", b"matched_stop_token_id", "routing", b"routing"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_engine_ttft_s", b"_engine_ttft_s", "engine_ttft_s", b"engine_ttft_s", "matched_stop", b"matched_stop", "matched_stop_str", b"matched_stop_str", "matched_stop_token_id", b"matched_stop_token_id", "routing", b"routing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "fetched_tokens", b"fetched_tokens", "finish_reason", b"finish_reason", "input_logprobs", b"input_logprobs", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_str", b"matched_stop_str", "matched_stop_token_id", b"matched_stop_token_id", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "routing", b"routing", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_engine_ttft_s", b"_engine_ttft_s", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "engine_ttft_s", b"engine_ttft_s", "fetched_tokens", b"fetched_tokens", "finish_reason", b"finish_reason", "input_logprobs", b"input_logprobs", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_str", b"matched_stop_str", "matched_stop_token_id", b"matched_stop_token_id", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "routing", b"routing", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__engine_ttft_s: _TypeAlias = _typing.Literal["engine_ttft_s"]  # noqa: Y015
+    _WhichOneofArgType__engine_ttft_s: _TypeAlias = _typing.Literal["_engine_ttft_s", b"_engine_ttft_s"]  # noqa: Y015
     _WhichOneofReturnType_matched_stop: _TypeAlias = _typing.Literal["matched_stop_str", "matched_stop_token_id"]  # noqa: Y015
     _WhichOneofArgType_matched_stop: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__engine_ttft_s) -> _WhichOneofReturnType__engine_ttft_s | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_matched_stop) -> _WhichOneofReturnType_matched_stop | None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015

@@ -88,16 +88,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         try:
             with self.load.track(rid, len(ids)) as seq:
                 stream = self._tokens(request, ids, params, rid, images_from_proto(request.images))
+                engine_start = time.perf_counter()
                 async with contextlib.aclosing(stream) as outs:
                     async for out in outs:
                         timeline.on_output(out)
-                        if not seq.started:
+                        first = not seq.started
+                        if first:
                             metrics.TTFT.observe(time.perf_counter() - start)
                         self.load.update(seq, len(out.token_ids))
                         metrics.GENERATED_TOKENS.inc(len(out.token_ids))
                         if out.finish_reason is not None:
                             _count_finished(out.finish_reason, out.prompt_tokens, out.cached_tokens, start)
                         msg = token_out_to_proto(out, worker_id)
+                        if first:
+                            msg.engine_ttft_s = time.perf_counter() - engine_start
                         if worker_id and self.peer_fetch is not None:
                             msg.fetched_tokens = self.peer_fetch.take_fetched(rid)
                         yield msg

@@ -426,7 +426,7 @@ def test_metrics_parse_and_move(server: Server, client: openai.OpenAI, model: st
     after = _scrape(server)
     for name in ("radixmesh_prompt_tokens_total", "radixmesh_generation_tokens_total",
                  "radixmesh_time_to_first_token_seconds_count", "radixmesh_e2e_request_latency_seconds_count",
-                 "radixmesh_inter_token_latency_seconds_count"):
+                 "radixmesh_inter_token_latency_seconds_count", "radixmesh_ttft_overhead_seconds_count"):
         assert after[name] > before.get(name, 0.0), name
     chat_requests = 'radixmesh_requests_total{"endpoint": "chat_completions"}'
     assert after[chat_requests] == before.get(chat_requests, 0.0) + 1
