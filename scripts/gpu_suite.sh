@@ -10,8 +10,8 @@
 # copied there by scripts/gpu_tokenizer_model.py --stage). Results go to $OUT as JSON.
 #   STAGES="tests hot-path kernel one-batch offline profile-offline online services trace-split compare grpc-api" bash scripts/gpu_suite.sh
 #   STAGES=serve-vs-services TIMEOUT_serve_vs_services=580: serve and the services on the same workloads (issue 18;
-#   SVS_WORKLOADS, SVS_CLUSTER_ARGS e.g. "--gateway-args='--detokenize service'"; SVS_DIRECT=1 adds a gateway
-#   straight to the worker, without the router)
+#   SVS_WORKLOADS, SVS_CLUSTER_ARGS e.g. "--gateway-args='--detokenize service'"; SVS_EXTRA="direct embedded
+#   embedded-approx" adds gateways straight to the worker, or routing in their own process)
 #   STAGES=tp STAGE_TIMEOUT_S=600 bash scripts/gpu_suite.sh     # tensor parallelism: needs 2 GPUs (tp-bench, tp-custom)
 #   STAGES="tp-tests tp-70b" then STAGES=tp-70b-offline TIMEOUT_tp_70b_offline=580 (70B shape at TP 2, two H200s)
 #   FP8 (issue 21): STAGES="fp8-tests fp8-kernel fp8-one-batch fp8-capacity fp8-accuracy fp8-offline" bash scripts/gpu_suite.sh
@@ -197,18 +197,27 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))')
       done
       spy_collect svs
       curl -s "$url/ready" > "$OUT/svs-gateway-ready.json"
-      if [ -n "${SVS_DIRECT:-}" ]; then  # SVS_DIRECT=1: a second gateway straight to the worker (no router hop)
-        read -r tok wk <<< "$(python3 -c 'import json; s = json.load(open("/tmp/cluster-svs/state.json"))
-print(s["tokenizer_address"], s["worker_addresses"][0])')"
-        dport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-        $RM gateway --port "$dport" --tokenizer "$tok" --worker "$wk" > "$OUT/svs-direct.log" 2>&1 & direct=$!
-        for _ in $(seq 120); do curl -sf "http://127.0.0.1:$dport/ready" >/dev/null && break; sleep 0.5; done
-        for w in $workloads; do
-          echo "direct ${w%%:*}"; svs_bench "--base-url http://127.0.0.1:$dport" "$OUT/direct-${w%%:*}.json" "$w" \
-            "http://127.0.0.1:$dport/metrics"
+      # more gateways over the same worker, tokenizer and Redis, SVS_EXTRA="direct embedded embedded-approx": straight
+      # to the worker (no router); routing in the gateway's process (--embedded-router) with the cluster's policy
+      # and Redis index; the same with approx-tree (the router's own prefix tree, no Redis on the request path)
+      read -r tok wk redis_url <<< "$(python3 -c 'import json; s = json.load(open("/tmp/cluster-svs/state.json"))
+print(s["tokenizer_address"], s["worker_addresses"][0], s["redis_url"])')"
+      for arm in ${SVS_EXTRA:-}; do
+        gport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+        case $arm in
+          direct) target=(--worker "$wk") ;;
+          embedded) target=(--embedded-router "--workers $wk --redis-url $redis_url") ;;
+          embedded-approx) target=(--embedded-router "--workers $wk --policy approx-tree") ;;
+        esac
+        $RM gateway --port "$gport" --tokenizer "$tok" "${target[@]}" > "$OUT/svs-$arm.log" 2>&1 & gw=$!
+        for _ in $(seq 120); do curl -sf "http://127.0.0.1:$gport/ready" >/dev/null && break; sleep 0.5; done
+        for w in $workloads; do  # the same seeded prompts again: empty the worker's cache first
+          curl -s -X POST "http://127.0.0.1:$gport/flush_cache" > /dev/null; sleep 1
+          echo "$arm ${w%%:*}"; svs_bench "--base-url http://127.0.0.1:$gport" "$OUT/$arm-${w%%:*}.json" "$w" \
+            "http://127.0.0.1:$gport/metrics"
         done
-        kill -INT $direct; wait $direct
-      fi
+        kill -INT $gw; wait $gw
+      done
       $RM cluster down --state-dir /tmp/cluster-svs
       python3 scripts/serve_vs_services.py "$OUT" $(for w in $workloads; do echo "${w%%:*}"; done) \
         --out "$OUT/serve-vs-services.json" ;;

@@ -5,10 +5,10 @@ difference, and the router's own added latency under that load (its histogram, s
 
     python3 scripts/serve_vs_services.py DIR NAME [NAME ...] --out OUT.json
 reads DIR/serve-NAME.json, DIR/services-NAME.json, DIR/router-NAME-before.txt and DIR/router-NAME-after.txt,
-and DIR/direct-NAME.json when present (a gateway straight to the worker: the router's share of the difference).
-Where DIR/gw-ARM-NAME-before.txt and -after.txt exist (ARM: serve, services, direct), it also reads the front
-end's `radixmesh_ttft_overhead_seconds` histogram: each request's TTFT less the engine's own time, so the paths
-compare without the engine's run-to-run noise (queue waits, batch boundaries).
+and DIR/ARM-NAME.json for the EXTRA_ARMS present (a gateway straight to the worker; a gateway with the router in
+its process). Where DIR/gw-ARM-NAME-before.txt and -after.txt exist (ARM: serve, services or an extra arm), it also
+reads the front end's `radixmesh_ttft_overhead_seconds` histogram: each request's TTFT less the engine's own time,
+so the paths compare without the engine's run-to-run noise (queue waits, batch boundaries).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from typing import Any
 TTFT_TARGET_MS = 3.0
 ITL_TARGET_MS = 0.2
 ROUTER_P50_TARGET_MS = 1.0
+EXTRA_ARMS = {"direct": "gateway straight to the worker", "embedded": "gateway routing in its own process",
+              "embedded-approx": "gateway routing in its own process, approx-tree"}
+"""More front ends over the same cluster (gpu_suite.sh: SVS_EXTRA), when their files exist."""
 KEPT = ("num_completed", "num_failed", "duration_s", "output_throughput", "concurrency")
 
 
@@ -78,17 +81,19 @@ def compare(directory: Path, name: str) -> dict[str, Any]:
     before, after = directory / f"router-{name}-before.txt", directory / f"router-{name}-after.txt"
     if before.is_file() and after.is_file():
         result["router"] = router_p50_ms(before, after)
-    if (directory / f"direct-{name}.json").is_file():
-        direct = _run(directory / f"direct-{name}.json")
-        result["direct"] = _medians(direct["summary"])
-        result["direct_ttft_paired_diff_ms"] = paired_ttft_ms(serve["requests"], direct["requests"])
-        result["router_hop_paired_ms"] = paired_ttft_ms(direct["requests"], services["requests"])
-    found = {arm: _overhead_p50_ms(directory, arm, name) for arm in ("serve", "services", "direct")}
+    for arm in EXTRA_ARMS:
+        if (directory / f"{arm}-{name}.json").is_file():
+            run = _run(directory / f"{arm}-{name}.json")
+            result[arm] = _medians(run["summary"])
+            result[f"{arm}_ttft_paired_diff_ms"] = paired_ttft_ms(serve["requests"], run["requests"])
+            result[f"{arm}_itl_median_diff_ms"] = result[arm]["itl_median_ms"] - a["itl_median_ms"]
+    found = {arm: _overhead_p50_ms(directory, arm, name) for arm in ("serve", "services", *EXTRA_ARMS)}
     overhead = {arm: ms for arm, ms in found.items() if ms is not None}
     if overhead:
         result["ttft_overhead_p50_ms"] = overhead
-        if "serve" in overhead and "services" in overhead:
-            result["ttft_overhead_diff_ms"] = overhead["services"] - overhead["serve"]
+        if "serve" in overhead:
+            result["ttft_overhead_diff_ms"] = {arm: ms - overhead["serve"] for arm, ms in overhead.items()
+                                               if arm != "serve"}
     return result
 
 
@@ -121,13 +126,13 @@ def main() -> None:
               f"{router.get('overhead_p50_ms', float('nan')):.3f} ms")
         if "ttft_overhead_p50_ms" in r:
             arms = ", ".join(f"{arm} {ms:.3f}" for arm, ms in r["ttft_overhead_p50_ms"].items())
-            diff = r.get("ttft_overhead_diff_ms")
-            print(f"{name}: TTFT outside the engine, p50 (ms): {arms}"
-                  + (f"; services - serve {diff:+.3f} ms" if diff is not None else ""))
-        if "direct" in r:
-            print(f"{name}: gateway straight to the worker: TTFT median {r['direct']['ttft_median_ms']:.2f} ms, "
-                  f"paired vs serve {_median_of(r['direct_ttft_paired_diff_ms']):+.2f}; the router hop (services "
-                  f"vs direct, paired) {_median_of(r['router_hop_paired_ms']):+.2f} ms")
+            diffs = ", ".join(f"{arm} {ms:+.3f}" for arm, ms in r.get("ttft_overhead_diff_ms", {}).items())
+            print(f"{name}: TTFT outside the engine, p50 (ms): {arms}; over serve: {diffs}")
+        for arm in EXTRA_ARMS:
+            if arm in r:
+                print(f"{name}: {EXTRA_ARMS[arm]}: TTFT median {r[arm]['ttft_median_ms']:.2f} ms, paired vs serve "
+                      f"{_median_of(r[f'{arm}_ttft_paired_diff_ms']):+.2f}; ITL {r[arm]['itl_median_ms']:.3f} ms "
+                      f"({r[f'{arm}_itl_median_diff_ms']:+.3f})")
 
 
 if __name__ == "__main__":

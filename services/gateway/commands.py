@@ -94,6 +94,11 @@ def _register_gateway(sub: argparse._SubParsersAction) -> None:
     target.add_argument("--router", help="host:port of the router service; several replicas as host:port,host:port "
                                          "(requests go to the ready ones in turn, failing over before streaming)")
     target.add_argument("--worker", help="host:port of one worker, for a cluster without a router")
+    target.add_argument("--embedded-router", metavar="ROUTER_FLAGS",
+                        help="route in this process instead of through a router service, with `radixmesh "
+                             "router`'s routing flags as one quoted string, e.g. \"--workers h1:p1,h2:p2 --redis-url "
+                             "redis://redis:6379\" (discovery, policy, health checks and retries as the router's); "
+                             "the gateway then calls the chosen worker itself: one gRPC hop less each way")
     gateway.add_argument("--tokenizer", required=True, help="host:port of the tokenizer service")
     gateway.add_argument("--detokenize", choices=DETOKENIZE_MODES, default="local",
                          help="where output tokens become text: 'local' copies the tokenizer service's tokenizer "
@@ -116,6 +121,13 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tracing.configure("gateway", args.otlp_endpoint)  # before the backend's channels are built
     config = _gateway_config(args)
+    if args.embedded_router is not None:
+        from radixmesh.gateway.embedded_router import start_embedded
+
+        return asyncio.run(serve_backend(
+            config, lambda: start_embedded(args.tokenizer, args.embedded_router, config.served_model_name,
+                                           args.detokenize),
+            f"routing in this process ({args.embedded_router}); the tokenizer at {args.tokenizer}"))
     kind, address = ("router", args.router) if args.router else ("worker", args.worker)
     return asyncio.run(serve_backend(
         config, lambda: GrpcBackend.start(args.tokenizer, address, kind, config.served_model_name,

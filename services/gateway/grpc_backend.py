@@ -76,7 +76,8 @@ class GrpcBackend(Backend):
 
     def __init__(self, tokenizer_address: str, target_address: str, target_kind: str = "router",
                  served_model_name: str | None = None, watch: WatchConfig | None = None,
-                 detokenize: str = "local") -> None:
+                 detokenize: str = "local", target: Upstream | None = None) -> None:
+        """`target`: a target built elsewhere (the router in this process) instead of `target_address`'s."""
         assert target_kind in ("router", "worker"), f"target_kind {target_kind!r} is not router or worker"
         if detokenize not in DETOKENIZE_MODES:
             raise invalid_argument(f"detokenize must be one of {', '.join(DETOKENIZE_MODES)} (got {detokenize!r})",
@@ -84,7 +85,7 @@ class GrpcBackend(Backend):
         self.detokenize = detokenize
         self._local_tokenizer: Any = None
         """The tokenizer service's tokenizer, copied here ("local" detokenization), once loaded."""
-        targets = parse_addresses(target_address, target_kind)
+        targets = [target.address] if target is not None else parse_addresses(target_address, target_kind)
         if target_kind == "worker" and len(targets) > 1:
             raise invalid_argument("--worker takes one worker; put a router in front of several", "worker")
         self.tokenizer_address, self.target_kind = tokenizer_address, target_kind
@@ -95,7 +96,8 @@ class GrpcBackend(Backend):
         self.tokenizer = UpstreamGroup("tokenizer", [Upstream("tokenizer", tokenizer_address,
                                                               tokenizer_pb2_grpc.TokenizerServiceStub)])
         stub_class = router_pb2_grpc.RouterServiceStub if target_kind == "router" else worker_pb2_grpc.WorkerServiceStub
-        self.targets = UpstreamGroup(target_kind, [Upstream(target_kind, a, stub_class) for a in targets])
+        self.targets = UpstreamGroup(target_kind, [target] if target is not None else
+                                     [Upstream(target_kind, a, stub_class) for a in targets])
         self.readiness = Readiness("gateway")
         self.watcher = UpstreamWatcher([self.tokenizer, self.targets], self.readiness, watch or WatchConfig(),
                                        on_change=self._on_upstream_change)
@@ -111,9 +113,9 @@ class GrpcBackend(Backend):
     @classmethod
     async def start(cls, tokenizer_address: str, target_address: str, target_kind: str = "router",
                     served_model_name: str | None = None, watch: WatchConfig | None = None,
-                    detokenize: str = "local") -> GrpcBackend:
+                    detokenize: str = "local", target: Upstream | None = None) -> GrpcBackend:
         """Start watching the dependencies; returns at once, ready or not (see `not_ready_reason`)."""
-        backend = cls(tokenizer_address, target_address, target_kind, served_model_name, watch, detokenize)
+        backend = cls(tokenizer_address, target_address, target_kind, served_model_name, watch, detokenize, target)
         backend.watcher.start()
         return backend
 

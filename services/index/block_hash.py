@@ -38,14 +38,13 @@ def block_hashes(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE,
         bad = next((t for t in full if not 0 <= t <= _MASK_32), None)
         raise ValueError(f"token id {bad} does not fit in uint32") from exc
     block_bytes = 4 * block_size
-    keys: list[int] = []
-    parent = 0
+    blake2b = hashlib.blake2b
+    digests: list[bytes] = []
+    parent = bytes(8)  # a key as 8 bytes little-endian is its digest itself: no int round trip per block
     for start in range(0, len(packed), block_bytes):
-        digest = hashlib.blake2b(struct.pack("<Q", parent) + salt + packed[start:start + block_bytes],
-                                 digest_size=8).digest()
-        parent = int.from_bytes(digest, "little")
-        keys.append(parent)
-    return keys
+        parent = blake2b(parent + salt + packed[start:start + block_bytes], digest_size=8).digest()
+        digests.append(parent)
+    return [int.from_bytes(digest, "little") for digest in digests]
 
 
 def num_full_blocks(num_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:

@@ -20,6 +20,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmd = sub.add_parser("router", help="route Generate calls to workers (RouterService)",
                          description="Pick a worker per request by the KV-cache index and load, health-check "
                                      "workers, retry before the first token, and stream the answer back.")
+    add_routing_args(cmd)
+    add_server_args(cmd, DEFAULT_PORT)
+    cmd.set_defaults(func=cmd_router)
+
+
+def add_routing_args(cmd: argparse.ArgumentParser) -> None:
+    """How a router finds workers and picks one (shared by `radixmesh router` and `gateway --embedded-router`)."""
     cmd.add_argument("--policy", default="cache-aware", choices=POLICIES,
                      help="routing policy (cache-aware needs --redis-url, else it runs as approx-tree)")
     cmd.add_argument("--workers", default="", help="static worker list host:port,... (implies --discovery static)")
@@ -49,8 +56,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "device than the chosen worker, which may then fetch their KV (0: never)")
     cmd.add_argument("--host-hit-weight", type=float, default=0.5,
                      help="cache-aware: a prompt token in a worker's host tier counts this much of one on its device")
-    add_server_args(cmd, DEFAULT_PORT)
-    cmd.set_defaults(func=cmd_router)
+
+
+def embedded_router_flags(flags: str) -> tuple[RouterConfig, BaseDiscovery]:
+    """The config and discovery of `radixmesh gateway --embedded-router FLAGS`: `radixmesh router`'s routing
+    flags and --redis-url, as one shell-quoted string (a bad flag exits with the router's usage)."""
+    import shlex
+
+    from radixmesh.common.env import env_str
+
+    parser = argparse.ArgumentParser(prog="radixmesh gateway --embedded-router",
+                                     description="Routing flags of `radixmesh router`, in the gateway's process.")
+    add_routing_args(parser)
+    parser.add_argument("--redis-url", default=env_str("REDIS_URL"),
+                        help="Redis of the KV-cache index and worker leases (default: $RADIXMESH_REDIS_URL; none: off)")
+    args = parser.parse_args(shlex.split(flags))
+    return router_config(args), make_discovery(args)
 
 
 def cmd_router(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ import logging
 
 from radixmesh.common import aio
 from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
+from radixmesh.common.readiness import Readiness
 from radixmesh.index.reader import KVIndexReader
 from radixmesh.protocol import router_pb2_grpc
 from radixmesh.router import metrics
@@ -37,9 +38,11 @@ def make_reader(config: RouterConfig) -> KVIndexReader | None:
 
 
 class RouterApp:
-    """All parts of one router, started and stopped together (in a process, or inside a test)."""
+    """All parts of one router, started and stopped together (in a process, or inside a test). Without a
+    server config there is no RouterService: a gateway routes in its own process (`--embedded-router`) through
+    `servicer` and reads `not_ready_reason`."""
 
-    def __init__(self, server_config: GrpcServerConfig, config: RouterConfig, discovery: BaseDiscovery,
+    def __init__(self, server_config: GrpcServerConfig | None, config: RouterConfig, discovery: BaseDiscovery,
                  reader: KVIndexReader | None = None) -> None:
         self.config = config
         self.discovery = discovery
@@ -50,34 +53,45 @@ class RouterApp:
         self.router = RequestRouter(config, self.registry, self.policy,
                                     prefill_policy=create_policy(config.policy, dataclasses.replace(
                                         config, sweep_interval_s=0), reader=self.reader))  # one sweeper is enough
-        self.server = GrpcServer(server_config, "router", [SERVICE_NAME])
-        self.server.readiness.add("workers", "a healthy worker", detail="no worker discovered yet")
+        self.servicer = RouterServicer(self.router)
+        self.server: GrpcServer | None = None
+        if server_config is not None:
+            self.server = GrpcServer(server_config, "router", [SERVICE_NAME])
+            router_pb2_grpc.add_RouterServiceServicer_to_server(self.servicer, self.server.server)
+        self.readiness = self.server.readiness if self.server is not None else Readiness("router")
+        self.readiness.add("workers", "a healthy worker", detail="no worker discovered yet")
         if self.reader is not None:
-            self.server.readiness.add("index", f"the KV-cache index at {config.redis_url}", required=False, up=True)
+            self.readiness.add("index", f"the KV-cache index at {config.redis_url}", required=False, up=True)
         self.checker.on_change.append(self.refresh_readiness)
-        router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(self.router), self.server.server)
         self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def not_ready_reason(self) -> str:
+        return "" if self.readiness.ready else self.readiness.reason
 
     def refresh_readiness(self) -> None:
         """SERVING while at least one worker is healthy; the reason names what the workers lack."""
         workers = self.registry.all()
         healthy = [w for w in workers if w.health.healthy]
-        self.server.readiness.set("workers", bool(healthy), workers_detail(workers, len(healthy)))
+        self.readiness.set("workers", bool(healthy), workers_detail(workers, len(healthy)))
         if self.reader is not None:  # without it routing falls back to approx-tree: degraded, still ready
             index_up = self.policy.active_policy() == self.policy.policy_id
-            self.server.readiness.set("index", index_up, "" if index_up else "routing with approx-tree meanwhile")
+            self.readiness.set("index", index_up, "" if index_up else "routing with approx-tree meanwhile")
 
     async def start(self) -> None:
         await self.policy.start()
         await self.router.prefill.start()
         self._tasks = [asyncio.create_task(self.discovery.run(self.registry.apply), name="discovery"),
                        asyncio.create_task(self._update_gauges(), name="router-gauges")]
-        await self.server.start()
-        print(f"radixmesh router: policy {self.config.policy}, index {'on' if self.reader else 'off'}", flush=True)
+        if self.server is not None:
+            await self.server.start()
+            print(f"radixmesh router: policy {self.config.policy}, index {'on' if self.reader else 'off'}",
+                  flush=True)
 
     async def stop(self) -> None:
         """Drain the server, then stop discovery, probes, the policy and the worker channels."""
-        await self.server.drain()
+        if self.server is not None:
+            await self.server.drain()
         await self.close_parts()
 
     async def close_parts(self) -> None:
@@ -112,6 +126,7 @@ def workers_detail(workers: list[WorkerHandle], num_healthy: int, max_named: int
 
 async def serve_router(server_config: GrpcServerConfig, config: RouterConfig, discovery: BaseDiscovery) -> int:
     app = RouterApp(server_config, config, discovery)
+    assert app.server is not None
     try:
         await app.start()
         await app.server.run_until_signal()
