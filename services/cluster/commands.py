@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="disaggregation: decode workers (the router names a prefill worker for each prompt)")
     up.add_argument("--routers", type=int, default=1,
                     help="router replicas on their own ports, all sharing the Redis index; the gateway is given "
-                         "every one of them (--router a,b)")
+                         "every one of them (--router a,b). 0: no router service, the gateway routes in its own "
+                         "process (gateway --embedded-router, with --policy and --router-args): one hop less")
     up.add_argument("--redis", default=None,
                     help="URL of an existing Redis (default: start one when redis-server is installed)")
     up.add_argument("--policy", default="cache-aware",
@@ -103,7 +104,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     state = cluster_up(spec)
     roles = [role for _, role in spec.worker_roles()]
     tiers = ", ".join(f"{roles.count(r)} {r}" for r in ("unified", "prefill", "decode") if r in roles)
-    print(f"radixmesh cluster: workers {tiers}, router {','.join(state.router_addresses)} "
+    routers = ",".join(state.router_addresses) or "in the gateway's process"
+    print(f"radixmesh cluster: workers {tiers}, router {routers} "
           f"({state.policy}), tokenizer {state.tokenizer_address}, Redis {state.redis_url or 'none'}"
           + (f", grammar {state.grammar_address}" if state.grammar_address else ""))
     if state.model_args:
@@ -148,7 +150,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if state is None:
         print("radixmesh cluster: none")
         return 1
-    routers = ",".join(state.router_addresses or [state.router_address])
+    routers = ",".join(state.router_addresses or [state.router_address]) or "in the gateway"
     print(f"gateway {state.gateway_url}  router {routers}  redis {state.redis_url or 'none'}")
     for name, pid in state.pids.items():
         gpus = f"  GPUs {state.worker_gpus[name]}" if name in state.worker_gpus else ""

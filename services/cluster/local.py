@@ -109,7 +109,10 @@ def _start_all(spec: ClusterSpec, starter: _Starter) -> ClusterState:
         starter.start(name, ["router", *_listen(address), *starter.metrics_args(name), "--policy", spec.policy,
                              "--workers", ",".join(workers), *index, *shlex.split(spec.router_args)])
     # Start order does not matter (each service waits for what it needs), so the gateway starts with the rest.
-    gateway_url, gateway_ready = _start_gateway(spec, starter, list(routers.values()), tokenizer)
+    # Without router services the gateway routes itself, with the flags a router would have had.
+    embedded = None if routers else shlex.join(["--policy", spec.policy, "--workers", ",".join(workers), *index,
+                                                *shlex.split(spec.router_args)])
+    gateway_url, gateway_ready = _start_gateway(spec, starter, list(routers.values()), tokenizer, embedded)
     if grammar:
         starter.wait("grammar", lambda: grpc_serving(grammar), f"gRPC health at {grammar}")
     for name, (address, _) in named.items():
@@ -118,7 +121,7 @@ def _start_all(spec: ClusterSpec, starter: _Starter) -> ClusterState:
     for name, address in routers.items():
         starter.wait(name, lambda a=address: router_sees_all(a, len(workers)), f"all workers healthy at {address}")
     starter.wait("gateway", gateway_ready, f"GET {gateway_url}/health")
-    state = ClusterState(gateway_url=gateway_url, router_address=next(iter(routers.values())),
+    state = ClusterState(gateway_url=gateway_url, router_address=next(iter(routers.values()), ""),
                          tokenizer_address=tokenizer, worker_addresses=workers, redis_url=redis_url,
                          policy=spec.policy, log_dir=str(starter.log_dir), pids=dict(starter.pids),
                          metrics_urls=dict(starter.metrics_urls), grammar_address=grammar,
@@ -187,11 +190,13 @@ def _listen(address: str) -> list[str]:
     return ["--host", HOST, "--port", address.rsplit(":", 1)[1]]
 
 
-def _start_gateway(spec: ClusterSpec, starter: _Starter, routers: list[str],
-                   tokenizer: str) -> tuple[str, Callable[[], bool]]:
-    """Start the gateway over every router (comma-separated); returns its URL and a check of its /health."""
+def _start_gateway(spec: ClusterSpec, starter: _Starter, routers: list[str], tokenizer: str,
+                   embedded_router: str | None = None) -> tuple[str, Callable[[], bool]]:
+    """Start the gateway over every router (comma-separated), or routing in its own process with
+    `embedded_router`'s flags; returns its URL and a check of its /health."""
     gateway_port = spec.gateway_port or free_port(HOST)
-    starter.start("gateway", ["gateway", "--host", HOST, "--port", str(gateway_port), "--router", ",".join(routers),
+    target = ["--router", ",".join(routers)] if embedded_router is None else ["--embedded-router", embedded_router]
+    starter.start("gateway", ["gateway", "--host", HOST, "--port", str(gateway_port), *target,
                               "--tokenizer", tokenizer, *shlex.split(spec.gateway_args)])
     tls = spec.tls_config()
     gateway_url = f"{'https' if tls else 'http'}://{HOST}:{gateway_port}"

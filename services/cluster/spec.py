@@ -37,7 +37,8 @@ class ClusterSpec:
     num_decode_workers: int = 0
     """Disaggregation: decode workers (without prefill workers they compute prompts themselves)."""
     num_routers: int = 1
-    """Router replicas, each on its own port, all reading the same Redis; the gateway spreads over them."""
+    """Router replicas, each on its own port, all reading the same Redis; the gateway spreads over them.
+    0: no router service; the gateway routes in its own process (`gateway --embedded-router`)."""
     redis_url: str | None = None
     """An existing Redis; None starts one when redis-server is installed (else no index)."""
     policy: str = "cache-aware"
@@ -90,8 +91,8 @@ class ClusterSpec:
             raise invalid_argument("a cluster needs at least one unified or decode worker", "workers")
         if self.num_prefill_workers and not self.num_decode_workers:
             raise invalid_argument("prefill workers need decode workers (--decode-workers)", "prefill_workers")
-        if self.num_routers < 1:
-            raise invalid_argument("a cluster needs at least one router (--routers >= 1)", "routers")
+        if self.num_routers < 0:
+            raise invalid_argument("--routers must be >= 0 (0: the gateway routes in its own process)", "routers")
         if self.load_format not in LOAD_FORMATS:
             raise invalid_argument(f"load_format must be one of {', '.join(LOAD_FORMATS)}", "load_format")
         if self.dtype not in DTYPES:
@@ -133,7 +134,9 @@ class ClusterSpec:
 
     def router_names(self) -> list[str]:
         """Process names of the routers: `router` alone, or router-0 .. router-<n-1> for several."""
-        return ["router"] if self.num_routers == 1 else [f"router-{i}" for i in range(self.num_routers)]
+        if self.num_routers <= 1:
+            return ["router"][:self.num_routers]
+        return [f"router-{i}" for i in range(self.num_routers)]
 
     def model_args(self) -> list[str]:
         """The model flags (the same on every service that loads the model or its tokenizer), set ones only."""
@@ -225,7 +228,7 @@ class ClusterState:
 
     gateway_url: str
     router_address: str
-    """The first router (every router: router_addresses)."""
+    """The first router (every router: router_addresses); "" when the gateway routes in its own process."""
     tokenizer_address: str
     worker_addresses: list[str]
     redis_url: str | None

@@ -50,6 +50,8 @@ def create_app(backend: Backend, config: GatewayConfig, api_keys: ApiKeys | None
     state = GatewayState(backend, config, metrics, Dispatcher(backend, metrics, config.max_queued_requests))
     if metrics.queue_time is not None:
         backend.bind_queue_time(metrics.queue_time)
+    for collector, view_service in backend.metric_views():
+        metrics.add_view(collector, view_service)
     app = FastAPI(title="radixmesh", version=__version__,
                   description="OpenAI-compatible and SGLang-native LLM serving API", **_no_native_telemetry())
     app.state.gateway = state

@@ -153,6 +153,11 @@ class Backend(ABC):
     async def close(self) -> None:
         """Stop the model runtime; idempotent."""
 
+    def metric_views(self) -> list[tuple[Any, str]]:
+        """Metrics of other parts running in this process, (a collector, its service label), that the gateway's
+        /metrics renders too: the router's, when it routes in this process."""
+        return []
+
     def bind_queue_time(self, histogram: Any) -> None:
         """Observe each sequence's queue wait (seconds) into `histogram`, where the backend sees the engine's
         admission (the local one); a remote backend leaves it to the workers' own metric."""

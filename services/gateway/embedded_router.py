@@ -11,11 +11,13 @@ each keep their own health checks and recent decisions (the Redis index is still
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterator
 from typing import Any
 
 import grpc.aio
 from grpc_health.v1 import health_pb2
+from prometheus_client import REGISTRY
+from prometheus_client.metrics_core import Metric
 
 from radixmesh.common.grpc_server import NOT_READY_METADATA_KEY
 from radixmesh.gateway.grpc_backend import GrpcBackend
@@ -113,6 +115,13 @@ class _InProcessHealth:
         return _HealthCall(self._app.not_ready_reason)
 
 
+class RouterMetrics:
+    """The router's series of this process's default registry (where radixmesh.router.metrics lives)."""
+
+    def collect(self) -> Iterator[Metric]:
+        return (family for family in REGISTRY.collect() if family.name.startswith("radixmesh_router_"))
+
+
 class EmbeddedRouter(Upstream):
     """The gateway's one router "replica": a RouterApp in this process, up while it has a healthy worker."""
 
@@ -124,6 +133,8 @@ class EmbeddedRouter(Upstream):
         self.up = False
         self.detail = "not checked yet"
         self.wake = asyncio.Event()
+        self.metric_views = [(RouterMetrics(), "router")]
+        """The gateway's /metrics shows the router's series, labelled service="router"."""
 
     @property
     def description(self) -> str:

@@ -185,6 +185,9 @@ class GrpcBackend(Backend):
         return {"ready": not self.not_ready_reason(), "reason": self.not_ready_reason(), "dependencies": deps,
                 "detokenize": "local" if self._local_tokenizer is not None else "service"}
 
+    def metric_views(self) -> list[tuple[Any, str]]:
+        return [view for u in self.targets.upstreams for view in getattr(u, "metric_views", ())]
+
     async def _call(self, method: Callable[..., Any], request: Any, peer: str, **kwargs: Any) -> Any:
         try:
             return await method(request, timeout=CONTROL_TIMEOUT_S, **kwargs)

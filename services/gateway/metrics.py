@@ -30,6 +30,7 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.exposed = LabelledRegistry(self.registry, {"service": service})
         """What /metrics renders: every series labelled service="gateway" (or "serve" with a local engine)."""
+        self._views: list[LabelledRegistry] = []
         reg, p = self.registry, "radixmesh_"
         self.http_requests = Counter(p + "http_requests", "HTTP responses by route and status",
                                      ["route", "status"], registry=reg)
@@ -119,5 +120,9 @@ class GatewayMetrics:
         if self.speculative is not None:
             self.speculative.update(stats)
 
+    def add_view(self, collector: Any, service: str) -> None:
+        """Render `collector`'s metrics too, labelled service=`service` (a part running in this process)."""
+        self._views.append(LabelledRegistry(collector, {"service": service}))
+
     def render(self) -> bytes:
-        return generate_latest(self.exposed)
+        return b"".join([generate_latest(self.exposed), *(generate_latest(view) for view in self._views)])

@@ -6,6 +6,7 @@ helm fails these tests: they are the only check of the chart.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,16 @@ def rendered(helm: str) -> dict[str, list[dict[str, Any]]]:
 
 def _docs(rendered: dict[str, list[dict[str, Any]]], values_file: Path | None) -> list[dict[str, Any]]:
     return rendered[values_file.stem if values_file else "defaults"]
+
+
+def routing_pod(deployments: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+    """The Deployment that routes and its routing flags: the router's, or (router.embedded) the gateway's
+    --embedded-router string."""
+    router = next((d for d in deployments.values() if component_of(d) == "router"), None)
+    if router is not None:
+        return router, container(router)["args"]
+    gateway = next(d for d in deployments.values() if component_of(d) == "gateway")
+    return gateway, shlex.split(str(flag(container(gateway)["args"], "embedded-router")))
 
 
 def test_examples_exist() -> None:
@@ -153,9 +164,9 @@ def test_router_rbac_grants_only_reading_pods(rendered: dict[str, list[dict[str,
             assert rule["apiGroups"] == [""] and rule["resources"] == ["pods"], rule
             assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule
     deployments = of_kind(docs, "Deployment")
-    router = next(d for d in deployments.values() if component_of(d) == "router")
+    router, routing_args = routing_pod(deployments)
     router_sa = router["spec"]["template"]["spec"].get("serviceAccountName")
-    uses_kubernetes = flag(container(router)["args"], "discovery") == "kubernetes"
+    uses_kubernetes = flag(routing_args, "discovery") == "kubernetes"
     bindings = of_kind(docs, "RoleBinding")
     if uses_kubernetes:
         assert roles and bindings and router_sa
@@ -176,8 +187,7 @@ def test_workers_carry_discovery_labels_gpus_and_shm(rendered: dict[str, list[di
     deployments = of_kind(docs, "Deployment")
     workers = [d for d in deployments.values() if component_of(d) == "worker"]
     assert workers
-    router = next(d for d in deployments.values() if component_of(d) == "router")
-    selector = flag(container(router)["args"], "selector")
+    selector = flag(routing_pod(deployments)[1], "selector")
     for dep in workers:
         pod = dep["spec"]["template"]
         labels, annotations = pod["metadata"]["labels"], pod["metadata"]["annotations"]

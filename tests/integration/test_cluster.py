@@ -125,6 +125,12 @@ def test_greedy_answers_match_a_single_engine(cluster: ClusterState, reference_a
 
 
 def test_groups_land_on_the_worker_holding_their_prefix(cluster: ClusterState) -> None:
+    check_groups_land_on_their_prefix_worker(cluster)
+
+
+def check_groups_land_on_their_prefix_worker(cluster: ClusterState) -> None:
+    """Three groups of prompts sharing a 10-block prefix, interleaved: each group's later prompts find their
+    prefix cached (they went where it is), and the three new prefixes spread over both workers."""
     cached: dict[int, list[int]] = {0: [], 1: [], 2: []}
     for member in range(3):
         for group in range(3):  # one request at a time, groups interleaved

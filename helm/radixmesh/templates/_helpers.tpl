@@ -120,6 +120,23 @@ app.kubernetes.io/component=worker,app.kubernetes.io/instance={{ .Release.Name }
 {{- end }}
 {{- end -}}
 
+{{/* The router's flags (a list): for the router Deployment, or the gateway's --embedded-router. */}}
+{{- define "radixmesh.routerArgs" -}}
+{{- $args := list (printf "--policy=%s" .Values.router.policy) (printf "--block-size=%d" (int .Values.kvIndex.blockSize)) -}}
+{{- if eq .Values.router.discovery "kubernetes" -}}
+{{- $args = concat $args (list "--discovery=kubernetes" (printf "--selector=%s" (include "radixmesh.workerSelector" .)) (printf "--namespace=%s" .Release.Namespace)) -}}
+{{- else -}}
+{{- $args = append $args "--discovery=redis" -}}
+{{- end -}}
+{{- $args = concat $args (include "radixmesh.redisArgs" . | fromYamlArray) -}}
+{{- if .Values.workers.decode.enabled -}}
+{{- $args = append $args (printf "--pd-min-prefill-tokens=%d" (int .Values.router.pdMinPrefillTokens)) -}}
+{{- end -}}
+{{- $args = append $args (printf "--host-hit-weight=%v" .Values.router.hostHitWeight) -}}
+{{- $args = append $args (printf "--peer-fetch-min-tokens=%d" (int .Values.router.peerFetchMinTokens)) -}}
+{{- toYaml $args }}
+{{- end -}}
+
 {{- define "radixmesh.redisArgs" -}}
 {{- if ne .Values.redis.mode "none" }}
 - --redis-url=$(RADIXMESH_REDIS_URL)
