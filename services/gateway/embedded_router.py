@@ -11,6 +11,7 @@ each keep their own health checks and recent decisions (the Redis index is still
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterator
 from typing import Any
 
@@ -59,8 +60,12 @@ class InProcessCall:
         if self._done:
             return False
         self._done = True
-        self._closing = asyncio.get_running_loop().create_task(self._stream.aclose())
+        self._closing = asyncio.get_running_loop().create_task(self._close())
         return True
+
+    async def _close(self) -> None:
+        with contextlib.suppress(RuntimeError):  # a read still running in another task ends the stream itself
+            await self._stream.aclose()
 
 
 def _unwrapped(method: Callable[..., Any]) -> Callable[..., Any]:
