@@ -201,12 +201,12 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))')
       # to the worker (no router); routing in the gateway's process (--embedded-router) with the cluster's policy
       # and Redis index; the same with approx-tree (the router's own prefix tree, no Redis on the request path)
       read -r tok wk redis_url <<< "$(python3 -c 'import json; s = json.load(open("/tmp/cluster-svs/state.json"))
-print(s["tokenizer_address"], s["worker_addresses"][0], s["redis_url"])')"
+print(s["tokenizer_address"], s["worker_addresses"][0], s["redis_url"] or "")')"
       for arm in ${SVS_EXTRA:-}; do
         gport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
         case $arm in
           direct) target=(--worker "$wk") ;;
-          embedded) target=(--embedded-router "--workers $wk --redis-url $redis_url") ;;
+          embedded) target=(--embedded-router "--workers $wk${redis_url:+ --redis-url $redis_url}") ;;
           embedded-approx) target=(--embedded-router "--workers $wk --policy approx-tree") ;;
         esac
         $RM gateway --port "$gport" --tokenizer "$tok" "${target[@]}" > "$OUT/svs-$arm.log" 2>&1 & gw=$!
