@@ -106,10 +106,11 @@ def test_cluster_up_hands_one_set_of_flags_to_every_model_service(monkeypatch: p
 def test_cluster_spec_defaults_pass_no_model_flags_and_one_router() -> None:
     spec = ClusterSpec()
     assert spec.model_args() == [] and spec.router_names() == ["router"]
+    assert ClusterSpec(num_routers=0).router_names() == []  # the gateway routes in its own process
     assert ClusterSpec(model="m", load_format="dummy").model_args() == ["--model", "m", "--load-format", "dummy"]
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [({"num_routers": 0}, "at least one router"),
+@pytest.mark.parametrize(("kwargs", "message"), [({"num_routers": -1}, "routers must be >= 0"),
                                                  ({"load_format": "bin"}, "load_format"),
                                                  ({"dtype": "int4"}, "dtype"),
                                                  ({"context_length": 1}, "context_length")])
