@@ -7,7 +7,9 @@ and times the first message:
 
 - `new_call`: a new unary-stream call per request (what the gateway and the router do), split into
   send -> handler start and handler's first message -> client (one clock: both processes on this host);
-- `open_call`: the request written into a bidirectional call opened beforehand (call setup off the path).
+- `open_call`: the request written into a bidirectional call opened beforehand (call setup off the path);
+- `shared_stream`: the request sent as one more message on a long-lived bidirectional stream that carries every
+  request and every answer (no call per request at all).
 
     python3 scripts/grpc_hop_bench.py [--prompt-lens 16,4096] [--requests 300] [--out hop.json]
 """
@@ -61,6 +63,29 @@ async def _bidi(request_iterator: Any, context: Any) -> AsyncIterator[Any]:
         yield msg
 
 
+async def _shared(request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+    """Every request on one stream; each answer carries its request's id in matched_stop_str (the tag)."""
+    out: asyncio.Queue[Any] = asyncio.Queue()
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one(request: worker_pb2.GenerateRequest) -> None:
+        async for msg in _answer(request):
+            msg.matched_stop_str = request.request_id
+            await out.put(msg)
+
+    async def read() -> None:
+        async for request in request_iterator:
+            task = asyncio.get_running_loop().create_task(one(request))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        await out.put(None)
+
+    reader = asyncio.get_running_loop().create_task(read())
+    while (msg := await out.get()) is not None:
+        yield msg
+    await reader
+
+
 async def _serve(port: int) -> None:
     server = grpc.aio.server()
     decode = worker_pb2.GenerateRequest.FromString
@@ -68,7 +93,9 @@ async def _serve(port: int) -> None:
         "New": grpc.unary_stream_rpc_method_handler(_unary_stream, request_deserializer=decode,
                                                     response_serializer=_serialize),
         "Open": grpc.stream_stream_rpc_method_handler(_bidi, request_deserializer=decode,
-                                                      response_serializer=_serialize)}),))
+                                                      response_serializer=_serialize),
+        "Shared": grpc.stream_stream_rpc_method_handler(_shared, request_deserializer=decode,
+                                                        response_serializer=_serialize)}),))
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
@@ -94,7 +121,9 @@ async def _measure(port: int, prompt_len: int, requests: int) -> dict[str, Any]:
     opened = channel.stream_stream(f"/{SERVICE}/Open", request_serializer=_serialize, response_deserializer=decode)
     request = worker_pb2.GenerateRequest(request_id="r", token_ids=list(range(1000, 1000 + prompt_len)))
     request.block_hashes.hashes.extend(range(1 << 62, (1 << 62) + prompt_len // 16))
-    total, to_handler, back, warm = [], [], [], []
+    shared = channel.stream_stream(f"/{SERVICE}/Shared", request_serializer=_serialize,
+                                   response_deserializer=decode)()
+    total, to_handler, back, warm, muxed = [], [], [], [], []
     spare = opened()
     await asyncio.sleep(PAUSE_S)
     for _ in range(requests):
@@ -115,12 +144,21 @@ async def _measure(port: int, prompt_len: int, requests: int) -> dict[str, Any]:
         warm.append(time.time_ns() - sent)
         await _drain(call)
         await asyncio.sleep(PAUSE_S)
+        sent = time.time_ns()
+        await shared.write(request)
+        await shared.read()
+        muxed.append(time.time_ns() - sent)
+        await shared.read()  # its second message
+        await asyncio.sleep(PAUSE_S)
+    await shared.done_writing()
+    await _drain(shared)
     spare.cancel()
     await asyncio.sleep(PAUSE_S)
     await channel.close()
     return {"prompt_len": prompt_len, "requests": requests,
             "new_call_first_message_ms": _median_ms(total), "new_call_send_to_handler_ms": _median_ms(to_handler),
-            "new_call_handler_to_client_ms": _median_ms(back), "open_call_first_message_ms": _median_ms(warm)}
+            "new_call_handler_to_client_ms": _median_ms(back), "open_call_first_message_ms": _median_ms(warm),
+            "shared_stream_first_message_ms": _median_ms(muxed)}
 
 
 def main() -> None:
@@ -148,7 +186,8 @@ def main() -> None:
         print(f"prompt {r['prompt_len']:>5} ids: new call, first message {r['new_call_first_message_ms']:.3f} ms "
               f"(send -> handler {r['new_call_send_to_handler_ms']:.3f}, handler -> client "
               f"{r['new_call_handler_to_client_ms']:.3f}); call opened beforehand "
-              f"{r['open_call_first_message_ms']:.3f} ms")
+              f"{r['open_call_first_message_ms']:.3f} ms; one shared stream "
+              f"{r['shared_stream_first_message_ms']:.3f} ms")
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -6,9 +6,10 @@ difference, and the router's own added latency under that load (its histogram, s
     python3 scripts/serve_vs_services.py DIR NAME [NAME ...] --out OUT.json
 reads DIR/serve-NAME.json, DIR/services-NAME.json, DIR/router-NAME-before.txt and DIR/router-NAME-after.txt,
 and DIR/ARM-NAME.json for the EXTRA_ARMS present (a gateway straight to the worker; a gateway with the router in
-its process). Where DIR/gw-ARM-NAME-before.txt and -after.txt exist (ARM: serve, services or an extra arm), it also
-reads the front end's `radixmesh_ttft_overhead_seconds` histogram: each request's TTFT less the engine's own time,
-so the paths compare without the engine's run-to-run noise (queue waits, batch boundaries).
+its process; a second router process), with DIR/rt-ARM-NAME-before.txt and -after.txt for an arm's own router.
+Where DIR/gw-ARM-NAME-before.txt and -after.txt exist (ARM: serve, services or an extra arm), it also reads the
+front end's `radixmesh_ttft_overhead_seconds` histogram: each request's TTFT less the engine's own time, so the
+paths compare without the engine's run-to-run noise (queue waits, batch boundaries).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ TTFT_TARGET_MS = 3.0
 ITL_TARGET_MS = 0.2
 ROUTER_P50_TARGET_MS = 1.0
 EXTRA_ARMS = {"direct": "gateway straight to the worker", "embedded": "gateway routing in its own process",
-              "embedded-approx": "gateway routing in its own process, approx-tree"}
+              "embedded-async": "gateway routing in its own process, index lookups awaited",
+              "embedded-approx": "gateway routing in its own process, approx-tree",
+              "router-async": "gateway -> a router whose index lookups are awaited -> worker"}
 """More front ends over the same cluster (gpu_suite.sh: SVS_EXTRA), when their files exist."""
 KEPT = ("num_completed", "num_failed", "duration_s", "output_throughput", "concurrency")
 
@@ -87,6 +90,9 @@ def compare(directory: Path, name: str) -> dict[str, Any]:
             result[arm] = _medians(run["summary"])
             result[f"{arm}_ttft_paired_diff_ms"] = paired_ttft_ms(serve["requests"], run["requests"])
             result[f"{arm}_itl_median_diff_ms"] = result[arm]["itl_median_ms"] - a["itl_median_ms"]
+            before, after = directory / f"rt-{arm}-{name}-before.txt", directory / f"rt-{arm}-{name}-after.txt"
+            if before.is_file() and after.is_file():  # the arm's own router process
+                result[f"{arm}_router"] = router_p50_ms(before, after)
     found = {arm: _overhead_p50_ms(directory, arm, name) for arm in ("serve", "services", *EXTRA_ARMS)}
     overhead = {arm: ms for arm, ms in found.items() if ms is not None}
     if overhead:
@@ -133,6 +139,9 @@ def main() -> None:
                 print(f"{name}: {EXTRA_ARMS[arm]}: TTFT median {r[arm]['ttft_median_ms']:.2f} ms, paired vs serve "
                       f"{_median_of(r[f'{arm}_ttft_paired_diff_ms']):+.2f}; ITL {r[arm]['itl_median_ms']:.3f} ms "
                       f"({r[f'{arm}_itl_median_diff_ms']:+.3f})")
+            if f"{arm}_router" in r:
+                print(f"{name}: {arm}: router overhead p50 {r[f'{arm}_router']['overhead_p50_ms']:.3f} ms, decision "
+                      f"p50 {r[f'{arm}_router']['decision_p50_ms']:.3f} ms")
 
 
 if __name__ == "__main__":

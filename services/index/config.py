@@ -30,14 +30,18 @@ class IndexConfig:
     """Readers reuse the set of live leases for this long before reading it again."""
     op_timeout_s: float = 1.0
     """Socket timeout of one Redis round trip; a slower Redis counts as down."""
+    inline_timeout_s: float = 0.1
+    """Socket timeout of an inline lookup (a blocking one, which holds the reader's event loop while it waits):
+    a slower Redis counts as down, so a hung Redis stalls the loop at most this long before the fallback."""
 
     def __post_init__(self) -> None:
         if not self.redis_url:
             raise invalid_argument("the index needs a Redis URL", "redis_url")
         if self.block_size < 1:
             raise invalid_argument("block_size must be >= 1", "block_size")
-        if self.lease_ttl_s <= 0 or self.speculative_ttl_s <= 0 or self.op_timeout_s <= 0:
-            raise invalid_argument("lease_ttl_s, speculative_ttl_s and op_timeout_s must be > 0", "lease_ttl_s")
+        if min(self.lease_ttl_s, self.speculative_ttl_s, self.op_timeout_s, self.inline_timeout_s) <= 0:
+            raise invalid_argument("lease_ttl_s, speculative_ttl_s, op_timeout_s and inline_timeout_s must be > 0",
+                                   "lease_ttl_s")
         if self.flush_interval_s <= 0 or self.max_batch_events < 1 or self.lease_cache_s < 0:
             raise invalid_argument("flush_interval_s > 0, max_batch_events >= 1, lease_cache_s >= 0 required",
                                    "flush_interval_s")

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from redis import Redis as BlockingRedis
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -50,6 +51,12 @@ def connect(config: IndexConfig) -> Redis:
     """An asyncio Redis client with the index's timeouts (connects lazily)."""
     return Redis.from_url(config.redis_url, socket_timeout=config.op_timeout_s,
                           socket_connect_timeout=config.op_timeout_s, health_check_interval=0)
+
+
+def connect_inline(config: IndexConfig) -> BlockingRedis:
+    """A blocking Redis client for inline lookups, with their short timeout (connects lazily)."""
+    return BlockingRedis.from_url(config.redis_url, socket_timeout=config.inline_timeout_s,
+                                  socket_connect_timeout=config.inline_timeout_s, health_check_interval=0)
 
 
 class KVIndexWriter:

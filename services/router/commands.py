@@ -37,6 +37,10 @@ def add_routing_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--namespace", default=None, help="kubernetes discovery: namespace (default: the router's)")
     cmd.add_argument("--block-size", type=int, default=16, help="tokens per block of the prompts' hashes")
     cmd.add_argument("--index-namespace", default="radixmesh", help="key prefix of the KV-cache index in Redis")
+    cmd.add_argument("--index-lookup", default="inline", choices=("inline", "async"),
+                     help="cache-aware: wait for a request's index lookup inline (a blocking loopback round trip "
+                          "that does not queue behind the streams being relayed; at most 0.1 s while Redis hangs) "
+                          "or awaited")
     cmd.add_argument("--health-interval-s", type=float, default=1.0, help="seconds between health probes")
     cmd.add_argument("--health-failure-threshold", type=int, default=2,
                      help="failed probes in a row that mark a worker unhealthy")
@@ -91,7 +95,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     from radixmesh.router.config import HealthConfig, PDConfig, RetryConfig, RouterConfig, ScoringConfig
 
     return RouterConfig(policy=args.policy, block_size=args.block_size, redis_url=args.redis_url,
-                        index_namespace=args.index_namespace, seed=args.seed, redis_probe_s=args.redis_probe_s,
+                        index_namespace=args.index_namespace, index_lookup=args.index_lookup, seed=args.seed,
+                        redis_probe_s=args.redis_probe_s,
                         health=HealthConfig(interval_s=args.health_interval_s,
                                             failure_threshold=args.health_failure_threshold,
                                             success_threshold=args.health_success_threshold),

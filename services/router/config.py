@@ -110,6 +110,9 @@ class PDConfig:
             raise invalid_argument("pd min_prefill_tokens must be >= 0", "pd_min_prefill_tokens")
 
 
+INDEX_LOOKUPS = ("inline", "async")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """Everything the router needs besides its server address."""
@@ -122,6 +125,10 @@ class RouterConfig:
     """Redis of the KV-cache index; cache-aware without it runs as approx-tree."""
     index_namespace: str = "radixmesh"
     """Key prefix of the index in Redis."""
+    index_lookup: str = "inline"
+    """How a request's index lookup waits for Redis: inline (a blocking round trip on the event loop, which
+    does not queue behind the streams the loop relays; at most 0.1 s while Redis hangs, then the fallback) |
+    async (awaited)."""
     redis_probe_s: float = 1.0
     """How often the router pings Redis: while it is up (to notice it gone without a failed request) and
     while it is down (to notice it back)."""
@@ -152,5 +159,7 @@ class RouterConfig:
             raise invalid_argument("block_size must be >= 1", "block_size")
         if self.peer_fetch_min_tokens < 0:
             raise invalid_argument("peer_fetch_min_tokens must be >= 0", "peer_fetch_min_tokens")
+        if self.index_lookup not in INDEX_LOOKUPS:
+            raise invalid_argument(f"index_lookup must be one of {', '.join(INDEX_LOOKUPS)}", "index_lookup")
         if self.redis_probe_s <= 0 or self.sweep_interval_s < 0:
             raise invalid_argument("redis_probe_s must be > 0 and sweep_interval_s >= 0", "redis_probe_s")

@@ -30,11 +30,12 @@ def make_reader(config: RouterConfig) -> KVIndexReader | None:
     if not config.redis_url:
         return None
     from radixmesh.index.config import IndexConfig
-    from radixmesh.index.writer import connect
+    from radixmesh.index.writer import connect, connect_inline
 
     index_config = IndexConfig(redis_url=config.redis_url, namespace=config.index_namespace,
                                block_size=config.block_size)
-    return KVIndexReader(index_config, connect(index_config))
+    inline = connect_inline(index_config) if config.index_lookup == "inline" else None
+    return KVIndexReader(index_config, connect(index_config), inline)
 
 
 class RouterApp:
@@ -102,7 +103,7 @@ class RouterApp:
         await self.router.prefill.close()
         await self.registry.close()
         if self.reader is not None:
-            await self.reader.redis.aclose()
+            await self.reader.close()
 
     async def _update_gauges(self) -> None:
         while True:

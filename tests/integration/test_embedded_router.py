@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import io
 
 import pytest
@@ -17,6 +18,7 @@ from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.gateway.embedded_router import ADDRESS, EmbeddedRouter, start_embedded
 from radixmesh.router.commands import embedded_router_flags
+from radixmesh.router.server import make_reader
 from tests.fake_worker import FakeWorker
 from tests.integration.service_procs import free_port
 from tests.integration.test_start_order import generate_text, start_tokenizer, wait_until
@@ -97,6 +99,12 @@ def test_not_ready_until_a_worker_answers() -> None:
 def test_flags_are_the_routers() -> None:
     config, _ = embedded_router_flags("--workers 127.0.0.1:1,127.0.0.1:2 --policy power-of-two --max-attempts 5")
     assert config.policy == "power-of-two" and config.retry.max_attempts == 5
+    assert config.index_lookup == "inline", "index lookups block the loop for one round trip by default"
+    config, _ = embedded_router_flags("--workers 127.0.0.1:1 --index-lookup async --redis-url redis://127.0.0.1:1/0")
+    readers = [make_reader(config), make_reader(dataclasses.replace(config, index_lookup="inline"))]
+    assert [reader.inline is not None for reader in readers if reader is not None] == [False, True]
+    with pytest.raises(RadixMeshError, match="index_lookup must be one of inline, async"):
+        dataclasses.replace(config, index_lookup="threaded")
     with contextlib.redirect_stderr(io.StringIO()) as usage, pytest.raises(SystemExit):
         embedded_router_flags("--policy nope")
     assert "radixmesh gateway --embedded-router" in usage.getvalue()

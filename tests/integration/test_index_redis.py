@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import socket
 import time
 
 import pytest
@@ -14,11 +15,11 @@ from redis.exceptions import RedisError
 
 from radixmesh.index.block_hash import block_hashes
 from radixmesh.index.config import IndexConfig
-from radixmesh.index.keys import IndexKeys
+from radixmesh.index.keys import HOST_TIER, IndexKeys
 from radixmesh.index.lease import WorkerLease
 from radixmesh.index.reader import KVIndexReader
 from radixmesh.index.redis_server import LocalRedis
-from radixmesh.index.writer import KVIndexWriter, WriterIdentity, connect
+from radixmesh.index.writer import KVIndexWriter, WriterIdentity, connect, connect_inline
 from tests.redis_helpers import local_redis, own_redis  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.integration
@@ -264,14 +265,42 @@ def test_two_readers_agree(local_redis: LocalRedis) -> None:  # noqa: F811
                 w.stored(hashes[: (i * 3 + j) % 7])
         await published(*writers)
         r1, r2 = KVIndexReader(config, connect(config)), KVIndexReader(config, connect(config))
+        inline = KVIndexReader(config, connect(config), connect_inline(config))  # the walk as a blocking call
+        writers[1].stored(prompts[0][:6], tier=HOST_TIER)
+        await published(*writers)
+        await r1.record_speculative(prompts[3], "w0", from_block=2)
         for hashes in prompts:
-            assert (await r1.lookup(hashes)) == (await r2.lookup(hashes))
+            match = await r1.lookup(hashes)
+            assert match == (await r2.lookup(hashes)) == (await inline.lookup(hashes))
+        assert (await inline.lookup(prompts[0])).device_blocks is not None, "the host tier was read inline too"
+        assert (await inline.lookup(prompts[3])).speculative == {"w0"}
         for w in writers:
             await w.close()
-        await r1.redis.aclose()
-        await r2.redis.aclose()
+        for reader in (r1, r2, inline):
+            await reader.close()
 
     asyncio.run(run())
+
+
+def test_an_inline_lookup_gives_up_on_a_hung_redis_within_its_timeout() -> None:
+    """A Redis that accepts connections but never answers holds the event loop for inline_timeout_s, then the
+    lookup raises a Redis error (the cache-aware policy then routes with its fallback)."""
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)  # connections complete in the kernel; nothing ever reads or answers them
+        config = IndexConfig(redis_url=f"redis://127.0.0.1:{hung.getsockname()[1]}/0", namespace="hung",
+                             block_size=4, inline_timeout_s=0.1)
+
+        async def run() -> None:
+            reader = KVIndexReader(config, connect(config), connect_inline(config))
+            reader._leases, reader._leases_read_s = {}, time.monotonic() + 3600  # no lease read first
+            start = time.perf_counter()
+            with pytest.raises(RedisError):
+                await reader.lookup(block_hashes(prompt(1, 3), 4))
+            assert time.perf_counter() - start < 0.6, "the awaited client's 1 s timeout, not the inline one's"
+            await reader.close()
+
+        asyncio.run(run())
 
 
 def test_writer_republishes_after_redis_restart(own_redis: LocalRedis) -> None:  # noqa: F811
