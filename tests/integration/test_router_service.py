@@ -188,6 +188,11 @@ def test_speculative_entries_keep_a_burst_of_a_new_prefix_together(local_redis: 
                 w.delay_s = 0.05
             results = await asyncio.gather(*(generate(c.stubs[0], group_prompt(7, m)) for m in range(6)))
             assert len({routing.worker_id for _, routing in results}) == 1
+            # Other routers learn the decision from the speculative entry, written just after it (off the request's
+            # path): it names the chosen worker for the prefix's first block.
+            first_block = block_hashes(group_prompt(7, 0), BLOCK)[0]
+            spec = sync_redis.Redis.from_url(local_redis.url).get(f"radixmesh:spec:{first_block:016x}")
+            assert spec is not None and spec.decode() == results[0][1].worker_id
 
     asyncio.run(run())
 

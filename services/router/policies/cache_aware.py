@@ -34,6 +34,10 @@ from radixmesh.router.workers import WorkerHandle
 logger = logging.getLogger(__name__)
 
 REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+SPECULATIVE_WRITE_DELAY_S = 0.002
+"""A decision's speculative index entry is written this long after it, so that its round trip does not share the
+event loop with the start of that request's worker call (this router's own bursts see the decision at once through
+`RecentDecisions`; other routers see it a couple of ms later)."""
 
 
 class RecentDecisions:
@@ -99,6 +103,7 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         self._watch_task: asyncio.Task[None] | None = None
         self.num_fallback_decisions = 0
         self._background: set[asyncio.Task[None]] = set()
+        self._pending_writes: set[asyncio.TimerHandle] = set()
         if reader is None:
             logger.warning("router: cache-aware without --redis-url routes as approx-tree")
 
@@ -112,6 +117,9 @@ class CacheAwarePolicy(BaseRoutingPolicy):
             self._watch_task = asyncio.create_task(self._watch_while_up(self.reader), name="redis-watch")
 
     async def close(self) -> None:
+        for handle in self._pending_writes:
+            handle.cancel()
+        self._pending_writes.clear()
         await aio.cancel_and_wait(self._probe_task, self._sweep_task, self._watch_task)
         self._probe_task = self._sweep_task = self._watch_task = None
 
@@ -150,9 +158,17 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         if self.reader is None or not self.redis_up or decision.policy != self.policy_id:
             return
         # Off the request's path: this router's own bursts are covered by `recent` at once.
-        task = asyncio.create_task(self._record_speculative(self.reader, request, decision))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        handle: asyncio.TimerHandle | None = None
+
+        def start(reader: KVIndexReader) -> None:
+            if handle is not None:
+                self._pending_writes.discard(handle)
+            task = asyncio.create_task(self._record_speculative(reader, request, decision))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+        handle = asyncio.get_running_loop().call_later(SPECULATIVE_WRITE_DELAY_S, start, self.reader)
+        self._pending_writes.add(handle)
 
     async def _record_speculative(self, reader: KVIndexReader, request: RouteRequest,
                                   decision: RoutingDecision) -> None:
