@@ -229,6 +229,12 @@ class KVIndexReader:
     def num_malformed(self) -> int:
         return self._malformed.count
 
+    async def open_inline(self) -> None:
+        """Open the blocking client's connection from a worker thread (name resolution and connect off the event
+        loop), so that inline lookups find it open; a no-op without one. Raises the Redis error when it fails."""
+        if self.inline is not None:
+            await asyncio.to_thread(self.inline.ping)
+
     async def close(self) -> None:
         await self.redis.aclose()
         if self.inline is not None:

@@ -274,6 +274,11 @@ def test_two_readers_agree(local_redis: LocalRedis) -> None:  # noqa: F811
             assert match == (await r2.lookup(hashes)) == (await inline.lookup(hashes))
         assert (await inline.lookup(prompts[0])).device_blocks is not None, "the host tier was read inline too"
         assert (await inline.lookup(prompts[3])).speculative == {"w0"}
+        fresh = KVIndexReader(config, connect(config), connect_inline(config))
+        await fresh.open_inline()  # from a thread: the connection is open before the first lookup
+        assert fresh.inline is not None and len(fresh.inline.connection_pool._available_connections) == 1
+        assert (await fresh.lookup(prompts[1])) == (await r1.lookup(prompts[1]))
+        await fresh.close()
         for w in writers:
             await w.close()
         for reader in (r1, r2, inline):
@@ -298,6 +303,21 @@ def test_an_inline_lookup_gives_up_on_a_hung_redis_within_its_timeout() -> None:
             with pytest.raises(RedisError):
                 await reader.lookup(block_hashes(prompt(1, 3), 4))
             assert time.perf_counter() - start < 0.6, "the awaited client's 1 s timeout, not the inline one's"
+            # Opening the inline connection ahead (routers do at start and after an outage) waits in a thread:
+            # the loop keeps running meanwhile.
+            ticks = 0
+
+            async def tick() -> None:
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.01)
+                    ticks += 1
+
+            ticker = asyncio.create_task(tick())
+            with pytest.raises(RedisError):
+                await reader.open_inline()
+            ticker.cancel()
+            assert ticks >= 3, "the loop was held while the connection was opened"
             await reader.close()
 
         asyncio.run(run())

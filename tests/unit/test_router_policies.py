@@ -100,19 +100,36 @@ def test_cache_aware_notices_redis_gone_without_a_request() -> None:
 
     async def run() -> None:
         redis = _FlakyRedis()
-        reader = SimpleNamespace(redis=redis, config=SimpleNamespace(speculative_ttl_s=3.0))
+        opened: list[bool] = []
+
+        async def open_inline() -> None:  # the blocking client's connection, opened from a thread
+            opened.append(not redis.down)
+
+        async def live_leases(max_age_s: float | None = None) -> dict[str, object]:
+            return {}
+
+        reader = SimpleNamespace(redis=redis, config=SimpleNamespace(speculative_ttl_s=3.0), open_inline=open_inline,
+                                 live_leases=live_leases)
         policy = CacheAwarePolicy(make_config(policy="cache-aware", redis_probe_s=0.05, sweep_interval_s=0),
                                   reader=reader)
         await policy.start()
         try:
             await asyncio.sleep(0.2)
             assert policy.active_policy() == "cache-aware" and redis.num_pings >= 2
+            assert opened == [True], "the inline connection is opened at start, off the request path"
             redis.down = True
             for _ in range(40):
                 if policy.active_policy() == "approx-tree":
                     break
                 await asyncio.sleep(0.05)
             assert policy.active_policy() == "approx-tree"
+            redis.down = False
+            for _ in range(40):
+                if policy.active_policy() == "cache-aware":
+                    break
+                await asyncio.sleep(0.05)
+            assert policy.active_policy() == "cache-aware"
+            assert opened == [True, True], "Redis is back: the probe reopened the inline connection first"
         finally:
             await policy.close()
 

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from redis.exceptions import RedisError
 
@@ -101,6 +101,7 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         self._probe_task: asyncio.Task[None] | None = None
         self._sweep_task: asyncio.Task[None] | None = None
         self._watch_task: asyncio.Task[None] | None = None
+        self._warm_task: asyncio.Task[None] | None = None
         self.num_fallback_decisions = 0
         self._background: set[asyncio.Task[None]] = set()
         self._pending_writes: set[asyncio.TimerHandle] = set()
@@ -111,6 +112,8 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         return self.policy_id if self.redis_up else self.fallback.policy_id
 
     async def start(self) -> None:
+        if self.reader is not None:  # best effort: a failure here shows on the first lookup
+            self._warm_task = asyncio.create_task(_quietly(self.reader.open_inline()), name="index-inline-connect")
         if self.reader is not None and self.config.sweep_interval_s > 0:
             self._sweep_task = asyncio.create_task(self._sweep_loop(), name="index-sweep")
         if self.reader is not None:
@@ -120,8 +123,8 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         for handle in self._pending_writes:
             handle.cancel()
         self._pending_writes.clear()
-        await aio.cancel_and_wait(self._probe_task, self._sweep_task, self._watch_task)
-        self._probe_task = self._sweep_task = self._watch_task = None
+        await aio.cancel_and_wait(self._probe_task, self._sweep_task, self._watch_task, self._warm_task)
+        self._probe_task = self._sweep_task = self._watch_task = self._warm_task = None
 
     async def choose(self, request: RouteRequest, candidates: Sequence[WorkerHandle]) -> RoutingDecision:
         if self.reader is not None and self.redis_up:
@@ -206,6 +209,7 @@ class CacheAwarePolicy(BaseRoutingPolicy):
             try:
                 await self.reader.redis.ping()
                 await self.reader.live_leases(max_age_s=0)
+                await self.reader.open_inline()  # reconnected off the loop, not by the next request's lookup
             except REDIS_ERRORS:
                 continue
             self.redis_up = True
@@ -222,3 +226,10 @@ class CacheAwarePolicy(BaseRoutingPolicy):
                 await self.reader.sweep()
             except REDIS_ERRORS as exc:
                 logger.info("router: index sweep failed: %s", exc)
+
+
+async def _quietly(opening: Awaitable[None]) -> None:
+    try:
+        await opening
+    except REDIS_ERRORS as exc:
+        logger.debug("router: could not open the inline index connection yet: %s", exc)
