@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 
 import pytest
 
 from radixmesh.common.errors import RadixMeshError
 from radixmesh.router.policies import POLICY_IDS, create_policy
 from radixmesh.router.policies.approx_tree import ApproxPrefixIndex
-from radixmesh.router.policies.base import RouteRequest
+from radixmesh.router.policies.base import BaseRoutingPolicy, RouteRequest
 from radixmesh.router.policies.scoring import decide, is_imbalanced, load_fraction
 from tests.unit.router_factory import make_config, make_registry, make_request, scoring, set_load, shared_prefix_request
 
@@ -92,6 +93,13 @@ class _FlakyRedis:
         return True
 
 
+async def _until_active(policy: BaseRoutingPolicy, policy_id: str, timeout_s: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while policy.active_policy() != policy_id:
+        assert time.monotonic() < deadline, f"still {policy.active_policy()}, not {policy_id}"
+        await asyncio.sleep(0.05)
+
+
 def test_cache_aware_notices_redis_gone_without_a_request() -> None:
     """No routing call fails on Redis here: the background ping alone switches to approx-tree."""
     from types import SimpleNamespace
@@ -118,17 +126,9 @@ def test_cache_aware_notices_redis_gone_without_a_request() -> None:
             assert policy.active_policy() == "cache-aware" and redis.num_pings >= 2
             assert opened == [True], "the inline connection is opened at start, off the request path"
             redis.down = True
-            for _ in range(40):
-                if policy.active_policy() == "approx-tree":
-                    break
-                await asyncio.sleep(0.05)
-            assert policy.active_policy() == "approx-tree"
+            await _until_active(policy, "approx-tree")
             redis.down = False
-            for _ in range(40):
-                if policy.active_policy() == "cache-aware":
-                    break
-                await asyncio.sleep(0.05)
-            assert policy.active_policy() == "cache-aware"
+            await _until_active(policy, "cache-aware")
             assert opened == [True, True], "Redis is back: the probe reopened the inline connection first"
         finally:
             await policy.close()
