@@ -104,7 +104,7 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         self._warm_task: asyncio.Task[None] | None = None
         self.num_fallback_decisions = 0
         self._background: set[asyncio.Task[None]] = set()
-        self._pending_writes: set[asyncio.TimerHandle] = set()
+        self._closed = False
         if reader is None:
             logger.warning("router: cache-aware without --redis-url routes as approx-tree")
 
@@ -112,17 +112,16 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         return self.policy_id if self.redis_up else self.fallback.policy_id
 
     async def start(self) -> None:
-        if self.reader is not None:  # best effort: a failure here shows on the first lookup
-            self._warm_task = asyncio.create_task(_quietly(self.reader.open_inline()), name="index-inline-connect")
-        if self.reader is not None and self.config.sweep_interval_s > 0:
+        if self.reader is None:
+            return
+        # best effort: a failure here shows on the first lookup
+        self._warm_task = asyncio.create_task(_quietly(self.reader.open_inline()), name="index-inline-connect")
+        if self.config.sweep_interval_s > 0:
             self._sweep_task = asyncio.create_task(self._sweep_loop(), name="index-sweep")
-        if self.reader is not None:
-            self._watch_task = asyncio.create_task(self._watch_while_up(self.reader), name="redis-watch")
+        self._watch_task = asyncio.create_task(self._watch_while_up(self.reader), name="redis-watch")
 
     async def close(self) -> None:
-        for handle in self._pending_writes:
-            handle.cancel()
-        self._pending_writes.clear()
+        self._closed = True  # speculative writes still waiting for their delay are dropped
         await aio.cancel_and_wait(self._probe_task, self._sweep_task, self._watch_task, self._warm_task)
         self._probe_task = self._sweep_task = self._watch_task = self._warm_task = None
 
@@ -161,17 +160,15 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         if self.reader is None or not self.redis_up or decision.policy != self.policy_id:
             return
         # Off the request's path: this router's own bursts are covered by `recent` at once.
-        handle: asyncio.TimerHandle | None = None
+        asyncio.get_running_loop().call_later(SPECULATIVE_WRITE_DELAY_S, self._start_speculative, self.reader,
+                                              request, decision)
 
-        def start(reader: KVIndexReader) -> None:
-            if handle is not None:
-                self._pending_writes.discard(handle)
-            task = asyncio.create_task(self._record_speculative(reader, request, decision))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-        handle = asyncio.get_running_loop().call_later(SPECULATIVE_WRITE_DELAY_S, start, self.reader)
-        self._pending_writes.add(handle)
+    def _start_speculative(self, reader: KVIndexReader, request: RouteRequest, decision: RoutingDecision) -> None:
+        if self._closed:
+            return
+        task = asyncio.create_task(self._record_speculative(reader, request, decision))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _record_speculative(self, reader: KVIndexReader, request: RouteRequest,
                                   decision: RoutingDecision) -> None:
