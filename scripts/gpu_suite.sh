@@ -11,8 +11,9 @@
 #   STAGES="tests hot-path kernel one-batch offline profile-offline online services trace-split compare grpc-api" bash scripts/gpu_suite.sh
 #   STAGES=serve-vs-services TIMEOUT_serve_vs_services=580: serve and the services on the same workloads (issue 18;
 #   SVS_WORKLOADS, SVS_CLUSTER_ARGS e.g. "--gateway-args='--detokenize service'"; SVS_EXTRA="direct embedded
-#   embedded-async embedded-approx router-async" adds gateways straight to the worker, routing in their own process,
-#   or through a second router whose index lookups are awaited)
+#   embedded-async embedded-approx router-async router-grpc direct-grpc" adds gateways straight to the worker, routing
+#   in their own process, through a second router whose index lookups are awaited, or with Generate over gRPC on
+#   both hops (no lanes) or on the direct hop)
 #   STAGES=tp STAGE_TIMEOUT_S=600 bash scripts/gpu_suite.sh     # tensor parallelism: needs 2 GPUs (tp-bench, tp-custom)
 #   STAGES="tp-tests tp-70b" then STAGES=tp-70b-offline TIMEOUT_tp_70b_offline=580 (70B shape at TP 2, two H200s)
 #   FP8 (issue 21): STAGES="fp8-tests fp8-kernel fp8-one-batch fp8-capacity fp8-accuracy fp8-offline" bash scripts/gpu_suite.sh
@@ -205,9 +206,10 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))')
 print(s["tokenizer_address"], s["worker_addresses"][0], s["redis_url"] or "")')"
       for arm in ${SVS_EXTRA:-}; do
         gport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-        rt=""
+        rt=""; gw_extra=()
         case $arm in
           direct) target=(--worker "$wk") ;;
+          direct-grpc) target=(--worker "$wk"); gw_extra=(--generate-transport grpc) ;;
           embedded) target=(--embedded-router "--workers $wk${redis_url:+ --redis-url $redis_url}") ;;
           embedded-async) target=(--embedded-router "--workers $wk --index-lookup async${redis_url:+ --redis-url $redis_url}") ;;
           embedded-approx) target=(--embedded-router "--workers $wk --policy approx-tree") ;;
@@ -217,8 +219,14 @@ print(s["tokenizer_address"], s["worker_addresses"][0], s["redis_url"] or "")')"
             $RM router --port "$rport" --metrics-port "$mport" --workers "$wk" --index-lookup async \
               ${redis_url:+--redis-url "$redis_url"} > "$OUT/svs-router-async.log" 2>&1 & rt=$!
             target=(--router "127.0.0.1:$rport") ;;
+          router-grpc)  # a second router process on the same worker and Redis, Generate over gRPC on both hops
+            rport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+            mport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+            $RM router --port "$rport" --metrics-port "$mport" --workers "$wk" --generate-transport grpc \
+              --lane-port -1 ${redis_url:+--redis-url "$redis_url"} > "$OUT/svs-router-grpc.log" 2>&1 & rt=$!
+            target=(--router "127.0.0.1:$rport"); gw_extra=(--generate-transport grpc) ;;
         esac
-        $RM gateway --port "$gport" --tokenizer "$tok" "${target[@]}" > "$OUT/svs-$arm.log" 2>&1 & gw=$!
+        $RM gateway --port "$gport" --tokenizer "$tok" "${target[@]}" "${gw_extra[@]}" > "$OUT/svs-$arm.log" 2>&1 & gw=$!
         for _ in $(seq 120); do curl -sf "http://127.0.0.1:$gport/ready" >/dev/null && break; sleep 0.5; done
         for w in $workloads; do  # the same seeded prompts again: empty the worker's cache first
           curl -s -X POST "http://127.0.0.1:$gport/flush_cache" > /dev/null; sleep 1

@@ -9,7 +9,9 @@ and times the first message:
   send -> handler start and handler's first message -> client (one clock: both processes on this host);
 - `open_call`: the request written into a bidirectional call opened beforehand (call setup off the path);
 - `shared_stream`: the request sent as one more message on a long-lived bidirectional stream that carries every
-  request and every answer (no call per request at all).
+  request and every answer (no call per request at all);
+- `lane`: the request as a stream on the project's Generate lane (`radixmesh.common.lane`: one plain TCP
+  connection, no gRPC), what the services use between each other when it is on.
 
     python3 scripts/grpc_hop_bench.py [--prompt-lens 16,4096] [--requests 300] [--out hop.json]
 """
@@ -29,6 +31,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from radixmesh.common.lane import LaneClient, LaneMethod, LaneServer
 from radixmesh.protocol import worker_pb2
 
 SERVICE = "hopbench.Hop"
@@ -86,7 +89,10 @@ async def _shared(request_iterator: Any, context: Any) -> AsyncIterator[Any]:
     await reader
 
 
-async def _serve(port: int) -> None:
+async def _serve(port: int, lane_port: int) -> None:
+    lane = LaneServer({"Generate": LaneMethod(worker_pb2.GenerateRequest, _unary_stream, f"{SERVICE}/Generate")},
+                      "hopbench")
+    await lane.start("127.0.0.1", lane_port)
     server = grpc.aio.server()
     decode = worker_pb2.GenerateRequest.FromString
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
@@ -101,8 +107,8 @@ async def _serve(port: int) -> None:
     await server.wait_for_termination()
 
 
-def _server_main(port: int) -> None:
-    asyncio.run(_serve(port))
+def _server_main(port: int, lane_port: int) -> None:
+    asyncio.run(_serve(port, lane_port))
 
 
 def _median_ms(values_ns: list[int]) -> float:
@@ -114,8 +120,9 @@ async def _drain(call: Any) -> None:
         pass
 
 
-async def _measure(port: int, prompt_len: int, requests: int) -> dict[str, Any]:
+async def _measure(port: int, lane_port: int, prompt_len: int, requests: int) -> dict[str, Any]:
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    lane = LaneClient("127.0.0.1", lane_port, "hopbench")
     decode = worker_pb2.GenerateResponse.FromString
     new = channel.unary_stream(f"/{SERVICE}/New", request_serializer=_serialize, response_deserializer=decode)
     opened = channel.stream_stream(f"/{SERVICE}/Open", request_serializer=_serialize, response_deserializer=decode)
@@ -123,7 +130,8 @@ async def _measure(port: int, prompt_len: int, requests: int) -> dict[str, Any]:
     request.block_hashes.hashes.extend(range(1 << 62, (1 << 62) + prompt_len // 16))
     shared = channel.stream_stream(f"/{SERVICE}/Shared", request_serializer=_serialize,
                                    response_deserializer=decode)()
-    total, to_handler, back, warm, muxed = [], [], [], [], []
+    total, to_handler, back, warm, muxed, laned = [], [], [], [], [], []
+    lane_to_handler, lane_back = [], []
     spare = opened()
     await asyncio.sleep(PAUSE_S)
     for _ in range(requests):
@@ -150,15 +158,37 @@ async def _measure(port: int, prompt_len: int, requests: int) -> dict[str, Any]:
         muxed.append(time.time_ns() - sent)
         await shared.read()  # its second message
         await asyncio.sleep(PAUSE_S)
+        sent = time.time_ns()
+        stream = await lane.open("Generate", request, worker_pb2.GenerateResponse)
+        first = await stream.read()
+        received = time.time_ns()
+        assert first is not None
+        laned.append(received - sent)
+        lane_to_handler.append(int(first.request_id) - sent)
+        lane_back.append(received - int(first.worker_id))
+        while await stream.read() is not None:
+            pass
+        await asyncio.sleep(PAUSE_S)
     await shared.done_writing()
     await _drain(shared)
     spare.cancel()
     await asyncio.sleep(PAUSE_S)
     await channel.close()
+    await lane.close()
     return {"prompt_len": prompt_len, "requests": requests,
             "new_call_first_message_ms": _median_ms(total), "new_call_send_to_handler_ms": _median_ms(to_handler),
             "new_call_handler_to_client_ms": _median_ms(back), "open_call_first_message_ms": _median_ms(warm),
-            "shared_stream_first_message_ms": _median_ms(muxed)}
+            "shared_stream_first_message_ms": _median_ms(muxed),
+            "lane_first_message_ms": _median_ms(laned), "lane_send_to_handler_ms": _median_ms(lane_to_handler),
+            "lane_handler_to_client_ms": _median_ms(lane_back)}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def main() -> None:
@@ -168,18 +198,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0, help="server port (0 picks a free one)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
-    port = args.port
-    if port == 0:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-    server = multiprocessing.get_context("spawn").Process(target=_server_main, args=(port,), daemon=True)
+    port, lane_port = args.port or _free_port(), _free_port()
+    server = multiprocessing.get_context("spawn").Process(target=_server_main, args=(port, lane_port), daemon=True)
     server.start()
     try:
         time.sleep(1.5)
-        results = [asyncio.run(_measure(port, int(n), args.requests)) for n in args.prompt_lens.split(",")]
+        results = [asyncio.run(_measure(port, lane_port, int(n), args.requests)) for n in args.prompt_lens.split(",")]
     finally:
         server.kill()
     for r in results:
@@ -187,7 +211,9 @@ def main() -> None:
               f"(send -> handler {r['new_call_send_to_handler_ms']:.3f}, handler -> client "
               f"{r['new_call_handler_to_client_ms']:.3f}); call opened beforehand "
               f"{r['open_call_first_message_ms']:.3f} ms; one shared stream "
-              f"{r['shared_stream_first_message_ms']:.3f} ms")
+              f"{r['shared_stream_first_message_ms']:.3f} ms; lane {r['lane_first_message_ms']:.3f} ms "
+              f"(send -> handler {r['lane_send_to_handler_ms']:.3f}, handler -> client "
+              f"{r['lane_handler_to_client_ms']:.3f})")
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -26,7 +26,9 @@ ROUTER_P50_TARGET_MS = 1.0
 EXTRA_ARMS = {"direct": "gateway straight to the worker", "embedded": "gateway routing in its own process",
               "embedded-async": "gateway routing in its own process, index lookups awaited",
               "embedded-approx": "gateway routing in its own process, approx-tree",
-              "router-async": "gateway -> a router whose index lookups are awaited -> worker"}
+              "router-async": "gateway -> a router whose index lookups are awaited -> worker",
+              "router-grpc": "gateway -> a second router -> worker, both hops over gRPC (no lanes)",
+              "direct-grpc": "gateway straight to the worker over gRPC (no lane)"}
 """More front ends over the same cluster (gpu_suite.sh: SVS_EXTRA), when their files exist."""
 KEPT = ("num_completed", "num_failed", "duration_s", "output_throughput", "concurrency")
 

@@ -15,6 +15,7 @@ import grpc.aio
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.common.grpc_errors import abort_with
 from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
+from radixmesh.common.lane import LaneContext, LaneMethod
 from radixmesh.index.block_hash import block_hashes
 from radixmesh.index.config import IndexConfig
 from radixmesh.index.writer import KVIndexWriter, WriterIdentity
@@ -25,17 +26,23 @@ BLOCK = 16
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, name: str, redis_url: str | None = None) -> None:
+    def __init__(self, name: str, redis_url: str | None = None, lane: bool = True) -> None:
+        """`lane`: serve Generate on a lane too and report it in GetLoad (as a worker does)."""
         self.name = name
         self.redis_url = redis_url
-        self.server = GrpcServer(GrpcServerConfig(port=0, metrics_port=-1), f"fake-{name}", [SERVICE_NAME])
+        self.server = GrpcServer(GrpcServerConfig(port=0, metrics_port=-1, lane_port=0 if lane else -1),
+                                 f"fake-{name}", [SERVICE_NAME])
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(self, self.server.server)
+        self.server.add_lane({"Generate": LaneMethod(worker_pb2.GenerateRequest, self.Generate,
+                                                     f"/{SERVICE_NAME}/Generate")})
         self.mode = "ok"
         """ok | refuse (UNAVAILABLE before any message) | fail-mid (UNAVAILABLE after the first message)
         | hang-mid (first message, then never finishes)."""
         self.num_tokens = 3
         self.delay_s = 0.0
         self.requests: list[worker_pb2.GenerateRequest] = []
+        self.transports: list[str] = []
+        """How each Generate arrived: lane | grpc."""
         self.aborted: list[str] = []
         self.held: set[int] = set()
         self.writer: KVIndexWriter | None = None
@@ -56,11 +63,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     async def stop(self) -> None:
         if self.writer is not None:
             await self.writer.close()
-        await self.server.server.stop(0)
+        await self.server.stop()
 
     async def Generate(self, request: worker_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateResponse]:
         self.requests.append(request)
+        self.transports.append("lane" if isinstance(context, LaneContext) else "grpc")
         if self.mode == "refuse":
             await abort_with(context, RadixMeshError(ErrorCode.UNAVAILABLE, f"{self.name} refuses"), "worker")
         hashes = block_hashes(list(request.token_ids), BLOCK)
@@ -107,7 +115,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
                       context: grpc.aio.ServicerContext) -> worker_pb2.GetLoadResponse:
         load = common_pb2.WorkerLoad(num_running_reqs=len(self.running), max_total_tokens=10_000,
                                      kv_used_tokens=100, kv_usage=0.01)
-        return worker_pb2.GetLoadResponse(worker_id=self.address, role=common_pb2.WORKER_ROLE_UNIFIED, load=load)
+        return worker_pb2.GetLoadResponse(worker_id=self.address, role=common_pb2.WORKER_ROLE_UNIFIED, load=load,
+                                          lane_port=self.server.lane_port)
 
     async def FlushCache(self, request: worker_pb2.FlushCacheRequest,
                          context: grpc.aio.ServicerContext) -> worker_pb2.FlushCacheResponse:

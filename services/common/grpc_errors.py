@@ -55,9 +55,20 @@ _FROM_PROTO_CODES = {value: code for code, value in _PROTO_CODES.items()}
 
 def to_grpc_status(exc: RadixMeshError, service: str = "") -> tuple[grpc.StatusCode, str, tuple[tuple[str, bytes]]]:
     """(status code, details, trailing metadata) that carry `exc` to a gRPC client."""
-    detail = common_pb2.ErrorDetail(code=_PROTO_CODES[exc.code], message=exc.message, param=exc.param or "",
-                                    service=service)
-    return _TO_STATUS[exc.code], exc.message, ((ERROR_METADATA_KEY, detail.SerializeToString()),)
+    return _TO_STATUS[exc.code], exc.message, ((ERROR_METADATA_KEY, error_detail_bytes(exc, service)),)
+
+
+def error_detail_bytes(exc: RadixMeshError, service: str = "") -> bytes:
+    """`exc` as the serialized `ErrorDetail` a radixmesh service sends (gRPC's trailer, the lane's END frame)."""
+    return bytes(common_pb2.ErrorDetail(code=_PROTO_CODES[exc.code], message=exc.message, param=exc.param or "",
+                                        service=service).SerializeToString())
+
+
+def error_from_detail(detail: bytes) -> RadixMeshError:
+    """The error a serialized `ErrorDetail` stands for."""
+    parsed = common_pb2.ErrorDetail.FromString(detail)
+    return RadixMeshError(_FROM_PROTO_CODES.get(parsed.code, ErrorCode.INTERNAL), parsed.message,
+                          parsed.param or None)
 
 
 def from_grpc_status(status: grpc.StatusCode, details: str | None, metadata: Any = None,
@@ -65,9 +76,7 @@ def from_grpc_status(status: grpc.StatusCode, details: str | None, metadata: Any
     """The domain error a failed call stands for (exact when the server was a radixmesh service)."""
     for key, value in metadata or ():
         if key == ERROR_METADATA_KEY and isinstance(value, bytes):
-            detail = common_pb2.ErrorDetail.FromString(value)
-            code = _FROM_PROTO_CODES.get(detail.code, ErrorCode.INTERNAL)
-            return RadixMeshError(code, detail.message, detail.param or None)
+            return error_from_detail(value)
     code = _FROM_STATUS.get(status, ErrorCode.INTERNAL)
     where = f" ({peer})" if peer else ""
     message = details or status.name.lower()

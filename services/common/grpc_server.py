@@ -33,6 +33,7 @@ from radixmesh.common import tracing
 from radixmesh.common.env import env_str
 from radixmesh.common.errors import invalid_argument
 from radixmesh.common.gc_tuning import freeze_startup_objects
+from radixmesh.common.lane import LaneMethod, LaneServer
 from radixmesh.common.readiness import Readiness
 from radixmesh.common.tls import TlsConfig, add_tls_args, configure_clients, tls_config_from_args
 
@@ -68,8 +69,13 @@ class GrpcServerConfig:
     """TLS of the port and mutual TLS with other services (None: plaintext)."""
     health_port: int | None = None
     """A plaintext port serving only grpc.health.v1, for probes that cannot speak TLS (the kubelet's); None: none."""
+    lane_port: int = 0
+    """Port of the Generate lane (services that register one: worker, router); 0 picks a free one, -1: none.
+    Never opened with TLS (the lane is plaintext; Generate stays on the gRPC port)."""
 
     def __post_init__(self) -> None:
+        if not -1 <= self.lane_port <= 65535:
+            raise invalid_argument(f"lane_port must be in [-1, 65535] (got {self.lane_port})", "lane_port")
         if not 0 <= self.port <= 65535:
             raise invalid_argument(f"port must be in [0, 65535] (got {self.port})", "port")
         if self.health_port is not None and not 0 <= self.health_port <= 65535:
@@ -80,10 +86,17 @@ class GrpcServerConfig:
             raise invalid_argument("drain_timeout_s must be >= 0", "drain_timeout_s")
 
 
-def add_server_args(parser: argparse.ArgumentParser, default_port: int, log_level: bool = True) -> None:
-    """The flags every gRPC service takes (log_level=False where the engine flags already add it)."""
+def add_server_args(parser: argparse.ArgumentParser, default_port: int, log_level: bool = True,
+                    lane: bool = False) -> None:
+    """The flags every gRPC service takes (log_level=False where the engine flags already add it; lane=True:
+    the service serves Generate on a lane too)."""
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=default_port, help="gRPC port (0 picks a free one)")
+    if lane:
+        parser.add_argument("--lane-port", type=int, default=0,
+                            help="port of the Generate lane: the same Generate as the gRPC port over plain TCP, "
+                                 "~1 ms less per hop; peers learn it from GetLoad (0 picks a free one, -1: no lane; "
+                                 "never with TLS)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="Prometheus HTTP port (0 picks a free one, -1 turns metrics off)")
     parser.add_argument("--redis-url", default=env_str("REDIS_URL"),
@@ -107,7 +120,7 @@ def server_config(args: argparse.Namespace) -> GrpcServerConfig:
         configure_clients(tls)
     return GrpcServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
                             drain_timeout_s=args.drain_timeout_s, otlp_endpoint=args.otlp_endpoint,
-                            tls=tls, health_port=args.health_port)
+                            tls=tls, health_port=args.health_port, lane_port=getattr(args, "lane_port", -1))
 
 
 def setup_logging(level: str, service: str) -> None:
@@ -192,10 +205,21 @@ class GrpcServer:
         self._health_server: grpc.aio.Server | None = None
         self.metrics_port: int | None = None
         self._metrics_httpd: Any = None
+        self._lane_methods: dict[str, LaneMethod] = {}
+        self.lane: LaneServer | None = None
         self._stop = asyncio.Event()
         self._started = False
         self._health_tasks: set[asyncio.Task[None]] = set()
         self.readiness.on_change(self._on_readiness)
+
+    def add_lane(self, methods: Mapping[str, LaneMethod]) -> None:
+        """Serve these streaming methods on the lane too (before `start`)."""
+        self._lane_methods.update(methods)
+
+    @property
+    def lane_port(self) -> int:
+        """The lane's port once started; 0 when this server has none."""
+        return self.lane.port if self.lane is not None else 0
 
     @property
     def address(self) -> str:
@@ -216,11 +240,13 @@ class GrpcServer:
         self._start_metrics()
         await self.server.start()
         await self._start_health_port()
+        await self._start_lane()
         self._started = True
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.set_serving(self.readiness.ready)
         metrics = f", metrics on :{self.metrics_port}" if self.metrics_port is not None else ""
         metrics += f", health on :{self.health_port}" if self.health_port is not None else ""
+        metrics += f", Generate lane on :{self.lane_port}" if self.lane is not None else ""
         security = ""
         if tls is not None and tls.serves_tls:
             security = " (mutual TLS)" if tls.mutual else " (TLS)"
@@ -239,6 +265,21 @@ class GrpcServer:
             raise invalid_argument(f"cannot listen on {self.config.host}:{self.config.health_port}: {exc}",
                                    "health_port") from None
         await self._health_server.start()
+
+    async def _start_lane(self) -> None:
+        tls = self.config.tls
+        if not self._lane_methods or self.config.lane_port < 0:
+            return
+        if tls is not None and tls.serves_tls:
+            logger.info("%s: no Generate lane with TLS (Generate stays on the gRPC port)", self.name)
+            return
+        self.lane = LaneServer(self._lane_methods, self.name)
+        try:
+            await self.lane.start(self.config.host, self.config.lane_port)
+        except OSError as exc:
+            self.lane = None
+            raise invalid_argument(f"cannot listen on {self.config.host}:{self.config.lane_port}: {exc}",
+                                   "lane_port") from None
 
     def _start_metrics(self) -> None:
         if self.config.metrics_port < 0:
@@ -273,6 +314,8 @@ class GrpcServer:
         if self._stop.is_set():
             logger.warning("%s: stop requested again; cancelling in-flight calls", self.name)
             asyncio.get_running_loop().create_task(self.server.stop(0))
+            if self.lane is not None:
+                asyncio.get_running_loop().create_task(self.lane.close(0))
         self._stop.set()
 
     async def run_until_signal(self) -> None:
@@ -288,11 +331,18 @@ class GrpcServer:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
 
+    async def stop(self, grace_s: float = 0.0) -> None:
+        """Stop serving the gRPC port and the lane (no health hand-off, unlike `drain`): a process that dies."""
+        if self.lane is not None:
+            await asyncio.gather(self.server.stop(grace_s), self.lane.close(grace_s))
+        else:
+            await self.server.stop(grace_s)
+
     async def drain(self) -> None:
         """Report NOT_SERVING, refuse new calls, let open ones finish within drain_timeout_s."""
         logger.info("%s: draining (up to %.0f s)", self.name, self.config.drain_timeout_s)
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.config.drain_timeout_s)
+        await self.stop(self.config.drain_timeout_s)
         if self._health_server is not None:
             await self._health_server.stop(0)
         if self._metrics_httpd is not None:

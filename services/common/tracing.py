@@ -186,6 +186,30 @@ def instrument_channel(channel: Any) -> Any:
     return intercept_channel(channel, client_interceptor(filter_=_rpc_filter()))
 
 
+def start_client_span(name: str) -> tuple[Span | None, dict[str, str]]:
+    """For a transport without interceptors (the lane): a CLIENT span, child of the current one, that the
+    caller ends, and the headers (W3C traceparent) that carry it to the server; (None, {}) when off."""
+    if not enabled():
+        return None, {}
+    from opentelemetry import propagate, trace
+
+    span = tracer().start_span(name, kind=trace.SpanKind.CLIENT, attributes={"rpc.system": "radixmesh-lane"})
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return span, carrier
+
+
+def server_span_from(name: str, headers: Mapping[str, str]) -> AbstractContextManager[Span | None]:
+    """A SERVER span child of the caller's context in `headers` (what the gRPC server interceptor makes of
+    metadata), made current; the shared null context when tracing is off."""
+    if not enabled():
+        return _NULL_SPAN
+    from opentelemetry import propagate, trace
+
+    return tracer().start_as_current_span(name, context=propagate.extract(dict(headers)),
+                                          kind=trace.SpanKind.SERVER, attributes={"rpc.system": "radixmesh-lane"})
+
+
 def epoch_ns(wall_s: float | None = None) -> int:
     """A span timestamp: now, or a wall-clock time in seconds (time.time() of any local process)."""
     return time.time_ns() if wall_s is None else int(wall_s * 1e9)

@@ -85,6 +85,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _register_gateway(sub: argparse._SubParsersAction) -> None:
+    from radixmesh.common.lane import GENERATE_TRANSPORTS, TRANSPORT_HELP
+
     gateway = sub.add_parser("gateway", help="serve the HTTP API over the cluster's gRPC services",
                              description="The same OpenAI-compatible and native HTTP API as `radixmesh serve`, "
                                          "over a tokenizer service and a router (or one worker). It serves at "
@@ -105,6 +107,9 @@ def _register_gateway(sub: argparse._SubParsersAction) -> None:
                               "into the gateway once (fingerprint-checked) and saves a round trip per streamed "
                               "message; 'service' sends every message through the service's Detokenize stream "
                               "(default: %(default)s; local falls back to service if the copy fails)")
+    gateway.add_argument("--generate-transport", default="lane", choices=GENERATE_TRANSPORTS,
+                         help=TRANSPORT_HELP + " (with --embedded-router, its own flag of that name sets the "
+                                               "transport to the workers)")
     _add_http_args(gateway)
     gateway.add_argument("--log-level", default="warning", help="logging level")
     gateway.set_defaults(func=cmd_gateway)
@@ -131,5 +136,5 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     kind, address = ("router", args.router) if args.router else ("worker", args.worker)
     return asyncio.run(serve_backend(
         config, lambda: GrpcBackend.start(args.tokenizer, address, kind, config.served_model_name,
-                                          detokenize=args.detokenize),
+                                          detokenize=args.detokenize, transport=args.generate_transport),
         f"connecting to the {kind} at {address} and the tokenizer at {args.tokenizer}"))

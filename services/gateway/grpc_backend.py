@@ -28,6 +28,7 @@ from radixmesh.common.convert import images_to_proto, load_from_proto, proto_to_
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.common.gc_tuning import freeze_startup_objects
 from radixmesh.common.grpc_errors import ERROR_METADATA_KEY, from_rpc_error
+from radixmesh.common.lane import LaneBroken, LaneStream
 from radixmesh.common.readiness import Readiness
 from radixmesh.engine import tokenizer as hf_text
 from radixmesh.engine.mm.inputs import MultimodalInputs, masked_text_ids
@@ -48,6 +49,7 @@ from radixmesh.gateway.upstreams import (
 from radixmesh.index.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
 from radixmesh.protocol import (
     common_pb2,
+    router_pb2,
     router_pb2_grpc,
     tokenizer_pb2,
     tokenizer_pb2_grpc,
@@ -76,8 +78,9 @@ class GrpcBackend(Backend):
 
     def __init__(self, tokenizer_address: str, target_address: str, target_kind: str = "router",
                  served_model_name: str | None = None, watch: WatchConfig | None = None,
-                 detokenize: str = "local", target: Upstream | None = None) -> None:
-        """`target`: a target built elsewhere (the router in this process) instead of `target_address`'s."""
+                 detokenize: str = "local", target: Upstream | None = None, transport: str = "lane") -> None:
+        """`target`: a target built elsewhere (the router in this process) instead of `target_address`'s;
+        `transport`: how Generate reaches the targets (lane | grpc, see `radixmesh.common.lane`)."""
         assert target_kind in ("router", "worker"), f"target_kind {target_kind!r} is not router or worker"
         if detokenize not in DETOKENIZE_MODES:
             raise invalid_argument(f"detokenize must be one of {', '.join(DETOKENIZE_MODES)} (got {detokenize!r})",
@@ -96,8 +99,11 @@ class GrpcBackend(Backend):
         self.tokenizer = UpstreamGroup("tokenizer", [Upstream("tokenizer", tokenizer_address,
                                                               tokenizer_pb2_grpc.TokenizerServiceStub)])
         stub_class = router_pb2_grpc.RouterServiceStub if target_kind == "router" else worker_pb2_grpc.WorkerServiceStub
+        self._service_name = (router_pb2.DESCRIPTOR.services_by_name["RouterService"] if target_kind == "router"
+                              else worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]).full_name
+        """The target's gRPC service (names the lane's spans as gRPC's interceptor names the calls')."""
         self.targets = UpstreamGroup(target_kind, [target] if target is not None else
-                                     [Upstream(target_kind, a, stub_class) for a in targets])
+                                     [Upstream(target_kind, a, stub_class, transport == "lane") for a in targets])
         self.readiness = Readiness("gateway")
         self.watcher = UpstreamWatcher([self.tokenizer, self.targets], self.readiness, watch or WatchConfig(),
                                        on_change=self._on_upstream_change)
@@ -113,9 +119,11 @@ class GrpcBackend(Backend):
     @classmethod
     async def start(cls, tokenizer_address: str, target_address: str, target_kind: str = "router",
                     served_model_name: str | None = None, watch: WatchConfig | None = None,
-                    detokenize: str = "local", target: Upstream | None = None) -> GrpcBackend:
+                    detokenize: str = "local", target: Upstream | None = None,
+                    transport: str = "lane") -> GrpcBackend:
         """Start watching the dependencies; returns at once, ready or not (see `not_ready_reason`)."""
-        backend = cls(tokenizer_address, target_address, target_kind, served_model_name, watch, detokenize, target)
+        backend = cls(tokenizer_address, target_address, target_kind, served_model_name, watch, detokenize, target,
+                      transport)
         backend.watcher.start()
         return backend
 
@@ -346,13 +354,13 @@ class GrpcBackend(Backend):
                 reason = self.not_ready_reason()
                 raise last_error if last_error is not None and not reason else not_ready_error(reason)
             target = targets[0]
-            call = target.stub.Generate(request)
+            call = await self._start_call(target, request)
             try:
                 return target, call, await call.read()  # EOF: ended OK without a message
-            except grpc.RpcError as exc:
+            except (grpc.RpcError, RadixMeshError) as exc:
                 call.cancel()
-                error = from_rpc_error(exc, f"{self.target_kind} at {target.address}")
-                if _unreachable(exc):  # gone: the next ready replica, or 503 naming what is missing
+                error, unreachable, _ = self._failure(target, exc)
+                if unreachable:  # gone: the next ready replica, or 503 naming what is missing
                     self.watcher.mark_down(self.targets, target, error.message)
                 elif error.code is not ErrorCode.UNAVAILABLE or len(self.targets.upstreams) == 1:
                     raise error from None
@@ -360,14 +368,35 @@ class GrpcBackend(Backend):
                 tried.append(target.address)
                 last_error = error
 
+    async def _start_call(self, target: Upstream, request: worker_pb2.GenerateRequest) -> Any:
+        """Generate on the target's lane when it has one (gRPC, and the lane dropped, if it cannot be reached)."""
+        lane = target.lane
+        if lane is not None:
+            try:
+                return LaneCall(await lane.open("Generate", request, worker_pb2.GenerateResponse,
+                                                f"/{self._service_name}/Generate"))
+            except LaneBroken as exc:
+                logger.info("gateway: %s: %s; Generate over gRPC until its lane is known again",
+                            target.description, exc.message)
+                await target.drop_lane()
+        return target.stub.Generate(request)
+
+    def _failure(self, target: Upstream, exc: Exception) -> tuple[RadixMeshError, bool, bool]:
+        """(the error, the target is unreachable, the error is the target's own) of a failed Generate."""
+        if isinstance(exc, grpc.RpcError):
+            return from_rpc_error(exc, f"{self.target_kind} at {target.address}"), _unreachable(exc), \
+                _carries_error(exc)
+        assert isinstance(exc, RadixMeshError)
+        return exc, isinstance(exc, LaneBroken), not isinstance(exc, LaneBroken)
+
     async def _read(self, target: Upstream, call: Any) -> Any:
         try:
             return await call.read()
-        except grpc.RpcError as exc:
-            error = from_rpc_error(exc, f"{self.target_kind} at {target.address}")
-            if _carries_error(exc):  # the target's own error (the worker failed the request): as it is
+        except (grpc.RpcError, RadixMeshError) as exc:
+            error, unreachable, carried = self._failure(target, exc)
+            if carried:  # the target's own error (the worker failed the request): as it is
                 raise error from None
-            if _unreachable(exc):
+            if unreachable:
                 self.watcher.mark_down(self.targets, target, error.message)
             raise RadixMeshError(ErrorCode.UNAVAILABLE, f"the stream from {target.description} broke after it "
                                                         f"started: {error.message}") from None
@@ -418,6 +447,20 @@ class GrpcBackend(Backend):
         await aio.cancel_and_wait(self._card_task)
         await self.watcher.close()
         self._tok_sync_channel.close()
+
+
+class LaneCall:
+    """A lane stream read as the gRPC call it replaces: `read` gives grpc.aio.EOF at the end."""
+
+    def __init__(self, stream: LaneStream[worker_pb2.GenerateResponse]) -> None:
+        self.stream = stream
+
+    async def read(self) -> Any:
+        msg = await self.stream.read()
+        return grpc.aio.EOF if msg is None else msg
+
+    def cancel(self) -> None:
+        self.stream.cancel()
 
 
 def _unreachable(exc: grpc.RpcError) -> bool:

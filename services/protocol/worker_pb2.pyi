@@ -337,8 +337,11 @@ class GetLoadResponse(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
     DISAGG_FIELD_NUMBER: _builtins.int
+    LANE_PORT_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     role: _common_pb2.WorkerRole.ValueType
+    lane_port: _builtins.int
+    """port of the service's Generate lane (plain TCP, same host); 0: none"""
     @_builtins.property
     def load(self) -> _common_pb2.WorkerLoad: ...
     @_builtins.property
@@ -352,10 +355,11 @@ class GetLoadResponse(_message.Message):
         role: _common_pb2.WorkerRole.ValueType = ...,
         load: _common_pb2.WorkerLoad | None = ...,
         disagg: Global___DisaggStats | None = ...,
+        lane_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["disagg", b"disagg", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["disagg", b"disagg", "load", b"load", "role", b"role", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["disagg", b"disagg", "lane_port", b"lane_port", "load", b"load", "role", b"role", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -21,12 +21,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                          description="Pick a worker per request by the KV-cache index and load, health-check "
                                      "workers, retry before the first token, and stream the answer back.")
     add_routing_args(cmd)
-    add_server_args(cmd, DEFAULT_PORT)
+    add_server_args(cmd, DEFAULT_PORT, lane=True)
     cmd.set_defaults(func=cmd_router)
 
 
 def add_routing_args(cmd: argparse.ArgumentParser) -> None:
     """How a router finds workers and picks one (shared by `radixmesh router` and `gateway --embedded-router`)."""
+    from radixmesh.common.lane import GENERATE_TRANSPORTS, TRANSPORT_HELP
+
     cmd.add_argument("--policy", default="cache-aware", choices=POLICIES,
                      help="routing policy (cache-aware needs --redis-url, else it runs as approx-tree)")
     cmd.add_argument("--workers", default="", help="static worker list host:port,... (implies --discovery static)")
@@ -41,6 +43,7 @@ def add_routing_args(cmd: argparse.ArgumentParser) -> None:
                      help="cache-aware: wait for a request's index lookup inline (a blocking loopback round trip "
                           "that does not queue behind the streams being relayed; at most 0.1 s while Redis hangs) "
                           "or awaited")
+    cmd.add_argument("--generate-transport", default="lane", choices=GENERATE_TRANSPORTS, help=TRANSPORT_HELP)
     cmd.add_argument("--health-interval-s", type=float, default=1.0, help="seconds between health probes")
     cmd.add_argument("--health-failure-threshold", type=int, default=2,
                      help="failed probes in a row that mark a worker unhealthy")
@@ -96,6 +99,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
 
     return RouterConfig(policy=args.policy, block_size=args.block_size, redis_url=args.redis_url,
                         index_namespace=args.index_namespace, index_lookup=args.index_lookup, seed=args.seed,
+                        generate_transport=args.generate_transport,
                         redis_probe_s=args.redis_probe_s,
                         health=HealthConfig(interval_s=args.health_interval_s,
                                             failure_threshold=args.health_failure_threshold,

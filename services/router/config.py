@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixmesh.common.errors import invalid_argument
+from radixmesh.common.lane import GENERATE_TRANSPORTS
 from radixmesh.index.block_hash import DEFAULT_BLOCK_SIZE
 
 
@@ -129,6 +130,8 @@ class RouterConfig:
     """How a request's index lookup waits for Redis: inline (a blocking round trip on the event loop, which
     does not queue behind the streams the loop relays; at most 0.1 s while Redis hangs, then the fallback) |
     async (awaited)."""
+    generate_transport: str = "lane"
+    """How Generate reaches the workers: lane (a worker's Generate lane when it advertises one) | grpc."""
     redis_probe_s: float = 1.0
     """How often the router pings Redis: while it is up (to notice it gone without a failed request) and
     while it is down (to notice it back)."""
@@ -161,5 +164,8 @@ class RouterConfig:
             raise invalid_argument("peer_fetch_min_tokens must be >= 0", "peer_fetch_min_tokens")
         if self.index_lookup not in INDEX_LOOKUPS:
             raise invalid_argument(f"index_lookup must be one of {', '.join(INDEX_LOOKUPS)}", "index_lookup")
+        if self.generate_transport not in GENERATE_TRANSPORTS:
+            raise invalid_argument(f"generate_transport must be one of {', '.join(GENERATE_TRANSPORTS)}",
+                                   "generate_transport")
         if self.redis_probe_s <= 0 or self.sweep_interval_s < 0:
             raise invalid_argument("redis_probe_s must be > 0 and sweep_interval_s >= 0", "redis_probe_s")

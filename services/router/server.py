@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 
 from radixmesh.common import aio
 from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
+from radixmesh.common.lane import LaneMethod
 from radixmesh.common.readiness import Readiness
 from radixmesh.index.reader import KVIndexReader
-from radixmesh.protocol import router_pb2_grpc
+from radixmesh.protocol import router_pb2_grpc, worker_pb2
 from radixmesh.router import metrics
 from radixmesh.router.config import RouterConfig
 from radixmesh.router.discovery.base import BaseDiscovery
@@ -48,7 +50,8 @@ class RouterApp:
         self.config = config
         self.discovery = discovery
         self.reader = reader if reader is not None else make_reader(config)
-        self.registry = WorkerRegistry(config.health, config.breaker, WorkerClient)
+        self.registry = WorkerRegistry(config.health, config.breaker,
+                                       functools.partial(WorkerClient, use_lane=config.generate_transport == "lane"))
         self.checker = HealthChecker(self.registry, config.health)
         self.policy = create_policy(config.policy, config, reader=self.reader)
         self.router = RequestRouter(config, self.registry, self.policy,
@@ -59,6 +62,8 @@ class RouterApp:
         if server_config is not None:
             self.server = GrpcServer(server_config, "router", [SERVICE_NAME])
             router_pb2_grpc.add_RouterServiceServicer_to_server(self.servicer, self.server.server)
+            self.server.add_lane({"Generate": LaneMethod(worker_pb2.GenerateRequest, self.servicer.Generate,
+                                                         f"/{SERVICE_NAME}/Generate")})
         self.readiness = self.server.readiness if self.server is not None else Readiness("router")
         self.readiness.add("workers", "a healthy worker", detail="no worker discovered yet")
         if self.reader is not None:
@@ -86,6 +91,7 @@ class RouterApp:
                        asyncio.create_task(self._update_gauges(), name="router-gauges")]
         if self.server is not None:
             await self.server.start()
+            self.servicer.lane_port = self.server.lane_port
             print(f"radixmesh router: policy {self.config.policy}, index {'on' if self.reader else 'off'}",
                   flush=True)
 

@@ -88,6 +88,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, router: RequestRouter) -> None:
         self.router = router
         self.registry = router.registry
+        self.lane_port = 0
+        """The port of this router's Generate lane, reported by GetLoad (set once the server runs; 0: none)."""
         for outcome in metrics.OUTCOMES:  # the series exist before the first request
             metrics.REQUESTS.labels(router.policy.policy_id, outcome)
 
@@ -139,7 +141,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def GetLoad(self, request: worker_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.GetLoadResponse:
         loads = [w.load for w in self.registry.all() if w.health.healthy]
-        return worker_pb2.GetLoadResponse(load=sum_loads(loads))
+        return worker_pb2.GetLoadResponse(load=sum_loads(loads), lane_port=self.lane_port)
 
     @map_errors("router")
     async def FlushCache(self, request: worker_pb2.FlushCacheRequest,

@@ -6,6 +6,8 @@ there is one), so the dispatch logic never sees a transport exception.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -18,10 +20,12 @@ from radixmesh.common.convert import ROLE_FROM_PROTO
 from radixmesh.common.errors import RadixMeshError
 from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.common.grpc_server import MAX_MESSAGE_BYTES
+from radixmesh.common.lane import LaneBroken, LaneClient, LaneStream
 from radixmesh.protocol import common_pb2, worker_pb2, worker_pb2_grpc
 from radixmesh.router.discovery.base import WorkerEndpoint
 from radixmesh.router.workers import LoadSnapshot
 
+logger = logging.getLogger(__name__)
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -59,18 +63,32 @@ def load_from_proto(load: common_pb2.WorkerLoad) -> LoadSnapshot:
 
 
 class WorkerClient:
-    def __init__(self, endpoint: WorkerEndpoint) -> None:
+    def __init__(self, endpoint: WorkerEndpoint, use_lane: bool = True) -> None:
+        """`use_lane`: send Generate over the worker's lane once a probe learns its port (never with TLS)."""
         self.endpoint = endpoint
         self.channel = tls.aio_channel(endpoint.address, options=CHANNEL_OPTIONS,
                                        interceptors=tracing.client_interceptors())
         self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.use_lane = use_lane and tls.client_tls() is None
+        self.lane: LaneClient | None = None
+        """The worker's Generate lane, as its last GetLoad reported it (None: Generate goes over gRPC)."""
+        self._refused_port = 0
+        """A lane port that could not be reached (not used again until the worker reports another)."""
 
     def _error(self, exc: grpc.RpcError) -> RadixMeshError:
         return from_rpc_error(exc, peer=f"worker {self.endpoint.worker_id} at {self.endpoint.address}")
 
     async def generate(self, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
         """The worker's stream; closing the iterator early cancels the call (the worker aborts)."""
+        stream = await self._open_lane(request) if self.lane is not None else None
+        if stream is not None:
+            try:
+                while (msg := await stream.read()) is not None:
+                    yield msg
+            finally:
+                stream.cancel()
+            return
         call = self.stub.Generate(request)
         try:
             async for msg in call:
@@ -80,6 +98,31 @@ class WorkerClient:
         finally:
             if not call.done():
                 call.cancel()
+
+    async def _open_lane(self, request: worker_pb2.GenerateRequest) -> LaneStream[worker_pb2.GenerateResponse] | None:
+        """Generate on the worker's lane; None when the lane cannot be reached (it is dropped, and not learnt
+        again until the worker reports another port: Generate goes over gRPC)."""
+        lane = self.lane
+        assert lane is not None
+        try:
+            return await lane.open("Generate", request, worker_pb2.GenerateResponse, f"/{WORKER_SERVICE}/Generate")
+        except LaneBroken as exc:
+            logger.info("router: worker %s: %s; Generate over gRPC", self.endpoint.worker_id, exc.message)
+            port = lane.port
+            await lane.close()
+            if self.lane is lane:
+                self._refused_port, self.lane = port, None
+            return None
+
+    def _learn_lane(self, port: int) -> None:
+        if not self.use_lane or port == self._refused_port or (self.lane is not None and self.lane.port == port):
+            return
+        old, self.lane, self._refused_port = self.lane, None, 0
+        if old is not None:
+            asyncio.get_running_loop().create_task(old.close())
+        if port:
+            host = self.endpoint.address.rsplit(":", 1)[0].strip("[]")
+            self.lane = LaneClient(host, port, f"worker {self.endpoint.worker_id}")
 
     async def probe(self, timeout_s: float) -> ProbeResult:
         """Health from grpc.health.v1 (answered by the front end even while the engine is busy); the load
@@ -95,6 +138,7 @@ class WorkerClient:
             reply = await self.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             return ProbeResult(True, f"GetLoad: {exc.code().name}")
+        self._learn_lane(reply.lane_port)
         return ProbeResult(True, load=load_from_proto(reply.load), worker_id=reply.worker_id,
                            role=ROLE_FROM_PROTO.get(reply.role, ""))
 
@@ -121,4 +165,6 @@ class WorkerClient:
         return reply
 
     async def close(self) -> None:
+        if self.lane is not None:
+            await self.lane.close()
         await self.channel.close()

@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--advertise-address", default="",
                      help="host:port others dial (default: the listening host:port)")
     cmd.add_argument("--block-size", type=int, default=16, help="tokens per block of the published KV-cache events")
-    add_server_args(cmd, DEFAULT_PORT, log_level=False)
+    add_server_args(cmd, DEFAULT_PORT, log_level=False, lane=True)
     add_engine_args(cmd)
     cmd.set_defaults(func=cmd_worker)
 

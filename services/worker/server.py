@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING
 
 from radixmesh.common import aio
 from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
+from radixmesh.common.lane import LaneMethod
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.disagg.transport.registry import check_transport_device
-from radixmesh.protocol import worker_pb2_grpc
+from radixmesh.protocol import worker_pb2, worker_pb2_grpc
 from radixmesh.worker import metrics
 from radixmesh.worker.config import WorkerConfig
 from radixmesh.worker.service import SERVICE_NAME, WorkerServicer
@@ -48,8 +49,11 @@ async def serve_worker(server_config: GrpcServerConfig, config: WorkerConfig, en
         server = GrpcServer(server_config, "worker", [SERVICE_NAME], {"radixmesh.role": config.role})
         servicer = WorkerServicer(client, config)
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server.server)
+        server.add_lane({"Generate": LaneMethod(worker_pb2.GenerateRequest, servicer.Generate,
+                                                f"/{SERVICE_NAME}/Generate")})
         server.readiness.add("engine", "the scheduler process", up=True)
         await server.start()
+        servicer.lane_port = server.lane_port
         config = servicer.resolve(server.address)
         publisher = await attach_kv_events(client, config, server.metrics_port or 0)
         if publisher is not None:

@@ -60,6 +60,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         --peer-fetch off: such calls then compute the prefix here)."""
         self.index_epoch: Callable[[], int] = lambda: 0
         """This worker's current KV-cache index epoch (set once its publisher runs; 0: none)."""
+        self.lane_port = 0
+        """The port of this worker's Generate lane, reported by GetLoad (set once the server runs; 0: none)."""
         self.peer_export = PeerExportFlow(client, config, lambda: self.index_epoch())
         """FetchKV calls: cached prefixes sent to peers (every role)."""
 
@@ -168,7 +170,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         stats["num_running_decode_tokens"] = self.load.num_running_decode_tokens
         metrics.ENGINE_STATS.update(stats)
         return worker_pb2.GetLoadResponse(worker_id=self.config.worker_id, role=ROLE_TO_PROTO[self.config.role],
-                                          load=load_to_proto(stats), disagg=disagg_stats_to_proto(stats))
+                                          load=load_to_proto(stats), disagg=disagg_stats_to_proto(stats),
+                                          lane_port=self.lane_port)
 
     @map_errors("worker")
     async def FlushCache(self, request: worker_pb2.FlushCacheRequest,

@@ -464,3 +464,29 @@ def test_docs_values_example_renders_and_validates(helm: str, tmp_path: Path, do
     worker = next(d for d in of_kind(docs, "Deployment").values() if component_of(d) == "worker")
     assert worker["spec"]["template"]["spec"]["initContainers"][0]["command"][-1] == "Qwen/Qwen2.5-1.5B-Instruct"
     assert container(worker)["image"] == "REGISTRY/radixmesh-worker:0.1.0"
+
+
+def test_routers_and_workers_open_their_generate_lane(helm: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The lane port is a flag, a named container port, a Service port (the router's: gateways dial it through
+    the Service) and allowed by the network policies; null turns it off everywhere."""
+    deployments = of_kind(rendered["defaults"], "Deployment")
+    services = of_kind(rendered["defaults"], "Service")
+    router = deployments[f"{RELEASE}-radixmesh-router"]
+    worker = next(d for d in deployments.values() if component_of(d) == "worker")
+    for deployment, port in ((router, 50063), (worker, 50061)):
+        c = container(deployment)
+        assert flag(c["args"], "lane-port") == str(port)
+        assert {"name": "lane", "containerPort": port, "protocol": "TCP"} in c["ports"]
+    router_service = services[f"{RELEASE}-radixmesh-router"]["spec"]["ports"]
+    assert {"name": "lane", "port": 50063, "targetPort": "lane", "protocol": "TCP"} in router_service
+    tokenizer = next(d for d in deployments.values() if component_of(d) == "tokenizer")
+    assert flag(container(tokenizer)["args"], "lane-port") is None
+    policies = of_kind(render(helm, sets=["networkPolicy.enabled=true"]), "NetworkPolicy")
+    for name, port in (("router", 50063), ("worker-unified", 50061)):
+        ingress = policies[f"{RELEASE}-radixmesh-{name}"]["spec"]["ingress"]
+        assert {"port": port, "protocol": "TCP"} in ingress[0]["ports"]
+    off = of_kind(render(helm, sets=["router.lanePort=null", "worker.lanePort=null"]), "Deployment")
+    for deployment in off.values():
+        if component_of(deployment) in ("router", "worker"):
+            assert flag(container(deployment)["args"], "lane-port") is None
+            assert all(p["name"] != "lane" for p in container(deployment)["ports"])

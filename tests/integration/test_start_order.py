@@ -121,14 +121,14 @@ def test_gateway_waits_for_two_routers_then_fails_over_when_one_dies() -> None:
                 # Ready means one replica answers; the failover below needs the other seen up as well.
                 await wait_until(lambda: all(u.up for u in backend.targets.upstreams), 10, "both replicas up")
                 # One replica dies at once (no drain): every request still succeeds, on the other one.
-                await routers[0].server.server.stop(0)
+                await routers[0].server.stop()
                 await routers[0].close_parts()
                 for _ in range(6):
                     assert await generate_text(backend, [4, 5, 6]) == "<0><1><2>"
                 assert backend.is_healthy, "one router replica is enough"
                 await wait_until(lambda: not backend.targets.upstreams[0].up, 10, "the dead replica marked down")
                 # Both gone: not ready, naming them; requests get 503 with the same words.
-                await routers[1].server.server.stop(0)
+                await routers[1].server.stop()
                 await routers[1].close_parts()
                 await wait_until(lambda: not backend.is_healthy, 10, "the gateway to notice")
                 assert "waiting for a router at" in backend.not_ready_reason()
@@ -162,7 +162,7 @@ def test_a_stream_cut_after_it_started_ends_with_a_clear_error() -> None:
                 first = await stream.__anext__()
                 assert first.text == "<0>"
                 owner = next(r for r in routers if r.router.inflight.get("cut") is not None)
-                await owner.server.server.stop(0)
+                await owner.server.stop()
                 with pytest.raises(RadixMeshError) as err:
                     await stream.__anext__()
                 assert err.value.code is ErrorCode.UNAVAILABLE
@@ -171,7 +171,7 @@ def test_a_stream_cut_after_it_started_ends_with_a_clear_error() -> None:
             finally:
                 for app in routers:
                     with contextlib.suppress(Exception):
-                        await app.server.server.stop(0)
+                        await app.server.stop()
                         await app.close_parts()
                 await tokenizer.server.stop(0)
                 await worker.stop()

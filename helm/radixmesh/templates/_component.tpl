@@ -64,6 +64,9 @@ spec:
             - --metrics-port={{ $root.Values.metrics.port }}
             - --log-level={{ $root.Values.logLevel }}
             - --drain-timeout-s={{ $v.drainTimeoutSeconds }}
+            {{- if $v.lanePort }}
+            - --lane-port={{ $v.lanePort }}
+            {{- end }}
             {{- range .args }}
             - {{ . | quote }}
             {{- end }}
@@ -75,6 +78,11 @@ spec:
             - name: grpc
               containerPort: {{ $v.port }}
               protocol: TCP
+            {{- if $v.lanePort }}
+            - name: lane
+              containerPort: {{ $v.lanePort }}
+              protocol: TCP
+            {{- end }}
             - name: metrics
               containerPort: {{ $root.Values.metrics.port }}
               protocol: TCP
@@ -129,6 +137,12 @@ spec:
       targetPort: grpc
       protocol: TCP
       appProtocol: grpc
+    {{- if $v.lanePort }}
+    - name: lane
+      port: {{ $v.lanePort }}
+      targetPort: lane
+      protocol: TCP
+    {{- end }}
     - name: metrics
       port: {{ $root.Values.metrics.port }}
       targetPort: metrics

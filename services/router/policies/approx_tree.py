@@ -76,4 +76,8 @@ class ApproxTreePolicy(BaseRoutingPolicy):
         return decide(self.policy_id, request, candidates, cached, self.index.footprint(ids), self.scoring)
 
     async def on_routed(self, request: RouteRequest, decision: RoutingDecision) -> None:
+        self.remember(request, decision)
+
+    def remember(self, request: RouteRequest, decision: RoutingDecision) -> None:
+        """The chosen worker now holds the prompt's blocks (the tree's guess)."""
         self.index.insert(decision.worker.worker_id, request.block_hashes)

@@ -156,14 +156,16 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         return decision
 
     async def on_routed(self, request: RouteRequest, decision: RoutingDecision) -> None:
-        await self.fallback.on_routed(request, decision)
         if self.reader is None or not self.redis_up or decision.policy != self.policy_id:
+            self.fallback.remember(request, decision)  # the fallback decided: its next decision must see this one
             return
-        # Off the request's path: this router's own bursts are covered by `recent` at once.
-        asyncio.get_running_loop().call_later(SPECULATIVE_WRITE_DELAY_S, self._start_speculative, self.reader,
+        # Off the request's path (its worker call starts first): the fallback's tree, kept warm for an outage,
+        # and the speculative entry; this router's own bursts are covered by `recent` at once.
+        asyncio.get_running_loop().call_later(SPECULATIVE_WRITE_DELAY_S, self._after_routed, self.reader,
                                               request, decision)
 
-    def _start_speculative(self, reader: KVIndexReader, request: RouteRequest, decision: RoutingDecision) -> None:
+    def _after_routed(self, reader: KVIndexReader, request: RouteRequest, decision: RoutingDecision) -> None:
+        self.fallback.remember(request, decision)
         if self._closed:
             return
         task = asyncio.create_task(self._record_speculative(reader, request, decision))
