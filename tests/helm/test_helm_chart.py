@@ -485,8 +485,11 @@ def test_routers_and_workers_open_their_generate_lane(helm: str, rendered: dict[
     for name, port in (("router", 50063), ("worker-unified", 50061)):
         ingress = policies[f"{RELEASE}-radixmesh-{name}"]["spec"]["ingress"]
         assert {"port": port, "protocol": "TCP"} in ingress[0]["ports"]
-    off = of_kind(render(helm, sets=["router.lanePort=null", "worker.lanePort=null"]), "Deployment")
-    for deployment in off.values():
-        if component_of(deployment) in ("router", "worker"):
-            assert flag(container(deployment)["args"], "lane-port") is None
-            assert all(p["name"] != "lane" for p in container(deployment)["ports"])
+    turned_off = render(helm, sets=["router.lanePort=null", "worker.lanePort=null"])
+    for docs in (turned_off, rendered["tls-cert-manager"]):  # internal TLS: Generate stays on the gRPC ports
+        for deployment in of_kind(docs, "Deployment").values():
+            if component_of(deployment) in ("router", "worker"):
+                assert flag(container(deployment)["args"], "lane-port") is None
+                assert all(p["name"] != "lane" for p in container(deployment)["ports"])
+        router_ports = of_kind(docs, "Service")[f"{RELEASE}-radixmesh-router"]["spec"]["ports"]
+        assert all(p["name"] != "lane" for p in router_ports)

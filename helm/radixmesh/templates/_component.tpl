@@ -64,8 +64,8 @@ spec:
             - --metrics-port={{ $root.Values.metrics.port }}
             - --log-level={{ $root.Values.logLevel }}
             - --drain-timeout-s={{ $v.drainTimeoutSeconds }}
-            {{- if $v.lanePort }}
-            - --lane-port={{ $v.lanePort }}
+            {{- with include "radixmesh.lanePort" (dict "root" $root "port" $v.lanePort) }}
+            - --lane-port={{ . }}
             {{- end }}
             {{- range .args }}
             - {{ . | quote }}
@@ -78,9 +78,9 @@ spec:
             - name: grpc
               containerPort: {{ $v.port }}
               protocol: TCP
-            {{- if $v.lanePort }}
+            {{- with include "radixmesh.lanePort" (dict "root" $root "port" $v.lanePort) }}
             - name: lane
-              containerPort: {{ $v.lanePort }}
+              containerPort: {{ . }}
               protocol: TCP
             {{- end }}
             - name: metrics
@@ -137,9 +137,9 @@ spec:
       targetPort: grpc
       protocol: TCP
       appProtocol: grpc
-    {{- if $v.lanePort }}
+    {{- with include "radixmesh.lanePort" (dict "root" $root "port" $v.lanePort) }}
     - name: lane
-      port: {{ $v.lanePort }}
+      port: {{ . }}
       targetPort: lane
       protocol: TCP
     {{- end }}

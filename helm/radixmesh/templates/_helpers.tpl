@@ -397,3 +397,9 @@ imagePullSecrets: {{- toYaml . | nindent 2 }}
   value: {{ printf "k8s.namespace.name=%s,k8s.pod.name=$(OTEL_K8S_POD_NAME)" $.Release.Namespace | quote }}
 {{- end }}
 {{- end -}}
+
+{{/* A Generate lane port (router.lanePort, worker.lanePort), or nothing: none set, or internal TLS (the lane is
+plaintext; the services keep Generate on their gRPC ports). Args: root, port. */}}
+{{- define "radixmesh.lanePort" -}}
+{{- if and .port (not .root.Values.tls.internal.enabled) }}{{ .port }}{{ end -}}
+{{- end }}
