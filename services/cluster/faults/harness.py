@@ -189,9 +189,10 @@ class FaultCluster:
         workers = [proxy_address if n == proxied else self.addresses[n] for n in self.worker_names]
         router = f"{HOST}:{free_port(HOST)}"
         index = ["--redis-url", self.state.redis_url] if self.state.redis_url else []
+        # the proxy forwards the worker's gRPC port only: Generate goes there too, not around it on the lane
         self._start("router-proxied", ["router", "--host", HOST, "--port", router.rsplit(":", 1)[1],
-                                       "--metrics-port", "-1", "--policy", "round-robin",
-                                       "--workers", ",".join(workers), *index])
+                                       "--metrics-port", "-1", "--policy", "round-robin", "--generate-transport",
+                                       "grpc", "--workers", ",".join(workers), *index])
         self.addresses["router-proxied"] = router
         wait_for(lambda: router_sees_all(router, len(workers)), READY_TIMEOUT_S, "the proxied router")
         port = free_port(HOST)
