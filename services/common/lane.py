@@ -342,3 +342,50 @@ class LaneClient:
             conn.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await conn.task
+
+
+class PeerLane:
+    """One peer's Generate lane as the peer last reported it (GetLoad's `lane_port`), for the services that call
+    it (a router's worker clients, a gateway's targets). `open` answers None when there is no lane or it cannot be
+    reached: the caller uses gRPC. A port that refused is not used again until the peer reports another one or
+    was seen down (`forget_refusal`)."""
+
+    def __init__(self, address: str, peer: str) -> None:
+        """`address`: the peer's gRPC host:port (the lane is on the same host)."""
+        self.host = address.rsplit(":", 1)[0].strip("[]")
+        self.peer = peer
+        self.client: LaneClient | None = None
+        self._refused_port = 0
+
+    def learn(self, port: int) -> None:
+        """The peer reports its lane on `port` (0: none)."""
+        if (port and port == self._refused_port) or port == (self.client.port if self.client is not None else 0):
+            return
+        old, self._refused_port = self.client, 0
+        self.client = LaneClient(self.host, port, self.peer) if port else None
+        if old is not None:
+            asyncio.get_running_loop().create_task(old.close())
+
+    def forget_refusal(self) -> None:
+        """The peer was seen down: the port it reports when back is tried again, even the one that refused."""
+        self._refused_port = 0
+
+    async def open(self, method: str, request: Message, response_type: type[M],
+                   span_name: str = "") -> LaneStream[M] | None:
+        """`LaneClient.open` on the lane; None without one, or when it cannot be reached (then dropped)."""
+        client = self.client
+        if client is None:
+            return None
+        try:
+            return await client.open(method, request, response_type, span_name)
+        except LaneBroken as exc:
+            logger.info("%s: %s; Generate over gRPC", self.peer, exc.message)
+            if self.client is client:
+                self.client, self._refused_port = None, client.port
+            await client.close()
+            return None
+
+    async def close(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            await client.close()

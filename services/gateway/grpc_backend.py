@@ -369,17 +369,10 @@ class GrpcBackend(Backend):
                 last_error = error
 
     async def _start_call(self, target: Upstream, request: worker_pb2.GenerateRequest) -> Any:
-        """Generate on the target's lane when it has one (gRPC, and the lane dropped, if it cannot be reached)."""
-        lane = target.lane
-        if lane is not None:
-            try:
-                return LaneCall(await lane.open("Generate", request, worker_pb2.GenerateResponse,
-                                                f"/{self._service_name}/Generate"))
-            except LaneBroken as exc:
-                logger.info("gateway: %s: %s; Generate over gRPC until its lane is known again",
-                            target.description, exc.message)
-                await target.drop_lane()
-        return target.stub.Generate(request)
+        """Generate on the target's lane when it has one that answers, else over gRPC."""
+        stream = None if target.lane is None else await target.lane.open(
+            "Generate", request, worker_pb2.GenerateResponse, f"/{self._service_name}/Generate")
+        return LaneCall(stream) if stream is not None else target.stub.Generate(request)
 
     def _failure(self, target: Upstream, exc: Exception) -> tuple[RadixMeshError, bool, bool]:
         """(the error, the target is unreachable, the error is the target's own) of a failed Generate."""

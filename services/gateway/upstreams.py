@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2_grpc
 from radixmesh.common import aio, tls, tracing
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.common.grpc_server import RECONNECT_OPTIONS, check_peer_health
-from radixmesh.common.lane import LaneClient
+from radixmesh.common.lane import PeerLane
 from radixmesh.common.readiness import Readiness
 from radixmesh.protocol import worker_pb2
 
@@ -69,12 +69,11 @@ def parse_addresses(spec: str, kind: str) -> list[str]:
 class Upstream:
     """One replica of a dependency: its channel, stub and last known health."""
 
-    lane: LaneClient | None = None
-    """The replica's Generate lane once learnt (None: Generate goes over gRPC)."""
-    use_lane = False
-    """Learn the replica's lane (routers and workers, when the gateway's transport is lane and not TLS)."""
-    lane_asked = False
-    """GetLoad answered since the replica last came up (asked again after it was down or its lane failed)."""
+    lane: PeerLane | None = None
+    """The replica's Generate lane, learnt from GetLoad (None: Generate always over gRPC: a tokenizer, the
+    gateway's transport is grpc, TLS, the router in this process)."""
+    _lane_asked = False
+    """GetLoad answered since the replica last came up."""
 
     def __init__(self, kind: str, address: str, stub_class: Callable[[Any], Any], use_lane: bool = False) -> None:
         self.kind, self.address = kind, address
@@ -85,34 +84,34 @@ class Upstream:
         self.detail = "not contacted yet"
         self.wake = asyncio.Event()
         """Set to check again now (a request found the replica unreachable)."""
-        self.use_lane = use_lane and tls.client_tls() is None
+        if use_lane and tls.client_tls() is None:
+            self.lane = PeerLane(address, self.description)
 
     @property
     def description(self) -> str:
         return f"the {self.kind} at {self.address}"
 
-    async def learn_lane(self, timeout_s: float) -> None:
-        """Ask the replica (GetLoad) for its Generate lane and use it from now on; no lane: gRPC as before."""
+    async def check_lane(self, up: bool, timeout_s: float) -> None:
+        """After a health check: ask for the Generate lane (GetLoad) once each time the replica comes up; while it
+        is down, forget a port that refused (it may come back on the same one)."""
+        if self.lane is None:
+            return
+        if not up:
+            self._lane_asked = False
+            self.lane.forget_refusal()
+            return
+        if self._lane_asked:
+            return
         try:
             reply = await self.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout_s)
         except grpc.RpcError:
             return  # asked again on the next check
-        self.lane_asked = True
-        if self.lane is not None and self.lane.port == reply.lane_port:
-            return
-        await self.drop_lane()
-        if reply.lane_port:
-            host = self.address.rsplit(":", 1)[0].strip("[]")
-            self.lane = LaneClient(host, reply.lane_port, self.description)
-
-    async def drop_lane(self) -> None:
-        """Back to gRPC (the lane was not where the replica said) until the replica was seen down and up again."""
-        lane, self.lane = self.lane, None
-        if lane is not None:
-            await lane.close()
+        self._lane_asked = True
+        self.lane.learn(reply.lane_port)
 
     async def close(self) -> None:
-        await self.drop_lane()
+        if self.lane is not None:
+            await self.lane.close()
         await self.channel.close()
 
 
@@ -172,10 +171,7 @@ class UpstreamWatcher:
         retry_s = self.config.retry_min_s
         while True:
             up, detail = await check_peer_health(upstream.health, self.config.check_timeout_s)
-            if up and upstream.use_lane and not upstream.lane_asked:
-                await upstream.learn_lane(self.config.check_timeout_s)
-            elif not up:
-                upstream.lane_asked = False  # it may come back with another lane port
+            await upstream.check_lane(up, self.config.check_timeout_s)
             self.record(group, upstream, up, detail)
             wait_s = self.config.check_interval_s if up else retry_s
             retry_s = self.config.retry_min_s if up else min(self.config.retry_max_s, retry_s * 2)

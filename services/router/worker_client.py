@@ -6,8 +6,6 @@ there is one), so the dispatch logic never sees a transport exception.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -20,12 +18,11 @@ from radixmesh.common.convert import ROLE_FROM_PROTO
 from radixmesh.common.errors import RadixMeshError
 from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.common.grpc_server import MAX_MESSAGE_BYTES
-from radixmesh.common.lane import LaneBroken, LaneClient, LaneStream
+from radixmesh.common.lane import PeerLane
 from radixmesh.protocol import common_pb2, worker_pb2, worker_pb2_grpc
 from radixmesh.router.discovery.base import WorkerEndpoint
 from radixmesh.router.workers import LoadSnapshot
 
-logger = logging.getLogger(__name__)
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -70,18 +67,17 @@ class WorkerClient:
                                        interceptors=tracing.client_interceptors())
         self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.use_lane = use_lane and tls.client_tls() is None
-        self.lane: LaneClient | None = None
-        """The worker's Generate lane, as its last GetLoad reported it (None: Generate goes over gRPC)."""
-        self._refused_port = 0
-        """A lane port that could not be reached (not used again until the worker reports another)."""
+        self.lane = PeerLane(endpoint.address, f"worker {endpoint.worker_id}") \
+            if use_lane and tls.client_tls() is None else None
+        """The worker's Generate lane, learnt from its GetLoad replies (None: Generate always over gRPC)."""
 
     def _error(self, exc: grpc.RpcError) -> RadixMeshError:
         return from_rpc_error(exc, peer=f"worker {self.endpoint.worker_id} at {self.endpoint.address}")
 
     async def generate(self, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
         """The worker's stream; closing the iterator early cancels the call (the worker aborts)."""
-        stream = await self._open_lane(request) if self.lane is not None else None
+        stream = None if self.lane is None else await self.lane.open(
+            "Generate", request, worker_pb2.GenerateResponse, f"/{WORKER_SERVICE}/Generate")
         if stream is not None:
             try:
                 while (msg := await stream.read()) is not None:
@@ -99,37 +95,14 @@ class WorkerClient:
             if not call.done():
                 call.cancel()
 
-    async def _open_lane(self, request: worker_pb2.GenerateRequest) -> LaneStream[worker_pb2.GenerateResponse] | None:
-        """Generate on the worker's lane; None when the lane cannot be reached (it is dropped, and not learnt
-        again until the worker reports another port: Generate goes over gRPC)."""
-        lane = self.lane
-        assert lane is not None
-        try:
-            return await lane.open("Generate", request, worker_pb2.GenerateResponse, f"/{WORKER_SERVICE}/Generate")
-        except LaneBroken as exc:
-            logger.info("router: worker %s: %s; Generate over gRPC", self.endpoint.worker_id, exc.message)
-            port = lane.port
-            await lane.close()
-            if self.lane is lane:
-                self._refused_port, self.lane = port, None
-            return None
-
-    def _learn_lane(self, port: int) -> None:
-        if not self.use_lane or port == self._refused_port or (self.lane is not None and self.lane.port == port):
-            return
-        old, self.lane, self._refused_port = self.lane, None, 0
-        if old is not None:
-            asyncio.get_running_loop().create_task(old.close())
-        if port:
-            host = self.endpoint.address.rsplit(":", 1)[0].strip("[]")
-            self.lane = LaneClient(host, port, f"worker {self.endpoint.worker_id}")
-
     async def probe(self, timeout_s: float) -> ProbeResult:
         """Health from grpc.health.v1 (answered by the front end even while the engine is busy); the load
         from GetLoad, best effort: a busy scheduler may answer late, which leaves the last load in place."""
         try:
             health = await self.health.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
+            if self.lane is not None:
+                self.lane.forget_refusal()
             return ProbeResult(False, f"{exc.code().name}: {exc.details()}")
         if health.status != health_pb2.HealthCheckResponse.SERVING:
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
@@ -138,7 +111,8 @@ class WorkerClient:
             reply = await self.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             return ProbeResult(True, f"GetLoad: {exc.code().name}")
-        self._learn_lane(reply.lane_port)
+        if self.lane is not None:
+            self.lane.learn(reply.lane_port)
         return ProbeResult(True, load=load_from_proto(reply.load), worker_id=reply.worker_id,
                            role=ROLE_FROM_PROTO.get(reply.role, ""))
 

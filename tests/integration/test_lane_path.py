@@ -11,6 +11,7 @@ import pytest
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
+from radixmesh.common.lane import LaneClient
 from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.gateway.grpc_backend import GrpcBackend
 from radixmesh.protocol import worker_pb2
@@ -55,14 +56,21 @@ async def services(router_transport: str = "lane", gateway_transport: str = "lan
         await worker.stop()
 
 
-def lane_of(router: RouterApp) -> object:
+def lane_of(router: RouterApp) -> LaneClient | None:
+    """The connection the router uses for its worker's lane (None: Generate over gRPC)."""
     (handle,) = router.registry.all()
-    return handle.client.lane
+    return handle.client.lane.client if handle.client.lane is not None else None
+
+
+def gateway_lane(backend: GrpcBackend) -> LaneClient | None:
+    """The connection the gateway uses for its router's lane (None: Generate over gRPC)."""
+    lane = backend.targets.upstreams[0].lane
+    return lane.client if lane is not None else None
 
 
 async def lanes_learnt(backend: GrpcBackend, router: RouterApp) -> None:
     await wait_until(lambda: lane_of(router) is not None, 10, "the router to learn the worker's lane")
-    await wait_until(lambda: backend.targets.upstreams[0].lane is not None, 10, "the gateway to learn the router's")
+    await wait_until(lambda: gateway_lane(backend) is not None, 10, "the gateway to learn the router's")
 
 
 def test_both_hops_on_lanes_and_the_ports_are_reported() -> None:
@@ -74,7 +82,7 @@ def test_both_hops_on_lanes_and_the_ports_are_reported() -> None:
             await lanes_learnt(backend, router)
             assert await generate_text(backend, [1, 2, 3]) == "<0><1><2>"
             assert worker.transports[-1] == "lane"
-            assert backend.targets.upstreams[0].lane.port == router.server.lane_port  # type: ignore[union-attr]
+            assert gateway_lane(backend) is not None and gateway_lane(backend).port == router.server.lane_port  # type: ignore[union-attr]
 
     asyncio.run(run())
 
@@ -84,13 +92,13 @@ def test_grpc_transport_when_asked_for_or_when_a_peer_has_no_lane() -> None:
         async with services(router_transport="grpc", gateway_transport="grpc") as (backend, router, worker):
             assert await generate_text(backend, [1, 2, 3]) == "<0><1><2>"
             assert worker.transports == ["grpc"]
-            assert lane_of(router) is None and backend.targets.upstreams[0].lane is None
+            assert lane_of(router) is None and gateway_lane(backend) is None
         async with services(worker_lane=False, router_lane_port=-1) as (backend, router, worker):
             assert router.server is not None and router.server.lane_port == 0
             await asyncio.sleep(0.3)  # several probes and checks: nothing to learn
             assert await generate_text(backend, [1, 2, 3]) == "<0><1><2>"
             assert worker.transports == ["grpc"]
-            assert lane_of(router) is None and backend.targets.upstreams[0].lane is None
+            assert lane_of(router) is None and gateway_lane(backend) is None
 
     asyncio.run(run())
 
@@ -106,7 +114,7 @@ def test_a_lane_that_cannot_be_reached_falls_back_to_grpc_for_the_same_request()
                 assert await generate_text(backend, [1, 2, 3]) == "<0><1><2>"
             assert worker.transports[-3:] == ["grpc"] * 3
             assert lane_of(router) is None, "a refused lane is not learnt again from the same port"
-            assert backend.targets.upstreams[0].lane is None
+            assert gateway_lane(backend) is None
 
     asyncio.run(run())
 

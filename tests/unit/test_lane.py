@@ -1,13 +1,12 @@
 """The Generate lane on its own: a real LaneServer and LaneClient on 127.0.0.1 in one event loop. Streams,
-several at once on one connection, the peer's errors as it sent them, cancel, disconnects, drain, restarts."""
+several at once on one connection, the peer's errors as it sent them, frames, large messages, headers
+(cancel, disconnects and drain: test_lane_lifecycle.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
@@ -28,72 +27,14 @@ from radixmesh.common.lane import (
     MESSAGE,
     OPEN,
     LaneBroken,
-    LaneClient,
     LaneContext,
-    LaneMethod,
-    LaneServer,
-    LaneStream,
     _Aborted,
     _frame,
     _open_body,
     _parse_open,
     _read_frame,
 )
-from radixmesh.protocol import worker_pb2
-
-Request, Response = worker_pb2.GenerateRequest, worker_pb2.GenerateResponse
-Handler = Callable[[Any, LaneContext], AsyncIterator[Any]]
-T = TypeVar("T")
-HOST = "127.0.0.1"
-
-
-def within(aw: Awaitable[T]) -> Awaitable[T]:
-    """Every wait in these tests is bounded: a hang fails the test instead of stalling the run."""
-    return asyncio.wait_for(aw, 5)
-
-
-@contextlib.asynccontextmanager
-async def lane(handler: Handler, port: int = 0) -> AsyncIterator[tuple[LaneServer, LaneClient]]:
-    """A server with `handler` as its Generate, and a client to it (both closed on the way out)."""
-    server = LaneServer({"Generate": LaneMethod(Request, handler, "/radixmesh.v1.WorkerService/Generate")}, "worker")
-    await server.start(HOST, port)
-    client = LaneClient(HOST, server.port, "w0")
-    try:
-        yield server, client
-    finally:
-        await client.close()
-        await server.close()
-
-
-async def read_all(stream: LaneStream[Any]) -> list[Any]:
-    messages = []
-    while (msg := await within(stream.read())) is not None:
-        messages.append(msg)
-    return messages
-
-
-async def generate(client: LaneClient, rid: str = "r", token_ids: list[int] | None = None) -> LaneStream[Any]:
-    return await client.open("Generate", Request(request_id=rid, token_ids=token_ids or []), Response)
-
-
-async def three(request: Any, context: LaneContext) -> AsyncIterator[Any]:
-    for i in range(3):
-        yield Response(request_id=request.request_id, token_ids=[i], prompt_tokens=len(request.token_ids))
-
-
-def blocking(started: asyncio.Event, ended: asyncio.Event) -> Handler:
-    """A handler that sends one message, then waits for an event that never fires; `ended` when it stops."""
-    never = asyncio.Event()
-
-    async def handler(request: Any, context: LaneContext) -> AsyncIterator[Any]:
-        try:
-            yield Response(request_id=request.request_id, token_ids=[0])
-            started.set()
-            await never.wait()
-        finally:
-            ended.set()
-
-    return handler
+from tests.lane_helpers import HOST, Handler, Request, Response, generate, lane, read_all, three, within
 
 
 class Failing:
@@ -327,165 +268,6 @@ def test_abort_with_inside_map_errors_keeps_its_error() -> None:
             with pytest.raises(RadixMeshError) as info:
                 await within(stream.read())
             assert (info.value.code, info.value.message) == (ErrorCode.NOT_FOUND, "no such request")
-
-    asyncio.run(run())
-
-
-# ---- cancel and disconnects --------------------------------------------------------------------------------
-async def open_blocked(client: LaneClient, started: asyncio.Event) -> LaneStream[Response]:
-    """A stream whose handler (`blocking`) sent its first message and now waits."""
-    stream = await generate(client)
-    assert await within(stream.read()) is not None
-    await within(started.wait())
-    return stream
-
-
-def test_cancel_ends_the_handler_and_the_connection_goes_on() -> None:
-    async def run() -> None:
-        started, ended = asyncio.Event(), asyncio.Event()
-        async with lane(blocking(started, ended)) as (server, client):
-            stream = await open_blocked(client, started)
-            conn = client._conn
-            stream.cancel()
-            await within(ended.wait())  # the server cancelled the handler: its finally ran
-            stream.cancel()  # again: nothing happens
-            assert await stream.read() is None
-            server.methods["Generate"] = LaneMethod(Request, three, "Generate")
-            assert len(await read_all(await generate(client))) == 3
-            assert client._conn is conn and conn is not None and conn.alive
-
-    asyncio.run(run())
-
-
-def test_closing_the_client_cancels_its_handlers_on_the_server() -> None:
-    async def run() -> None:
-        started, ended = asyncio.Event(), asyncio.Event()
-        async with lane(blocking(started, ended)) as (server, client):
-            stream = await open_blocked(client, started)
-            await client.close()
-            await within(ended.wait())
-            with pytest.raises(LaneBroken):
-                await within(stream.read())
-            server.methods["Generate"] = LaneMethod(Request, three, "Generate")
-            assert len(await read_all(await generate(client))) == 3  # opened again on next use
-
-    asyncio.run(run())
-
-
-def test_a_server_that_closes_breaks_the_pending_read() -> None:
-    async def run() -> None:
-        started, ended = asyncio.Event(), asyncio.Event()
-        async with lane(blocking(started, ended)) as (server, client):
-            stream = await open_blocked(client, started)
-            pending = asyncio.ensure_future(stream.read())
-            await asyncio.sleep(0)  # the read is waiting
-            await within(server.close())
-            assert ended.is_set()
-            with pytest.raises(LaneBroken) as info:
-                await within(pending)
-            assert info.value.code is ErrorCode.UNAVAILABLE and "w0" in info.value.message
-            assert client._conn is not None and not client._conn.alive
-
-    asyncio.run(run())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
-def test_nothing_listening_is_lane_broken() -> None:
-    async def run() -> None:
-        port = free_port()
-        client = LaneClient(HOST, port, "w0")
-        with pytest.raises(LaneBroken) as info:
-            await within(generate(client))
-        assert info.value.code is ErrorCode.UNAVAILABLE and f"{HOST}:{port}" in info.value.message
-        await client.close()
-
-    asyncio.run(run())
-
-
-def test_a_connect_timeout_is_lane_broken() -> None:
-    async def run() -> None:
-        async with lane(three) as (server, _):
-            client = LaneClient(HOST, server.port, "w0", connect_timeout_s=0)  # gives up before connecting
-            with pytest.raises(LaneBroken) as info:
-                await within(generate(client))
-            assert info.value.code is ErrorCode.UNAVAILABLE
-            await client.close()
-
-    asyncio.run(run())
-
-
-def test_a_connect_timeout_names_the_timeout() -> None:
-    async def run() -> None:
-        client = LaneClient(HOST, free_port(), "w0", connect_timeout_s=0)
-        with pytest.raises(LaneBroken, match="TimeoutError"):
-            await within(generate(client))
-
-    asyncio.run(run())
-
-
-def test_the_client_reconnects_after_the_server_restarts() -> None:
-    async def run() -> None:
-        started, ended = asyncio.Event(), asyncio.Event()
-        async with lane(blocking(started, ended)) as (server, client):
-            stream = await generate(client)
-            assert await within(stream.read()) is not None
-            old = client._conn
-            await within(server.close())
-            with pytest.raises(LaneBroken):
-                await within(stream.read())
-            with pytest.raises(LaneBroken):  # nothing listening now
-                await within(generate(client))
-            async with lane(three, port=server.port) as (restarted, _):
-                assert restarted.port == server.port
-                assert len(await read_all(await generate(client))) == 3
-                assert client._conn is not old and client._conn is not None and client._conn.alive
-
-    asyncio.run(run())
-
-
-# ---- drain -------------------------------------------------------------------------------------------------
-def test_a_draining_server_finishes_open_streams_and_refuses_new_ones() -> None:
-    release = asyncio.Event()
-
-    async def handler(request: Any, context: LaneContext) -> AsyncIterator[Any]:
-        yield Response(request_id=request.request_id, token_ids=[0])
-        await release.wait()
-        yield Response(request_id=request.request_id, token_ids=[1])
-
-    async def run() -> None:
-        async with lane(handler) as (server, client):
-            stream = await generate(client, "open")
-            assert await within(stream.read()) is not None
-            closing = asyncio.ensure_future(server.close(grace_s=5))
-            await asyncio.sleep(0)  # close has started: draining, the listening socket closed
-            assert server._draining and not closing.done()
-            late = await generate(client, "late")  # on the connection already open
-            with pytest.raises(RadixMeshError) as info:
-                await within(late.read())
-            assert info.value.code is ErrorCode.UNAVAILABLE and not isinstance(info.value, LaneBroken)
-            with pytest.raises(LaneBroken):  # no new connections
-                await within(generate(LaneClient(HOST, server.port, "w0")))
-            release.set()
-            assert [list(m.token_ids) for m in await read_all(stream)] == [[1]]
-            await within(closing)
-
-    asyncio.run(run())
-
-
-def test_a_drain_cancels_streams_still_running_after_the_grace() -> None:
-    async def run() -> None:
-        started, ended = asyncio.Event(), asyncio.Event()
-        async with lane(blocking(started, ended)) as (server, client):
-            stream = await open_blocked(client, started)
-            await within(server.close(grace_s=0.01))  # the handler never ends by itself
-            assert ended.is_set()
-            with pytest.raises(LaneBroken):
-                await within(stream.read())
 
     asyncio.run(run())
 
