@@ -67,16 +67,18 @@ def _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, 
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, k_buf_ptr, v_buf_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+    q_ptr, k_buf_ptr, v_buf_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, req_map_ptr,
     qk_scale, v_scale,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
     head_dim,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
     req = tl.program_id(0)
+    if HAS_MAP:  # only the requests listed run here (the others' attention is computed elsewhere)
+        req = tl.load(req_map_ptr + req).to(tl.int64)
     kv_head = tl.program_id(1)
     t0 = tl.program_id(2) * BLOCK_T
 
@@ -143,7 +145,8 @@ def _block_sizes(head_dim: int, group_pad: int, dtype: torch.dtype,
 
 def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
                          qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                         max_extend_len: int, sm_scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                         max_extend_len: int, sm_scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                         blocks: tuple[int, int, int, int] | None = None, req_map: torch.Tensor | None = None) -> None:
     """Causal attention of packed new tokens over their requests' prefix plus themselves.
 
     q, out: `[num_tokens, num_heads, head_dim]`, request i's new tokens at rows
@@ -151,21 +154,32 @@ def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     holding the new tokens' K/V; request i's slots (prefix, then new tokens) are
     `kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`. `max_extend_len` (host int) bounds the new
     tokens of any request and sizes the grid. No host sync. FP8 buffers are read as `fp8 * k_scale`
-    and `fp8 * v_scale`.
+    and `fp8 * v_scale`. `blocks` (BLOCK_M, BLOCK_N, num_warps, num_stages) replaces the tiles chosen per
+    device and dtype (tuning sweeps: `python -m radixmesh.kernels.bench_extend --sweep`). `req_map`
+    (int, on the device) lists the requests to compute; the others' rows of `out` are left untouched.
     """
     _check_extend_args(q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices, max_extend_len)
     num_tokens, num_heads, head_dim = q.shape
     batch = qo_indptr.shape[0] - 1
+    if req_map is not None:
+        check_device("req_map", req_map, q.device)
+        check_index("req_map", req_map)
+        assert req_map.dim() == 1 and req_map.shape[0] <= batch, f"req_map must list <= {batch} requests"
+        batch = req_map.shape[0]
     num_kv_heads = k_buffer.shape[1]
     if num_tokens == 0 or batch == 0 or max_extend_len == 0:
         return
     group = num_heads // num_kv_heads
     group_pad = next_power_of_2(group)
     block_t, block_n, num_warps, num_stages = _block_sizes(head_dim, group_pad, q.dtype, q.device)
+    if blocks is not None:
+        block_m, block_n, num_warps, num_stages = blocks
+        assert block_m >= 16 and block_n >= 16, f"tiles must be >= 16 rows, got {blocks}"
+        block_t = max(1, block_m // group_pad)
     operand_dtype = dot_dtype(q.dtype, q.device)
     grid = (batch, num_kv_heads, triton.cdiv(max_extend_len, block_t))
     _extend_kernel[grid](
-        q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices,
+        q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices, req_map if req_map is not None else qo_indptr,
         sm_scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
@@ -173,7 +187,7 @@ def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_t * group_pad,
         BLOCK_D=next_power_of_2(head_dim), BLOCK_N=block_n,
         DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision(operand_dtype), KV_FP8=k_buffer.dtype in FP8_DTYPES,
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_MAP=req_map is not None, num_warps=num_warps, num_stages=num_stages,
     )
 
 

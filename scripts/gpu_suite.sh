@@ -95,6 +95,18 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
         python3 -m radixmesh.kernels.bench_decode --batch 1 --seq-len 1152 --heads 32 --kv-heads 8 --head-dim $dim \
           --dtype bf16 --cuda-graph --num-kv-splits $splits
       done; done ;;
+    extend-kernel)  # prefill attention: the Triton kernel's tiles (default and a sweep) vs torch SDPA's backends
+      python3 -m radixmesh.kernels.bench_extend --new-len 1024 2048 4096 --sweep --sdpa | tee "$OUT/extend-kernel.jsonl"
+      python3 -m radixmesh.kernels.bench_extend --new-len 4096 --requests 2 --prefix-len 1024 --sweep \
+        | tee -a "$OUT/extend-kernel.jsonl"
+      # what a prompt length never seen before costs each library (cuDNN builds a plan per shape)
+      python3 -m radixmesh.kernels.bench_extend --new-len 2048 --churn 8 | tee -a "$OUT/extend-kernel.jsonl" ;;
+    prefill-profile)  # one 8B request's prefill alone at the online workload's lengths: wall, kernels by kind;
+      # with the Triton kernel alone (the default), then with cuDNN's attention for long prompts
+      for extra in "" --enable-dense-prefill; do
+        $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 --input-len 512 1024 2048 3072 4096 \
+          --output-len 8 --context-length 8192 --profile-prefill --result-file "$OUT/prefill-profile.jsonl" $extra
+      done ;;
     gemv)  # batch-1 linear layers of the 1B and 8B shapes: our GEMV (default and best of a sweep) vs cuBLAS
       python3 -m radixmesh.kernels.bench_gemv --sweep | tee "$OUT/gemv.jsonl" ;;
     gemv-fused)  # the batch-1 GEMVs as a step launches them (plain, gated, rope), default tiles vs a sweep

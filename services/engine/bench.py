@@ -159,6 +159,7 @@ def settings(sched: Any, args: argparse.Namespace) -> dict[str, Any]:
     cfg = sched.config
     return {"model": cfg.model, "load_format": cfg.load_format, "dtype": cfg.dtype, "tp_size": cfg.tp_size,
             "custom_all_reduce": cfg.enable_custom_all_reduce, "gemv_fusion": not cfg.disable_gemv_fusion,
+            "dense_prefill": cfg.enable_dense_prefill,
             "pdl": _pdl_on(sched.runner.device), "attention_backend": cfg.attention_backend,
             "overlap_schedule": cfg.overlap_schedule,
             **sched.runner.memory_info(),
@@ -206,6 +207,10 @@ def _one_batch(sched: Any, timeline: Timeline, args: argparse.Namespace, input_l
             result.update(profile_graph(graphs, args.batch_size, seq_len))
     if args.profile_graph and graphs is not None:
         result.update(profile_decode_steps(sched, make_reqs([(input_len, 24)] * args.batch_size, vocab, seed + 2, "p")))
+    if args.profile_prefill and sched.runner.device.type == "cuda":
+        from radixmesh.engine.bench_profile import profile_prefill
+
+        result.update(profile_prefill(sched, lambda i: make_reqs([(input_len, 1)], vocab, seed + 10 + i, f"pp{i}-")[0]))
     _report(result, args)
 
 
@@ -343,6 +348,8 @@ def register_one_batch(bench: argparse._SubParsersAction) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--profile-graph", action="store_true",
                         help="also list the kernels of one decode graph replay (torch.profiler)")
+    parser.add_argument("--profile-prefill", action="store_true",
+                        help="also time one request's prefill alone and list its kernels by kind (CUDA)")
     parser.set_defaults(func=cmd_one_batch)
 
 

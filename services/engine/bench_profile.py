@@ -10,13 +10,14 @@ sampling, copies). On a CPU the event timing is skipped and only the batch mix i
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 KERNEL_KINDS = (
     ("decode-attention", ("decode_", "_fwd_kernel_stage", "split_kv")),
-    ("extend-attention", ("extend", "prefill", "flash", "fmha")),
+    ("extend-attention", ("extend", "prefill", "flash", "fmha", "sdpa")),
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "matmul")),
     ("norm-rope-act", ("rmsnorm", "rms_norm", "rotary", "rope", "silu", "act_and_mul")),
     ("sampling", ("argmax", "softmax", "sample", "topk", "sort", "logsumexp")),
@@ -168,3 +169,94 @@ def print_profile(profile: dict[str, Any]) -> None:
         print(f"  window @launch {window['first_launch']}: {window['decode_launches']}/{window['num_launches']} "
               f"decode, batch {window['mean_decode_batch']}, extend tokens {window['extend_tokens']}: "
               f"{window['kernel_ms_by_kind']}")
+
+
+def profile_prefill(sched: Any, make_req: Any, runs: int = 3) -> dict[str, Any]:
+    """One request's prefill alone (`bench one-batch --profile-prefill`): wall time from submission to its
+    first token, device time of its kernels by kind, and the rate of its GEMMs and attention.
+
+    `make_req(i)` returns a fresh request (random prompt: nothing cached) asking for one token.
+    """
+    import torch
+
+    from radixmesh.engine.models.layers import Linear
+
+    walls: list[float] = []
+    totals: list[float] = []
+    kinds: dict[str, float] = {}
+    top: dict[str, float] = {}
+    phases = _HostPhases(sched)
+    num_tokens = 0
+    for i in range(runs):
+        req = make_req(i)
+        num_tokens = len(req.origin_input_ids)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            sched.add_request(req)
+            while sched.has_work:
+                sched.step()
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - start)
+            phases.end_run()
+        window = _kinds(prof.key_averages(), torch)
+        totals.append(sum(window["kernel_ms_by_kind"].values()))
+        for kind, ms in window["kernel_ms_by_kind"].items():
+            kinds[kind] = kinds.get(kind, 0.0) + ms / runs
+        for name, ms in window["top_kernels_ms"]:
+            top[name] = top.get(name, 0.0) + ms / runs
+    mc = sched.runner.model_config
+    linear_params = sum(m.in_features * m.out_features for name, m in sched.runner.model.named_modules()
+                        if isinstance(m, Linear) and not name.endswith("lm_head"))
+    gemm_flops = 2 * linear_params * num_tokens
+    # causal: each of QK^T and PV is N^2 / 2 multiply-adds per head dimension and query head
+    attn_flops = 2 * num_tokens * num_tokens * mc.head_dim * mc.num_heads * mc.num_layers
+    gemm_ms, attn_ms = kinds.get("gemm", 0.0), kinds.get("extend-attention", 0.0)
+    phases.detach()
+    return {"prefill_tokens": num_tokens, "prefill_runs": runs, "prefill_host_ms": phases.medians(),
+            "prefill_wall_ms": round(1000 * statistics.median(walls), 3),
+            "prefill_device_ms": round(statistics.median(totals), 3),
+            "prefill_ms_by_kind": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "prefill_gemm_tflops": round(gemm_flops / max(gemm_ms, 1e-9) / 1e9, 1),
+            "prefill_attention_tflops": round(attn_flops / max(attn_ms, 1e-9) / 1e9, 1),
+            "prefill_top_kernels_ms": [[n, round(ms, 3)] for n, ms in sorted(top.items(), key=lambda kv: -kv[1])[:8]]}
+
+
+class _HostPhases:
+    """Host time of a scheduler's phases per run (median over runs): scheduling (`get_next_batch`), launching
+    (`launch`: the eager forward's kernel launches), reading results less the wait for the device, the wait."""
+
+    NAMES = ("get_next_batch", "launch", "process_batch_result")
+
+    def __init__(self, sched: Any) -> None:
+        self.sched = sched
+        self.current: dict[str, float] = {}
+        self.runs: list[dict[str, float]] = []
+        self._wait_start = sched.result_wait_s
+        for name in self.NAMES:
+            setattr(sched, name, self._timed(name, getattr(sched, name)))
+
+    def _timed(self, name: str, inner: Any) -> Any:
+        def timed(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args)
+            finally:
+                self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - start
+        return timed
+
+    def end_run(self) -> None:
+        wait = self.sched.result_wait_s - self._wait_start
+        self._wait_start = self.sched.result_wait_s
+        run = {"schedule": self.current.get("get_next_batch", 0.0), "launch": self.current.get("launch", 0.0),
+               "results": self.current.get("process_batch_result", 0.0) - wait, "wait_for_device": wait}
+        self.runs.append(run)
+        self.current = {}
+
+    def medians(self) -> dict[str, float]:
+        return {k: round(1000 * statistics.median(r[k] for r in self.runs), 3) for k in self.runs[0]} if self.runs \
+            else {}
+
+    def detach(self) -> None:
+        for name in self.NAMES:
+            self.sched.__dict__.pop(name, None)

@@ -85,6 +85,11 @@ class EngineConfig:
     """Batch-1 linear layers on CUDA use cuBLAS instead of the GEMV kernel (bf16/fp16 weights)."""
     disable_gemv_fusion: bool = False
     """Batch-1 decode runs RMSNorm and SiLU-and-mul as launches of their own, not inside the next GEMV."""
+    enable_dense_prefill: bool = False
+    """Triton backend: prefill attention of prompts of 1,536 tokens or more with nothing cached runs through
+    PyTorch's SDPA (cuDNN's fused attention on CUDA: 1.5-2.2x the Triton kernel's speed at 2-4K tokens; a 4K-token
+    8B prefill 98-102 ms instead of 109 on an H100) instead of the extend kernel. Off by default: the 500-prompt
+    offline benchmark did not gain (docs/benchmarks/README.md)."""
     disable_pdl: bool = False
     """Launch the decode kernels without programmatic dependent launch (on by default on Hopper and later: a
     kernel's programs start, and a GEMV loads its first weights, while the kernel before it finishes)."""

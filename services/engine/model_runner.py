@@ -108,6 +108,11 @@ class ModelRunner:
         self.mm = MultimodalRuntime(self.model, self.req_pool.size, self.device) if mc.is_multimodal else None
         """Image features and M-RoPE positions of EXTEND passes (multimodal models only)."""
         self.attn_backend = create_backend(config.attention_backend)
+        if config.enable_dense_prefill:
+            self.attn_backend.enable_dense_prefill()
+        # (a longer prompt is split into chunks, and chunks after the first have a prefix)
+        self.attn_backend.warm_up(self.kv_pool, self.layout.num_heads,
+                                  min(self.context_len, config.prefill_token_budget))
         self.sampler = Sampler(seed=config.random_seed)
         self.sampling_cache = SamplingInfoCache()
         self.graph_runner: CudaGraphRunner | None = None

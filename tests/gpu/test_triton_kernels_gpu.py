@@ -159,25 +159,30 @@ def test_store_kv_large() -> None:
     assert torch.equal(k_buf[loc], k.to(torch.bfloat16)) and torch.equal(v_buf[loc], v.to(torch.bfloat16))
 
 
-def test_backend_matches_torch_native_gpu() -> None:
-    """One layer: extend with cached prefixes, then decode steps; both backends on their own pools."""
+@pytest.mark.parametrize("prefix_lens,new_lens", [([1000, 0, 37], [200, 513, 1]), ([0, 1000, 0], [2048, 200, 1600])],
+                         ids=["triton-only", "with-dense-prefill"])
+def test_backend_matches_torch_native_gpu(prefix_lens: list[int], new_lens: list[int]) -> None:
+    """One layer: extend with cached prefixes, then decode steps; both backends on their own pools. With
+    `--enable-dense-prefill` the second case sends its two long prefix-free prompts to cuDNN (dense_prefill.py),
+    its middle request to the kernel."""
     heads, kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
     layer = AttentionLayerSpec(0, heads, kv_heads, head_dim, head_dim**-0.5)
-    prefix_lens, new_lens = [1000, 0, 37], [200, 513, 1]
+    dense_expected = max(n for p, n in zip(prefix_lens, new_lens) if p == 0) >= 1536
     results = []
     for backend_cls in (TritonBackend, TorchNativeBackend):
         torch.manual_seed(0)
-        req_pool = ReqToTokenPool(4, 2048, DEVICE)
-        kv_pool = TokenToKVPool(6000, 1, kv_heads, head_dim, dtype, DEVICE)
+        req_pool = ReqToTokenPool(4, 4096, DEVICE)
+        kv_pool = TokenToKVPool(7000, 1, kv_heads, head_dim, dtype, DEVICE)
         rows = [3, 1, 0]
-        slots = torch.randperm(6000, device=DEVICE) + 1
+        slots = torch.randperm(7000, device=DEVICE) + 1
         for i, row in enumerate(rows):
-            req_pool.req_to_token[row, :1500] = slots[i * 1500:(i + 1) * 1500]
+            req_pool.req_to_token[row, :2100] = slots[i * 2100:(i + 1) * 2100]
         for row, p in zip(rows, prefix_lens):
             loc = req_pool.req_to_token[row, :p]
             kv_pool.set_kv(0, loc, torch.randn(p, kv_heads, head_dim, device=DEVICE),
                            torch.randn(p, kv_heads, head_dim, device=DEVICE))
         backend = backend_cls()
+        backend.enable_dense_prefill()
         outs = []
         steps = [(ForwardMode.EXTEND, prefix_lens, new_lens)]
         steps += [(ForwardMode.DECODE, [p + n + i for p, n in zip(prefix_lens, new_lens)], [1, 1, 1])
@@ -199,6 +204,9 @@ def test_backend_matches_torch_native_gpu() -> None:
             v = torch.randn(n, kv_heads, head_dim, device=DEVICE).to(dtype)
             backend.init_forward_metadata(fb)
             outs.append(backend.forward(q, k, v, layer, fb))
+            if isinstance(backend, TritonBackend) and mode is ForwardMode.EXTEND:
+                assert backend.metadata is not None
+                assert (backend.metadata.dense is not None) == dense_expected and backend.dense.enabled
         results.append(outs)
     for step, (got, want) in enumerate(zip(*results)):
         try:

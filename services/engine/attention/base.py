@@ -114,6 +114,13 @@ class AttentionBackend(abc.ABC):
         only (it is captured)."""
         raise NotImplementedError(f"{type(self).__name__} does not capture extend passes")
 
+    def enable_dense_prefill(self) -> None:  # noqa: B027
+        """Send long prompts with nothing cached to a library kernel (`--enable-dense-prefill`); optional."""
+
+    def warm_up(self, kv_pool: TokenToKVPool, num_heads: int, max_extend_tokens: int) -> None:  # noqa: B027
+        """Prepare what the first passes of up to `max_extend_tokens` new tokens per request would otherwise pay
+        for (library plans), once the pool exists; optional."""
+
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
                 forward_batch: ForwardBatch, save_kv: bool = True) -> torch.Tensor: ...

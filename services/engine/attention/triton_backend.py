@@ -14,12 +14,16 @@ as many of those splits as its own length needs, decided on the device).
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from radixmesh.engine.attention.base import AttentionBackend, AttentionLayerSpec, ForwardBatch
+from radixmesh.engine.attention.dense_prefill import DENSE_PREFILL_MIN_TOKENS, DenseAttention, DensePlan, plan_dense
+from radixmesh.engine.device_io import to_device
 from radixmesh.kernels.decode_attention import (
     DEFAULT_MAX_KV_SPLITS,
     DecodeScratch,
@@ -40,6 +44,9 @@ if TYPE_CHECKING:
     from radixmesh.engine.memory import TokenToKVPool
 
 
+logger = logging.getLogger(__name__)
+
+
 @dataclass
 class TritonForwardMetadata:
     """One pass's plan, shared by all layers."""
@@ -50,6 +57,8 @@ class TritonForwardMetadata:
     max_extend_len: int  # most new tokens of any request (EXTEND only)
     num_kv_splits: int  # splits per request launched by decode (DECODE only)
     scratch: DecodeScratch | None = None  # decode scratch to use; None: the backend's grow-only one
+    dense: DensePlan | None = None  # EXTEND: prefix-free long prompts run by cuDNN (dense_prefill.py)
+    rest_map: torch.Tensor | None = None  # EXTEND with `dense`: batch rows left to the Triton kernel
 
 
 @dataclass
@@ -70,13 +79,32 @@ class TritonBackend(AttentionBackend):
     # graph-mode kv_indices capacity, as a multiple of the pool's slots (shared prefixes repeat slots)
     GRAPH_INDICES_PER_SLOT = 4
 
-    def __init__(self, max_kv_splits: int = DEFAULT_MAX_KV_SPLITS) -> None:
+    def __init__(self, max_kv_splits: int = DEFAULT_MAX_KV_SPLITS, dense_min_tokens: int = 0,
+                 dense: DenseAttention | None = None) -> None:
+        """`dense_min_tokens`: prompts of at least this many tokens with no cached prefix run through
+        `dense` (cuDNN on CUDA); 0: never (`enable_dense_prefill` sets DENSE_PREFILL_MIN_TOKENS)."""
         assert max_kv_splits >= 1, f"max_kv_splits must be >= 1, got {max_kv_splits}"
         self.max_kv_splits = max_kv_splits
+        self.dense_min_tokens = dense_min_tokens
+        self.dense = dense or DenseAttention()
         self.metadata: TritonForwardMetadata | None = None
         self._scratch: DecodeScratch | None = None
         self._num_sms: dict[torch.device, int] = {}
         self._graph: _GraphState | None = None
+
+    def enable_dense_prefill(self) -> None:
+        self.dense_min_tokens = DENSE_PREFILL_MIN_TOKENS
+
+    def warm_up(self, kv_pool: TokenToKVPool, num_heads: int, max_extend_tokens: int) -> None:
+        """Build cuDNN's plans for every padded prompt length the dense path can see (~1 s on an H100)."""
+        min_tokens = self.dense_min_tokens
+        if min_tokens <= 0 or kv_pool.device.type != "cuda" or kv_pool.dtype not in (torch.float16, torch.bfloat16):
+            return  # (on a CPU there are no plans to build)
+        start = time.perf_counter()
+        built = self.dense.warm_up(num_heads, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype, kv_pool.device,
+                                   min_tokens, max_extend_tokens)
+        logger.info("dense prefill: %d attention plans ready in %.2f s", built, time.perf_counter() - start)
+
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
@@ -93,7 +121,19 @@ class TritonBackend(AttentionBackend):
         else:
             qo_indptr = compute_kv_indptr(fb.extend_seq_lens)
             max_extend_len = max(fb.extend_seq_lens_cpu, default=0)
-            self.metadata = TritonForwardMetadata(kv_indptr, kv_indices, qo_indptr, max_extend_len, 1)
+            dense, rest_map = self._plan_dense(fb, device)
+            self.metadata = TritonForwardMetadata(kv_indptr, kv_indices, qo_indptr, max_extend_len, 1,
+                                                  dense=dense, rest_map=rest_map)
+
+    def _plan_dense(self, fb: ForwardBatch, device: torch.device) -> tuple[DensePlan | None, torch.Tensor | None]:
+        min_tokens = self.dense_min_tokens
+        pool = fb.token_to_kv_pool
+        if not self.dense.enabled or pool.dtype not in (torch.float16, torch.bfloat16):
+            return None, None  # (FP8 pools: attention must see the pool's rounding)
+        plan = plan_dense(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, min_tokens)
+        if plan is None or not plan.rest:
+            return plan, None
+        return plan, to_device(plan.rest, torch.int32, device)
 
     def init_cuda_graph_state(self, max_bs: int, context_len: int, kv_pool: TokenToKVPool, num_heads: int) -> int:
         assert max_bs >= 1 and context_len >= 1, f"max_bs {max_bs} and context_len {context_len} must be >= 1"
@@ -162,8 +202,18 @@ class TritonBackend(AttentionBackend):
                                  meta.num_kv_splits, scratch, k_scale, v_scale)
         else:
             assert meta.qo_indptr is not None, "extend pass planned without qo_indptr"
-            extend_attention_fwd(q, k_buf, v_buf, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
-                                 meta.max_extend_len, layer.scaling, k_scale, v_scale)
+            dense = meta.dense
+            dense_out = self.dense.run(q, k, v, out, dense, layer.scaling) if (
+                dense is not None and q.dtype == k_buf.dtype) else None
+            if dense is not None and dense_out is not None:
+                out = dense_out  # (`out` itself unless one request was the whole pass)
+                if dense.rest:
+                    extend_attention_fwd(q, k_buf, v_buf, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+                                         dense.rest_max_extend_len, layer.scaling, k_scale, v_scale,
+                                         req_map=meta.rest_map)
+            else:
+                extend_attention_fwd(q, k_buf, v_buf, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+                                     meta.max_extend_len, layer.scaling, k_scale, v_scale)
         return out.view(num_tokens, layer.num_heads * layer.head_dim)
 
     def _decode_scratch(self, batch: int, layer: AttentionLayerSpec, num_kv_splits: int,
