@@ -17,6 +17,7 @@ from radixmesh.engine.grammar.manager import GrammarManager
 from radixmesh.engine.grammar.vocab_mask import VocabMask
 from radixmesh.engine.hicache.factory import build_controller, build_tree
 from radixmesh.engine.kv_manager import KVCacheManager
+from radixmesh.engine.launch_pacing import LaunchPacer
 from radixmesh.engine.messages import TokenOut
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.request import FinishReason, Req
@@ -73,6 +74,9 @@ class Scheduler:
                                       runner.model_config.eos_token_ids, self.context_len)
         self.grammar.warm_up(runner.device)
         self.spec = SpecDecoder.create(self) if config.speculative_algorithm else None
+        self.pacer = LaunchPacer.create(config, runner.device)
+        """Overlap on CUDA: how long the loop may hold a decode launch for an arriving request (launch_pacing.py)."""
+        self._step_start = 0.0
 
     # ---- the core loop ----------------------------------------------------------------------
     def step(self) -> bool:
@@ -81,6 +85,7 @@ class Scheduler:
         With overlap on, batch N+1 is scheduled and launched before batch N's tokens are read
         back, so the host never waits on the device with nothing queued behind.
         """
+        self._step_start = time.perf_counter()
         self._admit_compiled_grammars()
         if self.hicache is not None:
             self.hicache.tick(self.waiting, self.running, self.new_token_ratio)
@@ -100,6 +105,14 @@ class Scheduler:
             self.hicache.wait(GRAMMAR_IDLE_WAIT_S)  # only loads are pending: wait for one here
             return True
         return batch is not None or previous is not None
+
+    def launch_deadline(self) -> float | None:
+        """Until when (`time.perf_counter()`) the loop may hold the next step, listening for requests: only while
+        a decode step is on the device and nobody waits for admission (launch_pacing.py). None: step now."""
+        if (self.pacer is None or self.waiting or self.chunked_req is not None or self.in_flight is None
+                or not self.in_flight.batch.is_decode or self.spec is not None or self._needs_host_tokens()):
+            return None
+        return self.pacer.deadline()
 
     @property
     def has_work(self) -> bool:
@@ -230,7 +243,10 @@ class Scheduler:
             self._commit_launch(batch, launch_id)
             return self._grammar_mask(batch, launch_id)
 
+        paced = self.pacer.before_launch() if self.pacer is not None and batch.is_decode else None
         sampled = self.runner.launch(batch, before_sample)
+        if paced is not None:
+            self.pacer.after_launch(paced, time.perf_counter() - self._step_start)
         return LaunchedBatch(launch_id, batch, sampled)
 
     def _commit_launch(self, batch: ScheduleBatch, launch_id: int) -> None:
@@ -268,6 +284,8 @@ class Scheduler:
         Waits for this batch's results to reach the host, not for batches launched after it.
         """
         host = self._wait_for_results(launched.sampled)
+        if self.pacer is not None:
+            self.pacer.results_read(launched.batch.is_decode)
         if host.prompt_logprobs is not None:
             self._add_prompt_logprobs(launched.batch, host)
         outputs: list[TokenOut] = []

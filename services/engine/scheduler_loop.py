@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -55,6 +56,9 @@ class SchedulerLoop:
             self._drain(recv)
             if self.stopping:
                 break
+            deadline = self.scheduler.launch_deadline()
+            if deadline is not None:
+                self._listen_until(poller, recv, deadline)
             if self.disagg is not None:
                 self.disagg.tick()  # right before the step: it queues KV exports ahead of the next launch
             stepped = self.scheduler.step()
@@ -65,6 +69,13 @@ class SchedulerLoop:
                 if os.getppid() != parent_pid:
                     logging.warning("the front end process is gone (killed?); stopping")
                     return
+
+    def _listen_until(self, poller: zmq.Poller, recv: zmq.Socket, deadline: float) -> None:
+        """Hold the next launch until a message arrives or `deadline` (whole milliseconds, rounded down: never
+        late), then take what arrived."""
+        wait_ms = int((deadline - time.perf_counter()) * 1000)
+        if wait_ms > 0 and poller.poll(wait_ms):
+            self._drain(recv)
 
     def _send_kv_events(self) -> None:
         assert self.kv_events is not None

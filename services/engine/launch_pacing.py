@@ -1,0 +1,82 @@
+"""When the overlap scheduler launches its next decode step.
+
+With overlap the host launches decode step N+1 as soon as step N's results are read, so one step runs
+on the device and one waits behind it. A request arriving meanwhile has its prefill queued behind both:
+on average one and a half decode steps before its prompt starts. While nobody waits for admission, the
+scheduler loop may instead hold the next decode launch until shortly before the step on the device ends
+(its expected end: when the previous step's results arrived plus a decode step's device time, measured),
+listening for requests: one that arrives in the meantime is prefilled right after the running step, a
+step sooner. The launch is meant to land before the device runs dry, `margin` ahead (the host's own time to
+schedule and launch, measured, plus a fixed allowance).
+
+Device time per step is measured with CUDA events around each decode launch, read once they completed
+(never waited on). Off by default (`--enable-launch-pacing`): on an H100 it took 8.5 ms off the median TTFT at
+1 req/s but added 0.4 ms to the median decode step (docs/benchmarks/README.md). A likely cause, not yet
+measured: the start event is recorded before the launch's host work, so after a step that found the device idle
+the estimate also counts that host time, and the holds grow.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixmesh.engine.config import EngineConfig
+
+EMA_WEIGHT = 0.2
+"""Weight of the newest sample in the running estimates."""
+MIN_MARGIN_S = 0.0008
+"""The launch lands at least this long before the device's step is expected to end, on top of twice the host's
+measured scheduling and launch time."""
+MAX_HOLD_S = 0.05
+"""Never hold a launch longer than this (a decode step estimate above it is not trusted)."""
+
+
+class LaunchPacer:
+    """Estimates a decode step's device time and the host's launch time; `deadline` says how long to hold."""
+
+    @staticmethod
+    def create(config: EngineConfig, device: Any) -> LaunchPacer | None:
+        """A pacer where launches overlap on a CUDA device and `--enable-launch-pacing` asks for one."""
+        if device.type != "cuda" or not config.overlap_enabled or not config.enable_launch_pacing:
+            return None
+        import torch
+
+        return LaunchPacer(torch.cuda)
+
+    def __init__(self, torch_cuda: Any) -> None:
+        self.cuda = torch_cuda
+        self.step_s: float | None = None  # device time of a decode step (EMA)
+        self.host_s: float | None = None  # host time from a step's start to its launch returning (EMA)
+        self.last_done: float | None = None  # when the last decode step's results reached the host
+        self._pending: deque[tuple[Any, Any]] = deque()  # (start, end) events of launched decode steps
+
+    def before_launch(self) -> Any:
+        start = self.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
+    def after_launch(self, start: Any, host_s: float) -> None:
+        end = self.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((start, end))
+        self.host_s = _ema(self.host_s, host_s)
+
+    def results_read(self, is_decode: bool) -> None:
+        """A batch's results reached the host: fold in the device times of decode steps that completed."""
+        self.last_done = time.perf_counter() if is_decode else None
+        while self._pending and self._pending[0][1].query():
+            start, end = self._pending.popleft()
+            self.step_s = _ema(self.step_s, start.elapsed_time(end) / 1000)
+
+    def deadline(self) -> float | None:
+        """Host time (`time.perf_counter()`) until which the next decode launch may be held; None: launch now."""
+        if self.step_s is None or self.last_done is None or self.host_s is None or self.step_s > MAX_HOLD_S:
+            return None
+        return self.last_done + self.step_s - 2 * self.host_s - MIN_MARGIN_S
+
+
+def _ema(current: float | None, sample: float) -> float:
+    return sample if current is None else (1 - EMA_WEIGHT) * current + EMA_WEIGHT * sample

@@ -1,0 +1,173 @@
+"""Holding the next decode launch while a step runs on the device (launch_pacing.py), on a fake CUDA clock."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import zmq
+
+from radixmesh.engine import launch_pacing
+from radixmesh.engine.launch_pacing import MIN_MARGIN_S, LaunchPacer
+from radixmesh.engine.scheduler_loop import SchedulerLoop
+
+from .scheduler_factory import assert_no_leak, clone, make_requests, make_scheduler, run_until_idle, single_run_outputs
+
+
+class FakeEvent:
+    """A CUDA event whose completion and timing the test decides."""
+
+    def __init__(self, clock: FakeCuda) -> None:
+        self.clock = clock
+        self.at_ms: float | None = None
+
+    def record(self) -> None:
+        self.at_ms = self.clock.now_ms
+
+    def query(self) -> bool:
+        return self.at_ms is not None and self.at_ms <= self.clock.done_ms
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.query() and end.query(), "elapsed_time of an event that did not complete"
+        assert self.at_ms is not None and end.at_ms is not None
+        return end.at_ms - self.at_ms
+
+
+class FakeCuda:
+    def __init__(self) -> None:
+        self.now_ms = 0.0  # device time at which the next event records
+        self.done_ms = -1.0  # events recorded at or before this have completed
+
+    def Event(self, enable_timing: bool = False) -> FakeEvent:  # (torch.cuda.Event)
+        assert enable_timing
+        return FakeEvent(self)
+
+
+def decode_step(pacer: LaunchPacer, cuda: FakeCuda, device_ms: float, host_s: float = 0.0005) -> None:
+    start = pacer.before_launch()
+    cuda.now_ms += device_ms
+    pacer.after_launch(start, host_s)
+
+
+def test_no_deadline_until_a_decode_step_was_timed() -> None:
+    cuda = FakeCuda()
+    pacer = LaunchPacer(cuda)
+    assert pacer.deadline() is None
+    decode_step(pacer, cuda, 7.0)
+    pacer.results_read(is_decode=True)  # the step's end event has not completed: no estimate yet
+    assert pacer.step_s is None and pacer.deadline() is None
+    cuda.done_ms = cuda.now_ms
+    pacer.results_read(is_decode=True)
+    assert pacer.step_s == pytest.approx(0.007)
+    deadline = pacer.deadline()
+    assert deadline is not None and pacer.last_done is not None
+    assert deadline == pytest.approx(pacer.last_done + 0.007 - 2 * 0.0005 - MIN_MARGIN_S)
+
+
+def test_estimates_follow_the_device_not_the_host() -> None:
+    """Device times come from events around each launch, so the host holding launches does not change them."""
+    cuda = FakeCuda()
+    pacer = LaunchPacer(cuda)
+    for device_ms in (7.0, 7.0, 7.0, 7.0, 9.0):
+        decode_step(pacer, cuda, device_ms)
+        time.sleep(0.002)  # host time between launches that the device does not see
+        cuda.done_ms = cuda.now_ms
+        pacer.results_read(is_decode=True)
+    assert pacer.step_s == pytest.approx(0.0074)  # 0.8 * 7 + 0.2 * 9 ms
+
+
+def test_a_prefill_result_or_a_long_step_means_launch_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = FakeCuda()
+    pacer = LaunchPacer(cuda)
+    decode_step(pacer, cuda, 7.0)
+    cuda.done_ms = cuda.now_ms
+    pacer.results_read(is_decode=True)
+    assert pacer.deadline() is not None
+    pacer.results_read(is_decode=False)
+    assert pacer.deadline() is None
+    pacer.results_read(is_decode=True)
+    monkeypatch.setattr(launch_pacing, "MAX_HOLD_S", 0.005)
+    assert pacer.deadline() is None
+
+
+def test_scheduler_holds_only_a_decode_step_with_nobody_waiting() -> None:
+    reqs = make_requests(3, seed=7, max_new_tokens=10)
+    expected = single_run_outputs(reqs)
+    sched, col = make_scheduler(overlap_schedule="on")
+    assert sched.pacer is None  # (a CPU device: nothing to pace)
+    assert sched.launch_deadline() is None
+    cuda = FakeCuda()
+    sched.pacer = LaunchPacer(cuda)
+    for req in reqs:
+        sched.add_request(clone(req))
+    held = []
+    while sched.has_work:
+        cuda.now_ms += 1.0
+        cuda.done_ms = cuda.now_ms
+        deadline = sched.launch_deadline()
+        in_flight = sched.in_flight
+        if deadline is not None:
+            held.append(deadline)
+            assert not sched.waiting and in_flight is not None and in_flight.batch.is_decode
+        sched.step()
+    assert held, "no decode launch was ever held"
+    assert col.tokens == expected  # holding launches changes when, never what
+    extra = clone(make_requests(1, seed=8)[0])
+    sched.add_request(extra)
+    assert sched.launch_deadline() is None  # a request waits for admission
+    run_until_idle(sched)
+    assert_no_leak(sched)
+
+
+def test_loop_listens_until_the_deadline_and_takes_a_request_at_once() -> None:
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    recv, send = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    port = recv.bind_to_random_port("tcp://127.0.0.1")
+    send.connect(f"tcp://127.0.0.1:{port}")
+    poller = zmq.Poller()
+    poller.register(recv, zmq.POLLIN)
+    loop = SchedulerLoop(scheduler=None, send=send)
+    drained: list[bytes] = []
+
+    def drain(sock: Any) -> None:
+        while True:
+            try:
+                drained.append(sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+
+    loop._drain = drain
+    try:
+        start = time.perf_counter()
+        loop._listen_until(poller, recv, start + 0.08)
+        waited = time.perf_counter() - start
+        assert 0.06 <= waited <= 0.2 and not drained  # held (never past the deadline by more than a tick)
+        timer = threading.Timer(0.02, lambda: send.send(b"request"))
+        timer.start()
+        start = time.perf_counter()
+        loop._listen_until(poller, recv, start + 1.0)
+        waited = time.perf_counter() - start
+        timer.join()
+        assert drained == [b"request"] and waited < 0.5, f"waited {waited:.3f} s for an arrived request"
+        start = time.perf_counter()
+        loop._listen_until(poller, recv, start - 0.01)  # a deadline already past: no wait
+        assert time.perf_counter() - start < 0.01
+    finally:
+        recv.close(0)
+        send.close(0)
+
+
+def test_a_pacer_only_where_asked_for_on_an_overlapping_cuda_device() -> None:
+    from types import SimpleNamespace
+
+    from radixmesh.engine.config import EngineConfig
+
+    cuda, cpu = SimpleNamespace(type="cuda"), SimpleNamespace(type="cpu")
+    on = EngineConfig(device="cpu", overlap_schedule="on", enable_launch_pacing=True)
+    assert isinstance(LaunchPacer.create(on, cuda), LaunchPacer)
+    assert LaunchPacer.create(on, cpu) is None
+    assert LaunchPacer.create(EngineConfig(device="cpu", overlap_schedule="on"), cuda) is None  # off by default
+    assert LaunchPacer.create(EngineConfig(device="cpu", overlap_schedule="off", enable_launch_pacing=True),
+                              cuda) is None
