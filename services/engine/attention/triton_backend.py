@@ -105,7 +105,6 @@ class TritonBackend(AttentionBackend):
                                    min_tokens, max_extend_tokens)
         logger.info("dense prefill: %d attention plans ready in %.2f s", built, time.perf_counter() - start)
 
-
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
         device = fb.seq_lens.device
@@ -202,9 +201,8 @@ class TritonBackend(AttentionBackend):
                                  meta.num_kv_splits, scratch, k_scale, v_scale)
         else:
             assert meta.qo_indptr is not None, "extend pass planned without qo_indptr"
-            dense = meta.dense
-            dense_out = self.dense.run(q, k, v, out, dense, layer.scaling) if (
-                dense is not None and q.dtype == k_buf.dtype) else None
+            dense = meta.dense if q.dtype == k_buf.dtype else None
+            dense_out = self.dense.run(q, k, v, out, dense, layer.scaling) if dense is not None else None
             if dense is not None and dense_out is not None:
                 out = dense_out  # (`out` itself unless one request was the whole pass)
                 if dense.rest:
