@@ -21,6 +21,10 @@
 #   STAGES="pd-tests pd-transfer pd-goodput" (two GPUs: P/D); a stage's own time limit: TIMEOUT_<stage>=S (- as _)
 #   STAGES="hicache" (one GPU); STAGES="peer-fetch" needs two GPUs (it says "skipped" with one)
 #   STAGES="spec-tests spec-same spec-unrelated spec-unrelated-raw spec-ngram" bash scripts/gpu_suite.sh (speculation)
+#   STAGES="extend-kernel prefill-profile": where a prefill's time goes (the extend kernel's tiles against torch SDPA,
+#   one 8B prefill's kernels and host phases, with and without --enable-dense-prefill)
+#   ONLINE_TAG=x SERVE_ARGS=--enable-launch-pacing STAGES=online: the online result lands in online-x.json (a second
+#   call's online.json would replace the first one's while $OUT holds too few files to be packed)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -135,7 +139,7 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       spy online "front=$server" $(for p in $(pgrep -P $server); do echo "child-$p=$p"; done)
       $RM bench serving --backend sglang --port "$port" --workload random-ids --num-prompts ${ONLINE_PROMPTS:-100} \
         --random-input-len 4096 --random-output-len 2048 --random-range-ratio 0.0 --request-rate ${ONLINE_RATE:-1} \
-        --warmup-requests 2 --disable-tqdm --output-file "$OUT/online.json"
+        --warmup-requests 2 --disable-tqdm --output-file "$OUT/online${ONLINE_TAG:+-$ONLINE_TAG}.json"
       spy_collect online
       kill -INT $server; wait $server ;;
     services|trace-split)
