@@ -207,7 +207,9 @@ def _one_batch(sched: Any, timeline: Timeline, args: argparse.Namespace, input_l
             result.update(profile_graph(graphs, args.batch_size, seq_len))
     if args.profile_graph and graphs is not None:
         result.update(profile_decode_steps(sched, make_reqs([(input_len, 24)] * args.batch_size, vocab, seed + 2, "p")))
-    if args.profile_prefill and sched.runner.device.type == "cuda":
+    if args.profile_prefill and sched.runner.device.type != "cuda":
+        print("--profile-prefill times device kernels and needs a CUDA device: skipped", file=sys.stderr)
+    elif args.profile_prefill:
         from radixmesh.engine.bench_profile import profile_prefill
 
         result.update(profile_prefill(sched, lambda i: make_reqs([(input_len, 1)], vocab, seed + 10 + i, f"pp{i}-")[0]))

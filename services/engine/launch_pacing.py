@@ -18,12 +18,15 @@ the estimate also counts that host time, and the holds grow.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from radixmesh.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 EMA_WEIGHT = 0.2
 """Weight of the newest sample in the running estimates."""
@@ -40,7 +43,10 @@ class LaunchPacer:
     @staticmethod
     def create(config: EngineConfig, device: Any) -> LaunchPacer | None:
         """A pacer where launches overlap on a CUDA device and `--enable-launch-pacing` asks for one."""
-        if device.type != "cuda" or not config.overlap_enabled or not config.enable_launch_pacing:
+        if not config.enable_launch_pacing:
+            return None
+        if device.type != "cuda" or not config.overlap_enabled:
+            logger.warning("--enable-launch-pacing needs a CUDA device and the overlap scheduler; ignored")
             return None
         import torch
 

@@ -164,3 +164,9 @@ def test_padding_rows_never_reach_real_rows() -> None:
     assert padded is not None and exact is not None
     assert padded.shape == q.shape and padded.is_contiguous() and not padded.isnan().any()
     torch.testing.assert_close(padded, exact)
+
+
+def test_a_backend_without_a_dense_path_says_the_flag_is_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING"):
+        TorchNativeBackend().enable_dense_prefill()
+    assert "TorchNativeBackend backend has no dense prefill path" in caplog.text

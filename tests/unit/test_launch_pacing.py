@@ -167,7 +167,17 @@ def test_a_pacer_only_where_asked_for_on_an_overlapping_cuda_device() -> None:
     cuda, cpu = SimpleNamespace(type="cuda"), SimpleNamespace(type="cpu")
     on = EngineConfig(device="cpu", overlap_schedule="on", enable_launch_pacing=True)
     assert isinstance(LaunchPacer.create(on, cuda), LaunchPacer)
-    assert LaunchPacer.create(on, cpu) is None
+    assert LaunchPacer.create(on, cpu) is None  # (with a warning: asked for where it cannot run)
     assert LaunchPacer.create(EngineConfig(device="cpu", overlap_schedule="on"), cuda) is None  # off by default
     assert LaunchPacer.create(EngineConfig(device="cpu", overlap_schedule="off", enable_launch_pacing=True),
                               cuda) is None
+
+
+def test_asking_for_pacing_where_it_cannot_run_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    from types import SimpleNamespace
+
+    from radixmesh.engine.config import EngineConfig
+
+    with caplog.at_level("WARNING"):
+        LaunchPacer.create(EngineConfig(device="cpu", enable_launch_pacing=True).resolve(), SimpleNamespace(type="cpu"))
+    assert "--enable-launch-pacing needs a CUDA device" in caplog.text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -114,8 +115,10 @@ class AttentionBackend(abc.ABC):
         only (it is captured)."""
         raise NotImplementedError(f"{type(self).__name__} does not capture extend passes")
 
-    def enable_dense_prefill(self) -> None:  # noqa: B027
+    def enable_dense_prefill(self) -> None:
         """Send long prompts with nothing cached to a library kernel (`--enable-dense-prefill`); optional."""
+        logging.getLogger(__name__).warning("--enable-dense-prefill: the %s backend has no dense prefill path; "
+                                            "ignored", type(self).__name__)
 
     def warm_up(self, kv_pool: TokenToKVPool, num_heads: int, max_extend_tokens: int) -> None:  # noqa: B027
         """Prepare what the first passes of up to `max_extend_tokens` new tokens per request would otherwise pay
