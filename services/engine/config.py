@@ -88,8 +88,9 @@ class EngineConfig:
     enable_launch_pacing: bool = False
     """Overlap on CUDA: while no request waits for admission, hold each decode launch until shortly before the
     device's running step ends, listening for requests, so that one arriving meanwhile starts its prefill a step
-    sooner (launch_pacing.py). On an H100 (8B, 1 req/s): median TTFT 69.2 ms instead of 77.7, but decode steps
-    +0.4 ms (ITL 7.66 vs 7.25 ms): the launch sometimes lands after the device ran dry. Off by default."""
+    sooner (launch_pacing.py). First version on an H100 (8B, 1 req/s): median TTFT 69.2 ms instead of 77.7, but
+    decode steps +0.4 ms (ITL 7.66 vs 7.25 ms): launches sometimes landed after the device ran dry; the step timing
+    and margin were reworked after that and are not measured yet. Off by default."""
     enable_dense_prefill: bool = False
     """Triton backend: prefill attention of prompts of 1,536 tokens or more with nothing cached runs through
     PyTorch's SDPA (cuDNN's fused attention on CUDA: 1.5-2.2x the Triton kernel's speed at 2-4K tokens; a 4K-token

@@ -9,11 +9,15 @@ listening for requests: one that arrives in the meantime is prefilled right afte
 step sooner. The launch is meant to land before the device runs dry, `margin` ahead (the host's own time to
 schedule and launch, measured, plus a fixed allowance).
 
-Device time per step is measured with CUDA events around each decode launch, read once they completed
-(never waited on). Off by default (`--enable-launch-pacing`): on an H100 it took 8.5 ms off the median TTFT at
-1 req/s but added 0.4 ms to the median decode step (docs/benchmarks/README.md). A likely cause, not yet
-measured: the start event is recorded before the launch's host work, so after a step that found the device idle
-the estimate also counts that host time, and the holds grow.
+A decode step's device time is the interval between the CUDA events recorded after it and after the decode step
+before it, counted only when the step was queued while that one still ran (so no idle device and no host time in
+it) and read once both completed (never waited on). A step that finds the device already idle widens the margin
+(BUBBLE_MARGIN_S, up to MAX_EXTRA_MARGIN_S); steps that find it busy narrow it again.
+
+Off by default (`--enable-launch-pacing`). Measured on an H100 with the first version, which timed each step from
+an event recorded before its launch's host work (so after one idle gap the estimate counted host time and the
+holds grew): median TTFT -8.5 ms at 1 req/s, median decode step +0.4 ms (docs/benchmarks/README.md). This version
+(busy-only intervals, adaptive margin) has not been measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ EMA_WEIGHT = 0.2
 MIN_MARGIN_S = 0.0008
 """The launch lands at least this long before the device's step is expected to end, on top of twice the host's
 measured scheduling and launch time."""
+BUBBLE_MARGIN_S = 0.0002
+"""Added to the margin each time a decode launch finds the device idle; a tenth of it is taken back per busy one."""
+MAX_EXTRA_MARGIN_S = 0.003
 MAX_HOLD_S = 0.05
 """Never hold a launch longer than this (a decode step estimate above it is not trusted)."""
 
@@ -57,31 +64,39 @@ class LaunchPacer:
         self.step_s: float | None = None  # device time of a decode step (EMA)
         self.host_s: float | None = None  # host time from a step's start to its launch returning (EMA)
         self.last_done: float | None = None  # when the last decode step's results reached the host
-        self._pending: deque[tuple[Any, Any]] = deque()  # (start, end) events of launched decode steps
+        self.extra_margin_s = 0.0  # grows while decode launches find the device idle
+        self._last_end: Any = None  # the event after the last decode step (None after any other launch)
+        self._pending: deque[tuple[Any, Any]] = deque()  # (previous step's end if it was busy, end) per decode step
 
-    def before_launch(self) -> Any:
-        start = self.cuda.Event(enable_timing=True)
-        start.record()
-        return start
-
-    def after_launch(self, start: Any, host_s: float) -> None:
+    def launched(self, is_decode: bool, host_s: float) -> None:
+        """A batch's launch returned, `host_s` after its step began on the host."""
+        if not is_decode:
+            self._last_end = None  # the next interval would hold this batch's work
+            return
         end = self.cuda.Event(enable_timing=True)
         end.record()
-        self._pending.append((start, end))
+        previous = self._last_end
+        busy = previous is not None and not previous.query()  # queued behind a step still on the device
+        if previous is not None:
+            self.extra_margin_s = (max(0.0, self.extra_margin_s - BUBBLE_MARGIN_S / 10) if busy
+                                   else min(MAX_EXTRA_MARGIN_S, self.extra_margin_s + BUBBLE_MARGIN_S))
+        self._pending.append((previous if busy else None, end))
+        self._last_end = end
         self.host_s = _ema(self.host_s, host_s)
 
     def results_read(self, is_decode: bool) -> None:
         """A batch's results reached the host: fold in the device times of decode steps that completed."""
         self.last_done = time.perf_counter() if is_decode else None
         while self._pending and self._pending[0][1].query():
-            start, end = self._pending.popleft()
-            self.step_s = _ema(self.step_s, start.elapsed_time(end) / 1000)
+            previous, end = self._pending.popleft()
+            if previous is not None:
+                self.step_s = _ema(self.step_s, previous.elapsed_time(end) / 1000)
 
     def deadline(self) -> float | None:
         """Host time (`time.perf_counter()`) until which the next decode launch may be held; None: launch now."""
         if self.step_s is None or self.last_done is None or self.host_s is None or self.step_s > MAX_HOLD_S:
             return None
-        return self.last_done + self.step_s - 2 * self.host_s - MIN_MARGIN_S
+        return self.last_done + self.step_s - 2 * self.host_s - MIN_MARGIN_S - self.extra_margin_s
 
 
 def _ema(current: float | None, sample: float) -> float:

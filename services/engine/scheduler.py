@@ -243,10 +243,9 @@ class Scheduler:
             self._commit_launch(batch, launch_id)
             return self._grammar_mask(batch, launch_id)
 
-        paced = self.pacer.before_launch() if self.pacer is not None and batch.is_decode else None
         sampled = self.runner.launch(batch, before_sample)
-        if paced is not None:
-            self.pacer.after_launch(paced, time.perf_counter() - self._step_start)
+        if self.pacer is not None:
+            self.pacer.launched(batch.is_decode, time.perf_counter() - self._step_start)
         return LaunchedBatch(launch_id, batch, sampled)
 
     def _commit_launch(self, batch: ScheduleBatch, launch_id: int) -> None:

@@ -17,7 +17,7 @@ from .scheduler_factory import assert_no_leak, clone, make_requests, make_schedu
 
 
 class FakeEvent:
-    """A CUDA event whose completion and timing the test decides."""
+    """A CUDA event recorded at the fake device's clock; complete once the device got past it."""
 
     def __init__(self, clock: FakeCuda) -> None:
         self.clock = clock
@@ -45,18 +45,19 @@ class FakeCuda:
         return FakeEvent(self)
 
 
-def decode_step(pacer: LaunchPacer, cuda: FakeCuda, device_ms: float, host_s: float = 0.0005) -> None:
-    start = pacer.before_launch()
+def decode_launch(pacer: LaunchPacer, cuda: FakeCuda, device_ms: float, host_s: float = 0.0005) -> None:
+    """A decode step of `device_ms` queued behind whatever the device still runs."""
     cuda.now_ms += device_ms
-    pacer.after_launch(start, host_s)
+    pacer.launched(True, host_s)
 
 
-def test_no_deadline_until_a_decode_step_was_timed() -> None:
+def test_no_deadline_until_a_step_queued_behind_another_was_timed() -> None:
     cuda = FakeCuda()
     pacer = LaunchPacer(cuda)
     assert pacer.deadline() is None
-    decode_step(pacer, cuda, 7.0)
-    pacer.results_read(is_decode=True)  # the step's end event has not completed: no estimate yet
+    decode_launch(pacer, cuda, 7.0)  # the first step: nothing before it to measure from
+    decode_launch(pacer, cuda, 7.0)  # queued while the first still runs (done_ms is behind)
+    pacer.results_read(is_decode=True)  # neither completed yet: no estimate
     assert pacer.step_s is None and pacer.deadline() is None
     cuda.done_ms = cuda.now_ms
     pacer.results_read(is_decode=True)
@@ -66,27 +67,44 @@ def test_no_deadline_until_a_decode_step_was_timed() -> None:
     assert deadline == pytest.approx(pacer.last_done + 0.007 - 2 * 0.0005 - MIN_MARGIN_S)
 
 
-def test_estimates_follow_the_device_not_the_host() -> None:
-    """Device times come from events around each launch, so the host holding launches does not change them."""
+def test_only_back_to_back_steps_are_timed_and_idle_devices_widen_the_margin() -> None:
+    """A step launched onto an idle device is not timed (its interval would hold host time) and makes the next
+    holds shorter; steps queued behind running ones are timed and narrow the margin back."""
     cuda = FakeCuda()
     pacer = LaunchPacer(cuda)
-    for device_ms in (7.0, 7.0, 7.0, 7.0, 9.0):
-        decode_step(pacer, cuda, device_ms)
-        time.sleep(0.002)  # host time between launches that the device does not see
-        cuda.done_ms = cuda.now_ms
-        pacer.results_read(is_decode=True)
-    assert pacer.step_s == pytest.approx(0.0074)  # 0.8 * 7 + 0.2 * 9 ms
+    for device_ms in (7.0, 7.0, 7.0, 9.0):
+        decode_launch(pacer, cuda, device_ms)
+    cuda.done_ms = cuda.now_ms
+    pacer.results_read(is_decode=True)
+    assert pacer.step_s == pytest.approx(0.001 * (0.8 * (0.8 * 7 + 0.2 * 7) + 0.2 * 9))
+    assert pacer.extra_margin_s == 0.0
+    estimate = pacer.step_s
+    cuda.now_ms += 50.0  # the host held the next launch too long: the device ran dry
+    cuda.done_ms = cuda.now_ms
+    decode_launch(pacer, cuda, 7.0)
+    assert pacer.extra_margin_s == pytest.approx(launch_pacing.BUBBLE_MARGIN_S)
+    cuda.done_ms = cuda.now_ms
+    pacer.results_read(is_decode=True)
+    assert pacer.step_s == estimate, "a step after an idle gap was timed"
+    cuda.done_ms = cuda.now_ms - 1.0  # the device still runs that step
+    decode_launch(pacer, cuda, 7.0)
+    assert pacer.extra_margin_s == pytest.approx(0.9 * launch_pacing.BUBBLE_MARGIN_S)
 
 
-def test_a_prefill_result_or_a_long_step_means_launch_now(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_prefill_in_between_or_a_long_step_means_launch_now(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = FakeCuda()
     pacer = LaunchPacer(cuda)
-    decode_step(pacer, cuda, 7.0)
+    decode_launch(pacer, cuda, 7.0)
+    decode_launch(pacer, cuda, 7.0)
     cuda.done_ms = cuda.now_ms
     pacer.results_read(is_decode=True)
     assert pacer.deadline() is not None
+    cuda.now_ms += 50.0
+    pacer.launched(False, 0.001)  # a prefill: the next decode step's interval would include it
+    decode_launch(pacer, cuda, 7.0)
+    cuda.done_ms = cuda.now_ms
     pacer.results_read(is_decode=False)
-    assert pacer.deadline() is None
+    assert pacer.step_s == pytest.approx(0.007) and pacer.deadline() is None
     pacer.results_read(is_decode=True)
     monkeypatch.setattr(launch_pacing, "MAX_HOLD_S", 0.005)
     assert pacer.deadline() is None
@@ -104,8 +122,8 @@ def test_scheduler_holds_only_a_decode_step_with_nobody_waiting() -> None:
         sched.add_request(clone(req))
     held = []
     while sched.has_work:
-        cuda.now_ms += 1.0
-        cuda.done_ms = cuda.now_ms
+        cuda.now_ms += 1.0  # each launch records one millisecond after the one before
+        cuda.done_ms = cuda.now_ms - 1.5  # and the device still runs the last one launched
         deadline = sched.launch_deadline()
         in_flight = sched.in_flight
         if deadline is not None:
