@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,7 +186,8 @@ def profile_prefill(sched: Any, make_req: Any, runs: int = 3) -> dict[str, Any]:
     totals: list[float] = []
     kinds: dict[str, float] = {}
     top: dict[str, float] = {}
-    phases = _HostPhases(sched)
+    phases = HostPhases(sched, PREFILL_PHASES)
+    host_runs: list[dict[str, float]] = []
     num_tokens = 0
     for i in range(runs):
         req = make_req(i)
@@ -198,7 +200,7 @@ def profile_prefill(sched: Any, make_req: Any, runs: int = 3) -> dict[str, Any]:
                 sched.step()
             torch.cuda.synchronize()
             walls.append(time.perf_counter() - start)
-            phases.end_run()
+            host_runs.append(phases.take())
         window = _kinds(prof.key_averages(), torch)
         totals.append(sum(window["kernel_ms_by_kind"].values()))
         for kind, ms in window["kernel_ms_by_kind"].items():
@@ -213,7 +215,7 @@ def profile_prefill(sched: Any, make_req: Any, runs: int = 3) -> dict[str, Any]:
     attn_flops = 2 * num_tokens * num_tokens * mc.head_dim * mc.num_heads * mc.num_layers
     gemm_ms, attn_ms = kinds.get("gemm", 0.0), kinds.get("extend-attention", 0.0)
     phases.detach()
-    return {"prefill_tokens": num_tokens, "prefill_runs": runs, "prefill_host_ms": phases.medians(),
+    return {"prefill_tokens": num_tokens, "prefill_runs": runs, "prefill_host_ms": _prefill_host_ms(host_runs),
             "prefill_wall_ms": round(1000 * statistics.median(walls), 3),
             "prefill_device_ms": round(statistics.median(totals), 3),
             "prefill_ms_by_kind": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
@@ -222,41 +224,52 @@ def profile_prefill(sched: Any, make_req: Any, runs: int = 3) -> dict[str, Any]:
             "prefill_top_kernels_ms": [[n, round(ms, 3)] for n, ms in sorted(top.items(), key=lambda kv: -kv[1])[:8]]}
 
 
-class _HostPhases:
-    """Host time of a scheduler's phases per run (median over runs): scheduling (`get_next_batch`), launching
-    (`launch`: the eager forward's kernel launches), reading results less the wait for the device, the wait."""
+class HostPhases:
+    """Total host time in chosen methods of a scheduler (owner "sched") and of its parts (e.g. "runner"), nested
+    ones counted in each; `take` returns the totals so far and starts again, `detach` removes the timers."""
 
-    NAMES = ("get_next_batch", "launch", "process_batch_result")
+    def __init__(self, sched: Any, phases: Mapping[str, tuple[str, ...]]) -> None:
+        self.totals: dict[str, float] = {}
+        self._wrapped: list[tuple[Any, str]] = []
+        for owner, names in phases.items():
+            target = sched if owner == "sched" else getattr(sched, owner)
+            for name in names:
+                self._wrap(target, name)
 
-    def __init__(self, sched: Any) -> None:
-        self.sched = sched
-        self.current: dict[str, float] = {}
-        self.runs: list[dict[str, float]] = []
-        self._wait_start = sched.result_wait_s
-        for name in self.NAMES:
-            setattr(sched, name, self._timed(name, getattr(sched, name)))
+    def _wrap(self, target: Any, name: str) -> None:
+        inner = getattr(target, name)
 
-    def _timed(self, name: str, inner: Any) -> Any:
-        def timed(*args: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
-                return inner(*args)
+                return inner(*args, **kwargs)
             finally:
-                self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - start
-        return timed
+                self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
 
-    def end_run(self) -> None:
-        wait = self.sched.result_wait_s - self._wait_start
-        self._wait_start = self.sched.result_wait_s
-        run = {"schedule": self.current.get("get_next_batch", 0.0), "launch": self.current.get("launch", 0.0),
-               "results": self.current.get("process_batch_result", 0.0) - wait, "wait_for_device": wait}
-        self.runs.append(run)
-        self.current = {}
+        setattr(target, name, timed)
+        self._wrapped.append((target, name))
 
-    def medians(self) -> dict[str, float]:
-        return {k: round(1000 * statistics.median(r[k] for r in self.runs), 3) for k in self.runs[0]} if self.runs \
-            else {}
+    def take(self) -> dict[str, float]:
+        totals, self.totals = self.totals, {}
+        return totals
 
     def detach(self) -> None:
-        for name in self.NAMES:
-            self.sched.__dict__.pop(name, None)
+        for target, name in self._wrapped:
+            vars(target).pop(name, None)  # the class's own method shows through again
+        self._wrapped.clear()
+
+
+PREFILL_PHASES = {"sched": ("get_next_batch", "launch", "process_batch_result", "_wait_for_results")}
+"""What `--profile-prefill` times on the host: scheduling, the eager forward's launches, reading results (and,
+within it, the wait for the device)."""
+
+
+def _prefill_host_ms(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Median over runs, in ms: schedule, launch, results less the wait, the wait for the device."""
+    def split(run: dict[str, float]) -> dict[str, float]:
+        wait = run.get("_wait_for_results", 0.0)
+        return {"schedule": run.get("get_next_batch", 0.0), "launch": run.get("launch", 0.0),
+                "results": run.get("process_batch_result", 0.0) - wait, "wait_for_device": wait}
+
+    rows = [split(run) for run in runs]
+    return {k: round(1000 * statistics.median(r[k] for r in rows), 3) for k in rows[0]} if rows else {}

@@ -19,10 +19,10 @@ import argparse
 import json
 import random
 import statistics
-import time
 from typing import Any
 
 from radixmesh.engine.bench import StepClock, Timeline, _report, device_info, run_all, settings
+from radixmesh.engine.bench_profile import HostPhases
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     # free fields: bounded strings, enums, bounded numbers, an array
@@ -154,35 +154,13 @@ HOST_PHASES = {"sched": ("get_next_batch", "process_batch_result", "_wait_for_re
 """What `--profile-host` times: scheduler methods, and the same-named attributes of its runner and grammar."""
 
 
-class HostPhases:
-    """Total host time in chosen scheduler methods (nested ones counted in each), per run."""
-
-    def __init__(self, sched: Any) -> None:
-        self.totals: dict[str, float] = {}
-        for owner, names in HOST_PHASES.items():
-            target = sched if owner == "sched" else getattr(sched, owner)
-            for name in names:
-                self._wrap(target, name)
-
-    def _wrap(self, target: Any, name: str) -> None:
-        inner = getattr(target, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
-
-        setattr(target, name, timed)
-
-    def take(self, prefix: str, clock: ModeClock) -> dict[str, Any]:
-        result: dict[str, Any] = {f"{prefix}_host_s_{name.strip('_')}": round(total, 4)
-                                  for name, total in sorted(self.totals.items())}
-        result[f"{prefix}_decode_step_ms"] = [round(s[0] * 1000, 1) for s, mode in zip(clock.steps, clock.modes)
-                                              if mode == "decode"]
-        self.totals.clear()
-        return result
+def host_fields(phases: HostPhases, prefix: str, clock: ModeClock) -> dict[str, Any]:
+    """The run's host time per phase and every decode step's time; the phases' totals start again."""
+    result: dict[str, Any] = {f"{prefix}_host_s_{name.strip('_')}": round(total, 4)
+                              for name, total in sorted(phases.take().items())}
+    result[f"{prefix}_decode_step_ms"] = [round(s[0] * 1000, 1) for s, mode in zip(clock.steps, clock.modes)
+                                          if mode == "decode"]
+    return result
 
 
 def step_times(clock: ModeClock, prefix: str) -> dict[str, Any]:
@@ -216,7 +194,7 @@ def cmd_structured(args: argparse.Namespace) -> int:
     constrained = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  json_schema=json.dumps(schema))
     clock = ModeClock(sched)
-    phases = HostPhases(sched) if args.profile_host else None
+    phases = HostPhases(sched, HOST_PHASES) if args.profile_host else None
     c_s, c_run = run_requests(sched, timeline, prompts, [constrained] * len(prompts), "json", clock)
     constrained_steps = step_times(clock, "constrained")
     out_lens = [len(r.output_ids) for r in c_run["reqs"]]
@@ -230,7 +208,7 @@ def cmd_structured(args: argparse.Namespace) -> int:
         "constrained_forward_passes": c_run["forward_passes"],
         "finish_reasons": {reason: finish.count(reason) for reason in sorted(set(finish))},
         **check_outputs(c_run["reqs"], tokenizer, schema), **constrained_steps,
-        **(phases.take("constrained", clock) if phases is not None else {}),
+        **(host_fields(phases, "constrained", clock) if phases is not None else {}),
     }
     if not args.skip_unconstrained:
         free = [SamplingParams(max_new_tokens=max(n, 1), temperature=args.temperature, ignore_eos=True)
@@ -241,7 +219,8 @@ def cmd_structured(args: argparse.Namespace) -> int:
             "unconstrained_output_tok_s": round(sum(out_lens) / u_s, 1),
             "unconstrained_forward_passes": u_run["forward_passes"],
             "throughput_loss": round(1 - (sum(out_lens) / c_s) / (sum(out_lens) / u_s), 4),
-            **step_times(clock, "unconstrained"), **(phases.take("unconstrained", clock) if phases is not None else {}),
+            **step_times(clock, "unconstrained"),
+            **(host_fields(phases, "unconstrained", clock) if phases is not None else {}),
         })
     _report(result, args)
     return 0

@@ -85,7 +85,8 @@ class Scheduler:
         With overlap on, batch N+1 is scheduled and launched before batch N's tokens are read
         back, so the host never waits on the device with nothing queued behind.
         """
-        self._step_start = time.perf_counter()
+        if self.pacer is not None:
+            self._step_start = time.perf_counter()
         self._admit_compiled_grammars()
         if self.hicache is not None:
             self.hicache.tick(self.waiting, self.running, self.new_token_ratio)

@@ -89,8 +89,7 @@ class DenseAttention:
                         return o
                     out[start:end].copy_(o)
         except RuntimeError as exc:  # no backend of the list takes these inputs here
-            self.enabled = False
-            logger.warning("dense prefill attention is off (the Triton kernel runs instead): %s", str(exc)[:200])
+            self._turn_off(exc)
             return None
         return out
 
@@ -107,10 +106,13 @@ class DenseAttention:
                     kv = torch.zeros(n, num_kv_heads, head_dim, dtype=dtype, device=device)
                     self._attend(q, kv, kv, head_dim**-0.5)
         except RuntimeError as exc:
-            self.enabled = False
-            logger.warning("dense prefill attention is off (the Triton kernel runs instead): %s", str(exc)[:200])
+            self._turn_off(exc)
             return 0
         return len(lengths)
+
+    def _turn_off(self, exc: RuntimeError) -> None:
+        self.enabled = False
+        logger.warning("dense prefill attention is off (the Triton kernel runs instead): %s", str(exc)[:200])
 
     def _backends(self) -> contextlib.AbstractContextManager[None]:
         from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+DENSE_POOL_DTYPES = (torch.float16, torch.bfloat16)
+"""KV pools whose requests may take the dense prefill path (an FP8 pool's attention must see its rounding)."""
+
 
 @dataclass
 class TritonForwardMetadata:
@@ -98,7 +101,7 @@ class TritonBackend(AttentionBackend):
     def warm_up(self, kv_pool: TokenToKVPool, num_heads: int, max_extend_tokens: int) -> None:
         """Build cuDNN's plans for every padded prompt length the dense path can see (~1 s on an H100)."""
         min_tokens = self.dense_min_tokens
-        if min_tokens <= 0 or kv_pool.device.type != "cuda" or kv_pool.dtype not in (torch.float16, torch.bfloat16):
+        if min_tokens <= 0 or kv_pool.device.type != "cuda" or kv_pool.dtype not in DENSE_POOL_DTYPES:
             return  # (on a CPU there are no plans to build)
         start = time.perf_counter()
         built = self.dense.warm_up(num_heads, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype, kv_pool.device,
@@ -125,11 +128,9 @@ class TritonBackend(AttentionBackend):
                                                   dense=dense, rest_map=rest_map)
 
     def _plan_dense(self, fb: ForwardBatch, device: torch.device) -> tuple[DensePlan | None, torch.Tensor | None]:
-        min_tokens = self.dense_min_tokens
-        pool = fb.token_to_kv_pool
-        if not self.dense.enabled or pool.dtype not in (torch.float16, torch.bfloat16):
-            return None, None  # (FP8 pools: attention must see the pool's rounding)
-        plan = plan_dense(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, min_tokens)
+        if self.dense_min_tokens <= 0 or not self.dense.enabled or fb.token_to_kv_pool.dtype not in DENSE_POOL_DTYPES:
+            return None, None
+        plan = plan_dense(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, self.dense_min_tokens)
         if plan is None or not plan.rest:
             return plan, None
         return plan, to_device(plan.rest, torch.int32, device)
