@@ -417,6 +417,13 @@ class Scheduler:
         req.finish_reason = FinishReason.ERROR
         self.emit([self._token_out(req)])
 
+    def reset_counters(self) -> None:
+        """Counters and the admission ratio back to their start values (after the warm-up prefills)."""
+        self.num_retractions = self.num_generated_tokens = self.num_prompt_tokens = 0
+        self.num_cached_tokens = self.num_forward_passes = 0
+        self.result_wait_s = 0.0
+        self.new_token_ratio = self.config.init_new_token_ratio
+
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> dict[str, object]:
         kv = self.kv

@@ -92,6 +92,11 @@ def _build(config: EngineConfig, prepared: PreparedModel, send: zmq.Socket) -> S
         send.send(encoder.encode(BatchOutMsg(outputs)), copy=False)
 
     scheduler = Scheduler(config, runner, tokenizer, emit)
+    if runner.device.type == "cuda" and not config.disable_prefill_warmup and not config.speculative_algorithm \
+            and scheduler.hicache is None:
+        from radixmesh.engine.prefill_warmup import warm_up_prefill
+
+        warm_up_prefill(scheduler)
     recorder = None
     if config.kv_events_block_size > 0:
         from radixmesh.engine.kv_events import BlockEventRecorder

@@ -177,25 +177,24 @@ def test_loop_listens_until_the_deadline_and_takes_a_request_at_once() -> None:
         send.close(0)
 
 
-def test_a_pacer_only_where_asked_for_on_an_overlapping_cuda_device() -> None:
+def test_a_pacer_by_default_on_an_overlapping_cuda_device_unless_disabled() -> None:
     from types import SimpleNamespace
 
     from radixmesh.engine.config import EngineConfig
 
     cuda, cpu = SimpleNamespace(type="cuda"), SimpleNamespace(type="cpu")
-    on = EngineConfig(device="cpu", overlap_schedule="on", enable_launch_pacing=True)
+    on = EngineConfig(device="cpu", overlap_schedule="on")
     assert isinstance(LaunchPacer.create(on, cuda), LaunchPacer)
-    assert LaunchPacer.create(on, cpu) is None  # (with a warning: asked for where it cannot run)
-    assert LaunchPacer.create(EngineConfig(device="cpu", overlap_schedule="on"), cuda) is None  # off by default
-    assert LaunchPacer.create(EngineConfig(device="cpu", overlap_schedule="off", enable_launch_pacing=True),
+    assert LaunchPacer.create(on, cpu) is None
+    assert LaunchPacer.create(EngineConfig(device="cpu", overlap_schedule="on", disable_launch_pacing=True),
                               cuda) is None
+    assert LaunchPacer.create(EngineConfig(device="cpu", overlap_schedule="off"), cuda) is None
 
 
-def test_asking_for_pacing_where_it_cannot_run_says_so(caplog: pytest.LogCaptureFixture) -> None:
-    from types import SimpleNamespace
+def test_the_flag_turns_pacing_off() -> None:
+    from radixmesh.cli import build_parser, engine_kwargs
 
-    from radixmesh.engine.config import EngineConfig
-
-    with caplog.at_level("WARNING"):
-        LaunchPacer.create(EngineConfig(device="cpu", enable_launch_pacing=True).resolve(), SimpleNamespace(type="cpu"))
-    assert "--enable-launch-pacing needs a CUDA device" in caplog.text
+    args = build_parser("generate").parse_args(["generate", "--disable-launch-pacing", "--prompt", "hi"])
+    assert engine_kwargs(args)["disable_launch_pacing"] is True
+    args = build_parser("generate").parse_args(["generate", "--prompt", "hi"])
+    assert engine_kwargs(args)["disable_launch_pacing"] is False

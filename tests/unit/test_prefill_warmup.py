@@ -1,0 +1,49 @@
+"""The prefills a CUDA server runs before reporting ready (prefill_warmup.py), on the CPU scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixmesh.engine import prefill_warmup
+from radixmesh.engine.prefill_warmup import warm_up_prefill, warmup_lengths
+
+from .scheduler_factory import assert_no_leak, clone, make_requests, make_scheduler, run_until_idle
+
+
+def test_lengths_stop_at_the_chunk_the_context_and_the_pool() -> None:
+    assert warmup_lengths(4096, 8192, 400_000)[-1] == 4096
+    assert warmup_lengths(0, 8192, 400_000)[-1] == 6000  # no chunking: up to the context length
+    assert warmup_lengths(4096, 130, 400_000)[-1] == 128
+    assert warmup_lengths(4096, 8192, 300)[-1] == 256
+    assert warmup_lengths(4096, 2, 300) == []
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_warm_up_leaves_nothing_behind_and_outputs_unchanged(monkeypatch: pytest.MonkeyPatch, overlap: str) -> None:
+    monkeypatch.setattr(prefill_warmup, "WARMUP_LENGTHS", (1, 7, 16, 33, 100, 200, 300))
+    reqs = make_requests(6, seed=3, max_new_tokens=8)
+    cold, cold_out = make_scheduler(overlap_schedule=overlap, max_total_tokens=2048, context_length=256,
+                                    chunked_prefill_size=64)
+    for req in map(clone, reqs):
+        cold.add_request(req)
+    run_until_idle(cold)
+
+    warm, warm_out = make_scheduler(overlap_schedule=overlap, max_total_tokens=2048, context_length=256,
+                                    chunked_prefill_size=64)
+    emitted_before = dict(warm_out.tokens)
+    seen: dict[str, object] = {}
+    reset = warm.reset_counters
+    monkeypatch.setattr(warm, "reset_counters", lambda: (seen.update(warm.stats()), reset()))
+    assert warm_up_prefill(warm) > 0
+    assert seen["num_prompt_tokens"] == 1 + 7 + 16 + 33  # the lengths up to the chunk size, each prefilled
+    assert seen["num_generated_tokens"] == 4 and seen["num_cached_tokens"] == 0
+    assert warm_out.tokens == emitted_before, "warm-up tokens reached the server's outputs"
+    assert warm.kv.tree.total_size() == 0 and warm.kv.used_tokens() == 0
+    stats = warm.stats()
+    assert stats["num_prompt_tokens"] == stats["num_generated_tokens"] == stats["num_forward_passes"] == 0
+    assert warm.new_token_ratio == warm.config.init_new_token_ratio
+    for req in map(clone, reqs):
+        warm.add_request(req)
+    run_until_idle(warm)
+    assert warm_out.tokens == cold_out.tokens and warm_out.cached == cold_out.cached
+    assert_no_leak(warm)
