@@ -21,6 +21,7 @@ from radixmesh.engine.request import Req
 from radixmesh.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    from radixmesh.engine.config import EngineConfig
     from radixmesh.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,13 @@ power of two a GEMM library tiles by, and odd lengths between them (ragged tiles
 def warmup_lengths(chunked_prefill_size: int, context_len: int, capacity: int) -> list[int]:
     top = min(chunked_prefill_size if chunked_prefill_size > 0 else context_len, context_len - 2, capacity - 2)
     return [n for n in WARMUP_LENGTHS if n <= top]
+
+
+def wants_warmup(config: EngineConfig, scheduler: Scheduler) -> bool:
+    """On CUDA unless `--disable-prefill-warmup`; not with speculative decoding, the host KV tier (their own
+    state would keep the prompts) or a multimodal model (random ids could hold its image tokens)."""
+    return (scheduler.runner.device.type == "cuda" and not config.disable_prefill_warmup
+            and not config.speculative_algorithm and scheduler.hicache is None and scheduler.runner.mm is None)
 
 
 def warm_up_prefill(scheduler: Scheduler) -> float:

@@ -80,6 +80,7 @@ def _build(config: EngineConfig, prepared: PreparedModel, send: zmq.Socket) -> S
 
     from radixmesh.engine.disagg.handler import DisaggHandler
     from radixmesh.engine.model_runner import ModelRunner
+    from radixmesh.engine.prefill_warmup import wants_warmup, warm_up_prefill
     from radixmesh.engine.scheduler import Scheduler
     from radixmesh.engine.scheduler_loop import SchedulerLoop
     from radixmesh.engine.tokenizer import load_tokenizer
@@ -92,10 +93,7 @@ def _build(config: EngineConfig, prepared: PreparedModel, send: zmq.Socket) -> S
         send.send(encoder.encode(BatchOutMsg(outputs)), copy=False)
 
     scheduler = Scheduler(config, runner, tokenizer, emit)
-    if runner.device.type == "cuda" and not config.disable_prefill_warmup and not config.speculative_algorithm \
-            and scheduler.hicache is None:
-        from radixmesh.engine.prefill_warmup import warm_up_prefill
-
+    if wants_warmup(config, scheduler):
         warm_up_prefill(scheduler)
     recorder = None
     if config.kv_events_block_size > 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from radixmesh.engine import prefill_warmup
-from radixmesh.engine.prefill_warmup import warm_up_prefill, warmup_lengths
+from radixmesh.engine.prefill_warmup import wants_warmup, warm_up_prefill, warmup_lengths
 
 from .scheduler_factory import assert_no_leak, clone, make_requests, make_scheduler, run_until_idle
 
@@ -47,3 +47,19 @@ def test_warm_up_leaves_nothing_behind_and_outputs_unchanged(monkeypatch: pytest
     run_until_idle(warm)
     assert warm_out.tokens == cold_out.tokens and warm_out.cached == cold_out.cached
     assert_no_leak(warm)
+
+
+def test_only_a_plain_cuda_server_warms_up() -> None:
+    from types import SimpleNamespace
+
+    from radixmesh.engine.config import EngineConfig
+
+    def sched(device: str = "cuda", hicache: object = None, mm: object = None) -> SimpleNamespace:
+        return SimpleNamespace(runner=SimpleNamespace(device=SimpleNamespace(type=device), mm=mm), hicache=hicache)
+
+    plain = EngineConfig(device="cpu")
+    assert wants_warmup(plain, sched())  # type: ignore[arg-type]
+    assert not wants_warmup(plain, sched("cpu"))  # type: ignore[arg-type]
+    assert not wants_warmup(EngineConfig(device="cpu", disable_prefill_warmup=True), sched())  # type: ignore[arg-type]
+    assert not wants_warmup(plain, sched(hicache=object()))  # type: ignore[arg-type]
+    assert not wants_warmup(plain, sched(mm=object()))  # type: ignore[arg-type]
