@@ -142,8 +142,8 @@ class OfflineProfiler:
             buckets.setdefault(min(256, 1 << max(0, x.batch_size - 1).bit_length()), []).append(ms)
         # the device's wait between a launch's end and the next launch's start event (recorded when the host
         # began that launch, so this wait is host time not hidden behind the device; the launch's own host work
-        # up to its first kernel counts in its device time above)
-        # (the waits after a traced window opened or closed are the profiler's, counted apart)
+        # up to its first kernel counts in its device time above); waits right after a traced window opened or
+        # closed are the profiler's, counted apart
         idle_before: dict[str, float] = {"decode": 0.0, "extend": 0.0, "profiler": 0.0}
         pairs = zip(self.launches, self.launches[1:])
         gaps = [0.0] + [max(0.0, prev.end.elapsed_time(cur.start)) for prev, cur in pairs]
