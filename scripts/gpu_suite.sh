@@ -134,6 +134,10 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       $RM bench offline --model-shape llama-3.1-8b --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 --random-output-len 2048 \
         --random-range-ratio 0.0 --context-length 8192 --result-file "$OUT/offline.jsonl" ${OFFLINE_ARGS:-} ;;
     online)  # SGLang's online-latency workload through `serve`: 100 prompts at 1 req/s, in <= 4,096, out <= 2,048
+      # The first server on a fresh machine is slower (its first 20 requests +21 ms; benchmarks README, eleventh
+      # session): compare settings on one machine after a first run, or per request on the same prompts.
+      runs=$(( $(cat /tmp/radixmesh-online-runs 2>/dev/null || echo 0) + 1 )); echo $runs > /tmp/radixmesh-online-runs
+      echo "online run $runs on this machine${SERVE_ARGS:+ (serve args: $SERVE_ARGS)}"
       model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
       port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
       $RM serve --model "$model" --load-format dummy --context-length 8192 --port "$port" ${SERVE_ARGS:-} \
