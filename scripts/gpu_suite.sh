@@ -21,7 +21,6 @@
 #   STAGES="pd-tests pd-transfer pd-goodput" (two GPUs: P/D); a stage's own time limit: TIMEOUT_<stage>=S (- as _)
 #   STAGES="hicache" (one GPU); STAGES="peer-fetch" needs two GPUs (it says "skipped" with one)
 #   STAGES="spec-tests spec-same spec-unrelated spec-unrelated-raw spec-ngram" bash scripts/gpu_suite.sh (speculation)
-#   STAGES=skinny-gemm: decode-batch linear layers, the Triton skinny GEMM (a sweep) against cuBLAS and cuBLASLt
 #   STAGES="extend-kernel prefill-profile": where a prefill's time goes (the extend kernel's tiles against torch SDPA,
 #   one 8B prefill's kernels and host phases, with and without --enable-dense-prefill)
 #   ONLINE_TAG=x SERVE_ARGS=--disable-launch-pacing STAGES=online: the online result lands in online-x.json (a second
@@ -74,7 +73,6 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_fused_kernels.py \
         tests/unit/test_decode_inputs_kernel.py tests/unit/test_argmax_kernel.py tests/unit/test_triton_kernels.py \
         tests/unit/test_gemv_kernel.py tests/unit/test_gemv_fused_kernel.py tests/unit/test_gemv_rope_kernel.py \
-        tests/unit/test_skinny_gemm_kernel.py \
         tests/unit/test_tp_kernels.py \
         tests/unit/test_kv_host_kernels.py \
         -k "not scheduler"
@@ -113,8 +111,6 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
         $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 --input-len 512 1024 2048 3072 4096 \
           --output-len 8 --context-length 8192 --profile-prefill --result-file "$OUT/prefill-profile.jsonl" $extra
       done ;;
-    skinny-gemm)  # decode-batch linear layers (8B shapes, 32-256 rows): kernels/skinny_gemm.py (an experiment) vs cuBLAS
-      python3 -m radixmesh.kernels.bench_skinny_gemm --rows 32 64 128 168 256 --sweep | tee "$OUT/skinny-gemm.jsonl" ;;
     gemv)  # batch-1 linear layers of the 1B and 8B shapes: our GEMV (default and best of a sweep) vs cuBLAS
       python3 -m radixmesh.kernels.bench_gemv --sweep | tee "$OUT/gemv.jsonl" ;;
     gemv-fused)  # the batch-1 GEMVs as a step launches them (plain, gated, rope), default tiles vs a sweep

@@ -111,9 +111,11 @@ class Scheduler:
         """Until when (`time.perf_counter()`) the loop may hold the next step, listening for requests: only while
         a decode step is on the device and nobody waits for admission (launch_pacing.py). None: step now."""
         if (self.pacer is None or self.waiting or self.chunked_req is not None or self.in_flight is None
-                or not self.in_flight.batch.is_decode or self.spec is not None or self._needs_host_tokens()):
+                or not self.in_flight.batch.is_decode or self.spec is not None):
             return None
-        return self.pacer.deadline()
+        deadline = self.pacer.deadline()
+        # (the scan of the running requests only where there is a hold to refuse)
+        return None if deadline is None or self._needs_host_tokens() else deadline
 
     @property
     def has_work(self) -> bool:

@@ -204,15 +204,16 @@ class TritonBackend(AttentionBackend):
             assert meta.qo_indptr is not None, "extend pass planned without qo_indptr"
             dense = meta.dense if q.dtype == k_buf.dtype else None
             dense_out = self.dense.run(q, k, v, out, dense, layer.scaling) if dense is not None else None
-            if dense is not None and dense_out is not None:
+            if dense_out is None:  # the Triton kernel computes every request
+                extend_attention_fwd(q, k_buf, v_buf, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+                                     meta.max_extend_len, layer.scaling, k_scale, v_scale)
+            else:
                 out = dense_out  # (`out` itself unless one request was the whole pass)
-                if dense.rest:
+                if meta.rest_map is not None:  # and the requests the dense plan left to it
+                    assert dense is not None
                     extend_attention_fwd(q, k_buf, v_buf, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
                                          dense.rest_max_extend_len, layer.scaling, k_scale, v_scale,
                                          req_map=meta.rest_map)
-            else:
-                extend_attention_fwd(q, k_buf, v_buf, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
-                                     meta.max_extend_len, layer.scaling, k_scale, v_scale)
         return out.view(num_tokens, layer.num_heads * layer.head_dim)
 
     def _decode_scratch(self, batch: int, layer: AttentionLayerSpec, num_kv_splits: int,
