@@ -21,6 +21,7 @@
 #   STAGES="pd-tests pd-transfer pd-goodput" (two GPUs: P/D); a stage's own time limit: TIMEOUT_<stage>=S (- as _)
 #   STAGES="hicache" (one GPU); STAGES="peer-fetch" needs two GPUs (it says "skipped" with one)
 #   STAGES="spec-tests spec-same spec-unrelated spec-unrelated-raw spec-ngram" bash scripts/gpu_suite.sh (speculation)
+#   STAGES=decode-sweep: decode attention's split counts, tiles and grid orders at the offline run's batch sizes
 #   STAGES="extend-kernel prefill-profile": where a prefill's time goes (the extend kernel's tiles against torch SDPA,
 #   one 8B prefill's kernels and host phases, with and without --enable-dense-prefill)
 #   ONLINE_TAG=x SERVE_ARGS=--disable-launch-pacing STAGES=online: the online result lands in online-x.json (a second
@@ -99,6 +100,23 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
         python3 -m radixmesh.kernels.bench_decode --batch 1 --seq-len 1152 --heads 32 --kv-heads 8 --head-dim $dim \
           --dtype bf16 --cuda-graph --num-kv-splits $splits
       done; done ;;
+    decode-sweep)  # decode attention at the offline run's batches (lengths 256-6,144, mean ~3,200): split counts,
+      # tiles and grid orders on the same inputs; then the default with each request's slots in one run
+      for bs in 168 112 48; do
+        python3 -m radixmesh.kernels.bench_decode --batch $bs --min-seq-len 256 --seq-len 6144 --sweep \
+          --warmup 5 --iters 60 | tee -a "$OUT/decode-sweep.jsonl"
+      done
+      python3 -m radixmesh.kernels.bench_decode --batch 168 --min-seq-len 256 --seq-len 6144 --slots contiguous \
+        | tee -a "$OUT/decode-sweep.jsonl" ;;
+    decode-small)  # the same at the small batches of online serving, in CUDA graphs as the engine runs them
+      for bs in 4 8 16 32; do
+        python3 -m radixmesh.kernels.bench_decode --batch $bs --min-seq-len 256 --seq-len 6144 --sweep --cuda-graph \
+          --sweep-tiles 64,4,2 --sweep-splits 2 3 5 9 16 24 32 --warmup 5 --iters 100 | tee -a "$OUT/decode-small.jsonl"
+      done
+      for splits in 33 64; do  # one long request
+        python3 -m radixmesh.kernels.bench_decode --batch 1 --seq-len 32768 --cuda-graph --num-kv-splits $splits \
+          | tee -a "$OUT/decode-small.jsonl"
+      done ;;
     extend-kernel)  # prefill attention: the Triton kernel's tiles (default and a sweep) vs torch SDPA's backends
       python3 -m radixmesh.kernels.bench_extend --new-len 1024 2048 4096 --sweep --sdpa | tee "$OUT/extend-kernel.jsonl"
       python3 -m radixmesh.kernels.bench_extend --new-len 4096 --requests 2 --prefix-len 1024 --sweep \

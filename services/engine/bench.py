@@ -168,6 +168,24 @@ def settings(sched: Any, args: argparse.Namespace) -> dict[str, Any]:
             "chunked_prefill_size": cfg.chunked_prefill_size, "command": " ".join(sys.argv)}
 
 
+def gpu_memory(sched: Any) -> dict[str, Any]:
+    """The device's memory after a run: what the KV pool took and how close the run came to the end
+    (the headroom `--mem-fraction-static` leaves for activations, graphs and library workspaces)."""
+    device = sched.runner.device
+    if device.type != "cuda":
+        return {}
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    kv_pool = sched.runner.kv_pool
+    pool = sum(b.numel() * b.element_size() for b in (*kv_pool.k_buffers, *kv_pool.v_buffers))
+    gib = 2**30
+    return {"gpu_memory_gib": {"total": round(total / gib, 2), "kv_pool": round(pool / gib, 2),
+                               "peak_allocated": round(torch.cuda.max_memory_allocated(device) / gib, 2),
+                               "peak_reserved": round(torch.cuda.max_memory_reserved(device) / gib, 2),
+                               "free_at_end": round(free / gib, 2)}}
+
+
 def cmd_one_batch(args: argparse.Namespace) -> int:
     """One batch per `--input-len` on one loaded model: a JSON line each."""
     timeline = Timeline()
@@ -301,6 +319,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
         "output_throughput_tok_s": round(out_tokens / duration, 1),
         "median_time_to_first_token_s": round(statistics.median(ttfts), 3),
         "num_retractions": sched.num_retractions,
+        **gpu_memory(sched),
     }
     if profiler is not None:
         from radixmesh.engine.bench_profile import print_profile

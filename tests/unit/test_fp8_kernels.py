@@ -187,14 +187,15 @@ def _indices(seq_lens: list[int], num_slots: int, seed: int) -> tuple[torch.Tens
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-def test_decode_reads_fp8_pool_through_its_scales(fp8: torch.dtype, q_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("num_kv_splits", [3, 1])
+def test_decode_reads_fp8_pool_through_its_scales(fp8: torch.dtype, q_dtype: torch.dtype, num_kv_splits: int) -> None:
     seq_lens, heads, kv_heads, head_dim = [1, 37, 90], 8, 2, 32
     k_buf, v_buf, k_ref, v_ref = _fp8_pool(sum(seq_lens) + 1, kv_heads, head_dim, fp8, 0.5, 3.0, seed=7)
     kv_indptr, kv_indices = _indices(seq_lens, sum(seq_lens) + 1, seed=7)
     q = _rand(len(seq_lens), heads, head_dim, seed=8).to(q_dtype)
     out = torch.empty(q.shape, dtype=q_dtype, device=DEVICE)
-    decode_attention_fwd(q.to(DEVICE), k_buf.to(DEVICE), v_buf.to(DEVICE), out, kv_indptr, kv_indices, 0.2, 3,
-                         k_scale=0.5, v_scale=3.0)
+    decode_attention_fwd(q.to(DEVICE), k_buf.to(DEVICE), v_buf.to(DEVICE), out, kv_indptr, kv_indices, 0.2,
+                         num_kv_splits, k_scale=0.5, v_scale=3.0)
     want = attention_reference(q, k_ref, v_ref, list(range(len(seq_lens) + 1)), kv_indptr.tolist(),
                                kv_indices.cpu(), 0.2)
     tol = 2e-5 if q_dtype == torch.float32 else 3e-2

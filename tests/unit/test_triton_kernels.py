@@ -135,12 +135,16 @@ DECODE_SEQ_LENS = [1, 37, 300, 64]
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa4", "gqa8"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_kv_splits", [1, 4])
-def test_decode_matches_reference(heads: int, kv_heads: int, head_dim: int, num_kv_splits: int) -> None:
+@pytest.mark.parametrize("head_major", [False, True], ids=["req-major", "head-major"])
+def test_decode_matches_reference(heads: int, kv_heads: int, head_dim: int, num_kv_splits: int,
+                                  head_major: bool) -> None:
+    """One split writes the output itself (no merge); more go through the merge; either grid order."""
     p = make_problem([n - 1 for n in DECODE_SEQ_LENS], [1] * len(DECODE_SEQ_LENS), heads, kv_heads, head_dim,
                      torch.float32)
     kv_indptr, kv_indices = index_tensors(p)
-    out = torch.empty_like(p.q)
-    decode_attention_fwd(p.q, p.k_buf, p.v_buf, out, kv_indptr, kv_indices, head_dim**-0.5, num_kv_splits)
+    out = torch.full_like(p.q, float("nan"))
+    decode_attention_fwd(p.q, p.k_buf, p.v_buf, out, kv_indptr, kv_indices, head_dim**-0.5, num_kv_splits,
+                         head_major=head_major)
     assert_close_to_reference(out, p, kv_indptr, kv_indices, head_dim**-0.5)
 
 
@@ -154,13 +158,15 @@ def test_decode_half_precision(dtype: torch.dtype) -> None:
     assert_close_to_reference(out, p, kv_indptr, kv_indices, 0.3)
 
 
-def test_decode_more_splits_than_tiles_and_empty_request() -> None:
-    """Splits past a short request's end, and a request with no KV at all (padding), stay finite."""
+@pytest.mark.parametrize("num_kv_splits", [16, 1])
+def test_decode_more_splits_than_tiles_and_empty_request(num_kv_splits: int) -> None:
+    """Splits past a short request's end, and a request with no KV at all (padding), stay finite:
+    through the merge (16 splits) and when the one split writes the output itself."""
     p = make_problem([0, 0, 9], [1, 1, 1], 4, 2, 32, torch.float32, seed=2)
     p.seq_lens[1] = 0
     kv_indptr, kv_indices = index_tensors(p)
     out = torch.full_like(p.q, float("nan"))
-    decode_attention_fwd(p.q, p.k_buf, p.v_buf, out, kv_indptr, kv_indices, 0.2, 16)
+    decode_attention_fwd(p.q, p.k_buf, p.v_buf, out, kv_indptr, kv_indices, 0.2, num_kv_splits)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     # kv_indices holds request 0's one slot, then request 2's ten
     expected = attention_reference(p.q[[0, 2]], p.k_buf, p.v_buf, [0, 1, 2], [0, 1, 11], kv_indices, 0.2)
@@ -170,8 +176,11 @@ def test_decode_more_splits_than_tiles_and_empty_request() -> None:
 def test_choose_num_kv_splits() -> None:
     assert choose_num_kv_splits(1, 8, 100, 132) == 1  # short: one split
     assert choose_num_kv_splits(1, 8, 2048, 132) == 8  # 256 tokens per split at least
-    assert choose_num_kv_splits(1, 8, 32768, 132) == 33  # ~2 waves over 132 SMs
-    assert choose_num_kv_splits(64, 8, 32768, 132) == 1  # batch already fills the GPU
+    assert choose_num_kv_splits(1, 8, 32768, 132) == 64  # capped by max_kv_splits
+    assert choose_num_kv_splits(8, 8, 32768, 132) == 33  # ~16 programs per SM over 132 SMs
+    assert choose_num_kv_splits(64, 8, 32768, 132) == 5
+    assert choose_num_kv_splits(168, 8, 6144, 132) == 2
+    assert choose_num_kv_splits(264, 8, 32768, 132) == 1  # batch already fills the GPU
     assert choose_num_kv_splits(1, 1, 10**6, 132, max_kv_splits=16) == 16
 
 
@@ -188,6 +197,18 @@ def test_decode_launcher_rejects_bad_arguments() -> None:
     with pytest.raises(AssertionError, match="does not fit"):
         decode_attention_fwd(p.q, p.k_buf, p.v_buf, out, kv_indptr, kv_indices, 1.0, 4,
                              DecodeScratch.allocate(1, 4, 32, 2, DEVICE))
+    with pytest.raises(AssertionError, match="BLOCK_N must be a power of 2"):
+        decode_attention_fwd(p.q, p.k_buf, p.v_buf, out, kv_indptr, kv_indices, 1.0, 1, tiles=(48, 4, 2))
+
+
+def test_decode_tiles_override_matches_reference() -> None:
+    """The tiles a benchmark sweeps (BLOCK_N 16 and 128 here) compute the same attention."""
+    p = make_problem([n - 1 for n in DECODE_SEQ_LENS], [1] * len(DECODE_SEQ_LENS), 8, 2, 64, torch.float32, seed=3)
+    kv_indptr, kv_indices = index_tensors(p)
+    for tiles in ((16, 4, 4), (128, 8, 2)):
+        out = torch.full_like(p.q, float("nan"))
+        decode_attention_fwd(p.q, p.k_buf, p.v_buf, out, kv_indptr, kv_indices, 0.125, 2, tiles=tiles)
+        assert_close_to_reference(out, p, kv_indptr, kv_indices, 0.125)
 
 
 # ---- extend ------------------------------------------------------------------------------------
