@@ -155,7 +155,7 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
       port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
       $RM serve --model "$model" --load-format dummy --context-length 8192 --port "$port" ${SERVE_ARGS:-} \
-        > "$OUT/online-server.log" 2>&1 &
+        > "$OUT/online${ONLINE_TAG:+-$ONLINE_TAG}-server.log" 2>&1 &
       server=$!
       for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null || ! kill -0 $server 2>/dev/null && break; sleep 1; done
       spy online "front=$server" $(for p in $(pgrep -P $server); do echo "child-$p=$p"; done)

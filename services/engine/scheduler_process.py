@@ -78,6 +78,7 @@ def _exit_at_once() -> None:
 def _build(config: EngineConfig, prepared: PreparedModel, send: zmq.Socket) -> SchedulerLoop:
     import torch
 
+    from radixmesh.engine.compile_watch import install_from_env
     from radixmesh.engine.disagg.handler import DisaggHandler
     from radixmesh.engine.model_runner import ModelRunner
     from radixmesh.engine.prefill_warmup import wants_warmup, warm_up_prefill
@@ -86,6 +87,7 @@ def _build(config: EngineConfig, prepared: PreparedModel, send: zmq.Socket) -> S
     from radixmesh.engine.tokenizer import load_tokenizer
 
     torch.set_num_threads(max(torch.get_num_threads(), 1))
+    compile_watch = install_from_env()
     tokenizer = load_tokenizer(prepared.tokenizer_path) if prepared.tokenizer_path else None
     runner = ModelRunner(config, prepared)
 
@@ -95,6 +97,8 @@ def _build(config: EngineConfig, prepared: PreparedModel, send: zmq.Socket) -> S
     scheduler = Scheduler(config, runner, tokenizer, emit)
     if wants_warmup(config, scheduler):
         warm_up_prefill(scheduler)
+    if compile_watch is not None:
+        compile_watch.mark_ready()
     recorder = None
     if config.kv_events_block_size > 0:
         from radixmesh.engine.kv_events import BlockEventRecorder

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from radixmesh.engine import prefill_warmup
-from radixmesh.engine.prefill_warmup import wants_warmup, warm_up_prefill, warmup_lengths
+from radixmesh.engine.prefill_warmup import decode_batches, wants_warmup, warm_up_prefill, warmup_lengths
 
 from .scheduler_factory import assert_no_leak, clone, make_requests, make_scheduler, run_until_idle
 
@@ -18,9 +18,19 @@ def test_lengths_stop_at_the_chunk_the_context_and_the_pool() -> None:
     assert warmup_lengths(4096, 2, 300) == []
 
 
+def test_decode_batches_stop_at_the_running_limit_and_the_pool() -> None:
+    assert decode_batches(256, 455_762) == [1, 2, 3, 5, 9, 17, 33, 65, 129, 256]  # the largest batch added
+    assert decode_batches(256, 2048) == [1, 2, 3, 5, 9, 17, 33, 65, 129, 170]  # 12 tokens a request
+    assert decode_batches(4, 10_000) == [1, 2, 3, 4]
+    assert decode_batches(257, 10**6)[-1] == 257
+    assert decode_batches(8, 2) == []
+
+
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_warm_up_leaves_nothing_behind_and_outputs_unchanged(monkeypatch: pytest.MonkeyPatch, overlap: str) -> None:
     monkeypatch.setattr(prefill_warmup, "WARMUP_LENGTHS", (1, 7, 16, 33, 100, 200, 300))
+    monkeypatch.setattr(prefill_warmup, "DECODE_BATCHES", (1, 3, 5))
+    monkeypatch.setattr(prefill_warmup, "MIXED_PAIR", (40, 5))
     reqs = make_requests(6, seed=3, max_new_tokens=8)
     cold, cold_out = make_scheduler(overlap_schedule=overlap, max_total_tokens=2048, context_length=256,
                                     chunked_prefill_size=64)
@@ -35,8 +45,13 @@ def test_warm_up_leaves_nothing_behind_and_outputs_unchanged(monkeypatch: pytest
     reset = warm.reset_counters
     monkeypatch.setattr(warm, "reset_counters", lambda: (seen.update(warm.stats()), reset()))
     assert warm_up_prefill(warm) > 0
-    assert seen["num_prompt_tokens"] == 1 + 7 + 16 + 33  # the lengths up to the chunk size, each prefilled
-    assert seen["num_generated_tokens"] == 4 and seen["num_cached_tokens"] == 0
+    # the lengths up to the chunk size, each prefilled, then batches of 1, 3, 5 and the running limit (8 tokens each)
+    sizes = decode_batches(warm.runner.plan.max_running_requests, warm.kv.capacity)
+    assert sizes[:3] == [1, 3, 5] and len(sizes) == 4
+    assert seen["num_prompt_tokens"] == 1 + 7 + 16 + 33 + 40 + 5 + sum(sizes) * 8
+    assert seen["num_generated_tokens"] == 4 + 2 + sum(sizes) * 4
+    # (the short decode prompts may share a first token in this small vocabulary; the long ones never match)
+    assert seen["num_cached_tokens"] < sum(sizes) * 8
     assert warm_out.tokens == emitted_before, "warm-up tokens reached the server's outputs"
     assert warm.kv.tree.total_size() == 0 and warm.kv.used_tokens() == 0
     stats = warm.stats()
