@@ -5,8 +5,10 @@
 Each shape is `--requests` requests of `--new-len` new tokens over `--prefix-len` cached ones,
 their KV slots scattered over the pool (page size 1). TFLOP/s counts the causal half of the new
 tokens' square plus the full prefix: 4 * head_dim * heads * (new^2 / 2 + new * prefix) per request.
-`--sdpa` also times torch's scaled_dot_product_attention (each backend that runs) on the same
-queries with contiguous K/V and no prefix: what the kernel would gain from a library kernel.
+The default tiles run in both block orders (`heavy_first`: the last query blocks, which see the most
+keys, dispatched first; or the natural order). `--sdpa` also times torch's scaled_dot_product_attention
+(each backend that runs) on the same queries with contiguous K/V and no prefix: what the kernel would
+gain from a library kernel.
 """
 
 from __future__ import annotations
@@ -69,9 +71,12 @@ def bench_shape(args: argparse.Namespace, new: int) -> list[dict[str, object]]:
             "triton": triton.__version__, "requests": args.requests, "new_len": new, "prefix_len": args.prefix_len,
             "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
     rows = []
-    for blocks in [None, *(SWEEP if args.sweep else [])]:
-        def run(blocks: tuple[int, int, int, int] | None = blocks) -> None:
-            extend_attention_fwd(q, k_buf, v_buf, out, qo_indptr, kv_indptr, kv_indices, new, scale, blocks=blocks)
+    configs: list[tuple[tuple[int, int, int, int] | None, bool]] = [(None, True), (None, False)]
+    configs += [(b, True) for b in (SWEEP if args.sweep else [])]
+    for blocks, heavy_first in configs:
+        def run(blocks: tuple[int, int, int, int] | None = blocks, heavy_first: bool = heavy_first) -> None:
+            extend_attention_fwd(q, k_buf, v_buf, out, qo_indptr, kv_indptr, kv_indices, new, scale, blocks=blocks,
+                                 heavy_first=heavy_first)
 
         try:
             run()
@@ -83,7 +88,8 @@ def bench_shape(args: argparse.Namespace, new: int) -> list[dict[str, object]]:
             ref = attention_reference(q, k_buf, v_buf, qo_indptr.tolist(), kv_indptr.tolist(), kv_indices, scale)
             err = round((out.float() - ref).abs().max().item(), 5)
         ms = statistics.median(time_median_ms(run, args.warmup, args.iters))
-        rows.append({**base, "kernel": "triton", "blocks": blocks or "default", "median_us": round(ms * 1e3, 1),
+        rows.append({**base, "kernel": "triton", "blocks": blocks or "default", "heavy_first": heavy_first,
+                     "median_us": round(ms * 1e3, 1),
                      "tflops": round(_flops(args, new) / ms / 1e9, 1), "max_abs_err": err})
     if args.sdpa and args.prefix_len == 0:
         rows += _sdpa_rows(args, base, q, new)

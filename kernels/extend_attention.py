@@ -6,7 +6,8 @@ K/V must be stored (`store_kv`) before this runs. Attention therefore sees exact
 values the pool holds (cast to the pool dtype), as the PyTorch reference does, and one
 index list serves extend and decode alike.
 
-Grid (batch, kv_heads, query blocks). GQA: a program owns BLOCK_T new tokens of one
+Grid (batch, kv_heads, query blocks), the blocks taken from the last (heaviest under the causal mask) to the
+first. GQA: a program owns BLOCK_T new tokens of one
 request and every query head of one KV head, flattened into BLOCK_M = BLOCK_T * G rows
 (row r is token r // G, head r % G, with G the group padded to a power of two), so each
 K/V tile is loaded once per group and feeds one `tl.dot` of BLOCK_M rows. Two loops:
@@ -74,13 +75,16 @@ def _extend_kernel(
     head_dim,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr, HAS_MAP: tl.constexpr,
+    KV_FP8: tl.constexpr, HAS_MAP: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
     req = tl.program_id(0)
     if HAS_MAP:  # only the requests listed run here (the others' attention is computed elsewhere)
         req = tl.load(req_map_ptr + req).to(tl.int64)
     kv_head = tl.program_id(1)
-    t0 = tl.program_id(2) * BLOCK_T
+    block = tl.program_id(2)
+    if HEAVY_FIRST:  # the last query blocks see the most keys: dispatched first, they do not trail the rest
+        block = tl.num_programs(2) - 1 - block
+    t0 = block * BLOCK_T
 
     q_start = tl.load(qo_indptr_ptr + req).to(tl.int64)
     ext_len = tl.load(qo_indptr_ptr + req + 1).to(tl.int64) - q_start
@@ -146,7 +150,8 @@ def _block_sizes(head_dim: int, group_pad: int, dtype: torch.dtype,
 def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
                          qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                          max_extend_len: int, sm_scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
-                         blocks: tuple[int, int, int, int] | None = None, req_map: torch.Tensor | None = None) -> None:
+                         blocks: tuple[int, int, int, int] | None = None, req_map: torch.Tensor | None = None,
+                         heavy_first: bool = True) -> None:
     """Causal attention of packed new tokens over their requests' prefix plus themselves.
 
     q, out: `[num_tokens, num_heads, head_dim]`, request i's new tokens at rows
@@ -157,6 +162,8 @@ def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     and `fp8 * v_scale`. `blocks` (BLOCK_M, BLOCK_N, num_warps, num_stages) replaces the tiles chosen per
     device and dtype (tuning sweeps: `python -m radixmesh.kernels.bench_extend --sweep`). `req_map`
     (int, on the device) lists the requests to compute; the others' rows of `out` are left untouched.
+    `heavy_first`: query blocks are dispatched from the last (most keys under the causal mask) to the first,
+    so the longest programs do not start last; False keeps the natural order (benchmarks compare the two).
     """
     _check_extend_args(q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices, max_extend_len)
     num_tokens, num_heads, head_dim = q.shape
@@ -187,7 +194,7 @@ def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_t * group_pad,
         BLOCK_D=next_power_of_2(head_dim), BLOCK_N=block_n,
         DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision(operand_dtype), KV_FP8=k_buffer.dtype in FP8_DTYPES,
-        HAS_MAP=req_map is not None, num_warps=num_warps, num_stages=num_stages,
+        HAS_MAP=req_map is not None, HEAVY_FIRST=heavy_first, num_warps=num_warps, num_stages=num_stages,
     )
 
 

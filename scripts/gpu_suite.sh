@@ -117,6 +117,10 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
         python3 -m radixmesh.kernels.bench_decode --batch 1 --seq-len 32768 --cuda-graph --num-kv-splits $splits \
           | tee -a "$OUT/decode-small.jsonl"
       done ;;
+    extend-order)  # the extend kernel's query blocks heaviest first against the natural order (default tiles)
+      python3 -m radixmesh.kernels.bench_extend --new-len 512 1024 2048 4096 --check | tee "$OUT/extend-order.jsonl"
+      python3 -m radixmesh.kernels.bench_extend --new-len 1024 --requests 4 --prefix-len 512 \
+        | tee -a "$OUT/extend-order.jsonl" ;;
     extend-kernel)  # prefill attention: the Triton kernel's tiles (default and a sweep) vs torch SDPA's backends
       python3 -m radixmesh.kernels.bench_extend --new-len 1024 2048 4096 --sweep --sdpa | tee "$OUT/extend-kernel.jsonl"
       python3 -m radixmesh.kernels.bench_extend --new-len 4096 --requests 2 --prefix-len 1024 --sweep \

@@ -220,13 +220,15 @@ NEW_LENS = [5, 33, 1]
 @pytest.mark.parametrize("prefix", sorted(PREFIXES))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1), (6, 2)], ids=["mha", "gqa4", "gqa8", "gqa3"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_extend_matches_reference(prefix: str, heads: int, kv_heads: int, head_dim: int) -> None:
+@pytest.mark.parametrize("heavy_first", [True, False], ids=["heavy-first", "natural-order"])
+def test_extend_matches_reference(prefix: str, heads: int, kv_heads: int, head_dim: int, heavy_first: bool) -> None:
+    """Either order of the query blocks (several per request here) computes every row once."""
     p = make_problem(PREFIXES[prefix], NEW_LENS, heads, kv_heads, head_dim, torch.float32)
     kv_indptr, kv_indices = index_tensors(p)
     qo_indptr = torch.tensor(p.qo_indptr, device=DEVICE)
-    out = torch.empty_like(p.q)
+    out = torch.full_like(p.q, float("nan"))
     extend_attention_fwd(p.q, p.k_buf, p.v_buf, out, qo_indptr, kv_indptr, kv_indices, max(NEW_LENS),
-                         head_dim**-0.5)
+                         head_dim**-0.5, heavy_first=heavy_first)
     assert_close_to_reference(out, p, kv_indptr, kv_indices, head_dim**-0.5)
 
 
