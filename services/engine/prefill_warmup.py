@@ -9,7 +9,7 @@ generating one token and then dropped from the prefix cache, loads them before t
 A long and a short prompt are then prefilled in one pass (MIXED_PAIR). The decode step's own small kernels
 outside the CUDA graphs (staging a step's inputs, the greedy argmax, the KV index lists of a multi-request
 prefill) get a variant per power-of-two batch bucket. On a fresh machine each variant compiled while serving
-stalled the step that needed it by ~75 ms (five in the first 15 s of a run at 1 req/s, H100,
+stalled the step that needed it by ~75 ms (six in the first half minute of a run at 1 req/s, H100,
 `RADIXMESH_WATCH_COMPILES=1`: twelfth session). So batches of DECODE_BATCHES short requests are
 then prefilled together and decoded for a few steps each.
 
