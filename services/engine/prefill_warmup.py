@@ -52,8 +52,13 @@ the short one to the Triton kernel's variant for the rows a dense plan leaves (c
 1.6 s, H100, twelfth session)."""
 
 
+def _longest_prompt(chunked_prefill_size: int, context_len: int, capacity: int) -> int:
+    """The most prompt tokens one warm-up pass may hold: one chunk, within the context and the pool."""
+    return min(chunked_prefill_size if chunked_prefill_size > 0 else context_len, context_len - 2, capacity - 2)
+
+
 def warmup_lengths(chunked_prefill_size: int, context_len: int, capacity: int) -> list[int]:
-    top = min(chunked_prefill_size if chunked_prefill_size > 0 else context_len, context_len - 2, capacity - 2)
+    top = _longest_prompt(chunked_prefill_size, context_len, capacity)
     return [n for n in WARMUP_LENGTHS if n <= top]
 
 
@@ -73,7 +78,8 @@ def wants_warmup(config: EngineConfig, scheduler: Scheduler) -> bool:
 
 
 def _ids(seed: int, n: int, vocab: int) -> list[int]:
-    """Distinct ids per prompt: no prompt finds another's prefix in the cache."""
+    """Ids that differ from prompt to prompt from the first token on (in a real model's vocabulary), so a
+    long prompt never finds another's prefix in the cache."""
     return [(seed * 7919 + i * 104729) % (vocab - 1) + 1 for i in range(n)]
 
 
@@ -91,8 +97,8 @@ def warm_up_prefill(scheduler: Scheduler) -> float:
                                       params=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)))
             while scheduler.has_work:
                 scheduler.step()
-        if sum(MIXED_PAIR) <= min(scheduler.config.chunked_prefill_size or scheduler.context_len,
-                                  scheduler.context_len - 2, scheduler.kv.capacity - 2):
+        if sum(MIXED_PAIR) <= _longest_prompt(scheduler.config.chunked_prefill_size, scheduler.context_len,
+                                              scheduler.kv.capacity):
             for n in MIXED_PAIR:
                 scheduler.add_request(Req(rid=f"warmup-pair-{n}", origin_input_ids=_ids(n + 1, n, vocab),
                                           params=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)))
