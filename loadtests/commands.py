@@ -13,6 +13,7 @@ BENCH_COMMANDS = [
     "loadtests.serving:register",
     "loadtests.goodput:register",
     "loadtests.api_overhead:register",
+    "loadtests.paired:register",
     "radixmesh.engine.bench:register_one_batch",
     "radixmesh.engine.bench:register_offline",
     "radixmesh.engine.bench_structured:register_structured",

@@ -25,7 +25,8 @@
 #   STAGES="extend-kernel prefill-profile": where a prefill's time goes (the extend kernel's tiles against torch SDPA,
 #   one 8B prefill's kernels and host phases, with and without --enable-dense-prefill)
 #   ONLINE_TAG=x SERVE_ARGS=--disable-launch-pacing STAGES=online: the online result lands in online-x.json (a second
-#   call's online.json would replace the first one's while $OUT holds too few files to be packed)
+#   call's online.json would replace the first one's while $OUT holds too few files to be packed); compare two such
+#   runs request by request with `radixmesh bench paired online.json online-x.json`
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}

@@ -1,0 +1,76 @@
+"""`bench paired`: two serving results of one seeded workload, compared request by request."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtests.paired import FIRST_REQUESTS, cmd_paired, compare, pair_requests
+
+
+def _run(ttft_ms: list[float], prompt_lens: list[int], itl_ms: float = 7.0, label: str = "x",
+         failed: tuple[int, ...] = ()) -> dict[str, Any]:
+    return {"label": label, "requests": [
+        {"session_id": i, "turn_index": 0, "success": i not in failed, "prompt_len": n, "output_len": 4,
+         "start_s": float(i), "latency_s": 1.0, "ttft_s": t / 1e3, "itl_s": [itl_ms / 1e3] * 3}
+        for i, (t, n) in enumerate(zip(ttft_ms, prompt_lens))]}
+
+
+def _write(path: Path, run: dict[str, Any], seed: int = 1) -> Path:
+    path.write_text(json.dumps({"workload": {"name": "random-ids", "params": {}}, "load": {"seed": seed},
+                                "runs": [run]}))
+    return path
+
+
+PROMPTS = [100 * (i + 1) for i in range(40)]  # 100 .. 4,000 tokens
+BASE = [50.0 + i for i in range(40)]
+
+
+def test_a_uniform_shift_shows_in_every_row() -> None:
+    twins, warnings = pair_requests(_run(BASE, PROMPTS), _run([t + 2.5 for t in BASE], PROMPTS, itl_ms=6.5))
+    result = compare(twins)
+    assert warnings == [] and result["requests"] == 40
+    assert result["ttft_diff"] == {"n": 40, "median_ms": 2.5, "mean_ms": 2.5}
+    assert result["mean_itl_diff"]["median_ms"] == -0.5
+    buckets = result["ttft_diff_by_prompt_len"]
+    assert list(buckets) == ["0-1535", "1536-2999", "3000+"]
+    assert [b["n"] for b in buckets.values()] == [15, 14, 11]  # 100-1,500; 1,600-2,900; 3,000-4,000
+    assert result[f"ttft_diff_first_{FIRST_REQUESTS}"]["n"] == 20 and result["ttft_diff_rest"]["n"] == 20
+
+
+def test_medians_can_move_while_no_request_does() -> None:
+    """Two runs whose requests are equal pair by pair show 0 per request whatever their order in the file."""
+    a = _run(BASE, PROMPTS)
+    b = _run(BASE, PROMPTS)
+    b["requests"].reverse()
+    result = compare(pair_requests(a, b)[0])
+    assert result["ttft_diff"]["median_ms"] == 0.0 and result["median_ttft_ms"][0] == result["median_ttft_ms"][1]
+
+
+def test_failed_and_mismatched_requests_are_reported() -> None:
+    a = _run(BASE, PROMPTS, failed=(3,))
+    b = _run(BASE, [*PROMPTS[:5], 999, *PROMPTS[6:]])
+    twins, warnings = pair_requests(a, b)
+    assert len(twins) == 39
+    assert any("(5, 0): prompt of 600 vs 999" in w for w in warnings)
+    assert any("1 requests succeeded in one run only" in w for w in warnings)
+
+
+def test_command_refuses_different_workloads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    a = _write(tmp_path / "a.json", _run(BASE, PROMPTS))
+    b = _write(tmp_path / "b.json", _run(BASE, PROMPTS), seed=2)
+    args = argparse.Namespace(a=a, b=b, label_a=None, label_b=None, output_file=None)
+    assert cmd_paired(args) == 2
+    assert "different workloads or seeds" in capsys.readouterr().err
+    b = _write(tmp_path / "b.json", _run([t - 1 for t in BASE], PROMPTS))
+    out = tmp_path / "cmp.json"
+    assert cmd_paired(argparse.Namespace(a=a, b=b, label_a=None, label_b=None, output_file=out)) == 0
+    printed = capsys.readouterr().out
+    assert "median    -1.00" in printed
+    assert json.loads(out.read_text())["ttft_diff"]["median_ms"] == -1.0
+    assert cmd_paired(argparse.Namespace(a=a, b=b, label_a="missing", label_b=None, output_file=None)) == 2
