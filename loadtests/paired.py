@@ -77,29 +77,26 @@ def _stats(diffs: list[float]) -> dict[str, Any]:
             "mean_ms": round(statistics.fmean(diffs), 2)}
 
 
+BUCKETS = [f"{lo}-{hi - 1}" for lo, hi in zip((0, *LENGTH_EDGES), LENGTH_EDGES)] + [f"{LENGTH_EDGES[-1]}+"]
+
+
 def _bucket(prompt_len: int) -> str:
-    lo = 0
-    for edge in LENGTH_EDGES:
-        if prompt_len < edge:
-            return f"{lo}-{edge - 1}"
-        lo = edge
-    return f"{lo}+"
+    return BUCKETS[sum(prompt_len >= edge for edge in LENGTH_EDGES)]
 
 
 def compare(twins: list[Twin]) -> dict[str, Any]:
     """B minus A per request: TTFT overall, by prompt length, first requests and the rest; mean ITL."""
     ttft = [b - a for a, b in (t.ttft_ms for t in twins)]
     itl = [b - a for a, b in (t.itl_ms for t in twins) if a is not None and b is not None]
-    by_length: dict[str, list[float]] = {}
+    by_length: dict[str, list[float]] = {name: [] for name in BUCKETS}
     for twin, diff in zip(twins, ttft):
-        by_length.setdefault(_bucket(twin.prompt_len), []).append(diff)
+        by_length[_bucket(twin.prompt_len)].append(diff)
     return {
         "requests": len(twins),
         "median_ttft_ms": [round(statistics.median([t.ttft_ms[i] for t in twins]), 2) if twins else None
                            for i in (0, 1)],
         "ttft_diff": _stats(ttft),
-        "ttft_diff_by_prompt_len": {k: _stats(v) for k, v in sorted(by_length.items(), key=lambda kv: int(
-            kv[0].split("-")[0].rstrip("+")))},
+        "ttft_diff_by_prompt_len": {k: _stats(v) for k, v in by_length.items() if v},
         f"ttft_diff_first_{FIRST_REQUESTS}": _stats(ttft[:FIRST_REQUESTS]),
         "ttft_diff_rest": _stats(ttft[FIRST_REQUESTS:]),
         "mean_itl_diff": _stats(itl),

@@ -83,35 +83,32 @@ def _ids(seed: int, n: int, vocab: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % (vocab - 1) + 1 for i in range(n)]
 
 
+def _run_together(scheduler: Scheduler, prompts: list[tuple[int, int]], new_tokens: int) -> None:
+    """Submit prompts of (seed, length) at once, greedy, and step until all of them finished."""
+    vocab = scheduler.runner.model_config.vocab_size
+    for seed, n in prompts:
+        scheduler.add_request(Req(rid=f"warmup-{seed}", origin_input_ids=_ids(seed, n, vocab),
+                                  params=SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)))
+    while scheduler.has_work:
+        scheduler.step()
+
+
 def warm_up_prefill(scheduler: Scheduler) -> float:
     """Run the prefills and the decode batches, then leave the scheduler as it was (empty cache, counters at
     zero); seconds taken."""
     start = time.perf_counter()
-    lengths = warmup_lengths(scheduler.config.chunked_prefill_size, scheduler.context_len, scheduler.kv.capacity)
-    batches = decode_batches(scheduler.runner.plan.max_running_requests, scheduler.kv.capacity)
-    vocab = scheduler.runner.model_config.vocab_size
+    cfg, capacity = scheduler.config, scheduler.kv.capacity
+    lengths = warmup_lengths(cfg.chunked_prefill_size, scheduler.context_len, capacity)
+    batches = decode_batches(scheduler.runner.plan.max_running_requests, capacity)
     emit, scheduler.emit = scheduler.emit, lambda outputs: None  # nobody asked for these tokens
     try:
-        for n in lengths:
-            scheduler.add_request(Req(rid=f"warmup-{n}", origin_input_ids=_ids(n, n, vocab),
-                                      params=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)))
-            while scheduler.has_work:
-                scheduler.step()
-        if sum(MIXED_PAIR) <= _longest_prompt(scheduler.config.chunked_prefill_size, scheduler.context_len,
-                                              scheduler.kv.capacity):
-            for n in MIXED_PAIR:
-                scheduler.add_request(Req(rid=f"warmup-pair-{n}", origin_input_ids=_ids(n + 1, n, vocab),
-                                          params=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)))
-            while scheduler.has_work:
-                scheduler.step()
+        for n in lengths:  # the seed is the length: every prompt starts differently
+            _run_together(scheduler, [(n, n)], 1)
+        if sum(MIXED_PAIR) <= _longest_prompt(cfg.chunked_prefill_size, scheduler.context_len, capacity):
+            _run_together(scheduler, [(n + 1, n) for n in MIXED_PAIR], 1)
         for size in batches:
-            for i in range(size):
-                scheduler.add_request(Req(
-                    rid=f"warmup-decode-{size}-{i}", origin_input_ids=_ids(10_000 + size * 1000 + i,
-                                                                         DECODE_PROMPT_LEN, vocab),
-                    params=SamplingParams(max_new_tokens=DECODE_NEW_TOKENS, temperature=0.0, ignore_eos=True)))
-            while scheduler.has_work:
-                scheduler.step()
+            _run_together(scheduler, [(10_000 + size * 1000 + i, DECODE_PROMPT_LEN) for i in range(size)],
+                          DECODE_NEW_TOKENS)
     finally:
         scheduler.emit = emit
     flushed = scheduler.flush_cache()

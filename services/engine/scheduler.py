@@ -44,6 +44,15 @@ class LaunchedBatch:
 class Scheduler:
     """Runs requests to completion on one model replica; outputs go to `emit`."""
 
+    # set by reset_counters
+    new_token_ratio: float
+    num_retractions: int
+    num_generated_tokens: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_forward_passes: int
+    result_wait_s: float
+
     def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: object,
                  emit: Callable[[list[TokenOut]], None]) -> None:
         self.config = config
@@ -61,15 +70,9 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.in_flight: LaunchedBatch | None = None
         self.launch_id = 0
-        self.new_token_ratio = config.init_new_token_ratio
         self._ratio_decay = ((config.init_new_token_ratio - config.min_new_token_ratio)
                              / config.new_token_ratio_decay_steps)
-        self.num_retractions = 0
-        self.num_generated_tokens = 0
-        self.num_prompt_tokens = 0
-        self.num_cached_tokens = 0
-        self.num_forward_passes = 0
-        self.result_wait_s = 0.0  # host time spent waiting for results to reach the host (one wait per step)
+        self.reset_counters()
         self.grammar = GrammarManager(config, tokenizer, runner.model_config.vocab_size,
                                       runner.model_config.eos_token_ids, self.context_len)
         self.grammar.warm_up(runner.device)
@@ -420,10 +423,10 @@ class Scheduler:
         self.emit([self._token_out(req)])
 
     def reset_counters(self) -> None:
-        """Counters and the admission ratio back to their start values (after the warm-up prefills)."""
+        """Counters and the admission ratio at their start values (at construction, and after the warm-up)."""
         self.num_retractions = self.num_generated_tokens = self.num_prompt_tokens = 0
         self.num_cached_tokens = self.num_forward_passes = 0
-        self.result_wait_s = 0.0
+        self.result_wait_s = 0.0  # host time spent waiting for results to reach the host (one wait per step)
         self.new_token_ratio = self.config.init_new_token_ratio
 
     # ---- introspection ----------------------------------------------------------------------
