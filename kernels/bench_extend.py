@@ -5,10 +5,13 @@
 Each shape is `--requests` requests of `--new-len` new tokens over `--prefix-len` cached ones,
 their KV slots scattered over the pool (page size 1). TFLOP/s counts the causal half of the new
 tokens' square plus the full prefix: 4 * head_dim * heads * (new^2 / 2 + new * prefix) per request.
+The Triton kernel is timed in CUDA graph replays (device time, not its launch).
 The default tiles run in both block orders (`heavy_first`: the last query blocks, which see the most
-keys, dispatched first; or the natural order). `--sdpa` also times torch's scaled_dot_product_attention
-(each backend that runs) on the same queries with contiguous K/V and no prefix: what the kernel would
-gain from a library kernel.
+keys, dispatched first; or the natural order) and with the new tokens' K/V read both ways (`new_kv`:
+`rows`, the pass's own k/v rows, strided as views of the stacked q/k/v projection, as the engine passes
+them; `slots`, gathered from the pool through the slot list); `--sweep` tiles read rows. `--sdpa` also
+times torch's scaled_dot_product_attention (each backend that runs) on the same queries with contiguous
+K/V and no prefix: what the kernel would gain from a library kernel.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 
 import torch
 import triton
@@ -65,18 +69,27 @@ def bench_shape(args: argparse.Namespace, new: int) -> list[dict[str, object]]:
     kv_indptr = torch.arange(0, args.requests + 1, device=device) * seq
     qo_indptr = torch.arange(0, args.requests + 1, device=device) * new
     q = torch.randn(args.requests * new, args.heads, args.head_dim, dtype=dtype, device=device)
+    # the new tokens' own k/v rows: views of a stacked q/k/v projection, holding what their slots hold
+    qkv = torch.empty(args.requests * new, args.heads + 2 * args.kv_heads, args.head_dim, dtype=dtype, device=device)
+    k_new, v_new = qkv[:, args.heads:args.heads + args.kv_heads], qkv[:, args.heads + args.kv_heads:]
+    new_slots = kv_indices.view(args.requests, seq)[:, args.prefix_len:].reshape(-1)
+    k_new.copy_(k_buf[new_slots])
+    v_new.copy_(v_buf[new_slots])
     out = torch.empty_like(q)
     scale = args.head_dim**-0.5
     base = {"bench": "extend_attention", "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
             "triton": triton.__version__, "requests": args.requests, "new_len": new, "prefix_len": args.prefix_len,
             "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
     rows = []
-    configs: list[tuple[tuple[int, int, int, int] | None, bool]] = [(None, True), (None, False)]
-    configs += [(b, True) for b in (SWEEP if args.sweep else [])]
-    for blocks, heavy_first in configs:
-        def run(blocks: tuple[int, int, int, int] | None = blocks, heavy_first: bool = heavy_first) -> None:
+    configs: list[tuple[tuple[int, int, int, int] | None, bool, str]] = [
+        (None, True, "rows"), (None, True, "slots"), (None, False, "rows")]
+    configs += [(b, True, "rows") for b in (SWEEP if args.sweep else [])]
+    for blocks, heavy_first, new_kv in configs:
+        def run(blocks: tuple[int, int, int, int] | None = blocks, heavy_first: bool = heavy_first,
+                own_rows: bool = new_kv == "rows") -> None:
             extend_attention_fwd(q, k_buf, v_buf, out, qo_indptr, kv_indptr, kv_indices, new, scale, blocks=blocks,
-                                 heavy_first=heavy_first)
+                                 heavy_first=heavy_first, k_new=k_new if own_rows else None,
+                                 v_new=v_new if own_rows else None)
 
         try:
             run()
@@ -87,13 +100,26 @@ def bench_shape(args: argparse.Namespace, new: int) -> list[dict[str, object]]:
         if args.check:
             ref = attention_reference(q, k_buf, v_buf, qo_indptr.tolist(), kv_indptr.tolist(), kv_indices, scale)
             err = round((out.float() - ref).abs().max().item(), 5)
-        ms = statistics.median(time_median_ms(run, args.warmup, args.iters))
+        ms = statistics.median(time_graph_ms(run, args.warmup, args.iters))
         rows.append({**base, "kernel": "triton", "blocks": blocks or "default", "heavy_first": heavy_first,
+                     "new_kv": new_kv,
                      "median_us": round(ms * 1e3, 1),
                      "tflops": round(_flops(args, new) / ms / 1e9, 1), "max_abs_err": err})
     if args.sdpa and args.prefix_len == 0:
         rows += _sdpa_rows(args, base, q, new)
     return rows
+
+
+def time_graph_ms(fn: Callable[[], None], warmup: int, iters: int) -> list[float]:
+    """Per-replay device times (ms) of `fn` captured in a CUDA graph: a short kernel timed by events around
+    its own launch would include the host's launch time when that exceeds the kernel's (~1,024 tokens)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_median_ms(graph.replay, warmup, iters)
 
 
 def _sdpa_rows(args: argparse.Namespace, base: dict[str, object], q: torch.Tensor, new: int) -> list[dict[str, object]]:

@@ -1,17 +1,19 @@
 """Extend attention: each request's new tokens attend to its cached prefix and, causally, to themselves.
 
-Where K/V come from: everything is read from the KV pool through the request's slot list
-(`kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`, prefix then new tokens), so the new tokens'
-K/V must be stored (`store_kv`) before this runs. Attention therefore sees exactly the
-values the pool holds (cast to the pool dtype), as the PyTorch reference does, and one
-index list serves extend and decode alike.
+Where K/V come from: the prefix from the KV pool through the request's slot list
+(`kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`, prefix then new tokens). The new tokens' K/V come
+from the same list (so they must be stored, `store_kv`, before this runs) or, given `k_new` /
+`v_new` (the pass's own K/V rows, in the pool's dtype), from those rows directly: the same values,
+read as contiguous rows instead of gathered slots. Either way attention sees exactly what the pool
+holds, as the PyTorch reference does.
 
 Grid (batch, kv_heads, query blocks), the blocks taken from the last (heaviest under the causal mask) to the
 first. GQA: a program owns BLOCK_T new tokens of one
 request and every query head of one KV head, flattened into BLOCK_M = BLOCK_T * G rows
 (row r is token r // G, head r % G, with G the group padded to a power of two), so each
-K/V tile is loaded once per group and feeds one `tl.dot` of BLOCK_M rows. Two loops:
-the prefix (no mask), then the new tokens up to the block's last query (causal mask).
+K/V tile is loaded once per group and feeds one `tl.dot` of BLOCK_M rows. Three loops: the prefix and
+the new tokens before the block's first query (whole tiles every row sees: no mask), then the tiles up to
+the block's last query (causal mask).
 FP8 pools: tiles widen in registers, `k_scale` folds into the softmax scale, `v_scale` into the output.
 """
 
@@ -40,27 +42,35 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, hi, rows_t, new_start,
-                 stride_kb_slot, stride_vb_slot, offs_d, mask_d, qk_scale,
+                 stride_k_row, stride_v_row, offs_d, mask_d, qk_scale,
                  CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
-    """One online-softmax step over keys [n, n + BLOCK_N) ∩ [.., hi) of the request's slot list."""
+                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FROM_SLOTS: tl.constexpr):
+    """One online-softmax step over keys [n, n + BLOCK_N) ∩ [.., hi).
+
+    FROM_SLOTS: key j's row is the pool slot `kv_indices[kv_start + j]`; else row `kv_start + j` of a
+    contiguous tensor (the new tokens' own K/V, `kv_start` then being their first row less `new_start`).
+    """
     offs_n = n + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hi
-    slots = tl.load(kv_indices_ptr + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+    if FROM_SLOTS:
+        rows = tl.load(kv_indices_ptr + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+    else:
+        rows = kv_start + offs_n
     mask_kv = mask_n[:, None] & mask_d[None, :]
     # [BLOCK_N, BLOCK_D]
-    k = tl.load(k_base + slots[:, None] * stride_kb_slot + offs_d[None, :], mask=mask_kv, other=0.0)
+    k = tl.load(k_base + rows[:, None] * stride_k_row + offs_d[None, :], mask=mask_kv, other=0.0)
     # [BLOCK_M, BLOCK_N], log2 units
     s = tl.dot(q, tl.trans(from_pool(k, DOT_DTYPE, KV_FP8)), input_precision=DOT_PRECISION) * qk_scale
-    visible = mask_n[None, :]
     if CAUSAL:
-        visible = visible & ((offs_n - new_start)[None, :] <= rows_t[:, None])
-    s = tl.where(visible, s, float("-inf"))
+        visible = mask_n[None, :] & ((offs_n - new_start)[None, :] <= rows_t[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    else:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + slots[:, None] * stride_vb_slot + offs_d[None, :], mask=mask_kv, other=0.0)
+    v = tl.load(v_base + rows[:, None] * stride_v_row + offs_d[None, :], mask=mask_kv, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), from_pool(v, DOT_DTYPE, KV_FP8),
                                         input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -68,14 +78,15 @@ def _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, 
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, k_buf_ptr, v_buf_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, req_map_ptr,
-    qk_scale, v_scale,
+    q_ptr, k_buf_ptr, v_buf_ptr, k_new_ptr, v_new_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+    req_map_ptr, qk_scale, v_scale,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
+    stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
     head_dim,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr, HAS_MAP: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    KV_FP8: tl.constexpr, HAS_MAP: tl.constexpr, HEAVY_FIRST: tl.constexpr, NEW_FROM_SLOTS: tl.constexpr,
 ):
     req = tl.program_id(0)
     if HAS_MAP:  # only the requests listed run here (the others' attention is computed elsewhere)
@@ -93,6 +104,8 @@ def _extend_kernel(
     # blocks past this request's last new token run no loop and store nothing
     is_live = t0 < ext_len
     prefix_hi = tl.where(is_live, prefix_len, 0)
+    # new tokens before the block's first query (whole tiles) are seen by every row: no mask there
+    open_hi = tl.where(is_live, prefix_len + (t0 // BLOCK_N) * BLOCK_N, prefix_len)
     new_hi = tl.where(is_live, prefix_len + tl.minimum(ext_len, t0 + BLOCK_T), prefix_len)
 
     offs_r = tl.arange(0, BLOCK_M)
@@ -115,11 +128,27 @@ def _extend_kernel(
     for n in range(0, prefix_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, prefix_hi,
                                      rows_t, prefix_len, stride_kb_slot, stride_vb_slot, offs_d, mask_d, qk_scale,
-                                     False, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_FP8)
-    for n in range(prefix_len, new_hi, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, new_hi,
-                                     rows_t, prefix_len, stride_kb_slot, stride_vb_slot, offs_d, mask_d, qk_scale,
-                                     True, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_FP8)
+                                     False, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_FP8, True)
+    if NEW_FROM_SLOTS:
+        new_k = k_base
+        new_v = v_base
+        new_base = kv_start
+        stride_k_row = stride_kb_slot
+        stride_v_row = stride_vb_slot
+    else:  # the new tokens' K/V from their own rows (the values the pool holds), not through the slot list
+        new_k = k_new_ptr + kv_head * stride_kn_head
+        new_v = v_new_ptr + kv_head * stride_vn_head
+        new_base = q_start - prefix_len
+        stride_k_row = stride_kn_tok
+        stride_v_row = stride_vn_tok
+    for n in range(prefix_len, open_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, new_k, new_v, kv_indices_ptr, new_base, n, open_hi,
+                                     rows_t, prefix_len, stride_k_row, stride_v_row, offs_d, mask_d, qk_scale,
+                                     False, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_FP8, NEW_FROM_SLOTS)
+    for n in range(open_hi, new_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, new_k, new_v, kv_indices_ptr, new_base, n, new_hi,
+                                     rows_t, prefix_len, stride_k_row, stride_v_row, offs_d, mask_d, qk_scale,
+                                     True, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_FP8, NEW_FROM_SLOTS)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     o_rows = (q_start + rows_t) * stride_o_tok + heads * stride_o_head
@@ -151,7 +180,8 @@ def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                          max_extend_len: int, sm_scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
                          blocks: tuple[int, int, int, int] | None = None, req_map: torch.Tensor | None = None,
-                         heavy_first: bool = True) -> None:
+                         heavy_first: bool = True, k_new: torch.Tensor | None = None,
+                         v_new: torch.Tensor | None = None) -> None:
     """Causal attention of packed new tokens over their requests' prefix plus themselves.
 
     q, out: `[num_tokens, num_heads, head_dim]`, request i's new tokens at rows
@@ -164,8 +194,13 @@ def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     (int, on the device) lists the requests to compute; the others' rows of `out` are left untouched.
     `heavy_first`: query blocks are dispatched from the last (most keys under the causal mask) to the first,
     so the longest programs do not start last; False keeps the natural order (benchmarks compare the two).
+    `k_new`, `v_new`: `[num_tokens, kv_heads, head_dim]`, the new tokens' K/V as stored in the pool (the
+    pool's dtype, not FP8), row t for q's row t; attention reads them there instead of through the slots.
     """
     _check_extend_args(q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices, max_extend_len)
+    assert (k_new is None) == (v_new is None), "k_new and v_new come together"
+    if k_new is not None and v_new is not None:
+        _check_new_kv(q, k_buffer, k_new, v_new)
     num_tokens, num_heads, head_dim = q.shape
     batch = qo_indptr.shape[0] - 1
     if req_map is not None:
@@ -185,16 +220,21 @@ def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         block_t = max(1, block_m // group_pad)
     operand_dtype = dot_dtype(q.dtype, q.device)
     grid = (batch, num_kv_heads, triton.cdiv(max_extend_len, block_t))
+    k_rows, v_rows = (k_new, v_new) if k_new is not None and v_new is not None else (k_buffer, v_buffer)
+    from_slots = k_rows is k_buffer
     _extend_kernel[grid](
-        q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices, req_map if req_map is not None else qo_indptr,
+        q, k_buffer, v_buffer, k_rows, v_rows, out, qo_indptr, kv_indptr, kv_indices,
+        req_map if req_map is not None else qo_indptr,
         sm_scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        k_rows.stride(0), k_rows.stride(1), v_rows.stride(0), v_rows.stride(1),
         head_dim,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_t * group_pad,
         BLOCK_D=next_power_of_2(head_dim), BLOCK_N=block_n,
         DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision(operand_dtype), KV_FP8=k_buffer.dtype in FP8_DTYPES,
-        HAS_MAP=req_map is not None, HEAVY_FIRST=heavy_first, num_warps=num_warps, num_stages=num_stages,
+        HAS_MAP=req_map is not None, HEAVY_FIRST=heavy_first, NEW_FROM_SLOTS=from_slots,
+        num_warps=num_warps, num_stages=num_stages,
     )
 
 
@@ -224,3 +264,13 @@ def _check_extend_args(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
     assert kv_indptr.shape[0] >= qo_indptr.shape[0], (
         f"kv_indptr has {kv_indptr.shape[0]} entries, fewer than qo_indptr's {qo_indptr.shape[0]}")
     assert max_extend_len >= 0, f"max_extend_len must be >= 0, got {max_extend_len}"
+
+
+def _check_new_kv(q: torch.Tensor, k_buffer: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    expected = (q.shape[0], k_buffer.shape[1], k_buffer.shape[2])
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        check_device(name, t, q.device)
+        check_shape(name, t, expected)
+        check_last_dim_contiguous(name, t)
+        assert t.dtype == k_buffer.dtype and t.dtype not in FP8_DTYPES, (
+            f"{name} is {t.dtype}: the new tokens' rows must be in the pool's dtype ({k_buffer.dtype}), not FP8")

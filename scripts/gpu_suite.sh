@@ -22,6 +22,7 @@
 #   STAGES="hicache" (one GPU); STAGES="peer-fetch" needs two GPUs (it says "skipped" with one)
 #   STAGES="spec-tests spec-same spec-unrelated spec-unrelated-raw spec-ngram" bash scripts/gpu_suite.sh (speculation)
 #   STAGES=decode-sweep: decode attention's split counts, tiles and grid orders at the offline run's batch sizes
+#   STAGES=extend-rows: the extend kernel's new-token K/V read from their own rows vs their slots, and its tiles
 #   STAGES="extend-kernel prefill-profile": where a prefill's time goes (the extend kernel's tiles against torch SDPA,
 #   one 8B prefill's kernels and host phases, with and without --enable-dense-prefill)
 #   ONLINE_TAG=x SERVE_ARGS=--disable-launch-pacing STAGES=online: the online result lands in online-x.json (a second
@@ -122,6 +123,12 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       python3 -m radixmesh.kernels.bench_extend --new-len 512 1024 2048 4096 --check | tee "$OUT/extend-order.jsonl"
       python3 -m radixmesh.kernels.bench_extend --new-len 1024 --requests 4 --prefix-len 512 \
         | tee -a "$OUT/extend-order.jsonl" ;;
+    extend-rows)  # the extend kernel reading the new tokens' K/V from their own rows vs through their slots
+      # (default tiles, both orders, checked against the reference), then the tiles again with rows
+      python3 -m radixmesh.kernels.bench_extend --new-len 1024 2048 3072 4096 --check | tee "$OUT/extend-rows.jsonl"
+      python3 -m radixmesh.kernels.bench_extend --new-len 1024 --requests 4 --prefix-len 512 --check \
+        | tee -a "$OUT/extend-rows.jsonl"
+      python3 -m radixmesh.kernels.bench_extend --new-len 2048 4096 --sweep | tee -a "$OUT/extend-rows.jsonl" ;;
     extend-kernel)  # prefill attention: the Triton kernel's tiles (default and a sweep) vs torch SDPA's backends
       python3 -m radixmesh.kernels.bench_extend --new-len 1024 2048 4096 --sweep --sdpa | tee "$OUT/extend-kernel.jsonl"
       python3 -m radixmesh.kernels.bench_extend --new-len 4096 --requests 2 --prefix-len 1024 --sweep \

@@ -1,6 +1,6 @@
 """M-RoPE's fused rotary + KV store (the CUDA path of Qwen2-VL layers), run here under the Triton
 interpreter: both position layouts write what rotating and storing separately writes, into bf16 and FP8
-pools (with their scales)."""
+pools (with their scales), and leave q and k rotated in place."""
 
 from __future__ import annotations
 
@@ -22,8 +22,10 @@ def test_forward_store_matches_rotate_then_store(pool_dtype: torch.dtype, mrope:
     k_scale, v_scale = (1.0, 1.0) if pool_dtype == torch.float32 else (0.5, 2.0)
     k_buf, v_buf = torch.zeros(12, kv_heads, 16, dtype=pool_dtype), torch.zeros(12, kv_heads, 16, dtype=pool_dtype)
     q_ref, k_ref = rotary(positions, q.clone(), k.clone())
-    rotary.forward_store(positions, q, k.clone(), v, k_buf, v_buf, loc, k_scale, v_scale)
+    rotary.forward_store(positions, q, k, v, k_buf, v_buf, loc, k_scale, v_scale)
     torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
+    # q and k rotated in place: attention may read the new tokens' k there instead of from the pool
+    torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
     tol = 1e-5 if pool_dtype == torch.float32 else 0.13  # e4m3 keeps 3 mantissa bits
     torch.testing.assert_close(k_buf[loc].float() * k_scale, k_ref, atol=tol * 4, rtol=tol)
     torch.testing.assert_close(v_buf[loc].float() * v_scale, v, atol=tol * 4, rtol=tol)

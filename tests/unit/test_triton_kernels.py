@@ -232,6 +232,50 @@ def test_extend_matches_reference(prefix: str, heads: int, kv_heads: int, head_d
     assert_close_to_reference(out, p, kv_indptr, kv_indices, head_dim**-0.5)
 
 
+def new_token_rows(p: Problem, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new tokens' K/V as the pass's own rows (views of a fused projection, as the model makes them)."""
+    slots = torch.cat([kv_indices[int(kv_indptr[i + 1]) - n:int(kv_indptr[i + 1])] for i, n in enumerate(p.new_lens)])
+    fused = torch.empty(len(slots), 3, *p.k_buf.shape[1:], dtype=p.k_buf.dtype, device=DEVICE)
+    fused[:, 1] = p.k_buf[slots]
+    fused[:, 2] = p.v_buf[slots]
+    return fused[:, 1], fused[:, 2]
+
+
+@pytest.mark.parametrize("blocks", [None, (32, 16, 4, 1), (32, 64, 4, 1)], ids=["default", "8x16", "8x64"])
+def test_extend_reads_new_tokens_from_their_rows(blocks: tuple[int, int, int, int] | None) -> None:
+    """Given k_new / v_new the new tokens' K/V come from those rows, never from their slots (poisoned here):
+    whole tiles before each block's first query unmasked, the rest causal, tiles narrower and wider than a
+    block's tokens."""
+    p = make_problem([70, 0, 130], [5, 100, 41], 8, 2, 64, torch.float32, seed=4)
+    kv_indptr, kv_indices = index_tensors(p)
+    k_new, v_new = new_token_rows(p, kv_indptr, kv_indices)
+    expected = attention_reference(p.q, p.k_buf, p.v_buf, p.qo_indptr, kv_indptr.tolist(), kv_indices, 0.125)
+    new_slots = torch.cat([kv_indices[int(kv_indptr[i + 1]) - n:int(kv_indptr[i + 1])]
+                           for i, n in enumerate(p.new_lens)])
+    p.k_buf[new_slots] = float("nan")
+    p.v_buf[new_slots] = float("nan")
+    out = torch.full_like(p.q, float("nan"))
+    extend_attention_fwd(p.q, p.k_buf, p.v_buf, out, torch.tensor(p.qo_indptr, device=DEVICE), kv_indptr,
+                         kv_indices, max(p.new_lens), 0.125, blocks=blocks, k_new=k_new, v_new=v_new)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_extend_new_rows_rejected_unless_pool_dtype() -> None:
+    p = make_problem([3], [4], 4, 2, 32, torch.float32)
+    kv_indptr, kv_indices = index_tensors(p)
+    k_new, v_new = new_token_rows(p, kv_indptr, kv_indices)
+    qo_indptr = torch.tensor(p.qo_indptr, device=DEVICE)
+    out = torch.empty_like(p.q)
+    with pytest.raises(AssertionError, match="pool's dtype"):
+        extend_attention_fwd(p.q, p.k_buf, p.v_buf, out, qo_indptr, kv_indptr, kv_indices, 4, 1.0,
+                             k_new=k_new.half(), v_new=v_new.half())
+    with pytest.raises(AssertionError, match="k_new has shape"):
+        extend_attention_fwd(p.q, p.k_buf, p.v_buf, out, qo_indptr, kv_indptr, kv_indices, 4, 1.0,
+                             k_new=k_new[:3], v_new=v_new[:3])
+    with pytest.raises(AssertionError, match="come together"):
+        extend_attention_fwd(p.q, p.k_buf, p.v_buf, out, qo_indptr, kv_indptr, kv_indices, 4, 1.0, k_new=k_new)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_extend_half_precision(dtype: torch.dtype) -> None:
     p = make_problem([40, 0], [70, 3], 8, 2, 64, dtype, seed=3)

@@ -87,7 +87,8 @@ class AttentionBackend(abc.ABC):
     the attention output `[num_tokens, num_heads * head_dim]`. Each new token
     attends causally to its own request's tokens only: the cached prefix, the
     earlier new tokens and itself. With `save_kv=False` the caller has already
-    written k/v to `out_cache_loc` and the backend only reads the pool.
+    written k/v to `out_cache_loc` and the backend only reads the pool; k and v are
+    then still the values written (rotated), which a backend may read instead of the pool.
     """
 
     supports_cuda_graph: bool = False

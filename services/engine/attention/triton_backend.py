@@ -4,7 +4,8 @@ Per forward pass, `init_forward_metadata` flattens every request's slot list onc
 (`kv_indptr`, `kv_indices`: the prefix and the new tokens, in position order) and picks
 the decode split count from host-side lengths; all layers share that plan. Per layer,
 `forward` stores the new k/v into the pool, then runs the decode or extend kernel, both
-reading K/V from the pool. Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (slow; tests).
+reading K/V from the pool (extend reads the new tokens' own k/v rows instead where they
+equal what the pool holds: same dtype, no FP8). Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (slow; tests).
 
 CUDA graphs (DECODE): `init_cuda_graph_state` allocates static index and scratch buffers
 once; `init_forward_metadata_graph` plans into them with device work only, and the split
@@ -202,18 +203,21 @@ class TritonBackend(AttentionBackend):
                                  meta.num_kv_splits, scratch, k_scale, v_scale)
         else:
             assert meta.qo_indptr is not None, "extend pass planned without qo_indptr"
+            # k/v hold what the pool now holds for the new tokens when the dtypes agree (no FP8 rounding):
+            # the kernel reads them as rows rather than gathering their slots
+            k_new, v_new = (k, v) if k.dtype == k_buf.dtype else (None, None)
             dense = meta.dense if q.dtype == k_buf.dtype else None
             dense_out = self.dense.run(q, k, v, out, dense, layer.scaling) if dense is not None else None
             if dense_out is None:  # the Triton kernel computes every request
                 extend_attention_fwd(q, k_buf, v_buf, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
-                                     meta.max_extend_len, layer.scaling, k_scale, v_scale)
+                                     meta.max_extend_len, layer.scaling, k_scale, v_scale, k_new=k_new, v_new=v_new)
             else:
                 out = dense_out  # (`out` itself unless one request was the whole pass)
                 if meta.rest_map is not None:  # and the requests the dense plan left to it
                     assert dense is not None
                     extend_attention_fwd(q, k_buf, v_buf, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
                                          dense.rest_max_extend_len, layer.scaling, k_scale, v_scale,
-                                         req_map=meta.rest_map)
+                                         req_map=meta.rest_map, k_new=k_new, v_new=v_new)
         return out.view(num_tokens, layer.num_heads * layer.head_dim)
 
     def _decode_scratch(self, batch: int, layer: AttentionLayerSpec, num_kv_splits: int,

@@ -84,6 +84,7 @@ class MRotaryEmbedding(RotaryEmbedding):
 
         q_rot, k_rot = self.forward(positions, q, k)
         q.copy_(q_rot)
+        k.copy_(k_rot)  # k as stored: attention may read the new tokens' k here rather than from the pool
         store_kv(k_buffer, v_buffer, loc, k_rot, v, k_scale, v_scale)  # FP8 pools: through their scales
 
 
