@@ -184,9 +184,13 @@ differ in bf16 rounding (the decode attention's split, cuBLAS's kernel choice); 
 the next layer's input then moves a value by up to an eighth where it crosses a rounding boundary, so
 near-ties flip (a 0.23-nat one did on an H100). A wrong graph (stale weights, scales, KV or positions) moves
 every step's log-probs, which the check of the shared steps below catches."""
-SHARED_STEP_TOLERANCE = 0.25
-"""Largest log-prob difference of the same token at a step both runs share (nats); their median must be
-below a tenth of it."""
+SHARED_STEP_MAX = 0.5
+"""Largest log-prob difference of the same token at a step both runs share (nats). The same rounding moves a
+shared step's log-prob too: while the weights were drawn from the unseeded global generator (a new draw each
+run), the worst step was 0.27, 0.28 and 0.19 nats in three runs of the same code on H100s (2026-11-27; 0.25, the
+bound before, failed two of them), 0.17 with the previous extend kernel. Seeded, four runs give the same 0.19."""
+SHARED_STEP_MEDIAN = 0.025
+"""Bound on the median of those differences: a wrong graph moves every step, rounding only a few (median 0.0)."""
 
 
 def test_fp8_weights_and_kv_decode_in_cuda_graphs_with_overlap_like_eager() -> None:
@@ -197,12 +201,13 @@ def test_fp8_weights_and_kv_decode_in_cuda_graphs_with_overlap_like_eager() -> N
                             ("graphs", dict(overlap_schedule="on"))):
         # one GEMM backend for both: `auto` times the backends at each load and two loads may pick differently
         runner = _runner(quantization="fp8", kv_cache_dtype="fp8_e4m3", fp8_gemm_backend="scaled-mm", **overrides)
-        if weights is None:  # the same wide random weights in both: stable greedy paths
+        if weights is None:  # the same wide random weights in both (seeded: every run draws the same)
             ref = _runner(disable_cuda_graph=True)
+            gen = torch.Generator(device=DEVICE).manual_seed(7)
             with torch.no_grad():
                 for p in ref.model.parameters():
                     if p.dim() == 2:
-                        p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+                        p.copy_(torch.randn(p.shape, generator=gen, device=DEVICE, dtype=p.dtype) / p.shape[1] ** 0.5)
             weights = {name: t.clone() for name, t in checkpoint_weights(ref.model)}
             del ref
         # loaded in place: graphs captured on the dummy weights read these
@@ -232,7 +237,7 @@ def test_fp8_weights_and_kv_decode_in_cuda_graphs_with_overlap_like_eager() -> N
     print(f"FP8 graphs + overlap vs eager: {len(shared_diffs)}/{16 * len(prompts)} steps on the same greedy path; "
           f"log-prob difference there median {median:.4f}, max {shared_diffs[-1]:.4f} nats; where paths part: "
           f"{parted}")
-    assert shared_diffs[-1] < SHARED_STEP_TOLERANCE and median < SHARED_STEP_TOLERANCE / 10, shared_diffs
+    assert shared_diffs[-1] < SHARED_STEP_MAX and median < SHARED_STEP_MEDIAN, shared_diffs
     # greedy paths may part only at a near-tie: each run ranks the other's token close below its own
     assert all(max(eager_gap, graph_gap) < NEAR_TIE for _, _, eager_gap, graph_gap in parted), parted
 
