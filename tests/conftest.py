@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,6 +39,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _same_torch_rng_state() -> None:
+    """Every test starts from one torch RNG state (CPU and CUDA generators), so a test drawing from the global
+    generators draws the same numbers in every run, whichever tests ran before it in the process."""
+    torch = sys.modules.get("torch")  # (tests that never import torch pay nothing)
+    if torch is not None:
+        torch.manual_seed(0)
 
 
 @pytest.fixture(scope="session")
