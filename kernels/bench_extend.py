@@ -11,12 +11,15 @@ keys, dispatched first; or the natural order) and with the new tokens' K/V read 
 `rows`, the pass's own k/v rows, strided as views of the stacked q/k/v projection, as the engine passes
 them; `slots`, gathered from the pool through the slot list); `--sweep` tiles read rows. `--sdpa` also
 times torch's scaled_dot_product_attention (each backend that runs) on the same queries with contiguous
-K/V and no prefix: what the kernel would gain from a library kernel.
+K/V and no prefix: what the kernel would gain from a library kernel. `--kernel-file` times another
+revision's kernel file instead, for an A/B on one machine with the same harness.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import inspect
 import json
 import statistics
 import sys
@@ -49,6 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check", action="store_true", help="compare each run with the PyTorch reference")
     p.add_argument("--churn", type=int, default=0,
                    help="also time SDPA's first call at this many new lengths after --new-len (a plan per shape?)")
+    p.add_argument("--kernel-file", default=None,
+                   help="time the extend_attention_fwd of this file instead (another revision's kernels/"
+                        "extend_attention.py, e.g. from `git show REV:kernels/extend_attention.py`); a version "
+                        "without k_new reads every K/V through the slots, so it runs the slot rows only")
     args = p.parse_args(argv)
     if min(args.new_len) < 1 or args.prefix_len < 0 or args.requests < 1 or args.heads % args.kv_heads:
         p.error("need new lengths >= 1, prefix >= 0, requests >= 1, heads a multiple of kv heads")
@@ -81,33 +88,47 @@ def bench_shape(args: argparse.Namespace, new: int) -> list[dict[str, object]]:
             "triton": triton.__version__, "requests": args.requests, "new_len": new, "prefix_len": args.prefix_len,
             "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
     rows = []
-    configs: list[tuple[tuple[int, int, int, int] | None, bool, str]] = [
-        (None, True, "rows"), (None, True, "slots"), (None, False, "rows")]
-    configs += [(b, True, "rows") for b in (SWEEP if args.sweep else [])]
+    fwd, label, reads_rows = load_kernel(args.kernel_file)
+    read = "rows" if reads_rows else "slots"  # the default read, then the slots (a kernel with both reads)
+    configs: list[tuple[tuple[int, int, int, int] | None, bool, str]] = [(None, True, read)]
+    configs += [(None, True, "slots")] if reads_rows else []
+    configs += [(None, False, read)] + [(b, True, read) for b in (SWEEP if args.sweep else [])]
     for blocks, heavy_first, new_kv in configs:
         def run(blocks: tuple[int, int, int, int] | None = blocks, heavy_first: bool = heavy_first,
                 own_rows: bool = new_kv == "rows") -> None:
-            extend_attention_fwd(q, k_buf, v_buf, out, qo_indptr, kv_indptr, kv_indices, new, scale, blocks=blocks,
-                                 heavy_first=heavy_first, k_new=k_new if own_rows else None,
-                                 v_new=v_new if own_rows else None)
+            extra = {"k_new": k_new, "v_new": v_new} if own_rows else {}
+            fwd(q, k_buf, v_buf, out, qo_indptr, kv_indptr, kv_indices, new, scale, blocks=blocks,
+                heavy_first=heavy_first, **extra)
 
         try:
             run()
         except Exception as exc:  # a tile that does not compile (shared memory) is reported, not fatal
-            rows.append({**base, "kernel": "triton", "blocks": blocks, "error": f"{type(exc).__name__}: {exc}"[:200]})
+            rows.append({**base, "kernel": label, "blocks": blocks, "error": f"{type(exc).__name__}: {exc}"[:200]})
             continue
         err = None
         if args.check:
             ref = attention_reference(q, k_buf, v_buf, qo_indptr.tolist(), kv_indptr.tolist(), kv_indices, scale)
             err = round((out.float() - ref).abs().max().item(), 5)
         ms = statistics.median(time_graph_ms(run, args.warmup, args.iters))
-        rows.append({**base, "kernel": "triton", "blocks": blocks or "default", "heavy_first": heavy_first,
+        rows.append({**base, "kernel": label, "blocks": blocks or "default", "heavy_first": heavy_first,
                      "new_kv": new_kv,
                      "median_us": round(ms * 1e3, 1),
                      "tflops": round(_flops(args, new) / ms / 1e9, 1), "max_abs_err": err})
     if args.sdpa and args.prefix_len == 0:
         rows += _sdpa_rows(args, base, q, new)
     return rows
+
+
+def load_kernel(path: str | None) -> tuple[Callable[..., None], str, bool]:
+    """(extend_attention_fwd, its label in the rows, whether it takes k_new/v_new): this tree's, or `path`'s."""
+    if path is None:
+        return extend_attention_fwd, "triton", True
+    spec = importlib.util.spec_from_file_location("extend_attention_under_test", path)
+    assert spec is not None and spec.loader is not None, f"cannot load {path}"
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fwd = module.extend_attention_fwd
+    return fwd, f"triton:{path}", "k_new" in inspect.signature(fwd).parameters
 
 
 def time_graph_ms(fn: Callable[[], None], warmup: int, iters: int) -> list[float]:

@@ -232,9 +232,13 @@ def test_extend_matches_reference(prefix: str, heads: int, kv_heads: int, head_d
     assert_close_to_reference(out, p, kv_indptr, kv_indices, head_dim**-0.5)
 
 
-def new_token_rows(p: Problem, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def new_token_slots(p: Problem, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> torch.Tensor:
+    """The pool slots of every request's new tokens, in q's row order (each request's list ends with them)."""
+    return torch.cat([kv_indices[int(kv_indptr[i + 1]) - n:int(kv_indptr[i + 1])] for i, n in enumerate(p.new_lens)])
+
+
+def new_token_rows(p: Problem, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The new tokens' K/V as the pass's own rows (views of a fused projection, as the model makes them)."""
-    slots = torch.cat([kv_indices[int(kv_indptr[i + 1]) - n:int(kv_indptr[i + 1])] for i, n in enumerate(p.new_lens)])
     fused = torch.empty(len(slots), 3, *p.k_buf.shape[1:], dtype=p.k_buf.dtype, device=DEVICE)
     fused[:, 1] = p.k_buf[slots]
     fused[:, 2] = p.v_buf[slots]
@@ -248,10 +252,9 @@ def test_extend_reads_new_tokens_from_their_rows(blocks: tuple[int, int, int, in
     block's tokens."""
     p = make_problem([70, 0, 130], [5, 100, 41], 8, 2, 64, torch.float32, seed=4)
     kv_indptr, kv_indices = index_tensors(p)
-    k_new, v_new = new_token_rows(p, kv_indptr, kv_indices)
+    new_slots = new_token_slots(p, kv_indptr, kv_indices)
+    k_new, v_new = new_token_rows(p, new_slots)
     expected = attention_reference(p.q, p.k_buf, p.v_buf, p.qo_indptr, kv_indptr.tolist(), kv_indices, 0.125)
-    new_slots = torch.cat([kv_indices[int(kv_indptr[i + 1]) - n:int(kv_indptr[i + 1])]
-                           for i, n in enumerate(p.new_lens)])
     p.k_buf[new_slots] = float("nan")
     p.v_buf[new_slots] = float("nan")
     out = torch.full_like(p.q, float("nan"))
@@ -263,7 +266,7 @@ def test_extend_reads_new_tokens_from_their_rows(blocks: tuple[int, int, int, in
 def test_extend_new_rows_rejected_unless_pool_dtype() -> None:
     p = make_problem([3], [4], 4, 2, 32, torch.float32)
     kv_indptr, kv_indices = index_tensors(p)
-    k_new, v_new = new_token_rows(p, kv_indptr, kv_indices)
+    k_new, v_new = new_token_rows(p, new_token_slots(p, kv_indptr, kv_indices))
     qo_indptr = torch.tensor(p.qo_indptr, device=DEVICE)
     out = torch.empty_like(p.q)
     with pytest.raises(AssertionError, match="pool's dtype"):
