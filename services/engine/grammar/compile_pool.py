@@ -78,16 +78,26 @@ class GrammarCompilePool:
             if fut is not None:
                 self.num_cache_hits += 1
                 return fut
-            fut = self._executor.submit(self._compile, spec)
-            self._in_flight[key] = fut
-        fut.add_done_callback(lambda f: self._settle(key, f))
+            fut = self._executor.submit(self._compile, key, spec)
+            self._in_flight[key] = fut  # (under the lock: the worker cannot settle the key before this)
         return fut
 
-    def _compile(self, spec: GrammarSpec) -> Any:
+    def _compile(self, key: str, spec: GrammarSpec) -> Any:
+        """Runs on the pool. The key is settled (cached, or forgotten on failure) before the future completes, so
+        whoever sees the result and asks again gets the cache (or, after a failure, a new attempt)."""
         start = time.perf_counter()
-        compiled = self._fetch_or_compile(spec)
+        try:
+            compiled = self._fetch_or_compile(spec)
+        except BaseException:
+            with self._lock:
+                self._in_flight.pop(key, None)
+            raise
         with self._lock:
             self.compile_time.observe(time.perf_counter() - start)
+            self._in_flight.pop(key, None)
+            self._cache[key] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
         return compiled
 
     def _fetch_or_compile(self, spec: GrammarSpec) -> Any:
@@ -103,15 +113,6 @@ class GrammarCompilePool:
         compiled = backend.compile(spec)
         self.num_compiled += 1
         return compiled
-
-    def _settle(self, key: str, fut: Future[Any]) -> None:
-        with self._lock:
-            self._in_flight.pop(key, None)
-            if fut.cancelled() or fut.exception() is not None:
-                return
-            self._cache[key] = fut.result()
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
