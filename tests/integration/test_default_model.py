@@ -26,12 +26,17 @@ def model_dir() -> Path:
     return path
 
 
-def test_second_call_is_cached(model_dir: Path) -> None:
+def test_second_call_is_cached(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixmesh.engine.loader import default_model
+
+    # neither downloads nor converts again (counted, not timed: a loaded machine stalls)
+    fetched: list[object] = []
+    monkeypatch.setattr(default_model, "_find_default_gguf", lambda *args: fetched.append(args))
     start = time.perf_counter()
     assert ensure_default_model() == model_dir
     elapsed = time.perf_counter() - start
     print(f"\ncached ensure_default_model: {elapsed * 1000:.2f} ms")
-    assert elapsed < 1.0
+    assert fetched == []
     assert (model_dir / COMPLETE_MARKER).is_file()
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (model_dir / name).is_file(), name

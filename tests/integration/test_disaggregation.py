@@ -226,7 +226,10 @@ def test_burst_with_aborts_leaves_both_kv_pools_empty(services: dict[str, Servic
     calls = [start_in_thread(services, long_ids(100 + i, 40 + 8 * i), long, rid=f"burst-{i}") for i in range(6)]
     time.sleep(0.5)
     calls[0][0].cancel()  # the client goes away
-    assert router(services).Abort(worker_pb2.AbortRequest(request_id="burst-1"), timeout=10).found
+    # found once burst-1 reached the router and its worker (a loaded machine may take longer than the sleep above);
+    # an abort that finds nothing changes nothing
+    abort = worker_pb2.AbortRequest(request_id="burst-1")
+    wait_for(lambda: router(services).Abort(abort, timeout=10).found, 30, "burst-1 to be in flight")
     time.sleep(0.5)
     calls[2][0].cancel()
     for _, _, thread in calls:

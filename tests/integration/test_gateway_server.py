@@ -393,7 +393,10 @@ def test_flush_cache_and_abort_request(server: Server) -> None:
     async def abort_while_running() -> httpx.Response:
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120) as http:
             pending = asyncio.ensure_future(http.post("/generate", json=body))
-            await asyncio.sleep(1.0)
+            deadline = time.monotonic() + 60
+            while (await http.get("/server_info")).json()["num_running_reqs"] == 0:  # an early abort finds nothing
+                assert time.monotonic() < deadline, "the request never started"
+                await asyncio.sleep(0.05)
             aborted = await http.post("/abort_request", json={"rid": rid})
             assert aborted.status_code == 200
             return await pending

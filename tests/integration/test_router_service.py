@@ -197,10 +197,21 @@ def test_speculative_entries_keep_a_burst_of_a_new_prefix_together(local_redis: 
     asyncio.run(run())
 
 
+async def same_view(c: Cluster) -> None:
+    """Until every block is in the index and each router's last poll found every worker idle: a load polled while
+    a request ran would tip one router's choice and not the other's."""
+    for w in c.workers:
+        assert w.writer is not None and await w.writer.wait_published(10)
+    deadline = time.monotonic() + 10
+    while any(h.load.num_running_reqs for app in c.apps for h in app.registry.all()):
+        assert time.monotonic() < deadline, "a router never saw the workers idle"
+        await asyncio.sleep(0.02)
+
+
 def test_two_routers_on_one_redis_make_the_same_choices(local_redis: LocalRedis) -> None:  # noqa: F811
     async def run() -> None:
         async with cluster(policy="cache-aware", redis_url=local_redis.url, num_routers=2) as c:
-            await asyncio.sleep(0.6)  # both routers have polled both workers' loads
+            await same_view(c)
             chosen: dict[int, list[str]] = collections.defaultdict(list)
             for member in range(4):
                 for group in range(3):
@@ -211,6 +222,7 @@ def test_two_routers_on_one_redis_make_the_same_choices(local_redis: LocalRedis)
                     chosen[group].append(r2.worker_id)
             assert all(len(set(v)) == 1 for v in chosen.values()), chosen
             # New prefixes asked of either router: the same (deterministic) choice.
+            await same_view(c)
             for group in range(10, 14):
                 route = route_request(request(group_prompt(group, 0)), BLOCK)
                 d1 = await c.apps[0].router.select(route)

@@ -104,9 +104,9 @@ async def gateway_first() -> AsyncIterator[tuple[GrpcBackend, list[int], int]]:
 def test_gateway_waits_for_two_routers_then_fails_over_when_one_dies() -> None:
     async def run() -> None:
         async with gateway_first() as (backend, router_ports, tokenizer_port):
-            await asyncio.sleep(0.3)
+            unreachable = f"waiting for the tokenizer at 127.0.0.1:{tokenizer_port} (not reachable"
+            await wait_until(lambda: unreachable in backend.not_ready_reason(), 10, "the first check of the tokenizer")
             reason = backend.not_ready_reason()
-            assert f"waiting for the tokenizer at 127.0.0.1:{tokenizer_port} (not reachable" in reason
             assert f"waiting for a router at 127.0.0.1:{router_ports[0]} or 127.0.0.1:{router_ports[1]}" in reason
             with pytest.raises(RadixMeshError) as err:
                 _ = backend.card

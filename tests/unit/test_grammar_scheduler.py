@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import uuid
 from typing import Any
 
@@ -143,17 +144,28 @@ def test_bad_grammar_fails_only_that_request(tokenizer):
     assert_no_leak(sched)
 
 
-def test_compile_timeout_fails_only_that_request(tokenizer):
+def test_compile_timeout_fails_only_that_request(tokenizer, monkeypatch):
     big = {"type": "object", "properties": {
         f"field_{i}": {"type": "object", "properties": {"x": {"type": "string", "pattern": "[a-z]{3,9}"},
                                                         "y": {"type": "array", "items": {"type": "number"}}}}
         for i in range(60)}}
     sched, col = grammar_scheduler(tokenizer, grammar_compile_timeout=0.05)
+    # the compilation is held past the timeout: a fast machine must not finish it in time
+    release = threading.Event()
+    backend = sched.grammar.pool.backend
+    compile_now = backend.compile
+
+    def held(spec: Any) -> Any:
+        release.wait(30)
+        return compile_now(spec)
+
+    monkeypatch.setattr(backend, "compile", held)
     slow = req(1, json_schema=json.dumps(big))
     plain = make_requests(1, seed=4, max_new_tokens=4)[0]
     sched.add_request(slow)
     sched.add_request(plain)
     run_until_idle(sched)
+    release.set()
     assert col.finish[slow.rid] == "error" and "did not compile within" in col.errors[slow.rid]
     assert col.finish[plain.rid] == "length"
     assert sched.stats()["num_grammar_compile_timeouts"] == 1

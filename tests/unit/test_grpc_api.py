@@ -236,7 +236,7 @@ def test_shape_errors_name_the_field() -> None:
 
 def test_overload_is_resource_exhausted() -> None:
     async def run() -> None:
-        backend = FakeBackend(delay_s=0.05, max_running_requests=1)
+        backend = FakeBackend(delay_s=0.2, max_running_requests=1)  # the first streams for 4 s: a loaded machine
         async with gateway(backend, GatewayConfig(grpc_port=0, max_queued_requests=0)) as gw:
             first = gw.stub.StreamComplete(pb.CompleteRequest(text="a", options=pb.GenerationOptions(max_tokens=20)))
             await first.read()  # admitted and streaming
@@ -250,7 +250,7 @@ def test_overload_is_resource_exhausted() -> None:
 
 def test_cancelled_stream_aborts_and_frees_admission() -> None:
     async def run() -> None:
-        backend = FakeBackend(delay_s=0.02)
+        backend = FakeBackend(delay_s=0.1)  # the branches run 4 s: the cancellation reaches them first, even loaded
         async with gateway(backend) as gw:
             call = gw.stub.StreamChat(pb.ChatRequest(messages=[pb.ChatTurn(role="user", content="hi")],
                                                      options=pb.GenerationOptions(max_tokens=40, n=2)))
@@ -258,7 +258,7 @@ def test_cancelled_stream_aborts_and_frees_admission() -> None:
                 await call.read()
             call.cancel()
             dispatcher = gw.app.state.gateway.dispatcher
-            for _ in range(100):
+            for _ in range(500):
                 if dispatcher.num_in_flight == 0 and len(backend.aborted) == 2:
                     break
                 await asyncio.sleep(0.02)

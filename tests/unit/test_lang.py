@@ -42,11 +42,14 @@ def render_chatml(messages: list[dict[str, str]], add_generation_prompt: bool = 
 
 
 class ScriptedBackend(BaseBackend):
-    """Generates "<gen N>" after `delay_s`; select prefers the longest choice; records every call."""
+    """Generates "<gen N>" after `delay_s`; select prefers the longest choice; records every call.
+    With `meet`, every generate waits at that barrier first (the calls must be in flight together)."""
 
-    def __init__(self, delay_s: float = 0.0, fail_on: str | None = None) -> None:
+    def __init__(self, delay_s: float = 0.0, fail_on: str | None = None,
+                 meet: threading.Barrier | None = None) -> None:
         self.delay_s = delay_s
         self.fail_on = fail_on
+        self.meet = meet
         self.calls: list[tuple[str, str, float, float]] = []
         self.lock = threading.Lock()
         self.count = 0
@@ -55,6 +58,8 @@ class ScriptedBackend(BaseBackend):
         start = time.perf_counter()
         if self.fail_on is not None and prompt.endswith(self.fail_on):
             raise RadixMeshError(ErrorCode.INVALID_ARGUMENT, "scripted failure", "temperature")
+        if self.meet is not None:
+            self.meet.wait()
         time.sleep(self.delay_s)
         with self.lock:
             self.count += 1
@@ -137,7 +142,8 @@ def test_roles_gen_and_select() -> None:
 
 
 def test_fork_runs_branches_concurrently_and_join_gathers() -> None:
-    backend = ScriptedBackend(delay_s=0.3)
+    # a barrier, not a sleep: branches run one after another would break it instead of racing a timer
+    backend = ScriptedBackend(meet=threading.Barrier(3, timeout=30))
 
     @function
     def fan(s: ProgramState) -> None:

@@ -161,14 +161,16 @@ def test_loop_listens_until_the_deadline_and_takes_a_request_at_once() -> None:
         start = time.perf_counter()
         loop._listen_until(poller, recv, start + 0.08)
         waited = time.perf_counter() - start
-        assert 0.06 <= waited <= 0.2 and not drained  # held (never past the deadline by more than a tick)
+        # held; 0.5 s: a loaded machine, still catching a unit slip (80 s) or a wait for a message
+        assert 0.06 <= waited <= 0.5 and not drained
         timer = threading.Timer(0.02, lambda: send.send(b"request"))
         timer.start()
         start = time.perf_counter()
-        loop._listen_until(poller, recv, start + 1.0)
+        loop._listen_until(poller, recv, start + 10.0)
         waited = time.perf_counter() - start
         timer.join()
-        assert drained == [b"request"] and waited < 0.5, f"waited {waited:.3f} s for an arrived request"
+        # taken at once, not at the 10 s deadline (5 s: a loaded machine may start the timer late)
+        assert drained == [b"request"] and waited < 5.0, f"waited {waited:.3f} s for an arrived request"
         start = time.perf_counter()
         loop._listen_until(poller, recv, start - 0.01)  # a deadline already past: no wait (a poll with a
         assert time.perf_counter() - start < 0.5  # negative timeout would block for good; 0.5 s: a loaded machine)

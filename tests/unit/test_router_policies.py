@@ -93,7 +93,7 @@ class _FlakyRedis:
         return True
 
 
-async def _until_active(policy: BaseRoutingPolicy, policy_id: str, timeout_s: float = 2.0) -> None:
+async def _until_active(policy: BaseRoutingPolicy, policy_id: str, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while policy.active_policy() != policy_id:
         assert time.monotonic() < deadline, f"still {policy.active_policy()}, not {policy_id}"
@@ -122,8 +122,11 @@ def test_cache_aware_notices_redis_gone_without_a_request() -> None:
                                   reader=reader)
         await policy.start()
         try:
-            await asyncio.sleep(0.2)
-            assert policy.active_policy() == "cache-aware" and redis.num_pings >= 2
+            deadline = time.monotonic() + 10
+            while redis.num_pings < 2:  # the background ping, every 0.05 s while Redis is up
+                assert time.monotonic() < deadline, "Redis was not pinged in the background"
+                await asyncio.sleep(0.05)
+            assert policy.active_policy() == "cache-aware"
             assert opened == [True], "the inline connection is opened at start, off the request path"
             redis.down = True
             await _until_active(policy, "approx-tree")
