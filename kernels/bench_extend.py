@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from radixmesh.kernels.bench_decode import time_median_ms
+from radixmesh.kernels.bench_decode import time_graph_ms, time_median_ms
 from radixmesh.kernels.extend_attention import extend_attention_fwd
 from radixmesh.kernels.reference import attention_reference
 
@@ -66,7 +66,9 @@ def _flops(args: argparse.Namespace, new: int) -> float:
     return 4.0 * args.head_dim * args.heads * args.requests * (new * new / 2 + new * args.prefix_len)
 
 
-def bench_shape(args: argparse.Namespace, new: int) -> list[dict[str, object]]:
+def bench_shape(args: argparse.Namespace, new: int, kernel: tuple[Callable[..., None], str, bool]
+                ) -> list[dict[str, object]]:
+    """Rows for one length; `kernel`: `load_kernel`'s (function, label, reads rows)."""
     device, dtype = torch.device("cuda"), torch.bfloat16
     seq = args.prefix_len + new
     num_slots = args.requests * seq + 1
@@ -88,7 +90,7 @@ def bench_shape(args: argparse.Namespace, new: int) -> list[dict[str, object]]:
             "triton": triton.__version__, "requests": args.requests, "new_len": new, "prefix_len": args.prefix_len,
             "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
     rows = []
-    fwd, label, reads_rows = load_kernel(args.kernel_file)
+    fwd, label, reads_rows = kernel
     read = "rows" if reads_rows else "slots"  # the default read, then the slots (a kernel with both reads)
     configs: list[tuple[tuple[int, int, int, int] | None, bool, str]] = [(None, True, read)]
     configs += [(None, True, "slots")] if reads_rows else []
@@ -129,18 +131,6 @@ def load_kernel(path: str | None) -> tuple[Callable[..., None], str, bool]:
     spec.loader.exec_module(module)
     fwd = module.extend_attention_fwd
     return fwd, f"triton:{path}", "k_new" in inspect.signature(fwd).parameters
-
-
-def time_graph_ms(fn: Callable[[], None], warmup: int, iters: int) -> list[float]:
-    """Per-replay device times (ms) of `fn` captured in a CUDA graph: a short kernel timed by events around
-    its own launch would include the host's launch time when that exceeds the kernel's (~1,024 tokens)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_median_ms(graph.replay, warmup, iters)
 
 
 def _sdpa_rows(args: argparse.Namespace, base: dict[str, object], q: torch.Tensor, new: int) -> list[dict[str, object]]:
@@ -200,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_extend needs a CUDA device", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    rows_by_len = [(new, bench_shape(args, new)) for new in args.new_len]
+    kernel = load_kernel(args.kernel_file)  # once: each load is a new jit function, compiled again
+    rows_by_len = [(new, bench_shape(args, new, kernel)) for new in args.new_len]
     if args.churn:
         rows_by_len.append((args.new_len[0], _churn_rows(args, args.new_len[0])))
     for _, rows in rows_by_len:

@@ -27,7 +27,6 @@ LENGTH_EDGES = (1536, 3000)
 @dataclass(frozen=True)
 class Twin:
     prompt_len: int
-    start_s: float
     ttft_ms: tuple[float, float]
     itl_ms: tuple[float | None, float | None]
 
@@ -62,7 +61,7 @@ def pair_requests(run_a: dict[str, Any], run_b: dict[str, Any]) -> tuple[list[Tw
         ra, rb = a[key], b[key]
         if ra["prompt_len"] != rb["prompt_len"]:
             warnings.append(f"request {key}: prompt of {ra['prompt_len']} vs {rb['prompt_len']} tokens")
-        twins.append(Twin(ra["prompt_len"], ra["start_s"], (1e3 * ra["ttft_s"], 1e3 * rb["ttft_s"]),
+        twins.append(Twin(ra["prompt_len"], (1e3 * ra["ttft_s"], 1e3 * rb["ttft_s"]),
                           (_mean_itl_ms(ra), _mean_itl_ms(rb))))
     unmatched = len(a.keys() ^ b.keys())
     if unmatched:

@@ -22,7 +22,8 @@
 #   STAGES="hicache" (one GPU); STAGES="peer-fetch" needs two GPUs (it says "skipped" with one)
 #   STAGES="spec-tests spec-same spec-unrelated spec-unrelated-raw spec-ngram" bash scripts/gpu_suite.sh (speculation)
 #   STAGES=decode-sweep: decode attention's split counts, tiles and grid orders at the offline run's batch sizes
-#   STAGES=extend-rows: the extend kernel's new-token K/V read from their own rows vs their slots, and its tiles
+#   STAGES=extend-rows: the extend kernel's new-token K/V read from their own rows vs their slots, both block orders,
+#   and its tiles
 #   STAGES="extend-kernel prefill-profile": where a prefill's time goes (the extend kernel's tiles against torch SDPA,
 #   one 8B prefill's kernels and host phases, with and without --enable-dense-prefill)
 #   ONLINE_TAG=x SERVE_ARGS=--disable-launch-pacing STAGES=online: the online result lands in online-x.json (a second
@@ -119,12 +120,9 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
         python3 -m radixmesh.kernels.bench_decode --batch 1 --seq-len 32768 --cuda-graph --num-kv-splits $splits \
           | tee -a "$OUT/decode-small.jsonl"
       done ;;
-    extend-order)  # the extend kernel's query blocks heaviest first against the natural order (default tiles)
-      python3 -m radixmesh.kernels.bench_extend --new-len 512 1024 2048 4096 --check | tee "$OUT/extend-order.jsonl"
-      python3 -m radixmesh.kernels.bench_extend --new-len 1024 --requests 4 --prefix-len 512 \
-        | tee -a "$OUT/extend-order.jsonl" ;;
-    extend-rows)  # the extend kernel reading the new tokens' K/V from their own rows vs through their slots
-      # (default tiles, both orders, checked against the reference), then the tiles again with rows
+    extend-rows)  # the extend kernel reading the new tokens' K/V from their own rows vs through their slots, and
+      # its query blocks heaviest first vs in order (default tiles, checked against the reference), then the tiles
+      # (this replaced the stage extend-order, which timed the two orders alone)
       python3 -m radixmesh.kernels.bench_extend --new-len 1024 2048 3072 4096 --check | tee "$OUT/extend-rows.jsonl"
       python3 -m radixmesh.kernels.bench_extend --new-len 1024 --requests 4 --prefix-len 512 --check \
         | tee -a "$OUT/extend-rows.jsonl"
