@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Regenerates the Python code for proto/radixmesh/v1/*.proto into services/protocol/
+# Regenerates the Python code for proto/radixmesh/v1/*.proto into services/radixmesh/protocol/
 # (imported as radixmesh.protocol): messages, gRPC stubs and mypy stubs.
-#   bash scripts/gen_proto.sh            write into services/protocol/
+#   bash scripts/gen_proto.sh            write into services/radixmesh/protocol/
 #   bash scripts/gen_proto.sh OUT_DIR    write into OUT_DIR (the staleness test compares the two)
 # Needs grpcio-tools and mypy-protobuf at the versions pinned in the `test` extra (their versions
 # are written into the generated files).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-out="${1:-$root/services/protocol}"
+out="${1:-$root/services/radixmesh/protocol}"
 py="${PYTHON:-$root/.venv/bin/python}"
 [ -x "$py" ] || py=python3
 plugin_dir="$(dirname "$(command -v "$py")")"

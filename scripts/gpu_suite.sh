@@ -32,16 +32,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT" /tmp/site /tmp/pkg
+mkdir -p "$OUT" /tmp/site
 STAGES=${STAGES:-"tests hot-path kernel one-batch"}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
 fi
-# the package layout without an install step: radixmesh = services/, radixmesh.kernels = kernels/
-rm -rf /tmp/pkg/radixmesh /tmp/pkg/loadtests
-cp -r services /tmp/pkg/radixmesh && cp -r kernels /tmp/pkg/radixmesh/kernels && cp -r loadtests /tmp/pkg/loadtests
-export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# the package without an install step: radixmesh = services/radixmesh, radixmesh.kernels = kernels/radixmesh/kernels
+export PYTHONPATH=$PWD/services:$PWD/kernels:$PWD:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer RADIXMESH_CACHE_DIR=/tmp/radixmesh-cache
 export RADIXMESH_TEST_TOKENIZER_DIR=${TOKENIZER_DIR:-$PWD/.gpu-model}
 RM="python3 -m radixmesh.cli"

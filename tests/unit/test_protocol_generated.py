@@ -1,4 +1,4 @@
-"""The committed code under services/protocol/ is what scripts/gen_proto.sh makes from proto/."""
+"""The committed code under services/radixmesh/protocol/ is what scripts/gen_proto.sh makes from proto/."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PROTOCOL = ROOT / "services" / "protocol"
+PROTOCOL = ROOT / "services" / "radixmesh" / "protocol"
 
 
 def _generated(directory: Path) -> set[str]:

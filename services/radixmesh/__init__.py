@@ -5,7 +5,12 @@
 
 from __future__ import annotations
 
+from pkgutil import extend_path
 from typing import TYPE_CHECKING, Any
+
+# radixmesh.kernels lives under kernels/radixmesh/kernels: with both roots on sys.path (PYTHONPATH=services:kernels)
+# the package's path joins them; an install maps the two directories itself (pyproject package-dir).
+__path__ = extend_path(__path__, __name__)
 
 __version__ = "0.1.0"
 

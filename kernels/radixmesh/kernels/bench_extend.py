@@ -53,8 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--churn", type=int, default=0,
                    help="also time SDPA's first call at this many new lengths after --new-len (a plan per shape?)")
     p.add_argument("--kernel-file", default=None,
-                   help="time the extend_attention_fwd of this file instead (another revision's kernels/"
-                        "extend_attention.py, e.g. from `git show REV:kernels/extend_attention.py`); a version "
+                   help="time the extend_attention_fwd of this file instead (another revision's "
+                        "kernels/radixmesh/kernels/extend_attention.py, e.g. from "
+                        "`git show REV:kernels/radixmesh/kernels/extend_attention.py`); a version "
                         "without k_new reads every K/V through the slots, so it runs the slot rows only")
     args = p.parse_args(argv)
     if min(args.new_len) < 1 or args.prefix_len < 0 or args.requests < 1 or args.heads % args.kv_heads:
