@@ -34,9 +34,12 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT" /tmp/site
 STAGES=${STAGES:-"tests hot-path kernel one-batch"}
-if ls .whl/*.whl >/dev/null 2>&1; then
+# (once per machine and wheel set: two suites started side by side on two GPUs share /tmp/site)
+wheel_stamp=/tmp/site/.wheels-$(ls .whl 2>/dev/null | sha256sum | cut -c1-16)
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -f "$wheel_stamp" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
+  touch "$wheel_stamp"
 fi
 # the package without an install step: radixmesh = services/radixmesh, radixmesh.kernels = kernels/radixmesh/kernels
 export PYTHONPATH=$PWD/services:$PWD/kernels:$PWD:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -167,7 +170,7 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       server=$!
       for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null || ! kill -0 $server 2>/dev/null && break; sleep 1; done
       spy online "front=$server" $(for p in $(pgrep -P $server); do echo "child-$p=$p"; done)
-      $RM bench serving --backend sglang --port "$port" --workload random-ids --num-prompts ${ONLINE_PROMPTS:-100} \
+      $RM bench serving --backend sglang --port "$port" --workload ${ONLINE_WORKLOAD:-random-ids} --num-prompts ${ONLINE_PROMPTS:-100} \
         --random-input-len 4096 --random-output-len 2048 --random-range-ratio 0.0 --request-rate ${ONLINE_RATE:-1} \
         --warmup-requests 2 --disable-tqdm --output-file "$OUT/online${ONLINE_TAG:+-$ONLINE_TAG}.json"
       spy_collect online
