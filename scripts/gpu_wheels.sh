@@ -15,7 +15,7 @@ try: print(m.version(sys.argv[1]))
 except m.PackageNotFoundError: pass" "$1" 2>/dev/null)
   if [ -n "$v" ]; then echo "$1==$v"; else echo "$1"; fi
 }
-pure=(msgspec pyzmq gguf fastapi starlette uvicorn annotated-doc redis hiredis grpcio-health-checking
+pure=(grpcio protobuf msgspec pyzmq gguf fastapi starlette uvicorn annotated-doc redis hiredis grpcio-health-checking
   grpcio-reflection googleapis-common-protos opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions
   opentelemetry-proto opentelemetry-exporter-otlp-proto-grpc opentelemetry-exporter-otlp-proto-common
   opentelemetry-instrumentation opentelemetry-instrumentation-grpc pytest-timeout sniffio
