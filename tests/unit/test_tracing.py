@@ -171,7 +171,7 @@ with tracing.span("outer", {"a": 1}) as outer:
     tracing.record_span("inner", start, start + 1000, {"b": "x"})
     tracing.set_attributes({"c": 2})
     now = time.time()
-    record_kv_transfer("grpc", "receive", 4096, now - 0.25, now, **{"radixmesh.request_id": "r1"})
+    record_kv_transfer("grpc", "receive", 4096, now - 0.25, now, attributes={"radixmesh.request_id": "r1"})
 tracing.shutdown()
 print("ON-OK")
 """

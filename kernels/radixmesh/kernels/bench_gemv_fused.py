@@ -35,17 +35,20 @@ SETS: dict[str, list[tuple[str, str, int, int, tuple[int, int, int] | None]]] = 
                          ("gate_up", "gated", 14336, 4096, None), ("down", "plain", 4096, 7168, None),
                          ("lm_head", "plain", 64128, 4096, None)],
 }
+Weights = list[tuple[torch.Tensor, torch.Tensor | None]]
+"""(weight, FP8 row scales or None) per copy."""
 DEVICE = torch.device("cuda")
 SWEEP = [GemvConfig(bn, bk, warps, stages) for bn in (4, 8, 16) for bk in (256, 512, 1024)
          for warps in (2, 4, 8) for stages in (3, 4) if 1024 <= bn * bk <= 16384]
 
 
 @functools.lru_cache(maxsize=1)  # one layer's inputs at a time, shared by its sweep
-def _inputs(kind: str, n: int, k: int, fp8: bool, heads: tuple[int, int, int] | None) -> tuple[object, ...]:
+def _inputs(kind: str, n: int, k: int, fp8: bool, heads: tuple[int, int, int] | None
+            ) -> tuple[Weights, torch.Tensor, torch.Tensor, torch.Tensor, RopeStore | None]:
     dev, act = DEVICE, torch.bfloat16
     copies = max(2, math.ceil(L2_SPAN_BYTES / (n * k * (1 if fp8 else 2))))
     gen = torch.Generator(device=dev).manual_seed(n + k)
-    weights = []
+    weights: Weights = []
     for _ in range(copies):
         w = (torch.randn(n, k, device=dev, generator=gen) * 0.02).to(act)
         weights.append(quantize_rows(w) if fp8 else (w, None))
@@ -65,13 +68,14 @@ def _calls(kind: str, n: int, k: int, fp8: bool, heads: tuple[int, int, int] | N
            cfg: GemvConfig | None) -> list[Callable[[], object]]:
     weights, x, r, nw, rope = _inputs(kind, n, k, fp8, heads)
     if kind == "plain":
-        return [functools.partial(gemv_fp8, x, w, s, config=cfg) if fp8 else functools.partial(gemv, x, w, config=cfg)
-                for w, s in weights]  # type: ignore[attr-defined]
+        return [functools.partial(gemv_fp8, x, w, s, config=cfg) if s is not None
+                else functools.partial(gemv, x, w, config=cfg) for w, s in weights]
     if kind == "gated":
         return [functools.partial(gemv_add_rmsnorm, x, r, nw, 1e-5, w, s, gated=True, config=cfg)
-                for w, s in weights]  # type: ignore[attr-defined]
+                for w, s in weights]
+    assert rope is not None, "the rope kind needs (q heads, kv heads, head_dim)"
     return [functools.partial(gemv_add_rmsnorm_rope, x, r, nw, 1e-5, w, s, rope, config=cfg)
-            for w, s in weights]  # type: ignore[attr-defined]
+            for w, s in weights]
 
 
 def bench(label: str, layer: str, kind: str, n: int, k: int, heads: tuple[int, int, int] | None, fp8: bool,

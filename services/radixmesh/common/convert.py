@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.disagg.messages import KVChunk, KVExportMsg
@@ -17,7 +17,7 @@ from radixmesh.protocol import common_pb2, multimodal_pb2, sampling_pb2, worker_
 InputLogprobs = list[float | None] | None
 InputTopLogprobs = list[list[tuple[int, float]] | None] | None
 
-_FINISH_TO_PROTO = {
+_FINISH_TO_PROTO: dict[str | None, common_pb2.FinishReason.ValueType] = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
@@ -34,17 +34,22 @@ ROLE_TO_PROTO = {
 ROLE_FROM_PROTO = {value: key for key, value in ROLE_TO_PROTO.items()}
 
 
-def finish_reason_to_proto(reason: str | None) -> int:
+def finish_reason_to_proto(reason: str | None) -> common_pb2.FinishReason.ValueType:
     return _FINISH_TO_PROTO[reason]
 
 
-def finish_reason_from_proto(value: int) -> str | None:
+def finish_reason_from_proto(value: common_pb2.FinishReason.ValueType) -> str | None:
     return _FINISH_FROM_PROTO.get(value, "error")
 
 
 # ---- sampling parameters --------------------------------------------------------------------------
-_OPTIONAL_NONE_FIELDS = ("seed", "json_schema", "regex", "ebnf")
+_OptionalNoneField = Literal["seed", "json_schema", "regex", "ebnf"]
 """Fields whose engine default is None: unset on the wire."""
+_OptionalField = Literal["max_new_tokens", "temperature", "top_p", "repetition_penalty", "skip_special_tokens",
+                        "logprob_start_len", _OptionalNoneField]
+"""Fields that take the engine default when unset on the wire."""
+_OPTIONAL_NONE_FIELDS: tuple[_OptionalNoneField, ...] = get_args(_OptionalNoneField)
+_OPTIONAL_FIELDS: tuple[_OptionalField, ...] = get_args(_OptionalField)
 
 
 def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
@@ -73,8 +78,7 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
         "n": msg.n or 1, "logprobs": msg.logprobs, "top_logprobs": msg.top_logprobs,
         "logit_bias": dict(msg.logit_bias),
     }
-    for name in ("max_new_tokens", "temperature", "top_p", "repetition_penalty", "skip_special_tokens",
-                 "logprob_start_len", *_OPTIONAL_NONE_FIELDS):
+    for name in _OPTIONAL_FIELDS:
         kwargs[name] = getattr(msg, name) if msg.HasField(name) else getattr(defaults, name)
     return SamplingParams(**kwargs)
 

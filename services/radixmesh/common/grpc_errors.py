@@ -47,7 +47,7 @@ _FROM_STATUS: dict[grpc.StatusCode, ErrorCode] = {
     grpc.StatusCode.DATA_LOSS: ErrorCode.INTERNAL,
 }
 
-_PROTO_CODES: dict[ErrorCode, int] = {
+_PROTO_CODES: dict[ErrorCode, common_pb2.ErrorCode.ValueType] = {
     code: common_pb2.ErrorCode.Value(f"ERROR_CODE_{code.name}") for code in ErrorCode
 }
 _FROM_PROTO_CODES = {value: code for code, value in _PROTO_CODES.items()}

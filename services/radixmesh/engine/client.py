@@ -14,7 +14,7 @@ import multiprocessing as mp
 import os
 import tempfile
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeAlias
 
 import msgspec
@@ -143,7 +143,7 @@ class EngineClient:
         validate_request(input_ids, params, self.model_config.vocab_size, self.context_len, generates)
 
     async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
-                       mm: MultimodalInputs | None = None) -> AsyncIterator[GenerationChunk]:
+                       mm: MultimodalInputs | None = None) -> AsyncGenerator[GenerationChunk, None]:
         """Stream one completion; leaving the iterator early aborts the request and frees its KV."""
         self.validate(input_ids, params, mm=mm)
         rid = rid or uuid.uuid4().hex

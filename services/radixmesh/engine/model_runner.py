@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -26,7 +26,7 @@ from radixmesh.engine.loader.dummy import init_dummy_
 from radixmesh.engine.memory import KVSlotAllocator, ReqToTokenPool, TokenToKVPool
 from radixmesh.engine.mm.runtime import MultimodalRuntime, sampling_prompt_ids
 from radixmesh.engine.models.layers import enable_gemv
-from radixmesh.engine.models.registry import model_class
+from radixmesh.engine.models.registry import LoadsWeights, model_class
 from radixmesh.engine.models.weights import materialize
 from radixmesh.engine.quant.build import build_linear_method
 from radixmesh.engine.quant.device import resolve_kv_dtype
@@ -133,23 +133,25 @@ class ModelRunner:
         if self.quant is not None:
             self.quant.prepare(model)
         model = materialize(model, self.device)
+        loader = cast(LoadsWeights, model)  # a class of models.registry
         for module in model.modules():
-            if hasattr(module, "init_buffers"):
-                module.init_buffers()
+            init_buffers = getattr(module, "init_buffers", None)
+            if init_buffers is not None:
+                init_buffers()
         if prepared.load_format == "dummy" and self.tp.enabled:  # each rank cuts its shard of the same model
             from radixmesh.engine.distributed.dummy_weights import iter_whole_dummy_weights
 
-            model.load_weights(iter_whole_dummy_weights(self.model_config, self.config.random_seed, self.device,
-                                                        self.dtype))
+            loader.load_weights(iter_whole_dummy_weights(self.model_config, self.config.random_seed, self.device,
+                                                         self.dtype))
         elif prepared.load_format == "dummy":
             init_dummy_(model, seed=self.config.random_seed)
             if self.quant is not None:
                 self.quant.fill_dummy(model, self.config.random_seed)
         elif self.tp.enabled:  # a TP rank reads only its slices of the checkpoint
-            model.load_weights(iter_weight_slices(prepared))
+            loader.load_weights(iter_weight_slices(prepared))
         else:
             weights = iter_weights(prepared)
-            model.load_weights(self.quant.adapt_weights(model, weights) if self.quant is not None else weights)
+            loader.load_weights(self.quant.adapt_weights(model, weights) if self.quant is not None else weights)
         model.eval()
         if self.quant is not None:
             self.quant.finish(model)

@@ -8,7 +8,7 @@ parameters live in the HTTP layer's one code path (openai_convert), which both A
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 from radixmesh.common.convert import finish_reason_to_proto
 from radixmesh.common.errors import invalid_argument
@@ -28,8 +28,9 @@ from radixmesh.gateway.protocol import (
 )
 from radixmesh.protocol import inference_pb2 as pb
 
-_OPTIONAL_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-                    "presence_penalty", "repetition_penalty", "ignore_eos", "seed", "skip_special_tokens")
+_OptionalField = Literal["max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                        "presence_penalty", "repetition_penalty", "ignore_eos", "seed", "skip_special_tokens"]
+_OPTIONAL_FIELDS: tuple[_OptionalField, ...] = get_args(_OptionalField)
 """GenerationOptions fields sent on only when set (unset takes the HTTP API's default); same names as OpenAI's."""
 
 

@@ -72,7 +72,7 @@ def native_image_sources(image_data: Any, num_prompts: int, batched: bool) -> li
             for i, item in enumerate(image_data)]
 
 
-def _checked(item: Any, param: str) -> str | list[str]:
+def _checked(item: Any, param: str) -> str | list[str | bytes]:
     items = item if isinstance(item, list) else [item]
     if not items or not all(isinstance(x, str) for x in items):
         raise invalid_argument(f"{param} must be a base64 image, a data: URL or a list of them", param)

@@ -104,9 +104,10 @@ def _completion_prompts(state: GatewayState, req: CompletionRequest) -> list[lis
         return [state.backend.encode(prompt)]
     if not prompt:
         raise invalid_argument("prompt must not be empty", "prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    return [state.backend.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    token_ids = [p for p in prompt if isinstance(p, int)]
+    if len(token_ids) == len(prompt):  # one prompt of token ids (the request model keeps the list homogeneous)
+        return [token_ids]
+    return [state.backend.encode(p) if isinstance(p, str) else list(p) for p in prompt if not isinstance(p, int)]
 
 
 class CompletionRun:

@@ -6,6 +6,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixmesh.common.errors import RadixMeshError, invalid_argument, unsupported
 from radixmesh.engine.grammar.spec import ANY_JSON
@@ -62,7 +63,7 @@ def resolve_max_new_tokens(requested: int | None, prompt_len: int, context_len: 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_new_tokens: int,
                     top_logprobs: int | None) -> SamplingParams:
     """`top_logprobs` None means no logprobs; 0 means the chosen tokens' logprobs only."""
-    fields: dict[str, object] = {"max_new_tokens": max_new_tokens, "n": req.n,
+    fields: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": req.n,
                                  "logprobs": top_logprobs is not None, "top_logprobs": top_logprobs or 0}
     optional = {
         "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from radixmesh.common import tracing
@@ -92,7 +92,7 @@ class RequestRouter:
         return self.rng() * min(retry.max_backoff_s, retry.base_backoff_s * 2 ** (attempt - 1))
 
     async def stream(self, request: RouteRequest, open_stream: OpenStream[T],
-                     on_decision: Callable[[RoutingDecision, int], None] | None = None) -> AsyncIterator[T]:
+                     on_decision: Callable[[RoutingDecision, int], None] | None = None) -> AsyncGenerator[T, None]:
         """Route `request` and yield the chosen worker's stream; retried as the module docstring says."""
         tried: set[str] = set()
         last_error: RadixMeshError | None = None

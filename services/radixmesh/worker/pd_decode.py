@@ -171,8 +171,8 @@ class DecodeFlow:
             return None
         metrics.observe_reservation("granted", time.time() - start)
         record_kv_transfer_span("worker.kv_reserve", start, time.time(), self.config.kv_transport, 0,
-                                **{"radixmesh.request_id": rid, "kv.prefix_len": grant.prefix_len,
-                                   "kv.reserved_tokens": grant.num_reserved_tokens})
+                                attributes={"radixmesh.request_id": rid, "kv.prefix_len": grant.prefix_len,
+                                            "kv.reserved_tokens": grant.num_reserved_tokens})
         return grant
 
     async def _exchange(self, ex: _Exchange) -> None:
@@ -229,8 +229,8 @@ class DecodeFlow:
         assert result is not None, "the exchange ended without a result"
         now = time.time()
         record_kv_transfer(self.config.kv_transport, "receive", ex.num_bytes, ex.first_chunk_at or now, now,
-                           **{"radixmesh.request_id": ex.rid, "kv.prefill_worker_id": ex.target.worker_id,
-                              "kv.tokens": ex.grant.num_reserved_tokens})
+                           attributes={"radixmesh.request_id": ex.rid, "kv.prefill_worker_id": ex.target.worker_id,
+                                       "kv.tokens": ex.grant.num_reserved_tokens})
         top = [(e.token_id, e.logprob) for e in result.top_logprobs.entries] or None
         return ResolveReservationMsg(ex.rid, ex.grant.reservation_id, ex.input_ids, ex.params,
                                      first_token=result.token_id,

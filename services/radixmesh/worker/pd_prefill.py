@@ -69,8 +69,9 @@ class PrefillFlow:
         finally:
             await self.disagg.release(msg.transfer_id)
             record_kv_transfer(msg.transport, "send", num_bytes, sent_at, time.time(),
-                               **{"radixmesh.request_id": msg.rid, "kv.decode_worker_id": first.start.decode_worker_id,
-                                  "kv.tokens": len(msg.input_ids) - msg.start_pos})
+                               attributes={"radixmesh.request_id": msg.rid,
+                                           "kv.decode_worker_id": first.start.decode_worker_id,
+                                           "kv.tokens": len(msg.input_ids) - msg.start_pos})
 
     def _prefill_msg(self, start: worker_pb2.PrefillStart) -> PrefillReqMsg:
         ids, params = list(start.token_ids), sampling_from_proto(start.sampling_params)
@@ -107,7 +108,7 @@ class PrefillFlow:
             timeline.close()
 
 
-async def wait_release(requests: AsyncIterator[worker_pb2.PrefillRequest] | AsyncIterator[worker_pb2.FetchKVRequest],
+async def wait_release(requests: AsyncIterator[worker_pb2.PrefillRequest | worker_pb2.FetchKVRequest],
                        lease_s: float) -> None:
     """Until the peer (a decode worker, or a worker fetching a prefix) releases the KV, ends its side of the
     call, or the lease runs out."""

@@ -62,9 +62,10 @@ class PeerExportFlow:
             await wait_release(requests, msg.lease_s)
         finally:
             await self.disagg.release(msg.transfer_id)
-            record_kv_transfer_span("worker.kv_export_cached", started, time.time(), msg.transport, num_bytes, **{
-                "radixmesh.request_id": first.start.request_id, "kv.requester_worker_id":
-                first.start.requester_worker_id, "kv.tokens": end - msg.start_pos})
+            record_kv_transfer_span("worker.kv_export_cached", started, time.time(), msg.transport, num_bytes,
+                                    attributes={"radixmesh.request_id": first.start.request_id,
+                                                "kv.requester_worker_id": first.start.requester_worker_id,
+                                                "kv.tokens": end - msg.start_pos})
 
     def _export_msg(self, start: worker_pb2.FetchKVStart) -> ExportCachedReqMsg:
         ids = list(start.token_ids)

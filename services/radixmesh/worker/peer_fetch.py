@@ -165,9 +165,9 @@ class PeerFetchFlow:
             self.costs.observe_fetch(fetch.num_bytes, elapsed)
         tier_metrics.observe_peer_fetch("fallback" if reason else "committed", elapsed, fetch.num_bytes, tokens)
         record_kv_transfer_span("worker.peer_fetch", start, start + elapsed, self.config.kv_transport,
-                                fetch.num_bytes, **{"radixmesh.request_id": fetch.rid,
-                                                    "kv.peer_worker_id": fetch.peer.worker_id, "kv.tokens": tokens,
-                                                    "kv.fallback_reason": reason})
+                                fetch.num_bytes, attributes={"radixmesh.request_id": fetch.rid,
+                                                             "kv.peer_worker_id": fetch.peer.worker_id,
+                                                             "kv.tokens": tokens, "kv.fallback_reason": reason})
 
     # ---- the exchange -----------------------------------------------------------------------------
     async def _fetch(self, fetch: _Fetch) -> None:

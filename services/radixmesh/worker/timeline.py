@@ -13,6 +13,7 @@ KV reservation and transfer (prefill/decode tiers) report through `record_kv_tra
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from radixmesh.common import tracing
@@ -107,20 +108,20 @@ class RequestTimeline:
 
 
 def record_kv_transfer_span(name: str, start_s: float, end_s: float, transport: str, num_bytes: int,
-                            parent: Span | None = None, **attributes: Any) -> None:
+                            parent: Span | None = None, attributes: Mapping[str, Any] | None = None) -> None:
     """A KV reservation or transfer (name: worker.kv_reserve | worker.kv_transfer) timed with time.time();
     a child of `parent` (default: the current span, e.g. the Generate or Prefill call's server span, which
     carries the router's trace context). For the prefill/decode tiers; no-op when tracing is off."""
     if not tracing.enabled():
         return
     tracing.record_span(name, tracing.epoch_ns(start_s), tracing.epoch_ns(end_s),
-                        {"kv.transport": transport, "kv.bytes": num_bytes, **attributes}, parent)
+                        {"kv.transport": transport, "kv.bytes": num_bytes, **(attributes or {})}, parent)
 
 
 def record_kv_transfer(transport: str, direction: str, num_bytes: int, start_s: float, end_s: float,
-                       parent: Span | None = None, **attributes: Any) -> None:
+                       parent: Span | None = None, attributes: Mapping[str, Any] | None = None) -> None:
     """One request's KV transfer, done: radixmesh_kv_transfer_bytes/_seconds{transport, direction} and the
     `worker.kv_transfer` span (direction: send on the prefill side, receive on the decode side)."""
     metrics.observe_kv_transfer(transport, direction, num_bytes, max(0.0, end_s - start_s))
     record_kv_transfer_span("worker.kv_transfer", start_s, end_s, transport, num_bytes, parent,
-                            **{"kv.direction": direction, **attributes})
+                            {"kv.direction": direction, **(attributes or {})})

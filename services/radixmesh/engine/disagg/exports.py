@@ -50,7 +50,7 @@ class HeldTransfer:
 
 class ExportManager:
     def __init__(self, scheduler: Scheduler, transport: Callable[[str], BaseKVTransport],
-                 send: Callable[[KVExportMsg], None], clock: Callable[[], float] = time.monotonic) -> None:
+                 send: Callable[[KVExportMsg], object], clock: Callable[[], float] = time.monotonic) -> None:
         self.sched = scheduler
         self.transport = transport
         self.send = send

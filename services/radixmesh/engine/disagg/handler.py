@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 
 class DisaggHandler:
-    def __init__(self, scheduler: Scheduler, send: Callable[[Any], None],
+    def __init__(self, scheduler: Scheduler, send: Callable[[Any], object],
                  reply: Callable[[str, dict[str, Any]], None]) -> None:
         self.sched = scheduler
         self._emit = scheduler.emit

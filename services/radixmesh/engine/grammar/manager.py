@@ -130,7 +130,7 @@ class GrammarManager:
         backend = self.pool.backend
         on_gpu = device.type == "cuda"
         mask = backend.allocate_mask(len(reqs), pinned=on_gpu)
-        matchers: list[GrammarMatcher] = [reqs[row].grammar for row in rows]
+        matchers = [_matcher(reqs[row]) for row in rows]
         backend.fill_masks(matchers, mask, rows)
         # pinned sources: neither copy makes the host wait for the forward pass already queued
         rows_device = to_device(rows, torch.int32, device) if on_gpu else None
@@ -138,8 +138,7 @@ class GrammarManager:
 
     @staticmethod
     def accept(req: Req, token_id: int) -> bool:
-        matcher: GrammarMatcher = req.grammar
-        return matcher.accept_token(token_id)
+        return _matcher(req).accept_token(token_id)
 
     def may_jump(self, req: Req) -> bool:
         """Jump-forward applies: on, a grammar, and no logprobs (forced tokens have none)."""
@@ -153,7 +152,7 @@ class GrammarManager:
         """
         if req.futures or self.tokenizer is None or not req.output_ids:
             return None
-        matcher: GrammarMatcher = req.grammar
+        matcher = _matcher(req)
         forced = matcher.find_jump_forward_string()
         if not forced:
             return None
@@ -189,3 +188,8 @@ def _message(error: BaseException) -> str:
     if isinstance(error, RadixMeshError):
         return error.message
     return f"grammar compilation failed: {type(error).__name__}: {error}"
+
+
+def _matcher(req: Req) -> GrammarMatcher:
+    assert req.grammar is not None, f"request {req.rid} has no grammar"
+    return req.grammar

@@ -12,7 +12,7 @@ import functools
 import re
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -20,6 +20,9 @@ from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.grammar.base import BaseGrammarBackend, GrammarMatcher
 from radixmesh.engine.grammar.spec import GrammarSpec
 from radixmesh.engine.grammar.vocab_mask import num_mask_words
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 THREADED_FILL_MIN_S = 0.004
 """Masks are filled by xgrammar's thread pool only when one thread would take longer than this:
@@ -112,14 +115,15 @@ class XGrammarBackend(BaseGrammarBackend):
 
     def fill_masks(self, matchers: list[GrammarMatcher], mask: torch.Tensor, rows: list[int]) -> None:
         assert len(matchers) == len(rows), f"{len(matchers)} matchers for {len(rows)} rows"
+        own = cast("list[xgr.GrammarMatcher]", matchers)  # new_matcher made every one of them
         if (self._threads > 1 and len(rows) * self._row_fill_s > THREADED_FILL_MIN_S
                 and self._threaded_calls < RECHECK_EVERY - 1):
             self._threaded_calls += 1
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, mask, rows)
+            self._batch_matcher.batch_fill_next_token_bitmask(own, mask, rows)
             return
         rechecking, self._threaded_calls = self._threaded_calls > 0, 0
         start = time.perf_counter()
-        for matcher, row in zip(matchers, rows):
+        for matcher, row in zip(own, rows):
             matcher.fill_next_token_bitmask(mask, row)
         per_row = (time.perf_counter() - start) / max(len(rows), 1)
         smooth = self._row_fill_s > 0.0 and not rechecking

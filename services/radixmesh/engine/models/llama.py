@@ -122,9 +122,9 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
-        self.embed_tokens: nn.Module = (VocabParallelEmbedding(ShardLayout.of(config, tp.rank, tp.size),
-                                                               config.hidden_size, tp) if tp.enabled
-                                        else _embedding(config.vocab_size, config.hidden_size))
+        self.embed_tokens: VocabParallelEmbedding | nn.Embedding = (
+            VocabParallelEmbedding(ShardLayout.of(config, tp.rank, tp.size), config.hidden_size, tp) if tp.enabled
+            else _embedding(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -114,5 +114,6 @@ def image_embeds(lm: CausalLM, input_ids: torch.Tensor, batch: ForwardBatch) -> 
     embeds: torch.Tensor = lm.model.embed_tokens(ids)
     mm = batch.mm
     if mm is not None and mm.embed_rows is not None:
+        assert mm.embeds is not None, "image rows without their features"
         embeds[mm.embed_rows] = mm.embeds.to(embeds.dtype)
     return embeds

@@ -70,8 +70,8 @@ class ParallelLMHead(Linear):
         """Zero the padding rows (no checkpoint fills them)."""
         _zero_padding(self.weight, self.valid)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = super().forward(x)  # [num_tokens, vocab_rows]
+    def forward(self, x: torch.Tensor, prologue: AddRMSNorm | None = None) -> torch.Tensor:
+        local = super().forward(x, prologue)  # [num_tokens, vocab_rows]
         parts = self.tp.all_gather(local.contiguous())  # [size, num_tokens, vocab_rows]
         whole = parts.permute(1, 0, 2).reshape(local.shape[0], -1)  # [num_tokens, size * vocab_rows]
         return whole[:, : self.vocab_size]

@@ -20,7 +20,7 @@ from radixmesh.engine.attention.base import ForwardBatch
 from radixmesh.engine.mm.inputs import ImageInput
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.layers import RotaryEmbedding, _rotate
-from radixmesh.engine.models.llama import CausalLM
+from radixmesh.engine.models.llama import CausalLM, DecoderLayer
 from radixmesh.engine.models.llava import image_embeds
 from radixmesh.engine.models.qwen2_vl_vision import Qwen2VisionConfig, Qwen2VisionTransformer
 from radixmesh.engine.models.weights import ParamLoader, rename_prefix
@@ -105,6 +105,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         decoder.rotary = MRotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                           mrope_section_of(raw, config.head_dim))
         for layer in decoder.layers:
+            assert isinstance(layer, DecoderLayer), f"a decoder layer of type {type(layer).__name__}"
             layer.self_attn.rotary[0] = decoder.rotary
         self.rope_deltas: torch.Tensor
         self.register_buffer("rope_deltas", torch.zeros(1, dtype=torch.int64), persistent=False)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -18,6 +19,13 @@ _MODELS: dict[str, str] = {
     "qwen2_vl": "radixmesh.engine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "radixmesh.engine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
 }
+
+
+class LoadsWeights(Protocol):
+    """What every model class has besides nn.Module's methods."""
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy checkpoint tensors (or lazy slices of them under TP), by checkpoint name, into the parameters."""
 
 
 def model_class(config: ModelConfig) -> Callable[..., nn.Module]:

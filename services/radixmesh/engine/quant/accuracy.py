@@ -28,7 +28,8 @@ from radixmesh.engine.models.llama import STACKED_PARAMS
 
 def checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's parameters under their checkpoint names: stacked q/k/v and gate/up split back."""
-    config: ModelConfig = model.config
+    config = model.config
+    assert isinstance(config, ModelConfig), f"{type(model).__name__} carries no ModelConfig"
     sizes = {"qkv_proj": [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2,
              "gate_up_proj": [config.intermediate_size] * 2}
     for name, param in model.named_parameters():

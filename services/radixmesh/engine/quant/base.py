@@ -53,6 +53,10 @@ class LinearMethod(abc.ABC):
         None: one-row calls go through `apply` alone."""
         return None
 
+    def kv_scales(self) -> dict[int, dict[str, float]]:
+        """FP8 KV-cache scales the checkpoint carried, per layer ({} when none)."""
+        return {}
+
     def describe(self) -> dict[str, object]:
         """What /server_info and logs show about the method (kernels chosen, formats)."""
         return {"quantization": self.name}

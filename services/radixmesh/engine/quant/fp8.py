@@ -81,7 +81,7 @@ class Fp8LinearMethod(LinearMethod):
                                                                                               generator=gen)
             q, scale = quantize_rows(w, WEIGHT_DTYPE)
             layer.weight.copy_(q)
-            layer.weight_scale.copy_(scale)
+            _scale_of(layer).copy_(scale)
 
     def finish(self, model: nn.Module) -> None:
         if self.adapter is not None and self.adapter.num_input_scales:
@@ -107,12 +107,10 @@ class Fp8LinearMethod(LinearMethod):
 
     # ---- forward -----------------------------------------------------------------------------
     def gemv_weights(self, layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        scale = layer.weight_scale
-        assert isinstance(scale, torch.Tensor)
-        return (layer.weight, scale) if self.gemm is not None else None
+        return (layer.weight, _scale_of(layer)) if self.gemm is not None else None
 
     def apply(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        weight, scale = layer.weight, layer.weight_scale
+        weight, scale = layer.weight, _scale_of(layer)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.gemm is None or not x.is_cuda:
@@ -130,3 +128,10 @@ class Fp8LinearMethod(LinearMethod):
         if layer.bias is not None:
             y = y.add_(layer.bias)
         return y.reshape(*shape[:-1], -1)
+
+
+def _scale_of(layer: nn.Module) -> torch.Tensor:
+    """The FP8 row scales `[N]` float32 that `prepare` registered on `layer`."""
+    scale = layer.weight_scale
+    assert isinstance(scale, torch.Tensor), f"{type(layer).__name__} has no FP8 weight scales"
+    return scale

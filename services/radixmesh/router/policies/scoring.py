@@ -55,7 +55,7 @@ def decide(policy_id: str, request: RouteRequest, candidates: Sequence[WorkerHan
     loads = {w.worker_id: load_fraction(w, scoring) for w in candidates}
     tokens = {w.worker_id: min(request.num_prompt_tokens, cached_blocks.get(w.worker_id, 0) * request.block_size)
               for w in candidates}
-    weighted = dict(tokens)
+    weighted: dict[str, float] = dict(tokens)
     if device_blocks is not None:
         for wid, held in tokens.items():
             on_device = min(held, device_blocks.get(wid, 0) * request.block_size)
