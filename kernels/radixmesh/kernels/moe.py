@@ -1,0 +1,114 @@
+"""A fused MoE layer: route, place by expert, gate/up GEMM with SiLU-and-mul, down GEMM, weighted top-k sum.
+
+    out = fused_moe(x, router_logits, w13, w2, RouterSpec(top_k=8, renormalize=True), workspace=ws)
+
+Launches, all sized from host ints (the token count, the config's block rows), none syncing with the host,
+so a decode step captures in a CUDA graph over a `MoeWorkspace` allocated for its largest batch: the
+routing (one launch up to `route_rows(E)` tokens, two above), the gate/up GEMM, the down GEMM and the
+combine; FP8 weights with quantized activations (W8A8) add the two per-token quantizations. The reference
+is `moe_ref.moe_ref`; `bench_moe` times the layer at the Qwen3-30B-A3B and Mixtral-8x7B shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixmesh.kernels._checks import check_device, check_float, check_last_dim_contiguous
+from radixmesh.kernels.fp8_quant import quantize_rows
+from radixmesh.kernels.moe_config import MoeConfig, default_config, dtype_key
+from radixmesh.kernels.moe_gemm import moe_combine, moe_down, moe_gate_up
+from radixmesh.kernels.moe_routing import RouterSpec, RoutingBuffers, route_align
+
+W8A16_MAX_TOKENS = 32
+"""Up to this many tokens FP8 experts run with unquantized activations (W8A16) unless told otherwise: the
+batch is memory-bound there and the two quantization launches would only add time."""
+
+
+@dataclass(frozen=True)
+class MoeWorkspace:
+    """Every buffer `fused_moe` writes, for batches of up to `max_tokens` tokens and blocks of up to `max_block_m`
+    rows, allocated once (a CUDA graph of a decode step replays over the same buffers)."""
+
+    routing: RoutingBuffers
+    inter: torch.Tensor  # [max padded rows, I]: silu(gate) * up, by sorted position
+    y: torch.Tensor  # [max_tokens * top_k, H]: each assignment's expert output
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None  # W8A8: ([max_tokens, H] fp8, [max_tokens] scales)
+    inter_fp8: tuple[torch.Tensor, torch.Tensor] | None  # W8A8: ([max padded rows, I] fp8, [max padded rows])
+
+    @classmethod
+    def allocate(cls, max_tokens: int, top_k: int, num_experts: int, num_local: int, hidden: int, inter: int,
+                 dtype: torch.dtype, device: torch.device, max_block_m: int = 128,
+                 fp8_dtype: torch.dtype | None = None) -> MoeWorkspace:
+        """Buffers for `num_local` experts of `num_experts`; `fp8_dtype` adds those of W8A8 layers."""
+        routing = RoutingBuffers.allocate(max_tokens, top_k, num_experts, num_local, max_block_m, device)
+        rows = routing.sorted_ids.shape[0]
+        x_fp8 = inter_fp8 = None
+        if fp8_dtype is not None:
+            x_fp8 = (torch.empty(max_tokens, hidden, dtype=fp8_dtype, device=device),
+                     torch.empty(max_tokens, dtype=torch.float32, device=device))
+            inter_fp8 = (torch.empty(rows, inter, dtype=fp8_dtype, device=device),
+                         torch.empty(rows, dtype=torch.float32, device=device))
+        # zeros: padding rows are never used, but W8A8 quantizes them whole (finite values, no NaN warnings)
+        return cls(routing, torch.zeros(rows, inter, dtype=dtype, device=device),
+                   torch.empty(max_tokens * top_k, hidden, dtype=dtype, device=device), x_fp8, inter_fp8)
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, spec: RouterSpec, *,
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              correction_bias: torch.Tensor | None = None, expert_start: int = 0,
+              fp8_activations: bool | None = None, config: MoeConfig | None = None,
+              workspace: MoeWorkspace | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE layer's output `[M, H]` (x's dtype) for tokens `x` `[M, H]` and `router_logits` `[M, E]`.
+
+    `w13` `[E_local, 2I, H]` holds each expert's gate rows then up rows, `w2` `[E_local, H, I]`; both in `x`'s
+    dtype, or FP8 with `w13_scale` `[E_local, 2I]` and `w2_scale` `[E_local, H]` (float32, per output channel).
+    The local experts are `expert_start .. expert_start + E_local - 1` of E: under expert parallelism each rank
+    passes its own and the ranks' outputs sum to the layer's. `fp8_activations` picks W8A8 (True) or W8A16
+    (False) for FP8 experts; None: W8A16 up to `W8A16_MAX_TOKENS` tokens. `config` overrides the tiles.
+    """
+    assert x.dim() == 2, f"x must be [M, H], got {tuple(x.shape)}"
+    check_float("x", x)
+    check_last_dim_contiguous("x", x)
+    m, hidden = x.shape
+    assert w13.dim() == 3 and w13.shape[1] % 2 == 0, f"w13 must be [E_local, 2I, H], got {tuple(w13.shape)}"
+    num_local, inter = w13.shape[0], w13.shape[1] // 2
+    assert router_logits.dim() == 2 and router_logits.shape[0] == m, (
+        f"router_logits must be [{m}, E], got {tuple(router_logits.shape)}")
+    check_device("router_logits", router_logits, x.device)
+    assert (w13_scale is None) == (w2_scale is None), "FP8 experts need both w13_scale and w2_scale"
+    fp8 = w13_scale is not None
+    a8 = fp8 and (fp8_activations if fp8_activations is not None else m > W8A16_MAX_TOKENS)
+    num_experts = router_logits.shape[1]
+    cfg = config or default_config(num_local, inter, hidden, dtype_key(x.dtype, fp8, a8), m, spec.top_k, x.device)
+    if workspace is None:
+        workspace = MoeWorkspace.allocate(max(m, 1), spec.top_k, num_experts, num_local, hidden, inter, x.dtype,
+                                          x.device, cfg.block_m, w13.dtype if a8 else None)
+    _check_workspace(workspace, x, inter, a8)
+    al = route_align(router_logits, spec, cfg.block_m, workspace.routing, correction_bias=correction_bias,
+                     expert_start=expert_start, num_local=num_local)
+    rows = al.num_blocks * al.block_m
+    y = workspace.y[:m * spec.top_k]
+    if a8:
+        assert workspace.x_fp8 is not None and workspace.inter_fp8 is not None
+        xq, xs = quantize_rows(x, w13.dtype, out=workspace.x_fp8[0][:m], scale=workspace.x_fp8[1][:m])
+        moe_gate_up(xq, al, w13, cfg.up, workspace.inter[:rows], x_scale=xs, w13_scale=w13_scale)
+        iq, i_s = quantize_rows(workspace.inter[:rows], w2.dtype, out=workspace.inter_fp8[0][:rows],
+                                scale=workspace.inter_fp8[1][:rows])
+        moe_down(iq, al, w2, cfg.down, y, inter_scale=i_s, w2_scale=w2_scale)
+    else:
+        moe_gate_up(x, al, w13, cfg.up, workspace.inter[:rows], w13_scale=w13_scale)
+        moe_down(workspace.inter[:rows], al, w2, cfg.down, y, w2_scale=w2_scale)
+    return moe_combine(y, al, out)
+
+
+def _check_workspace(ws: MoeWorkspace, x: torch.Tensor, inter: int, a8: bool) -> None:
+    assert ws.inter.dtype == x.dtype and ws.inter.shape[1] == inter, (
+        f"workspace holds {ws.inter.dtype} [*, {ws.inter.shape[1]}] intermediates, the layer needs {x.dtype} "
+        f"[*, {inter}]")
+    assert ws.y.shape[1] == x.shape[1] and ws.y.dtype == x.dtype, "workspace.y does not match x's width or dtype"
+    assert not a8 or ws.x_fp8 is not None, "W8A8 needs a workspace allocated with fp8_dtype"
+    if ws.x_fp8 is not None:
+        assert ws.x_fp8[0].shape[0] >= x.shape[0], "workspace's FP8 activations hold too few rows"
+

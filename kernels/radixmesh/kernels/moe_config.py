@@ -1,0 +1,97 @@
+"""Tile configurations of the MoE GEMMs, per layer shape, weight format and batch size.
+
+A layer's configuration is its rows per block (`block_m`, shared by both GEMMs: the assignments are placed
+in blocks once) and each GEMM's tiles. `TUNED` is keyed by `(E, N, K, dtype, M bucket)`: E the experts in
+the weights (local ones under expert parallelism), N the moe intermediate size, K the hidden size, dtype one
+of `DTYPE_KEYS`, and the batch's token count rounded up to a bucket. `bench_moe --sweep` prints the best
+entry per M, in this form, from a GPU run. Elsewhere `default_config` picks by the expected rows per
+expert; tiles are never autotuned at run time (a new M must not start a benchmark in a CUDA-graph capture).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPE_KEYS = ("bf16", "fp16", "fp32", "fp8-w8a16", "fp8-w8a8")
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@dataclass(frozen=True)
+class MoeGemmConfig:
+    """Tiles of one grouped GEMM."""
+
+    block_n: int
+    """Output features per program (of the intermediate size for gate/up: each program computes both halves)."""
+    block_k: int
+    """Reduction step."""
+    group_m: int = 8
+    """Row blocks whose programs run side by side over the same weight tiles (L2 reuse)."""
+    num_warps: int = 4
+    """Warps per program."""
+    num_stages: int = 3
+    """Loads in flight in the K loop."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "group_m"):
+            value = getattr(self, name)
+            assert value >= 1 and value & (value - 1) == 0, f"{name} must be a power of 2, got {value}"
+        assert self.block_n >= 16 and self.block_k >= 16, f"block_n, block_k must be >= 16: {self}"
+        assert self.num_warps in (1, 2, 4, 8, 16) and 1 <= self.num_stages <= 8, f"bad warps/stages: {self}"
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tiles of one MoE layer call."""
+
+    block_m: int
+    """Rows per block (each block holds one expert's assignments): 1..8 run without tensor cores, 16+ with."""
+    up: MoeGemmConfig
+    """The gate/up GEMM's tiles."""
+    down: MoeGemmConfig
+    """The down GEMM's tiles."""
+
+    def __post_init__(self) -> None:
+        assert 1 <= self.block_m <= 256 and self.block_m & (self.block_m - 1) == 0, (
+            f"block_m must be a power of 2 in [1, 256], got {self.block_m}")
+
+
+TUNED: dict[tuple[int, int, int, str, int], MoeConfig] = {
+    # (E, N, K, dtype, M bucket) -> the best of `bench_moe --sweep` (empty until a GPU run fills it)
+}
+
+
+def dtype_key(dtype: torch.dtype, fp8_weights: bool, fp8_activations: bool) -> str:
+    """The `DTYPE_KEYS` entry of a layer: FP8 weights with or without quantized activations, else the dtype."""
+    if fp8_weights:
+        return "fp8-w8a8" if fp8_activations else "fp8-w8a16"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+
+def m_bucket(m: int) -> int:
+    """The smallest bucket holding `m` tokens (the largest bucket beyond it)."""
+    return next((b for b in M_BUCKETS if b >= m), M_BUCKETS[-1])
+
+
+def default_config(num_experts: int, inter: int, hidden: int, key: str, m: int, top_k: int,
+                   device: torch.device) -> MoeConfig:
+    """The tuned configuration of this layer and batch, else one chosen by the expected rows per expert:
+    few rows (decode) favour narrow N tiles (many programs streaming weights), many rows square tiles."""
+    assert key in DTYPE_KEYS, f"dtype key {key!r} not one of {DTYPE_KEYS}"
+    tuned = TUNED.get((num_experts, inter, hidden, key, m_bucket(m)))
+    if tuned is not None:
+        return tuned
+    if device.type == "cpu":  # the interpreter: small tiles, few ops per program
+        small = MoeGemmConfig(16, 32, 4, 1, 1)
+        return MoeConfig(16, small, small)
+    wide_k = 256 if key.startswith("fp8") else 128
+    rows = m * top_k / num_experts
+    if rows <= 16:
+        tiles = MoeGemmConfig(64, wide_k, 8, 4, 4)
+        return MoeConfig(16, tiles, tiles)
+    if rows <= 64:
+        tiles = MoeGemmConfig(128, wide_k // 2, 8, 4, 4)
+        return MoeConfig(32 if rows <= 32 else 64, tiles, tiles)
+    tiles = MoeGemmConfig(128, 64, 8, 8, 3)
+    return MoeConfig(128 if rows >= 256 else 64, tiles, tiles)
