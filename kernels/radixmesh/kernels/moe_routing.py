@@ -102,7 +102,7 @@ class RoutingBuffers:
     topk_ids: torch.Tensor  # [max_tokens, top_k] int32
     topk_weights: torch.Tensor  # [max_tokens, top_k] float32
     counts: torch.Tensor  # [row blocks, E] int32: each row block's assignments per expert
-    sorted_ids: torch.Tensor  # [max_blocks * max_block_m] int32
+    sorted_ids: torch.Tensor  # [most placed rows of any block_m up to max_block_m] int32
     block_expert: torch.Tensor  # [max_blocks] int32
     block_rows: torch.Tensor  # [max_blocks] int32
     max_block_m: int
@@ -110,13 +110,16 @@ class RoutingBuffers:
     @classmethod
     def allocate(cls, max_tokens: int, top_k: int, num_experts: int, num_local: int, max_block_m: int,
                  device: torch.device) -> RoutingBuffers:
-        assign = max_tokens * top_k
-        nb = max(max_blocks(assign, num_local, bm) for bm in (1, max_block_m))
-        i32 = {"dtype": torch.int32, "device": device}
-        return cls(torch.empty(max_tokens, top_k, **i32), torch.empty(max_tokens, top_k, dtype=torch.float32,
-                                                                       device=device),
-                   torch.empty(triton.cdiv(max_tokens, route_rows(num_experts)), num_experts, **i32),
-                   torch.empty(nb * max_block_m, **i32), torch.empty(nb, **i32), torch.empty(nb, **i32), max_block_m)
+        sizes = [1 << i for i in range(max_block_m.bit_length())]  # every block_m up to max_block_m
+        nb = max(max_blocks(max_tokens * top_k, num_local, bm) for bm in sizes)
+        rows = max(max_blocks(max_tokens * top_k, num_local, bm) * bm for bm in sizes)
+
+        def ints(*shape: int) -> torch.Tensor:
+            return torch.empty(*shape, dtype=torch.int32, device=device)
+
+        return cls(ints(max_tokens, top_k), torch.empty(max_tokens, top_k, dtype=torch.float32, device=device),
+                   ints(triton.cdiv(max_tokens, route_rows(num_experts)), num_experts), ints(rows),
+                   ints(nb), ints(nb), max_block_m)
 
 
 @triton.jit
@@ -296,7 +299,7 @@ def route_align(logits: torch.Tensor | None, spec: RouterSpec, block_m: int, buf
     num_local = num_experts - expert_start if num_local is None else num_local
     assert 1 <= num_experts <= MAX_EXPERTS, f"{num_experts} experts: the router handles 1..{MAX_EXPERTS}"
     assert spec.top_k <= num_experts, f"top_k {spec.top_k} exceeds the {num_experts} experts"
-    assert 0 <= expert_start and num_local >= 1 and expert_start + num_local <= num_experts, (
+    assert expert_start >= 0 and num_local >= 1 and expert_start + num_local <= num_experts, (
         f"local experts [{expert_start}, {expert_start + num_local}) outside the {num_experts} experts")
     assert block_m >= 1 and block_m & (block_m - 1) == 0 and block_m <= 256, f"block_m {block_m}: a power of 2 <= 256"
     if correction_bias is not None:

@@ -1,0 +1,137 @@
+"""Batched LoRA kernels (shrink, expand) vs the row-by-row reference `lora_ref`, at tiny shapes.
+
+Without CUDA the kernels run under the Triton interpreter (its float32 -> bf16 cast truncates: bf16 cases
+get a looser bound than float32 ones).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before radixmesh.kernels is imported (see test_triton_kernels)
+
+import pytest
+
+from radixmesh.kernels.lora import LoraBatch, LoraConfig, default_config, lora_apply, lora_expand, lora_shrink
+from radixmesh.kernels.lora_ref import lora_ref, row_slots
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+MAX_RANK = 64
+RANKS = [8, 64, 16, 8]  # per slot: mixed ranks 8 and 64
+# alpha / r for slots 0-2, rsLoRA's alpha / sqrt(r) for slot 3
+SCALINGS = [16 / 8, 32 / 64, 16 / 16, 16 / math.sqrt(8)]
+
+
+def _rand(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _adapters(in_features: int, slices: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot buffers (a, b); rows past each slot's rank hold junk, which the kernels must never read."""
+    num_slots = len(RANKS)
+    a = _rand(num_slots, len(slices) * MAX_RANK, in_features, seed=1, scale=0.1)
+    b = _rand(num_slots, sum(slices), MAX_RANK, seed=2, scale=0.1)
+    for slot, rank in enumerate(RANKS):
+        b[slot, :, rank:] = 1e4
+        for i in range(len(slices)):
+            a[slot, i * MAX_RANK + rank:(i + 1) * MAX_RANK] = 1e4
+    return a.to(dtype), b.to(dtype)
+
+
+def _run(x: torch.Tensor, y: torch.Tensor, slices: tuple[int, ...], batch: LoraBatch,
+         config: LoraConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
+    a, b = _adapters(x.shape[1], slices, x.dtype)
+    ranks = torch.tensor(RANKS, dtype=torch.int32)
+    scalings = torch.tensor(SCALINGS, dtype=torch.float32)
+    want = lora_ref(x, y, a, b, row_slots(batch.slots.cpu(), None if batch.seg_starts is None else
+                                          batch.seg_starts.cpu(), x.shape[0]), ranks, scalings, slices)
+    on = LoraBatch(batch.slots.to(DEVICE), None if batch.seg_starts is None else batch.seg_starts.to(DEVICE),
+                   batch.max_seg_len)
+    got = lora_apply(x.to(DEVICE), y.clone().to(DEVICE), a.to(DEVICE), b.to(DEVICE), on, ranks.to(DEVICE),
+                     scalings.to(DEVICE), slices, config)
+    return got.cpu(), want
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor, y: torch.Tensor) -> float:
+    """Error relative to the adapters' contribution (not to y, which would hide it)."""
+    return float((got.float() - want).norm() / (want - y.float()).norm())
+
+
+I32 = torch.int32
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("config", [LoraConfig(1, 32, 16, 1, 1), LoraConfig(1, 16, 32, 3, 1)])
+def test_decode_rows_with_mixed_adapters_and_qkv_slices(dtype: torch.dtype, tol: float, config: LoraConfig) -> None:
+    slots = torch.tensor([0, -1, 1, 3, 1, 2, -1], dtype=I32)  # base rows, two rows sharing slot 1
+    x, y = _rand(7, 96, seed=3).to(dtype), _rand(7, 48 + 16 + 16, seed=4).to(dtype)
+    got, want = _run(x, y, (48, 16, 16), LoraBatch.per_row(slots), config)
+    assert _rel_err(got, want, y) < tol
+    for row in (1, 6):  # base rows: untouched, bit for bit
+        assert torch.equal(got[row], y[row])
+
+
+@pytest.mark.parametrize("slices,config", [
+    ((40, 40), LoraConfig(16, 32, 16, 1, 1)),  # gate/up: two B's into one output
+    ((24,), LoraConfig(16, 16, 32, 2, 1)),
+])
+def test_prefill_segments_of_different_lengths(slices: tuple[int, ...], config: LoraConfig) -> None:
+    seg_starts = torch.tensor([0, 5, 6, 30, 30, 41], dtype=I32)  # 5 rows, 1, 24, an empty one, 11
+    slots = torch.tensor([1, 0, -1, 2, 3], dtype=I32)
+    x, y = _rand(41, 64, seed=5), _rand(41, sum(slices), seed=6)
+    got, want = _run(x, y, slices, LoraBatch(slots, seg_starts, 24), config)
+    assert _rel_err(got, want, y) < 1e-5
+    assert torch.equal(got[6:30], y[6:30])
+
+
+def test_a_batch_of_base_rows_is_left_alone() -> None:
+    x, y = _rand(4, 32, seed=7), _rand(4, 16, seed=8)
+    got, _ = _run(x, y, (16,), LoraBatch.per_row(torch.full((4,), -1, dtype=I32)), None)
+    assert torch.equal(got, y)
+
+
+def test_shrink_and_expand_by_themselves() -> None:
+    x = _rand(3, 64, seed=9).to(DEVICE)
+    a, b = (t.to(DEVICE) for t in _adapters(64, (32,), torch.float32))
+    batch = LoraBatch.per_row(torch.tensor([2, 0, 2], dtype=I32, device=DEVICE))
+    ranks = torch.tensor(RANKS, dtype=I32, device=DEVICE)
+    xa = lora_shrink(x, a, batch, ranks, config=LoraConfig(1, 16, 16, 2, 1))
+    assert xa.shape == (2, 3, MAX_RANK)
+    want = torch.stack([a[2, :16].cpu() @ x[row].cpu() for row in (0, 2)])  # slot 2 has rank 16
+    torch.testing.assert_close(xa.sum(0)[[0, 2], :16].cpu(), want, rtol=1e-5, atol=1e-5)
+    y = torch.zeros(3, 32, device=DEVICE)
+    lora_expand(xa, b, batch, ranks, torch.ones(4, device=DEVICE), y, (32,), LoraConfig(1, 16, 16, 2, 1))
+    torch.testing.assert_close(y[1].cpu(), b[0, :, :8].cpu() @ xa.sum(0)[1, :8].cpu(), rtol=1e-5, atol=1e-5)
+
+
+def test_launchers_check_their_inputs() -> None:
+    x, y = torch.randn(3, 32, device=DEVICE), torch.randn(3, 16, device=DEVICE)
+    a, b = torch.randn(4, 16, 32, device=DEVICE), torch.randn(4, 16, 16, device=DEVICE)
+    ranks = torch.tensor([16, 8, 8, 8], dtype=I32, device=DEVICE)
+    scalings = torch.ones(4, device=DEVICE)
+    batch = LoraBatch.per_row(torch.tensor([0, 1, -1], dtype=I32, device=DEVICE))
+    with pytest.raises(AssertionError, match="slots for 3 rows"):
+        lora_apply(x, y, a, b, LoraBatch.per_row(batch.slots[:2]), ranks, scalings, (16,))
+    with pytest.raises(AssertionError, match="must cover"):
+        lora_apply(x, y, a, b, batch, ranks, scalings, (8, 4))
+    with pytest.raises(AssertionError, match="a is"):
+        lora_apply(x, y, a.bfloat16(), b, batch, ranks, scalings, (16,))
+    with pytest.raises(AssertionError, match="not a multiple"):
+        lora_shrink(x, a, batch, ranks, num_slices=3)
+    with pytest.raises(AssertionError, match="contiguous int32"):
+        lora_apply(x, y, a, b, LoraBatch.per_row(batch.slots.long()), ranks, scalings, (16,))
+    with pytest.raises(AssertionError, match="seg_starts must be"):
+        lora_apply(x, y, a, b, LoraBatch(batch.slots, batch.slots, 2), ranks, scalings, (16,))
+
+
+def test_default_configs() -> None:
+    gpu = torch.device("cuda")
+    decode = default_config(LoraBatch.per_row(torch.zeros(32, dtype=I32)), 4096, 3, gpu)
+    single = default_config(LoraBatch.per_row(torch.zeros(1, dtype=I32)), 4096, 3, gpu)
+    prefill = default_config(LoraBatch(torch.zeros(4, dtype=I32), torch.zeros(5, dtype=I32), 1000), 4096, 1, gpu)
+    assert decode.block_m == 1 and single.num_splits > decode.num_splits >= 1
+    assert prefill.block_m == 64 and prefill.num_splits == 4  # 64 programs: K split 4 ways
