@@ -16,6 +16,9 @@ def mma(a, w, acc, USE_DOT: tl.constexpr, A_FP8: tl.constexpr, DOT_DTYPE: tl.con
     """
     if USE_DOT:
         if A_FP8:
-            return tl.dot(a, w, acc)
-        return tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=PRECISION)
-    return acc + tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+            acc = tl.dot(a, w, acc)
+        else:
+            acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=PRECISION)
+    else:
+        acc += tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+    return acc

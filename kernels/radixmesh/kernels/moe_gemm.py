@@ -63,8 +63,14 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_ptr
     # padding rows repeat the block's first row (no masks in the loop); their results are not stored
     pos_a = tl.where(valid, pos, pid_m * BLOCK_M)
     assign = tl.load(sorted_ptr + pos_a)
-    rows_a = assign // TOP_K if GATHER_A else pos_a
-    rows_out = assign if SCATTER_OUT else pos
+    if GATHER_A:  # the tokens' activations
+        rows_a = assign // TOP_K
+    else:  # the intermediate rows, in sorted order
+        rows_a = pos_a
+    if SCATTER_OUT:  # by assignment
+        rows_out = assign
+    else:  # by sorted position
+        rows_out = pos
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_w = tl.where(offs_n < N, offs_n, N - 1)
     offs_k = tl.arange(0, BLOCK_K)

@@ -1,0 +1,157 @@
+"""Batched LoRA at the Llama-3.1-8B projections: the adapters' cost next to the base GEMMs; JSON lines.
+
+    python -m radixmesh.kernels.bench_lora [--batch 32] [--adapters 16] [--rank 16] [--max-rank 16] \
+        [--prefill-segments 512 512 512 512] [--check]
+    python -m radixmesh.kernels.bench_lora --table lora.jsonl     # a short table of a result file
+
+Cases: `decode` (one row per request, `--batch` rows over `--adapters` adapters, each adapter's rows spread
+over the batch), `decode-1` (batch 1 with an adapter) and `prefill` (segments of `--prefill-segments` rows,
+each its own adapter). Per projection (q/k/v stacked, o, gate/up stacked, down): the base GEMM in bf16
+(`torch.matmul`, cuBLAS), the LoRA shrink and expand alone and together, and base then LoRA in one graph
+(`with_lora_us`); `base_share` = base / with LoRA, the throughput a step made only of these GEMMs keeps.
+Base weights and adapter buffers are copied until a graph reads several times the L2 cache, so both come
+from memory as they do in a step through 32 layers; a `summary` line per case sums the four projections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import sys
+from collections.abc import Callable
+
+import torch
+
+from radixmesh.kernels._bench import print_table, run_info, time_us
+from radixmesh.kernels.bench_gemv import L2_SPAN_BYTES
+from radixmesh.kernels.lora import LoraBatch, LoraConfig, default_config, lora_apply, lora_expand, lora_shrink
+from radixmesh.kernels.lora_ref import lora_ref, row_slots
+
+# (name, in features, output slices) of one Llama-3.1-8B layer
+PROJECTIONS = [("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)), ("gate_up", 4096, (14336, 14336)),
+               ("down", 14336, (4096,))]
+
+
+def make_batch(case: str, args: argparse.Namespace) -> tuple[int, LoraBatch]:
+    """(rows, batch) of a case, the slots on the GPU."""
+    if case == "decode-1":
+        return 1, LoraBatch.per_row(torch.zeros(1, dtype=torch.int32, device="cuda"))
+    if case == "decode":
+        gen = torch.Generator().manual_seed(0)
+        slots = torch.arange(args.batch, dtype=torch.int32) % args.adapters
+        return args.batch, LoraBatch.per_row(slots[torch.randperm(args.batch, generator=gen)].cuda())
+    lengths = args.prefill_segments
+    starts = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0).to(torch.int32)
+    slots = torch.arange(len(lengths), dtype=torch.int32) % args.adapters
+    return sum(lengths), LoraBatch(slots.cuda(), starts.cuda(), max(lengths))
+
+
+def bench_projection(case: str, name: str, k: int, slices: tuple[int, ...], args: argparse.Namespace
+                     ) -> dict[str, object]:
+    rows, batch = make_batch(case, args)
+    n = sum(slices)
+    base_copies = max(2, math.ceil(L2_SPAN_BYTES / (n * k * 2)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(base_copies)]
+    num_slots, r = min(args.adapters, batch.num_segments), args.max_rank  # the adapters this batch reads
+    adapter_bytes = (len(slices) * r * k + n * r) * 2
+    lora_copies = max(2, math.ceil(L2_SPAN_BYTES / (num_slots * adapter_bytes)))
+    adapters = [(torch.randn(num_slots, len(slices) * r, k, device="cuda", dtype=torch.bfloat16) * 0.02,
+                 torch.randn(num_slots, n, r, device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(lora_copies)]
+    ranks = torch.full((num_slots,), args.rank, dtype=torch.int32, device="cuda")
+    scalings = torch.full((num_slots,), 2.0, dtype=torch.float32, device="cuda")
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    ys = [torch.empty(rows, n, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    cfg = default_config(batch, k, len(slices), x.device)
+    xa = lora_shrink(x, adapters[0][0], batch, ranks, len(slices), config=cfg)
+    count = max(base_copies, lora_copies)  # calls per graph
+
+    def base(i: int) -> Callable[[], object]:
+        return functools.partial(torch.matmul, x, weights[i % base_copies].t(), out=ys[i % len(ys)])
+
+    def lora(i: int) -> Callable[[], object]:
+        a, b = adapters[i % lora_copies]
+        return functools.partial(lora_apply, x, ys[i % len(ys)], a, b, batch, ranks, scalings, slices, cfg, xa)
+
+    pair_us = time_us([call for i in range(count) for call in (base(i), lora(i))])
+    row: dict[str, object] = {
+        "bench": "lora", "case": case, "projection": name, "rows": rows, "in": k, "slices": list(slices),
+        "rank": args.rank, "max_rank": r, "adapters": num_slots, "config": vars(cfg),
+        "base_us": time_us([base(i) for i in range(count)]),
+        "shrink_us": time_us([functools.partial(lora_shrink, x, adapters[i % lora_copies][0], batch, ranks,
+                                                len(slices), xa, cfg) for i in range(count)]),
+        "expand_us": time_us([functools.partial(lora_expand, xa, adapters[i % lora_copies][1], batch, ranks,
+                                                scalings, ys[i % len(ys)], slices, cfg) for i in range(count)]),
+        "lora_us": time_us([lora(i) for i in range(count)]),
+        "with_lora_us": None if pair_us is None else round(2 * pair_us, 2),  # time_us counts each call of a pair
+    }
+    base_us, with_lora_us = row["base_us"], row["with_lora_us"]
+    if isinstance(base_us, float) and isinstance(with_lora_us, float):
+        row["base_share"] = round(base_us / with_lora_us, 3)
+    if args.check:
+        row["rel_err"] = check(x, weights[0], adapters[0], batch, ranks, scalings, slices, cfg)
+    return row
+
+
+def check(x: torch.Tensor, w: torch.Tensor, adapter: tuple[torch.Tensor, torch.Tensor], batch: LoraBatch,
+          ranks: torch.Tensor, scalings: torch.Tensor, slices: tuple[int, ...], cfg: LoraConfig) -> float:
+    """Relative error of the adapters' contribution against `lora_ref` (float32, on the GPU)."""
+    y = x @ w.t()
+    slots = row_slots(batch.slots.cpu(), None if batch.seg_starts is None else batch.seg_starts.cpu(), x.shape[0])
+    want = lora_ref(x, y, adapter[0], adapter[1], slots, ranks.cpu(), scalings.cpu(), slices)
+    got = lora_apply(x, y.clone(), adapter[0], adapter[1], batch, ranks, scalings, slices, cfg)
+    return round(float((got.float() - want).norm() / (want - y.float()).norm()), 5)
+
+
+def summary(case: str, rows: list[dict[str, object]]) -> dict[str, object]:
+    def total(key: str) -> float | None:
+        values = [r.get(key) for r in rows]
+        numbers = [v for v in values if isinstance(v, float)]
+        return round(sum(numbers), 2) if len(numbers) == len(values) else None
+
+    base, with_lora = total("base_us"), total("with_lora_us")
+    return {"bench": "lora", "case": case, "projection": "layer", "rows": rows[0]["rows"], "rank": rows[0]["rank"],
+            "adapters": rows[0]["adapters"], "base_us": base, "lora_us": total("lora_us"),
+            "with_lora_us": with_lora, "base_share": round(base / with_lora, 3) if base and with_lora else None}
+
+
+COLUMNS = [("case", "case"), ("proj", "projection"), ("rows", "rows"), ("adapters", "adapters"),
+           ("base_us", "base_us"), ("shrink", "shrink_us"), ("expand", "expand_us"), ("lora_us", "lora_us"),
+           ("with_lora", "with_lora_us"), ("base_share", "base_share"), ("rel_err", "rel_err")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", nargs="+", choices=("decode", "decode-1", "prefill"),
+                   default=["decode", "decode-1", "prefill"])
+    p.add_argument("--batch", type=int, default=32, help="decode rows")
+    p.add_argument("--adapters", type=int, default=16, help="distinct adapters (slots)")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--max-rank", type=int, default=None, help="the slot buffers' rank (default: --rank)")
+    p.add_argument("--prefill-segments", nargs="+", type=int, default=[512, 512, 512, 512])
+    p.add_argument("--check", action="store_true", help="compare each projection with lora_ref")
+    p.add_argument("--table", nargs="+", metavar="JSONL", help="print a table of earlier results and exit")
+    args = p.parse_args(argv)
+    args.max_rank = args.max_rank or args.rank
+    if args.table:
+        print_table(args.table, "lora", COLUMNS)
+        return 0
+    if not 1 <= args.rank <= args.max_rank or min(args.batch, args.adapters, *args.prefill_segments) < 1:
+        p.error("need 1 <= --rank <= --max-rank and positive --batch, --adapters, --prefill-segments")
+    if not torch.cuda.is_available():
+        print("bench_lora needs a CUDA device", file=sys.stderr)
+        return 2
+    info = run_info("radixmesh.kernels.bench_lora")
+    for case in args.cases:
+        rows = []
+        for name, k, slices in PROJECTIONS:
+            rows.append(bench_projection(case, name, k, slices, args))
+            print(json.dumps({**rows[-1], **info}), flush=True)
+            torch.cuda.empty_cache()
+        print(json.dumps({**summary(case, rows), **info}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

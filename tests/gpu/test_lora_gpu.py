@@ -1,0 +1,82 @@
+"""The batched LoRA kernels compiled on a GPU at the Llama-3.1-8B projections: against `lora_ref`, and in a
+CUDA graph whose slots change between replays (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # skipped then; keep the CPU tests' interpreter mode
+
+import pytest
+
+from radixmesh.kernels.lora import LoraBatch, lora_apply
+from radixmesh.kernels.lora_ref import lora_ref, row_slots
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = torch.device("cuda")
+QKV, GATE_UP, O_PROJ, DOWN = ((4096, (4096, 1024, 1024)), (4096, (14336, 14336)), (4096, (4096,)), (14336, (4096,)))
+NUM_SLOTS, MAX_RANK = 16, 64
+RANKS = [16] * 12 + [64, 64, 8, 8]  # mixed ranks in one buffer sized for 64
+
+
+def _adapters(k: int, slices: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device=DEVICE).manual_seed(k + len(slices))
+    a = torch.randn(NUM_SLOTS, len(slices) * MAX_RANK, k, device=DEVICE, generator=gen, dtype=torch.bfloat16) * 0.02
+    b = torch.randn(NUM_SLOTS, sum(slices), MAX_RANK, device=DEVICE, generator=gen, dtype=torch.bfloat16) * 0.02
+    ranks = torch.tensor(RANKS, dtype=torch.int32, device=DEVICE)
+    scalings = (32.0 / ranks.float()).contiguous()
+    return a, b, ranks, scalings
+
+
+def _check(x: torch.Tensor, slices: tuple[int, ...], batch: LoraBatch) -> torch.Tensor:
+    a, b, ranks, scalings = _adapters(x.shape[1], slices)
+    y = torch.randn(x.shape[0], sum(slices), device=DEVICE, dtype=torch.bfloat16)
+    got = lora_apply(x, y.clone(), a, b, batch, ranks, scalings, slices)
+    slots = row_slots(batch.slots.cpu(), None if batch.seg_starts is None else batch.seg_starts.cpu(), x.shape[0])
+    want = lora_ref(x, y, a, b, slots, ranks.cpu(), scalings.cpu(), slices)
+    err = float((got.float() - want).norm() / (want - y.float()).norm())
+    assert err < 1e-2, f"relative error {err:.3g} of the adapters' contribution"
+    return got
+
+
+@pytest.mark.parametrize("k,slices", [QKV, GATE_UP, O_PROJ, DOWN])
+@pytest.mark.parametrize("rows", [1, 32, 256])
+def test_decode_rows_over_sixteen_adapters(k: int, slices: tuple[int, ...], rows: int) -> None:
+    slots = torch.arange(rows, dtype=torch.int32) % (NUM_SLOTS + 1) - 1  # every 17th row is a base row
+    x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
+    _check(x, slices, LoraBatch.per_row(slots.to(DEVICE)))
+
+
+@pytest.mark.parametrize("k,slices", [QKV, DOWN])
+def test_prefill_segments(k: int, slices: tuple[int, ...]) -> None:
+    lengths = [300, 1, 700, 50, 129]
+    starts = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32).to(DEVICE)
+    slots = torch.tensor([3, 12, 0, -1, 14], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(sum(lengths), k, device=DEVICE, dtype=torch.bfloat16)
+    _check(x, slices, LoraBatch(slots, starts, max(lengths)))
+
+
+def test_decode_replays_in_a_cuda_graph_with_new_slots() -> None:
+    k, slices = QKV
+    a, b, ranks, scalings = _adapters(k, slices)
+    slots = torch.zeros(32, dtype=torch.int32, device=DEVICE)
+    batch = LoraBatch.per_row(slots)
+    x = torch.randn(32, k, device=DEVICE, dtype=torch.bfloat16)
+    y0 = torch.randn(32, sum(slices), device=DEVICE, dtype=torch.bfloat16)
+    y = y0.clone()
+    lora_apply(x, y, a, b, batch, ranks, scalings, slices)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lora_apply(x, y, a, b, batch, ranks, scalings, slices)
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        slots.copy_(torch.randint(-1, NUM_SLOTS, (32,), generator=gen, dtype=torch.int32))
+        y.copy_(y0)
+        graph.replay()
+        eager = lora_apply(x, y0.clone(), a, b, LoraBatch.per_row(slots.clone()), ranks, scalings, slices)
+        assert torch.equal(y, eager)
