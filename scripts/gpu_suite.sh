@@ -21,6 +21,8 @@
 #   STAGES="pd-tests pd-transfer pd-goodput" (two GPUs: P/D); a stage's own time limit: TIMEOUT_<stage>=S (- as _)
 #   STAGES="hicache" (one GPU); STAGES="peer-fetch" needs two GPUs (it says "skipped" with one)
 #   STAGES="spec-tests spec-same spec-unrelated spec-unrelated-raw spec-ngram" bash scripts/gpu_suite.sh (speculation)
+#   STAGES="moe-kernels lora-kernels" TIMEOUT_moe_kernels=590: the MoE and batched-LoRA kernels (issues 48, 46): GPU
+#   tests, the CPU kernel tests compiled, the benchmarks (MoE tile sweep at MOE_SWEEP_MS) and a table of each at the end
 #   STAGES=decode-sweep: decode attention's split counts, tiles and grid orders at the offline run's batch sizes
 #   STAGES=extend-rows: the extend kernel's new-token K/V read from their own rows vs their slots, both block orders,
 #   and its tiles
@@ -88,7 +90,7 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
         tests/gpu/test_speculative_gpu.py tests/gpu/test_mm_gpu.py tests/gpu/test_hicache_gpu.py \
         tests/gpu/test_custom_all_reduce_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_hot_path_gpu.py \
         tests/gpu/test_triton_kernels_gpu.py tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_kv_transfer_gpu.py \
-        tests/gpu/test_tensor_parallel_gpu.py ;;
+        tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_lora_gpu.py ;;
     pdl-tests)  # programmatic dependent launch: decode kernel chains in graphs vs without PDL, engine vs transformers
       python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/gpu/test_pdl_gpu.py tests/gpu/test_engine_gpu.py
       python3 -m pytest -q -p no:cacheprovider -rfE tests/unit/test_gemv_rope_kernel.py tests/unit/test_gemv_fused_kernel.py ;;
@@ -390,6 +392,20 @@ print(s["tokenizer_address"], s["worker_addresses"][0], s["redis_url"] or "")')"
         $RM bench fp8-accuracy --model-shape $shape --load-format dummy --kv-cache-dtype fp8_e4m3 \
           --context-length 8192 --result-file "$OUT/fp8-accuracy.jsonl"
       done ;;
+    moe-kernels)  # fused MoE at the Qwen3-30B-A3B and Mixtral-8x7B shapes: tests, then per M = 1..256 the layer and
+      # its parts (bf16, FP8 W8A16 and W8A8, checked against moe_ref) vs the copy bandwidth, the bf16 tile sweep
+      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_moe_gpu.py
+      python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_moe_kernels.py
+      python3 -m radixmesh.kernels.bench_moe --check --sweep --sweep-ms ${MOE_SWEEP_MS:-1 16 64 256} \
+        | tee "$OUT/moe-kernels.jsonl"
+      python3 -m radixmesh.kernels.bench_moe --table "$OUT/moe-kernels.jsonl" ;;
+    lora-kernels)  # batched LoRA at the 8B projections: tests, then the adapters' cost next to cuBLAS's base GEMMs
+      # (32 decode rows over 16 rank-16 adapters, batch 1, four 512-token prefill segments; then slots sized for rank 64)
+      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_gpu.py
+      python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_lora_kernels.py
+      python3 -m radixmesh.kernels.bench_lora --check | tee "$OUT/lora-kernels.jsonl"
+      python3 -m radixmesh.kernels.bench_lora --cases decode --max-rank 64 | tee -a "$OUT/lora-kernels.jsonl"
+      python3 -m radixmesh.kernels.bench_lora --table "$OUT/lora-kernels.jsonl" ;;
     mm-tests)  # tiny LLaVA and Qwen2-VL on CUDA (triton, graphs, overlap, chunked) vs transformers' greedy tokens
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_mm_gpu.py ;;
     images)  # 7B multimodal shapes: TTFT with one image + short question; 32 image questions, shared vs distinct image

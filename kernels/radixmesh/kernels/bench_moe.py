@@ -224,7 +224,7 @@ COLUMNS = [("shape", "shape"), ("weights", "weights"), ("M", "m"), ("layer_us", 
            ("combine", "combine_us"), ("active_MB", "active_mb"), ("TB/s", "tb_s"), ("of_copy", "of_copy"),
            ("rel_err", "rel_err")]
 SWEEP_COLUMNS = [("shape", "shape"), ("weights", "weights"), ("M", "m"), ("default_us", "default_layer_us"),
-                 ("best_us", "best_layer_us"), ("best config", "table_entry")]
+                 ("best_us", "best_layer_us"), ("best config", "best")]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,5 +82,13 @@ def sweep(b: Bench) -> dict[str, object]:
     cfg = best[1]
     key = (shape.experts, shape.inter, shape.hidden, dtype_key(torch.bfloat16, b.weights != "bf16", b.a8),
            m_bucket(b.m))
-    return {"best_config": asdict(cfg), "best_layer_us": time_us(b.layer_calls(cfg)), "per_block_m": per_block,
-            "table_entry": f"{key!r}: {cfg!r},"}
+    return {"best_config": asdict(cfg), "best": short(cfg), "best_layer_us": time_us(b.layer_calls(cfg)),
+            "per_block_m": per_block, "table_entry": f"{key!r}: {cfg!r},"}
+
+
+def short(cfg: MoeConfig) -> str:
+    """`bm16 up 64x128 w4s4 / down 64x128 w4s4`: block rows, then each GEMM's block_n x block_k, warps, stages."""
+    def tiles(t: MoeGemmConfig) -> str:
+        return f"{t.block_n}x{t.block_k} w{t.num_warps}s{t.num_stages}"
+
+    return f"bm{cfg.block_m} up {tiles(cfg.up)} / down {tiles(cfg.down)}"

@@ -99,7 +99,7 @@ def default_config(batch: LoraBatch, in_features: int, num_slices: int, device: 
     splits = max(1, min(16, 256 // max(1, programs), in_features // 512))
     if cpu:
         return LoraConfig(block_m, 32, 16, 1, 1)
-    return LoraConfig(block_m, 256 if block_m == 1 else 64, 64 if block_m == 1 else 128, splits, 4)
+    return LoraConfig(block_m, 256 if block_m == 1 else 64, 128, splits, 4)
 
 
 @triton.jit
