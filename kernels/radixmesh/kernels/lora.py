@@ -41,7 +41,9 @@ from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from radixmesh.kernels._tiles import mma
 
 MAX_SLICES = 3
+"""Most B's writing column slices of one output (q/k/v)."""
 MAX_RANK = 256
+"""Largest slot rank R (a program holds a row's R values of a slice)."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, seg_ptr, ranks_ptr, xa_ptr, K, k_per
     valid = rows < end
     rows_x = tl.where(valid, rows, row0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
-    r_ok = r < tl.load(ranks_ptr + slot)
+    r_ok = (r < tl.load(ranks_ptr + slot)) & (r < R)  # a rank above R (bad input) reads no other slice
     offs_k = tl.arange(0, BLOCK_K)
     k0 = split * k_per_split
     k_end = tl.minimum(K, k0 + k_per_split)
@@ -174,7 +176,7 @@ def _expand_kernel(xa_ptr, b_ptr, slots_ptr, seg_ptr, ranks_ptr, scalings_ptr, y
     valid = rows < end
     rows_x = tl.where(valid, rows, row0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
-    r_ok = r < tl.load(ranks_ptr + slot)
+    r_ok = (r < tl.load(ranks_ptr + slot)) & (r < R)  # a rank above R (bad input) reads no other slice
     xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     xa_ptrs = xa_ptr + rows_x[:, None] * stride_xa + (piece * R + r)[None, :]
     for split in range(num_splits):  # the shrink's partial sums over K

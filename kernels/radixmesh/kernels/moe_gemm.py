@@ -32,13 +32,14 @@ from radixmesh.kernels._checks import (
     dot_precision,
     next_power_of_2,
 )
+from radixmesh.kernels._jit import unspecialized
 from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from radixmesh.kernels._tiles import mma
 from radixmesh.kernels.moe_config import MoeGemmConfig
 from radixmesh.kernels.moe_routing import MoeAlignment
 
 
-@triton.jit
+@triton.jit(**unspecialized(ints=("num_blocks",)))
 def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
                      N, K, num_blocks, stride_a, stride_we, stride_wn, stride_se, stride_out,
                      TOP_K: tl.constexpr, GATED: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr,
