@@ -40,11 +40,13 @@ UNGATED_PATHS = frozenset({"/metrics", "/version", "/docs", "/redoc", "/openapi.
 """Paths answered while the backend is not ready; every other one gets 503 naming what is missing."""
 
 
-def create_app(backend: Backend, config: GatewayConfig, api_keys: ApiKeys | None = None) -> FastAPI:
+def create_app(backend: Backend, config: GatewayConfig, api_keys: ApiKeys | None = None,
+               service: str | None = None) -> FastAPI:
     """The gateway over `backend`; the caller owns the backend's lifetime. The backend may not be ready yet
     (a gateway whose router is not up): the app serves at once and answers 503 until it is. `api_keys`:
-    the keys (shared with the gRPC API), by default those of `config`."""
-    service = "gateway" if isinstance(backend, GrpcBackend) else "serve"
+    the keys (shared with the gRPC API), by default those of `config`; `service`: the metrics' service label
+    (default: gateway over a remote backend, serve over a local engine)."""
+    service = service or ("gateway" if isinstance(backend, GrpcBackend) else "serve")
     metrics = GatewayMetrics(config.served_model_name or "", service)
     backend.when_card_known(lambda card: metrics.set_model_name(card.name))
     state = GatewayState(backend, config, metrics, Dispatcher(backend, metrics, config.max_queued_requests))

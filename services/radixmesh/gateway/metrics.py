@@ -19,6 +19,7 @@ from radixmesh.common.metrics import (
     LabelledRegistry,
 )
 from radixmesh.common.spec_metrics import SpecStatsCollector
+from radixmesh.gateway.model_server_metrics import ModelServerMetrics
 
 __all__ = ["CONTENT_TYPE_LATEST", "GatewayMetrics"]
 
@@ -29,7 +30,8 @@ class GatewayMetrics:
     def __init__(self, model_name: str, service: str = "gateway") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.exposed = LabelledRegistry(self.registry, {"service": service})
-        """What /metrics renders: every series labelled service="gateway" (or "serve" with a local engine)."""
+        """What /metrics renders: every series labelled service="gateway" (or "serve", "worker" with a local
+        engine: `radixmesh serve`, a worker's --http-port)."""
         self._views: list[LabelledRegistry] = []
         reg, p = self.registry, "radixmesh_"
         self.http_requests = Counter(p + "http_requests", "HTTP responses by route and status",
@@ -56,7 +58,8 @@ class GatewayMetrics:
                              buckets=E2E_BUCKETS_S, registry=reg)
         self.queue_time: Histogram | None = None
         """Engine queue wait: with a local engine only (the workers report theirs)."""
-        if service == "serve":
+        local = service != "gateway"
+        if local:
             self.queue_time = Histogram(p + "queue_time_seconds", "Time from arrival to the first prefill batch",
                                         buckets=QUEUE_BUCKETS_S, registry=reg)
         self.running = Gauge(p + "num_running_requests", "Sequences the engine is running", registry=reg)
@@ -72,14 +75,20 @@ class GatewayMetrics:
         self.model_info = Gauge(p + "model_info", "The served model (value is always 1)", ["model_name"], registry=reg)
         self.speculative: SpecStatsCollector | None = None
         """Speculative decoding series: with a local engine only (the workers report theirs)."""
-        if service == "serve":
+        self.model_server: ModelServerMetrics | None = None
+        """The model-server protocol's gauges (what inference-pool pickers scrape): with a local engine only."""
+        if local:
             self.speculative = SpecStatsCollector()
             reg.register(self.speculative)
+            self.model_server = ModelServerMetrics()
+            reg.register(self.model_server)
         self.set_model_name(model_name)
 
     def set_model_name(self, model_name: str) -> None:
         """Name the served model (a gateway learns it once its dependencies answer)."""
         self.model_info.clear()
+        if self.model_server is not None:
+            self.model_server.model_name = model_name
         if model_name:
             self.model_info.labels(model_name=model_name).set(1)
 
@@ -119,6 +128,8 @@ class GatewayMetrics:
         self.in_flight.set(in_flight)
         if self.speculative is not None:
             self.speculative.update(stats)
+        if self.model_server is not None:
+            self.model_server.update(stats)
 
     def add_view(self, collector: Any, service: str) -> None:
         """Render `collector`'s metrics too, labelled service=`service` (a part running in this process)."""

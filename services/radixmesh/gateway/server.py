@@ -103,7 +103,7 @@ async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Await
         state: GatewayState = app.state.gateway
         if grpc_api is not None:
             grpc_api.attach(state)
-        server = _http_server(app, config)
+        server = http_server(app, config)
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():
             await asyncio.sleep(0.02)
@@ -124,7 +124,7 @@ async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Await
             loop.remove_signal_handler(sig)
 
 
-def _http_server(app: Any, config: GatewayConfig) -> _Server:
+def http_server(app: Any, config: GatewayConfig) -> _Server:
     """uvicorn over `app`, serving TLS when the gateway has a certificate."""
     tls = config.tls if config.serves_tls else None
     return _Server(uvicorn.Config(app, log_level=config.log_level.lower(), lifespan="off",

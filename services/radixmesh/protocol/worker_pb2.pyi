@@ -338,10 +338,15 @@ class GetLoadResponse(_message.Message):
     LOAD_FIELD_NUMBER: _builtins.int
     DISAGG_FIELD_NUMBER: _builtins.int
     LANE_PORT_FIELD_NUMBER: _builtins.int
+    HTTP_PORT_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     role: _common_pb2.WorkerRole.ValueType
     lane_port: _builtins.int
     """port of the service's Generate lane (plain TCP, same host); 0: none"""
+    http_port: _builtins.int
+    """Port of the worker's OpenAI-compatible HTTP API (same host), where a proxy sends the requests an
+    endpoint picker (the router's --epp-port) placed on this worker; 0: none (worker --http-port).
+    """
     @_builtins.property
     def load(self) -> _common_pb2.WorkerLoad: ...
     @_builtins.property
@@ -356,10 +361,11 @@ class GetLoadResponse(_message.Message):
         load: _common_pb2.WorkerLoad | None = ...,
         disagg: Global___DisaggStats | None = ...,
         lane_port: _builtins.int = ...,
+        http_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["disagg", b"disagg", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["disagg", b"disagg", "lane_port", b"lane_port", "load", b"load", "role", b"role", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["disagg", b"disagg", "http_port", b"http_port", "lane_port", b"lane_port", "load", b"load", "role", b"role", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -39,14 +39,16 @@ class HealthChecker:
         try:
             result = await aio.wait_for(handle.client.probe(self.config.timeout_s), self.config.timeout_s * 2.5)
         except asyncio.TimeoutError:
-            ok, error, load, reported_id, role = False, "probe timed out", None, "", ""
+            ok, error, load, reported_id, role, http_port = False, "probe timed out", None, "", "", None
         else:
             ok, error, load, reported_id = result.ok, result.error, result.load, result.worker_id
-            role = result.role
+            role, http_port = result.role, (result.http_port if load is not None else None)
         if load is not None:
             handle.load = load
         if reported_id:
             handle.index_id = reported_id
+        if http_port is not None:
+            handle.http_port = http_port
         if role and role != handle.reported_role:
             logger.info("router: worker %s reports role %s", handle.worker_id, role)
             handle.reported_role = role

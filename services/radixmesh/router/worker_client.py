@@ -49,6 +49,8 @@ class ProbeResult:
     """The id the worker reports (its index id)."""
     role: str = ""
     """The role the worker reports (unified | prefill | decode; "" when unknown)."""
+    http_port: int = 0
+    """The port of the worker's OpenAI HTTP API on its host (0: none)."""
 
 
 def load_from_proto(load: common_pb2.WorkerLoad) -> LoadSnapshot:
@@ -114,7 +116,7 @@ class WorkerClient:
         if self.lane is not None:
             self.lane.learn(reply.lane_port)
         return ProbeResult(True, load=load_from_proto(reply.load), worker_id=reply.worker_id,
-                           role=ROLE_FROM_PROTO.get(reply.role, ""))
+                           role=ROLE_FROM_PROTO.get(reply.role, ""), http_port=reply.http_port)
 
     async def abort(self, request_id: str, timeout_s: float = 5.0) -> bool:
         try:

@@ -57,6 +57,8 @@ class WorkerHandle:
     """The id the worker publishes index entries under (from its GetLoad; defaults to worker_id)."""
     reported_role: str = ""
     """The role the worker reports in GetLoad ("" until probed); wins over the discovery source's."""
+    http_port: int = 0
+    """The port of the worker's OpenAI HTTP API, as its GetLoad reports it (0: none, or not probed yet)."""
     num_inflight: int = 0
     """Requests this router has open on the worker."""
     inflight_prefill_tokens: int = 0
@@ -74,6 +76,14 @@ class WorkerHandle:
     def role(self) -> str:
         """unified | prefill | decode: as the worker reports it, else as discovery says."""
         return self.reported_role or self.endpoint.role
+
+    @property
+    def http_endpoint(self) -> str:
+        """host:port of the worker's OpenAI HTTP API (its gRPC address's host), "" when it serves none."""
+        if not self.http_port:
+            return ""
+        host = self.address.rsplit(":", 1)[0]
+        return f"{host}:{self.http_port}"
 
     @property
     def is_available(self) -> bool:

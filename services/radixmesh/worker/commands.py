@@ -39,6 +39,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--advertise-address", default="",
                      help="host:port others dial (default: the listening host:port)")
     cmd.add_argument("--block-size", type=int, default=16, help="tokens per block of the published KV-cache events")
+    cmd.add_argument("--http-port", type=int, default=None,
+                     help="also serve the OpenAI-compatible HTTP API over this worker's engine on this port (0 picks "
+                          "a free one; reported in GetLoad): an inference gateway's proxy sends requests here after "
+                          "the router's endpoint picker (--epp-port) chose this worker (unified workers; default: off)")
+    cmd.add_argument("--served-model-name", default=None,
+                     help="with --http-port: the name clients pass as 'model' (default: the model's own name)")
     add_server_args(cmd, DEFAULT_PORT, log_level=False, lane=True)
     add_engine_args(cmd)
     cmd.set_defaults(func=cmd_worker)
@@ -58,5 +64,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
                           block_size=args.block_size, redis_url=args.redis_url, kv_transport=args.kv_transport,
                           kv_lease_s=args.kv_lease_s, prefill_timeout_s=args.prefill_timeout_s,
                           peer_fetch=args.peer_fetch, peer_fetch_timeout_s=args.peer_fetch_timeout_s,
-                          peer_fetch_min_tokens=args.peer_fetch_min_tokens)
+                          peer_fetch_min_tokens=args.peer_fetch_min_tokens, http_port=args.http_port,
+                          served_model_name=args.served_model_name)
     return asyncio.run(serve_worker(server_config(args), config, EngineConfig(**engine_kwargs(args))))

@@ -42,6 +42,11 @@ class WorkerConfig:
     """Prefix sharing: seconds a fetch from a peer may take before the prompt is computed here instead."""
     peer_fetch_min_tokens: int = 32
     """Prefix sharing: fetch only when the peer holds at least this many more prompt tokens than this worker."""
+    http_port: int | None = None
+    """Port of the OpenAI-compatible HTTP API over this worker's engine (0 picks a free one; None: none), for
+    proxies whose endpoint picker chose this worker (unified workers only)."""
+    served_model_name: str | None = None
+    """Name HTTP clients pass as `model` (default: the model's own name)."""
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
@@ -61,6 +66,9 @@ class WorkerConfig:
         if not 0 < self.peer_fetch_timeout_s <= 3600 or self.peer_fetch_min_tokens < 1:
             raise invalid_argument("peer_fetch_timeout_s must be in (0, 3600] seconds and peer_fetch_min_tokens >= 1",
                                    "peer_fetch_timeout_s")
+        if self.http_port is not None and (not 0 <= self.http_port <= 65535 or self.role != "unified"):
+            raise invalid_argument(f"http_port needs a unified worker and a port in [0, 65535] (got "
+                                   f"{self.http_port} on a {self.role} worker)", "http_port")
         if self.advertise_address and ":" not in self.advertise_address:
             raise invalid_argument(f"advertise_address must be host:port (got {self.advertise_address!r})",
                                    "advertise_address")

@@ -31,6 +31,7 @@ from radixmesh.worker.service import SERVICE_NAME, WorkerServicer
 
 if TYPE_CHECKING:
     from radixmesh.index.writer import KVIndexWriter
+    from radixmesh.worker.http_api import WorkerHttpApi
 
 logger = logging.getLogger(__name__)
 ENGINE_WATCH_S = 1.0
@@ -45,6 +46,7 @@ async def serve_worker(server_config: GrpcServerConfig, config: WorkerConfig, en
         check_transport_device(config.kv_transport, engine_config.resolve().device)
     client = await EngineClient.start(engine_config)
     publisher, servicer = None, None
+    http_api: WorkerHttpApi | None = None
     try:
         server = GrpcServer(server_config, "worker", [SERVICE_NAME], {"radixmesh.role": config.role})
         servicer = WorkerServicer(client, config)
@@ -61,10 +63,18 @@ async def serve_worker(server_config: GrpcServerConfig, config: WorkerConfig, en
         watchers = [asyncio.create_task(_watch_engine(client, server)),
                     asyncio.create_task(_watch_optional(server, publisher, engine_config.grammar_service))]
         stats = metrics.start_worker_metrics(client.get_server_info, servicer.load, config.role, config.worker_id)
+        if config.http_port is not None:
+            from radixmesh.worker.http_api import WorkerHttpApi
+
+            http_api = WorkerHttpApi(client, server_config.host, config.http_port, config.served_model_name,
+                                     min(server_config.drain_timeout_s, 30.0))
+            servicer.http_port = await http_api.start()
         await server.run_until_signal()
         await aio.cancel_and_wait(*watchers, stats)
         return 0
     finally:
+        if http_api is not None:
+            await http_api.stop()  # open HTTP requests finish while the gRPC port drained
         if publisher is not None:
             await publisher.close()  # withdraws the lease and this worker's index entries
         if servicer is not None:

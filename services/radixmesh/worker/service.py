@@ -62,6 +62,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """This worker's current KV-cache index epoch (set once its publisher runs; 0: none)."""
         self.lane_port = 0
         """The port of this worker's Generate lane, reported by GetLoad (set once the server runs; 0: none)."""
+        self.http_port = 0
+        """The port of this worker's OpenAI HTTP API, reported by GetLoad (set once it listens; 0: none)."""
         self.peer_export = PeerExportFlow(client, config, lambda: self.index_epoch())
         """FetchKV calls: cached prefixes sent to peers (every role)."""
 
@@ -171,7 +173,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         metrics.ENGINE_STATS.update(stats)
         return worker_pb2.GetLoadResponse(worker_id=self.config.worker_id, role=ROLE_TO_PROTO[self.config.role],
                                           load=load_to_proto(stats), disagg=disagg_stats_to_proto(stats),
-                                          lane_port=self.lane_port)
+                                          lane_port=self.lane_port, http_port=self.http_port)
 
     @map_errors("worker")
     async def FlushCache(self, request: worker_pb2.FlushCacheRequest,
