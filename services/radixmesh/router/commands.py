@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from radixmesh.router.config import RouterConfig
     from radixmesh.router.discovery.base import BaseDiscovery
+    from radixmesh.router.epp.config import EppConfig
 
 DEFAULT_PORT = 50053
 POLICIES = ("cache-aware", "approx-tree", "power-of-two", "round-robin", "random")
@@ -21,8 +22,29 @@ def register(sub: argparse._SubParsersAction) -> None:
                          description="Pick a worker per request by the KV-cache index and load, health-check "
                                      "workers, retry before the first token, and stream the answer back.")
     add_routing_args(cmd)
+    add_epp_args(cmd)
     add_server_args(cmd, DEFAULT_PORT, lane=True)
     cmd.set_defaults(func=cmd_router)
+
+
+def add_epp_args(cmd: argparse.ArgumentParser) -> None:
+    """The router as an inference pool's endpoint picker (Gateway API Inference Extension, ext_proc)."""
+    group = cmd.add_argument_group("endpoint picker", "serve Envoy's ext_proc as the Gateway API Inference "
+                                   "Extension's endpoint picker: a proxy asks which worker's HTTP API "
+                                   "(worker --http-port) serves each request (docs/kubernetes.md)")
+    group.add_argument("--epp-port", type=int, default=None,
+                       help="port of the endpoint picker (envoy.service.ext_proc.v3.ExternalProcessor and "
+                            "grpc.health.v1; 0 picks a free one; default: no picker)")
+    group.add_argument("--tokenizer", default=None,
+                       help="endpoint picker: host:port of the tokenizer service, which turns prompts into token "
+                            "ids and block hashes for the cache lookup (without it, text prompts are picked by load)")
+    group.add_argument("--epp-fallbacks", type=int, default=0,
+                       help="endpoint picker: endpoints after the pick in the destination header and metadata, for "
+                            "proxies that retry down the list (0: the pick alone, as an ORIGINAL_DST cluster "
+                            "reading the header needs)")
+    group.add_argument("--epp-max-queue", type=int, default=0,
+                       help="endpoint picker: answer 429 when every worker has this many requests waiting (0: never "
+                            "shed)")
 
 
 def add_routing_args(cmd: argparse.ArgumentParser) -> None:
@@ -91,7 +113,17 @@ def cmd_router(args: argparse.Namespace) -> int:
     discovery = make_discovery(args)
     from radixmesh.router.server import serve_router
 
-    return asyncio.run(serve_router(server_config(args), config, discovery))
+    return asyncio.run(serve_router(server_config(args), config, discovery, epp_config(args)))
+
+
+def epp_config(args: argparse.Namespace) -> EppConfig | None:
+    """The endpoint picker's config, when --epp-port is given."""
+    if args.epp_port is None:
+        return None
+    from radixmesh.router.epp.config import EppConfig
+
+    return EppConfig(port=args.epp_port, tokenizer=args.tokenizer, fallbacks=args.epp_fallbacks,
+                     max_queue_per_worker=args.epp_max_queue)
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+from typing import TYPE_CHECKING
 
 from radixmesh.common import aio
 from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
@@ -17,11 +18,15 @@ from radixmesh.router import metrics
 from radixmesh.router.config import RouterConfig
 from radixmesh.router.discovery.base import BaseDiscovery
 from radixmesh.router.dispatch import RequestRouter
+from radixmesh.router.epp.config import EppConfig
 from radixmesh.router.health_checker import HealthChecker
 from radixmesh.router.policies import create_policy
 from radixmesh.router.service import SERVICE_NAME, RouterServicer
 from radixmesh.router.worker_client import WorkerClient
 from radixmesh.router.workers import WorkerHandle, WorkerRegistry
+
+if TYPE_CHECKING:
+    from radixmesh.router.epp.app import EndpointPickerApp
 
 logger = logging.getLogger(__name__)
 GAUGE_INTERVAL_S = 1.0
@@ -43,10 +48,11 @@ def make_reader(config: RouterConfig) -> KVIndexReader | None:
 class RouterApp:
     """All parts of one router, started and stopped together (in a process, or inside a test). Without a
     server config there is no RouterService: a gateway routes in its own process (`--embedded-router`) through
-    `servicer` and reads `not_ready_reason`."""
+    `servicer` and reads `not_ready_reason`. With an `epp` config the router is also an inference pool's
+    endpoint picker (radixmesh.router.epp) over the same workers and policy."""
 
     def __init__(self, server_config: GrpcServerConfig | None, config: RouterConfig, discovery: BaseDiscovery,
-                 reader: KVIndexReader | None = None) -> None:
+                 reader: KVIndexReader | None = None, epp: EppConfig | None = None) -> None:
         self.config = config
         self.discovery = discovery
         self.reader = reader if reader is not None else make_reader(config)
@@ -68,6 +74,13 @@ class RouterApp:
         self.readiness.add("workers", "a healthy worker", detail="no worker discovered yet")
         if self.reader is not None:
             self.readiness.add("index", f"the KV-cache index at {config.redis_url}", required=False, up=True)
+        self.epp: EndpointPickerApp | None = None
+        if epp is not None:
+            from radixmesh.router.epp.app import EndpointPickerApp
+
+            self.epp = EndpointPickerApp(epp, self.registry, self.policy, config.block_size,
+                                         server_config.host if server_config else "127.0.0.1",
+                                         server_config.tls if server_config else None)
         self.checker.on_change.append(self.refresh_readiness)
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -83,6 +96,8 @@ class RouterApp:
         if self.reader is not None:  # without it routing falls back to approx-tree: degraded, still ready
             index_up = self.policy.active_policy() == self.policy.policy_id
             self.readiness.set("index", index_up, "" if index_up else "routing with approx-tree meanwhile")
+        if self.epp is not None:
+            self.epp.refresh()
 
     async def start(self) -> None:
         await self.policy.start()
@@ -94,14 +109,20 @@ class RouterApp:
             self.servicer.lane_port = self.server.lane_port
             print(f"radixmesh router: policy {self.config.policy}, index {'on' if self.reader else 'off'}",
                   flush=True)
+        if self.epp is not None:
+            await self.epp.start()
 
     async def stop(self) -> None:
         """Drain the server, then stop discovery, probes, the policy and the worker channels."""
         if self.server is not None:
+            if self.epp is not None:
+                await self.epp.stop(self.server.config.drain_timeout_s)
             await self.server.drain()
         await self.close_parts()
 
     async def close_parts(self) -> None:
+        if self.epp is not None:
+            await self.epp.stop(1.0)  # open picks finish (after a drain, nothing is left to wait for)
         await self.discovery.stop()
         await aio.cancel_and_wait(*self._tasks)
         await self.checker.close()
@@ -131,8 +152,9 @@ def workers_detail(workers: list[WorkerHandle], num_healthy: int, max_named: int
     return f"none of {len(workers)} workers is healthy: {named}{more}"
 
 
-async def serve_router(server_config: GrpcServerConfig, config: RouterConfig, discovery: BaseDiscovery) -> int:
-    app = RouterApp(server_config, config, discovery)
+async def serve_router(server_config: GrpcServerConfig, config: RouterConfig, discovery: BaseDiscovery,
+                       epp: EppConfig | None = None) -> int:
+    app = RouterApp(server_config, config, discovery, epp=epp)
     assert app.server is not None
     try:
         await app.start()
