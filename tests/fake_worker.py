@@ -47,6 +47,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.held: set[int] = set()
         self.writer: KVIndexWriter | None = None
         self.running: dict[str, asyncio.Event] = {}
+        self.http_port = 0
+        """The HTTP API port GetLoad reports (a picker's tests: nothing listens unless the test serves it)."""
+        self.num_waiting = 0
+        """Requests GetLoad reports as waiting."""
 
     @property
     def address(self) -> str:
@@ -113,10 +117,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
 
     async def GetLoad(self, request: worker_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.GetLoadResponse:
-        load = common_pb2.WorkerLoad(num_running_reqs=len(self.running), max_total_tokens=10_000,
-                                     kv_used_tokens=100, kv_usage=0.01)
+        load = common_pb2.WorkerLoad(num_running_reqs=len(self.running), num_waiting_reqs=self.num_waiting,
+                                     max_total_tokens=10_000, kv_used_tokens=100, kv_usage=0.01)
         return worker_pb2.GetLoadResponse(worker_id=self.address, role=common_pb2.WORKER_ROLE_UNIFIED, load=load,
-                                          lane_port=self.server.lane_port)
+                                          lane_port=self.server.lane_port, http_port=self.http_port)
 
     async def FlushCache(self, request: worker_pb2.FlushCacheRequest,
                          context: grpc.aio.ServicerContext) -> worker_pb2.FlushCacheResponse:
