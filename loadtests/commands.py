@@ -24,6 +24,7 @@ BENCH_COMMANDS = [
     "radixmesh.engine.bench_spec:register_speculative",
     "radixmesh.engine.disagg.bench_transfer:register_kv_transfer",
     "radixmesh.cluster.bench:register_routing",
+    "radixmesh.cluster.bench_epp:register_epp",
     "radixmesh.cluster.bench_peer_fetch:register_peer_fetch",
     "radixmesh.cluster.bench_faults:register_faults",
     "radixmesh.cluster.soak:register_soak",

@@ -94,15 +94,17 @@ def _tokenizer_dir_of(infra: Any) -> str | None:
     return getattr(infra, "tokenizer_dir", None)
 
 
-def _run_serving(args: argparse.Namespace, gateway_url: str, output: Path) -> dict[str, Any]:
+def _run_serving(args: argparse.Namespace, gateway_url: str, output: Path, flush_cache: bool = True,
+                 tokenizer: str | None = None) -> dict[str, Any]:
+    """`bench serving` of the workload against `gateway_url` (`flush_cache`: through that URL first)."""
     cmd = [sys.executable, "-m", "radixmesh.cli", "bench", "serving", "--backend", "sglang", "--base-url",
            gateway_url, "--workload", "generated-shared-prefix", "--gsp-num-groups", str(args.gsp_num_groups),
            "--gsp-prompts-per-group", str(args.gsp_prompts_per_group),
            "--gsp-system-prompt-len", str(args.gsp_system_prompt_len),
            "--gsp-question-len", str(args.gsp_question_len), "--gsp-output-len", str(args.gsp_output_len),
            "--request-rate", str(args.request_rate), "--max-concurrency", str(args.max_concurrency),
-           "--seed", str(args.seed), "--flush-cache", "--disable-tqdm", "--output-file", str(output),
-           "--tokenizer", tokenizer_dir_of_gateway(gateway_url)]
+           "--seed", str(args.seed), *(["--flush-cache"] if flush_cache else []), "--disable-tqdm",
+           "--output-file", str(output), "--tokenizer", tokenizer or tokenizer_dir_of_gateway(gateway_url)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0 or not output.is_file():
         raise RuntimeError(f"bench serving failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")

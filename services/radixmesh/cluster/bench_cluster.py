@@ -26,7 +26,9 @@ LATENCY_PROMPT = list(range(1000, 1040))
 class BenchCluster:
     """Redis, workers and a tokenizer, started once and stopped on exit."""
 
-    def __init__(self, num_workers: int, model_args: list[str], worker_args: str, work_dir: Path) -> None:
+    def __init__(self, num_workers: int, model_args: list[str], worker_args: str, work_dir: Path,
+                 worker_http: bool = False) -> None:
+        """`worker_http`: every worker also serves its OpenAI HTTP API (`http_endpoints`), for proxies."""
         self.num_workers = num_workers
         self.model = model_args
         """The model flags of workers and tokenizer (ClusterSpec.model_args)."""
@@ -35,6 +37,9 @@ class BenchCluster:
         self.pids: dict[str, int] = {}
         self.redis: LocalRedis | None = None
         self.workers: list[str] = []
+        self.worker_http = worker_http
+        self.http_endpoints: list[str] = []
+        """host:port of each worker's HTTP API (with worker_http)."""
         self.tokenizer = ""
         self.tokenizer_dir: str | None = None
         """The served model's directory (for the benchmark's own tokenizer), once a gateway reported it."""
@@ -54,9 +59,11 @@ class BenchCluster:
         self.redis = LocalRedis(free_port(HOST), self.log_dir).start()
         threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // self.num_workers))}
         self.workers = [f"{HOST}:{free_port(HOST)}" for _ in range(self.num_workers)]
+        self.http_endpoints = [f"{HOST}:{free_port(HOST)}" for _ in self.workers] if self.worker_http else []
         for i, address in enumerate(self.workers):
+            http = ["--http-port", self.http_endpoints[i].rsplit(":", 1)[1]] if self.worker_http else []
             self._spawn(f"worker-{i}", ["worker", "--port", address.rsplit(":", 1)[1], "--metrics-port", "-1",
-                                        "--redis-url", self.redis.url, *self.model, *self.worker_args], threads)
+                                        "--redis-url", self.redis.url, *http, *self.model, *self.worker_args], threads)
         self.tokenizer = f"{HOST}:{free_port(HOST)}"
         self._spawn("tokenizer", ["tokenizer", "--port", self.tokenizer.rsplit(":", 1)[1], "--metrics-port", "-1",
                                   *self.model])
