@@ -33,7 +33,8 @@ from .chart import (
 pytestmark = pytest.mark.helm
 
 VALUE_SETS = [pytest.param(None, id="defaults")] + [pytest.param(p, id=p.stem) for p in EXAMPLES]
-CRD_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1", "Certificate": "cert-manager.io/v1"}
+CRD_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1", "Certificate": "cert-manager.io/v1",
+             "InferencePool": "inference.networking.k8s.io/v1"}
 """Kinds of custom resources the chart may render; the Kubernetes schemas do not cover them."""
 THIRD_PARTY = ("redis", "otel-collector")
 """Components that run someone else's image (probed their own way, no radixmesh command line)."""

@@ -1,7 +1,8 @@
 {{/*
 Deployment + Service of one CPU gRPC service (router, tokenizer, grammar):
   (dict "root" $ "component" "router" "values" .Values.router "args" (list ...)
-        "loadsModel" false "serviceAccount" "")
+        "loadsModel" false "serviceAccount" "" "extraPorts" (list (dict "name" "epp" "port" 9002 "appProtocol" "...")))
+"extraPorts" (optional): more container ports, each also a port of the Service.
 The container runs `radixmesh <component> --host 0.0.0.0 --port P --metrics-port M ...`, serves
 grpc.health.v1 on its gRPC port (probed natively by the kubelet) and metrics on M.
 */}}
@@ -86,6 +87,11 @@ spec:
             - name: metrics
               containerPort: {{ $root.Values.metrics.port }}
               protocol: TCP
+            {{- range .extraPorts }}
+            - name: {{ .name }}
+              containerPort: {{ .port }}
+              protocol: TCP
+            {{- end }}
             {{- with include "radixmesh.healthContainerPort" $root | trim }}{{ . | nindent 12 }}{{ end }}
           env:
             - name: POD_NAME
@@ -148,4 +154,13 @@ spec:
       targetPort: metrics
       protocol: TCP
       appProtocol: http
+    {{- range .extraPorts }}
+    - name: {{ .name }}
+      port: {{ .port }}
+      targetPort: {{ .name }}
+      protocol: TCP
+      {{- with .appProtocol }}
+      appProtocol: {{ . }}
+      {{- end }}
+    {{- end }}
 {{- end -}}

@@ -73,6 +73,11 @@ app.kubernetes.io/component=worker,app.kubernetes.io/instance={{ .Release.Name }
 {{- printf "%s:%d" (include "radixmesh.componentName" (dict "root" . "component" "grammar")) (int .Values.grammar.port) -}}
 {{- end -}}
 
+{{/* Name of the InferencePool (inferencePool.name, else the release's full name). */}}
+{{- define "radixmesh.inferencePoolName" -}}
+{{- default (include "radixmesh.fullname" .) .Values.inferencePool.name -}}
+{{- end -}}
+
 {{- define "radixmesh.routerServiceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "radixmesh.componentName" (dict "root" . "component" "router")) .Values.serviceAccount.name -}}
