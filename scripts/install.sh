@@ -54,4 +54,10 @@ if [ "$want" = test ]; then
   else
     echo "radixmesh: Go is not installed: cannot build helm $HELM_VERSION; the chart tests (tests/helm) will fail" >&2
   fi
+  # The Gateway API Inference Extension at the version the chart's InferencePool follows: its CRDs (the chart
+  # tests check the rendered pool against the CRD's schema). The Go module proxy serves exact versions only.
+  if command -v go >/dev/null 2>&1; then
+    GOFLAGS=-mod=mod go mod download sigs.k8s.io/gateway-api-inference-extension@v1.0.0 >/dev/null \
+      || echo "radixmesh: could not download the inference extension's CRDs; one chart test will skip" >&2
+  fi
 fi
