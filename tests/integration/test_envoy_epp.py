@@ -102,7 +102,9 @@ def test_shared_prefixes_land_on_the_worker_holding_them(stack: dict[str, Any]) 
     lines = envoy.access_lines()
     assert lines and all(line[0] == "200" and line[1] == line[2] for line in lines[-4:]), lines
     assert metric(stack["metrics"], "radixmesh_router_decisions_total", reason="cache-hit") >= 3
-    assert metric(stack["metrics"], "radixmesh_epp_prompts_total", source="tokenized") >= 4
+    tokenized = sum(metric(stack["metrics"], "radixmesh_epp_prompts_total", source=s)
+                    for s in ("tokenized", "tokenized-service"))
+    assert tokenized >= 4
     worker_metrics = httpx.get(f"http://{next(iter(upstreams))}/metrics", timeout=5).text
     assert "vllm:num_requests_waiting" in worker_metrics and "vllm:gpu_cache_usage_perc" in worker_metrics
 

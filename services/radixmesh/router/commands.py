@@ -38,6 +38,9 @@ def add_epp_args(cmd: argparse.ArgumentParser) -> None:
     group.add_argument("--tokenizer", default=None,
                        help="endpoint picker: host:port of the tokenizer service, which turns prompts into token "
                             "ids and block hashes for the cache lookup (without it, text prompts are picked by load)")
+    group.add_argument("--epp-tokenize", default="local", choices=("local", "service"),
+                       help="endpoint picker: tokenize prompts with a copy of the tokenizer service's tokenizer in "
+                            "this process (local: no round trip per request) or with a Tokenize call each (service)")
     group.add_argument("--epp-fallbacks", type=int, default=0,
                        help="endpoint picker: endpoints after the pick in the destination header and metadata, for "
                             "proxies that retry down the list (0: the pick alone, as an ORIGINAL_DST cluster "
@@ -123,7 +126,7 @@ def epp_config(args: argparse.Namespace) -> EppConfig | None:
     from radixmesh.router.epp.config import EppConfig
 
     return EppConfig(port=args.epp_port, tokenizer=args.tokenizer, fallbacks=args.epp_fallbacks,
-                     max_queue_per_worker=args.epp_max_queue)
+                     max_queue_per_worker=args.epp_max_queue, tokenize=args.epp_tokenize)
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:

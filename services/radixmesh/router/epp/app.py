@@ -22,7 +22,7 @@ class EndpointPickerApp:
         self.readiness = Readiness("endpoint picker")
         self.readiness.add("workers", "a ready worker serving HTTP", detail="no worker discovered yet")
         self.picker = EndpointPicker(config, registry, policy)
-        self.tokenizer = PromptTokenizer(config.tokenizer, block_size, config.tokenize_timeout_s)
+        self.tokenizer = PromptTokenizer(config.tokenizer, block_size, config.tokenize_timeout_s, config.tokenize)
         self.service = ExtProcService(config, self.picker, self.tokenizer, block_size)
         self.server = EppServer(host, config.port, self.service, self.readiness, tls)
 
@@ -45,6 +45,7 @@ class EndpointPickerApp:
 
     async def start(self) -> None:
         self.refresh()
+        self.tokenizer.start()
         await self.server.start()
 
     async def stop(self, grace_s: float = 0.0) -> None:

@@ -22,6 +22,9 @@ class EppConfig:
     max_queue_per_worker: int = 0
     """Shed (HTTP 429) when every candidate has at least this many requests waiting: its last reported
     queue plus the picks sent to it since that report; 0: never shed."""
+    tokenize: str = "local"
+    """How prompts become tokens: local (a copy of the tokenizer service's tokenizer in this process, no round
+    trip per pick; Tokenize calls until it is loaded) | service (a Tokenize call per pick)."""
     tokenize_timeout_s: float = 2.0
     """A Tokenize call that takes longer is given up: the request is picked by load alone."""
     max_body_bytes: int = 8 * 1024 * 1024
@@ -34,5 +37,7 @@ class EppConfig:
             raise invalid_argument(f"epp fallbacks must be in [0, 16] (got {self.fallbacks})", "epp_fallbacks")
         if self.max_queue_per_worker < 0:
             raise invalid_argument("epp max_queue_per_worker must be >= 0", "epp_max_queue_per_worker")
+        if self.tokenize not in ("local", "service"):
+            raise invalid_argument(f"epp tokenize must be local or service (got {self.tokenize!r})", "epp_tokenize")
         if self.tokenize_timeout_s <= 0 or self.max_body_bytes < 1:
             raise invalid_argument("epp tokenize_timeout_s and max_body_bytes must be > 0", "epp_tokenize_timeout_s")

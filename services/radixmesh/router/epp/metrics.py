@@ -16,5 +16,6 @@ PICKS = Counter("radixmesh_epp_picks_total", "Endpoint picks by result: picked |
                 ["result"])
 RESULTS = ("picked", "shed", "unavailable")
 PROMPTS = Counter("radixmesh_epp_prompts_total",
-                  "Picked requests by where their blocks came from: tokenized | token-ids | none | tokenizer-error",
+                  "Picked requests by where their blocks came from: tokenized (here) | tokenized-service | token-ids | "
+                  "none | tokenizer-error",
                   ["source"])
