@@ -248,7 +248,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"| pick p50 ms (tokenization excluded) | {_fmt(envoy['pick_idle_p50_ms'], 3)} "
         f"| {_fmt(envoy['pick_loaded_p50_ms'], 3)} |",
         f"| pick p99 ms | {_fmt(envoy['pick_idle_p99_ms'], 3)} | {_fmt(envoy['pick_loaded_p99_ms'], 3)} |",
-        f"| tokenize p50 ms (Tokenize call) | {_fmt(envoy['tokenize_idle_p50_ms'], 3)} "
+        f"| tokenize p50 ms | {_fmt(envoy['tokenize_idle_p50_ms'], 3)} "
         f"| {_fmt(envoy['tokenize_loaded_p50_ms'], 3)} |",
         "",
         f"Paired 1-token completions ({envoy['num_paired']} per round): through Envoy p50 "
@@ -259,6 +259,6 @@ def markdown(result: dict[str, Any]) -> str:
         "Pick latency is the picker's own histogram `radixmesh_epp_pick_seconds` (candidates, the cache-aware "
         "policy with its Redis index lookup, the answer), p50/p99 interpolated in its buckets; idle: during the "
         "paired requests, loaded: during the workload, when the workers' model compute occupies the cores the "
-        "picker shares. The added latency includes the Tokenize call, two ext_proc messages and Envoy's hop.",
+        "picker shares. The added latency includes tokenization, two ext_proc messages and Envoy's hop.",
         "",
     ])
