@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from prometheus_client import Counter, Gauge, Histogram
 
 from radixmesh.router.breaker import CircuitState
+from radixmesh.router.epp import metrics as epp_metrics  # noqa: F401  (the picker's series exist on every router)
 from radixmesh.router.workers import WorkerHandle
 
 _FINE_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01,
