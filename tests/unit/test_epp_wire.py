@@ -111,3 +111,12 @@ def test_headers_are_read_from_raw_values() -> None:
 def test_bad_config_is_refused(fields: dict[str, int]) -> None:
     with pytest.raises(RadixMeshError):
         EppConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_only_unified_workers_serve_http() -> None:
+    from radixmesh.worker.config import WorkerConfig
+
+    assert WorkerConfig(http_port=0).http_port == 0
+    for fields in ({"role": "decode", "http_port": 8000}, {"http_port": 70000}):
+        with pytest.raises(RadixMeshError, match="http_port"):
+            WorkerConfig(**fields)  # type: ignore[arg-type]
