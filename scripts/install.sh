@@ -60,4 +60,12 @@ if [ "$want" = test ]; then
     GOFLAGS=-mod=mod go mod download sigs.k8s.io/gateway-api-inference-extension@v1.0.0 >/dev/null \
       || echo "radixmesh: could not download the inference extension's CRDs; one chart test will skip" >&2
   fi
+  # The k8s tests (tests/k8s) start a real control plane: etcd, kube-apiserver, kube-controller-manager,
+  # kube-scheduler and kwok (fake nodes), built from the Go module proxy into .venv/bin once (12-14 minutes
+  # on 2 cores from empty Go caches; seconds when they are already there).
+  if command -v go >/dev/null 2>&1; then
+    bash scripts/k8s/build.sh "$PWD/.venv/bin"
+  else
+    echo "radixmesh: Go is not installed: cannot build the Kubernetes control plane; the k8s tests will fail" >&2
+  fi
 fi

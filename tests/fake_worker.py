@@ -26,11 +26,11 @@ BLOCK = 16
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, name: str, redis_url: str | None = None, lane: bool = True) -> None:
-        """`lane`: serve Generate on a lane too and report it in GetLoad (as a worker does)."""
+    def __init__(self, name: str, redis_url: str | None = None, lane: bool = True, port: int = 0) -> None:
+        """`lane`: serve Generate on a lane too and report it in GetLoad (as a worker does); `port`: 0 picks one."""
         self.name = name
         self.redis_url = redis_url
-        self.server = GrpcServer(GrpcServerConfig(port=0, metrics_port=-1, lane_port=0 if lane else -1),
+        self.server = GrpcServer(GrpcServerConfig(port=port, metrics_port=-1, lane_port=0 if lane else -1),
                                  f"fake-{name}", [SERVICE_NAME])
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(self, self.server.server)
         self.server.add_lane({"Generate": LaneMethod(worker_pb2.GenerateRequest, self.Generate,

@@ -11,6 +11,7 @@ import pytest
 
 from radixmesh.router.discovery.base import WorkerEndpoint
 from radixmesh.router.discovery.kubernetes import KubernetesDiscovery, KubernetesDiscoveryConfig
+from radixmesh.router.discovery.loopback_map import PodLoopbackMap
 
 from .fake_kube_api import FakeKubeApi, make_pod
 
@@ -60,8 +61,8 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def running(pods: list[dict] | None = None, fail_first: int = 0,
-                  fail_on_change: int = 0) -> AsyncIterator[Harness]:
+async def running(pods: list[dict] | None = None, fail_first: int = 0, fail_on_change: int = 0,
+                  loopback: PodLoopbackMap | None = None) -> AsyncIterator[Harness]:
     from kubernetes.aio import client
 
     api = FakeKubeApi(fail_next=fail_first)
@@ -73,7 +74,7 @@ async def running(pods: list[dict] | None = None, fail_first: int = 0,
         return client.ApiClient(client.Configuration(host=host))
 
     config = KubernetesDiscoveryConfig(selector=SELECTOR, namespace=api.namespace, backoff_initial_s=0.05,
-                                       backoff_max_s=0.2)
+                                       backoff_max_s=0.2, loopback=loopback)
     harness = Harness(api, KubernetesDiscovery(config, client_factory), fail_on_change=fail_on_change)
     task = asyncio.ensure_future(harness.discovery.run(harness.on_change))
     try:
@@ -256,5 +257,19 @@ def test_bookmarks_move_the_resume_point_past_other_pods_changes() -> None:
             await h.wait_requests(3)
             assert h.api.requests[2].resource_version == other_rv
             assert len(h.changes) == 1, "a bookmark changes no worker"
+
+    asyncio.run(scenario())
+
+
+def test_loopback_map_dials_pods_on_loopback_and_leaves_out_other_ips() -> None:
+    async def scenario() -> None:
+        pods = [make_pod("w1", ip="10.244.0.1"), make_pod("w7", ip="10.244.0.7", grpc_port=6000),
+                make_pod("w-outside", ip="10.0.0.9"), make_pod("w-v6", ip="fd00::7")]
+        async with running(pods, loopback=PodLoopbackMap(pod_cidr="10.244.0.0/24", base_port=30000)) as h:
+            await h.wait_for(lambda ws: len(ws) > 0)
+            assert {w.worker_id: w.address for w in h.changes[-1]} == {
+                "w1": "127.0.0.1:30001", "w7": "127.0.0.1:30007"}, "the port annotation is ignored"
+            await h.api.put(make_pod("w7", ip="10.244.0.9"))  # back with a new IP: a new port
+            await h.wait_for(lambda ws: ws.get("w7") is not None and ws["w7"].address == "127.0.0.1:30009")
 
     asyncio.run(scenario())

@@ -27,6 +27,7 @@ from radixmesh.common import aio
 from radixmesh.common.errors import invalid_argument
 from radixmesh.router.discovery.base import BaseDiscovery, OnChange, WorkerEndpoint
 from radixmesh.router.discovery.kubernetes_pods import endpoint_from_pod, pod_name
+from radixmesh.router.discovery.loopback_map import PodLoopbackMap, pod_loopback_map_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class KubernetesDiscoveryConfig:
     """First retry delay after a failed list or watch."""
     backoff_max_s: float = 30.0
     """Cap of the exponentially growing retry delay."""
+    loopback: PodLoopbackMap | None = None
+    """Test hook: dial pods on 127.0.0.1 ports instead of their IPs (loopback_map.py); None in deployments."""
 
     def __post_init__(self) -> None:
         if not self.selector.strip():
@@ -148,7 +151,7 @@ class KubernetesDiscovery(BaseDiscovery):
             message = body.get("message", body) if isinstance(body, dict) else body
             raise client.ApiException(status=response.status, reason=str(message))
         self.num_lists += 1
-        self._endpoints = {pod_name(pod): endpoint_from_pod(pod) for pod in body.get("items") or []}
+        self._endpoints = {pod_name(pod): self._endpoint(pod) for pod in body.get("items") or []}
         list_version = str((body.get("metadata") or {}).get("resourceVersion") or "") or None
         logger.info("kubernetes discovery: listed %d pods (%s) in %s at resourceVersion %s",
                     len(self._endpoints), self.config.selector, self.config.namespace, list_version)
@@ -197,11 +200,17 @@ class KubernetesDiscovery(BaseDiscovery):
         if kind == "DELETED":
             self._endpoints.pop(name, None)
         elif kind in ("ADDED", "MODIFIED"):
-            self._endpoints[name] = endpoint_from_pod(pod)
+            self._endpoints[name] = self._endpoint(pod)
         else:
             logger.warning("kubernetes discovery: watch event of unknown type %r ignored", kind)
             return
         await self._report(on_change)
+
+    def _endpoint(self, pod: dict[str, Any]) -> WorkerEndpoint | None:
+        endpoint = endpoint_from_pod(pod)
+        if endpoint is None or self.config.loopback is None:
+            return endpoint
+        return self.config.loopback.apply(endpoint)
 
     async def _report(self, on_change: OnChange) -> None:
         current = sorted((e for e in self._endpoints.values() if e is not None), key=lambda e: e.worker_id)
@@ -234,7 +243,8 @@ def make_kubernetes_discovery(selector: str, namespace: str | None = None) -> Ba
     `namespace` None means the router's own namespace in a cluster, else the kubeconfig
     context's namespace, else "default".
     """
-    config = KubernetesDiscoveryConfig(selector=selector, namespace=namespace or default_namespace())
+    config = KubernetesDiscoveryConfig(selector=selector, namespace=namespace or default_namespace(),
+                                       loopback=pod_loopback_map_from_env())
     return KubernetesDiscovery(config, load_api_client)
 
 

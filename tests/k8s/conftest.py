@@ -1,0 +1,89 @@
+"""Fixtures of the k8s tests: one real control plane for the session (tests/k8s/control_plane.py), a fresh
+namespace per test, helm and kubectl pointed at it. A missing binary fails the tests: scripts/install.sh test
+builds them."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helm.chart import find_helm
+from tests.k8s.binaries import MissingBinary, find_binaries
+from tests.k8s.control_plane import ControlPlane
+
+_TIMINGS: dict[str, float] = {}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test here starts real processes: marked k8s and integration."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.k8s)
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def control_plane() -> Iterator[ControlPlane]:
+    """etcd, kube-apiserver, controller manager, scheduler and kwok with one fake node, stopped at the end."""
+    try:
+        binaries = find_binaries()
+    except MissingBinary as exc:
+        pytest.fail(str(exc))
+    plane = ControlPlane.start(binaries)
+    _TIMINGS.update({f"control plane {k}": v for k, v in plane.timings_s.items()})
+    try:
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.fixture
+def k8s(control_plane: ControlPlane) -> Iterator[ControlPlane]:
+    """The session's control plane, checked to be still running before and after the test."""
+    control_plane.check_running()
+    yield control_plane
+    control_plane.check_running()
+
+
+@pytest.fixture
+def namespace(k8s: ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A new namespace for one test, deleted after it (without waiting)."""
+    from kubernetes import client
+
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"{slug}-{secrets.token_hex(3)}"
+    api = client.CoreV1Api(k8s.api_client())
+    api.create_namespace({"metadata": {"name": name}})
+    yield name
+    api.delete_namespace(name)
+
+
+@pytest.fixture(scope="session")
+def kubectl_binary(control_plane: ControlPlane) -> str:
+    return control_plane.binaries.kubectl
+
+
+@pytest.fixture(scope="session")
+def helm_binary() -> str:
+    path = find_helm()
+    if path is None:
+        pytest.fail("helm not found (next to python or on PATH): run `scripts/install.sh test`")
+    return path
+
+
+@pytest.fixture(scope="session")
+def k8s_timings() -> dict[str, float]:
+    """Seconds of the steps the k8s tests time (printed at the end of the run)."""
+    return _TIMINGS
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _TIMINGS:
+        terminalreporter.write_sep("-", "k8s timings")
+        for name, seconds in _TIMINGS.items():
+            terminalreporter.write_line(f"{seconds:8.2f} s  {name}")

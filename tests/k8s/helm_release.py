@@ -1,0 +1,64 @@
+"""helm against the test control plane: install, upgrade, rollback and uninstall of the chart, timed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.helm.chart import CHART
+
+WAIT_TIMEOUT = "120s"
+"""helm --wait's limit: kwok runs pods at once, so a release that is not ready by then never will be."""
+
+
+@dataclass
+class Helm:
+    """The helm binary with a kubeconfig; every call is timed into `timings_s` (command -> seconds)."""
+
+    binary: str
+    kubeconfig: Path
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+    def run(self, *args: str, timeout_s: float = 180.0) -> str:
+        started = time.monotonic()
+        proc = subprocess.run([self.binary, f"--kubeconfig={self.kubeconfig}", *args], capture_output=True,
+                              text=True, timeout=timeout_s, check=False)
+        self.timings_s[" ".join(args[:2])] = time.monotonic() - started
+        assert proc.returncode == 0, f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}"
+        return proc.stdout
+
+    def install(self, release: str, namespace: str, values: list[Path] | None = None,
+                sets: list[str] | None = None) -> str:
+        """`helm install --wait`: returns once every Deployment is available (kwok runs the pods)."""
+        return self.run("install", release, str(CHART), "-n", namespace, "--wait", "--timeout", WAIT_TIMEOUT,
+                        *_values_args(values, sets))
+
+    def upgrade(self, release: str, namespace: str, values: list[Path] | None = None,
+                sets: list[str] | None = None) -> str:
+        return self.run("upgrade", release, str(CHART), "-n", namespace, "--wait", "--timeout", WAIT_TIMEOUT,
+                        *_values_args(values, sets))
+
+    def rollback(self, release: str, namespace: str, revision: int) -> str:
+        return self.run("rollback", release, str(revision), "-n", namespace, "--wait", "--timeout", WAIT_TIMEOUT)
+
+    def uninstall(self, release: str, namespace: str) -> str:
+        return self.run("uninstall", release, "-n", namespace, "--wait", "--timeout", WAIT_TIMEOUT)
+
+    def history(self, release: str, namespace: str) -> list[dict[str, Any]]:
+        return list(json.loads(self.run("history", release, "-n", namespace, "-o", "json")))
+
+    def manifest(self, release: str, namespace: str) -> str:
+        return self.run("get", "manifest", release, "-n", namespace)
+
+
+def _values_args(values: list[Path] | None, sets: list[str] | None) -> list[str]:
+    args: list[str] = []
+    for path in values or []:
+        args += ["-f", str(path)]
+    for item in sets or []:
+        args += ["--set", item]
+    return args

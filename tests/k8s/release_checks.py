@@ -1,0 +1,127 @@
+"""What an installed release must look like on the API server, beyond `helm install --wait`:
+
+- every pod of the release Running and Ready on a node (workers included: kwok runs them);
+- every Service selects ready pods, and each of its ports resolves to a container port in the EndpointSlices
+  (a selector or targetPort name that matches nothing shows here, never in `helm template`);
+- every PodDisruptionBudget, NetworkPolicy and ServiceMonitor selects something, every HPA targets an
+  existing Deployment.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.k8s.kube import INSTANCE_LABEL, is_running_ready, wait_for
+
+TIMEOUT_S = 30.0
+
+
+def selector_string(match_labels: dict[str, str] | None) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted((match_labels or {}).items()))
+
+
+def check_release(api_client: Any, namespace: str, release: str) -> dict[str, int]:
+    """Assert the release is whole (see the module docstring); returns counts by kind, for messages."""
+    from kubernetes import client
+
+    core, apps = client.CoreV1Api(api_client), client.AppsV1Api(api_client)
+    selector = f"{INSTANCE_LABEL}={release}"
+    deployments = apps.list_namespaced_deployment(namespace, label_selector=selector).items
+    assert deployments, f"release {release} has no Deployments"
+    num_pods = wait_for(lambda: _all_pods_ready(core, apps, namespace, selector), TIMEOUT_S,
+                        f"the pods of every Deployment of {release} Running and Ready")
+    services = core.list_namespaced_service(namespace, label_selector=selector).items
+    for service in services:
+        wait_for(lambda s=service: _service_resolves(api_client, namespace, s), TIMEOUT_S,
+                 f"Service {service.metadata.name} with ready endpoints on every port")
+    counts = {"Deployment": len(deployments), "Pod": num_pods, "Service": len(services)}
+    counts["PodDisruptionBudget"] = _check_pdbs(api_client, namespace, selector)
+    counts["NetworkPolicy"] = _check_network_policies(api_client, core, namespace, selector)
+    counts["HorizontalPodAutoscaler"] = _check_hpas(api_client, apps, namespace, selector)
+    counts["ServiceMonitor"] = _check_service_monitors(api_client, core, namespace, selector)
+    return counts
+
+
+def _all_pods_ready(core: Any, apps: Any, namespace: str, selector: str) -> int:
+    """The number of pods when each Deployment has its replicas (an HPA may change them) all Running and Ready
+    on a node, else 0."""
+    deployments = apps.list_namespaced_deployment(namespace, label_selector=selector).items
+    wanted = sum(d.spec.replicas or 0 for d in deployments)
+    pods = [p for p in core.list_namespaced_pod(namespace, label_selector=selector).items
+            if p.metadata.deletion_timestamp is None]
+    ok = len(pods) == wanted and all(is_running_ready(p) and p.spec.node_name for p in pods)
+    return len(pods) if ok else 0
+
+
+def _service_resolves(api_client: Any, namespace: str, service: Any) -> bool:
+    """Every port of the Service has a resolved port and at least one ready endpoint in its EndpointSlices."""
+    from kubernetes import client
+
+    if not service.spec.selector:
+        return True
+    slices = client.DiscoveryV1Api(api_client).list_namespaced_endpoint_slice(
+        namespace, label_selector=f"kubernetes.io/service-name={service.metadata.name}").items
+    for port in service.spec.ports:
+        ready = [s for s in slices
+                 if any(p.name == port.name and p.port for p in s.ports or [])
+                 and any(e.conditions and e.conditions.ready for e in s.endpoints or [])]
+        if not ready:
+            return False
+    return True
+
+
+def _check_pdbs(api_client: Any, namespace: str, selector: str) -> int:
+    from kubernetes import client
+
+    policy = client.PolicyV1Api(api_client)
+    pdbs = policy.list_namespaced_pod_disruption_budget(namespace, label_selector=selector).items
+    for pdb in pdbs:
+        name = pdb.metadata.name
+        wait_for(lambda n=name: (policy.read_namespaced_pod_disruption_budget(n, namespace).status.expected_pods
+                                 or 0) > 0, TIMEOUT_S, f"PodDisruptionBudget {name} covering pods")
+    return len(pdbs)
+
+
+def _check_network_policies(api_client: Any, core: Any, namespace: str, selector: str) -> int:
+    from kubernetes import client
+
+    policies = client.NetworkingV1Api(api_client).list_namespaced_network_policy(namespace,
+                                                                                 label_selector=selector).items
+    for policy in policies:
+        pod_selector = selector_string(policy.spec.pod_selector.match_labels)
+        assert core.list_namespaced_pod(namespace, label_selector=pod_selector).items, \
+            f"NetworkPolicy {policy.metadata.name} selects no pod ({pod_selector})"
+    return len(policies)
+
+
+def _check_hpas(api_client: Any, apps: Any, namespace: str, selector: str) -> int:
+    from kubernetes import client
+
+    hpas = client.AutoscalingV2Api(api_client).list_namespaced_horizontal_pod_autoscaler(
+        namespace, label_selector=selector).items
+    for hpa in hpas:
+        target = hpa.spec.scale_target_ref
+        assert target.kind == "Deployment", f"HPA {hpa.metadata.name} targets a {target.kind}"
+        apps.read_namespaced_deployment(target.name, namespace)  # 404 raises
+    return len(hpas)
+
+
+def _check_service_monitors(api_client: Any, core: Any, namespace: str, selector: str) -> int:
+    from kubernetes import client
+
+    try:
+        monitors = client.CustomObjectsApi(api_client).list_namespaced_custom_object(
+            "monitoring.coreos.com", "v1", namespace, "servicemonitors", label_selector=selector)["items"]
+    except client.ApiException as exc:
+        if exc.status == 404:  # no CRD in this cluster: the chart rendered none (helm would have failed)
+            return 0
+        raise
+    for monitor in monitors:
+        service_selector = selector_string(monitor["spec"]["selector"].get("matchLabels"))
+        services = core.list_namespaced_service(namespace, label_selector=service_selector).items
+        assert services, f"ServiceMonitor {monitor['metadata']['name']} selects no Service ({service_selector})"
+        port_names = {p.name for s in services for p in s.spec.ports}
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert endpoint["port"] in port_names, \
+                f"ServiceMonitor {monitor['metadata']['name']}: port {endpoint['port']} not in {port_names}"
+    return len(monitors)
