@@ -14,6 +14,7 @@ import pytest
 from tests.helm.chart import find_helm
 from tests.k8s.binaries import MissingBinary, find_binaries
 from tests.k8s.control_plane import ControlPlane
+from tests.k8s.kube import wait_for
 
 _TIMINGS: dict[str, float] = {}
 
@@ -52,15 +53,21 @@ def k8s(control_plane: ControlPlane) -> Iterator[ControlPlane]:
 
 @pytest.fixture
 def namespace(k8s: ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A new namespace for one test, deleted after it (without waiting)."""
+    """A new namespace for one test, deleted after it (its pods at once, the rest without waiting)."""
     from kubernetes import client
 
     slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
     name = f"{slug}-{secrets.token_hex(3)}"
     api = client.CoreV1Api(k8s.api_client())
     api.create_namespace({"metadata": {"name": name}})
+    # pods are refused until the controller manager has made the namespace's default ServiceAccount
+    wait_for(lambda: any(a.metadata.name == "default" for a in api.list_namespaced_service_account(name).items),
+             30, f"ServiceAccount {name}/default")
     yield name
+    # Terminating refuses new pods; its pods then go at once, freeing their node resources (GPUs) for the next
+    # test instead of when the namespace controller gets to them.
     api.delete_namespace(name)
+    api.delete_collection_namespaced_pod(name, grace_period_seconds=0)
 
 
 @pytest.fixture(scope="session")

@@ -163,7 +163,9 @@ class ControlPlane:
         self._spawn("kwok", [
             self.binaries.kwok, f"--kubeconfig={kc}", f"--config={self.binaries.kwok_stages}",
             "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={nodes.KWOK_ANNOTATION}=fake",
-            f"--cidr={POD_CIDR}", "--node-ip=10.244.255.1"])
+            # nodes renew a Lease, as kubelets do: without it (kwok's default here) only the rare status
+            # heartbeats keep a node Ready, it turns Unknown now and then and its pods not-Ready
+            "--node-lease-duration-seconds=40", f"--cidr={POD_CIDR}", "--node-ip=10.244.255.1"])
 
     def _wait_ready(self) -> None:
         """Poll /readyz until 200, failing early if a process exits."""

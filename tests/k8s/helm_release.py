@@ -21,6 +21,8 @@ class Helm:
 
     binary: str
     kubeconfig: Path
+    kubectl: str = ""
+    """kubectl, to show the namespace's workloads and events when a command fails ("": not shown)."""
     timings_s: dict[str, float] = field(default_factory=dict)
 
     def run(self, *args: str, timeout_s: float = 180.0) -> str:
@@ -28,8 +30,22 @@ class Helm:
         proc = subprocess.run([self.binary, f"--kubeconfig={self.kubeconfig}", *args], capture_output=True,
                               text=True, timeout=timeout_s, check=False)
         self.timings_s[" ".join(args[:2])] = time.monotonic() - started
-        assert proc.returncode == 0, f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}"
+        if proc.returncode != 0:
+            namespace = args[args.index("-n") + 1] if "-n" in args else "default"
+            raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}\n"
+                                 f"{self._describe(namespace)}")
         return proc.stdout
+
+    def _describe(self, namespace: str) -> str:
+        if not self.kubectl:
+            return ""
+        base = [self.kubectl, f"--kubeconfig={self.kubeconfig}", "-n", namespace]
+        shown = []
+        for what in (["get", "deployments,replicasets,pods", "-o", "wide"],
+                     ["get", "events", "--sort-by=.lastTimestamp"]):
+            proc = subprocess.run([*base, *what], capture_output=True, text=True, timeout=30, check=False)
+            shown.append(f"$ kubectl {' '.join(what)}\n{proc.stdout[-6000:]}{proc.stderr[-1000:]}")
+        return "\n".join(shown)
 
     def install(self, release: str, namespace: str, values: list[Path] | None = None,
                 sets: list[str] | None = None) -> str:

@@ -1,6 +1,7 @@
 """What an installed release must look like on the API server, beyond `helm install --wait`:
 
 - every pod of the release Running and Ready on a node (workers included: kwok runs them);
+- every object of the release's manifest is on the server (check_manifest_objects);
 - every Service selects ready pods, and each of its ports resolves to a container port in the EndpointSlices
   (a selector or targetPort name that matches nothing shows here, never in `helm template`);
 - every PodDisruptionBudget, NetworkPolicy and ServiceMonitor selects something, every HPA targets an
@@ -9,9 +10,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import yaml
+
 from tests.k8s.kube import INSTANCE_LABEL, is_running_ready, wait_for
+from tests.k8s.kube import kubectl as kubectl_get
 
 TIMEOUT_S = 30.0
 
@@ -28,8 +33,11 @@ def check_release(api_client: Any, namespace: str, release: str) -> dict[str, in
     selector = f"{INSTANCE_LABEL}={release}"
     deployments = apps.list_namespaced_deployment(namespace, label_selector=selector).items
     assert deployments, f"release {release} has no Deployments"
-    num_pods = wait_for(lambda: _all_pods_ready(core, apps, namespace, selector), TIMEOUT_S,
-                        f"the pods of every Deployment of {release} Running and Ready")
+    try:
+        num_pods = wait_for(lambda: _all_pods_ready(core, apps, namespace, selector), TIMEOUT_S,
+                            f"the pods of every Deployment of {release} Running and Ready")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}:\n{describe_pods(core, namespace, selector)}") from None
     services = core.list_namespaced_service(namespace, label_selector=selector).items
     for service in services:
         wait_for(lambda s=service: _service_resolves(api_client, namespace, s), TIMEOUT_S,
@@ -40,6 +48,17 @@ def check_release(api_client: Any, namespace: str, release: str) -> dict[str, in
     counts["HorizontalPodAutoscaler"] = _check_hpas(api_client, apps, namespace, selector)
     counts["ServiceMonitor"] = _check_service_monitors(api_client, core, namespace, selector)
     return counts
+
+
+def describe_pods(core: Any, namespace: str, selector: str) -> str:
+    """One line per pod: name, phase, node and the reason of any false condition (the scheduler's says why)."""
+    lines = []
+    for pod in core.list_namespaced_pod(namespace, label_selector=selector).items:
+        status = pod.status
+        reasons = [f"{c.type}={c.status} {c.reason or ''} {c.message or ''}".strip()
+                   for c in (status.conditions or []) if c.status != "True"]
+        lines.append(f"{pod.metadata.name}: {status.phase} on {pod.spec.node_name or '-'}; {'; '.join(reasons)}")
+    return "\n".join(lines)
 
 
 def _all_pods_ready(core: Any, apps: Any, namespace: str, selector: str) -> int:
@@ -125,3 +144,13 @@ def _check_service_monitors(api_client: Any, core: Any, namespace: str, selector
             assert endpoint["port"] in port_names, \
                 f"ServiceMonitor {monitor['metadata']['name']}: port {endpoint['port']} not in {port_names}"
     return len(monitors)
+
+
+def check_manifest_objects(kubectl: str, kubeconfig: Path, manifest: str, workdir: Path) -> list[str]:
+    """Every object of `manifest` (helm get manifest) exists on the server; their kind/name."""
+    path = workdir / "manifest.yaml"
+    path.write_text(manifest)
+    names = kubectl_get(kubectl, kubeconfig, "get", "-f", str(path), "-o", "name").split()
+    documents = [d for d in yaml.safe_load_all(manifest) if d]
+    assert len(names) == len(documents), f"{len(documents)} objects rendered, {len(names)} found: {names}"
+    return names

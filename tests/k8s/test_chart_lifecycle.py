@@ -1,17 +1,16 @@
-"""One release through its life on a real API server: install, upgrade with changed values and a new image
-tag, rollback, uninstall; after the uninstall nothing of it is left in any namespace."""
+"""The default values through a release's life with a closer look: replicas, the router's flags and the
+generated Redis password follow install, upgrade and rollback; uninstall leaves nothing behind."""
 
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 from typing import Any
-
-import pytest
 
 from tests.k8s.control_plane import ControlPlane
 from tests.k8s.helm_release import Helm
-from tests.k8s.kube import release_leftovers, wait_for, wait_running
-from tests.k8s.release_checks import check_release
+from tests.k8s.kube import wait_running
+from tests.k8s.lifecycle import Release
 
 RELEASE = "life"
 WORKERS = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=worker"
@@ -33,50 +32,35 @@ def redis_password(core: Any, namespace: str) -> str:
     return base64.b64decode(secret.data["redis-password"]).decode()
 
 
-@pytest.fixture
-def helm(k8s: ControlPlane, helm_binary: str) -> Helm:
-    return Helm(helm_binary, k8s.kubeconfig)
-
-
-def test_install_upgrade_rollback_uninstall(k8s: ControlPlane, helm: Helm, namespace: str,
-                                            k8s_timings: dict[str, float], kubectl_binary: str) -> None:
+def test_install_upgrade_rollback_uninstall(k8s: ControlPlane, helm_binary: str, kubectl_binary: str,
+                                            namespace: str, tmp_path: Path, k8s_timings: dict[str, float]) -> None:
     from kubernetes import client
 
+    helm = Helm(helm_binary, k8s.kubeconfig, kubectl_binary)
     api_client = k8s.api_client()
+    release = Release(helm, api_client, kubectl_binary, k8s.kubeconfig, namespace, RELEASE, tmp_path)
     core, apps = client.CoreV1Api(api_client), client.AppsV1Api(api_client)
 
     helm.install(RELEASE, namespace)
-    check_release(api_client, namespace, RELEASE)
+    release.check()
     assert worker_images(core, namespace, 1) == {"ghcr.io/radixmesh/radixmesh-worker:0.1.0"}
     assert "--policy=cache-aware" in router_args(apps, namespace)
     password = redis_password(core, namespace)
 
-    changed = ["images.worker.tag=0.2.0", "images.service.tag=0.2.0", "workers.unified.replicas=3",
-               "router.policy=round-robin", "logLevel=debug"]
-    helm.upgrade(RELEASE, namespace, sets=changed)
-    check_release(api_client, namespace, RELEASE)
+    helm.upgrade(RELEASE, namespace, sets=["images.worker.tag=0.2.0", "workers.unified.replicas=3",
+                                           "router.policy=round-robin"])
+    release.check()
     assert worker_images(core, namespace, 3) == {"ghcr.io/radixmesh/radixmesh-worker:0.2.0"}
     assert "--policy=round-robin" in router_args(apps, namespace)
     assert redis_password(core, namespace) == password, "the generated Redis password must survive an upgrade"
 
     helm.rollback(RELEASE, namespace, revision=1)
-    check_release(api_client, namespace, RELEASE)
+    release.check()
     assert worker_images(core, namespace, 1) == {"ghcr.io/radixmesh/radixmesh-worker:0.1.0"}
     assert "--policy=cache-aware" in router_args(apps, namespace)
     assert redis_password(core, namespace) == password
-    history = helm.history(RELEASE, namespace)
-    assert [(h["revision"], h["status"]) for h in history] == [(1, "superseded"), (2, "superseded"), (3, "deployed")]
 
     helm.uninstall(RELEASE, namespace)
-    left: list[str] = []
-
-    def nothing_left() -> bool:
-        left[:] = release_leftovers(kubectl_binary, k8s.kubeconfig, RELEASE)
-        return not left
-
-    try:
-        wait_for(nothing_left, 60, f"nothing of release {RELEASE} left")
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}; left: {left}") from None
+    release.wait_nothing_left()
     for step in ("install", "upgrade", "rollback", "uninstall"):
-        k8s_timings[f"{step} (lifecycle)"] = helm.timings_s[f"{step} {RELEASE}"]
+        k8s_timings[f"{step} default (replicas, policy)"] = helm.timings_s[f"{step} {RELEASE}"]

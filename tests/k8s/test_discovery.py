@@ -82,8 +82,8 @@ def time_until_gone(router: RouterProc, pod: str, started: float, timeout_s: flo
 
 
 @pytest.fixture
-def helm(k8s: ControlPlane, helm_binary: str) -> Helm:
-    return Helm(helm_binary, k8s.kubeconfig)
+def helm(k8s: ControlPlane, helm_binary: str, kubectl_binary: str) -> Helm:
+    return Helm(helm_binary, k8s.kubeconfig, kubectl_binary)
 
 
 @pytest.fixture
