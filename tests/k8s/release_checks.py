@@ -5,7 +5,9 @@
 - every Service selects ready pods, and each of its ports resolves to a container port in the EndpointSlices
   (a selector or targetPort name that matches nothing shows here, never in `helm template`);
 - every PodDisruptionBudget, NetworkPolicy and ServiceMonitor selects something, every HPA targets an
-  existing Deployment.
+  existing Deployment;
+- every pod that watches pods (`--discovery=kubernetes`: the router, or the gateway with an embedded
+  router) mounts a token of a ServiceAccount that RBAC lets get, list and watch pods in its namespace.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def check_release(api_client: Any, namespace: str, release: str) -> dict[str, in
     counts["NetworkPolicy"] = _check_network_policies(api_client, core, namespace, selector)
     counts["HorizontalPodAutoscaler"] = _check_hpas(api_client, apps, namespace, selector)
     counts["ServiceMonitor"] = _check_service_monitors(api_client, core, namespace, selector)
+    counts["pod watchers"] = _check_pod_watchers(api_client, core, namespace, selector)
     return counts
 
 
@@ -154,3 +157,22 @@ def check_manifest_objects(kubectl: str, kubeconfig: Path, manifest: str, workdi
     documents = [d for d in yaml.safe_load_all(manifest) if d]
     assert len(names) == len(documents), f"{len(documents)} objects rendered, {len(names)} found: {names}"
     return names
+
+
+def _check_pod_watchers(api_client: Any, core: Any, namespace: str, selector: str) -> int:
+    """Pods running Kubernetes discovery have a token of an account allowed to get/list/watch pods; their count."""
+    from kubernetes import client
+
+    auth = client.AuthorizationV1Api(api_client)
+    watchers = [p for p in core.list_namespaced_pod(namespace, label_selector=selector).items
+                if any("--discovery=kubernetes" in arg for c in p.spec.containers for arg in c.args or [])]
+    for pod in watchers:
+        spec = pod.spec
+        assert spec.automount_service_account_token is not False, f"{pod.metadata.name} watches pods without a token"
+        user = f"system:serviceaccount:{namespace}:{spec.service_account_name}"
+        for verb in ("get", "list", "watch"):
+            review = {"spec": {"user": user, "resourceAttributes": {"namespace": namespace, "verb": verb,
+                                                                     "resource": "pods"}}}
+            assert auth.create_subject_access_review(review).status.allowed, \
+                f"{pod.metadata.name} runs discovery as {user}, which may not {verb} pods in {namespace}"
+    return len(watchers)

@@ -43,7 +43,7 @@ def test_install_default_values(release: Release, k8s_timings: dict[str, float])
     counts = release.check()
     # gateway, router, tokenizer, grammar, redis and the unified workers; the same Services, the workers' headless
     assert (counts["Deployment"], counts["Service"], counts["Pod"]) == (6, 6, 8), counts
-    assert counts["PodDisruptionBudget"] == 5, counts
+    assert counts["PodDisruptionBudget"] == 5 and counts["pod watchers"] == 1, counts
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
