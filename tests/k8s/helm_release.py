@@ -24,12 +24,16 @@ class Helm:
     kubectl: str = ""
     """kubectl, to show the namespace's workloads and events when a command fails ("": not shown)."""
     timings_s: dict[str, float] = field(default_factory=dict)
+    api_warnings: list[str] = field(default_factory=list)
+    """Warnings the API server sent back (deprecated APIs, unknown or duplicate fields), as helm printed them."""
 
     def run(self, *args: str, timeout_s: float = 180.0) -> str:
         started = time.monotonic()
         proc = subprocess.run([self.binary, f"--kubeconfig={self.kubeconfig}", *args], capture_output=True,
                               text=True, timeout=timeout_s, check=False)
         self.timings_s[" ".join(args[:2])] = time.monotonic() - started
+        self.api_warnings += [line for line in proc.stderr.splitlines()
+                              if "warnings.go" in line or line.startswith("Warning:")]
         if proc.returncode != 0:
             namespace = args[args.index("-n") + 1] if "-n" in args else "default"
             raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}\n"

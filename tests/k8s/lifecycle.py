@@ -76,6 +76,7 @@ def run_lifecycle(release: Release, values: list[Path], timings: dict[str, float
     release.wait_images_tagged(APP_VERSION)
     assert [(h["revision"], h["status"]) for h in helm.history(name, namespace)] == \
         [(1, "superseded"), (2, "superseded"), (3, "deployed")]
+    assert not helm.api_warnings, f"the API server warned: {helm.api_warnings}"
     helm.uninstall(name, namespace)
     release.wait_nothing_left()
     assert not kubectl(release.kubectl, release.kubeconfig, "get", "all", "-n", namespace, "-o", "name").strip(), \

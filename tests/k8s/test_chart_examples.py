@@ -41,6 +41,7 @@ def test_install_default_values(release: Release, k8s_timings: dict[str, float])
     release.helm.install(release.name, release.namespace)
     k8s_timings["install default"] = release.helm.timings_s["install rm"]
     counts = release.check()
+    assert not release.helm.api_warnings, release.helm.api_warnings
     # gateway, router, tokenizer, grammar, redis and the unified workers; the same Services, the workers' headless
     assert (counts["Deployment"], counts["Service"], counts["Pod"]) == (6, 6, 8), counts
     assert counts["PodDisruptionBudget"] == 5 and counts["pod watchers"] == 1, counts

@@ -60,6 +60,7 @@ def test_install_upgrade_rollback_uninstall(k8s: ControlPlane, helm_binary: str,
     assert "--policy=cache-aware" in router_args(apps, namespace)
     assert redis_password(core, namespace) == password
 
+    assert not helm.api_warnings, f"the API server warned: {helm.api_warnings}"
     helm.uninstall(RELEASE, namespace)
     release.wait_nothing_left()
     for step in ("install", "upgrade", "rollback", "uninstall"):
