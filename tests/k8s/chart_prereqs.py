@@ -1,9 +1,11 @@
 """What the chart's examples expect the cluster to have, made in the test cluster.
 
-- CRDs of the objects the chart renders for other operators: the Prometheus Operator's ServiceMonitor and
-  cert-manager's Certificate. These are minimal CRDs of our own (group, version, kind, names, a structural
-  schema that keeps any spec), not the operators' full ones: the API server stores and serves the objects,
-  but does not check their specs as the real CRDs' schemas would.
+- CRDs of the objects the chart renders for other projects: the Prometheus Operator's ServiceMonitor and
+  cert-manager's Certificate as minimal CRDs of our own (group, version, kind, names, a structural schema
+  that keeps any spec), not the operators' full ones: the API server stores and serves the objects, but does
+  not check their specs as the real CRDs' schemas would. The Gateway API Inference Extension's InferencePool
+  CRD is the real one, from the extension's module (scripts/install.sh test downloads it), so the server
+  checks the chart's pools against its schema.
 - Fake nodes with the labels, taints and GPUs the examples' nodeSelectors, tolerations and anti-affinity
   ask for.
 - Per example, read from its values: the existing Secrets it names (with the keys it names), a bound
@@ -12,6 +14,8 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +56,27 @@ CRDS = (_crd("monitoring.coreos.com", "ServiceMonitor", "servicemonitors"),
         _crd("cert-manager.io", "Certificate", "certificates"))
 
 
-def install_crds(api_client: Any) -> None:
-    """Create the CRDs (if missing) and wait until the API server serves them."""
+INFERENCE_EXTENSION = "sigs.k8s.io/gateway-api-inference-extension@v1.0.0"
+INFERENCE_POOL_CRD = "config/crd/bases/inference.networking.k8s.io_inferencepools.yaml"
+
+
+def inference_pool_crd() -> dict[str, Any] | None:
+    """The extension's InferencePool CRD from the Go module cache, or None when it was not downloaded."""
+    go = shutil.which("go")
+    cache = subprocess.run([go, "env", "GOMODCACHE"], capture_output=True, text=True, check=False).stdout.strip() \
+        if go else str(Path.home() / "go" / "pkg" / "mod")
+    path = Path(cache) / INFERENCE_EXTENSION / INFERENCE_POOL_CRD
+    return yaml.safe_load(path.read_text()) if path.is_file() else None
+
+
+def install_crds(api_client: Any) -> list[str]:
+    """Create the CRDs (if missing) and wait until the API server serves them; the names of those made."""
     from kubernetes import client
 
     api = client.ApiextensionsV1Api(api_client)
-    for crd in CRDS:
+    pool = inference_pool_crd()
+    crds = [*CRDS, pool] if pool else list(CRDS)
+    for crd in crds:
         try:
             api.create_custom_resource_definition(crd)
         except client.ApiException as exc:
@@ -65,13 +84,14 @@ def install_crds(api_client: Any) -> None:
                 raise
 
     def established() -> bool:
-        for crd in CRDS:
+        for crd in crds:
             conditions = api.read_custom_resource_definition(crd["metadata"]["name"]).status.conditions or []
             if not any(c.type == "Established" and c.status == "True" for c in conditions):
                 return False
         return True
 
     wait_for(established, 30, "CRDs established")
+    return [crd["metadata"]["name"] for crd in crds]
 
 
 def prepare_example(api_client: Any, namespace: str, example: Path) -> list[str]:

@@ -62,11 +62,12 @@ class Release:
             raise AssertionError(f"{exc}; left: {left}") from None
 
 
-def run_lifecycle(release: Release, values: list[Path], timings: dict[str, float], label: str) -> None:
-    """Install, upgrade (UPGRADE_SETS), rollback to revision 1 and uninstall, checking after each step."""
+def run_lifecycle(release: Release, values: list[Path], timings: dict[str, float], label: str) -> dict[str, int]:
+    """Install, upgrade (UPGRADE_SETS), rollback to revision 1 and uninstall, checking after each step; the
+    installed release's object counts (check_release)."""
     helm, name, namespace = release.helm, release.name, release.namespace
     helm.install(name, namespace, values=values)
-    release.check()
+    counts = release.check()
     release.wait_images_tagged(APP_VERSION)
     helm.upgrade(name, namespace, values=values, sets=UPGRADE_SETS)
     release.check()
@@ -83,3 +84,4 @@ def run_lifecycle(release: Release, values: list[Path], timings: dict[str, float
         "objects left in the release's namespace"
     for step in ("install", "upgrade", "rollback", "uninstall"):
         timings[f"{step} {label}"] = helm.timings_s[f"{step} {name}"]
+    return counts

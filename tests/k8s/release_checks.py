@@ -4,8 +4,8 @@
 - every object of the release's manifest is on the server (check_manifest_objects);
 - every Service selects ready pods, and each of its ports resolves to a container port in the EndpointSlices
   (a selector or targetPort name that matches nothing shows here, never in `helm template`);
-- every PodDisruptionBudget, NetworkPolicy and ServiceMonitor selects something, every HPA targets an
-  existing Deployment;
+- every PodDisruptionBudget, NetworkPolicy, ServiceMonitor and InferencePool selects something, every HPA
+  targets an existing Deployment, every InferencePool's endpoint picker is a Service with that port;
 - every pod that watches pods (`--discovery=kubernetes`: the router, or the gateway with an embedded
   router) mounts a token of a ServiceAccount that RBAC lets get, list and watch pods in its namespace.
 """
@@ -49,6 +49,7 @@ def check_release(api_client: Any, namespace: str, release: str) -> dict[str, in
     counts["NetworkPolicy"] = _check_network_policies(api_client, core, namespace, selector)
     counts["HorizontalPodAutoscaler"] = _check_hpas(api_client, apps, namespace, selector)
     counts["ServiceMonitor"] = _check_service_monitors(api_client, core, namespace, selector)
+    counts["InferencePool"] = _check_inference_pools(api_client, core, namespace, selector)
     counts["pod watchers"] = _check_pod_watchers(api_client, core, namespace, selector)
     return counts
 
@@ -157,6 +158,33 @@ def check_manifest_objects(kubectl: str, kubeconfig: Path, manifest: str, workdi
     documents = [d for d in yaml.safe_load_all(manifest) if d]
     assert len(names) == len(documents), f"{len(documents)} objects rendered, {len(names)} found: {names}"
     return names
+
+
+def _check_inference_pools(api_client: Any, core: Any, namespace: str, selector: str) -> int:
+    from kubernetes import client
+
+    try:
+        pools = client.CustomObjectsApi(api_client).list_namespaced_custom_object(
+            "inference.networking.k8s.io", "v1", namespace, "inferencepools", label_selector=selector)["items"]
+    except client.ApiException as exc:
+        if exc.status == 404:  # no CRD in this cluster: the chart rendered none (helm would have failed)
+            return 0
+        raise
+    for pool in pools:
+        name, spec = pool["metadata"]["name"], pool["spec"]
+        pod_selector = selector_string(spec["selector"]["matchLabels"])
+        pods = [p for p in core.list_namespaced_pod(namespace, label_selector=pod_selector).items
+                if is_running_ready(p)]
+        assert pods, f"InferencePool {name} selects no ready pod ({pod_selector})"
+        ports = {p.container_port for pod in pods for c in pod.spec.containers for p in c.ports or []}
+        for target in spec["targetPorts"]:
+            assert target["number"] in ports, f"InferencePool {name}: no pod serves port {target['number']}"
+        picker = spec.get("endpointPickerRef")
+        if picker:
+            service = core.read_namespaced_service(picker["name"], namespace)
+            assert picker["port"]["number"] in {p.port for p in service.spec.ports}, \
+                f"InferencePool {name}: Service {picker['name']} has no port {picker['port']['number']}"
+    return len(pools)
 
 
 def _check_pod_watchers(api_client: Any, core: Any, namespace: str, selector: str) -> int:

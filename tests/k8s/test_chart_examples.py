@@ -17,12 +17,15 @@ from tests.k8s.control_plane import ControlPlane
 from tests.k8s.helm_release import Helm
 from tests.k8s.lifecycle import Release, run_lifecycle
 
+CRDS: list[str] = []
+"""The CRDs the example cluster has (names)."""
+
 
 @pytest.fixture(scope="module")
 def example_cluster(control_plane: ControlPlane) -> ControlPlane:
-    """The session's control plane with the operators' CRDs and the examples' labelled GPU nodes."""
+    """The session's control plane with the CRDs the chart may render and the examples' labelled GPU nodes."""
     api_client = control_plane.api_client()
-    chart_prereqs.install_crds(api_client)
+    CRDS[:] = chart_prereqs.install_crds(api_client)
     for node in chart_prereqs.EXAMPLE_NODES:
         nodes.create_kwok_node(api_client, node)
     nodes.wait_nodes_ready(api_client, [n.name for n in chart_prereqs.EXAMPLE_NODES], control_plane.check_running)
@@ -51,9 +54,14 @@ def test_install_default_values(release: Release, k8s_timings: dict[str, float])
 def test_example_lifecycle(release: Release, example: Path, k8s_timings: dict[str, float]) -> None:
     from kubernetes import client
 
+    has_pool = "inferencePool:" in example.read_text()
+    if has_pool and "inferencepools.inference.networking.k8s.io" not in CRDS:
+        pytest.skip(f"{chart_prereqs.INFERENCE_EXTENSION} (the InferencePool CRD) is not in the Go module cache: "
+                    f"scripts/install.sh test downloads it")
     volumes = chart_prereqs.prepare_example(release.api_client, release.namespace, example)
     try:
-        run_lifecycle(release, [example], k8s_timings, example.stem)
+        counts = run_lifecycle(release, [example], k8s_timings, example.stem)
+        assert counts["InferencePool"] == (1 if has_pool else 0), counts
     finally:
         for volume in volumes:
             client.CoreV1Api(release.api_client).delete_persistent_volume(volume)
