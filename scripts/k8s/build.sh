@@ -7,7 +7,7 @@
 # BIN/../share/kwok/stages.yaml. A binary already there at the right version is kept.
 #   scripts/k8s/build.sh [BIN]
 # From empty Go caches this takes about 12-14 minutes on 2 cores (the module cache grows by ~1.8 GB and the
-# build cache by ~5 GB); with warm caches it only links (under a minute).
+# build cache by ~5 GB); with warm caches it only links (about 5 minutes on a busy 2-core machine).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 bin=$(realpath -m "${1:-$here/../../.venv/bin}")

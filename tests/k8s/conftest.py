@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -17,15 +16,6 @@ from tests.k8s.control_plane import ControlPlane
 from tests.k8s.kube import wait_for
 
 _TIMINGS: dict[str, float] = {}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test here starts real processes: marked k8s and integration."""
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.k8s)
-            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,8 @@ from tests.k8s.control_plane import ControlPlane
 from tests.k8s.helm_release import Helm
 from tests.k8s.lifecycle import Release, run_lifecycle
 
+pytestmark = [pytest.mark.k8s, pytest.mark.integration]
+
 CRDS: list[str] = []
 """The CRDs the example cluster has (names)."""
 

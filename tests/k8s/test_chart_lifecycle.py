@@ -7,10 +7,14 @@ import base64
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.k8s.control_plane import ControlPlane
 from tests.k8s.helm_release import Helm
 from tests.k8s.kube import wait_running
 from tests.k8s.lifecycle import Release
+
+pytestmark = [pytest.mark.k8s, pytest.mark.integration]
 
 RELEASE = "life"
 WORKERS = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=worker"

@@ -22,6 +22,8 @@ from tests.k8s.kube import running_pods, wait_for
 from tests.k8s.router_proc import RouterProc, chart_router_args, free_port_block, service_account_token, start_router
 from tests.k8s.worker_proc import WorkerProc, start_worker, stop_workers
 
+pytestmark = [pytest.mark.k8s, pytest.mark.integration]
+
 RELEASE = "disc"
 FULLNAME = f"{RELEASE}-radixmesh"
 WORKERS = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=worker"
