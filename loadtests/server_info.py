@@ -62,7 +62,7 @@ def _looks_like_hub_id(value: str) -> bool:
 
 def load_tokenizer(path: str, source: str = "--tokenizer") -> Any:
     """The tokenizer at `path`; ValueError (with what to pass instead) when it cannot be loaded."""
-    from radixmesh.engine.tokenizer import pretrained_tokenizer
+    from radixmesh.engine.hf_tokenizer import pretrained_tokenizer
 
     try:
         return pretrained_tokenizer(path)

@@ -16,10 +16,10 @@ from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.common.grpc_errors import abort_with
 from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
 from radixmesh.common.lane import LaneContext, LaneMethod
-from radixmesh.index.block_hash import block_hashes
 from radixmesh.index.config import IndexConfig
 from radixmesh.index.writer import KVIndexWriter, WriterIdentity
 from radixmesh.protocol import common_pb2, worker_pb2, worker_pb2_grpc
+from radixmesh.wire.block_hash import block_hashes
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 BLOCK = 16

@@ -3,29 +3,26 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 from typing import TYPE_CHECKING
+
+from radixmesh.common.registry import LazyRegistry
 
 if TYPE_CHECKING:
     from loadtests.workloads.base import WorkloadBuilder
 
-WORKLOADS: dict[str, str] = {
+WORKLOADS: LazyRegistry[WorkloadBuilder] = LazyRegistry("workload", {
     "random": "loadtests.workloads.random_prompts:RANDOM",
     "random-ids": "loadtests.workloads.random_prompts:RANDOM_IDS",
     "sharegpt": "loadtests.workloads.sharegpt:SHAREGPT",
     "generated-shared-prefix": "loadtests.workloads.shared_prefix:SHARED_PREFIX",
     "multi-turn": "loadtests.workloads.multi_turn:MULTI_TURN",
     "json-schema": "loadtests.workloads.json_schema:JSON_SCHEMA",
-}
+}, param="workload", error=lambda message, param: ValueError(message))
 """Workload id -> "module:attribute" of its builder."""
 
 
 def get_workload(name: str) -> WorkloadBuilder:
-    if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-    module, _, attr = WORKLOADS[name].partition(":")
-    builder: WorkloadBuilder = getattr(importlib.import_module(module), attr)
-    return builder
+    return WORKLOADS.load(name)
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:

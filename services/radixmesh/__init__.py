@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from radixmesh.engine.engine import Engine
-    from radixmesh.engine.sampling.params import SamplingParams
+    from radixmesh.wire.sampling import SamplingParams
 
 __all__ = ["Engine", "SamplingParams", "__version__"]
 
@@ -28,7 +28,7 @@ def __getattr__(name: str) -> Any:
 
         return Engine
     if name == "SamplingParams":
-        from radixmesh.engine.sampling.params import SamplingParams
+        from radixmesh.wire.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

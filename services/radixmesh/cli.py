@@ -3,94 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
-import itertools
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
 
 from radixmesh.common.errors import RadixMeshError
-
-MODEL_FLAGS = ("model", "load_format", "tokenizer", "dtype", "context_length")
-"""Destinations of the model flags: the same on every command that loads a model or its tokenizer."""
-_SKIP_FLAGS = {*MODEL_FLAGS, "log_level", "kv_events_block_size"}
-
-
-def add_model_args(parser: argparse.ArgumentParser, tokenizer_only: bool = False) -> None:
-    """The model flags (`--model`, `--load-format`, `--tokenizer`, `--dtype`, `--context-length`).
-
-    Every command that loads a model or its tokenizer takes them, so one set of flags (for instance
-    `radixmesh cluster up`'s) can be handed to each service unchanged. `tokenizer_only` services
-    load no weights: they accept the weight flags (`--dtype`, `--context-length`) and ignore them.
-    """
-    from radixmesh.engine.config import DTYPES, LOAD_FORMATS
-
-    unused = " (accepted for uniformity; this command loads no weights)" if tokenizer_only else ""
-    group = parser.add_argument_group("model")
-    group.add_argument("--model", default=None,
-                       help="model name (smollm2-135m, the default), HF directory or .gguf file; with "
-                            "--load-format dummy also a named shape such as llama-3.1-8b, or a directory holding "
-                            "only config.json (and tokenizer files)")
-    group.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
-                       help="auto | safetensors | gguf | dummy (random weights of the model's shape)"
-                            + (": with dummy no checkpoint files are needed" if tokenizer_only else ""))
-    group.add_argument("--tokenizer", default=None,
-                       help="tokenizer directory, Hugging Face hub id or default-model name, when it is not the "
-                            "model's own (default: the model's tokenizer)")
-    group.add_argument("--dtype", default="auto", choices=DTYPES,
-                       help="auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16" + unused)
-    group.add_argument("--context-length", type=int, default=None,
-                       help="override the model's context length (max prompt + output tokens)" + unused)
-
-
-def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The model flags of parsed `args`, keyed like EngineConfig's fields."""
-    return {name: getattr(args, name) for name in MODEL_FLAGS}
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The model flags, then one flag per other EngineConfig field (kebab-case), help from the field docstrings."""
-    from radixmesh.engine.config import EngineConfig
-
-    add_model_args(parser)
-    docs = _field_docs(EngineConfig)
-    for field in dataclasses.fields(EngineConfig):
-        if field.name in _SKIP_FLAGS:
-            continue
-        flag = "--" + field.name.replace("_", "-")
-        help_text = docs.get(field.name, "")
-        if field.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", help=help_text)
-            continue
-        kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(field.type), str)
-        parser.add_argument(flag, type=kind, default=field.default, help=help_text)
-    parser.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_const", const="off",
-                        help="same as --overlap-schedule off")
-    parser.add_argument("--log-level", default="warning", help="logging level of the engine")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    from radixmesh.engine.config import EngineConfig
-
-    return {name: getattr(args, name) for name in EngineConfig.field_names() if hasattr(args, name)}
-
-
-@functools.cache
-def _field_docs(cls: type) -> dict[str, str]:
-    """Field name -> the docstring under it in `cls`'s source (parsed once per class: every command that takes
-    engine flags asks again). Callers must not modify the dict."""
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(cls))
-    docs: dict[str, str] = {}
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    for node, nxt in itertools.pairwise(body):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = str(nxt.value.value).replace("%", "%%")
-    return docs
+from radixmesh.common.registry import LazyRegistry
+from radixmesh.engine.args import add_engine_args, engine_kwargs
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -117,36 +36,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# Subcommands living in other packages: "module:function" taking the subparsers object, and the commands it adds.
-# Those modules must import nothing heavy at module level (the CLI starts fast).
-EXTERNAL_COMMANDS = {
-    "radixmesh.gateway.commands:register": ("serve", "gateway"),
-    "radixmesh.tokenizer.commands:register": ("tokenizer",),
-    "radixmesh.worker.commands:register": ("worker",),
-    "radixmesh.router.commands:register": ("router",),
-    "radixmesh.grammar.commands:register": ("grammar",),
-    "radixmesh.cluster.commands:register": ("cluster",),
-    "loadtests.commands:register": ("bench",),
-}
+COMMANDS: LazyRegistry[Callable[[argparse._SubParsersAction], None]] = LazyRegistry("command", {
+    "generate": "radixmesh.cli:register_generate",
+    "serve": "radixmesh.gateway.commands:register",
+    "gateway": "radixmesh.gateway.commands:register",
+    "tokenizer": "radixmesh.tokenizer_service.commands:register",
+    "worker": "radixmesh.worker.commands:register",
+    "router": "radixmesh.router.commands:register",
+    "grammar": "radixmesh.grammar_service.commands:register",
+    "cluster": "radixmesh.cluster.commands:register",
+    "bench": "loadtests.commands:register",
+})
+"""Command -> "module:function" that adds it (and its siblings of the same target) to the subparsers object.
+Those modules must import nothing heavy at module level (the CLI starts fast)."""
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; with a known `command`, only that command's part. Every service is a
     process of its own: building the others' flags (and importing their modules) would cost each start
     a few tenths of a second of CPU."""
-    import importlib
-
     parser = argparse.ArgumentParser(prog="radixmesh", description="LLM serving with radix prefix caching")
     sub = parser.add_subparsers(dest="command", required=True)
-    known = command == "generate" or any(command in names for names in EXTERNAL_COMMANDS.values())
-    if not known or command == "generate":
-        _register_generate(sub)
-    for target, names in EXTERNAL_COMMANDS.items():
-        if known and command not in names:
-            continue
-        module, _, func = target.partition(":")
+    first_of_target = {target: name for name, target in reversed(list(COMMANDS.items()))}
+    names = [command] if command in COMMANDS else [n for n in COMMANDS if first_of_target[COMMANDS[n]] == n]
+    for name in names:
         try:
-            getattr(importlib.import_module(module), func)(sub)
+            COMMANDS.load(name)(sub)
         except ModuleNotFoundError as exc:
             if exc.name is None or exc.name.split(".")[0] in ("radixmesh", "loadtests"):
                 raise
@@ -154,7 +69,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _register_generate(sub: argparse._SubParsersAction) -> None:
+def register_generate(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="generate one completion and print it")
     gen.add_argument("--prompt", required=True, help="the user's message (or raw text with --raw)")
     gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")

@@ -21,8 +21,7 @@ from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.quant.accuracy import checkpoint_weights, compare_fp8, prefill_logits, random_prompts
 from radixmesh.engine.quant.gemm_plan import SCALED_MM, TRITON, Fp8GemmPlan
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
-from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler.core import Scheduler
 from radixmesh.kernels.decode_attention import decode_attention_fwd
 from radixmesh.kernels.extend_attention import extend_attention_fwd
 from radixmesh.kernels.fp8_gemm import fp8_gemm
@@ -32,6 +31,7 @@ from radixmesh.kernels.fp8_ref import quantize_rows as quantize_rows_ref
 from radixmesh.kernels.gemv import gemv_fp8
 from radixmesh.kernels.kv_store import build_kv_indices, store_kv
 from radixmesh.kernels.reference import attention_reference
+from radixmesh.wire.sampling import SamplingParams
 
 from ..unit.fp8_factory import HF_CONFIG, quantized, write_checkpoint
 from ..unit.scheduler_factory import Collector, make_requests, make_scheduler, run_until_idle

@@ -26,7 +26,7 @@ import pytest
 from radixmesh.engine.device_io import HostCopy, copy_to_device, rows_to_device, tensor_to_device, to_device
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.wire.sampling import SamplingParams
 
 from ..unit.scheduler_factory import (
     VOCAB,
@@ -137,7 +137,7 @@ def _warm_up(sched: Any) -> None:
 def _run_monitored(sched: Any, reqs: list[Req], abort_at: dict[int, str] | None = None) -> SyncMonitor:
     graphs = sched.runner.graph_runner
     assert graphs is not None, "CUDA graphs are off: the test would not cover the replay path"
-    replays, waits = graphs.num_replays, sched.result_wait_s
+    replays, waits = graphs.num_replays, sched.counters.result_wait_s
     with SyncMonitor() as monitor:
         for req in reqs:
             sched.add_request(clone(req))
@@ -150,7 +150,7 @@ def _run_monitored(sched: Any, reqs: list[Req], abort_at: dict[int, str] | None 
             assert steps < 2000, "the scheduler did not finish"
     assert monitor.syncs == [], monitor.report()
     assert graphs.num_replays - replays >= 10, "too few graph replays to say anything"
-    assert sched.result_wait_s > waits, "results reached the host without the explicit wait"
+    assert sched.counters.result_wait_s > waits, "results reached the host without the explicit wait"
     assert_no_leak(sched)
     return monitor
 
@@ -225,7 +225,7 @@ def test_retraction_under_memory_pressure_stays_sync_free() -> None:
     _warm_up(sched)
     reqs = make_requests(6, seed=1, shared_prefix_len=10) + make_requests(4, seed=2)
     _run_monitored(sched, reqs)
-    assert sched.num_retractions > 0
+    assert sched.counters.num_retractions > 0
     expected = _reference_tokens(reqs, **retract)
     for req in reqs:
         assert col.tokens[req.rid] == expected[req.rid], req.rid
@@ -235,8 +235,8 @@ def test_retraction_under_memory_pressure_stays_sync_free() -> None:
 def tokenizer() -> Any:
     """The default model's tokenizer: from RADIXMESH_TEST_TOKENIZER_DIR where the GPU machine has no
     network (scripts/gpu_suite.sh points it at .gpu-model), else the installed default model."""
+    from radixmesh.engine.hf_tokenizer import load_tokenizer
     from radixmesh.engine.loader import ensure_default_model
-    from radixmesh.engine.tokenizer import load_tokenizer
 
     path = os.environ.get("RADIXMESH_TEST_TOKENIZER_DIR")
     return load_tokenizer(path if path else ensure_default_model())

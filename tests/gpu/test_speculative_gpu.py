@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from radixmesh.engine.speculative.decoder import SpecDecoder
 from tests.unit.scheduler_factory import clone, make_requests, make_scheduler, run_until_idle, tiny_model_config
 from tests.unit.spec_factory import OracleProposer, draft_scheduler, oracle, write_model_dir
 from tests.unit.stats_helpers import chi_square_pvalue
@@ -68,7 +69,7 @@ def test_oracle_drafts_through_the_triton_verify_are_exact(oracle: type[OraclePr
     stats = sched.stats()
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
     assert sched.config.overlap_enabled  # verify steps wait for their tokens; the overlap scheduler stays on
-    graphs = sched.spec.verifier.graphs  # type: ignore[union-attr]
+    graphs = sched.hooks.get(SpecDecoder).verifier.graphs  # type: ignore[union-attr]
     assert graphs is not None and graphs.num_replays == stats["spec_num_verify_passes"]  # every verify replayed
 
 
@@ -80,7 +81,7 @@ def test_verify_graphs_give_the_eager_logits(oracle: type[OracleProposer]) -> No
     compared: list[float] = []
     sched, col = make_scheduler(tiny_model_config(**SHAPE), dtype="float32", speculative_algorithm="oracle",
                                 disable_speculative_backoff=True, **GPU)
-    verifier = sched.spec.verifier  # type: ignore[union-attr]
+    verifier = sched.hooks.get(SpecDecoder).verifier  # type: ignore[union-attr]
     graph_forward = verifier.forward
 
     def both(batch: Any) -> torch.Tensor:
@@ -113,7 +114,7 @@ def test_same_weight_draft_accepts_everything_and_replays_its_graphs(tmp_path: P
     assert got == expected
     stats = sched.stats()
     assert stats["spec_accept_rate"] > 0.99, stats
-    draft_graphs = sched.spec.proposer.runner.graph_runner  # type: ignore[union-attr]
+    draft_graphs = sched.hooks.get(SpecDecoder).proposer.runner.graph_runner  # type: ignore[union-attr]
     assert draft_graphs is not None and draft_graphs.num_replays > 0
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.wire.sampling import SamplingParams
 
 from ..integration.test_tensor_parallel import _side
 from ..unit.scheduler_factory import assert_no_leak, clone, make_requests, run_until_idle

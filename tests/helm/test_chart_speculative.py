@@ -10,7 +10,8 @@ pytestmark = pytest.mark.helm
 
 
 def test_speculative_values_render_as_engine_flags_the_worker_parses(helm: str) -> None:
-    from radixmesh.cli import build_parser, engine_kwargs
+    from radixmesh.cli import build_parser
+    from radixmesh.engine.args import engine_kwargs
 
     docs = render(helm, sets=["worker.engine.speculativeAlgorithm=draft", "worker.engine.speculativeNumDraftTokens=6",
                               "worker.engine.speculativeDraftModel=/models/draft"])

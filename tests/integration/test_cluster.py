@@ -21,12 +21,12 @@ import pytest
 
 from radixmesh.cluster.local import ClusterSpec, ClusterState, cluster_down, cluster_up
 from radixmesh.cluster.processes import grpc_serving, spawn, stop_group
-from radixmesh.index.block_hash import block_hashes
 from radixmesh.index.config import IndexConfig
 from radixmesh.index.reader import KVIndexReader
 from radixmesh.index.redis_server import LocalRedis, free_port
 from radixmesh.index.writer import connect
 from radixmesh.protocol import common_pb2, router_pb2, router_pb2_grpc, sampling_pb2, worker_pb2
+from radixmesh.wire.block_hash import block_hashes
 from tests.integration.greedy import greedy_ids
 from tests.redis_helpers import start_local_redis
 

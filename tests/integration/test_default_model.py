@@ -51,7 +51,7 @@ def test_prepared_default_model_loads_into_native_model(model_dir: Path) -> None
     config = prepared.config
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (30, 576, 9, 3)
     assert config.tie_word_embeddings and config.vocab_size == 49152
-    model = model_class(config)(config)
+    model = model_class(config.family)(config)
     model.load_weights(iter_weights(prepared))  # every HF name present, every shape right
 
 

@@ -44,7 +44,7 @@ LONG_PROMPT_LEN = 700
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir: Path) -> Any:
-    from radixmesh.engine.tokenizer import load_tokenizer
+    from radixmesh.engine.hf_tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_dir)
 

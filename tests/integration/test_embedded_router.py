@@ -15,10 +15,10 @@ import io
 import pytest
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError
-from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.gateway.embedded_router import ADDRESS, EmbeddedRouter, start_embedded
 from radixmesh.router.commands import embedded_router_flags
 from radixmesh.router.server import make_reader
+from radixmesh.wire.sampling import SamplingParams
 from tests.fake_worker import FakeWorker
 from tests.integration.service_procs import free_port
 from tests.integration.test_start_order import generate_text, start_tokenizer, wait_until

@@ -17,10 +17,10 @@ from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.engine.grammar.spec import GrammarSpec
 from radixmesh.engine.grammar.xgrammar_backend import XGrammarBackend
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.index.redis_server import LocalRedis
 from radixmesh.protocol import grammar_pb2, grammar_pb2_grpc
-from radixmesh.tokenizer.fingerprint import tokenizer_fingerprint
+from radixmesh.wire.fingerprint import tokenizer_fingerprint
+from radixmesh.wire.sampling import SamplingParams
 from tests.integration.service_procs import ServiceProc, free_port, start_service, stop_all, wait_all_ready
 from tests.redis_helpers import local_redis  # noqa: F401  (fixture)
 from tests.unit.scheduler_factory import assert_no_leak, make_scheduler, run_until_idle, tiny_model_config
@@ -35,7 +35,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]},
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir):
-    from radixmesh.engine.tokenizer import load_tokenizer
+    from radixmesh.engine.hf_tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_dir)
 

@@ -24,9 +24,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixmesh.common.grpc_errors import from_rpc_error
-from radixmesh.engine.tokenizer import load_tokenizer
-from radixmesh.index.block_hash import block_hashes
+from radixmesh.engine.hf_tokenizer import load_tokenizer
 from radixmesh.protocol import common_pb2, sampling_pb2, tokenizer_pb2, tokenizer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from radixmesh.wire.block_hash import block_hashes
 from tests.integration.service_procs import ServiceProc, grpc_serving, start_service, stop_all, wait_all_ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -20,12 +20,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixmesh.index.block_hash import block_hashes
 from radixmesh.index.config import IndexConfig
 from radixmesh.index.reader import KVIndexReader
 from radixmesh.index.redis_server import LocalRedis
 from radixmesh.index.writer import connect
 from radixmesh.protocol import sampling_pb2, worker_pb2, worker_pb2_grpc
+from radixmesh.wire.block_hash import block_hashes
 from tests.integration.greedy import greedy_ids
 from tests.integration.service_procs import ServiceProc, start_service, stop_all, wait_all_ready
 from tests.redis_helpers import local_redis  # noqa: F401  (fixture)

@@ -13,13 +13,13 @@ import pytest
 import redis as sync_redis
 from redis.exceptions import RedisError
 
-from radixmesh.index.block_hash import block_hashes
 from radixmesh.index.config import IndexConfig
 from radixmesh.index.keys import HOST_TIER, IndexKeys
 from radixmesh.index.lease import WorkerLease
 from radixmesh.index.reader import KVIndexReader
 from radixmesh.index.redis_server import LocalRedis
 from radixmesh.index.writer import KVIndexWriter, WriterIdentity, connect, connect_inline
+from radixmesh.wire.block_hash import block_hashes
 from tests.redis_helpers import local_redis, own_redis  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.integration

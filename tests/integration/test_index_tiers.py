@@ -9,11 +9,11 @@ import asyncio
 import pytest
 import redis as sync_redis
 
-from radixmesh.index.block_hash import block_hashes
 from radixmesh.index.keys import IndexKeys
 from radixmesh.index.reader import KVIndexReader
 from radixmesh.index.redis_server import LocalRedis
 from radixmesh.index.writer import connect
+from radixmesh.wire.block_hash import block_hashes
 from tests.integration.test_index_redis import make_config, make_writer, prompt, published
 from tests.redis_helpers import local_redis  # noqa: F401  (fixture)
 

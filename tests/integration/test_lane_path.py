@@ -12,13 +12,13 @@ import pytest
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
 from radixmesh.common.lane import LaneClient
-from radixmesh.engine.sampling.params import SamplingParams
-from radixmesh.gateway.grpc_backend import GrpcBackend
+from radixmesh.gateway.cluster_backend import ClusterBackend
 from radixmesh.protocol import worker_pb2
 from radixmesh.router.config import HealthConfig, RetryConfig, RouterConfig
 from radixmesh.router.discovery.base import WorkerEndpoint
 from radixmesh.router.discovery.static import StaticDiscovery
 from radixmesh.router.server import RouterApp
+from radixmesh.wire.sampling import SamplingParams
 from tests.fake_worker import FakeWorker
 from tests.integration.test_start_order import FAST_WATCH, generate_text, start_tokenizer, wait_until
 
@@ -37,13 +37,13 @@ async def start_router(workers: list[FakeWorker], transport: str = "lane", lane_
 
 @contextlib.asynccontextmanager
 async def services(router_transport: str = "lane", gateway_transport: str = "lane", worker_lane: bool = True,
-                   router_lane_port: int = 0) -> AsyncIterator[tuple[GrpcBackend, RouterApp, FakeWorker]]:
+                   router_lane_port: int = 0) -> AsyncIterator[tuple[ClusterBackend, RouterApp, FakeWorker]]:
     """A fake worker, a real router and a gateway backend over a fake tokenizer, ready to serve."""
     worker = await FakeWorker("w0", lane=worker_lane).start()
     tokenizer: GrpcServer = await start_tokenizer(0)
     router = await start_router([worker], router_transport, router_lane_port)
     assert router.server is not None
-    backend = await GrpcBackend.start(tokenizer.address, router.server.address, watch=FAST_WATCH,
+    backend = await ClusterBackend.start(tokenizer.address, router.server.address, watch=FAST_WATCH,
                                       transport=gateway_transport)
     try:
         assert await backend.wait_ready(20), backend.not_ready_reason()
@@ -62,13 +62,13 @@ def lane_of(router: RouterApp) -> LaneClient | None:
     return handle.client.lane.client if handle.client.lane is not None else None
 
 
-def gateway_lane(backend: GrpcBackend) -> LaneClient | None:
+def gateway_lane(backend: ClusterBackend) -> LaneClient | None:
     """The connection the gateway uses for its router's lane (None: Generate over gRPC)."""
     lane = backend.targets.upstreams[0].lane
     return lane.client if lane is not None else None
 
 
-async def lanes_learnt(backend: GrpcBackend, router: RouterApp) -> None:
+async def lanes_learnt(backend: ClusterBackend, router: RouterApp) -> None:
     await wait_until(lambda: lane_of(router) is not None, 10, "the router to learn the worker's lane")
     await wait_until(lambda: gateway_lane(backend) is not None, 10, "the gateway to learn the router's")
 

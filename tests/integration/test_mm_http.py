@@ -15,8 +15,8 @@ import httpx
 import numpy as np
 import pytest
 
-from radixmesh.engine.mm.inputs import image_pad_ids
 from radixmesh.protocol import multimodal_pb2, sampling_pb2, worker_pb2, worker_pb2_grpc
+from radixmesh.wire.images import image_pad_ids
 from tests import mm_factory as mf
 from tests.integration.service_procs import start_service, stop_all, wait_all_ready
 

@@ -16,7 +16,6 @@ import redis as sync_redis
 
 from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.common.grpc_server import GrpcServerConfig
-from radixmesh.index.block_hash import block_hashes
 from radixmesh.index.redis_server import LocalRedis
 from radixmesh.protocol import common_pb2, router_pb2, router_pb2_grpc, sampling_pb2, worker_pb2
 from radixmesh.router.config import HealthConfig, RetryConfig, RouterConfig
@@ -24,6 +23,7 @@ from radixmesh.router.discovery.base import WorkerEndpoint
 from radixmesh.router.discovery.static import StaticDiscovery
 from radixmesh.router.server import RouterApp
 from radixmesh.router.service import route_request
+from radixmesh.wire.block_hash import block_hashes
 from tests.fake_worker import BLOCK, FakeWorker
 from tests.redis_helpers import local_redis  # noqa: F401  (fixture)
 

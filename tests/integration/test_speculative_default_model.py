@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 
 from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.hf_tokenizer import encode_chat, load_tokenizer
 from radixmesh.engine.loader import prepare_model
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
-from radixmesh.engine.scheduler import Scheduler
-from radixmesh.engine.tokenizer import encode_chat, load_tokenizer
+from radixmesh.engine.scheduler.core import Scheduler
+from radixmesh.wire.sampling import SamplingParams
 from tests.unit.scheduler_factory import Collector, assert_no_leak, run_until_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

@@ -27,14 +27,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.common.grpc_server import NOT_READY_METADATA_KEY, GrpcServer, GrpcServerConfig
-from radixmesh.engine.sampling.params import SamplingParams
-from radixmesh.gateway.grpc_backend import GrpcBackend
+from radixmesh.gateway.cluster_backend import ClusterBackend
 from radixmesh.gateway.upstreams import WatchConfig
 from radixmesh.protocol import tokenizer_pb2, tokenizer_pb2_grpc
 from radixmesh.router.config import HealthConfig, RetryConfig, RouterConfig
 from radixmesh.router.discovery.base import BaseDiscovery, OnChange, WorkerEndpoint
 from radixmesh.router.discovery.static import StaticDiscovery
 from radixmesh.router.server import RouterApp
+from radixmesh.wire.sampling import SamplingParams
 from tests.fake_worker import FakeWorker
 from tests.integration.service_procs import ServiceProc, free_port, grpc_serving
 
@@ -83,17 +83,17 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float, what: str)
         await asyncio.sleep(0.02)
 
 
-async def generate_text(backend: GrpcBackend, ids: list[int]) -> str:
+async def generate_text(backend: ClusterBackend, ids: list[int]) -> str:
     chunks = [c async for c in backend.generate(ids, SamplingParams(max_new_tokens=3))]
     assert chunks[-1].finished
     return "".join(c.text for c in chunks)
 
 
 @contextlib.asynccontextmanager
-async def gateway_first() -> AsyncIterator[tuple[GrpcBackend, list[int], int]]:
+async def gateway_first() -> AsyncIterator[tuple[ClusterBackend, list[int], int]]:
     """A gateway backend over two router ports and a tokenizer port where nothing listens yet."""
     router_ports, tokenizer_port = [free_port(), free_port()], free_port()
-    backend = await GrpcBackend.start(f"127.0.0.1:{tokenizer_port}",
+    backend = await ClusterBackend.start(f"127.0.0.1:{tokenizer_port}",
                                       ",".join(f"127.0.0.1:{p}" for p in router_ports), watch=FAST_WATCH)
     try:
         yield backend, router_ports, tokenizer_port

@@ -18,8 +18,8 @@ import pytest
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.engine.disagg.handler import DisaggHandler
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
-from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler.core import Scheduler
+from radixmesh.wire.sampling import SamplingParams
 
 from ..unit.scheduler_factory import Collector, assert_no_leak, clone, make_requests, run_until_idle
 from ..unit.test_disagg import Side, transfer
@@ -120,8 +120,8 @@ def test_kv_transfer_between_tp_sizes_equals_unified(tp1_and_tp2: tuple[Side, Si
 def test_default_model_tp3_matches_tp1() -> None:
     """9 heads and 3 KV heads over 3 ranks, real weights in fp32: batched, chunked, cached and
     regex-constrained requests give TP 1's greedy tokens."""
+    from radixmesh.engine.hf_tokenizer import load_tokenizer
     from radixmesh.engine.loader import ensure_default_model
-    from radixmesh.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ensure_default_model(progress=False))
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from radixmesh.index.block_hash import block_hashes
 from radixmesh.router.config import BreakerConfig, HealthConfig, RouterConfig, ScoringConfig
 from radixmesh.router.discovery.base import WorkerEndpoint
 from radixmesh.router.policies.base import RouteRequest
-from radixmesh.router.workers import LoadSnapshot, WorkerHandle, WorkerRegistry
+from radixmesh.router.workers import WorkerHandle, WorkerRegistry
+from radixmesh.wire.block_hash import block_hashes
+from radixmesh.wire.load import WorkerLoad
 
 BLOCK = 4
 
@@ -49,7 +50,7 @@ def make_registry(num_workers: int = 2, healthy: bool = True, clock: FakeClock |
 
 
 def set_load(worker: WorkerHandle, **fields: Any) -> None:
-    worker.load = LoadSnapshot(**{"max_total_tokens": 10_000, **fields})
+    worker.load = WorkerLoad(**{"max_total_tokens": 10_000, **fields})
 
 
 def make_request(prefix: int, num_blocks: int, tail: int = 3, rid: str = "r") -> RouteRequest:

@@ -10,12 +10,12 @@ import torch
 
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.loader import PreparedModel
-from radixmesh.engine.messages import TokenOut
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
-from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler.core import Scheduler
+from radixmesh.wire.messages import TokenOut
+from radixmesh.wire.sampling import SamplingParams
 
 VOCAB = 101
 

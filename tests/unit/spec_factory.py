@@ -10,8 +10,9 @@ from typing import Any, ClassVar
 import pytest
 
 from radixmesh.engine.request import Req
-from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler.core import Scheduler
 from radixmesh.engine.speculative.base import BaseProposer, Proposal, ProposerContext
+from radixmesh.engine.speculative.decoder import SpecDecoder
 from radixmesh.engine.speculative.registry import PROPOSERS
 from tests.unit.scheduler_factory import VOCAB, Collector, make_scheduler
 
@@ -36,8 +37,9 @@ def draft_scheduler(draft_dir: Path, same_weights: bool = False, **overrides: An
     sched, col = make_scheduler(speculative_algorithm="draft", speculative_draft_model=str(draft_dir),
                                 speculative_draft_load_format="dummy", **overrides)
     if same_weights:
-        assert sched.spec is not None
-        draft = sched.spec.proposer.runner.model  # type: ignore[attr-defined]
+        spec = sched.hooks.get(SpecDecoder)
+        assert spec is not None
+        draft = spec.proposer.runner.model  # type: ignore[attr-defined]
         draft.load_state_dict(sched.runner.model.state_dict())
     return sched, col
 

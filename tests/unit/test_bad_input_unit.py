@@ -16,12 +16,13 @@ from fastapi.testclient import TestClient
 
 from radixmesh.common.errors import RadixMeshError
 from radixmesh.common.grpc_errors import ERROR_METADATA_KEY, from_grpc_status
-from radixmesh.engine.messages import TokenOut
-from radixmesh.engine.sampling.params import SamplingParams, validate_request
+from radixmesh.engine.sampling.validation import validate_request
 from radixmesh.gateway.app import create_app
 from radixmesh.gateway.config import GatewayConfig
 from radixmesh.gateway.limits import BodySizeLimitMiddleware, RequestLimits
 from radixmesh.protocol import sampling_pb2, worker_pb2
+from radixmesh.wire.messages import TokenOut
+from radixmesh.wire.sampling import SamplingParams
 from radixmesh.worker.config import WorkerConfig
 from radixmesh.worker.service import WorkerServicer
 from tests.unit.bad_input_cases import GOOD_REQUESTS, GRPC_CASES, HTTP_CASES, GrpcCase, HttpCase, check_http_error

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from radixmesh.engine.bench_hicache import MultiTurnDriver, make_sessions, summarize
+from radixmesh.engine.bench.hicache import MultiTurnDriver, make_sessions, summarize
 
 from .scheduler_factory import VOCAB, assert_no_leak, make_scheduler
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from radixmesh.engine.bench_profile import HostPhases, _gaps, _prefill_host_ms, kernel_kind
+from radixmesh.engine.bench.profile import HostPhases, _gaps, _prefill_host_ms, kernel_kind
 
 
 class Part:
@@ -74,7 +74,7 @@ def test_gaps_merge_overlapping_kernels_and_count_long_waits() -> None:
 
 
 def test_device_split_finds_where_the_device_waited_for_the_host() -> None:
-    from radixmesh.engine.bench_profile import OfflineProfiler, _Launch
+    from radixmesh.engine.bench.profile import OfflineProfiler, _Launch
 
     class Event:
         def __init__(self, ms: float) -> None:

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from radixmesh.index.block_hash import block_hashes
+from radixmesh.wire.block_hash import block_hashes
 
 
 def _reference(token_ids: list[int], block_size: int, extra_key: bytes) -> list[int]:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 
 import pytest
 
-from radixmesh.cli import EXTERNAL_COMMANDS, build_parser
+from radixmesh.cli import COMMANDS, build_parser
 
 
 def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -15,24 +14,27 @@ def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPar
     return dict(sub.choices)
 
 
-@pytest.mark.parametrize("target", sorted(EXTERNAL_COMMANDS))
-def test_each_module_adds_the_commands_it_is_listed_with(target: str) -> None:
-    module, _, func = target.partition(":")
+def _siblings(command: str) -> tuple[str, ...]:
+    """The commands registered by the same function as `command`, in registry order."""
+    return tuple(name for name in COMMANDS if COMMANDS[name] == COMMANDS[command])
+
+
+@pytest.mark.parametrize("target", sorted(set(COMMANDS.values())))
+def test_each_function_adds_the_commands_it_is_listed_with(target: str) -> None:
+    name = next(n for n in COMMANDS if COMMANDS[n] == target)
     parser = argparse.ArgumentParser()
-    getattr(importlib.import_module(module), func)(parser.add_subparsers())
-    assert tuple(_commands(parser)) == EXTERNAL_COMMANDS[target]
+    COMMANDS.load(name)(parser.add_subparsers())
+    assert tuple(_commands(parser)) == _siblings(name)
 
 
-def test_the_whole_parser_has_every_command() -> None:
-    listed = {name for names in EXTERNAL_COMMANDS.values() for name in names}
-    assert set(_commands(build_parser())) == {"generate", *listed}
+def test_the_whole_parser_has_every_command_in_registry_order() -> None:
+    assert tuple(_commands(build_parser())) == COMMANDS.ids
 
 
-@pytest.mark.parametrize("command", ["generate", *sorted({n for names in EXTERNAL_COMMANDS.values() for n in names})])
+@pytest.mark.parametrize("command", COMMANDS.ids)
 def test_one_command_parser_has_that_command_with_the_same_flags(command: str) -> None:
     whole, alone = _commands(build_parser())[command], _commands(build_parser(command))
-    siblings = next((names for names in EXTERNAL_COMMANDS.values() if command in names), (command,))
-    assert tuple(alone) == siblings  # the commands its module adds, and no other
+    assert tuple(alone) == _siblings(command)  # the commands its function adds, and no other
     assert alone[command].format_help() == whole.format_help()
 
 

@@ -15,9 +15,9 @@ from radixmesh.engine.batch import ScheduleBatch, future_index, resolve_futures
 from radixmesh.engine.cuda_graph_runner import GraphInputs, stage_inputs
 from radixmesh.engine.device_io import HostCopy, copy_to_device, rows_to_device, tensor_to_device, to_device
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.engine.sampling.prompt_logprobs import PromptLogprobs
 from radixmesh.engine.sampling.sampler import SampleOutput
+from radixmesh.wire.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 

@@ -10,7 +10,10 @@ from typing import Any
 import pytest
 
 from radixmesh.engine.disagg.handler import DisaggHandler
-from radixmesh.engine.disagg.messages import (
+from radixmesh.engine.disagg.transport.registry import check_transport_device, create_transport
+from radixmesh.engine.request import Req
+from radixmesh.engine.scheduler.core import Scheduler
+from radixmesh.wire.disagg import (
     KVChunkInMsg,
     KVExportMsg,
     PrefillReqMsg,
@@ -19,10 +22,7 @@ from radixmesh.engine.disagg.messages import (
     ResolveReservationMsg,
     TransferDoneReqMsg,
 )
-from radixmesh.engine.disagg.transport.registry import check_transport_device, create_transport
-from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
-from radixmesh.engine.scheduler import Scheduler
+from radixmesh.wire.sampling import SamplingParams
 
 from .router_factory import FakeClock
 from .scheduler_factory import Collector, assert_no_leak, make_requests, make_scheduler, run_until_idle
@@ -72,11 +72,10 @@ def reserve(decode: Side, rid: str, ids: list[int], params: SamplingParams) -> d
 
 
 def run_loop(side: Side, max_steps: int = 10_000) -> None:
-    """Step as the scheduler loop does: the handler's tick right before every step."""
+    """Step as the scheduler loop does (the handler, a hook, ticks at the start of every step)."""
     for _ in range(max_steps):
         if not side.sched.has_work:
             return
-        side.handler.tick()
         side.sched.step()
     raise AssertionError("scheduler did not finish")
 
@@ -303,12 +302,10 @@ def test_a_prompt_aborted_after_its_export_was_queued_sends_nothing_and_leaks_no
     p = make_side(overlap_schedule="on")
     ids = make_requests(1, seed=7, prompt_len=(30, 30))[0].origin_input_ids
     p.handler.handle(PrefillReqMsg("s", "tx-s", list(ids), greedy(3), 0, "grpc", LEASE_S))
-    p.handler.tick()
     p.sched.step()  # launches the prompt's pass
-    p.handler.tick()  # queues its export
+    p.handler.tick()  # queues its export (as the next step's start would)
     assert "s" in p.handler.exports.staged and p.handler.stats()["num_transfers_held"] == 1
-    p.sched.abort("s")
-    p.handler.abort("s")
+    p.sched.abort("s")  # the handler, a hook, drops its export too
     run_loop(p)
     assert p.out.finish["s"] == "abort" and not p.exports
     assert p.handler.stats()["num_transfers_held"] == 0 and not p.handler.exports.staged

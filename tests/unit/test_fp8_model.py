@@ -22,8 +22,8 @@ from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.quant.accuracy import checkpoint_weights, compare_fp8, prefill_logits, random_prompts
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
-from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler.core import Scheduler
+from radixmesh.wire.sampling import SamplingParams
 
 from .fp8_factory import E4M3, HF_CONFIG, make_runner, quantized, write_checkpoint
 from .scheduler_factory import Collector, make_requests, run_until_idle

@@ -13,8 +13,8 @@ import pytest
 from radixmesh.engine import config as engine_config
 
 FRONT_END_MODULES = ("radixmesh.worker.server", "radixmesh.engine.client", "radixmesh.gateway.local_backend",
-                     "radixmesh.gateway.server", "radixmesh.tokenizer.server", "radixmesh.router.server",
-                     "radixmesh.engine.scheduler_process")
+                     "radixmesh.gateway.server", "radixmesh.tokenizer_service.server", "radixmesh.router.server",
+                     "radixmesh.engine.scheduler.process")
 
 
 def _imports_torch(code: str) -> bool:
@@ -31,7 +31,7 @@ def test_front_end_modules_import_no_torch() -> None:
 
 def test_preparing_a_model_and_its_tokenizer_imports_no_torch(default_model_dir: Path) -> None:
     code = ("from radixmesh.engine.config import EngineConfig\nfrom radixmesh.engine.loader import prepare_model\n"
-            "from radixmesh.engine.tokenizer import load_tokenizer\n"
+            "from radixmesh.engine.hf_tokenizer import load_tokenizer\n"
             "assert EngineConfig().resolve().device == 'cpu'\n"
             "prepared = prepare_model(None)\nload_tokenizer(prepared.tokenizer_path)")
     assert not _imports_torch(code)

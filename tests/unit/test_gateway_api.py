@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.gateway.app import create_app
-from radixmesh.gateway.backend import Backend, GenerationChunk, ModelCard, SamplingParams
+from radixmesh.gateway.backend import GatewayBackend, GenerationChunk, ModelCard, SamplingParams
 from radixmesh.gateway.config import GatewayConfig
 from radixmesh.gateway.dispatch import Dispatcher, PromptJob
 from radixmesh.gateway.errors import to_http
@@ -24,7 +24,7 @@ VOCAB = 100
 CONTEXT_LEN = 64
 
 
-class FakeBackend(Backend):
+class FakeBackend(GatewayBackend):
     """Each character is one token (ord % VOCAB); output token i is `i % 26` and reads as a letter."""
 
     def __init__(self, delay_s: float = 0.0, max_running_requests: int = 2) -> None:

@@ -17,7 +17,7 @@ from radixmesh.engine.grammar.registry import check_grammar_syntax
 from radixmesh.engine.grammar.spec import ANY_JSON, GrammarSpec, grammar_spec
 from radixmesh.engine.grammar.vocab_mask import VocabMask, apply_vocab_mask, apply_vocab_mask_reference, unpack_mask
 from radixmesh.engine.grammar.xgrammar_backend import XGrammarBackend
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.wire.sampling import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
@@ -145,7 +145,7 @@ def test_pool_does_not_cache_failures():
 # ---- xgrammar and jump-forward on the real tokenizer -------------------------------------------------
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir):
-    from radixmesh.engine.tokenizer import load_tokenizer
+    from radixmesh.engine.hf_tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_dir)
 
@@ -221,7 +221,7 @@ def test_masks_are_the_same_from_one_thread_and_from_the_pool(tokenizer, monkeyp
 def test_store_memory_lru_is_bounded_in_bytes():
     import asyncio
 
-    from radixmesh.grammar.store import GrammarStore, StoreConfig
+    from radixmesh.grammar_service.store import GrammarStore, StoreConfig
 
     async def scenario() -> None:
         store = GrammarStore(StoreConfig(memory_bytes=10))

@@ -15,8 +15,11 @@ from typing import Any
 import jsonschema
 import pytest
 
+from radixmesh.engine.grammar.hook import GrammarHook
+from radixmesh.engine.grammar.manager import GrammarManager
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.engine.scheduler.core import Scheduler
+from radixmesh.wire.sampling import SamplingParams
 
 from .scheduler_factory import assert_no_leak, make_requests, make_scheduler, run_until_idle, tiny_model_config
 
@@ -38,7 +41,7 @@ EBNF = 'root ::= "(" expr ")"\nexpr ::= num | num "+" expr\nnum ::= [1-9]'
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir):
-    from radixmesh.engine.tokenizer import load_tokenizer
+    from radixmesh.engine.hf_tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_dir)
 
@@ -46,6 +49,12 @@ def tokenizer(default_model_dir):
 def grammar_scheduler(tokenizer: Any, **overrides: Any):
     mc = tiny_model_config(vocab_size=VOCAB, eos_token_ids=(EOS,))
     return make_scheduler(mc, tokenizer=tokenizer, **overrides)
+
+
+def grammar_manager(sched: Scheduler) -> GrammarManager:
+    hook = sched.hooks.get(GrammarHook)
+    assert hook is not None
+    return hook.manager
 
 
 def req(seed: int, max_new_tokens: int = 64, **params: Any) -> Req:
@@ -152,7 +161,7 @@ def test_compile_timeout_fails_only_that_request(tokenizer, monkeypatch):
     sched, col = grammar_scheduler(tokenizer, grammar_compile_timeout=0.05)
     # the compilation is held past the timeout: a fast machine must not finish it in time
     release = threading.Event()
-    backend = sched.grammar.pool.backend
+    backend = grammar_manager(sched).pool.backend
     compile_now = backend.compile
 
     def held(spec: Any) -> Any:
@@ -176,7 +185,7 @@ def test_abort_while_the_grammar_compiles(tokenizer):
     sched, col = grammar_scheduler(tokenizer)
     r = req(1, json_schema=json.dumps(SCHEMA))
     sched.add_request(r)
-    assert sched.has_work and sched.grammar.has_compiling
+    assert sched.has_work and grammar_manager(sched).has_compiling
     sched.abort(r.rid)
     assert col.finish[r.rid] == "abort" and not sched.has_work
     assert_no_leak(sched)

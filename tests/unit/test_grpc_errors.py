@@ -5,13 +5,14 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from radixmesh.common import convert
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.common.grpc_errors import ERROR_METADATA_KEY, from_grpc_status, to_grpc_status
-from radixmesh.engine.messages import TokenOut
-from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.gateway.errors import to_http
 from radixmesh.protocol import sampling_pb2
+from radixmesh.wire import convert
+from radixmesh.wire.load import WorkerLoad, load_from_proto, load_to_proto
+from radixmesh.wire.messages import TokenOut
+from radixmesh.wire.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("code", list(ErrorCode))
@@ -104,4 +105,6 @@ def test_load_round_trip() -> None:
     stats = {"num_running_reqs": 3, "num_waiting_reqs": 1, "num_queued_prefill_tokens": 100,
              "num_running_decode_tokens": 250, "kv_used_tokens": 300, "max_total_num_tokens": 1000,
              "kv_usage": 0.3, "cache_hit_rate": 0.5, "max_running_requests": 8}
-    assert convert.load_from_proto(convert.load_to_proto(stats)) == pytest.approx(stats)
+    load = WorkerLoad.from_stats(stats)
+    assert load_from_proto(load_to_proto(load)) == load
+    assert load.as_stats() == pytest.approx(stats)

@@ -10,10 +10,12 @@ import pytest
 
 from radixmesh.common.errors import RadixMeshError
 from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.hicache.controller import HiCacheController
+from radixmesh.engine.hicache.hook import HostTierHook
 from radixmesh.engine.hicache.transfer import TransferOp
 from radixmesh.engine.hicache.tree import HiRadixCache
 from radixmesh.engine.request import Req
-from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler.core import Scheduler
 
 from .scheduler_factory import assert_no_leak, clone, make_requests, make_scheduler, run_until_idle, single_run_outputs
 
@@ -32,10 +34,16 @@ def tree_of(sched: Scheduler) -> HiRadixCache:
     return sched.kv.tree
 
 
+def controller_of(sched: Scheduler) -> HiCacheController:
+    hook = sched.hooks.get(HostTierHook)
+    assert hook is not None, "no host tier"
+    return hook.controller
+
+
 def assert_no_leak_either_tier(sched: Scheduler) -> None:
     assert_no_leak(sched)
     tree = tree_of(sched)
-    assert sched.hicache is not None and not sched.hicache.holds and not tree.loads and not tree.loading
+    assert not controller_of(sched).holds and not tree.loads and not tree.loading
     assert tree.host_allocator.available_size() + tree.host_size() == tree.host_pool.size, "host slots leaked"
 
 
@@ -131,12 +139,12 @@ def test_request_whose_prefix_is_loading_waits_without_blocking_others() -> None
     sched.emit = lambda outs: (loads.update({o.rid: o.host_load for o in outs if o.host_load}), out(outs))  # type: ignore
     sched.add_request(renamed(first, "-again"))
     sched.step()
-    assert sched.hicache is not None and sched.hicache.loading and sched.waiting[0].rid == first.rid + "-again"
+    assert controller_of(sched).loading and sched.prefill.waiting[0].rid == first.rid + "-again"
     sched.add_request(clone(other))  # no host hit: admitted and finished while the other one's prefix loads
     for _ in range(20):
         sched.step()
     assert out.finish.get(other.rid) == "length" and first.rid + "-again" not in out.tokens
-    assert [r.rid for r in sched.waiting] == [first.rid + "-again"]
+    assert [r.rid for r in sched.prefill.waiting] == [first.rid + "-again"]
     gate["done"] = True
     run_until_idle(sched)
     assert out.tokens[first.rid + "-again"] == expected[first.rid] and out.tokens[other.rid] == expected[other.rid]
@@ -159,7 +167,7 @@ def test_two_requests_on_one_loading_path_share_the_load() -> None:
     sched.step()
     sched.add_request(b)
     sched.step()
-    assert sched.hicache is not None and set(sched.hicache.holds) == {a.rid, b.rid}
+    assert set(controller_of(sched).holds) == {a.rid, b.rid}
     gate["done"] = True
     run_until_idle(sched)
     assert tree_of(sched).counters["hicache_num_loads"] == 1
@@ -176,10 +184,10 @@ def test_abort_while_its_prefix_loads_leaks_nothing() -> None:
     gate = hold_loads(sched)
     sched.add_request(renamed(base, "-x"))
     sched.step()
-    assert sched.hicache is not None and sched.hicache.holds
+    assert controller_of(sched).holds
     sched.abort(base.rid + "-x")
     sched.step()
-    assert not sched.hicache.holds and sched.hicache.busy  # the hold is gone; the copy still runs
+    assert not controller_of(sched).holds and controller_of(sched).busy  # the hold is gone; the copy still runs
     gate["done"] = True
     run_until_idle(sched)
     assert out.finish[base.rid + "-x"] == "abort"
@@ -198,12 +206,12 @@ def test_hold_timeout_releases_a_loaded_prefix_that_cannot_be_admitted(monkeypat
     run_until_idle(sched)
     tree_of(sched).evict(1000)
     sched.add_request(renamed(base, "-y"))
-    real = sched._schedule_prefill
-    sched._schedule_prefill = lambda: None  # type: ignore[method-assign]  # admission never happens
+    real = sched.prefill.schedule
+    sched.prefill.schedule = lambda running, ratio: None  # type: ignore[method-assign]  # admission never happens
     for _ in range(5):
         sched.step()
-    assert sched.hicache is not None and not sched.hicache.holds and sched.hicache.num_hold_timeouts == 1
-    sched._schedule_prefill = real  # type: ignore[method-assign]
+    assert not controller_of(sched).holds and controller_of(sched).num_hold_timeouts == 1
+    sched.prefill.schedule = real  # type: ignore[method-assign]
     run_until_idle(sched)
     assert out.finish[base.rid + "-y"] == "length"
     assert_no_leak_either_tier(sched)

@@ -9,8 +9,9 @@ import torch
 from radixmesh.engine.hicache.host_pool import HostKVPool, HostSlotAllocator, slot_runs
 from radixmesh.engine.hicache.transfer import HostTransfer
 from radixmesh.engine.hicache.tree import HiRadixCache
-from radixmesh.engine.kv_events import AllBlocksCleared, BlockEventRecorder, BlocksRemoved, BlocksStored
+from radixmesh.engine.kv_events import BlockEventRecorder
 from radixmesh.engine.memory import KVSlotAllocator, TokenToKVPool
+from radixmesh.wire.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
 
 LAYERS, HEADS, DIM = 2, 2, 4
 

@@ -8,18 +8,12 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixmesh.engine.kv_events import (
-    AllBlocksCleared,
-    BlockEventRecorder,
-    BlocksRemoved,
-    BlocksStored,
-    KVEventsMsg,
-    token_path,
-)
+from radixmesh.engine.kv_events import BlockEventRecorder, token_path
 from radixmesh.engine.memory import KVSlotAllocator
-from radixmesh.engine.messages import encoder, from_scheduler_decoder
 from radixmesh.engine.radix_cache import RadixCache
-from radixmesh.index.block_hash import block_hashes
+from radixmesh.wire.block_hash import block_hashes
+from radixmesh.wire.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEventsMsg
+from radixmesh.wire.messages import encoder, from_scheduler_decoder
 from tests.unit.scheduler_factory import make_requests, make_scheduler
 
 B = 4

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import zmq
 
-from radixmesh.engine import launch_pacing
-from radixmesh.engine.launch_pacing import MIN_MARGIN_S, LaunchPacer
-from radixmesh.engine.scheduler_loop import SchedulerLoop
+from radixmesh.engine.scheduler import pacing as launch_pacing
+from radixmesh.engine.scheduler.loop import SchedulerLoop
+from radixmesh.engine.scheduler.pacing import MIN_MARGIN_S, LaunchPacer, PacingHook
 
 from .scheduler_factory import assert_no_leak, clone, make_requests, make_scheduler, run_until_idle, single_run_outputs
 
@@ -114,10 +114,10 @@ def test_scheduler_holds_only_a_decode_step_with_nobody_waiting() -> None:
     reqs = make_requests(3, seed=7, max_new_tokens=10)
     expected = single_run_outputs(reqs)
     sched, col = make_scheduler(overlap_schedule="on")
-    assert sched.pacer is None  # (a CPU device: nothing to pace)
+    assert sched.hooks.get(PacingHook) is None  # (a CPU device: nothing to pace)
     assert sched.launch_deadline() is None
     cuda = FakeCuda()
-    sched.pacer = LaunchPacer(cuda)
+    sched.hooks.add(PacingHook(sched, LaunchPacer(cuda)), first=True)
     for req in reqs:
         sched.add_request(clone(req))
     held = []
@@ -128,7 +128,7 @@ def test_scheduler_holds_only_a_decode_step_with_nobody_waiting() -> None:
         in_flight = sched.in_flight
         if deadline is not None:
             held.append(deadline)
-            assert not sched.waiting and in_flight is not None and in_flight.batch.is_decode
+            assert not sched.prefill.waiting and in_flight is not None and in_flight.batch.is_decode
         sched.step()
     assert held, "no decode launch was ever held"
     assert col.tokens == expected  # holding launches changes when, never what
@@ -146,7 +146,7 @@ def test_loop_listens_until_the_deadline_and_takes_a_request_at_once() -> None:
     send.connect(f"tcp://127.0.0.1:{port}")
     poller = zmq.Poller()
     poller.register(recv, zmq.POLLIN)
-    loop = SchedulerLoop(scheduler=None, send=send)
+    loop = SchedulerLoop(scheduler=None, send=send)  # type: ignore[arg-type]
     drained: list[bytes] = []
 
     def drain(sock: Any) -> None:
@@ -194,7 +194,8 @@ def test_a_pacer_by_default_on_an_overlapping_cuda_device_unless_disabled() -> N
 
 
 def test_the_flag_turns_pacing_off() -> None:
-    from radixmesh.cli import build_parser, engine_kwargs
+    from radixmesh.cli import build_parser
+    from radixmesh.engine.args import engine_kwargs
 
     args = build_parser("generate").parse_args(["generate", "--disable-launch-pacing", "--prompt", "hi"])
     assert engine_kwargs(args)["disable_launch_pacing"] is True

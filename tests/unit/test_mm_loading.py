@@ -16,10 +16,11 @@ from PIL import Image
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.engine.mm.config import ImageLimits
-from radixmesh.engine.mm.loading import ImageSource, image_sources, load_image
+from radixmesh.engine.mm.loading import image_sources, load_image
 from radixmesh.engine.mm.processors import ClipImageProcessor
 from radixmesh.engine.mm.prompt import MultimodalProcessor
 from radixmesh.engine.mm.spec import VisionSpec
+from radixmesh.wire.images import ImageSource
 
 
 def _png(width: int = 20, height: int = 10) -> bytes:

@@ -10,7 +10,10 @@ import torch
 from PIL import Image
 
 from radixmesh.common.errors import RadixMeshError
-from radixmesh.engine.mm.inputs import (
+from radixmesh.engine.mm.mrope import mrope_positions
+from radixmesh.engine.mm.processors import ClipImageProcessor, Qwen2VLImageProcessor, smart_resize
+from radixmesh.wire.block_hash import block_hashes
+from radixmesh.wire.images import (
     IMAGE_PAD_BASE,
     ImageInput,
     MultimodalInputs,
@@ -18,9 +21,6 @@ from radixmesh.engine.mm.inputs import (
     image_content_hash,
     image_pad_ids,
 )
-from radixmesh.engine.mm.mrope import mrope_positions
-from radixmesh.engine.mm.processors import ClipImageProcessor, Qwen2VLImageProcessor, smart_resize
-from radixmesh.index.block_hash import block_hashes
 
 
 def _image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:

@@ -10,15 +10,14 @@ from typing import Any
 
 import pytest
 
-from radixmesh.common.convert import image_sources_to_proto, images_from_proto
 from radixmesh.common.errors import RadixMeshError
+from radixmesh.engine.hf_tokenizer import load_tokenizer
 from radixmesh.engine.loader import prepare_model
-from radixmesh.engine.mm.inputs import IMAGE_PAD_BASE, image_pad_ids
-from radixmesh.engine.mm.loading import ImageSource
 from radixmesh.engine.mm.prompt import MultimodalProcessor
-from radixmesh.engine.tokenizer import load_tokenizer
 from radixmesh.protocol import tokenizer_pb2
-from radixmesh.tokenizer.service import TokenizerServicer
+from radixmesh.tokenizer_service.service import TokenizerServicer
+from radixmesh.wire.convert import image_sources_to_proto, images_from_proto
+from radixmesh.wire.images import IMAGE_PAD_BASE, ImageSource, image_pad_ids
 from tests import mm_factory as mf
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from radixmesh.cli import MODEL_FLAGS, build_parser, model_kwargs
+from radixmesh.cli import build_parser
 from radixmesh.cluster.spec import ClusterSpec, ClusterState
 from radixmesh.common.errors import RadixMeshError
+from radixmesh.engine.args import MODEL_FLAGS, model_kwargs
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.loader import prepare_model, resolve_tokenizer
 

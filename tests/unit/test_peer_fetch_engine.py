@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import uuid
 
-from radixmesh.engine.disagg.messages import (
+from radixmesh.engine.request import Req
+from radixmesh.wire.disagg import (
     CancelReservationMsg,
     CommitFetchMsg,
     ExportCachedReqMsg,
@@ -17,8 +18,7 @@ from radixmesh.engine.disagg.messages import (
     TransferDoneReqMsg,
     TrimReservationMsg,
 )
-from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.wire.sampling import SamplingParams
 
 from .scheduler_factory import assert_no_leak, make_requests, run_until_idle
 from .test_disagg import LEASE_S, Side, greedy, make_side, unified_tokens
@@ -71,7 +71,7 @@ def test_fetched_prefix_gives_identical_tokens_and_counts_as_cached() -> None:
         assert b.out.cached[f"r{i}"] == len(ids) - 1
     stats = b.handler.stats()
     assert stats["num_peer_fetch_commits"] == 3 and stats["num_peer_fetch_fallbacks"] == 0
-    assert stats["peer_fetched_tokens"] == b.sched.num_cached_tokens
+    assert stats["peer_fetched_tokens"] == b.sched.counters.num_cached_tokens
     assert a.handler.stats()["num_cached_exports"] == 3 and a.handler.stats()["num_transfers_held"] == 0
     assert_no_leak(a.sched)
     assert_no_leak(b.sched)
@@ -132,7 +132,7 @@ def test_fetch_failing_mid_transfer_frees_the_reservation_and_computes() -> None
 
 
 def test_prefix_len_counts_the_host_tier() -> None:
-    from radixmesh.engine.disagg.messages import PrefixLenReqMsg
+    from radixmesh.wire.disagg import PrefixLenReqMsg
 
     me = make_side(max_total_tokens=200, enable_hierarchical_cache=True, hicache_ratio=4.0)
     ids = make_requests(1, seed=26, prompt_len=(90, 90))[0].origin_input_ids

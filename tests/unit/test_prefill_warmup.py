@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from radixmesh.engine import prefill_warmup
-from radixmesh.engine.prefill_warmup import decode_batches, wants_warmup, warm_up_prefill, warmup_lengths
+from radixmesh.engine.scheduler import warmup as prefill_warmup
+from radixmesh.engine.scheduler.warmup import decode_batches, wants_warmup, warm_up_prefill, warmup_lengths
 
 from .scheduler_factory import assert_no_leak, clone, make_requests, make_scheduler, run_until_idle
 
@@ -56,7 +56,7 @@ def test_warm_up_leaves_nothing_behind_and_outputs_unchanged(monkeypatch: pytest
     assert warm.kv.tree.total_size() == 0 and warm.kv.used_tokens() == 0
     stats = warm.stats()
     assert stats["num_prompt_tokens"] == stats["num_generated_tokens"] == stats["num_forward_passes"] == 0
-    assert warm.new_token_ratio == warm.config.init_new_token_ratio
+    assert warm.decode.new_token_ratio == warm.config.init_new_token_ratio
     for req in map(clone, reqs):
         warm.add_request(req)
     run_until_idle(warm)
@@ -69,12 +69,12 @@ def test_only_a_plain_cuda_server_warms_up() -> None:
 
     from radixmesh.engine.config import EngineConfig
 
-    def sched(device: str = "cuda", hicache: object = None, mm: object = None) -> SimpleNamespace:
-        return SimpleNamespace(runner=SimpleNamespace(device=SimpleNamespace(type=device), mm=mm), hicache=hicache)
+    def sched(device: str = "cuda", mm: object = None) -> SimpleNamespace:
+        return SimpleNamespace(runner=SimpleNamespace(device=SimpleNamespace(type=device), mm=mm))
 
     plain = EngineConfig(device="cpu")
     assert wants_warmup(plain, sched())  # type: ignore[arg-type]
     assert not wants_warmup(plain, sched("cpu"))  # type: ignore[arg-type]
     assert not wants_warmup(EngineConfig(device="cpu", disable_prefill_warmup=True), sched())  # type: ignore[arg-type]
-    assert not wants_warmup(plain, sched(hicache=object()))  # type: ignore[arg-type]
+    assert not wants_warmup(EngineConfig(device="cpu", enable_hierarchical_cache=True), sched())  # type: ignore[arg-type]
     assert not wants_warmup(plain, sched(mm=object()))  # type: ignore[arg-type]

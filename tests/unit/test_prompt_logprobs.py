@@ -13,9 +13,9 @@ import math
 import msgspec
 import pytest
 
-from radixmesh.engine.messages import TokenOut
 from radixmesh.engine.request import Req
-from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler.core import Scheduler
+from radixmesh.wire.messages import TokenOut
 
 from .scheduler_factory import Collector, assert_no_leak, clone, make_requests, make_scheduler, run_until_idle
 

@@ -134,12 +134,12 @@ def test_router_replicas_parse_and_rotate() -> None:
 
 
 def test_grammar_cache_without_redis_is_a_miss_logged_once_and_probed_again(caplog: pytest.LogCaptureFixture) -> None:
-    from radixmesh.grammar.store import GrammarStore, StoreConfig
+    from radixmesh.grammar_service.store import GrammarStore, StoreConfig
     from tests.integration.service_procs import free_port
 
     async def run() -> None:
         store = GrammarStore(StoreConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_timeout_s=1))
-        with caplog.at_level(logging.WARNING, logger="radixmesh.grammar.store"):
+        with caplog.at_level(logging.WARNING, logger="radixmesh.grammar_service.store"):
             assert await store.get("k") is None and not store.redis_up
             await store.put("k", b"compiled")  # skipped while Redis is down, kept in memory
             assert await store.get("k") == (b"compiled", "memory")

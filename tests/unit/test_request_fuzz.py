@@ -17,15 +17,16 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixmesh.common.convert import sampling_from_proto
 from radixmesh.common.errors import RadixMeshError
-from radixmesh.engine.sampling.params import SamplingParams, validate_request
+from radixmesh.engine.sampling.validation import validate_request
 from radixmesh.gateway import openai_convert as conv
 from radixmesh.gateway.app import create_app
 from radixmesh.gateway.config import GatewayConfig
 from radixmesh.gateway.native_api import GenerateRequest
 from radixmesh.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from radixmesh.protocol import sampling_pb2
+from radixmesh.wire.convert import sampling_from_proto
+from radixmesh.wire.sampling import SamplingParams
 from tests.unit.test_bad_input_unit import EngineRulesBackend
 from tests.unit.test_gateway_api import CONTEXT_LEN, VOCAB
 

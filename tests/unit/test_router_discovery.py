@@ -12,7 +12,8 @@ from radixmesh.router.discovery.base import WorkerEndpoint
 from radixmesh.router.discovery.static import StaticDiscovery, parse_workers
 from radixmesh.router.health_checker import HealthChecker
 from radixmesh.router.worker_client import ProbeResult
-from radixmesh.router.workers import LoadSnapshot, WorkerRegistry
+from radixmesh.router.workers import WorkerRegistry
+from radixmesh.wire.load import WorkerLoad
 from tests.unit.router_factory import make_config
 
 
@@ -58,7 +59,7 @@ def test_health_checker_applies_probes_with_thresholds() -> None:
         await registry.apply([WorkerEndpoint("w0", "h:1")])
         handle = registry.get("w0")
         assert handle is not None
-        load = LoadSnapshot(num_running_reqs=3, max_total_tokens=100)
+        load = WorkerLoad(num_running_reqs=3, max_total_tokens=100)
         handle.client.results = [ProbeResult(True, load=load, worker_id="pod-0"), ProbeResult(False, "refused"),
                                  ProbeResult(True, "GetLoad: DEADLINE_EXCEEDED")]
         await checker.check_once(handle)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from radixmesh.engine.sampling.batch_info import SamplingBatchInfo
-from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.engine.sampling.sampler import Sampler, process_logits
+from radixmesh.wire.sampling import SamplingParams
 
 VOCAB = 32
 EOS = 31

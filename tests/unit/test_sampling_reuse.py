@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from radixmesh.engine.messages import TokenOut
 from radixmesh.engine.request import Req
 from radixmesh.engine.sampling.batch_info import SamplingBatchInfo, SamplingInfoCache
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.wire.messages import TokenOut
+from radixmesh.wire.sampling import SamplingParams
 
 from .scheduler_factory import VOCAB, assert_no_leak, make_scheduler
 

@@ -9,10 +9,10 @@ import pytest
 
 from radixmesh.common.errors import RadixMeshError
 from radixmesh.engine.config import SCHEDULE_POLICIES, EngineConfig
-from radixmesh.engine.prefix_sharing import TokenTrie, defer_shared_prefixes
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
-from radixmesh.engine.schedule_policy import PREFIX_ORDERS, order_waiting
+from radixmesh.engine.scheduler.policy import PREFIX_ORDERS, order_waiting
+from radixmesh.engine.scheduler.prefix_sharing import TokenTrie, defer_shared_prefixes
+from radixmesh.wire.sampling import SamplingParams
 
 from .scheduler_factory import (
     assert_no_leak,
@@ -50,13 +50,13 @@ def test_burst_computes_the_shared_prefix_once(burst, overrides):
     sched, col = _scheduler(**overrides)
     for req in reqs:
         sched.add_request(clone(req))
-    first = sched.get_next_batch()
+    first = sched.schedule()
     assert first is not None and len(first.reqs) == 1, "one request computes the shared prefix"
     sched.in_flight = sched.launch(first)
-    while sched.chunked_req is not None:
+    while sched.prefill.chunked_req is not None:
         sched.step()
     # The others waited for the prefix, or joined the pass of a last chunk that did not compute any of it.
-    waiting = list(sched.waiting)
+    waiting = list(sched.prefill.waiting)
     assert len(waiting) == (0 if overrides.get("chunked_prefill_size") == 64 else 7)
     for req in waiting:  # the prefix is in the cache before the first request's tokens are read back
         sched.kv.match(req)
@@ -74,9 +74,9 @@ def test_deferred_requests_join_the_next_prefill(burst):
     for req in reqs:
         sched.add_request(clone(req))
     sched.step()
-    assert len(sched.running) == 1 and len(sched.waiting) == 7
+    assert len(sched.running) == 1 and len(sched.prefill.waiting) == 7
     sched.step()
-    assert not sched.waiting and len(sched.running) == 8
+    assert not sched.prefill.waiting and len(sched.running) == 8
     run_until_idle(sched)
     assert_no_leak(sched)
 
@@ -88,9 +88,9 @@ def test_nothing_shared_means_nothing_deferred():
         sched, col = _scheduler(in_batch_prefix_threshold=threshold)
         for req in reqs:
             sched.add_request(clone(req))
-        order = order_waiting(sched.waiting, sched.config, sched.kv)
+        order = order_waiting(sched.prefill.waiting, sched.config, sched.kv)
         assert order.deferred == [] and len(order.reqs) == 8
-        batch = sched.get_next_batch()
+        batch = sched.schedule()
         assert batch is not None and len(batch.reqs) == 8
         sched.in_flight = sched.launch(batch)
         run_until_idle(sched)
@@ -202,7 +202,7 @@ def test_token_trie_longest_shared():
 
 
 def test_policies_are_registered_and_configurable():
-    from radixmesh.cli import add_engine_args, engine_kwargs
+    from radixmesh.engine.args import add_engine_args, engine_kwargs
 
     assert set(SCHEDULE_POLICIES) == set(PREFIX_ORDERS) | {"fcfs"}
     parser = argparse.ArgumentParser()

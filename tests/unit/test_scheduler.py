@@ -7,7 +7,7 @@ import random
 import pytest
 
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.wire.sampling import SamplingParams
 
 from .scheduler_factory import assert_no_leak, clone, make_requests, make_scheduler, run_until_idle, single_run_outputs
 
@@ -39,7 +39,7 @@ def test_batched_outputs_equal_single_runs(workload, overrides):
     assert col.tokens == expected
     assert all(col.finish[r.rid] == "length" for r in reqs)
     if "max_total_tokens" in overrides and "max_running_requests" not in overrides:
-        assert sched.num_retractions > 0
+        assert sched.counters.num_retractions > 0
     assert_no_leak(sched)
 
 
@@ -65,7 +65,7 @@ def test_abort_queued_and_running_frees_kv():
     running = [r.rid for r in sched.running]
     assert running, "some request should be decoding"
     sched.abort(running[0])
-    sched.abort(sched.waiting[0].rid)
+    sched.abort(sched.prefill.waiting[0].rid)
     run_until_idle(sched)
     assert sum(1 for reason in col.finish.values() if reason == "abort") == 2
     assert len(col.finish) == 4

@@ -11,7 +11,7 @@ import pytest
 from loadtests import server_info
 from loadtests.__main__ import main as bench_main
 from loadtests.fakes import FakeServer, running_fake_server
-from radixmesh.gateway.grpc_backend import _make_card
+from radixmesh.gateway.model_card import make_card
 from radixmesh.protocol import tokenizer_pb2, worker_pb2
 
 
@@ -20,8 +20,8 @@ def test_cluster_card_carries_the_tokenizer_services_path() -> None:
                                            max_running_requests=8, engine_config_json='{"tokenizer": null, "dtype": '
                                                                                       '"float32"}')
     tok = tokenizer_pb2.GetTokenizerInfoResponse(model_name="m", fingerprint="ab", tokenizer_path="/tok/m")
-    backend: Any = SimpleNamespace(target_kind="router", target_address="r:1", tokenizer_address="t:2")
-    card = _make_card(info, tok, None, backend)
+    generation: Any = SimpleNamespace(target_kind="router", target_address="r:1")
+    card = make_card(info, tok, None, generation, "t:2")
     assert (card.model_path, card.tokenizer_path, card.context_len, card.max_running_requests) == \
         ("/models/m", "/tok/m", 2048, 8)
     assert card.extra["dtype"] == "float32" and card.extra["tokenizer"] is None  # the workers' engine flags

@@ -18,9 +18,9 @@ import torch
 
 from radixmesh.engine.request import Req
 from radixmesh.engine.sampling.batch_info import SamplingBatchInfo
-from radixmesh.engine.sampling.params import SamplingParams
-from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler.core import Scheduler
 from radixmesh.engine.speculative import rejection
+from radixmesh.wire.sampling import SamplingParams
 
 from .scheduler_factory import Collector, make_scheduler, run_until_idle, tiny_model_config
 from .spec_factory import draft_scheduler, write_model_dir

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from radixmesh.engine.sampling.batch_info import SamplingBatchInfo
-from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.engine.sampling.sampler import Sampler
 from radixmesh.engine.speculative.rejection import (
     ChainRows,
@@ -17,6 +16,7 @@ from radixmesh.engine.speculative.rejection import (
     sampled_accept,
     target_probs,
 )
+from radixmesh.wire.sampling import SamplingParams
 from tests.unit.stats_helpers import chi_square_pvalue
 
 VOCAB = 12

@@ -14,8 +14,9 @@ import torch
 
 from radixmesh.common.errors import RadixMeshError
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
-from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler.core import Scheduler
+from radixmesh.engine.speculative.decoder import SpecDecoder
+from radixmesh.wire.sampling import SamplingParams
 
 from .scheduler_factory import (
     VOCAB,
@@ -83,10 +84,10 @@ def test_accepted_prefixes_of_every_length_keep_greedy_output(oracle: type[Oracl
     stats = _spec_stats(sched)
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
     assert 1.0 < stats["spec_accept_length"] <= 6.0
-    assert sched.num_forward_passes < sum(len(v) for v in expected.values())  # fewer passes than tokens
+    assert sched.counters.num_forward_passes < sum(len(v) for v in expected.values())  # fewer passes than tokens
     assert_no_leak(sched)
     if "max_total_tokens" in overrides:
-        assert sched.num_retractions > 0
+        assert sched.counters.num_retractions > 0
 
 
 def test_draft_model_with_the_target_weights_accepts_every_draft(tmp_path: Path) -> None:
@@ -115,9 +116,10 @@ def test_random_draft_model_changes_nothing(tmp_path: Path) -> None:
 
 def _assert_draft_clean(sched: Scheduler) -> None:
     assert_no_leak(sched)
-    assert sched.spec is not None
-    assert sched.spec.flush()
-    draft_kv = sched.spec.proposer.kv  # type: ignore[attr-defined]
+    spec = sched.hooks.get(SpecDecoder)
+    assert spec is not None
+    assert spec.flush()
+    draft_kv = spec.proposer.kv  # type: ignore[attr-defined]
     assert draft_kv.allocator.available_size() == draft_kv.capacity, "draft KV slots leaked"
     assert draft_kv.req_pool.available_size() == draft_kv.req_pool.size, "draft rows leaked"
 
@@ -201,7 +203,7 @@ def test_backoff_stops_drafting_that_never_pays(tmp_path: Path) -> None:
     stats = _spec_stats(sched)
     # a handful of verifications, then rests with ever rarer one-draft probes
     assert stats["spec_num_verify_passes"] < 25, stats
-    assert sched.num_forward_passes >= 60
+    assert sched.counters.num_forward_passes >= 60
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -243,7 +245,7 @@ def test_overlap_scheduler_runs_ahead_only_between_plain_steps(oracle: type[Orac
     assert _run(sched, col, reqs) == expected
     stats = _spec_stats(sched)
     assert stats["spec_num_verify_passes"] > 0
-    assert sched.num_forward_passes > stats["spec_num_verify_passes"]  # plain steps too
+    assert sched.counters.num_forward_passes > stats["spec_num_verify_passes"]  # plain steps too
     if algorithm == "draft":
         assert stats["spec_num_overlapped_steps"] > 10  # built while the previous step ran
     assert_no_leak(sched)
@@ -293,6 +295,7 @@ def test_abort_while_a_verification_is_in_flight_frees_its_slots(oracle: type[Or
         assert col.finish[reqs[0].rid] == "abort"
         assert {r.rid: col.tokens[r.rid] for r in reqs[1:]} == {r.rid: expected[r.rid] for r in reqs[1:]}
         assert_no_leak(sched)
-        assert sched.spec is not None and not sched.spec.pending
+        spec = sched.hooks.get(SpecDecoder)
+        assert spec is not None and not spec.pending
         if algorithm == "draft":
             _assert_draft_clean(sched)

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from radixmesh.engine.speculative.decoder import SpecDecoder
+
 from .scheduler_factory import clone, make_requests, make_scheduler, run_until_idle, tiny_model_config
 from .spec_factory import OracleProposer, oracle
 
@@ -68,8 +70,9 @@ def test_verify_through_the_graph_pass_with_padding_matches_plain(oracle: type[O
                             ("spec", {"attention_backend": "triton", "speculative_algorithm": "oracle",
                                       "disable_speculative_backoff": True})):
         sched, col = make_scheduler(model, **overrides)
-        if sched.spec is not None:
-            verifier = sched.spec.verifier
+        spec = sched.hooks.get(SpecDecoder)
+        if spec is not None:
+            verifier = spec.verifier
             graphs = verifier.graphs = VerifyGraphRunner(sched.runner, 4, 4, capture=False)
             graph_forward = verifier.forward
 

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 from radixmesh.common.errors import RadixMeshError
-from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.gateway.detokenizers import LocalText, fetch_tokenizer
 from radixmesh.protocol import common_pb2, tokenizer_pb2, worker_pb2
-from radixmesh.tokenizer.files import load_from_files, saved_files
-from radixmesh.tokenizer.fingerprint import tokenizer_fingerprint
-from radixmesh.tokenizer.service import DetokenizeSession, TokenizerServicer
+from radixmesh.tokenizer_service.files import load_from_files, saved_files
+from radixmesh.tokenizer_service.service import DetokenizeSession, TokenizerServicer
+from radixmesh.wire.fingerprint import tokenizer_fingerprint
+from radixmesh.wire.sampling import SamplingParams
 from tests.unit.test_detokenizer import SAMPLES, byte_level_tokenizer, metaspace_tokenizer
 
 

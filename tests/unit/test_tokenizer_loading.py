@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from radixmesh.engine.tokenizer import load_tokenizer, names_generic_fast_tokenizer
+from radixmesh.engine.hf_tokenizer import load_tokenizer, names_generic_fast_tokenizer
 
 TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n", "<|im_start|>user\nhi<|im_end|>", "ünïcødé 漢字 🙂",
          "def f(x):\n    return x * 2\n", ""]

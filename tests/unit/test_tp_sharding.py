@@ -142,9 +142,9 @@ def test_a_sharded_layer_without_a_communicator_asserts() -> None:
     ("llava", False, False, "'llava'"), ("qwen2_vl", False, False, "'qwen2_vl'"),
     ("llama", True, False, "FP8"), ("qwen2", False, True, "FP8")])
 def test_tp_refuses_what_it_does_not_run_yet(family: str, fp8_weights: bool, fp8_kv: bool, named: str) -> None:
-    from radixmesh.engine.model_runner import _check_tp_support
+    from radixmesh.engine.runner_build import check_tp_combination
 
     with pytest.raises(RadixMeshError) as info:
-        _check_tp_support(family, 2, fp8_weights, fp8_kv)
+        check_tp_combination(family, 2, fp8_weights, fp8_kv)
     assert info.value.param == "tp_size" and named in info.value.message and "--tp-size 2" in info.value.message
-    _check_tp_support("qwen3", 2, False, False)  # a text model in the model's dtype runs
+    check_tp_combination("qwen3", 2, False, False)  # a text model in the model's dtype runs

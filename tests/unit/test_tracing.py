@@ -18,9 +18,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from radixmesh.common import tracing
 from radixmesh.common.metrics import GRAMMAR_COMPILE_BUCKETS_S, BucketCounts, LabelledRegistry, histogram_from_stats
-from radixmesh.engine.messages import TokenOut
 from radixmesh.router.policies.base import RoutingDecision
 from radixmesh.router.route_span import route_attributes
+from radixmesh.wire.messages import TokenOut
 from radixmesh.worker import metrics as worker_metrics
 from radixmesh.worker.timeline import RequestTimeline
 from tests.otlp_receiver import OtlpReceiver
@@ -65,9 +65,9 @@ def test_resolve_flag_env_and_switches(clean_env: pytest.MonkeyPatch) -> None:
 def test_cli_flag_on_every_service() -> None:
     from radixmesh.cluster import commands as cluster_commands
     from radixmesh.gateway import commands as gateway_commands
-    from radixmesh.grammar import commands as grammar_commands
+    from radixmesh.grammar_service import commands as grammar_commands
     from radixmesh.router import commands as router_commands
-    from radixmesh.tokenizer import commands as tokenizer_commands
+    from radixmesh.tokenizer_service import commands as tokenizer_commands
     from radixmesh.worker import commands as worker_commands
 
     parser = argparse.ArgumentParser()
@@ -99,7 +99,7 @@ propagate.extract = refuse
 
 from fastapi.testclient import TestClient
 from radixmesh.common import tracing
-from radixmesh.engine.messages import TokenOut
+from radixmesh.wire.messages import TokenOut
 from radixmesh.gateway.app import create_app
 from radixmesh.gateway.config import GatewayConfig
 from radixmesh.router.dispatch import RequestRouter

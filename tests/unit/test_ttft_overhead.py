@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from radixmesh.common.convert import proto_to_chunk
 from radixmesh.gateway.metrics import GatewayMetrics
 from radixmesh.protocol import worker_pb2
+from radixmesh.wire.convert import proto_to_chunk
 
 
 def _sample(metrics: GatewayMetrics, name: str) -> float:

@@ -16,7 +16,7 @@ from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.loader import prepare_model
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.model_runner import ModelRunner
-from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler.core import Scheduler
 
 from .scheduler_factory import Collector
 

@@ -28,7 +28,7 @@ POLICIES = ("cache-aware", "round-robin", "approx-tree")
 
 def register_routing(sub: argparse._SubParsersAction) -> None:
     """Add `routing` to `radixmesh bench`."""
-    from radixmesh.cli import add_model_args
+    from radixmesh.engine.args import add_model_args
 
     cmd = sub.add_parser("routing", help="compare routing policies on a local cluster (generated-shared-prefix)",
                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

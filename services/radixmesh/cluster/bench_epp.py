@@ -33,7 +33,7 @@ PAIRED_PROMPT = ("A short question about parcels: how long does a standard deliv
 
 def register_epp(sub: argparse._SubParsersAction) -> None:
     """Add `epp` to `radixmesh bench`."""
-    from radixmesh.cli import add_model_args
+    from radixmesh.engine.args import add_model_args
 
     cmd = sub.add_parser("epp", help="the router as an endpoint picker behind Envoy vs the router's own routing",
                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

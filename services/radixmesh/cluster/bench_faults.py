@@ -24,8 +24,8 @@ from typing import Any
 
 def register_faults(sub: argparse._SubParsersAction) -> None:
     """Add `faults` to `radixmesh bench`."""
-    from radixmesh.cli import add_model_args
     from radixmesh.cluster.faults.scenarios import SCENARIOS
+    from radixmesh.engine.args import add_model_args
 
     cmd = sub.add_parser("faults", help="fault injection against a local cluster (kills, stops, proxies, aborts)",
                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

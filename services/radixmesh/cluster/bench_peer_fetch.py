@@ -31,7 +31,7 @@ START_TIMEOUT_S = 900.0
 
 
 def register_peer_fetch(sub: argparse._SubParsersAction) -> None:
-    from radixmesh.cli import add_model_args
+    from radixmesh.engine.args import add_model_args
 
     cmd = sub.add_parser("peer-fetch", help="TTFT of a shared prefix fetched from a peer worker vs recomputed",
                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `cluster` subcommand to the `radixmesh` command."""
-    from radixmesh.cli import add_model_args
+    from radixmesh.engine.args import add_model_args
 
     cmd = sub.add_parser("cluster", help="start or stop a local cluster (Redis, workers, tokenizer, router, gateway)",
                          description="A development cluster on 127.0.0.1: every service in its own background "
@@ -87,8 +87,8 @@ def _state_dir(args: argparse.Namespace) -> Path:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from radixmesh.cli import model_kwargs
     from radixmesh.cluster.local import ClusterSpec, cluster_up, resolve_gpus
+    from radixmesh.engine.args import model_kwargs
 
     num_workers = args.workers if args.workers is not None else (0 if args.decode_workers else 2)
     spec = ClusterSpec(num_workers=num_workers, num_prefill_workers=args.prefill_workers,

@@ -47,7 +47,7 @@ def mixed_spec(i: int, max_tokens: int = 24) -> RequestSpec:
 
 def register_soak(sub: argparse._SubParsersAction) -> None:
     """Add `soak` to `radixmesh bench`."""
-    from radixmesh.cli import add_model_args
+    from radixmesh.engine.args import add_model_args
 
     cmd = sub.add_parser("soak", help="mixed load on a local cluster for a while, RSS and KV usage sampled",
                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

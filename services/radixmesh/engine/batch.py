@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixmesh.engine.attention.base import ForwardMode
 from radixmesh.engine.kv_manager import KVCacheManager
 from radixmesh.engine.request import Req
+
+if TYPE_CHECKING:
+    from radixmesh.engine.sampling.sampler import SampleOutput
 
 
 @dataclass
@@ -41,6 +45,15 @@ class ScheduleBatch:
     @property
     def is_decode(self) -> bool:
         return self.mode is ForwardMode.DECODE
+
+
+@dataclass
+class LaunchedBatch:
+    """A batch whose forward and sampling are enqueued; its tokens are read back later."""
+
+    launch_id: int
+    batch: ScheduleBatch
+    sampled: SampleOutput
 
 
 @dataclass

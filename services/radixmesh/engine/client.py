@@ -24,7 +24,15 @@ import zmq.asyncio
 from radixmesh.common import aio
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.engine.config import EngineConfig
-from radixmesh.engine.disagg.messages import (
+from radixmesh.engine.distributed.layout import check_tensor_parallel
+from radixmesh.engine.hf_tokenizer import load_tokenizer
+from radixmesh.engine.loader import PreparedModel, prepare_model
+from radixmesh.engine.malloc_env import spawn_env
+from radixmesh.engine.mm.validate import validate_images
+from radixmesh.engine.output import TextAssembler
+from radixmesh.engine.sampling.validation import validate_request
+from radixmesh.engine.scheduler.process import run_scheduler_process
+from radixmesh.wire.disagg import (
     CommitFetchMsg,
     ExportCachedReqMsg,
     KVExportMsg,
@@ -34,11 +42,9 @@ from radixmesh.engine.disagg.messages import (
     ResolveReservationMsg,
     TransferDoneReqMsg,
 )
-from radixmesh.engine.distributed.layout import check_tensor_parallel
-from radixmesh.engine.kv_events import KVEventsMsg
-from radixmesh.engine.loader import PreparedModel, prepare_model
-from radixmesh.engine.malloc_env import spawn_env
-from radixmesh.engine.messages import (
+from radixmesh.wire.images import MultimodalInputs, masked_text_ids
+from radixmesh.wire.kv_events import KVEventsMsg
+from radixmesh.wire.messages import (
     AbortReqMsg,
     BatchOutMsg,
     FatalMsg,
@@ -52,12 +58,8 @@ from radixmesh.engine.messages import (
     encoder,
     from_scheduler_decoder,
 )
-from radixmesh.engine.mm.inputs import MultimodalInputs, masked_text_ids
-from radixmesh.engine.mm.validate import validate_images
-from radixmesh.engine.output import GenerationChunk, TextAssembler
-from radixmesh.engine.sampling.params import SamplingParams, validate_request
-from radixmesh.engine.scheduler_process import run_scheduler_process
-from radixmesh.engine.tokenizer import load_tokenizer
+from radixmesh.wire.outputs import GenerationChunk
+from radixmesh.wire.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 900.0

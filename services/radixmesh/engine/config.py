@@ -194,10 +194,10 @@ class EngineConfig:
 
     def _check_attention_backend(self) -> None:
         """An unknown id fails here, not in the scheduler process once the model has loaded."""
-        from radixmesh.engine.attention.registry import backend_target
+        from radixmesh.engine.attention.registry import ATTENTION_BACKENDS
 
         if self.attention_backend != "auto":
-            backend_target(self.attention_backend)
+            ATTENTION_BACKENDS.check(self.attention_backend)
 
     def _check_quant_options(self) -> None:
         from radixmesh.engine.quant.registry import FP8_GEMM_BACKENDS, KV_CACHE_DTYPES, QUANT_METHODS

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.engine.client import EngineClient
-from radixmesh.engine.disagg.messages import (
+from radixmesh.wire.disagg import (
     CancelReservationMsg,
     KVChunk,
     KVChunkInMsg,
@@ -24,8 +24,8 @@ from radixmesh.engine.disagg.messages import (
     ResolveReservationMsg,
     TransferDoneReqMsg,
 )
-from radixmesh.engine.messages import TokenOut
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.wire.messages import TokenOut
+from radixmesh.wire.sampling import SamplingParams
 
 REPLY_MARGIN_S = 30.0
 """Extra time, beyond a reservation's lease, to wait for the scheduler's answer."""

@@ -18,11 +18,11 @@ import msgspec
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.config import EngineConfig
-from radixmesh.engine.mm.inputs import MultimodalInputs
 from radixmesh.engine.mm.loading import image_sources
 from radixmesh.engine.mm.prompt import MultimodalProcessor, text_only_error
 from radixmesh.engine.output import GenerationResult
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.wire.images import MultimodalInputs
+from radixmesh.wire.sampling import SamplingParams
 
 T = TypeVar("T")
 Prompt = str | list[int]

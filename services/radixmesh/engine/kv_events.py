@@ -5,7 +5,7 @@ RadixCache) and sends them to the front end in a `KVEventsMsg` after each step; 
 publishes them to the KV-cache index. Without a recorder the cache pays nothing.
 
 A block is "stored" when the tree caches a path covering it entirely; its key is the
-chained block hash of the path up to its end (`radixmesh.index.block_hash`), so the
+chained block hash of the path up to its end (`radixmesh.wire.block_hash`), so the
 events name exactly the keys routers look up. Sibling paths diverge at a node boundary,
 so every block that ends past that boundary belongs to exactly one leaf's path.
 """
@@ -14,40 +14,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import msgspec
-
-from radixmesh.index.block_hash import block_hashes
+from radixmesh.wire.block_hash import block_hashes
+from radixmesh.wire.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, KVEventsMsg
 
 if TYPE_CHECKING:
     from radixmesh.engine.radix_cache import TreeNode
-
-
-class BlocksStored(msgspec.Struct, tag="stored", frozen=True):
-    block_hashes: list[int]
-    """Keys of blocks the cache now holds, parents before children."""
-    tier: str = "device"
-    """Where their KV is now: device (the GPU pool) | host (the hierarchical cache's host tier). A block
-    stored again with another tier moved between tiers."""
-
-
-class BlocksRemoved(msgspec.Struct, tag="removed", frozen=True):
-    block_hashes: list[int]
-    """Keys of blocks the cache no longer holds."""
-
-
-class AllBlocksCleared(msgspec.Struct, tag="cleared", frozen=True):
-    pass
-
-
-KVEvent = BlocksStored | BlocksRemoved | AllBlocksCleared
-
-
-class KVEventsMsg(msgspec.Struct, tag="kv_events", frozen=True):
-    """Block events of one scheduler step, in the order they happened."""
-
-    events: list[KVEvent]
-    block_size: int
-    """Tokens per block the hashes were computed with."""
 
 
 def token_path(node: TreeNode) -> list[int]:

@@ -8,21 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from radixmesh.common.errors import invalid_argument, unsupported
-
-# Hugging Face `architectures[0]` -> our model family id (see models/registry.py).
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "LlavaForConditionalGeneration": "llava",
-    "Qwen2VLForConditionalGeneration": "qwen2_vl",
-    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
-}
-_QKV_BIAS_ARCHS = ("Qwen2ForCausalLM", "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-"""Architectures whose q/k/v projections have biases unless config.json says otherwise."""
-MULTIMODAL_FAMILIES = frozenset({"llava", "qwen2_vl", "qwen2_5_vl"})
-"""Families whose models take images (vision encoder + language model; see radixmesh.engine.mm)."""
+from radixmesh.engine.models.registry import SUPPORTED_ARCHITECTURES, ModelFamily, family_of
 
 
 @dataclass(frozen=True)
@@ -69,7 +55,7 @@ class ModelConfig:
     """The config.json this was built from."""
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if family_of(self.architecture) is None:
             known = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             raise unsupported(f"unsupported architecture {self.architecture!r} (supported: {known})")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -80,13 +66,20 @@ class ModelConfig:
             raise invalid_argument("model config: num_heads must be a multiple of num_kv_heads")
 
     @property
+    def model_family(self) -> ModelFamily:
+        """The family serving this architecture (engine/models/registry.py)."""
+        family = family_of(self.architecture)
+        assert family is not None, "checked at construction"
+        return family
+
+    @property
     def family(self) -> str:
-        return SUPPORTED_ARCHITECTURES[self.architecture]
+        return self.model_family.id
 
     @property
     def is_multimodal(self) -> bool:
         """The model takes images besides text."""
-        return self.family in MULTIMODAL_FAMILIES
+        return self.model_family.multimodal
 
     @property
     def context_len(self) -> int:
@@ -96,7 +89,8 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or [""]
         arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
+        family = family_of(arch)
+        if family is None:
             known = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             raise unsupported(f"unsupported architecture {arch or cfg.get('model_type')!r} "
                               f"(supported: {known})")
@@ -121,9 +115,9 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", arch in _QKV_BIAS_ARCHS
+                attention_bias=bool(cfg.get("attention_bias", family.qkv_bias
                                             or cfg.get("model_type") == "qwen2")),
-                qk_norm=arch == "Qwen3ForCausalLM",
+                qk_norm=family.qk_norm,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
@@ -148,7 +142,8 @@ def _language_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """A multimodal config's language-model fields at the top level: its `text_config` over the outer
     fields (Qwen2-VL's published configs keep them at the top); multimodal rotary sections are the
     model's own business (models/qwen2_vl.py), not a rope scaling. Other configs are returned as they are."""
-    if SUPPORTED_ARCHITECTURES.get((cfg.get("architectures") or [""])[0]) not in MULTIMODAL_FAMILIES:
+    family = family_of((cfg.get("architectures") or [""])[0])
+    if family is None or not family.multimodal:
         return cfg
     merged = {**cfg, **(cfg.get("text_config") or {}), "architectures": cfg["architectures"]}
     scaling = merged.get("rope_scaling") or {}

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.wire.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from radixmesh.engine.grammar.base import GrammarMatcher
@@ -74,7 +74,7 @@ class Req:
     """Prompt-token log-probs computed but not yet sent; None for the first prompt token."""
     pending_input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     mm: ReqImages | None = None
-    """The prompt's images (their positions hold pad ids, see radixmesh.engine.mm.inputs); None: text only."""
+    """The prompt's images (their positions hold pad ids, see radixmesh.wire.images); None: text only."""
 
     def __post_init__(self) -> None:
         start = self.params.logprob_start_len

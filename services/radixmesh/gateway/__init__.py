@@ -1,1 +1,1 @@
-"""The HTTP gateway: OpenAI-compatible and SGLang-native APIs over a Backend."""
+"""The HTTP gateway: OpenAI-compatible and SGLang-native APIs over a GatewayBackend."""

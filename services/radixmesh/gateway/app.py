@@ -18,11 +18,11 @@ from radixmesh.common import tracing
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.gateway import native_api, openai_api, tokenize_api
 from radixmesh.gateway.auth import ApiKeys, api_keys_of
-from radixmesh.gateway.backend import Backend
+from radixmesh.gateway.backend import GatewayBackend
+from radixmesh.gateway.cluster_backend import ClusterBackend
 from radixmesh.gateway.config import GatewayConfig
 from radixmesh.gateway.dispatch import Dispatcher
 from radixmesh.gateway.errors import error_response, framework_error_response, to_http
-from radixmesh.gateway.grpc_backend import GrpcBackend
 from radixmesh.gateway.limits import BodySizeLimitMiddleware
 from radixmesh.gateway.metrics import GatewayMetrics
 from radixmesh.gateway.state import GatewayState, get_state
@@ -40,13 +40,13 @@ UNGATED_PATHS = frozenset({"/metrics", "/version", "/docs", "/redoc", "/openapi.
 """Paths answered while the backend is not ready; every other one gets 503 naming what is missing."""
 
 
-def create_app(backend: Backend, config: GatewayConfig, api_keys: ApiKeys | None = None,
+def create_app(backend: GatewayBackend, config: GatewayConfig, api_keys: ApiKeys | None = None,
                service: str | None = None) -> FastAPI:
     """The gateway over `backend`; the caller owns the backend's lifetime. The backend may not be ready yet
     (a gateway whose router is not up): the app serves at once and answers 503 until it is. `api_keys`:
     the keys (shared with the gRPC API), by default those of `config`; `service`: the metrics' service label
     (default: gateway over a remote backend, serve over a local engine)."""
-    service = service or ("gateway" if isinstance(backend, GrpcBackend) else "serve")
+    service = service or ("gateway" if isinstance(backend, ClusterBackend) else "serve")
     metrics = GatewayMetrics(config.served_model_name or "", service)
     backend.when_card_known(lambda card: metrics.set_model_name(card.name))
     state = GatewayState(backend, config, metrics, Dispatcher(backend, metrics, config.max_queued_requests))
@@ -102,7 +102,7 @@ class ReadinessGateMiddleware:
     """Until the backend is ready, every path but `UNGATED_PATHS` gets 503 with an OpenAI error body that names
     the missing dependency (/health included: readiness as SGLang users expect it)."""
 
-    def __init__(self, app: ASGIApp, backend: Backend) -> None:
+    def __init__(self, app: ASGIApp, backend: GatewayBackend) -> None:
         self.app = app
         self.backend = backend
 

@@ -1,9 +1,10 @@
 """The contract between the HTTP layer and whatever runs the model.
 
-The HTTP layer (OpenAI and native APIs) only ever calls a `Backend`. `LocalBackend`
-(`local`) drives a scheduler process on this machine; a later `grpc` backend sends the
-same calls to a router. Requests cross this boundary as token ids plus `SamplingParams`;
-results come back as `GenerationChunk`s (text deltas already detokenized and stop-trimmed).
+The HTTP layer (OpenAI and native APIs) only ever calls a `GatewayBackend` (the gateway's backend, not an
+attention or grammar backend of the engine). `LocalEngineBackend` (`radixmesh serve`) drives a scheduler
+process on this machine; `ClusterBackend` (`radixmesh gateway`) sends the same calls to the tokenizer service
+and the routers. Requests cross this boundary as token ids plus `SamplingParams`; results come back as
+`GenerationChunk`s (text deltas already detokenized and stop-trimmed).
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixmesh.common.errors import unsupported
-from radixmesh.engine.mm.inputs import MultimodalInputs
 from radixmesh.engine.mm.prompt import MultimodalPrompt, PromptWithImages
-from radixmesh.engine.output import GenerationChunk
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.wire.images import MultimodalInputs
+from radixmesh.wire.outputs import GenerationChunk
+from radixmesh.wire.sampling import SamplingParams
 
-__all__ = ["Backend", "GenerationChunk", "ModelCard", "SamplingParams"]
+__all__ = ["GatewayBackend", "GenerationChunk", "ModelCard", "SamplingParams"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class ModelCard:
     created: int
     """Unix time the backend started (OpenAI's `created` of the model)."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Backend-specific facts shown by /server_info (engine flags, device)."""
+    """Facts of the backend shown by /server_info (engine flags, device)."""
     has_image_understanding: bool = False
     """The model takes images (chat `image_url` parts, native `image_data`)."""
 
@@ -51,7 +52,7 @@ class ModelCard:
         return name == self.name or name in self.aliases
 
 
-class Backend(ABC):
+class GatewayBackend(ABC):
     """Runs generation for the gateway; every method may be called concurrently from one event loop.
 
     Errors are `RadixMeshError`s: INVALID_ARGUMENT naming the bad parameter, UNAVAILABLE when

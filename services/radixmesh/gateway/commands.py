@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `serve` subcommand to the `radixmesh` command."""
-    from radixmesh.cli import add_engine_args
+    from radixmesh.engine.args import add_engine_args
     from radixmesh.engine.mm.config import add_image_args
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP API",
@@ -74,8 +74,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from radixmesh.cli import engine_kwargs
     from radixmesh.common import tracing
+    from radixmesh.engine.args import engine_kwargs
     from radixmesh.engine.config import EngineConfig
     from radixmesh.gateway.server import serve
 
@@ -120,7 +120,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     import logging
 
     from radixmesh.common import tracing
-    from radixmesh.gateway.grpc_backend import GrpcBackend
+    from radixmesh.gateway.cluster_backend import ClusterBackend
     from radixmesh.gateway.server import serve_backend
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -135,6 +135,6 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             f"routing in this process ({args.embedded_router}); the tokenizer at {args.tokenizer}"))
     kind, address = ("router", args.router) if args.router else ("worker", args.worker)
     return asyncio.run(serve_backend(
-        config, lambda: GrpcBackend.start(args.tokenizer, address, kind, config.served_model_name,
+        config, lambda: ClusterBackend.start(args.tokenizer, address, kind, config.served_model_name,
                                           detokenize=args.detokenize, transport=args.generate_transport),
         f"connecting to the {kind} at {address} and the tokenizer at {args.tokenizer}"))

@@ -17,13 +17,13 @@ import grpc
 import grpc.aio
 
 from radixmesh.common import aio
-from radixmesh.common.convert import finish_reason_from_proto
 from radixmesh.common.errors import RadixMeshError
 from radixmesh.common.grpc_errors import from_rpc_error
-from radixmesh.engine.messages import TokenOut
 from radixmesh.engine.output import TextAssembler
-from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.protocol import common_pb2, tokenizer_pb2, worker_pb2
+from radixmesh.wire.convert import finish_reason_from_proto
+from radixmesh.wire.messages import TokenOut
+from radixmesh.wire.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 END_TIMEOUT_S = 10.0
@@ -123,7 +123,7 @@ class ServiceText:
 
 async def fetch_tokenizer(stub: Any, peer: str) -> Any:
     """A local copy of the tokenizer service's tokenizer, fingerprint-checked (errors as RadixMeshError)."""
-    from radixmesh.tokenizer.files import load_from_files
+    from radixmesh.tokenizer_service.files import load_from_files
 
     try:
         response = await stub.GetTokenizerFiles(tokenizer_pb2.GetTokenizerFilesRequest(), timeout=FILES_TIMEOUT_S)

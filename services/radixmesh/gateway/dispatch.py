@@ -17,9 +17,9 @@ from typing import Any
 
 from radixmesh.common import tracing
 from radixmesh.common.errors import ErrorCode, RadixMeshError
-from radixmesh.engine.mm.inputs import MultimodalInputs
-from radixmesh.gateway.backend import Backend, GenerationChunk, SamplingParams
+from radixmesh.gateway.backend import GatewayBackend, GenerationChunk, SamplingParams
 from radixmesh.gateway.metrics import GatewayMetrics
+from radixmesh.wire.images import MultimodalInputs
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class PromptJob:
     input_ids: list[int]
     params: SamplingParams
     mm: MultimodalInputs | None = None
-    """The prompt's images (from `Backend.tokenize_multimodal`); None for text."""
+    """The prompt's images (from `GatewayBackend.tokenize_multimodal`); None for text."""
 
     @property
     def mm_kwargs(self) -> dict[str, Any]:
@@ -40,7 +40,7 @@ class PromptJob:
 class Dispatcher:
     """Admits requests against the queue limit and knows which sequences each request runs."""
 
-    def __init__(self, backend: Backend, metrics: GatewayMetrics, max_queued_requests: int | None) -> None:
+    def __init__(self, backend: GatewayBackend, metrics: GatewayMetrics, max_queued_requests: int | None) -> None:
         self.backend = backend
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests

@@ -4,7 +4,7 @@ The gateway then sends Generate straight to the chosen worker: one gRPC hop each
 router service (each hop of a streamed request costs ~1.4 ms; see docs/benchmarks, sixth session). The
 router's own parts are the same (discovery, health checks, policies with the Redis KV-cache index, retries
 before the first token): a `RouterApp` without a server, called through the stub-shaped adapter below, so
-`GrpcBackend` treats it as one more router replica. What a separate router gives up here: several gateways
+`ClusterBackend` treats it as one more router replica. What a separate router gives up here: several gateways
 each keep their own health checks and recent decisions (the Redis index is still shared).
 """
 
@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.metrics_core import Metric
 
 from radixmesh.common.grpc_server import NOT_READY_METADATA_KEY
-from radixmesh.gateway.grpc_backend import GrpcBackend
+from radixmesh.gateway.cluster_backend import ClusterBackend
 from radixmesh.gateway.upstreams import Upstream
 from radixmesh.protocol import worker_pb2
 from radixmesh.router.commands import embedded_router_flags
@@ -150,9 +150,9 @@ class EmbeddedRouter(Upstream):
 
 
 async def start_embedded(tokenizer_address: str, router_flags: str, served_model_name: str | None = None,
-                         detokenize: str = "local") -> GrpcBackend:
+                         detokenize: str = "local") -> ClusterBackend:
     """A gateway backend that routes in this process with `radixmesh router`'s flags (`router_flags`)."""
     app = RouterApp(None, *embedded_router_flags(router_flags))
     await app.start()
-    return await GrpcBackend.start(tokenizer_address, ADDRESS, "router", served_model_name,
+    return await ClusterBackend.start(tokenizer_address, ADDRESS, "router", served_model_name,
                                    detokenize=detokenize, target=EmbeddedRouter(app))

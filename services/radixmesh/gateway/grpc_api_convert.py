@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
-from radixmesh.common.convert import finish_reason_to_proto
 from radixmesh.common.errors import invalid_argument
 from radixmesh.gateway.openai_convert import ChoiceState
 from radixmesh.gateway.protocol import (
@@ -27,6 +26,7 @@ from radixmesh.gateway.protocol import (
     validate_data,
 )
 from radixmesh.protocol import inference_pb2 as pb
+from radixmesh.wire.convert import finish_reason_to_proto
 
 _OptionalField = Literal["max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
                         "presence_penalty", "repetition_penalty", "ignore_eos", "seed", "skip_special_tokens"]

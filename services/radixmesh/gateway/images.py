@@ -1,17 +1,18 @@
 """Images in HTTP requests: OpenAI chat `image_url` content parts and SGLang's native `image_data`,
-turned into `PromptWithImages` for `Backend.tokenize_multimodal` (which reads and places them)."""
+turned into `PromptWithImages` for `GatewayBackend.tokenize_multimodal` (which reads and places them)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from radixmesh.common.convert import image_sources_to_proto, images_from_proto
 from radixmesh.common.errors import invalid_argument, unsupported
-from radixmesh.engine.mm.loading import ImageSource, image_sources
+from radixmesh.engine.mm.loading import image_sources
 from radixmesh.engine.mm.prompt import ChatMessages, MultimodalPrompt, PromptWithImages
 from radixmesh.gateway.openai_convert import CHAT_ROLES
 from radixmesh.gateway.protocol import ChatMessage, ContentPart
 from radixmesh.protocol import tokenizer_pb2
+from radixmesh.wire.convert import image_sources_to_proto, images_from_proto
+from radixmesh.wire.images import ImageSource
 
 _TEXT_TYPES = ("text", "input_text")
 _IMAGE_TYPES = ("image_url", "input_image")

@@ -18,19 +18,19 @@ from radixmesh.common import tracing
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.config import EngineConfig
+from radixmesh.engine.hf_tokenizer import decode_text, encode_chat, encode_text, render_chat, token_texts
 from radixmesh.engine.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from radixmesh.engine.mm.config import ImageLimits
-from radixmesh.engine.mm.inputs import MultimodalInputs
 from radixmesh.engine.mm.prompt import MultimodalProcessor, MultimodalPrompt, PromptWithImages, text_only_error
 from radixmesh.engine.output import TextAssembler
-from radixmesh.engine.tokenizer import decode_text, encode_chat, encode_text, render_chat, token_texts
-from radixmesh.gateway.backend import Backend, GenerationChunk, ModelCard, SamplingParams
+from radixmesh.gateway.backend import GatewayBackend, GenerationChunk, ModelCard, SamplingParams
+from radixmesh.wire.images import MultimodalInputs
 from radixmesh.worker.timeline import RequestTimeline
 
 T = TypeVar("T")
 
 
-class LocalBackend(Backend):
+class LocalEngineBackend(GatewayBackend):
     """Owns one `EngineClient` (and through it the scheduler process)."""
 
     def __init__(self, client: EngineClient, served_model_name: str | None = None,
@@ -46,7 +46,7 @@ class LocalBackend(Backend):
 
     @classmethod
     async def start(cls, config: EngineConfig, served_model_name: str | None = None,
-                    image_limits: ImageLimits | None = None) -> LocalBackend:
+                    image_limits: ImageLimits | None = None) -> LocalEngineBackend:
         """Prepare the model (first use downloads and converts the default one) and start the scheduler."""
         return cls(await EngineClient.start(config), served_model_name, image_limits)
 

@@ -20,7 +20,6 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from radixmesh import __version__
 from radixmesh.common import aio
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument, unsupported
-from radixmesh.engine.mm.inputs import MultimodalInputs
 from radixmesh.engine.mm.prompt import PromptWithImages
 from radixmesh.gateway import openai_convert as conv
 from radixmesh.gateway.backend import SamplingParams
@@ -30,6 +29,7 @@ from radixmesh.gateway.metrics import CONTENT_TYPE_LATEST
 from radixmesh.gateway.protocol import RequestBody, parse_body
 from radixmesh.gateway.sse import DONE, EventStreamResponse, with_error_events
 from radixmesh.gateway.state import GatewayState, get_state, unless_disconnected
+from radixmesh.wire.images import MultimodalInputs
 
 router = APIRouter(tags=["native"])
 HEALTH_GENERATE_TIMEOUT_S = 20.0

@@ -10,7 +10,7 @@ from typing import Any
 
 from radixmesh.common.errors import RadixMeshError, invalid_argument, unsupported
 from radixmesh.engine.grammar.spec import ANY_JSON
-from radixmesh.gateway.backend import Backend, GenerationChunk, SamplingParams
+from radixmesh.gateway.backend import GatewayBackend, GenerationChunk, SamplingParams
 from radixmesh.gateway.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -212,7 +212,7 @@ def usage(states: list[ChoiceState], n: int) -> Usage:
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-def completion_logprobs(backend: Backend, token_ids: list[int], logprobs: list[float],
+def completion_logprobs(backend: GatewayBackend, token_ids: list[int], logprobs: list[float],
                         top: list[list[tuple[int, float]]], text_offset: int) -> CompletionLogprobs:
     """Legacy completions shape; `text_offset` is where these tokens start in the choice's text."""
     texts = _texts(backend, token_ids, top)
@@ -226,7 +226,7 @@ def completion_logprobs(backend: Backend, token_ids: list[int], logprobs: list[f
     return out
 
 
-def chat_logprobs(backend: Backend, token_ids: list[int], logprobs: list[float],
+def chat_logprobs(backend: GatewayBackend, token_ids: list[int], logprobs: list[float],
                   top: list[list[tuple[int, float]]]) -> list[TokenLogprob]:
     texts = _texts(backend, token_ids, top)
     out = []
@@ -238,6 +238,6 @@ def chat_logprobs(backend: Backend, token_ids: list[int], logprobs: list[float],
     return out
 
 
-def _texts(backend: Backend, token_ids: list[int], top: list[list[tuple[int, float]]]) -> dict[int, str]:
+def _texts(backend: GatewayBackend, token_ids: list[int], top: list[list[tuple[int, float]]]) -> dict[int, str]:
     ids = sorted(set(token_ids) | {t for row in top for t, _ in row})
     return dict(zip(ids, backend.token_texts(ids)))

@@ -27,10 +27,10 @@ from radixmesh.common.gc_tuning import freeze_startup_objects
 from radixmesh.engine.config import EngineConfig
 from radixmesh.gateway.app import create_app
 from radixmesh.gateway.auth import api_keys_of
-from radixmesh.gateway.backend import Backend
+from radixmesh.gateway.backend import GatewayBackend
 from radixmesh.gateway.config import GatewayConfig
 from radixmesh.gateway.grpc_api_server import PublicGrpcServer
-from radixmesh.gateway.local_backend import LocalBackend
+from radixmesh.gateway.local_backend import LocalEngineBackend
 from radixmesh.gateway.state import GatewayState
 
 logger = logging.getLogger(__name__)
@@ -60,12 +60,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 async def serve(config: GatewayConfig, engine_config: EngineConfig) -> int:
     """`radixmesh serve`: the gateway over a local scheduler process, until SIGINT/SIGTERM."""
-    return await serve_backend(config, lambda: LocalBackend.start(engine_config, config.served_model_name,
+    return await serve_backend(config, lambda: LocalEngineBackend.start(engine_config, config.served_model_name,
                                                                   config.image_limits),
                                f"loading {engine_config.model or 'the default model'}")
 
 
-async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Awaitable[Backend]], starting: str) -> int:
+async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Awaitable[GatewayBackend]], starting: str) -> int:
     """Start a backend, serve HTTP (and the gRPC API) over it until SIGINT/SIGTERM; returns the exit code."""
     keys = api_keys_of(config)  # a bad key file fails now, not after the model loaded
     sock = bind_socket(config.host, config.port)
@@ -94,7 +94,7 @@ async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Await
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    backend: Backend | None = None
+    backend: GatewayBackend | None = None
     try:
         print(f"radixmesh: {starting} ...", file=sys.stderr, flush=True)
         backend = await start_backend()
@@ -133,7 +133,7 @@ def http_server(app: Any, config: GatewayConfig) -> _Server:
                                   ssl_keyfile=tls.key_file if tls else None))
 
 
-def _print_started(backend: Backend, url: str, grpc_api: PublicGrpcServer | None) -> None:
+def _print_started(backend: GatewayBackend, url: str, grpc_api: PublicGrpcServer | None) -> None:
     if grpc_api is not None:
         security = " (TLS)" if grpc_api.serves_tls else ""
         print(f"radixmesh: gRPC API (radixmesh.v1.InferenceService) on port {grpc_api.port}{security}", flush=True)

@@ -11,7 +11,7 @@ from starlette.requests import Request
 
 from radixmesh.common import aio
 from radixmesh.common.errors import ErrorCode, RadixMeshError, not_found
-from radixmesh.gateway.backend import Backend
+from radixmesh.gateway.backend import GatewayBackend
 from radixmesh.gateway.config import GatewayConfig
 from radixmesh.gateway.dispatch import Dispatcher
 from radixmesh.gateway.metrics import GatewayMetrics
@@ -21,7 +21,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class GatewayState:
-    backend: Backend
+    backend: GatewayBackend
     config: GatewayConfig
     metrics: GatewayMetrics
     dispatcher: Dispatcher

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixmesh.common.errors import invalid_argument
-from radixmesh.index.block_hash import DEFAULT_BLOCK_SIZE
+from radixmesh.wire.block_hash import DEFAULT_BLOCK_SIZE
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from radixmesh.engine.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEventsMsg
 from radixmesh.index.config import IndexConfig
 from radixmesh.index.writer import KVIndexWriter, WriterIdentity
+from radixmesh.wire.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEventsMsg
 
 logger = logging.getLogger(__name__)
 

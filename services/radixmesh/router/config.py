@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from radixmesh.common.errors import invalid_argument
 from radixmesh.common.lane import GENERATE_TRANSPORTS
-from radixmesh.index.block_hash import DEFAULT_BLOCK_SIZE
+from radixmesh.wire.block_hash import DEFAULT_BLOCK_SIZE
 
 
 @dataclass(frozen=True)
@@ -154,10 +154,9 @@ class RouterConfig:
     """Seed of the random and power-of-two policies (None: from the OS)."""
 
     def __post_init__(self) -> None:
-        from radixmesh.router.policies import POLICY_IDS
+        from radixmesh.router.policies import ROUTING_POLICIES
 
-        if self.policy not in POLICY_IDS:
-            raise invalid_argument(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICY_IDS)}", "policy")
+        ROUTING_POLICIES.check(self.policy)
         if self.block_size < 1:
             raise invalid_argument("block_size must be >= 1", "block_size")
         if self.peer_fetch_min_tokens < 0:

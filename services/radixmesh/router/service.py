@@ -10,15 +10,16 @@ from collections.abc import AsyncIterator
 
 import grpc.aio
 
-from radixmesh.common.convert import ROLE_TO_PROTO
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.common.grpc_errors import map_errors
-from radixmesh.index.block_hash import block_hashes
 from radixmesh.protocol import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from radixmesh.router import metrics
 from radixmesh.router.dispatch import RequestRouter
 from radixmesh.router.policies.base import RouteRequest, RoutingDecision
-from radixmesh.router.workers import LoadSnapshot, WorkerHandle
+from radixmesh.router.workers import WorkerHandle
+from radixmesh.wire.block_hash import block_hashes
+from radixmesh.wire.convert import ROLE_TO_PROTO
+from radixmesh.wire.load import load_to_proto, sum_loads
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
@@ -141,7 +142,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def GetLoad(self, request: worker_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.GetLoadResponse:
         loads = [w.load for w in self.registry.all() if w.health.healthy]
-        return worker_pb2.GetLoadResponse(load=sum_loads(loads), lane_port=self.lane_port)
+        return worker_pb2.GetLoadResponse(load=load_to_proto(sum_loads(loads)), lane_port=self.lane_port)
 
     @map_errors("router")
     async def FlushCache(self, request: worker_pb2.FlushCacheRequest,
@@ -175,26 +176,3 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                               healthy=w.health.healthy, circuit_state=w.circuit_state.value,
                               num_inflight=w.num_inflight, load=load_to_proto(w.load))
         return reply
-
-
-def load_to_proto(load: LoadSnapshot) -> common_pb2.WorkerLoad:
-    return common_pb2.WorkerLoad(
-        num_running_reqs=load.num_running_reqs, num_waiting_reqs=load.num_waiting_reqs,
-        num_queued_prefill_tokens=load.num_queued_prefill_tokens,
-        num_running_decode_tokens=load.num_running_decode_tokens, kv_used_tokens=load.kv_used_tokens,
-        max_total_tokens=load.max_total_tokens, kv_usage=load.kv_usage, cache_hit_rate=load.cache_hit_rate)
-
-
-def sum_loads(loads: list[LoadSnapshot]) -> common_pb2.WorkerLoad:
-    total = common_pb2.WorkerLoad()
-    for load in loads:
-        total.num_running_reqs += load.num_running_reqs
-        total.num_waiting_reqs += load.num_waiting_reqs
-        total.num_queued_prefill_tokens += load.num_queued_prefill_tokens
-        total.num_running_decode_tokens += load.num_running_decode_tokens
-        total.kv_used_tokens += load.kv_used_tokens
-        total.max_total_tokens += load.max_total_tokens
-    total.kv_usage = total.kv_used_tokens / total.max_total_tokens if total.max_total_tokens else 0.0
-    if loads:
-        total.cache_hit_rate = sum(load.cache_hit_rate for load in loads) / len(loads)
-    return total

@@ -14,14 +14,14 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixmesh.common import tls, tracing
-from radixmesh.common.convert import ROLE_FROM_PROTO
 from radixmesh.common.errors import RadixMeshError
 from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.common.grpc_server import MAX_MESSAGE_BYTES
 from radixmesh.common.lane import PeerLane
-from radixmesh.protocol import common_pb2, worker_pb2, worker_pb2_grpc
+from radixmesh.protocol import worker_pb2, worker_pb2_grpc
 from radixmesh.router.discovery.base import WorkerEndpoint
-from radixmesh.router.workers import LoadSnapshot
+from radixmesh.wire.convert import ROLE_FROM_PROTO
+from radixmesh.wire.load import WorkerLoad, load_from_proto
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 CHANNEL_OPTIONS = [
@@ -43,7 +43,7 @@ class ProbeResult:
     """SERVING and GetLoad answered."""
     error: str = ""
     """Why not, when not ok."""
-    load: LoadSnapshot | None = None
+    load: WorkerLoad | None = None
     """The load GetLoad reported."""
     worker_id: str = ""
     """The id the worker reports (its index id)."""
@@ -51,14 +51,6 @@ class ProbeResult:
     """The role the worker reports (unified | prefill | decode; "" when unknown)."""
     http_port: int = 0
     """The port of the worker's OpenAI HTTP API on its host (0: none)."""
-
-
-def load_from_proto(load: common_pb2.WorkerLoad) -> LoadSnapshot:
-    return LoadSnapshot(num_running_reqs=load.num_running_reqs, num_waiting_reqs=load.num_waiting_reqs,
-                        num_queued_prefill_tokens=load.num_queued_prefill_tokens,
-                        num_running_decode_tokens=load.num_running_decode_tokens,
-                        kv_used_tokens=load.kv_used_tokens, max_total_tokens=load.max_total_tokens,
-                        kv_usage=load.kv_usage, cache_hit_rate=load.cache_hit_rate)
 
 
 class WorkerClient:

@@ -17,30 +17,9 @@ from radixmesh.router.breaker import CircuitBreaker, CircuitState
 from radixmesh.router.config import BreakerConfig, HealthConfig
 from radixmesh.router.discovery.base import WorkerEndpoint
 from radixmesh.router.health import HealthState
+from radixmesh.wire.load import WorkerLoad
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LoadSnapshot:
-    """A worker's load as its last GetLoad reported it (token counts unless named num_*_reqs)."""
-
-    num_running_reqs: int = 0
-    """Sequences running (decode or chunked prefill)."""
-    num_waiting_reqs: int = 0
-    """Sequences queued for admission."""
-    num_queued_prefill_tokens: int = 0
-    """Uncached prompt tokens still to prefill."""
-    num_running_decode_tokens: int = 0
-    """Tokens held by running sequences."""
-    kv_used_tokens: int = 0
-    """KV slots in use."""
-    max_total_tokens: int = 0
-    """KV capacity (0: unknown)."""
-    kv_usage: float = 0.0
-    """kv_used_tokens / max_total_tokens."""
-    cache_hit_rate: float = 0.0
-    """Cached prompt tokens / prompt tokens since the worker started."""
 
 
 @dataclass(eq=False)
@@ -52,7 +31,7 @@ class WorkerHandle:
     breaker: CircuitBreaker
     client: Any = None
     """Transport to the worker (a gRPC client in the service, a fake in tests)."""
-    load: LoadSnapshot = field(default_factory=LoadSnapshot)
+    load: WorkerLoad = field(default_factory=WorkerLoad)
     index_id: str = ""
     """The id the worker publishes index entries under (from its GetLoad; defaults to worker_id)."""
     reported_role: str = ""

@@ -9,8 +9,8 @@ DEFAULT_PORT = 50051
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `worker` subcommand to the `radixmesh` command."""
-    from radixmesh.cli import add_engine_args
     from radixmesh.common.grpc_server import add_server_args
+    from radixmesh.engine.args import add_engine_args
     from radixmesh.engine.disagg.transport.registry import KV_TRANSPORT_IDS
 
     cmd = sub.add_parser("worker", help="serve one engine over gRPC (WorkerService)",
@@ -53,8 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_worker(args: argparse.Namespace) -> int:
     import asyncio
 
-    from radixmesh.cli import engine_kwargs
     from radixmesh.common.grpc_server import server_config, setup_logging
+    from radixmesh.engine.args import engine_kwargs
     from radixmesh.engine.config import EngineConfig
     from radixmesh.worker.config import WorkerConfig
     from radixmesh.worker.server import serve_worker

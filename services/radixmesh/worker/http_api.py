@@ -17,7 +17,7 @@ from radixmesh.common import aio
 from radixmesh.engine.client import EngineClient
 from radixmesh.gateway.app import create_app
 from radixmesh.gateway.config import GatewayConfig
-from radixmesh.gateway.local_backend import LocalBackend
+from radixmesh.gateway.local_backend import LocalEngineBackend
 from radixmesh.gateway.server import bind_socket, http_server
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ class WorkerHttpApi:
                  graceful_shutdown_s: float = 5.0) -> None:
         self.config = GatewayConfig(host=host, port=port, served_model_name=served_model_name,
                                     graceful_shutdown_s=graceful_shutdown_s)
-        self.backend = LocalBackend(client, served_model_name)
+        self.backend = LocalEngineBackend(client, served_model_name)
         """Never closed here: closing it would stop the engine the gRPC service also runs on."""
         self.port = 0
         self._server = http_server(create_app(self.backend, self.config, service="worker"), self.config)

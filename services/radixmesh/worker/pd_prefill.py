@@ -20,13 +20,13 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from radixmesh.common import aio
-from radixmesh.common.convert import kv_chunk_to_proto, prefill_result_to_proto, sampling_from_proto
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.client import EngineClient
-from radixmesh.engine.disagg.messages import KVExportMsg, PrefillReqMsg
 from radixmesh.engine.disagg_client import DisaggClient
-from radixmesh.engine.messages import TokenOut
 from radixmesh.protocol import worker_pb2
+from radixmesh.wire.convert import kv_chunk_to_proto, prefill_result_to_proto, sampling_from_proto
+from radixmesh.wire.disagg import KVExportMsg, PrefillReqMsg
+from radixmesh.wire.messages import TokenOut
 from radixmesh.worker.config import WorkerConfig
 from radixmesh.worker.load import LoadTracker
 from radixmesh.worker.timeline import RequestTimeline, record_kv_transfer

@@ -25,15 +25,15 @@ import grpc
 import grpc.aio
 
 from radixmesh.common import aio
-from radixmesh.common.convert import kv_chunk_from_proto
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.engine.client import EngineClient
-from radixmesh.engine.disagg.messages import CommitFetchMsg, PrefixLenReqMsg, TrimReservationMsg
 from radixmesh.engine.disagg_client import DisaggClient, Grant
-from radixmesh.engine.messages import TokenOut
-from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.protocol import worker_pb2
+from radixmesh.wire.convert import kv_chunk_from_proto
+from radixmesh.wire.disagg import CommitFetchMsg, PrefixLenReqMsg, TrimReservationMsg
+from radixmesh.wire.messages import TokenOut
+from radixmesh.wire.sampling import SamplingParams
 from radixmesh.worker import tier_metrics
 from radixmesh.worker.config import WorkerConfig
 from radixmesh.worker.fetch_cost import FetchCostModel

@@ -12,22 +12,22 @@ from pathlib import Path
 
 import grpc.aio
 
-from radixmesh.common.convert import (
-    ROLE_TO_PROTO,
-    disagg_stats_to_proto,
-    images_from_proto,
-    load_to_proto,
-    sampling_from_proto,
-    token_out_to_proto,
-)
 from radixmesh.common.errors import invalid_argument
 from radixmesh.common.grpc_errors import map_errors
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
-from radixmesh.engine.messages import TokenOut
-from radixmesh.engine.mm.inputs import MultimodalInputs
-from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.protocol import worker_pb2, worker_pb2_grpc
+from radixmesh.wire.convert import (
+    ROLE_TO_PROTO,
+    disagg_stats_to_proto,
+    images_from_proto,
+    sampling_from_proto,
+    token_out_to_proto,
+)
+from radixmesh.wire.images import MultimodalInputs
+from radixmesh.wire.load import WorkerLoad, load_to_proto
+from radixmesh.wire.messages import TokenOut
+from radixmesh.wire.sampling import SamplingParams
 from radixmesh.worker import metrics
 from radixmesh.worker.config import WorkerConfig
 from radixmesh.worker.load import LoadTracker
@@ -172,8 +172,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         stats["num_running_decode_tokens"] = self.load.num_running_decode_tokens
         metrics.ENGINE_STATS.update(stats)
         return worker_pb2.GetLoadResponse(worker_id=self.config.worker_id, role=ROLE_TO_PROTO[self.config.role],
-                                          load=load_to_proto(stats), disagg=disagg_stats_to_proto(stats),
-                                          lane_port=self.lane_port, http_port=self.http_port)
+                                          load=load_to_proto(WorkerLoad.from_stats(stats)),
+                                          disagg=disagg_stats_to_proto(stats), lane_port=self.lane_port,
+                                          http_port=self.http_port)
 
     @map_errors("worker")
     async def FlushCache(self, request: worker_pb2.FlushCacheRequest,

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from radixmesh.common import tracing
-from radixmesh.engine.messages import TokenOut
+from radixmesh.wire.messages import TokenOut
 from radixmesh.worker import metrics
 
 if TYPE_CHECKING:

@@ -19,10 +19,10 @@ from typing import Any
 import msgspec
 import torch
 
-from radixmesh.engine.disagg.messages import KVChunk
 from radixmesh.engine.disagg.transport.base import BaseKVTransport
 from radixmesh.engine.disagg.transport.registry import create_transport
 from radixmesh.engine.memory import TokenToKVPool
+from radixmesh.wire.disagg import KVChunk
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
              "float8_e4m3fn": torch.float8_e4m3fn}

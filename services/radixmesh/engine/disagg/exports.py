@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from radixmesh.common.errors import RadixMeshError
-from radixmesh.engine.disagg.messages import ExportCachedReqMsg, KVExportMsg, PrefillReqMsg
-from radixmesh.engine.messages import TokenOut
 from radixmesh.engine.request import Req
+from radixmesh.wire.disagg import ExportCachedReqMsg, KVExportMsg, PrefillReqMsg
+from radixmesh.wire.messages import TokenOut
 
 if TYPE_CHECKING:
     from radixmesh.engine.disagg.transport.base import BaseKVTransport
     from radixmesh.engine.radix_cache import MatchResult, TreeNode
-    from radixmesh.engine.scheduler import Scheduler
+    from radixmesh.engine.scheduler.core import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +69,12 @@ class ExportManager:
                                          n=1, logprob_start_len=-1)
         req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), params=params)
         if not 0 <= msg.start_pos < len(msg.input_ids):
-            self.sched._fail(req, f"start_pos {msg.start_pos} is outside the prompt of {len(msg.input_ids)} tokens")
+            self.sched.fail(req, f"start_pos {msg.start_pos} is outside the prompt of {len(msg.input_ids)} tokens")
             return
         try:
             self.transport(msg.transport)
         except RadixMeshError as exc:
-            self.sched._fail(req, exc.message)
+            self.sched.fail(req, exc.message)
             return
         self.requested[msg.rid] = msg
         self.sched.add_request(req)

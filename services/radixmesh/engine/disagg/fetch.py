@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from radixmesh.engine.disagg.messages import CommitFetchMsg, PrefixLenReqMsg, TrimReservationMsg
 from radixmesh.engine.request import Req
+from radixmesh.wire.disagg import CommitFetchMsg, PrefixLenReqMsg, TrimReservationMsg
 
 if TYPE_CHECKING:
     from radixmesh.engine.disagg.reservations import ReservationManager
-    from radixmesh.engine.scheduler import Scheduler
+    from radixmesh.engine.scheduler.core import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Disaggregation in the scheduler process: routes its messages to the decode-side reservations and
 the prefill-side exports, runs their leases, and reports their counters.
 
-The scheduler loop calls `handle` for each disaggregation message, `tick` once per iteration
-(right before `Scheduler.step`), `abort` with every abort, and emits the scheduler's outputs through
-`emit_outputs` so that exported KV leaves ahead of the first token.
+The scheduler loop routes each disaggregation message to `handle`. The handler is also a scheduler hook,
+called first at every step's start (`tick`), with every abort, and for stats; and the scheduler's outputs go
+through `emit_outputs`, so that exported KV leaves ahead of the first token.
 """
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from radixmesh.engine.disagg.exports import ExportManager
 from radixmesh.engine.disagg.fetch import FetchCommitter
-from radixmesh.engine.disagg.messages import (
+from radixmesh.engine.disagg.reservations import ReservationManager
+from radixmesh.engine.disagg.transport.registry import create_transport
+from radixmesh.engine.request import Req
+from radixmesh.engine.scheduler.hooks import SchedulerHook
+from radixmesh.wire.disagg import (
     CancelReservationMsg,
     CommitFetchMsg,
     ExportCachedReqMsg,
@@ -26,16 +30,16 @@ from radixmesh.engine.disagg.messages import (
     TransferDoneReqMsg,
     TrimReservationMsg,
 )
-from radixmesh.engine.disagg.reservations import ReservationManager
-from radixmesh.engine.disagg.transport.registry import create_transport
-from radixmesh.engine.messages import TokenOut
+from radixmesh.wire.messages import TokenOut
 
 if TYPE_CHECKING:
     from radixmesh.engine.disagg.transport.base import BaseKVTransport
-    from radixmesh.engine.scheduler import Scheduler
+    from radixmesh.engine.scheduler.core import Scheduler
 
 
-class DisaggHandler:
+class DisaggHandler(SchedulerHook):
+    """The scheduler's disaggregation side; constructing it plugs it into `scheduler` (its outputs and hooks)."""
+
     def __init__(self, scheduler: Scheduler, send: Callable[[Any], object],
                  reply: Callable[[str, dict[str, Any]], None]) -> None:
         self.sched = scheduler
@@ -47,6 +51,7 @@ class DisaggHandler:
         self.fetches = FetchCommitter(scheduler, self.reservations)
         """Prefix sharing: fetched prefixes into the radix cache (exports of cached KV are in `exports`)."""
         scheduler.emit = self.emit_outputs
+        scheduler.hooks.add(self, first=True)
 
     def transport(self, transport_id: str) -> BaseKVTransport:
         """The transport `transport_id` over this scheduler's pool, created on first use."""
@@ -84,6 +89,13 @@ class DisaggHandler:
             self.fetches.commit(msg)
         else:
             raise AssertionError(f"not a disaggregation message: {type(msg).__name__}")
+
+    def on_step_start(self) -> None:
+        self.tick()
+
+    def remove(self, rid: str) -> list[Req]:
+        self.abort(rid)
+        return []
 
     def tick(self) -> None:
         """Leases: free lapsed reservations and held transfers; grant queued reservations that now fit.

@@ -15,7 +15,6 @@ instead: the request is queued like a plain Generate, so it is never lost.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,18 +23,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixmesh.common.errors import RadixMeshError
-from radixmesh.engine.disagg.messages import (
-    KVChunkInMsg,
-    ReserveReqMsg,
-    ResolveReservationMsg,
-    TransferDoneReqMsg,
-)
 from radixmesh.engine.request import Req
-from radixmesh.engine.stop import check_finished
+from radixmesh.wire.disagg import KVChunkInMsg, ReserveReqMsg, ResolveReservationMsg, TransferDoneReqMsg
 
 if TYPE_CHECKING:
     from radixmesh.engine.disagg.transport.base import BaseKVTransport
-    from radixmesh.engine.scheduler import Scheduler
+    from radixmesh.engine.scheduler.core import Scheduler
 
 logger = logging.getLogger(__name__)
 Reply = Callable[[str, dict[str, Any]], None]
@@ -119,7 +112,7 @@ class ReservationManager:
 
     def _try_grant(self, msg: ReserveReqMsg) -> Reservation | None:
         sched, kv = self.sched, self.sched.kv
-        busy_rows = len(sched.running) + len(self.active) + (1 if sched.chunked_req is not None else 0)
+        busy_rows = len(sched.running) + len(self.active) + (1 if sched.prefill.chunked_req is not None else 0)
         if busy_rows >= sched.config.max_running_requests or kv.req_pool.available_size() == 0:
             return None
         req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), params=msg.params)
@@ -143,12 +136,11 @@ class ReservationManager:
                            layers_received=[False] * sched.runner.kv_pool.num_layers)
 
     def _decode_need(self, req: Req) -> int:
-        return math.ceil(self.sched.new_token_ratio * req.remaining_new_tokens)
+        return self.sched.decode.need(req)
 
     def _decode_reserve(self) -> int:
         """Slots running requests and granted reservations are expected to decode into."""
-        return (sum(self._decode_need(r) for r in self.sched.running)
-                + sum(self._decode_need(r.req) for r in self.active.values()))
+        return self.sched.decode.reserved_tokens() + sum(self._decode_need(r.req) for r in self.active.values())
 
     # ---- transfer ---------------------------------------------------------------------------------
     def receive(self, msg: KVChunkInMsg) -> None:
@@ -207,27 +199,9 @@ class ReservationManager:
         self.sched.add_request(Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), params=msg.params))
 
     def _commit(self, reservation: Reservation, msg: ResolveReservationMsg) -> None:
-        sched, req = self.sched, reservation.req
-        token = msg.first_token
-        req.kv_len = len(req.origin_input_ids)
-        req.cached_tokens = msg.cached_tokens
-        req.output_ids.append(token)
-        req.pending_ids.append(token)
-        if req.wants_logprobs and msg.logprob is not None:
-            req.pending_logprobs.append(msg.logprob)
-            if req.params.top_logprobs and msg.top_logprobs is not None:
-                req.pending_top_logprobs.append([(int(t), float(lp)) for t, lp in msg.top_logprobs])
-        sched.num_prompt_tokens += len(req.origin_input_ids)
-        sched.num_cached_tokens += msg.cached_tokens
-        sched.num_generated_tokens += 1
+        top = [(int(t), float(lp)) for t, lp in msg.top_logprobs] if msg.top_logprobs is not None else None
         self.counters["num_committed"] += 1
-        reason, matched = check_finished(req, sched.eos_ids, sched.context_len, sched.tokenizer)
-        if reason is not None:
-            req.finish_reason, req.matched_stop = reason, matched
-            sched.kv.release(req)  # the prompt's KV goes to the radix tree
-        else:
-            sched.running.append(req)
-        sched.emit([sched._token_out(req)])
+        self.sched.commit_prefilled(reservation.req, msg.cached_tokens, msg.first_token, msg.logprob, top)
 
     # ---- give up ----------------------------------------------------------------------------------
     def cancel(self, reservation_id: str, count_lapse: bool = False, keep: bool = False) -> None:

@@ -24,7 +24,7 @@ def iter_whole_dummy_weights(config: ModelConfig, seed: int, device: torch.devic
                              dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """`(checkpoint name, whole tensor)` of the TP 1 model `init_dummy_(model, seed)` would fill."""
     with torch.device("meta"):
-        whole = model_class(config)(config)
+        whole = model_class(config.family)(config)
     generator: torch.Generator | None = None
     for name, param in whole.named_parameters():
         tensor = torch.empty(param.shape, dtype=dtype, device=device)

@@ -38,7 +38,7 @@ from radixmesh.engine.distributed.messages import (
 from radixmesh.engine.distributed.sharding import TensorParallel
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.wire.sampling import SamplingParams
 
 PARENT_CHECK_MS = 1000
 _PLACEHOLDER = Req(rid="", origin_input_ids=[0], params=SamplingParams())

@@ -2,29 +2,22 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
-from radixmesh.common.errors import invalid_argument
+from radixmesh.common.registry import LazyRegistry
 from radixmesh.engine.grammar.spec import GrammarSpec
 
 if TYPE_CHECKING:
     from radixmesh.engine.grammar.base import BaseGrammarBackend
 
-GRAMMAR_BACKENDS: dict[str, str] = {
+GRAMMAR_BACKENDS: LazyRegistry[type[BaseGrammarBackend]] = LazyRegistry("grammar backend", {
     "xgrammar": "radixmesh.engine.grammar.xgrammar_backend:XGrammarBackend",
-}
+}, param="grammar_backend", dashes_for_underscores=True)
 DEFAULT_GRAMMAR_BACKEND = "xgrammar"
 
 
 def grammar_backend_class(name: str) -> type[BaseGrammarBackend]:
-    target = GRAMMAR_BACKENDS.get(name.replace("_", "-"))
-    if target is None:
-        raise invalid_argument(f"unknown grammar backend {name!r} (known: {', '.join(sorted(GRAMMAR_BACKENDS))})",
-                               "grammar_backend")
-    module, _, attr = target.partition(":")
-    cls: type[BaseGrammarBackend] = getattr(importlib.import_module(module), attr)
-    return cls
+    return GRAMMAR_BACKENDS.load(name)
 
 
 def check_grammar_syntax(spec: GrammarSpec, backend: str = DEFAULT_GRAMMAR_BACKEND) -> None:

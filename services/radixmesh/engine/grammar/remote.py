@@ -49,7 +49,7 @@ class GrammarServiceClient:
 
                 from radixmesh.common import tls
                 from radixmesh.protocol import grammar_pb2_grpc
-                from radixmesh.tokenizer.fingerprint import tokenizer_fingerprint
+                from radixmesh.wire.fingerprint import tokenizer_fingerprint
 
                 self._fingerprint = tokenizer_fingerprint(self.tokenizer)
                 channel = tls.sync_channel(self.address, options=[

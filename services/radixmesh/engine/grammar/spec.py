@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from radixmesh.common.errors import invalid_argument
 
 if TYPE_CHECKING:
-    from radixmesh.engine.sampling.params import SamplingParams
+    from radixmesh.wire.sampling import SamplingParams
 
 KINDS = ("json_schema", "regex", "ebnf", "json")
 ANY_JSON = "$$ANY$$"

@@ -11,8 +11,6 @@ from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.radix_cache import RadixCache
 
 if TYPE_CHECKING:
-    from radixmesh.engine.hicache.controller import HiCacheController
-    from radixmesh.engine.kv_manager import KVCacheManager
     from radixmesh.engine.memory import KVSlotAllocator, TokenToKVPool
 
 logger = logging.getLogger(__name__)
@@ -54,13 +52,3 @@ def build_tree(config: EngineConfig, allocator: KVSlotAllocator, pool: TokenToKV
     return HiRadixCache(allocator, host, HostTransfer(pool, host),
                         write_through=config.hicache_write_policy == "write-through")
 
-
-def build_controller(config: EngineConfig, kv: KVCacheManager) -> HiCacheController | None:
-    """The scheduler's hook into the host tier (None without one)."""
-    from radixmesh.engine.hicache.tree import HiRadixCache
-
-    if not isinstance(kv.tree, HiRadixCache):
-        return None
-    from radixmesh.engine.hicache.controller import HiCacheController
-
-    return HiCacheController(kv, kv.tree, config.schedule_policy_window)

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixmesh.common.errors import not_found
 from radixmesh.engine.model_config import ModelConfig
+from radixmesh.engine.models.registry import model_type_of
 
 if TYPE_CHECKING:
     from torch import nn
@@ -16,15 +17,10 @@ def _llama3_rope(factor: float) -> dict[str, Any]:
             "original_max_position_embeddings": 8192}
 
 
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3"}
-"""config.json `model_type` of each architecture (what Hugging Face's auto classes key on)."""
-
-
 def _shape(arch: str, layers: int, hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int,
            vocab: int, **extra: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "architectures": [arch], "model_type": _MODEL_TYPES[arch], "num_hidden_layers": layers,
+        "architectures": [arch], "model_type": model_type_of(arch), "num_hidden_layers": layers,
         "hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,
         "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab, "hidden_act": "silu",
         "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "tie_word_embeddings": False,

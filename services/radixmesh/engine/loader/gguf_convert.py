@@ -21,15 +21,8 @@ import torch
 from tqdm import tqdm
 
 from radixmesh.common.errors import invalid_argument, not_found, unsupported
+from radixmesh.engine.models.registry import FAMILIES, gguf_family
 
-# GGUF `general.architecture` -> Hugging Face architecture.
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-# Architectures whose q/k projections llama.cpp stored rope-permuted.
-_ROPE_PERMUTED = {"llama"}
 # Per-layer GGUF tensor -> Hugging Face name under `model.layers.{i}.`.
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -107,7 +100,7 @@ def gguf_hf_config(reader: Any, dtype: torch.dtype = torch.float32) -> dict[str,
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     theta = float(field(f"{arch}.rope.freq_base", 10000.0))
     config: dict[str, Any] = {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "architectures": [_hf_architecture(arch)],
         "model_type": arch,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
@@ -158,12 +151,26 @@ def unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _architecture(reader: Any, path: Path) -> str:
+    """The file's GGUF architecture, one a model family declares (engine/models/registry.py)."""
     f = reader.fields.get("general.architecture")
     arch = f.contents() if f is not None else None
-    if arch not in GGUF_ARCHITECTURES:
-        known = ", ".join(sorted(GGUF_ARCHITECTURES))
+    if not isinstance(arch, str) or gguf_family(arch) is None:
+        known = ", ".join(sorted(fam.gguf_architecture for fam in FAMILIES if fam.gguf_architecture))
         raise unsupported(f"GGUF file {path.name}: unsupported architecture {arch!r} (supported: {known})")
-    return str(arch)
+    return arch
+
+
+def _hf_architecture(gguf_architecture: str) -> str:
+    """The Hugging Face architecture a GGUF architecture converts to: its family's first."""
+    family = gguf_family(gguf_architecture)
+    assert family is not None, "checked by _architecture"
+    return next(iter(family.architectures))
+
+
+def _rope_permuted(gguf_architecture: str) -> bool:
+    """llama.cpp stored the file's q/k projections rope-permuted."""
+    family = gguf_family(gguf_architecture)
+    return family is not None and family.gguf_rope_permuted
 
 
 def _rope_scaling(reader: Any, arch: str, head_dim: int, theta: float) -> dict[str, Any] | None:
@@ -223,7 +230,7 @@ def _iter_hf_tensors(reader: Any, arch: str, config: dict[str, Any], path: Path,
             raise invalid_argument(f"GGUF file {path.name}: cannot dequantize {t.name} "
                                    f"({t.tensor_type.name}): {_one_line(exc)}") from None
         proj = name.split(".")[-2]
-        if arch in _ROPE_PERMUTED and proj in heads:
+        if _rope_permuted(arch) and proj in heads:
             w = unpermute_rope(w, heads[proj])
         yield name, w
 

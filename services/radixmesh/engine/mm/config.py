@@ -37,10 +37,10 @@ class ImageLimits:
 
 def add_image_args(parser: argparse.ArgumentParser) -> None:
     """One flag per ImageLimits field (kebab-case), as `radixmesh serve` and `radixmesh tokenizer` take them."""
-    from radixmesh.cli import _field_docs
+    from radixmesh.engine.args import field_docs
 
     group = parser.add_argument_group("images")
-    docs = _field_docs(ImageLimits)
+    docs = field_docs(ImageLimits)
     for field in dataclasses.fields(ImageLimits):
         flag = "--" + field.name.replace("_", "-")
         if field.type in ("bool", bool):

@@ -12,26 +12,14 @@ import binascii
 import io
 import time
 import warnings
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from radixmesh.common.errors import RadixMeshError, invalid_argument
 from radixmesh.engine.mm.config import ImageLimits
+from radixmesh.wire.images import ImageSource
 
 if TYPE_CHECKING:
     from PIL import Image
-
-
-@dataclass(frozen=True)
-class ImageSource:
-    """One image of a request, before it is read."""
-
-    part: str
-    """Where it sits in the request, for errors: `messages[0].content[1].image_url`, `image_data[2]`."""
-    url: str | None = None
-    """A data: URL, an http(s) URL or a bare base64 string."""
-    data: bytes | None = None
-    """The encoded image file itself (PNG, JPEG, WebP, ...)."""
 
 
 def load_image(source: ImageSource, limits: ImageLimits) -> Image.Image:

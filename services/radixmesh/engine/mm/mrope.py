@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from radixmesh.engine.mm.inputs import ImageInput
+from radixmesh.wire.images import ImageInput
 
 
 def mrope_positions(prompt_len: int, images: Sequence[ImageInput], merge_size: int) -> tuple[np.ndarray, int]:

@@ -15,8 +15,7 @@ from typing import Any
 
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.mm.config import ImageLimits
-from radixmesh.engine.mm.inputs import ImageInput, MultimodalInputs, image_content_hash, image_pad_ids
-from radixmesh.engine.mm.loading import ImageSource, load_image
+from radixmesh.engine.mm.loading import load_image
 from radixmesh.engine.mm.processors import (
     IMAGE_PROCESSORS,
     ImageProcessor,
@@ -26,6 +25,7 @@ from radixmesh.engine.mm.processors import (
 )
 from radixmesh.engine.mm.spec import VisionSpec, vision_spec
 from radixmesh.engine.model_config import ModelConfig
+from radixmesh.wire.images import ImageInput, ImageSource, MultimodalInputs, image_content_hash, image_pad_ids
 
 ChatMessages = list[dict[str, Any]]
 """{"role": ..., "content": str | [{"type": "text", "text": ...} | {"type": "image"}]} per message."""
@@ -167,7 +167,7 @@ class MultimodalProcessor:
 
     def prepare(self, prompt: PromptWithImages) -> MultimodalPrompt:
         """Tokenize (chat template for messages), then read, preprocess and place the images."""
-        from radixmesh.engine.tokenizer import encode_text, render_chat
+        from radixmesh.engine.hf_tokenizer import encode_text, render_chat
 
         if prompt.messages is not None:
             if self.tokenizer is None:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from radixmesh.engine.mm.inputs import ImageInput, MultimodalInputs
 from radixmesh.engine.mm.mrope import mrope_positions
+from radixmesh.wire.images import ImageInput, MultimodalInputs
 
 if TYPE_CHECKING:
     from radixmesh.engine.batch import ScheduleBatch

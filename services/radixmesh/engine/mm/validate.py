@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from radixmesh.common.errors import invalid_argument, unsupported
-from radixmesh.engine.mm.inputs import ImageInput, MultimodalInputs, check_image_spans
 from radixmesh.engine.mm.spec import VisionSpec, vision_spec
 from radixmesh.engine.model_config import ModelConfig
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.wire.images import ImageInput, MultimodalInputs, check_image_spans
+from radixmesh.wire.sampling import SamplingParams
 
 
 def validate_images(input_ids: Sequence[int], mm: MultimodalInputs, params: SamplingParams,

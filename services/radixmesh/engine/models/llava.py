@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from radixmesh.engine.attention.base import ForwardBatch
-from radixmesh.engine.mm.inputs import ImageInput
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.llama import CausalLM
 from radixmesh.engine.models.vision_vit import VisionTransformer, ViTConfig, activation
 from radixmesh.engine.models.weights import ParamLoader, rename_prefix
+from radixmesh.wire.images import ImageInput
 
 _RENAMES = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
             ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head."))

@@ -17,13 +17,13 @@ from torch import nn
 
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.attention.base import ForwardBatch
-from radixmesh.engine.mm.inputs import ImageInput
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.layers import RotaryEmbedding, _rotate
 from radixmesh.engine.models.llama import CausalLM, DecoderLayer
 from radixmesh.engine.models.llava import image_embeds
 from radixmesh.engine.models.qwen2_vl_vision import Qwen2VisionConfig, Qwen2VisionTransformer
 from radixmesh.engine.models.weights import ParamLoader, rename_prefix
+from radixmesh.wire.images import ImageInput
 
 _RENAMES = (("model.visual.", "visual."), ("model.language_model.", "model."))
 """Transformers 5 in-memory names -> the published checkpoints' names."""

@@ -105,7 +105,7 @@ def compare_fp8(ref_runner: Any, fp8_runner: Any, prompts: list[list[int]]) -> d
 
 
 def cmd_fp8_accuracy(args: argparse.Namespace) -> int:
-    from radixmesh.cli import engine_kwargs
+    from radixmesh.engine.args import engine_kwargs
     from radixmesh.engine.config import EngineConfig
     from radixmesh.engine.loader import prepare_model
     from radixmesh.engine.model_runner import ModelRunner

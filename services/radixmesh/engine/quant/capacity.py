@@ -13,7 +13,7 @@ import torch
 
 
 def build_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
-    from radixmesh.cli import engine_kwargs
+    from radixmesh.engine.args import engine_kwargs
     from radixmesh.engine.config import EngineConfig
     from radixmesh.engine.loader import prepare_model
     from radixmesh.engine.model_runner import ModelRunner

@@ -6,7 +6,7 @@ import argparse
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    from radixmesh.cli import add_engine_args
+    from radixmesh.engine.args import add_engine_args
 
     add_engine_args(parser)
     parser.add_argument("--model-shape", default=None, help="named shape for random weights (with --load-format dummy)")

@@ -3,17 +3,16 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
-from radixmesh.common.errors import invalid_argument
+from radixmesh.common.registry import LazyRegistry
 
 if TYPE_CHECKING:
     from radixmesh.engine.quant.base import LinearMethod
 
-QUANT_METHODS: dict[str, str] = {
+QUANT_METHODS: LazyRegistry[type[LinearMethod]] = LazyRegistry("quantization", {
     "fp8": "radixmesh.engine.quant.fp8:Fp8LinearMethod",
-}
+}, param="quantization", dashes_for_underscores=True)
 """Linear-layer methods: fp8 = FP8 e4m3 weights with per-output-channel scales, per-token dynamic
 FP8 activations (W8A8; batch-1 GEMV reads FP8 weights with bf16 activations)."""
 
@@ -24,10 +23,5 @@ FP8_GEMM_BACKENDS = ("auto", "scaled-mm", "triton")
 
 
 def create_method(name: str, **kwargs: Any) -> LinearMethod:
-    target = QUANT_METHODS.get(name.replace("_", "-"))
-    if target is None:
-        raise invalid_argument(f"unknown quantization {name!r} (known: {', '.join(sorted(QUANT_METHODS))})",
-                               "quantization")
-    module, _, attr = target.partition(":")
-    method: LinearMethod = getattr(importlib.import_module(module), attr)(**kwargs)
+    method: LinearMethod = QUANT_METHODS.create(name, **kwargs)
     return method

@@ -17,7 +17,7 @@ import torch
 
 from radixmesh.engine.device_io import rows_to_device, tensor_to_device, to_device
 from radixmesh.engine.grammar.vocab_mask import VocabMask
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.wire.sampling import SamplingParams
 
 
 @dataclass

@@ -1,9 +1,9 @@
-"""`SpecDecoder`: the scheduler's narrow interface to speculative decoding.
+"""`SpecDecoder`: speculative decoding as a scheduler hook.
 
-Per decode step the scheduler calls `build_batch(reqs)` (a plain decode batch, or a `VerifyBatch`
-with drafts), `launch(batch, launch_id)` for a verify batch, and `settle(req, host, row)` for each
-request once its tokens were appended; under the overlap scheduler, `needs_host_tokens` says when a
-step must wait for the previous one's tokens (drafting needs them). Verify passes replay their own
+Per decode step the scheduler asks it for `decode_batch(reqs)` (a plain decode batch, or a `VerifyBatch`
+with drafts), lets it `launch` a verify batch, and calls `settle(req, host, row)` for each request once its
+tokens were appended; under the overlap scheduler, `needs_host_tokens` says when a step must wait for the
+previous one's tokens (drafting needs them). Verify passes replay their own
 CUDA graphs where captured (verify_graphs.py); decode steps without drafts keep theirs and overlap
 (docs/speculative.md).
 """
@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixmesh.engine.batch import ScheduleBatch, build_decode_batch
+from radixmesh.engine.batch import LaunchedBatch, ScheduleBatch, build_decode_batch
 from radixmesh.engine.device_io import tensor_to_device, to_device
 from radixmesh.engine.grammar.vocab_mask import VocabMask
 from radixmesh.engine.sampling.sampler import HostSample
+from radixmesh.engine.scheduler.hooks import SchedulerHook
 from radixmesh.engine.speculative.adaptive import AdaptivePolicy
 from radixmesh.engine.speculative.base import BaseProposer, Proposal, ProposerContext
 from radixmesh.engine.speculative.registry import create_proposer
@@ -29,8 +30,9 @@ from radixmesh.engine.speculative.verify_batch import VerifyBatch, build_verify_
 from radixmesh.engine.speculative.verify_graphs import make_verify_graphs
 
 if TYPE_CHECKING:
+    from radixmesh.engine.grammar.base import BaseGrammarBackend
     from radixmesh.engine.request import Req
-    from radixmesh.engine.scheduler import Scheduler
+    from radixmesh.engine.scheduler.core import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,9 @@ class _LastStep:
     num_generated: int
 
 
-class SpecDecoder:
+class SpecDecoder(SchedulerHook):
+    """Drafts, verifies and settles speculative tokens for the scheduler's decode steps."""
+
     def __init__(self, sched: Scheduler, proposer: BaseProposer) -> None:
         config = sched.config
         self.sched = sched
@@ -92,13 +96,14 @@ class SpecDecoder:
         return decoder
 
     # ---- the decode step --------------------------------------------------------------------
-    def needs_host_tokens(self, in_flight: ScheduleBatch, num_running: int) -> bool:
+    def needs_host_tokens(self, in_flight: LaunchedBatch) -> bool:
         """Under the overlap scheduler: whether the launched batch's tokens must reach the host before the
         next batch is built: after a verification (its accepted counts place the next tokens), and
         whenever this batch size speculates (drafts continue the request's text)."""
-        return isinstance(in_flight, VerifyBatch) or (num_running > 0 and self.policy.speculate(num_running))
+        num_running = len(self.sched.running)
+        return isinstance(in_flight.batch, VerifyBatch) or (num_running > 0 and self.policy.speculate(num_running))
 
-    def build_batch(self, reqs: list[Req]) -> ScheduleBatch | None:
+    def decode_batch(self, reqs: list[Req]) -> ScheduleBatch | None:
         """This step's batch: drafts where they pay and fit, else a plain decode batch (always plain
         while some token is still on the device: the overlap scheduler runs ahead when drafts do not pay)."""
         self._observe_last_step()
@@ -113,8 +118,9 @@ class SpecDecoder:
                 batch = self._verify_batch(reqs, limits)
         if batch is None:
             batch = build_decode_batch(reqs, self.sched.kv)
+        counters = self.sched.counters
         self._last = _LastStep(time.perf_counter(), len(reqs), isinstance(batch, VerifyBatch),
-                               self.sched.num_forward_passes, self.sched.num_generated_tokens)
+                               counters.num_forward_passes, counters.num_generated_tokens)
         return batch
 
     def _room(self, req: Req) -> int:
@@ -156,8 +162,11 @@ class SpecDecoder:
             longest.pop()
             need -= 1
 
-    def launch(self, batch: VerifyBatch, launch_id: int) -> VerifyOutput:
-        """Enqueue the verify pass and the acceptance (device work; results are read back later)."""
+    def launch(self, batch: ScheduleBatch, launch_id: int) -> VerifyOutput | None:
+        """Enqueue a verify batch's pass and the acceptance (device work; results are read back later); other
+        batches are the model runner's (None)."""
+        if not isinstance(batch, VerifyBatch):
+            return None
         for row, req in enumerate(batch.reqs):
             req.futures.append((launch_id, row))
         self.num_verify_passes += 1
@@ -185,11 +194,11 @@ class SpecDecoder:
     def _observe_last_step(self) -> None:
         """Time the previous decode step (build to build) unless another pass ran in between."""
         last, self._last = self._last, None
-        sched = self.sched
-        if last is None or sched.num_forward_passes != last.num_passes + 1:
+        counters = self.sched.counters
+        if last is None or counters.num_forward_passes != last.num_passes + 1:
             return
         self.policy.observe_step(last.batch_size, last.speculated, time.perf_counter() - last.started_s,
-                                 sched.num_generated_tokens - last.num_generated)
+                                 counters.num_generated_tokens - last.num_generated)
 
     def _release_gone(self, reqs: list[Req]) -> None:
         running = {r.rid for r in reqs}
@@ -209,7 +218,7 @@ class SpecDecoder:
         """Each grammar request's mask after each of its drafts (matchers advanced, then rolled back)."""
         if not any(req.grammar is not None for req in batch.reqs):
             return None
-        backend = self.sched.grammar.pool.backend
+        backend = self._grammar_backend()
         device = self.sched.runner.device
         on_gpu = device.type == "cuda"
         mask = backend.allocate_mask(batch.num_rows, pinned=on_gpu)
@@ -231,6 +240,13 @@ class SpecDecoder:
                 matcher.rollback(advanced)
         rows_device = to_device(rows, torch.int32, device) if on_gpu else None
         return VocabMask(tensor_to_device(mask, device), rows, rows_device)
+
+    def _grammar_backend(self) -> BaseGrammarBackend:
+        from radixmesh.engine.grammar.hook import GrammarHook
+
+        grammar = self.sched.hooks.get(GrammarHook)
+        assert grammar is not None, "a grammar request without the grammar hook"
+        return grammar.manager.pool.backend
 
     def flush(self) -> bool:
         """Drop the proposer's caches; only called with no request left (the scheduler checks)."""
@@ -265,3 +281,8 @@ def _grammar_prefix(req: Req, drafts: list[int]) -> int:
     if allowed:
         matcher.rollback(allowed)
     return allowed
+
+
+def create_hook(sched: Scheduler) -> SpecDecoder | None:
+    """With --speculative-algorithm; else None."""
+    return SpecDecoder.create(sched) if sched.config.speculative_algorithm else None

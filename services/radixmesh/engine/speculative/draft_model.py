@@ -23,11 +23,11 @@ from radixmesh.engine.kv_manager import KVCacheManager
 from radixmesh.engine.model_runner import ModelRunner
 from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
 from radixmesh.engine.sampling.sampler import argmax
 from radixmesh.engine.speculative.base import BaseProposer, Proposal, ProposerContext
 from radixmesh.engine.speculative.draft_setup import check_draft_fits, num_parameters, prepare_draft
 from radixmesh.engine.speculative.rejection import inverse_cdf
+from radixmesh.wire.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ def num_parameters(model_config: ModelConfig) -> int:
     from radixmesh.engine.models.registry import model_class
 
     with torch.device("meta"):
-        model = model_class(model_config)(model_config)
+        model = model_class(model_config.family)(model_config)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -69,7 +69,7 @@ def check_draft_fits(target: ModelConfig, target_context_len: int, target_tokeni
     draft_path = draft.tokenizer_path
     if target_tokenizer is None or draft_path is None or _same_path(draft_path, target_tokenizer_path):
         return
-    from radixmesh.engine.tokenizer import load_tokenizer
+    from radixmesh.engine.hf_tokenizer import load_tokenizer
 
     draft_vocab = load_tokenizer(draft_path).get_vocab()
     target_vocab = target_tokenizer.get_vocab()

@@ -23,7 +23,7 @@ class RouteRequest:
     num_prompt_tokens: int
     """Prompt length in tokens."""
     block_hashes: tuple[int, ...]
-    """Chained keys of the prompt's full blocks (radixmesh.index.block_hash)."""
+    """Chained keys of the prompt's full blocks (radixmesh.wire.block_hash)."""
     block_size: int
     """Tokens per block of `block_hashes`."""
 

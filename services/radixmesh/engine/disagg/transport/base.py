@@ -14,8 +14,8 @@ from typing import ClassVar
 import torch
 
 from radixmesh.common.errors import invalid_argument
-from radixmesh.engine.disagg.messages import KVChunk
 from radixmesh.engine.memory import TokenToKVPool
+from radixmesh.wire.disagg import KVChunk
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 """Most KV bytes per in-band chunk (whole layers; a single layer may exceed it)."""

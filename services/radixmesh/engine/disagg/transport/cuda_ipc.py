@@ -24,12 +24,12 @@ import torch
 
 from radixmesh.common.errors import invalid_argument, unsupported
 from radixmesh.engine.disagg import kv_io
-from radixmesh.engine.disagg.messages import KVChunk
 from radixmesh.engine.disagg.transport.base import DEFAULT_CHUNK_BYTES, BaseKVTransport, dtype_name
 from radixmesh.engine.disagg.transport.ipc import CudaIpc, contiguous_strides
 from radixmesh.engine.disagg.transport.ipc_direct import DirectExporter, DirectReceiver, DirectRef
 from radixmesh.engine.disagg.transport.registry import CUDA_IPC_MODES
 from radixmesh.engine.memory import TokenToKVPool
+from radixmesh.wire.disagg import KVChunk
 
 
 class IpcHandle(msgspec.Struct, tag="staging", frozen=True):

@@ -10,8 +10,8 @@ import torch
 
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.disagg import kv_io
-from radixmesh.engine.disagg.messages import KVChunk
 from radixmesh.engine.disagg.transport.base import BaseKVTransport, dtype_name
+from radixmesh.wire.disagg import KVChunk
 
 
 class GrpcKVTransport(BaseKVTransport):

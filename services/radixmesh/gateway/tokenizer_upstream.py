@@ -1,0 +1,149 @@
+"""The tokenizer service as the cluster gateway uses it: tokenize, chat templates, detokenize.
+
+Tokenize once: `encode`/`apply_chat_template` get token ids and the prompt's block hashes from the service;
+the hashes are kept (`prompt_hashes`) until the prompt's Generate carries them, so neither the router nor the
+worker tokenizes. Ids a client sent itself are hashed here with the same function. Detokenizing happens in this
+process with a copy of the service's tokenizer once it is fetched, else through the service.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import grpc
+
+from radixmesh.common import tls, tracing
+from radixmesh.common.errors import RadixMeshError, invalid_argument
+from radixmesh.common.grpc_errors import from_rpc_error
+from radixmesh.engine import hf_tokenizer as hf_text
+from radixmesh.engine.mm.prompt import MultimodalPrompt, PromptWithImages
+from radixmesh.gateway.detokenizers import LocalText, ServiceText, StreamText, fetch_tokenizer
+from radixmesh.gateway.generate_upstream import unreachable
+from radixmesh.gateway.images import tokenize_request, tokenized_prompt
+from radixmesh.gateway.upstreams import CHANNEL_OPTIONS, Upstream, UpstreamGroup, UpstreamWatcher
+from radixmesh.protocol import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from radixmesh.wire.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
+from radixmesh.wire.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+HASH_CACHE_SIZE = 1024
+"""Prompts whose block hashes (from Tokenize) are kept until their Generate call."""
+TOKENIZE_TIMEOUT_S = 10.0
+"""Bound on the blocking tokenizer calls (they hold the event loop, as local tokenization does)."""
+IMAGE_TOKENIZE_TIMEOUT_S = 60.0
+"""Bound on a Tokenize call with images (the tokenizer service may fetch and resize them)."""
+
+
+class TokenizerUpstream:
+    """One tokenizer service: blocking tokenize and detokenize calls (the gateway backend contract is synchronous
+    there), an asynchronous multimodal tokenize, and the prompts' block hashes."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.group = UpstreamGroup("tokenizer", [Upstream("tokenizer", address, tokenizer_pb2_grpc.TokenizerServiceStub)])
+        self.watcher: UpstreamWatcher | None = None
+        """Told when the service stops answering (set by the backend that watches it)."""
+        self._sync_channel = tls.sync_channel(address, options=CHANNEL_OPTIONS)
+        self._sync = tokenizer_pb2_grpc.TokenizerServiceStub(tracing.instrument_channel(self._sync_channel))
+        self._hashes: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
+        self.block_size = DEFAULT_BLOCK_SIZE
+        """Tokens per block of the prompts' hashes (the service's, once its info was read)."""
+        self.local_tokenizer: Any = None
+        """The service's tokenizer, copied here ("local" detokenization), once loaded."""
+
+    @property
+    def stub(self) -> Any:
+        """The service's asynchronous stub."""
+        return self.group.upstreams[0].stub
+
+    # ---- text -> tokens ---------------------------------------------------------------------------
+    def _tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
+        try:
+            response = self._sync.Tokenize(request, timeout=TOKENIZE_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise self.error(exc) from None
+        self._remember_hashes(list(response.token_ids), list(response.block_hashes.hashes))
+        return response
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenize(tokenizer_pb2.TokenizeRequest(text=text, block_size=self.block_size)).token_ids)
+
+    def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> tokenizer_pb2.TokenizeResponse:
+        try:
+            turns = [tokenizer_pb2.ChatMessage(role=str(m["role"]), content=str(m["content"])) for m in messages]
+        except KeyError as exc:
+            raise invalid_argument(f"every message needs a {exc.args[0]!r}", "messages") from None
+        conversation = tokenizer_pb2.ChatConversation(messages=turns, add_generation_prompt=add_generation_prompt)
+        return self._tokenize(tokenizer_pb2.TokenizeRequest(chat=conversation, block_size=self.block_size))
+
+    async def tokenize_multimodal(self, prompt: PromptWithImages) -> MultimodalPrompt:
+        """The service reads, preprocesses and places the images (its limits apply)."""
+        try:
+            response = await self.stub.Tokenize(tokenize_request(prompt, self.block_size),
+                                                timeout=IMAGE_TOKENIZE_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise self.error(exc) from None
+        self._remember_hashes(list(response.token_ids), list(response.block_hashes.hashes))
+        return tokenized_prompt(response)
+
+    def _remember_hashes(self, ids: list[int], hashes: list[int]) -> None:
+        self._hashes[tuple(ids)] = hashes
+        while len(self._hashes) > HASH_CACHE_SIZE:
+            self._hashes.popitem(last=False)
+
+    def prompt_hashes(self, ids: list[int]) -> common_pb2.BlockHashes:
+        """The prompt's block chain: as the tokenizer service computed it, or (ids sent by the client) here."""
+        hashes = self._hashes.get(tuple(ids))
+        if hashes is None:
+            hashes = block_hashes(ids, self.block_size)
+        return common_pb2.BlockHashes(block_size=self.block_size, hashes=hashes)
+
+    # ---- tokens -> text ---------------------------------------------------------------------------
+    def _decode(self, token_ids: list[int], per_token: bool) -> tokenizer_pb2.DecodeResponse:
+        try:
+            return self._sync.Decode(tokenizer_pb2.DecodeRequest(token_ids=token_ids, per_token=per_token),
+                                     timeout=TOKENIZE_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise self.error(exc) from None
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.local_tokenizer is not None:
+            return hf_text.decode_text(self.local_tokenizer, token_ids)
+        return self._decode(token_ids, per_token=False).text
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        if self.local_tokenizer is not None:
+            return hf_text.token_texts(self.local_tokenizer, token_ids)
+        return list(self._decode(token_ids, per_token=True).token_texts)
+
+    def stream_text(self, rid: str, params: SamplingParams) -> StreamText:
+        """The detokenizer of one request's stream: here with the copied tokenizer, else through the service."""
+        if self.local_tokenizer is not None:
+            return LocalText(self.local_tokenizer, rid, params)
+        return ServiceText(self.stub, rid, params, self.error)
+
+    async def fetch_local_tokenizer(self) -> None:
+        """Detokenize in this process from now on, with a copy of the service's tokenizer; if it cannot be loaded,
+        streams go through the service's Detokenize."""
+        try:
+            tokenizer = await fetch_tokenizer(self.stub, self.address)
+        except RadixMeshError as exc:
+            logger.warning("gateway: detokenizing through the tokenizer service: its tokenizer could not be "
+                           "copied here (%s)", exc.message)
+            return
+        self.local_tokenizer = tokenizer
+        logger.warning("gateway: detokenizing in this process (a copy of the tokenizer at %s, fingerprint "
+                       "checked)", self.address)
+
+    # ---- failures ---------------------------------------------------------------------------------
+    def error(self, exc: grpc.RpcError) -> RadixMeshError:
+        """The domain error of a failed call; a service that stopped answering is marked down."""
+        error = from_rpc_error(exc, f"tokenizer at {self.address}")
+        if unreachable(exc) and self.watcher is not None:
+            self.watcher.mark_down(self.group, self.group.upstreams[0], error.message)
+        return error
+
+    def close(self) -> None:
+        self._sync_channel.close()
