@@ -1,7 +1,6 @@
 """`radixmesh bench ...`: benchmark subcommands, each registered from its own module.
 
-Modules named here must import nothing heavy at module level: the CLI builds the parsers on start
-(`radixmesh bench NAME` imports only NAME's module).
+Modules named here must import nothing heavy at module level: the CLI builds the parsers on start.
 """
 
 from __future__ import annotations

@@ -12,14 +12,12 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,60 +26,16 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from .serve_process import API_KEY, Server, free_port, wait_healthy
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-API_KEY = "sk-radixmesh-test"
-STARTUP_TIMEOUT_S = 600.0
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@dataclass
-class Server:
-    url: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {API_KEY}"}
-
-    def get(self, path: str, **kwargs: Any) -> httpx.Response:
-        return httpx.get(self.url + path, headers=self.headers, timeout=60, **kwargs)
-
-    def post(self, path: str, body: Any = None, **kwargs: Any) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, headers=self.headers, timeout=120, **kwargs)
-
-    def server_info(self) -> dict[str, Any]:
-        response = self.get("/server_info")
-        assert response.status_code == 200, response.text
-        info: dict[str, Any] = response.json()
-        return info
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"radixmesh serve exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    pytest.fail(f"radixmesh serve did not become healthy:\n{log_path.read_text()}")
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    port = _free_port()
+    port = free_port()
     log_dir = Path(tempfile.mkdtemp(prefix="radixmesh-gateway-test-"))
     log_path = log_dir / "serve.log"
     cmd = [sys.executable, "-m", "radixmesh.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -92,7 +46,7 @@ def server() -> Iterator[Server]:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc, log_path)
+        wait_healthy(url, proc, log_path)
         print(f"\nradixmesh serve healthy after {time.perf_counter() - started:.1f} s")
         yield Server(url, proc, log_path)
     finally:

@@ -14,7 +14,7 @@ from radixmesh.index.reader import KVIndexReader
 from radixmesh.index.redis_server import LocalRedis
 from radixmesh.index.writer import connect
 from radixmesh.wire.block_hash import block_hashes
-from tests.integration.test_index_redis import make_config, make_writer, prompt, published
+from tests.integration.index_factory import make_config, make_writer, prompt, published
 from tests.redis_helpers import local_redis  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.integration

@@ -24,7 +24,7 @@ import pytest
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.lang import ProgramState, RuntimeEndpoint, assistant, function, gen, select, system, user
 
-from .test_gateway_server import API_KEY, Server, _free_port, _wait_healthy
+from .serve_process import API_KEY, Server, free_port, wait_healthy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -33,7 +33,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    port = _free_port()
+    port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix="radixmesh-lang-test-")) / "serve.log"
     cmd = [sys.executable, "-m", "radixmesh.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--device", "cpu", "--api-key", API_KEY, "--graceful-shutdown-s", "1"]
@@ -41,7 +41,7 @@ def server() -> Iterator[Server]:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc, log_path)
+        wait_healthy(url, proc, log_path)
         yield Server(url, proc, log_path)
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -102,7 +102,7 @@ def test_every_module_is_scanned() -> None:
     ("from radixmesh.cli import main", "radixmesh.engine.x", "radixmesh.cli"),
     ("import radixmesh.index.reader", "radixmesh.engine.x", "radixmesh.index.reader"),
     ("def f():\n    from radixmesh.gateway import app", "radixmesh.engine.x", "radixmesh.gateway.app"),
-    ("from ..router import pd", "radixmesh.engine.x", "radixmesh.router.pd"),
+    ("from ..router import disagg", "radixmesh.engine.x", "radixmesh.router.disagg"),
     ("from . import core", "radixmesh.engine.scheduler.x", "radixmesh.engine.scheduler.core"),
 ])
 def test_imports_are_found_wherever_they_are(tmp_path: Path, source: str, module: str, expected: str) -> None:

@@ -1,4 +1,4 @@
-"""Holding the next decode launch while a step runs on the device (launch_pacing.py), on a fake CUDA clock."""
+"""Holding the next decode launch while a step runs on the device (scheduler/pacing.py), on a fake CUDA clock."""
 
 from __future__ import annotations
 

@@ -28,8 +28,8 @@ def test_every_package_directory_is_listed() -> None:
 
 
 def test_every_module_path_says_its_import_name() -> None:
-    """A file's path under services/ or kernels/ is its import path: radixmesh/engine/scheduler.py is
-    radixmesh.engine.scheduler, so a reader (or a tool following imports by path) finds it."""
+    """A file's path under services/ or kernels/ is its import path: radixmesh/engine/scheduler/core.py is
+    radixmesh.engine.scheduler.core, so a reader (or a tool following imports by path) finds it."""
     tomllib = pytest.importorskip("tomllib")
     package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     for name, root in package_dir.items():

@@ -1,4 +1,4 @@
-"""The prefills a CUDA server runs before reporting ready (prefill_warmup.py), on the CPU scheduler."""
+"""The prefills a CUDA server runs before reporting ready (scheduler/warmup.py), on the CPU scheduler."""
 
 from __future__ import annotations
 

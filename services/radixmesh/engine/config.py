@@ -89,12 +89,12 @@ class EngineConfig:
     """Launch each decode step as soon as the previous one's results are read. By default, with overlap on CUDA and
     no request waiting for admission, the scheduler holds each decode launch until shortly before the device's
     running step ends, listening for requests, so that one arriving meanwhile starts its prefill a step sooner
-    (launch_pacing.py; on an H100, 8B, 100 prompts at 1 req/s, the same prompts with and without on one machine:
+    (scheduler/pacing.py; on an H100, 8B, 100 prompts at 1 req/s, the same prompts with and without on one machine:
     time to first token 3.0 ms shorter per request (median of the differences), ITL 7.11 vs 7.09 ms)."""
     disable_prefill_warmup: bool = False
     """Report ready without first running one prefill of each of a range of prompt lengths and a few decode steps
     at each batch-size bucket (CUDA only; a few seconds at start for an 8B model): the first requests then load the
-    GEMM library's kernels and compile Triton kernel variants themselves (prefill_warmup.py)."""
+    GEMM library's kernels and compile Triton kernel variants themselves (scheduler/warmup.py)."""
     enable_dense_prefill: bool = False
     """Triton backend: prefill attention of prompts of 1,536 tokens or more with nothing cached runs through
     PyTorch's SDPA (cuDNN's fused attention on CUDA: 1.5-2.2x the Triton kernel's speed at 2-4K tokens; a 4K-token

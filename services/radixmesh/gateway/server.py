@@ -65,7 +65,8 @@ async def serve(config: GatewayConfig, engine_config: EngineConfig) -> int:
                                f"loading {engine_config.model or 'the default model'}")
 
 
-async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Awaitable[GatewayBackend]], starting: str) -> int:
+async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Awaitable[GatewayBackend]],
+                        starting: str) -> int:
     """Start a backend, serve HTTP (and the gRPC API) over it until SIGINT/SIGTERM; returns the exit code."""
     keys = api_keys_of(config)  # a bad key file fails now, not after the model loaded
     sock = bind_socket(config.host, config.port)

@@ -42,7 +42,8 @@ class TokenizerUpstream:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.group = UpstreamGroup("tokenizer", [Upstream("tokenizer", address, tokenizer_pb2_grpc.TokenizerServiceStub)])
+        self.group = UpstreamGroup("tokenizer", [Upstream("tokenizer", address,
+                                                          tokenizer_pb2_grpc.TokenizerServiceStub)])
         self.watcher: UpstreamWatcher | None = None
         """Told when the service stops answering (set by the backend that watches it)."""
         self._sync_channel = tls.sync_channel(address, options=CHANNEL_OPTIONS)

@@ -130,7 +130,7 @@ def epp_config(args: argparse.Namespace) -> EppConfig | None:
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
-    from radixmesh.router.config import HealthConfig, PDConfig, RetryConfig, RouterConfig, ScoringConfig
+    from radixmesh.router.config import HealthConfig, DisaggConfig, RetryConfig, RouterConfig, ScoringConfig
 
     return RouterConfig(policy=args.policy, block_size=args.block_size, redis_url=args.redis_url,
                         index_namespace=args.index_namespace, index_lookup=args.index_lookup, seed=args.seed,
@@ -140,7 +140,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                                             failure_threshold=args.health_failure_threshold,
                                             success_threshold=args.health_success_threshold),
                         retry=RetryConfig(max_attempts=args.max_attempts, wait_for_worker_s=args.wait_for_worker_s),
-                        pd=PDConfig(min_prefill_tokens=args.pd_min_prefill_tokens),
+                        disagg=DisaggConfig(min_prefill_tokens=args.pd_min_prefill_tokens),
                         scoring=ScoringConfig(host_hit_weight=args.host_hit_weight),
                         peer_fetch_min_tokens=args.peer_fetch_min_tokens)
 

@@ -99,7 +99,7 @@ class ScoringConfig:
 
 
 @dataclass(frozen=True)
-class PDConfig:
+class DisaggConfig:
     """Prefill/decode disaggregation: when a decode worker gets a prefill worker."""
 
     min_prefill_tokens: int = 256
@@ -145,7 +145,7 @@ class RouterConfig:
     """Retries before the first token."""
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     """Cache-aware scoring."""
-    pd: PDConfig = field(default_factory=PDConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
     """Prefill/decode disaggregation (used when decode and prefill workers are discovered)."""
     peer_fetch_min_tokens: int = 512
     """cache-aware: name a peer holding at least this many more prompt tokens on its device than the chosen

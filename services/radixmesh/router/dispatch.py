@@ -21,7 +21,7 @@ from radixmesh.common import tracing
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.router import metrics
 from radixmesh.router.config import RouterConfig
-from radixmesh.router.pd import SERVING_ROLES, PrefillPlanner
+from radixmesh.router.disagg import SERVING_ROLES, PrefillPlanner
 from radixmesh.router.policies import create_policy
 from radixmesh.router.policies.base import BaseRoutingPolicy, RouteRequest, RoutingDecision
 from radixmesh.router.route_span import route_attributes
@@ -46,7 +46,7 @@ class RequestRouter:
         self.config = config
         self.registry = registry
         self.policy = policy
-        self.prefill = PrefillPlanner(config.pd, registry, prefill_policy or create_policy(config.policy, config))
+        self.prefill = PrefillPlanner(config.disagg, registry, prefill_policy or create_policy(config.policy, config))
         """Names prefill workers for decode workers (disaggregation)."""
         self.sleep = sleep
         self.rng = rng

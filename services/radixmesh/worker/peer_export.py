@@ -19,13 +19,13 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.disagg.transport.registry import check_transport_device
-from radixmesh.engine.disagg_client import DisaggClient
+from radixmesh.engine.disagg.client import DisaggClient
 from radixmesh.protocol import worker_pb2
 from radixmesh.wire.convert import kv_chunk_to_proto
 from radixmesh.wire.disagg import ExportCachedReqMsg, KVExportMsg
 from radixmesh.worker import tier_metrics
 from radixmesh.worker.config import WorkerConfig
-from radixmesh.worker.pd_prefill import wait_release
+from radixmesh.worker.disagg_prefill import wait_release
 from radixmesh.worker.timeline import record_kv_transfer_span
 
 

@@ -28,7 +28,7 @@ from radixmesh.common import aio
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.engine.client import EngineClient
-from radixmesh.engine.disagg_client import DisaggClient, Grant
+from radixmesh.engine.disagg.client import DisaggClient, Grant
 from radixmesh.protocol import worker_pb2
 from radixmesh.wire.convert import kv_chunk_from_proto
 from radixmesh.wire.disagg import CommitFetchMsg, PrefixLenReqMsg, TrimReservationMsg
@@ -37,7 +37,7 @@ from radixmesh.wire.sampling import SamplingParams
 from radixmesh.worker import tier_metrics
 from radixmesh.worker.config import WorkerConfig
 from radixmesh.worker.fetch_cost import FetchCostModel
-from radixmesh.worker.pd_decode import RELEASE_DRAIN_S
+from radixmesh.worker.disagg_decode import RELEASE_DRAIN_S
 from radixmesh.worker.prefill_peers import PrefillPeers
 from radixmesh.worker.timeline import record_kv_transfer_span
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from radixmesh.router import metrics
-from radixmesh.router.config import PDConfig
+from radixmesh.router.config import DisaggConfig
 from radixmesh.router.policies.base import BaseRoutingPolicy, RouteRequest, RoutingDecision
 from radixmesh.router.workers import WorkerRegistry
 
@@ -29,7 +29,7 @@ PD_REASONS = ("prefill-tier", "short-prompt", "no-prefill-worker")
 class PrefillPlanner:
     """Names a prefill worker for decisions that chose a decode worker (see the module docstring)."""
 
-    def __init__(self, config: PDConfig, registry: WorkerRegistry, policy: BaseRoutingPolicy) -> None:
+    def __init__(self, config: DisaggConfig, registry: WorkerRegistry, policy: BaseRoutingPolicy) -> None:
         self.config = config
         self.registry = registry
         self.policy = policy

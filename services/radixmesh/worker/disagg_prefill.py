@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from radixmesh.common import aio
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.client import EngineClient
-from radixmesh.engine.disagg_client import DisaggClient
+from radixmesh.engine.disagg.client import DisaggClient
 from radixmesh.protocol import worker_pb2
 from radixmesh.wire.convert import kv_chunk_to_proto, prefill_result_to_proto, sampling_from_proto
 from radixmesh.wire.disagg import KVExportMsg, PrefillReqMsg

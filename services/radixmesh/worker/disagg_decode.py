@@ -27,7 +27,7 @@ from radixmesh.common import aio
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.engine.client import EngineClient
-from radixmesh.engine.disagg_client import DisaggClient, Grant
+from radixmesh.engine.disagg.client import DisaggClient, Grant
 from radixmesh.protocol import common_pb2, worker_pb2
 from radixmesh.wire.convert import kv_chunk_from_proto, sampling_to_proto
 from radixmesh.wire.disagg import ResolveReservationMsg

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from radixmesh.protocol import worker_pb2
-from radixmesh.router.config import PDConfig, RouterConfig
+from radixmesh.router.config import DisaggConfig, RouterConfig
 from radixmesh.router.discovery.base import WorkerEndpoint
 from radixmesh.router.dispatch import RequestRouter
 from radixmesh.router.health_checker import HealthChecker
@@ -25,7 +25,7 @@ from .router_factory import BLOCK, FakeClient, make_config, make_request, set_lo
 
 def make_pd_router(roles: dict[str, str], policy: str = "approx-tree", min_prefill_tokens: int = 8,
                    ) -> tuple[RequestRouter, RouterConfig]:
-    config = dataclasses.replace(make_config(policy=policy), pd=PDConfig(min_prefill_tokens=min_prefill_tokens))
+    config = dataclasses.replace(make_config(policy=policy), disagg=DisaggConfig(min_prefill_tokens=min_prefill_tokens))
     registry = WorkerRegistry(config.health, config.breaker, FakeClient)
     registry.replace([WorkerEndpoint(worker_id, f"127.0.0.1:{7000 + i}", role)
                       for i, (worker_id, role) in enumerate(roles.items())])
@@ -165,4 +165,4 @@ def test_roles_come_from_the_probes_when_discovery_does_not_know_them() -> None:
 
 def test_pd_config_is_checked() -> None:
     with pytest.raises(Exception, match="min_prefill_tokens"):
-        PDConfig(min_prefill_tokens=-1)
+        DisaggConfig(min_prefill_tokens=-1)
