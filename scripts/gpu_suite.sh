@@ -31,6 +31,12 @@
 #   ONLINE_TAG=x SERVE_ARGS=--disable-launch-pacing STAGES=online: the online result lands in online-x.json (a second
 #   call's online.json would replace the first one's while $OUT holds too few files to be packed); compare two such
 #   runs request by request with `radixmesh bench paired online.json online-x.json`
+#   TREE=dir: run another tree's package (dir/services, dir/kernels, dir/loadtests) with this suite, e.g. the tree
+#   before a refactor, on the same machine (issue 44):
+#     git archive main services kernels loadtests | (mkdir -p base && tar -x -C base)   # before the upload
+#     for t in base . base .; do TREE=$t ONLINE_TAG=$(basename $(realpath $t)) OUT=out/$(basename $(realpath $t)) \
+#       STAGES="one-batch offline online" TIMEOUT_offline=580 bash scripts/gpu_suite.sh; done
+#   then compare out/*/one-batch.jsonl and offline.jsonl, and `radixmesh bench paired` the two online-*.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -44,7 +50,10 @@ if ls .whl/*.whl >/dev/null 2>&1 && [ ! -f "$wheel_stamp" ]; then
   touch "$wheel_stamp"
 fi
 # the package without an install step: radixmesh = services/radixmesh, radixmesh.kernels = kernels/radixmesh/kernels
-export PYTHONPATH=$PWD/services:$PWD/kernels:$PWD:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# (TREE: another tree's package, run by this suite)
+TREE=$(realpath "${TREE:-$PWD}")
+echo "package from $TREE"
+export PYTHONPATH=$TREE/services:$TREE/kernels:$TREE:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer RADIXMESH_CACHE_DIR=/tmp/radixmesh-cache
 export RADIXMESH_TEST_TOKENIZER_DIR=${TOKENIZER_DIR:-$PWD/.gpu-model}
 RM="python3 -m radixmesh.cli"

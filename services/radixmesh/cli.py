@@ -57,8 +57,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     a few tenths of a second of CPU."""
     parser = argparse.ArgumentParser(prog="radixmesh", description="LLM serving with radix prefix caching")
     sub = parser.add_subparsers(dest="command", required=True)
-    first_of_target = {target: name for name, target in reversed(list(COMMANDS.items()))}
-    names = [command] if command in COMMANDS else [n for n in COMMANDS if first_of_target[COMMANDS[n]] == n]
+    first_of_target: dict[str, str] = {}  # one call per function (serve's adds gateway too)
+    for name, target in COMMANDS.items():
+        first_of_target.setdefault(target, name)
+    names = [command] if command is not None and command in COMMANDS else list(first_of_target.values())
     for name in names:
         try:
             COMMANDS.load(name)(sub)

@@ -40,8 +40,8 @@ def test_phases_time_nested_methods_start_again_and_come_off() -> None:
 
 
 def test_prefill_host_split_takes_the_wait_out_of_the_results() -> None:
-    runs = [{"get_next_batch": 0.001, "launch": 0.02, "process_batch_result": 0.05, "_wait_for_results": 0.048},
-            {"get_next_batch": 0.003, "launch": 0.03, "process_batch_result": 0.07, "_wait_for_results": 0.069}]
+    runs = [{"schedule": 0.001, "launch": 0.02, "process": 0.05, "_wait_for_results": 0.048},
+            {"schedule": 0.003, "launch": 0.03, "process": 0.07, "_wait_for_results": 0.069}]
     got = _prefill_host_ms(runs)
     assert got.keys() == {"schedule", "launch", "results", "wait_for_device"}
     assert (got["schedule"], got["launch"], got["wait_for_device"]) == (2.0, 25.0, 58.5)

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
+from radixmesh.engine.sampling.validation import validate_params
 from radixmesh.gateway.app import create_app
 from radixmesh.gateway.backend import GatewayBackend, GenerationChunk, ModelCard, SamplingParams
 from radixmesh.gateway.config import GatewayConfig
@@ -59,7 +60,7 @@ class FakeBackend(GatewayBackend):
         return [chr(97 + t % 26) for t in token_ids]
 
     def validate(self, input_ids: list[int], params: SamplingParams) -> None:
-        params.validate(VOCAB)
+        validate_params(params, VOCAB)
         if len(input_ids) >= CONTEXT_LEN:
             raise invalid_argument("the prompt is too long", "prompt")
 

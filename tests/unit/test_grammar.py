@@ -17,6 +17,7 @@ from radixmesh.engine.grammar.registry import check_grammar_syntax
 from radixmesh.engine.grammar.spec import ANY_JSON, GrammarSpec, grammar_spec
 from radixmesh.engine.grammar.vocab_mask import VocabMask, apply_vocab_mask, apply_vocab_mask_reference, unpack_mask
 from radixmesh.engine.grammar.xgrammar_backend import XGrammarBackend
+from radixmesh.engine.sampling.validation import validate_params
 from radixmesh.wire.sampling import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -57,7 +58,7 @@ def test_content_key_depends_on_spec_tokenizer_version_and_vocab():
 ])
 def test_invalid_specs_are_invalid_argument_naming_the_field(params, param, words):
     with pytest.raises(RadixMeshError) as info:
-        SamplingParams(**params).validate(vocab_size=100)
+        validate_params(SamplingParams(**params), vocab_size=100)
     assert info.value.code is ErrorCode.INVALID_ARGUMENT
     assert info.value.param == param
     assert words.lower() in info.value.message.lower(), info.value.message

@@ -285,14 +285,16 @@ def profile_prefill(sched: Any, make_req: Any, runs: int = 3) -> dict[str, Any]:
 
 
 class HostPhases:
-    """Total host time in chosen methods of a scheduler (owner "sched") and of its parts (e.g. "runner"), nested
-    ones counted in each; `take` returns the totals so far and starts again, `detach` removes the timers."""
+    """Total host time in chosen methods of a scheduler (owner "sched") and of its parts (an attribute of it, e.g.
+    "runner", or an object given in `owners`), nested ones counted in each; `take` returns the totals so far and
+    starts again, `detach` removes the timers."""
 
-    def __init__(self, sched: Any, phases: Mapping[str, tuple[str, ...]]) -> None:
+    def __init__(self, sched: Any, phases: Mapping[str, tuple[str, ...]],
+                 owners: Mapping[str, Any] | None = None) -> None:
         self.totals: dict[str, float] = {}
         self._wrapped: list[tuple[Any, str]] = []
         for owner, names in phases.items():
-            target = sched if owner == "sched" else getattr(sched, owner)
+            target = sched if owner == "sched" else (owners or {}).get(owner) or getattr(sched, owner)
             for name in names:
                 self._wrap(target, name)
 
@@ -319,7 +321,7 @@ class HostPhases:
         self._wrapped.clear()
 
 
-PREFILL_PHASES = {"sched": ("get_next_batch", "launch", "process_batch_result", "_wait_for_results")}
+PREFILL_PHASES = {"sched": ("schedule", "launch"), "results": ("process", "_wait_for_results")}
 """What `--profile-prefill` times on the host: scheduling, the eager forward's launches, reading results (and,
 within it, the wait for the device)."""
 
@@ -328,8 +330,8 @@ def _prefill_host_ms(runs: list[dict[str, float]]) -> dict[str, float]:
     """Median over runs, in ms: schedule, launch, results less the wait, the wait for the device."""
     def split(run: dict[str, float]) -> dict[str, float]:
         wait = run.get("_wait_for_results", 0.0)
-        return {"schedule": run.get("get_next_batch", 0.0), "launch": run.get("launch", 0.0),
-                "results": run.get("process_batch_result", 0.0) - wait, "wait_for_device": wait}
+        return {"schedule": run.get("schedule", 0.0), "launch": run.get("launch", 0.0),
+                "results": run.get("process", 0.0) - wait, "wait_for_device": wait}
 
     rows = [split(run) for run in runs]
     return {k: round(1000 * statistics.median(r[k] for r in rows), 3) for k in rows[0]} if rows else {}

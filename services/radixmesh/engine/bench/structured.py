@@ -149,9 +149,19 @@ class ModeClock(StepClock):
         self.modes.clear()
 
 
-HOST_PHASES = {"sched": ("get_next_batch", "process_batch_result", "_wait_for_results", "_grammar_mask"),
+HOST_PHASES = {"sched": ("schedule",), "results": ("process", "_wait_for_results"), "grammar_hook": ("vocab_mask",),
                "runner": ("forward", "sample"), "grammar": ("build_mask",)}
-"""What `--profile-host` times: scheduler methods, and the same-named attributes of its runner and grammar."""
+"""What `--profile-host` times: scheduling, result processing (and its wait for the device), the grammar hook's
+masks (which first read the previous step's tokens under overlap), the runner's forward and sampling, and the
+grammar manager's mask filling."""
+
+
+def host_phase_owners(sched: Any) -> dict[str, Any]:
+    """The objects of HOST_PHASES that are not attributes of the scheduler."""
+    from radixmesh.engine.grammar.hook import GrammarHook
+
+    hook = sched.hooks.get(GrammarHook)
+    return {"grammar_hook": hook, "grammar": hook.manager}
 
 
 def host_fields(phases: HostPhases, prefix: str, clock: ModeClock) -> dict[str, Any]:
@@ -194,7 +204,7 @@ def cmd_structured(args: argparse.Namespace) -> int:
     constrained = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  json_schema=json.dumps(schema))
     clock = ModeClock(sched)
-    phases = HostPhases(sched, HOST_PHASES) if args.profile_host else None
+    phases = HostPhases(sched, HOST_PHASES, host_phase_owners(sched)) if args.profile_host else None
     c_s, c_run = run_requests(sched, timeline, prompts, [constrained] * len(prompts), "json", clock)
     constrained_steps = step_times(clock, "constrained")
     out_lens = [len(r.output_ids) for r in c_run["reqs"]]
