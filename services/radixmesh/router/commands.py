@@ -130,7 +130,7 @@ def epp_config(args: argparse.Namespace) -> EppConfig | None:
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
-    from radixmesh.router.config import HealthConfig, DisaggConfig, RetryConfig, RouterConfig, ScoringConfig
+    from radixmesh.router.config import DisaggConfig, HealthConfig, RetryConfig, RouterConfig, ScoringConfig
 
     return RouterConfig(policy=args.policy, block_size=args.block_size, redis_url=args.redis_url,
                         index_namespace=args.index_namespace, index_lookup=args.index_lookup, seed=args.seed,

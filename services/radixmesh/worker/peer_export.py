@@ -18,8 +18,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.engine.client import EngineClient
-from radixmesh.engine.disagg.transport.registry import check_transport_device
 from radixmesh.engine.disagg.client import DisaggClient
+from radixmesh.engine.disagg.transport.registry import check_transport_device
 from radixmesh.protocol import worker_pb2
 from radixmesh.wire.convert import kv_chunk_to_proto
 from radixmesh.wire.disagg import ExportCachedReqMsg, KVExportMsg

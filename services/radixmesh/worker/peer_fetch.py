@@ -36,8 +36,8 @@ from radixmesh.wire.messages import TokenOut
 from radixmesh.wire.sampling import SamplingParams
 from radixmesh.worker import tier_metrics
 from radixmesh.worker.config import WorkerConfig
-from radixmesh.worker.fetch_cost import FetchCostModel
 from radixmesh.worker.disagg_decode import RELEASE_DRAIN_S
+from radixmesh.worker.fetch_cost import FetchCostModel
 from radixmesh.worker.prefill_peers import PrefillPeers
 from radixmesh.worker.timeline import record_kv_transfer_span
 

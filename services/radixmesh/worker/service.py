@@ -30,9 +30,9 @@ from radixmesh.wire.messages import TokenOut
 from radixmesh.wire.sampling import SamplingParams
 from radixmesh.worker import metrics
 from radixmesh.worker.config import WorkerConfig
-from radixmesh.worker.load import LoadTracker
 from radixmesh.worker.disagg_decode import DecodeFlow
 from radixmesh.worker.disagg_prefill import PrefillFlow
+from radixmesh.worker.load import LoadTracker
 from radixmesh.worker.peer_export import PeerExportFlow
 from radixmesh.worker.peer_fetch import PeerFetchFlow
 from radixmesh.worker.timeline import RequestTimeline

@@ -11,7 +11,7 @@ module under engine/models/ (the class, with `load_weights`) and one `ModelFamil
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from radixmesh.common.errors import unsupported
@@ -43,8 +43,6 @@ class ModelFamily:
     """GGUF `general.architecture` of its files (the first of `architectures` is what they convert to)."""
     gguf_rope_permuted: bool = False
     """llama.cpp stored the q/k projections of its GGUF files rope-permuted (undone on conversion)."""
-    extra: dict[str, object] = field(default_factory=dict)
-    """Facts a later feature adds (e.g. MoE expert layout, LoRA target modules) without a new field."""
 
 
 class LoadsWeights(Protocol):

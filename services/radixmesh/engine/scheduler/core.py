@@ -65,11 +65,8 @@ class Scheduler:
 
     # ---- the core loop ----------------------------------------------------------------------
     def step(self) -> bool:
-        """Launch one batch and process the previous one; False when there was nothing to do.
-
-        With overlap on, batch N+1 is scheduled and launched before batch N's tokens are read back, so
-        the host never waits on the device with nothing queued behind.
-        """
+        """Launch one batch and process the previous one; False when there was nothing to do. With overlap on, batch
+        N+1 is launched before batch N's tokens are read back: the host never waits on an idle device."""
         self.hooks.on_step_start()
         if self.in_flight is not None and self.needs_host_tokens():
             self.process_in_flight()
