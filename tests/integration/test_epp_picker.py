@@ -14,7 +14,6 @@ import redis as sync_redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixmesh.common.grpc_server import GrpcServerConfig
-from radixmesh.index.block_hash import block_hashes
 from radixmesh.index.redis_server import LocalRedis
 from radixmesh.router.config import HealthConfig, RouterConfig
 from radixmesh.router.discovery.base import WorkerEndpoint
@@ -22,6 +21,7 @@ from radixmesh.router.discovery.static import StaticDiscovery
 from radixmesh.router.epp.config import EppConfig
 from radixmesh.router.epp.server import EXT_PROC_SERVICE
 from radixmesh.router.server import RouterApp
+from radixmesh.wire.block_hash import block_hashes
 from tests.epp_client import PickerClient
 from tests.fake_worker import BLOCK, FakeWorker
 from tests.redis_helpers import local_redis  # noqa: F401  (fixture)

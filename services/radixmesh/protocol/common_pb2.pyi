@@ -126,7 +126,7 @@ class BlockHashes(_message.Message):
 
     so a key names the whole prefix up to the end of its block. `extra_key` separates caches that
     must not share entries (model id, cache salt); empty by default. The one implementation is
-    `radixmesh.index.block_hash.block_hashes(token_ids, block_size=16, extra_key=b"")`.
+    `radixmesh.wire.block_hash.block_hashes(token_ids, block_size=16, extra_key=b"")`.
 
     A prompt's block-hash chain, computed once at the edge (by the tokenizer service).
     """

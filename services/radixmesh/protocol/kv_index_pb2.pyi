@@ -10,7 +10,7 @@ tokens (default 16); only full blocks are hashed. Block i's key is
   data_i = key_{i-1} as 8 bytes little-endian (0 for block 0)
          + len(extra_key) as 4 bytes little-endian + extra_key
          + the block's token ids, each as uint32 little-endian
-Implemented once in radixmesh.index.block_hash.block_hashes(token_ids, block_size=16, extra_key=b"").
+Implemented once in radixmesh.wire.block_hash.block_hashes(token_ids, block_size=16, extra_key=b"").
 
 Tiers (hierarchical cache, docs/hicache.md): a worker holds a block's KV on its device (the GPU
 pool) or, with --enable-hierarchical-cache, only in its host-memory tier, from where it loads it

@@ -11,7 +11,7 @@ the image's content hash, distinct per position:
   digest_c = blake2b(content_hash as 8 bytes LE + c as 4 bytes LE, digest_size=32), c = 0, 1, ...
   id_j     = 2^31 | (uint32 j % 8 of digest_(j / 8), little-endian, & 0x7FFFFFFF)
 
-(`radixmesh.engine.mm.inputs.image_pad_ids`). Block hashes (common.proto) are computed over
+(`radixmesh.wire.images.image_pad_ids`). Block hashes (common.proto) are computed over
 them like any token id, so the radix cache and the routers' KV index key image tokens by the
 image's content: the same image in the same context shares KV across requests and workers.
 """

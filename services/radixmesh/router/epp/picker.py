@@ -22,7 +22,8 @@ from radixmesh.router import metrics as router_metrics
 from radixmesh.router.epp import metrics
 from radixmesh.router.epp.config import EppConfig
 from radixmesh.router.policies.base import BaseRoutingPolicy, RouteRequest, RoutingDecision
-from radixmesh.router.workers import LoadSnapshot, WorkerHandle, WorkerRegistry
+from radixmesh.router.workers import WorkerHandle, WorkerRegistry
+from radixmesh.wire.load import WorkerLoad
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class EndpointPicker:
         self.config = config
         self.registry = registry
         self.policy = policy
-        self._sent: dict[str, tuple[LoadSnapshot, int]] = {}
+        self._sent: dict[str, tuple[WorkerLoad, int]] = {}
         """worker id -> (the load report it was last seen with, picks sent to it since that report)."""
 
     def candidates(self, subset: frozenset[str] | None = None) -> list[WorkerHandle]:

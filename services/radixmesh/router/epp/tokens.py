@@ -24,9 +24,9 @@ from radixmesh.common import aio, tls
 from radixmesh.common.errors import RadixMeshError
 from radixmesh.common.grpc_server import RECONNECT_OPTIONS
 from radixmesh.engine.hf_tokenizer import encode_chat, encode_text
-from radixmesh.wire.block_hash import block_hashes
 from radixmesh.protocol import tokenizer_pb2, tokenizer_pb2_grpc
 from radixmesh.router.epp.prompt import PromptInput
+from radixmesh.wire.block_hash import block_hashes
 
 logger = logging.getLogger(__name__)
 FETCH_RETRY_S = 5.0
