@@ -1,6 +1,6 @@
-"""The cluster gateway's backend by its parts (gateway/generate_upstream.py, tokenizer_upstream.py, model_card.py,
-cluster_backend.py), over stand-in replicas: failover before a stream starts, errors after, aborts and control
-calls, the prompts' block hashes, the model card, and the checks made before anything is sent."""
+"""The cluster gateway's backend by its parts (gateway/tokenizer_upstream.py, model_card.py, cluster_backend.py;
+the Generate upstream is test_generate_upstream.py), over stand-ins: the prompts' block hashes, the model card, the
+checks made before anything is sent, and a generate through the parts."""
 
 from __future__ import annotations
 
@@ -13,13 +13,11 @@ import grpc
 import pytest
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError
-from radixmesh.common.grpc_errors import ERROR_METADATA_KEY, error_detail_bytes, to_grpc_status
 from radixmesh.common.readiness import Readiness
 from radixmesh.gateway import model_card as card_module
 from radixmesh.gateway import tokenizer_upstream
 from radixmesh.gateway.backend import ModelCard
 from radixmesh.gateway.cluster_backend import ClusterBackend
-from radixmesh.gateway.generate_upstream import GenerateUpstream, carries_error, unreachable
 from radixmesh.gateway.model_card import ModelCardReader
 from radixmesh.gateway.tokenizer_upstream import TokenizerUpstream
 from radixmesh.gateway.upstreams import UpstreamGroup
@@ -27,206 +25,7 @@ from radixmesh.protocol import common_pb2, tokenizer_pb2, worker_pb2
 from radixmesh.wire.block_hash import block_hashes
 from radixmesh.wire.sampling import SamplingParams
 
-
-class RpcFailure(grpc.RpcError):
-    """A failed call as grpc raises it: a status code, details, and (from a radixmesh service) an error trailer."""
-
-    def __init__(self, code: grpc.StatusCode, details: str = "", own: bool = False) -> None:
-        self._code, self._details = code, details
-        own_code = next((c for c in ErrorCode if to_grpc_status(RadixMeshError(c, details))[0] == code),
-                        ErrorCode.INTERNAL)
-        self._trailer = ((ERROR_METADATA_KEY, error_detail_bytes(RadixMeshError(own_code, details))),) if own else ()
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def trailing_metadata(self) -> tuple[tuple[str, bytes], ...]:
-        return self._trailer
-
-
-class FakeCall:
-    """A Generate stream: its messages, then EOF, or a failure after `fail_after` messages."""
-
-    def __init__(self, messages: list[Any], fail_after: int | None = None, error: Exception | None = None) -> None:
-        self.messages, self.fail_after, self.error = list(messages), fail_after, error
-        self.read_count = 0
-        self.cancelled = False
-
-    async def read(self) -> Any:
-        if self.fail_after is not None and self.read_count >= self.fail_after:
-            assert self.error is not None
-            raise self.error
-        self.read_count += 1
-        return self.messages.pop(0) if self.messages else grpc.aio.EOF
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class FakeReplica:
-    """A router replica: what its stub answers, and what it was asked."""
-
-    def __init__(self, address: str, call: FakeCall | None = None, up: bool = True) -> None:
-        self.kind, self.address, self.up, self.detail, self.lane = "router", address, up, "", None
-        self.call = call or FakeCall([])
-        self.log: list[str] = []
-        self.wake = asyncio.Event()
-        replica = self
-
-        class Stub:
-            def Generate(self, request: Any) -> FakeCall:
-                replica.log.append(f"generate {request.request_id}")
-                return replica.call
-
-            async def Abort(self, request: Any, timeout: float) -> Any:
-                replica.log.append(f"abort {request.request_id}")
-                return worker_pb2.AbortResponse()
-
-            async def GetLoad(self, request: Any, timeout: float) -> Any:
-                return worker_pb2.GetLoadResponse(load=common_pb2.WorkerLoad(num_running_reqs=2, kv_usage=0.5))
-
-            async def FlushCache(self, request: Any, timeout: float) -> Any:
-                return worker_pb2.FlushCacheResponse(flushed=True)
-
-        self.stub = Stub()
-
-    @property
-    def description(self) -> str:
-        return f"the router at {self.address}"
-
-
-class Watcher:
-    def __init__(self) -> None:
-        self.down: list[str] = []
-
-    def mark_down(self, group: Any, upstream: Any, detail: str) -> None:
-        self.down.append(upstream.address)
-        upstream.up = False
-
-
-def generation(*replicas: FakeReplica, reason: str = "no router answers") -> tuple[GenerateUpstream, Watcher]:
-    gen = GenerateUpstream("127.0.0.1:1", "router", lambda: reason, target=replicas[0])  # type: ignore[arg-type]
-    gen.group = UpstreamGroup("router", list(replicas))  # type: ignore[arg-type]
-    watcher = Watcher()
-    gen.watcher = watcher  # type: ignore[assignment]
-    return gen, watcher
-
-
-def request(rid: str = "r") -> worker_pb2.GenerateRequest:
-    return worker_pb2.GenerateRequest(request_id=rid, token_ids=[1, 2])
-
-
-async def drain(gen: GenerateUpstream, rid: str = "r") -> list[Any]:
-    return [msg async for msg in gen.stream(request(rid))]
-
-
-def response(*ids: int) -> worker_pb2.GenerateResponse:
-    return worker_pb2.GenerateResponse(token_ids=list(ids))
-
-
-# ---- the Generate upstream ----------------------------------------------------------------------------
-def test_a_stream_comes_from_the_first_ready_replica_and_is_tracked_for_aborts() -> None:
-    call = FakeCall([response(1), response(2)])
-    first, second = FakeReplica("a:1", call), FakeReplica("b:1", up=False)
-    gen, _ = generation(first, second)
-
-    async def run() -> list[Any]:
-        out = []
-        async for msg in gen.stream(request("r")):
-            assert gen.inflight["r"] is first  # while it streams, an abort goes here
-            out.append(msg)
-        return out
-
-    assert [list(m.token_ids) for m in asyncio.run(run())] == [[1], [2]]
-    assert "r" not in gen.inflight and call.cancelled and first.log == ["generate r"] and second.log == []
-
-
-def test_an_unreachable_replica_before_the_first_message_is_skipped_and_marked_down() -> None:
-    dead = FakeReplica("a:1", FakeCall([], fail_after=0, error=RpcFailure(grpc.StatusCode.UNAVAILABLE, "gone")))
-    alive = FakeReplica("b:1", FakeCall([response(7)]))
-    gen, watcher = generation(dead, alive)
-    assert [list(m.token_ids) for m in asyncio.run(drain(gen))] == [[7]]
-    assert watcher.down == ["a:1"] and dead.call.cancelled
-
-
-def test_a_replicas_own_error_before_the_first_message_is_the_requests() -> None:
-    bad = FakeReplica("a:1", FakeCall([], fail_after=0, error=RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
-                                                                        "top_p out of range", own=True)))
-    other = FakeReplica("b:1", FakeCall([response(7)]))
-    gen, watcher = generation(bad, other)
-    with pytest.raises(RadixMeshError) as info:
-        asyncio.run(drain(gen))
-    assert info.value.code is ErrorCode.INVALID_ARGUMENT and other.log == [] and watcher.down == []
-
-
-def test_with_every_replica_gone_the_error_names_what_is_missing() -> None:
-    dead = FakeReplica("a:1", FakeCall([], fail_after=0, error=RpcFailure(grpc.StatusCode.UNAVAILABLE, "gone")))
-    gen, _ = generation(dead, reason="no router answers")
-    with pytest.raises(RadixMeshError) as info:
-        asyncio.run(drain(gen))
-    assert info.value.code is ErrorCode.UNAVAILABLE and info.value.message == "no router answers"
-
-
-def test_a_stream_that_breaks_after_it_started_is_unavailable_and_not_retried() -> None:
-    broken = FakeReplica("a:1", FakeCall([response(1)], fail_after=1,
-                                         error=RpcFailure(grpc.StatusCode.UNAVAILABLE, "reset")))
-    spare = FakeReplica("b:1", FakeCall([response(9)]))
-    gen, watcher = generation(broken, spare)
-    got: list[Any] = []
-
-    async def run() -> None:
-        async for msg in gen.stream(request()):
-            got.append(msg)
-
-    with pytest.raises(RadixMeshError) as info:
-        asyncio.run(run())
-    assert info.value.code is ErrorCode.UNAVAILABLE and "broke after it started" in info.value.message
-    assert len(got) == 1 and spare.log == [] and watcher.down == ["a:1"]
-
-
-def test_a_targets_own_error_mid_stream_comes_through_as_it_is() -> None:
-    failing = FakeReplica("a:1", FakeCall([response(1)], fail_after=1,
-                                          error=RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, "KV full", own=True)))
-    gen, watcher = generation(failing)
-    with pytest.raises(RadixMeshError) as info:
-        asyncio.run(drain(gen))
-    assert info.value.code is ErrorCode.RESOURCE_EXHAUSTED and watcher.down == []
-
-
-def test_aborts_go_to_the_replica_running_the_request_or_to_every_ready_one() -> None:
-    a, b, down = FakeReplica("a:1"), FakeReplica("b:1"), FakeReplica("c:1", up=False)
-    gen, _ = generation(a, b, down)
-    gen.inflight["known"] = b  # type: ignore[assignment]
-    asyncio.run(gen.abort("known"))
-    asyncio.run(gen.abort("unknown"))
-    assert a.log == ["abort unknown"] and b.log == ["abort known", "abort unknown"] and down.log == []
-
-
-def test_control_calls_go_to_a_ready_replica() -> None:
-    gen, _ = generation(FakeReplica("a:1", up=False), FakeReplica("b:1"))
-    load = asyncio.run(gen.load())
-    assert (load.num_running_reqs, load.kv_usage) == (2, 0.5)
-    assert asyncio.run(gen.flush_cache()) is True
-    nobody, _ = generation(FakeReplica("a:1", up=False), reason="starting")
-    with pytest.raises(RadixMeshError, match="starting"):
-        nobody.control_target()
-
-
-def test_one_worker_only() -> None:
-    with pytest.raises(RadixMeshError) as info:
-        GenerateUpstream("127.0.0.1:1,127.0.0.1:2", "worker", lambda: "")
-    assert info.value.param == "worker"
-
-
-def test_transport_failures_and_service_errors_are_told_apart() -> None:
-    assert unreachable(RpcFailure(grpc.StatusCode.UNAVAILABLE))
-    assert unreachable(RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED))
-    assert not unreachable(RpcFailure(grpc.StatusCode.UNAVAILABLE, own=True))  # the service said so itself
-    assert not unreachable(RpcFailure(grpc.StatusCode.INTERNAL))
-    assert carries_error(RpcFailure(grpc.StatusCode.INTERNAL, own=True))
+from .upstream_fakes import FakeCall, FakeReplica, RpcFailure, Watcher, response
 
 
 # ---- the tokenizer upstream ---------------------------------------------------------------------------
