@@ -178,3 +178,17 @@ def test_the_parts_share_one_set_of_counters_and_a_reset_is_seen_by_all() -> Non
     Driver(parts, overlap=False).run(*batch_of(1))
     assert parts.prefill.counters is counters and parts.results.counters is counters
     assert (counters.num_prompt_tokens, counters.num_generated_tokens) == (4, 6)
+
+
+@pytest.mark.parametrize(("policy", "cached"), [("fcfs", 0), ("lpm", 3 * 12), ("dfs-weight", 3 * 12)])
+def test_policies_change_what_is_cached_not_the_tokens(policy: str, cached: int) -> None:
+    """Four prompts sharing 12 uncached tokens: the prefix-aware policies compute them once (the others wait a
+    step and reuse them); fcfs computes them four times. Every request outputs the same tokens either way."""
+    parts = make_parts(num_tokens=128, schedule_policy=policy, in_batch_prefix_threshold=4)
+    params = req("x").params
+    reqs = [Req(rid=f"s{i}", origin_input_ids=[*range(1, 13), 100 + i], params=params) for i in range(4)]
+    Driver(parts, overlap=True).run(*reqs)
+    assert parts.counters.num_cached_tokens == cached and [r.cached_tokens for r in reqs][1:] == [cached // 3] * 3
+    for r in reqs:
+        assert r.output_ids == expected(r)
+    assert slots_accounted(parts.kv)
