@@ -137,3 +137,20 @@ def test_a_factory_returning_none_leaves_its_feature_out(only_test_hooks: None) 
     assert [h.name for h in hooks] == ["second"]  # type: ignore[attr-defined]
     assert hooks.get(Counting) is hooks.hooks[0] and hooks.overriding("on_step_start") == hooks.hooks
     assert hooks.overriding("launch") == [] and not hooks.busy and hooks.flush()
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"transport": "grpc"}, "a grpc chunk reached the test-cuda-only transport"),
+    ({"num_tokens": 5}, "KV of 5 tokens; 3 slots are reserved"),
+    ({"layer_begin": 2, "layer_end": 2}, "layers [2, 2) are outside this model's 4"),
+    ({"layer_end": 5}, "layers [0, 5) are outside"),
+    ({"dtype": "bfloat16"}, "the chunk's KV is bfloat16; this pool holds float32"),
+])
+def test_a_chunk_that_cannot_land_in_the_reserved_slots_is_refused_by_name(change: dict[str, Any], says: str) -> None:
+    transport = CudaOnly(pool())
+    fields: dict[str, Any] = dict(transport="test-cuda-only", layer_begin=0, layer_end=4, num_tokens=3,
+                                  dtype="float32", data=b"", num_bytes=0)
+    transport.receive(KVChunk(**fields), torch.arange(3))  # fits
+    with pytest.raises(RadixMeshError) as info:
+        transport.receive(KVChunk(**{**fields, **change}), torch.arange(3))
+    assert info.value.code is ErrorCode.INVALID_ARGUMENT and says in info.value.message
