@@ -116,6 +116,16 @@ def test_alignment_of_given_ids_keeps_only_local_experts(expert_start: int, num_
     check_alignment(al, ids, expert_start)
 
 
+@pytest.mark.parametrize("m", [5, 100])  # one launch, two launches
+def test_expert_load_adds_every_experts_assignments(m: int) -> None:
+    logits = _rand(m, 16, seed=m + 1)
+    load = torch.full((16,), 7, dtype=torch.int64, device=DEVICE)
+    for _ in range(2):  # counts add up across calls (a model sums its layers and steps)
+        route_align(logits.to(DEVICE), RouterSpec(3), 4, expert_start=4, num_local=4, expert_load=load)
+    want = torch.bincount(route_ref(logits, 3)[1].view(-1).long(), minlength=16)
+    assert load.cpu().tolist() == (7 + 2 * want).tolist()  # all 16 experts, not only the 4 local ones
+
+
 def test_alignment_of_an_empty_batch_has_no_used_blocks() -> None:
     al = route_align(torch.empty(0, 8, device=DEVICE), RouterSpec(2), 16)
     assert al.num_blocks == 0 and al.topk_ids.shape == (0, 2)

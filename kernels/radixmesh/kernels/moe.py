@@ -59,7 +59,8 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               correction_bias: torch.Tensor | None = None, expert_start: int = 0,
               fp8_activations: bool | None = None, config: MoeConfig | None = None,
-              workspace: MoeWorkspace | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+              workspace: MoeWorkspace | None = None, out: torch.Tensor | None = None,
+              expert_load: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE layer's output `[M, H]` (x's dtype) for tokens `x` `[M, H]` and `router_logits` `[M, E]`.
 
     `w13` `[E_local, 2I, H]` holds each expert's gate rows then up rows, `w2` `[E_local, H, I]`; both in `x`'s
@@ -67,6 +68,7 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     The local experts are `expert_start .. expert_start + E_local - 1` of E: under expert parallelism each rank
     passes its own and the ranks' outputs sum to the layer's. `fp8_activations` picks W8A8 (True) or W8A16
     (False) for FP8 experts; None: W8A16 up to `W8A16_MAX_TOKENS` tokens. `config` overrides the tiles.
+    `expert_load` `[E]` (int64) gets each expert's assignments added (see `route_align`).
     """
     assert x.dim() == 2, f"x must be [M, H], got {tuple(x.shape)}"
     check_float("x", x)
@@ -87,7 +89,7 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
                                           x.device, cfg.block_m, w13.dtype if a8 else None)
     _check_workspace(workspace, x, inter, a8)
     al = route_align(router_logits, spec, cfg.block_m, workspace.routing, correction_bias=correction_bias,
-                     expert_start=expert_start, num_local=num_local)
+                     expert_start=expert_start, num_local=num_local, expert_load=expert_load)
     rows = al.num_blocks * al.block_m
     y = workspace.y[:m * spec.top_k]
     if a8:

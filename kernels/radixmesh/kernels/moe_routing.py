@@ -19,6 +19,10 @@ same way), renormalized over the chosen ones when the model says so, times the r
 
 Expert parallelism: only experts `expert_start .. expert_start + num_local - 1` are placed (the ones on
 this rank); assignments to the others are left out of the blocks and add nothing when combined.
+
+Expert load: with an `expert_load` counter (`[E]` int64) the routing programs also add each expert's
+assignments of the batch to it (atomics, in the same launch), so a model keeps per-expert totals across
+steps and layers without a launch of its own.
 """
 
 from __future__ import annotations
@@ -207,10 +211,11 @@ def _place(chosen, slot, total, before, rows, cols, sorted_ptr, block_expert_ptr
 
 @triton.jit(**unspecialized(ints=("M",)))
 def _route_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, counts_ptr, sorted_ptr, block_expert_ptr,
-                  block_rows_ptr, M, E, stride, scaling, expert_start, num_local, num_blocks,
+                  block_rows_ptr, load_ptr, M, E, stride, scaling, expert_start, num_local, num_blocks,
                   TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                   ROUTE: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  FUSED: tl.constexpr, ALIGN_M: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr):
+                  FUSED: tl.constexpr, ALIGN_M: tl.constexpr, BLOCK_B: tl.constexpr, COUNT_LOAD: tl.constexpr,
+                  PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_E)
@@ -223,6 +228,9 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, counts_ptr, sorted
         slot = _slots_from_ids(ids_ptr, rows, cols, M, TOP_K, BLOCK_M, BLOCK_E)
     chosen = _local_choices(slot, rows, cols, M, expert_start, num_local)
     counts = tl.sum(chosen, axis=0)
+    if COUNT_LOAD:  # every expert's assignments in these rows, local or not
+        picked = ((slot >= 0) & (rows[:, None] < M)).to(tl.int64)
+        tl.atomic_add(load_ptr + cols, tl.sum(picked, axis=0), mask=cols < E)
     if PDL:
         gdc_launch_dependents()
     if FUSED:  # the whole batch in this program: place it now
@@ -274,13 +282,14 @@ def _check_buffers(buffers: RoutingBuffers, m: int, top_k: int, num_experts: int
 def route_align(logits: torch.Tensor | None, spec: RouterSpec, block_m: int, buffers: RoutingBuffers | None = None,
                 *, num_experts: int | None = None, correction_bias: torch.Tensor | None = None,
                 expert_start: int = 0, num_local: int | None = None,
-                topk_ids: torch.Tensor | None = None) -> MoeAlignment:
+                topk_ids: torch.Tensor | None = None, expert_load: torch.Tensor | None = None) -> MoeAlignment:
     """Routes `logits` `[M, E]` (float) and places the assignments of experts `expert_start ..
     expert_start + num_local - 1` in blocks of `block_m` rows.
 
     With `topk_ids` `[M, top_k]` (int32, distinct per row; ids outside the local experts are left out) the
     routing is given: `logits` is then None, `num_experts` names E and the weights are not written.
-    `correction_bias` `[E]` is added to the scores for selection only. One launch for batches of up to
+    `correction_bias` `[E]` is added to the scores for selection only. `expert_load` `[E]` (int64) gets each
+    expert's assignments of the batch added (all E, not only the local ones). One launch for batches of up to
     `route_rows(E)` tokens, two above.
     """
     if topk_ids is None:
@@ -306,6 +315,10 @@ def route_align(logits: torch.Tensor | None, spec: RouterSpec, block_m: int, buf
         check_device("correction_bias", correction_bias, device)
         assert tuple(correction_bias.shape) == (num_experts,) and correction_bias.is_contiguous(), (
             f"correction_bias must be a contiguous [{num_experts}], got {tuple(correction_bias.shape)}")
+    if expert_load is not None:
+        check_device("expert_load", expert_load, device)
+        assert expert_load.dtype == torch.int64 and tuple(expert_load.shape) == (num_experts,) and \
+            expert_load.is_contiguous(), f"expert_load must be a contiguous int64 [{num_experts}]"
     nb = max_blocks(m * spec.top_k, num_local, block_m)
     if buffers is None:
         buffers = RoutingBuffers.allocate(m, spec.top_k, num_experts, num_local, block_m, device)
@@ -323,10 +336,12 @@ def route_align(logits: torch.Tensor | None, spec: RouterSpec, block_m: int, buf
     ids = result.topk_ids
     _route_kernel[(grid,)](
         logits if logits is not None else ids, correction_bias if correction_bias is not None else ids, ids,
-        result.topk_weights, buffers.counts, result.sorted_ids, result.block_expert, result.block_rows, m, num_experts,
+        result.topk_weights, buffers.counts, result.sorted_ids, result.block_expert, result.block_rows,
+        expert_load if expert_load is not None else buffers.counts, m, num_experts,
         logits.stride(0) if logits is not None else 0, spec.routed_scaling_factor, expert_start, num_local, nb,
         BLOCK_TK=next_power_of_2(spec.top_k), ROUTE=topk_ids is None, SIGMOID=spec.scoring == "sigmoid",
-        RENORM=spec.renormalize, HAS_BIAS=correction_bias is not None, FUSED=grid == 1, **common)
+        RENORM=spec.renormalize, HAS_BIAS=correction_bias is not None, FUSED=grid == 1,
+        COUNT_LOAD=expert_load is not None, **common)
     if grid > 1:
         _align_kernel[(grid,)](
             ids, buffers.counts, result.sorted_ids, result.block_expert, result.block_rows, m, num_experts,
