@@ -99,7 +99,8 @@ class EngineClient:
         config = config.resolve()
         prepared = await asyncio.to_thread(prepare_model, config.model, config.load_format,
                                              tokenizer=config.tokenizer)
-        check_tensor_parallel(prepared.config, config.tp_size)  # a clear error before any process starts
+        # a clear error before any process starts
+        check_tensor_parallel(prepared.config, config.tp_size, config.ep_size)
         tokenizer = await asyncio.to_thread(load_tokenizer, prepared.tokenizer_path) \
             if prepared.tokenizer_path else None
         client = cls(config, prepared, tokenizer)

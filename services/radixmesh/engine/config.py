@@ -13,6 +13,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MAX_TP_SIZE = 64
+MOE_DISPATCHES = ("auto", "all-reduce", "all-to-all")
 MAX_DRAFT_TOKENS = 16
 MAX_NGRAM_MATCH = 16
 DEFAULT_MEM_FRACTION = 0.85
@@ -136,6 +137,17 @@ class EngineConfig:
     """Tensor-parallel ranks of this worker (one device each; NCCL on CUDA, gloo on CPU): docs/tensor-parallel.md."""
     enable_custom_all_reduce: bool = False
     """TP on CUDA: small all-reduces by a one-shot kernel over CUDA-IPC buffers instead of NCCL (needs GPU P2P)."""
+    ep_size: int = 1
+    """MoE models: spread the experts over this many ranks of the tensor-parallel group (1, or --tp-size; attention
+    stays tensor-parallel). 1: every rank holds a slice of every expert (docs/moe.md)."""
+    moe_dispatch: str = "auto"
+    """Expert parallelism: how tokens reach the ranks holding their experts. all-reduce: every rank runs its experts
+    on all tokens and one all-reduce sums the ranks' parts (the reduce-scatter + all-gather pair; in CUDA graphs, and
+    over the custom all-reduce where it fits). all-to-all: each rank routes its share of the tokens, sends each
+    token to its experts' ranks and gets the results back (eager passes; graphs keep all-reduce). auto: all-to-all
+    from moe_a2a_min_tokens tokens up."""
+    moe_a2a_min_tokens: int = 1024
+    """moe_dispatch auto: the smallest eager pass (tokens) dispatched by all-to-all."""
     speculative_algorithm: str | None = None
     """Speculative decoding: ngram (drafts looked up in the request's own prompt and output) | draft (a
     small draft model, --speculative-draft-model); unset: off."""
@@ -184,6 +196,7 @@ class EngineConfig:
             raise invalid_argument("context_length must be >= 2", "context_length")
         if not 1 <= self.tp_size <= MAX_TP_SIZE:
             raise invalid_argument(f"tp_size must be in [1, {MAX_TP_SIZE}] (got {self.tp_size})", "tp_size")
+        self._check_moe_options()
         self._check_attention_backend()
         self._check_grammar_options()
         self._check_quant_options()
@@ -198,6 +211,14 @@ class EngineConfig:
 
         if self.attention_backend != "auto":
             ATTENTION_BACKENDS.check(self.attention_backend)
+
+    def _check_moe_options(self) -> None:
+        if self.ep_size not in (1, self.tp_size):
+            raise invalid_argument(f"ep_size must be 1 or equal tp_size ({self.tp_size}): experts spread over all "
+                                   f"ranks of the tensor-parallel group or none (got {self.ep_size})", "ep_size")
+        _in(self.moe_dispatch, MOE_DISPATCHES, "moe_dispatch")
+        if self.moe_a2a_min_tokens < 1:
+            raise invalid_argument("moe_a2a_min_tokens must be >= 1", "moe_a2a_min_tokens")
 
     def _check_quant_options(self) -> None:
         from radixmesh.engine.quant.registry import FP8_GEMM_BACKENDS, KV_CACHE_DTYPES, QUANT_METHODS

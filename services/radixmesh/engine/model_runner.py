@@ -77,7 +77,7 @@ class ModelRunner:
         self.last_tokens: torch.Tensor | None = None
 
     def memory_info(self) -> dict[str, object]:
-        """What /server_info reports about KV capacity and quantization."""
+        """What /server_info reports: KV capacity, quantization and the model's own figures (MoE: experts' load)."""
         mc = self.model_config
         info: dict[str, object] = {
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
@@ -86,6 +86,9 @@ class ModelRunner:
             "quantization": None}
         if self.quant is not None:
             info.update(self.quant.describe())
+        model_info = getattr(self.model, "server_info", None)  # (optional, see models.registry.LoadsWeights)
+        if model_info is not None:
+            info.update(model_info())
         return info
 
     def launch(self, batch: ScheduleBatch,

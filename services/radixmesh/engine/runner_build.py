@@ -108,6 +108,9 @@ def load_model(runner: ModelRunner, prepared: PreparedModel) -> torch.nn.Module:
     model = _empty_model(runner)
     _fill_weights(runner, model, prepared)
     model.eval()
+    configure = getattr(model, "configure_engine", None)  # (optional, see models.registry.LoadsWeights)
+    if configure is not None:
+        configure(runner.config)
     if runner.quant is not None:
         runner.quant.finish(model)
     _enable_fast_paths(runner, model)

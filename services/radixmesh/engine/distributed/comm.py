@@ -73,6 +73,11 @@ class TorchCommunicator:
         dist.all_gather_into_tensor(out, x.contiguous())
         return out.view(self.size, *x.shape)
 
+    def all_to_all(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
+        out = torch.empty((sum(recv_rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(out, x.contiguous(), recv_rows, send_rows)
+        return out
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         dist.broadcast(x, src)
         return x

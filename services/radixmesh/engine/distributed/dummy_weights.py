@@ -25,6 +25,7 @@ def iter_whole_dummy_weights(config: ModelConfig, seed: int, device: torch.devic
     """`(checkpoint name, whole tensor)` of the TP 1 model `init_dummy_(model, seed)` would fill."""
     with torch.device("meta"):
         whole = model_class(config.family)(config)
+    split = getattr(whole, "split_checkpoint_tensor", None)  # families with stacked parameters of their own
     generator: torch.Generator | None = None
     for name, param in whole.named_parameters():
         tensor = torch.empty(param.shape, dtype=dtype, device=device)
@@ -37,7 +38,8 @@ def iter_whole_dummy_weights(config: ModelConfig, seed: int, device: torch.devic
             tensor.fill_(1.0)
         else:
             tensor.zero_()
-        yield from _unstack(name, tensor, config)
+        pieces = split(name, tensor) if split is not None else None
+        yield from pieces if pieces is not None else _unstack(name, tensor, config)
 
 
 def _unstack(name: str, tensor: torch.Tensor, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

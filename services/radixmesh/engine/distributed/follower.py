@@ -123,7 +123,7 @@ def run_rank(spec: RankSpec) -> int:
         device = rank_device(spec.config.device, spec.rank)
         comm = TorchCommunicator.init(spec.rank, spec.config.tp_size, spec.init_method, device,
                                       spec.config.enable_custom_all_reduce)
-        link = FollowerLink(TensorParallel(spec.rank, spec.config.tp_size, comm), status)
+        link = FollowerLink(TensorParallel(spec.rank, spec.config.tp_size, comm, spec.config.ep_size), status)
         runner = ModelRunner(spec.config, spec.prepared, link)
         FollowerLoop(runner, comm, recv).run()
     except Exception as exc:

@@ -108,6 +108,9 @@ class ShardLayout:
         return None
 
 
-def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
-    """INVALID_ARGUMENT, naming the numbers, when `config` cannot run at `tp_size`."""
+def check_tensor_parallel(config: ModelConfig, tp_size: int, ep_size: int = 1) -> None:
+    """INVALID_ARGUMENT, naming the numbers, when `config` cannot run at `tp_size` (its experts at `ep_size`)."""
+    from radixmesh.engine.models.moe_spec import check_experts
+
     ShardLayout.of(config, 0, tp_size)
+    check_experts(config, tp_size, ep_size)

@@ -90,13 +90,13 @@ class TpLeader:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._errors: dict[int, str] = {}
         self.comm: TorchCommunicator | None = None
-        self.tp = TensorParallel(0, self.size)
+        self.tp = TensorParallel(0, self.size, ep_size=config.ep_size)
         self._closed = False
 
     @classmethod
     def start(cls, config: EngineConfig, prepared: PreparedModel) -> TpLeader:
         """Check the model splits, start ranks 1..N-1 and join the group with them (as rank 0)."""
-        check_tensor_parallel(prepared.config, config.tp_size)
+        check_tensor_parallel(prepared.config, config.tp_size, config.ep_size)
         if config.enable_custom_all_reduce and config.device != "cuda":
             raise invalid_argument("--enable-custom-all-reduce needs CUDA devices (CPU ranks all-reduce with gloo)",
                                    "enable_custom_all_reduce")
@@ -130,7 +130,7 @@ class TpLeader:
         self.stage("started")
         self.comm = TorchCommunicator.init(0, self.size, init_method, self.device,
                                            self.config.enable_custom_all_reduce)
-        self.tp = TensorParallel(0, self.size, self.comm)
+        self.tp = TensorParallel(0, self.size, self.comm, self.config.ep_size)
 
     # ---- startup --------------------------------------------------------------------------------
     def stage(self, stage: str) -> None:

@@ -36,6 +36,11 @@ class Communicator(Protocol):
         """The smallest `value` over the ranks (every rank gets it)."""
         ...
 
+    def all_to_all(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
+        """Rows `x[sum(send_rows[:j]) : ... + send_rows[j]]` go to rank j; returns the rows received, rank by rank
+        (`sum(recv_rows)` of them: `recv_rows[i]` from rank i)."""
+        ...
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -47,9 +52,12 @@ class TensorParallel:
     """Ranks in the group (`--tp-size`)."""
     comm: Communicator | None = field(default=None, compare=False, repr=False)
     """The group's collectives; None without TP (or for building a rank's weights offline)."""
+    ep_size: int = 1
+    """Ranks the experts of MoE layers are spread over (`--ep-size`: 1, or all ranks of the group)."""
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.size, f"rank {self.rank} outside a group of {self.size}"
+        assert self.ep_size in (1, self.size), f"ep_size {self.ep_size}: 1 or the group's size {self.size}"
 
     @property
     def enabled(self) -> bool:
@@ -66,6 +74,12 @@ class TensorParallel:
             return x.unsqueeze(0)
         assert self.comm is not None, "a sharded layer ran without a communicator"
         return self.comm.all_gather(x)
+
+    def all_to_all(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        assert self.comm is not None, "a sharded layer ran without a communicator"
+        return self.comm.all_to_all(x, send_rows, recv_rows)
 
 
 TP_NONE = TensorParallel()

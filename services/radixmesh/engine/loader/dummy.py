@@ -54,6 +54,15 @@ NAMED_SHAPES: dict[str, dict[str, Any]] = {
     # Mistral-7B-v0.3 (v0.1/v0.2 differ: vocab 32000, rope_theta 10000, sliding window).
     "mistral-7b": _shape("MistralForCausalLM", 32, 4096, 14336, 32, 8, 128, 32768, rope_theta=1000000.0,
                          max_position_embeddings=32768, bos_token_id=1, eos_token_id=2),
+    # Qwen3-30B-A3B: 128 experts of width 768, 8 per token, on every layer (~3.3B active of 30.5B).
+    "qwen3-30b-a3b": _shape("Qwen3MoeForCausalLM", 48, 2048, 6144, 32, 4, 128, 151936, rope_theta=1000000.0,
+                            rms_norm_eps=1e-6, max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+                            moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                            **_QWEN_TOKENS),
+    # Mixtral-8x7B-v0.1: 8 experts of width 14336, 2 per token (~12.9B active of 46.7B).
+    "mixtral-8x7b": _shape("MixtralForCausalLM", 32, 4096, 14336, 32, 8, 128, 32000, rope_theta=1000000.0,
+                           max_position_embeddings=32768, num_local_experts=8, num_experts_per_tok=2, bos_token_id=1,
+                           eos_token_id=2),
     "smollm2-135m": _shape("LlamaForCausalLM", 30, 576, 1536, 9, 3, 64, 49152, rope_theta=100000.0,
                            max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
                            eos_token_id=2),

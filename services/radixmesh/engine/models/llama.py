@@ -6,7 +6,7 @@ on q and k. Parameter names match Hugging Face checkpoints so weights load by na
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -118,14 +118,16 @@ def _embedding(num_rows: int, dim: int) -> nn.Embedding:
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel = TP_NONE) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = TP_NONE,
+                 make_layer: Callable[[ModelConfig, int, RotaryEmbedding, TensorParallel], nn.Module] = DecoderLayer
+                 ) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
         self.embed_tokens: VocabParallelEmbedding | nn.Embedding = (
             VocabParallelEmbedding(ShardLayout.of(config, tp.rank, tp.size), config.hidden_size, tp) if tp.enabled
             else _embedding(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, tp) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(make_layer(config, i, self.rotary, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
@@ -146,10 +148,15 @@ class CausalLM(nn.Module):
         self.config = config
         self.layout = ShardLayout.of(config, tp.rank, tp.size)
         """This rank's share of the model (all of it without TP)."""
-        self.model = DecoderModel(config, tp)
+        self.model = DecoderModel(config, tp, self.make_layer)
         self.lm_head = (ParallelLMHead(self.layout, config.hidden_size, config.vocab_size, tp) if tp.enabled
                         else Linear(config.hidden_size, config.vocab_size, bias=False))
         self.init_buffers()
+
+    def make_layer(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                   tp: TensorParallel) -> nn.Module:
+        """Decoder layer `layer_id` (families whose layers differ override it)."""
+        return DecoderLayer(config, layer_id, rotary, tp)
 
     def init_buffers(self) -> None:
         """Re-tie the LM head to the embedding (moving a model with `to_empty` unties them)."""
@@ -175,7 +182,7 @@ class CausalLM(nn.Module):
         `qkv_proj` and `gate_up_proj` parameters. Under TP only this rank's slice of each tensor is
         read (`ShardLayout.checkpoint_slice`; lazy sources read nothing else).
         """
-        params = dict(self.named_parameters())
+        params = self.checkpoint_params()
         loaded: set[tuple[str, int]] = set()
         for name, tensor in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -201,6 +208,10 @@ class CausalLM(nn.Module):
             missing.remove("lm_head.weight")
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[0]!r}")
+
+    def checkpoint_params(self) -> dict[str, nn.Parameter]:
+        """The parameters `load_weights` fills by name and checks for completeness (all of them here)."""
+        return dict(self.named_parameters())
 
     @staticmethod
     def _locate(name: str) -> tuple[str, int]:

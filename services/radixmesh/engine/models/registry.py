@@ -2,7 +2,8 @@
 
 A family declares its facts here, beside the name of its class: the Hugging Face architectures it serves
 (with the `model_type` a generated config.json gets), whether its layers shard across tensor-parallel ranks,
-whether it takes images, its q/k/v biases and q/k norms, and the GGUF architecture llama.cpp files it under.
+whether it takes images, its q/k/v biases and q/k norms, how config.json describes its experts (MoE), and the
+GGUF architecture llama.cpp files it under.
 The config parser, the GGUF converter, the dummy-weight configs and the model runner all read these facts,
 and none of them imports torch to do so (the front-end processes never do). A new model is two files: its
 module under engine/models/ (the class, with `load_weights`) and one `ModelFamily` entry below.
@@ -43,10 +44,18 @@ class ModelFamily:
     """GGUF `general.architecture` of its files (the first of `architectures` is what they convert to)."""
     gguf_rope_permuted: bool = False
     """llama.cpp stored the q/k projections of its GGUF files rope-permuted (undone on conversion)."""
+    moe: str | None = None
+    """Its MLPs are mixtures of experts, described in config.json the way of `qwen3-moe` or `mixtral`
+    (models/moe_spec.py reads either); None: a dense model."""
 
 
 class LoadsWeights(Protocol):
-    """What every model class has besides nn.Module's methods."""
+    """What every model class has besides nn.Module's methods.
+
+    Optional, looked up by name: `configure_engine(engine_config)`, called once its weights are loaded (MoE
+    models take their dispatch settings and the largest CUDA-graph batch), and `server_info() -> dict`, merged
+    into what /server_info reports (MoE models: assignments per expert and per expert-parallel rank).
+    """
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy checkpoint tensors (or lazy slices of them under TP), by checkpoint name, into the parameters."""
@@ -60,6 +69,10 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 tensor_parallel=True, qkv_bias=True, gguf_architecture="qwen2"),
     ModelFamily("qwen3", "radixmesh.engine.models.llama:CausalLM", {"Qwen3ForCausalLM": "qwen3"},
                 tensor_parallel=True, qk_norm=True, gguf_architecture="qwen3"),
+    ModelFamily("qwen3_moe", "radixmesh.engine.models.moe_decoder:MoeCausalLM", {"Qwen3MoeForCausalLM": "qwen3_moe"},
+                tensor_parallel=True, qk_norm=True, gguf_architecture="qwen3moe", moe="qwen3-moe"),
+    ModelFamily("mixtral", "radixmesh.engine.models.moe_decoder:MoeCausalLM", {"MixtralForCausalLM": "mixtral"},
+                tensor_parallel=True, moe="mixtral"),  # GGUF: a llama file with experts (loader/gguf_experts.py)
     ModelFamily("llava", "radixmesh.engine.models.llava:LlavaForConditionalGeneration",
                 {"LlavaForConditionalGeneration": "llava"}, multimodal=True),
     ModelFamily("qwen2_vl", "radixmesh.engine.models.qwen2_vl:Qwen2VLForConditionalGeneration",

@@ -42,6 +42,8 @@ class Fp8LinearMethod(LinearMethod):
         self.device, self.dtype, self.checkpoint = device, dtype, checkpoint
         self.gemm = Fp8GemmPlan(gemm_backend, device, dtype) if device.type == "cuda" else None
         self.layers: dict[str, Linear] = {}
+        self.expert_layers: dict[str, nn.Module] = {}
+        """MoE expert stacks (`models.moe.FusedExperts`) with FP8 storage."""
         self.adapter: Fp8WeightAdapter | None = None
 
     # ---- build -------------------------------------------------------------------------------
@@ -55,7 +57,10 @@ class Fp8LinearMethod(LinearMethod):
                                                    requires_grad=False)
                 module.quant_method = self
                 self.layers[name] = module
-        return len(self.layers)
+            elif hasattr(module, "quantize_storage") and not self._kept(name):
+                module.quantize_storage(WEIGHT_DTYPE)  # MoE experts: the MoE kernels read FP8 with row scales
+                self.expert_layers[name] = module
+        return len(self.layers) + len(self.expert_layers)
 
     def _kept(self, module: str) -> bool:
         """Whether the checkpoint stores this module unquantized (all of a stacked module's sources, or none)."""
@@ -82,6 +87,8 @@ class Fp8LinearMethod(LinearMethod):
             q, scale = quantize_rows(w, WEIGHT_DTYPE)
             layer.weight.copy_(q)
             _scale_of(layer).copy_(scale)
+        for experts in self.expert_layers.values():
+            experts.fill_dummy_fp8(gen, DUMMY_STD, self.dtype)
 
     def finish(self, model: nn.Module) -> None:
         if self.adapter is not None and self.adapter.num_input_scales:
@@ -89,7 +96,8 @@ class Fp8LinearMethod(LinearMethod):
                         "scales)", self.adapter.num_input_scales)
         if self.gemm is not None:
             self.gemm.plan((int(layer.weight.shape[0]), int(layer.weight.shape[1])) for layer in self.layers.values())
-        logger.info("FP8 weights in %d linear layers (%s)", len(self.layers),
+        logger.info("FP8 weights in %d linear layers and %d expert stacks (%s)", len(self.layers),
+                    len(self.expert_layers),
                     self.checkpoint.source_format + " checkpoint" if self.checkpoint else "quantized at load")
 
     def kv_scales(self) -> dict[int, dict[str, float]]:
@@ -99,7 +107,7 @@ class Fp8LinearMethod(LinearMethod):
     def describe(self) -> dict[str, object]:
         source = self.checkpoint.source_format if self.checkpoint else None
         info: dict[str, object] = {"quantization": self.name, "fp8_linear_layers": len(self.layers),
-                                   "checkpoint_quantization": source}
+                                   "fp8_expert_layers": len(self.expert_layers), "checkpoint_quantization": source}
         if self.gemm is not None:
             info["fp8_gemm_kernels"] = {f"{n}x{k}": row for (n, k), row in self.gemm.table.items()}
             info["fp8_gemm_timings_us"] = self.gemm.timings
