@@ -167,8 +167,9 @@ class ModelRunner:
     def release_graphs(self) -> None:
         """Drop the captured CUDA graphs before this rank leaves its tensor-parallel group (see
         `CudaGraphRunner.release`)."""
-        if self.graph_runner is not None:
-            self.graph_runner.release()
+        graph_runner = getattr(self, "graph_runner", None)  # (None yet when the build failed before it)
+        if graph_runner is not None:
+            graph_runner.release()
 
     def _build_sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo:
         return SamplingBatchInfo.build(
