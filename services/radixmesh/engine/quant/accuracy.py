@@ -32,7 +32,12 @@ def checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
     assert isinstance(config, ModelConfig), f"{type(model).__name__} carries no ModelConfig"
     sizes = {"qkv_proj": [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2,
              "gate_up_proj": [config.intermediate_size] * 2}
+    split = getattr(model, "split_checkpoint_tensor", None)  # families with stacked parameters of their own (MoE)
     for name, param in model.named_parameters():
+        pieces = split(name, param.detach()) if split is not None else None
+        if pieces is not None:
+            yield from pieces
+            continue
         _, _, rest = name.partition(".layers.")
         module_path, _, leaf = name.rpartition(".")
         stacked = module_path.rpartition(".")[2]
