@@ -4,6 +4,10 @@ Every tensor is dequantized with the `gguf` package (vectorized numpy) and renam
 Hugging Face name. llama.cpp's converter rope-permutes the q and k projections of the
 llama architecture (interleaved rotary pairs); that permutation is undone here so the
 result is an ordinary Hugging Face checkpoint that our models and `transformers` both load.
+
+Mixture-of-experts files (`qwen3moe`, and `llama` with an expert count: Mixtral) keep each layer's
+experts in one 3-D tensor per projection (`ffn_gate_exps` `[E, I, H]`, ...); they are written back as
+one Hugging Face tensor per expert and projection (gguf_experts.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,12 @@ import torch
 from tqdm import tqdm
 
 from radixmesh.common.errors import invalid_argument, not_found, unsupported
+from radixmesh.engine.loader.gguf_experts import (
+    STACK_SUFFIX,
+    expert_stack_name,
+    moe_config_fields,
+    split_expert_stack,
+)
 from radixmesh.engine.models.registry import FAMILIES, gguf_family
 
 # Per-layer GGUF tensor -> Hugging Face name under `model.layers.{i}.`.
@@ -104,7 +114,8 @@ def gguf_hf_config(reader: Any, dtype: torch.dtype = torch.float32) -> dict[str,
         "model_type": arch,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(field(f"{arch}.feed_forward_length")),
+        "intermediate_size": int(field(f"{arch}.feed_forward_length")
+                                 or field(f"{arch}.expert_feed_forward_length")),
         "num_hidden_layers": int(field(f"{arch}.block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(field(f"{arch}.attention.head_count_kv", num_heads)),
@@ -122,6 +133,7 @@ def gguf_hf_config(reader: Any, dtype: torch.dtype = torch.float32) -> dict[str,
         "pad_token_id": field("tokenizer.ggml.padding_token_id"),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    config.update(moe_config_fields(arch, field, tensor_names, config["num_hidden_layers"]))
     return config
 
 
@@ -222,7 +234,7 @@ def _iter_hf_tensors(reader: Any, arch: str, config: dict[str, Any], path: Path,
                   disable=not progress, leave=False):
         if t.name in _NON_WEIGHTS:
             continue
-        name = hf_tensor_name(t.name)
+        name = expert_stack_name(t.name, config) or hf_tensor_name(t.name)
         shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists dims innermost first
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
@@ -232,6 +244,9 @@ def _iter_hf_tensors(reader: Any, arch: str, config: dict[str, Any], path: Path,
         proj = name.split(".")[-2]
         if _rope_permuted(arch) and proj in heads:
             w = unpermute_rope(w, heads[proj])
+        if name.endswith(STACK_SUFFIX):
+            yield from split_expert_stack(name, w)
+            continue
         yield name, w
 
 
