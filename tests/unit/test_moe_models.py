@@ -8,9 +8,11 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 from safetensors.torch import load_file, save_file
 
 from radixmesh.common.errors import RadixMeshError
+from radixmesh.common.moe_metrics import MoeStatsCollector
 from radixmesh.engine.distributed.dummy_weights import iter_whole_dummy_weights
 from radixmesh.engine.distributed.layout import check_tensor_parallel
 from radixmesh.engine.distributed.sharding import TensorParallel
@@ -206,3 +208,20 @@ def test_expert_load_counts_every_assignment(checkpoints: dict[str, tuple[Path, 
     forwarded = len(prompt) + new - 1  # the last sampled token is never run through the model
     assert sum(stats["moe_expert_assignments"]) == forwarded * 3 * 2  # top-3, two sparse layers
     assert stats["moe_rank_assignments"] == [forwarded * 6] and stats["moe_ep_size"] == 1
+    registry, collector = CollectorRegistry(), MoeStatsCollector()
+    registry.register(collector)
+    collector.update(stats)
+    text = generate_latest(registry).decode()
+    assert f'radixmesh_moe_expert_assignments_total{{ep_rank="0"}} {float(forwarded * 6)}' in text
+    assert "radixmesh_moe_load_imbalance 1.0" in text
+
+
+def test_expert_load_series_per_rank() -> None:
+    registry, collector = CollectorRegistry(), MoeStatsCollector()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    assert "# TYPE radixmesh_moe_expert_assignments_total counter" in text and "ep_rank=" not in text  # dense
+    collector.update({"moe_rank_assignments": [30, 10]})
+    text = generate_latest(registry).decode()
+    assert 'radixmesh_moe_expert_assignments_total{ep_rank="1"} 10.0' in text
+    assert "radixmesh_moe_load_imbalance 1.5" in text

@@ -18,6 +18,7 @@ from radixmesh.common.metrics import (
     TTFT_BUCKETS_S,
     LabelledRegistry,
 )
+from radixmesh.common.moe_metrics import MoeStatsCollector
 from radixmesh.common.spec_metrics import SpecStatsCollector
 from radixmesh.gateway.model_server_metrics import ModelServerMetrics
 
@@ -77,9 +78,13 @@ class GatewayMetrics:
         """Speculative decoding series: with a local engine only (the workers report theirs)."""
         self.model_server: ModelServerMetrics | None = None
         """The model-server protocol's gauges (what inference-pool pickers scrape): with a local engine only."""
+        self.moe: MoeStatsCollector | None = None
+        """Expert-load series of MoE models: with a local engine only."""
         if local:
             self.speculative = SpecStatsCollector()
             reg.register(self.speculative)
+            self.moe = MoeStatsCollector()
+            reg.register(self.moe)
             self.model_server = ModelServerMetrics()
             reg.register(self.model_server)
         self.set_model_name(model_name)
@@ -128,6 +133,8 @@ class GatewayMetrics:
         self.in_flight.set(in_flight)
         if self.speculative is not None:
             self.speculative.update(stats)
+        if self.moe is not None:
+            self.moe.update(stats)
         if self.model_server is not None:
             self.model_server.update(stats)
 

@@ -28,6 +28,7 @@ from radixmesh.common.metrics import (
     histogram_from_stats,
     set_process_labels,
 )
+from radixmesh.common.moe_metrics import moe_metric_families
 from radixmesh.common.spec_metrics import SPEC_COUNTERS, SPEC_GAUGES
 from radixmesh.worker.load import LoadTracker
 
@@ -105,6 +106,7 @@ class EngineStatsCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0)))
         for key, (name, doc) in self.COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
+        yield from moe_metric_families(stats)
         yield histogram_from_stats("radixmesh_grammar_compile_seconds",
                                    "Time for the engine to get a compiled grammar (fetched or compiled here)",
                                    GRAMMAR_COMPILE_BUCKETS_S, stats, "grammar_compile_seconds")
