@@ -89,7 +89,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_id, rotary, tp)
         inter = config.intermediate_size // tp.size  # this rank's MLP width
-        self.mlp = GatedMLP(config.hidden_size, inter, row_parallel_linear(inter, config.hidden_size, tp))
+        self.mlp: nn.Module = GatedMLP(config.hidden_size, inter, row_parallel_linear(inter, config.hidden_size, tp))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

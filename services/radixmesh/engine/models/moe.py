@@ -156,7 +156,8 @@ class SparseMoeBlock(nn.Module):
             ws = self.runtime.workspace(x.shape[0], self.router.top_k, lay, ex.hidden_size, x.dtype,
                                         ex.w13.dtype if ex.is_fp8 else None, x.device)
             return fused_moe(x, logits, ex.w13, ex.w2, self.router, w13_scale=ex.w13_scale, w2_scale=ex.w2_scale,
-                             expert_start=lay.expert_start, workspace=ws, expert_load=self.runtime.load_counter(x.device))
+                             expert_start=lay.expert_start, workspace=ws,
+                             expert_load=self.runtime.load_counter(x.device))
         weights, ids = route_ref(logits, self.router.top_k, renormalize=self.router.renormalize)
         self.runtime.count(ids)
         return self.expert_outputs(x, weights, ids)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,7 +43,7 @@ class Fp8LinearMethod(LinearMethod):
         self.device, self.dtype, self.checkpoint = device, dtype, checkpoint
         self.gemm = Fp8GemmPlan(gemm_backend, device, dtype) if device.type == "cuda" else None
         self.layers: dict[str, Linear] = {}
-        self.expert_layers: dict[str, nn.Module] = {}
+        self.expert_layers: dict[str, Any] = {}
         """MoE expert stacks (`models.moe.FusedExperts`) with FP8 storage."""
         self.adapter: Fp8WeightAdapter | None = None
 
@@ -57,8 +58,8 @@ class Fp8LinearMethod(LinearMethod):
                                                    requires_grad=False)
                 module.quant_method = self
                 self.layers[name] = module
-            elif hasattr(module, "quantize_storage") and not self._kept(name):
-                module.quantize_storage(WEIGHT_DTYPE)  # MoE experts: the MoE kernels read FP8 with row scales
+            elif (quantize_storage := getattr(module, "quantize_storage", None)) is not None and not self._kept(name):
+                quantize_storage(WEIGHT_DTYPE)  # MoE experts: the MoE kernels read FP8 with row scales
                 self.expert_layers[name] = module
         return len(self.layers) + len(self.expert_layers)
 
