@@ -150,7 +150,7 @@ class SparseMoeBlock(nn.Module):
     def local_experts(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """This rank's part of the layer's output for all of `x`: its experts' weighted outputs (the others' are 0)."""
         ex, lay = self.experts, self.layout
-        if x.is_cuda:
+        if self.runtime.kernels_for(x):
             from radixmesh.kernels.moe import fused_moe
 
             ws = self.runtime.workspace(x.shape[0], self.router.top_k, lay, ex.hidden_size, x.dtype,

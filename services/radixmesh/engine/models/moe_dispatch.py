@@ -53,7 +53,7 @@ def _run_received(block: SparseMoeBlock, x: torch.Tensor, ids: torch.Tensor, wei
     if x.shape[0] == 0:
         return x
     ids, weights = ids.view(-1, 1), weights.view(-1, 1)
-    if not x.is_cuda:
+    if not block.runtime.kernels_for(x):
         return block.expert_outputs(x, weights, ids)
     return _fused_received(block, x, ids, weights)
 

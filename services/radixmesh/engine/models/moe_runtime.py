@@ -35,6 +35,9 @@ class MoeRuntime:
         self.a2a_min_tokens = 1024
         self.graph_max_tokens = 512
         """Batches up to this many tokens use the workspace graphs may capture."""
+        self.use_kernels: bool | None = None
+        """None: the Triton kernels on CUDA, the PyTorch reference elsewhere; True: the kernels everywhere (on the
+        CPU under TRITON_INTERPRET=1: tests); False: the reference everywhere."""
         self.expert_load: torch.Tensor | None = None  # [E] int64 on the model's device
         self._workspaces: dict[tuple[object, ...], MoeWorkspace] = {}
         self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
@@ -53,6 +56,10 @@ class MoeRuntime:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
         return self.dispatch == "all-to-all" or x.shape[0] >= self.a2a_min_tokens
+
+    def kernels_for(self, x: torch.Tensor) -> bool:
+        """Whether the layers run the Triton kernels on `x` (see `use_kernels`)."""
+        return x.is_cuda if self.use_kernels is None else self.use_kernels
 
     # ---- workspaces ----------------------------------------------------------------------------
     def workspace(self, num_tokens: int, top_k: int, layout: ExpertLayout, hidden: int, dtype: torch.dtype,
