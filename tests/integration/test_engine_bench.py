@@ -38,6 +38,23 @@ def test_one_batch(tmp_path: Path) -> None:
     assert [line["input_len"] for line in lines] == [8, 16]
 
 
+def test_one_batch_of_an_moe_model_at_two_batch_sizes(tmp_path: Path) -> None:
+    """A tiny Qwen3-MoE config with random weights, batches of 1 and 3; the floor needs CUDA and says so."""
+    from ..unit.moe_factory import write_hf_checkpoint
+
+    path, _ = write_hf_checkpoint("qwen3_moe", tmp_path / "moe")
+    config = tmp_path / "moe-config.json"  # the benchmark's prompts draw token ids from 100 up
+    config.write_text(json.dumps({**json.loads((path / "config.json").read_text()), "vocab_size": 512}))
+    results = tmp_path / "moe.jsonl"
+    run_bench("one-batch", "--model", str(config), "--device", "cpu", "--max-total-tokens", "4096",
+              "--batch-size", "1", "3", "--input-len", "8", "--output-len", "4", "--bandwidth-floor",
+              "--result-file", str(results))
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [line["batch_size"] for line in lines] == [1, 3]
+    assert lines[0]["moe_ep_size"] == 1 and sum(lines[1]["moe_expert_assignments"]) > 0
+    assert "CUDA" in lines[0]["bandwidth_floor_note"] and "bandwidth_floor_note" not in lines[1]
+
+
 def test_offline() -> None:
     result = run_bench("offline", *TINY, "--num-prompts", "4", "--random-input-len", "32",
                        "--random-output-len", "8")

@@ -52,6 +52,7 @@ def test_prefill_host_split_takes_the_wait_out_of_the_results() -> None:
 def test_kernel_kinds() -> None:
     assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "extend-attention"
     assert kernel_kind("_extend_kernel") == "extend-attention"
+    assert kernel_kind("_moe_gemm_kernel") == kernel_kind("_route_kernel") == kernel_kind("_combine_kernel") == "moe"
     assert kernel_kind("nvjet_sm90_tst_256x128_64x4") == "gemm"
     assert kernel_kind("_decode_split_kernel") == "decode-attention"
 

@@ -225,3 +225,16 @@ def test_expert_load_series_per_rank() -> None:
     text = generate_latest(registry).decode()
     assert 'radixmesh_moe_expert_assignments_total{ep_rank="1"} 10.0' in text
     assert "radixmesh_moe_load_imbalance 1.5" in text
+
+
+def test_decode_read_bytes_count_the_active_experts(checkpoints: dict[str, tuple[Path, Any]]) -> None:
+    from radixmesh.engine.bench_floor import decode_read_bytes
+
+    model = _build(ModelConfig.from_dir(checkpoints["qwen3_moe"][0]))
+    read = decode_read_bytes(model)
+    per_expert = (2 * 16 * 32 + 32 * 16) * 4  # gate/up [2I, H] and down [H, I], float32
+    assert read["active_expert_bytes"] == 2 * 3 * per_expert  # two sparse layers, top-3
+    everything = sum(p.numel() * 4 for p in model.parameters())
+    experts = 2 * 8 * per_expert
+    embedding = 101 * 32 * 4
+    assert read["dense_bytes"] == everything - experts - embedding + 32 * 4  # the embedding: one row

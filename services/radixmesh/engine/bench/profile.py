@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KERNEL_KINDS = (
+    ("moe", ("moe", "_route_kernel", "_align_kernel", "_combine_kernel")),  # before gemm: "_moe_gemm_kernel"
     ("decode-attention", ("decode_", "_fwd_kernel_stage", "split_kv")),
     ("extend-attention", ("extend", "prefill", "flash", "fmha", "sdpa")),
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "matmul")),

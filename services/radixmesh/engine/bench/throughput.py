@@ -190,8 +190,10 @@ def cmd_one_batch(args: argparse.Namespace) -> int:
     """One batch per `--input-len` on one loaded model: a JSON line each."""
     timeline = Timeline()
     sched = build_scheduler(args, timeline)
-    for seed, input_len in enumerate(args.input_len):
-        _one_batch(sched, timeline, args, input_len, 3 * seed + 1)
+    for batch_size in args.batch_size:
+        one = argparse.Namespace(**{**vars(args), "batch_size": batch_size})
+        for seed, input_len in enumerate(args.input_len):
+            _one_batch(sched, timeline, one, input_len, 3 * seed + 1)
     return 0
 
 
@@ -231,6 +233,10 @@ def _one_batch(sched: Any, timeline: Timeline, args: argparse.Namespace, input_l
         from radixmesh.engine.bench.profile import profile_prefill
 
         result.update(profile_prefill(sched, lambda i: make_reqs([(input_len, 1)], vocab, seed + 10 + i, f"pp{i}-")[0]))
+    if args.bandwidth_floor and args.batch_size == 1:
+        from radixmesh.engine.bench_floor import bandwidth_floor
+
+        result.update(bandwidth_floor(sched, result["decode_throughput_tok_s"], input_len + args.output_len // 2))
     _report(result, args)
 
 
@@ -363,7 +369,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def register_one_batch(bench: argparse._SubParsersAction) -> None:
     parser = bench.add_parser("one-batch", help="prefill and decode latency of one batch")
     _common(parser)
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1],
+                        help="requests per batch; several: each in turn, on the same loaded model")
     parser.add_argument("--input-len", type=int, nargs="+", default=[1024],
                         help="prompt length; several: one batch each, on the same loaded model")
     parser.add_argument("--output-len", type=int, default=128)
@@ -371,6 +378,9 @@ def register_one_batch(bench: argparse._SubParsersAction) -> None:
                         help="also list the kernels of one decode graph replay (torch.profiler)")
     parser.add_argument("--profile-prefill", action="store_true",
                         help="also time one request's prefill alone and list its kernels by kind (CUDA)")
+    parser.add_argument("--bandwidth-floor", action="store_true",
+                        help="batch 1: also the weight bytes a token reads (MoE: its active experts) over the "
+                             "device's measured copy bandwidth, and decode's share of that floor (CUDA, TP 1)")
     parser.set_defaults(func=cmd_one_batch)
 
 
