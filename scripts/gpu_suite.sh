@@ -23,6 +23,11 @@
 #   STAGES="spec-tests spec-same spec-unrelated spec-unrelated-raw spec-ngram" bash scripts/gpu_suite.sh (speculation)
 #   STAGES="moe-kernels lora-kernels" TIMEOUT_moe_kernels=590: the MoE and batched-LoRA kernels (issues 48, 46): GPU
 #   tests, the CPU kernel tests compiled, the benchmarks (MoE tile sweep at MOE_SWEEP_MS) and a table of each at the end
+#   STAGES=moe TIMEOUT_moe=590 (issue 48, two GPUs, about 6 minutes): Qwen3-30B-A3B batch-1 decode against its bandwidth
+#   floor (active experts + attention + embeddings over the measured copy bandwidth), the 500-prompt offline run of
+#   Qwen3-30B-A3B (with --profile: the MoE kernels' share) beside the dense Qwen3-8B's on the other GPU at the same
+#   time, then Mixtral-8x7B on both GPUs at EP 2 and at TP 2 (experts sliced), batches 1 and 64; a table at the end
+#   (MOE_PROMPTS: offline prompts, default 500). STAGES=moe-tests: the MoE model GPU tests (two GPUs for EP 2)
 #   STAGES=decode-sweep: decode attention's split counts, tiles and grid orders at the offline run's batch sizes
 #   STAGES=extend-rows: the extend kernel's new-token K/V read from their own rows vs their slots, both block orders,
 #   and its tiles
@@ -401,6 +406,27 @@ print(s["tokenizer_address"], s["worker_addresses"][0], s["redis_url"] or "")')"
         $RM bench fp8-accuracy --model-shape $shape --load-format dummy --kv-cache-dtype fp8_e4m3 \
           --context-length 8192 --result-file "$OUT/fp8-accuracy.jsonl"
       done ;;
+    moe-tests)  # Qwen3-MoE and Mixtral in CUDA graphs vs eager vs transformers, the layer vs the torch reference, FP8
+      # experts, EP 2 / TP 2 vs one GPU (two GPUs)
+      python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/gpu/test_moe_models_gpu.py ;;
+    moe)  # issue 48's targets (see the header); the runs on the two GPUs overlap where they can
+      offline="--num-prompts ${MOE_PROMPTS:-500} --random-input-len 4096 --random-output-len 2048 --random-range-ratio 0.0 \
+        --context-length 8192"
+      ( CUDA_VISIBLE_DEVICES=0 $RM bench one-batch --model-shape qwen3-30b-a3b --batch-size 1 --input-len 1024 \
+          --output-len 256 --context-length 8192 --cuda-graph-max-bs 8 --bandwidth-floor --profile-graph \
+          --result-file "$OUT/moe-one-batch.jsonl" > /tmp/moe-one-batch.log 2>&1
+        CUDA_VISIBLE_DEVICES=0 $RM bench offline --model-shape qwen3-30b-a3b $offline --profile \
+          --result-file "$OUT/moe-offline.jsonl" > /tmp/moe-offline-moe.log 2>&1 ) & moe=$!
+      CUDA_VISIBLE_DEVICES=1 $RM bench offline --model-shape qwen3-8b $offline --result-file "$OUT/moe-offline.jsonl" \
+        > /tmp/moe-offline-dense.log 2>&1
+      wait $moe
+      tail -n 3 /tmp/moe-one-batch.log /tmp/moe-offline-moe.log /tmp/moe-offline-dense.log
+      for ep in 2 1; do  # Mixtral-8x7B on two GPUs: EP 2 (whole experts per GPU), then TP 2 (every expert halved)
+        $RM bench one-batch --model-shape mixtral-8x7b --tp-size 2 --ep-size $ep --batch-size 1 64 --input-len 1024 \
+          --output-len 128 --context-length 4096 --cuda-graph-max-bs 64 --result-file "$OUT/moe-mixtral.jsonl" \
+          > /tmp/moe-mixtral-ep$ep.log 2>&1 || tail -n 20 /tmp/moe-mixtral-ep$ep.log
+      done
+      python3 scripts/moe_table.py "$OUT" ;;
     moe-kernels)  # fused MoE at the Qwen3-30B-A3B and Mixtral-8x7B shapes: tests, then per M = 1..256 the layer and
       # its parts (bf16, FP8 W8A16 and W8A8, checked against moe_ref) vs the copy bandwidth, the bf16 tile sweep
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_moe_gpu.py

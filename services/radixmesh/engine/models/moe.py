@@ -136,6 +136,16 @@ class SparseMoeBlock(nn.Module):
         self.runtime = runtime if runtime is not None else MoeRuntime(spec.num_experts)
         """Shared by the model's MoE layers (workspaces, expert-load counter, dispatch)."""
 
+    def prepare_runtime(self) -> None:
+        """Allocate the expert-load counter and, for the Triton path, the workspace of graph-sized batches now:
+        before the KV pool is sized and before any CUDA-graph capture (a buffer first made inside a capture would
+        be zeroed at every replay)."""
+        ex, weight = self.experts, self.gate.weight
+        self.runtime.load_counter(weight.device)
+        if self.runtime.kernels_for(weight):
+            self.runtime.workspace(self.runtime.graph_max_tokens, self.router.top_k, self.layout, ex.hidden_size,
+                                   weight.dtype, ex.w13.dtype if ex.is_fp8 else None, weight.device)
+
     def forward(self, x: torch.Tensor, prologue: AddRMSNorm | None = None) -> torch.Tensor:
         """The layer's output `[tokens, hidden]` for `x` (for `prologue(x)` with one: the post-attention norm)."""
         if prologue is not None:

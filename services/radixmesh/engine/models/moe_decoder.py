@@ -64,6 +64,8 @@ class MoeCausalLM(CausalLM):
     def configure_engine(self, config: EngineConfig) -> None:
         """Take the engine's dispatch settings (`--moe-dispatch`) and its largest CUDA-graph batch."""
         self.moe_runtime.configure(config.moe_dispatch, config.moe_a2a_min_tokens, config.cuda_graph_max_bs)
+        for block in self.moe_blocks():
+            block.prepare_runtime()
 
     def server_info(self) -> dict[str, object]:
         """Assignments per expert so far and each expert-parallel rank's share (rank order)."""
