@@ -66,6 +66,14 @@ def test_tp_size_of_the_worker_args() -> None:
         ClusterSpec(worker_args="--tp-size two").worker_tp_size()
 
 
+def test_moe_workers_spread_their_experts_over_their_own_gpus() -> None:
+    assert ClusterSpec(worker_args="--tp-size 2 --ep-size 2").worker_tp_size() == 2
+    assert ClusterSpec(worker_args="--tp-size 2 --ep-size=1").worker_tp_size() == 2
+    with pytest.raises(RadixMeshError, match="EP size = GPUs per worker") as info:
+        ClusterSpec(worker_args="--ep-size 2").worker_tp_size()
+    assert info.value.param == "ep_size" and "--tp-size 2" in info.value.message
+
+
 def test_auto_reads_the_parents_visible_devices_before_the_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(local, "_count_nvidia_gpus", lambda: 8)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")

@@ -45,7 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     services = up.add_argument_group("per-service flags", "extra flags handed to one kind of service, shell-quoted; "
                                      "the model flags above already go to every service that loads the model or "
                                      "its tokenizer (workers, tokenizer, grammar)")
-    services.add_argument("--worker-args", default="", help="for every worker, e.g. '--max-total-tokens 8192'")
+    services.add_argument("--worker-args", default="",
+                          help="for every worker, e.g. '--max-total-tokens 8192'; an MoE model over 2 GPUs per worker "
+                               "with its experts spread: '--tp-size 2 --ep-size 2'")
     services.add_argument("--router-args", default="", help="for every router, e.g. '--health-interval-s 0.5'")
     services.add_argument("--tokenizer-args", default="", help="for the tokenizer service, e.g. '--block-size 32'")
     services.add_argument("--grammar-args", default="",

@@ -156,12 +156,15 @@ class ClusterSpec:
         return _last_flag_value(shlex.split(self.worker_args), "--device") or "auto"
 
     def worker_tp_size(self) -> int:
-        """GPUs per worker: its --tp-size as worker_args set it (1 when unset)."""
-        value = _last_flag_value(shlex.split(self.worker_args), "--tp-size") or "1"
-        try:
-            return max(1, int(value))
-        except ValueError:
-            raise invalid_argument(f"--worker-args: --tp-size must be an integer (got {value!r})", "tp_size") from None
+        """GPUs per worker: its --tp-size as worker_args set it (1 when unset). An --ep-size there (MoE models: the
+        experts spread over the worker's GPUs) must be 1 or the same number."""
+        args = shlex.split(self.worker_args)
+        tp_size, ep_size = _int_flag(args, "--tp-size"), _int_flag(args, "--ep-size")
+        if ep_size not in (1, tp_size):
+            raise invalid_argument(f"--worker-args: --ep-size {ep_size} spreads the experts over the worker's GPUs: "
+                                   f"give --tp-size {ep_size} with it (EP size = GPUs per worker), or --ep-size 1",
+                                   "ep_size")
+        return tp_size
 
     def with_gpus(self, detected: Sequence[str]) -> ClusterSpec:
         """A copy with gpus=auto resolved: the `detected` GPU ids when the workers may run on CUDA, else none."""
@@ -209,6 +212,16 @@ def place_workers(gpu_ids: Sequence[str], gpus_per_worker: Sequence[int]) -> lis
         placements.append([*gpu_ids[start:], *gpu_ids[:start]])
         start = (start + num_gpus) % len(gpu_ids)
     return placements
+
+
+def _int_flag(args: list[str], flag: str) -> int:
+    """An integer flag's last value in `args` (1 when absent)."""
+    value = _last_flag_value(args, flag) or "1"
+    try:
+        return max(1, int(value))
+    except ValueError:
+        raise invalid_argument(f"--worker-args: {flag} must be an integer (got {value!r})",
+                               flag.removeprefix("--").replace("-", "_")) from None
 
 
 def _last_flag_value(args: list[str], flag: str) -> str | None:
