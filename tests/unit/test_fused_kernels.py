@@ -127,6 +127,45 @@ def test_rotary_with_kv_store_writes_rotated_k_and_v_to_their_slots(dtype):
                       KVStoreTarget(v, k_buf, v_buf, loc[:3].to(DEVICE)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_with_qk_norm_normalizes_each_head_first(dtype):
+    """Qwen3: RMSNorm of every q and k head (its own weights), then rotary and the KV store, in one launch; the
+    reference is the model's PyTorch RMSNorm then rotary."""
+    from radixmesh.engine.models.layers import RMSNorm
+    from radixmesh.kernels.fused import QKNorm
+
+    tokens, heads, kv_heads, head_dim = 4, 8, 2, 128
+    rotary = RotaryEmbedding(head_dim, 256, 1000000.0, None)
+    gen = torch.Generator().manual_seed(5)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3).to(dtype)
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.rand(head_dim, generator=gen) + 0.5)
+        k_norm.weight.copy_(torch.rand(head_dim, generator=gen) + 0.5)
+    q_norm, k_norm = q_norm.to(dtype), k_norm.to(dtype)
+    positions, loc = torch.tensor([3, 0, 255, 17]), torch.tensor([1, 4, 2, 6])
+    q_ref, k_ref, v_ref = (t.reshape(tokens, -1, head_dim) for t in qkv.split(sizes, -1))
+    with torch.no_grad():
+        want_q, want_k = rotary(positions, q_norm(q_ref), k_norm(k_ref))
+
+    dev = qkv.to(DEVICE)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in dev.split(sizes, -1))
+    k_buf = torch.zeros((8, kv_heads, head_dim), dtype=dtype, device=DEVICE)
+    v_buf = torch.zeros((8, kv_heads, head_dim), dtype=dtype, device=DEVICE)
+    apply_rotary_(q, k, positions.to(DEVICE), rotary.cos_cache.to(DEVICE), rotary.sin_cache.to(DEVICE),
+                  KVStoreTarget(v, k_buf, v_buf, loc.to(DEVICE)),
+                  QKNorm(q_norm.weight.detach().to(DEVICE), k_norm.weight.detach().to(DEVICE), 1e-6))
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(q.cpu().float(), want_q.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(k.cpu().float(), want_k.float(), atol=atol, rtol=rtol)
+    assert torch.equal(k_buf[loc.to(DEVICE)].cpu(), k.cpu())
+    assert torch.equal(v_buf[loc.to(DEVICE)].cpu(), v_ref)
+    with pytest.raises(AssertionError, match="q_weight has shape"):
+        apply_rotary_(q, k, positions.to(DEVICE), rotary.cos_cache.to(DEVICE), rotary.sin_cache.to(DEVICE),
+                      qk_norm=QKNorm(q_norm.weight.detach()[:64].to(DEVICE), k_norm.weight.detach().to(DEVICE), 1e-6))
+
+
 def test_rotary_checks_its_inputs():
     q = torch.randn(2, 4, 64, device=DEVICE)
     k = torch.randn(2, 2, 64, device=DEVICE)

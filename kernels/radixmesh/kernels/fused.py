@@ -1,5 +1,5 @@
 """Fused elementwise kernels of a decoder layer: RMSNorm (with the residual add), rotary (with the
-new token's K/V store into the pool), SiLU-and-mul.
+new token's K/V store into the pool, and Qwen3's per-head q/k RMSNorm before it), SiLU-and-mul.
 
 Each replaces a chain of small PyTorch ops (one launch each) with one launch, which is what
 a batch-1 decode step is made of once the weights are read. Rounding follows the PyTorch
@@ -123,17 +123,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out, res_out
 
 
+class QKNorm(NamedTuple):
+    """Per-head RMSNorm of q and k that `apply_rotary_` applies before rotating (Qwen3): weights `[head_dim]`."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+
+
 @triton.jit
-def _rotate_rows(ptr, tok, stride_tok, stride_head, num_heads, cos, sin, half,
-                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rotate one token's heads `[num_heads, 2 * half]` in place; returns them rotated (fp32)
-    as the two halves `[BLOCK_H, BLOCK_D]` each, with their mask."""
+def _head_rms_norm(x1, x2, w_ptr, eps, half, offs_d, d_mask, ptr):
+    """RMSNorm of heads given as fp32 halves `[BLOCK_H, BLOCK_D]`, rounded where `RMSNorm` rounds (the normed
+    row, then its product with the weight, in the dtype `ptr` points to); returned as fp32 halves."""
+    dtype = ptr.dtype.element_ty
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half) + eps)
+    w1 = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    n1 = (x1 * rstd[:, None]).to(dtype).to(tl.float32)
+    n2 = (x2 * rstd[:, None]).to(dtype).to(tl.float32)
+    return (w1 * n1).to(dtype).to(tl.float32), (w2 * n2).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rotate_rows(ptr, tok, stride_tok, stride_head, num_heads, cos, sin, half, w_ptr, eps,
+                 NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rotate one token's heads `[num_heads, 2 * half]` in place (RMSNorm-ed first with `NORM`); returns them
+    rotated (fp32) as the two halves `[BLOCK_H, BLOCK_D]` each, with their mask."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < half)
     lo = ptr + tok * stride_tok + offs_h[:, None] * stride_head + offs_d[None, :]
     x1 = tl.load(lo, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(lo + half, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        x1, x2 = _head_rms_norm(x1, x2, w_ptr, eps, half, offs_d, offs_d < half, ptr)
     r1 = (x1 * cos - x2 * sin).to(ptr.dtype.element_ty)
     r2 = (x2 * cos + x1 * sin).to(ptr.dtype.element_ty)
     tl.store(lo, r1, mask=mask)
@@ -143,12 +166,12 @@ def _rotate_rows(ptr, tok, stride_tok, stride_head, num_heads, cos, sin, half,
 
 @triton.jit(**unspecialized(pointers=("pos_ptr", "loc_ptr")))  # loc: a slice of the slot free list
 def _rotary_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_buf_ptr, v_buf_ptr, loc_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_buf_ptr, v_buf_ptr, loc_ptr, qw_ptr, kw_ptr,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cache,
     stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
-    num_q_heads, num_k_heads, half, inv_k_scale, inv_v_scale, fp8_max,
-    STORE_KV: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_FP8: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
+    num_q_heads, num_k_heads, half, inv_k_scale, inv_v_scale, fp8_max, eps,
+    STORE_KV: tl.constexpr, NORM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_D: tl.constexpr, IS_FP8: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     if PDL:  # q and k come from the kernel before (radixmesh.kernels._pdl)
@@ -159,9 +182,10 @@ def _rotary_kernel(
     d_mask = offs_d < half
     cos = tl.load(cos_ptr + pos * stride_cache + offs_d, mask=d_mask, other=0.0)[None, :]
     sin = tl.load(sin_ptr + pos * stride_cache + offs_d, mask=d_mask, other=0.0)[None, :]
-    _rotate_rows(q_ptr, tok, stride_q_tok, stride_q_head, num_q_heads, cos, sin, half, BLOCK_HQ, BLOCK_D)
-    k1, k2, mask_k = _rotate_rows(k_ptr, tok, stride_k_tok, stride_k_head, num_k_heads, cos, sin, half,
-                                  BLOCK_HK, BLOCK_D)
+    _rotate_rows(q_ptr, tok, stride_q_tok, stride_q_head, num_q_heads, cos, sin, half, qw_ptr, eps, NORM,
+                 BLOCK_HQ, BLOCK_D)
+    k1, k2, mask_k = _rotate_rows(k_ptr, tok, stride_k_tok, stride_k_head, num_k_heads, cos, sin, half, kw_ptr, eps,
+                                  NORM, BLOCK_HK, BLOCK_D)
     if STORE_KV:  # the new token's k (rotated) and v go straight into its pool slot
         slot = tl.load(loc_ptr + tok).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_HK)
@@ -177,7 +201,8 @@ def _rotary_kernel(
 
 
 def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-                  sin_cache: torch.Tensor, kv_store: KVStoreTarget | None = None) -> None:
+                  sin_cache: torch.Tensor, kv_store: KVStoreTarget | None = None,
+                  qk_norm: QKNorm | None = None) -> None:
     """Rotate `q` `[tokens, heads, head_dim]` and `k` `[tokens, kv_heads, head_dim]` in place.
 
     Neox (rotate-half) style; `cos_cache`/`sin_cache` are fp32 `[max_positions, head_dim // 2]`
@@ -185,7 +210,7 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
     output (contiguous last dim). Positions past the cache are the caller's to prevent.
     With `kv_store`, the same launch also writes the rotated k and `kv_store.v` into the KV
     pool rows `kv_store.loc` (cast to the pool's dtype; FP8 pools through their scales), as
-    `store_kv` would.
+    `store_kv` would. With `qk_norm`, every head of q and k is RMSNorm-ed first (Qwen3), in place too.
     """
     device = q.device
     for name, t in (("q", q), ("k", k), ("positions", positions), ("cos_cache", cos_cache),
@@ -210,17 +235,25 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         check_last_dim_contiguous(name, t)
     if kv_store is not None:
         kv_store.check(tokens, num_k_heads, head_dim, device)
+    if qk_norm is not None:
+        for name, w in (("q_weight", qk_norm.q_weight), ("k_weight", qk_norm.k_weight)):
+            check_device(name, w, device)
+            check_shape(name, w, (head_dim,))
+            check_float(name, w)
+            assert w.is_contiguous(), f"{name} must be contiguous"
     if tokens == 0:
         return
     v, k_buf, v_buf, loc, k_scale, v_scale = kv_store if kv_store is not None else (k, k, k, positions, 1.0, 1.0)
     inv_k, inv_v, limit, is_fp8 = fp8_store_args(k_buf, k_scale, v_scale)
+    qw, kw, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
     _rotary_kernel[(tokens,)](
-        q, k, v, positions, cos_cache, sin_cache, k_buf, v_buf, loc,
+        q, k, v, positions, cos_cache, sin_cache, k_buf, v_buf, loc, qw, kw,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_cache.stride(0),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        num_q_heads, num_k_heads, half, inv_k, inv_v, limit,
-        STORE_KV=kv_store is not None, BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(num_k_heads),
-        BLOCK_D=next_power_of_2(half), IS_FP8=is_fp8, EMULATE=emulate_cast(device), **pdl_args(device),
+        num_q_heads, num_k_heads, half, inv_k, inv_v, limit, eps,
+        STORE_KV=kv_store is not None, NORM=qk_norm is not None, BLOCK_HQ=next_power_of_2(num_q_heads),
+        BLOCK_HK=next_power_of_2(num_k_heads), BLOCK_D=next_power_of_2(half), IS_FP8=is_fp8,
+        EMULATE=emulate_cast(device), **pdl_args(device),
     )
 
 

@@ -115,12 +115,19 @@ class RotaryEmbedding(nn.Module):
 
     def forward_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
-                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                      k_scale: float = 1.0, v_scale: float = 1.0,
+                      qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> None:
         """Rotate q and k in place and write the rotated k and v into pool rows `loc`, in one
-        launch (only where `can_store_kv`); an FP8 pool stores them divided by its scales."""
+        launch (only where `can_store_kv`); an FP8 pool stores them divided by its scales. With `qk_norm`
+        (Qwen3's per-head norms of q and k) the heads are normalized first, in the same launch."""
         kernels = _kernels()
+        norm = None
+        if qk_norm is not None:
+            q_norm, k_norm = qk_norm
+            assert q_norm.eps == k_norm.eps, "q and k norms with different epsilons"
+            norm = kernels.QKNorm(q_norm.weight, k_norm.weight, q_norm.eps)
         kernels.apply_rotary_(q, k, positions, self.cos_cache, self.sin_cache,
-                              kernels.KVStoreTarget(v, k_buffer, v_buffer, loc, k_scale, v_scale))
+                              kernels.KVStoreTarget(v, k_buffer, v_buffer, loc, k_scale, v_scale), norm)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

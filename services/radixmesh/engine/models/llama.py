@@ -54,15 +54,17 @@ class Attention(nn.Module):
         v = v.view(n, spec.num_kv_heads, spec.head_dim)
         if stored:
             return self.o_proj(batch.attn_backend.forward(q, k, v, spec, batch, save_kv=False))
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        norms = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
         rotary = self.rotary[0]
-        if rotary.can_store_kv(q):  # rotary and the KV store in one launch
+        if rotary.can_store_kv(q):  # the q/k norms (Qwen3), rotary and the KV store in one launch
             pool = batch.token_to_kv_pool
             k_buf, v_buf = pool.get_kv(spec.layer_id)
-            rotary.forward_store(positions, q, k, v, k_buf, v_buf, batch.out_cache_loc, *pool.scales(spec.layer_id))
+            rotary.forward_store(positions, q, k, v, k_buf, v_buf, batch.out_cache_loc, *pool.scales(spec.layer_id),
+                                 qk_norm=norms)
             out = batch.attn_backend.forward(q, k, v, spec, batch, save_kv=False)
         else:
+            if norms is not None:
+                q, k = norms[0](q), norms[1](k)
             q, k = rotary(positions, q, k)
             out = batch.attn_backend.forward(q, k, v, spec, batch)  # [n, heads * head_dim]
         return self.o_proj(out)
