@@ -16,7 +16,7 @@ import torch
 from radixmesh.engine.models.moe import SparseMoeBlock
 from radixmesh.engine.quant.accuracy import compare_fp8, random_prompts
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.wire.sampling import SamplingParams
 
 from ..unit.fp8_factory import make_runner
 from ..unit.scheduler_factory import run_until_idle

@@ -43,13 +43,14 @@ def test_every_family_names_a_class_and_at_least_one_architecture() -> None:
 def test_the_facts_of_the_families_served_today() -> None:
     tp = {f.id for f in FAMILIES if f.tensor_parallel}
     images = {f.id for f in FAMILIES if f.multimodal}
-    assert tp == {"llama", "qwen2", "qwen3"} and images == {"llava", "qwen2_vl", "qwen2_5_vl"}
+    assert tp == {"llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"} and images == {"llava", "qwen2_vl", "qwen2_5_vl"}
     assert family_of("MistralForCausalLM") is model_family("llama")
     assert {f.id for f in FAMILIES if f.qkv_bias} == {"qwen2", "qwen2_vl", "qwen2_5_vl"}
-    assert [f.id for f in FAMILIES if f.qk_norm] == ["qwen3"]
+    assert [f.id for f in FAMILIES if f.qk_norm] == ["qwen3", "qwen3_moe"]
     assert {f.gguf_architecture: f.id for f in FAMILIES if f.gguf_architecture} == {
-        "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+        "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
     assert [f.id for f in FAMILIES if f.gguf_rope_permuted] == ["llama"]
+    assert {f.id: f.moe for f in FAMILIES if f.moe} == {"qwen3_moe": "qwen3-moe", "mixtral": "mixtral"}
 
 
 def test_unknown_families_and_architectures() -> None:
@@ -65,7 +66,8 @@ def test_unknown_families_and_architectures() -> None:
 
 @pytest.mark.parametrize(("arch", "bias", "qk_norm", "family"), [
     ("LlamaForCausalLM", False, False, "llama"), ("MistralForCausalLM", False, False, "llama"),
-    ("Qwen2ForCausalLM", True, False, "qwen2"), ("Qwen3ForCausalLM", False, True, "qwen3")])
+    ("Qwen2ForCausalLM", True, False, "qwen2"), ("Qwen3ForCausalLM", False, True, "qwen3"),
+    ("Qwen3MoeForCausalLM", False, True, "qwen3_moe"), ("MixtralForCausalLM", False, False, "mixtral")])
 def test_the_config_parser_reads_the_family_facts(arch: str, bias: bool, qk_norm: bool, family: str) -> None:
     config = ModelConfig.from_hf_dict({**HF, "architectures": [arch]})
     assert (config.attention_bias, config.qk_norm, config.family, config.is_multimodal) == (bias, qk_norm, family,

@@ -19,7 +19,7 @@ import pytest
 from radixmesh.engine.models.moe import SparseMoeBlock
 from radixmesh.engine.models.moe_dispatch import _fused_received
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.wire.sampling import SamplingParams
 
 from .moe_factory import PROMPTS, write_hf_checkpoint
 from .scheduler_factory import run_until_idle

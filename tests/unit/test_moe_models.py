@@ -24,7 +24,7 @@ from radixmesh.engine.models.moe_decoder import MoeCausalLM
 from radixmesh.engine.models.moe_spec import ExpertLayout, MoeSpec, check_experts, moe_spec
 from radixmesh.engine.quant.accuracy import compare_fp8, random_prompts
 from radixmesh.engine.request import Req
-from radixmesh.engine.sampling.params import SamplingParams
+from radixmesh.wire.sampling import SamplingParams
 
 from .fp8_factory import E4M3, make_runner
 from .moe_factory import PROMPTS, hf_greedy, write_hf_checkpoint
@@ -228,7 +228,7 @@ def test_expert_load_series_per_rank() -> None:
 
 
 def test_decode_read_bytes_count_the_active_experts(checkpoints: dict[str, tuple[Path, Any]]) -> None:
-    from radixmesh.engine.bench_floor import decode_read_bytes
+    from radixmesh.engine.bench.floor import decode_read_bytes
 
     model = _build(ModelConfig.from_dir(checkpoints["qwen3_moe"][0]))
     read = decode_read_bytes(model)

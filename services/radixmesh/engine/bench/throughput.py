@@ -234,7 +234,7 @@ def _one_batch(sched: Any, timeline: Timeline, args: argparse.Namespace, input_l
 
         result.update(profile_prefill(sched, lambda i: make_reqs([(input_len, 1)], vocab, seed + 10 + i, f"pp{i}-")[0]))
     if args.bandwidth_floor and args.batch_size == 1:
-        from radixmesh.engine.bench_floor import bandwidth_floor
+        from radixmesh.engine.bench.floor import bandwidth_floor
 
         result.update(bandwidth_floor(sched, result["decode_throughput_tok_s"], input_len + args.output_len // 2))
     _report(result, args)

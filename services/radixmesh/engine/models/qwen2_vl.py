@@ -18,7 +18,7 @@ from torch import nn
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.attention.base import ForwardBatch
 from radixmesh.engine.model_config import ModelConfig
-from radixmesh.engine.models.layers import RotaryEmbedding, _rotate
+from radixmesh.engine.models.layers import RMSNorm, RotaryEmbedding, _rotate
 from radixmesh.engine.models.llama import CausalLM, DecoderLayer
 from radixmesh.engine.models.llava import image_embeds
 from radixmesh.engine.models.qwen2_vl_vision import Qwen2VisionConfig, Qwen2VisionTransformer
@@ -76,10 +76,12 @@ class MRotaryEmbedding(RotaryEmbedding):
 
     def forward_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
-                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                      k_scale: float = 1.0, v_scale: float = 1.0,
+                      qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> None:
         if positions.dim() == 1:
-            super().forward_store(positions, q, k, v, k_buffer, v_buffer, loc, k_scale, v_scale)
+            super().forward_store(positions, q, k, v, k_buffer, v_buffer, loc, k_scale, v_scale, qk_norm)
             return
+        assert qk_norm is None, "M-RoPE models have no q/k norms"
         from radixmesh.kernels.kv_store import store_kv
 
         q_rot, k_rot = self.forward(positions, q, k)
