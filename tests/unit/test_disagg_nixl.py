@@ -16,7 +16,6 @@ import torch
 from radixmesh.engine.disagg.transport import nixl_lib
 from radixmesh.engine.disagg.transport.base import BaseKVTransport, PendingReceive
 from radixmesh.engine.disagg.transport.choice import ReceiverInfo, decode_receiver_info
-from radixmesh.wire.sampling import SamplingParams
 from radixmesh.wire.disagg import (
     KVChunk,
     KVChunkInMsg,
@@ -26,6 +25,7 @@ from radixmesh.wire.disagg import (
     ResolveReservationMsg,
     TransferDoneReqMsg,
 )
+from radixmesh.wire.sampling import SamplingParams
 
 from .scheduler_factory import assert_no_leak, make_requests, run_until_idle
 from .test_disagg import LEASE_S, Side, greedy, make_side, reserve, run_loop, unified_tokens
