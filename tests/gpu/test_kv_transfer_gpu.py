@@ -148,16 +148,17 @@ def model_8b(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     return ["--model", str(out), "--load-format", "dummy", "--context-length", "16384"]
 
 
-def _start_pd(model: list[str], transport: str, decode_args: tuple[str, ...] = ()) -> dict[str, ServiceProc]:
-    """A prefill worker on GPU 0, a decode worker on GPU 1 (each sees both, its own first; started together)
-    and a router."""
+def _start_pd(model: list[str], transport: str, decode_args: tuple[str, ...] = (),
+              gpus: tuple[str, str] = ("0,1", "1,0"), env: dict[str, str] | None = None) -> dict[str, ServiceProc]:
+    """A prefill worker on GPU 0, a decode worker on GPU 1 (by default each sees both, its own first; `gpus`: what
+    each sees; started together) and a router."""
     engine = [*model, "--device", "cuda", "--max-total-tokens", "40000", "--kv-transport", transport,
               "--metrics-port", "0", "--kv-lease-s", "60"]
-    specs = {"prefill": ([*engine, "--role", "prefill", "--worker-id", "prefill-0"], "0,1"),
-             "decode": ([*engine, "--role", "decode", "--worker-id", "decode-0", *decode_args], "1,0")}
+    specs = {"prefill": ([*engine, "--role", "prefill", "--worker-id", "prefill-0"], gpus[0]),
+             "decode": ([*engine, "--role", "decode", "--worker-id", "decode-0", *decode_args], gpus[1])}
     with ThreadPoolExecutor(2) as pool:
-        futures = {name: pool.submit(start_service, "worker", args, env={"CUDA_VISIBLE_DEVICES": gpus})
-                   for name, (args, gpus) in specs.items()}
+        futures = {name: pool.submit(start_service, "worker", args, env={**(env or {}), "CUDA_VISIBLE_DEVICES": seen})
+                   for name, (args, seen) in specs.items()}
     procs: dict[str, ServiceProc] = {}
     errors = []
     for name, future in futures.items():

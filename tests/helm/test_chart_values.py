@@ -97,7 +97,23 @@ BAD_VALUES = [
      "tls.certManager with tls.public needs tls.public.dnsNames"),
     (["tls.internal.serverName=Bad_Name"], "/tls/internal/serverName"),
     (["tls.certManager.issuerRef.kind=Secret"], "/tls/certManager/issuerRef/kind"),
+    (["worker.disagg.kvTransport=rdma"], "/worker/disagg/kvTransport"),
+    (["worker.disagg.ucx.tcpPortRange=52000"], "/worker/disagg/ucx/tcpPortRange"),
 ]
+
+
+def test_nixl_and_its_ucx_settings_render_for_the_pd_pods(helm: str) -> None:
+    docs = render(helm, sets=["workers.unified.enabled=false", "workers.prefill.enabled=true",
+                              "workers.decode.enabled=true", "worker.disagg.kvTransport=nixl",
+                              "worker.disagg.ucx.tls=rc\\,cuda_copy\\,cuda_ipc",
+                              "worker.disagg.ucx.netDevices=mlx5_0:1"])
+    for name, deployment in of_kind(docs, "Deployment").items():
+        if not name.endswith(("worker-prefill", "worker-decode")):
+            continue
+        worker = container(deployment)
+        assert flag(worker["args"], "kv-transport") == "nixl", name
+        env = {e["name"]: e.get("value") for e in worker["env"]}
+        assert (env["UCX_TLS"], env["UCX_NET_DEVICES"]) == ("rc,cuda_copy,cuda_ipc", "mlx5_0:1"), name
 
 
 @pytest.mark.parametrize(("sets", "message"), BAD_VALUES, ids=[s[0][0] for s in BAD_VALUES])

@@ -245,7 +245,9 @@ def test_pd_example_runs_2_prefill_and_4_decode(rendered: dict[str, list[dict[st
     assert "--disable-cuda-graph" in prefill_args
     assert "--disable-cuda-graph" not in container(by_role["decode"])["args"]
     decode_args = container(by_role["decode"])["args"]
-    assert flag(prefill_args, "kv-transport") == flag(decode_args, "kv-transport") == "grpc"
+    assert flag(prefill_args, "kv-transport") == flag(decode_args, "kv-transport") == "auto"  # nixl between pods
+    env = {e["name"]: e.get("value") for e in container(by_role["decode"])["env"]}
+    assert env["UCX_TCP_PORT_RANGE"] == "52000-52099" and "UCX_TLS" not in env  # UCX's own transport choice
     assert flag(decode_args, "prefill-timeout-s") == "30" and flag(prefill_args, "prefill-timeout-s") is None
     router = next(d for d in deployments.values() if component_of(d) == "router")
     assert flag(container(router)["args"], "pd-min-prefill-tokens") == "256"
@@ -260,7 +262,7 @@ def test_network_policies_only_when_enabled(helm: str, rendered: dict[str, list[
 
     def callers(name: str) -> list[dict[str, str]]:
         rules = policies[f"{RELEASE}-radixmesh-{name}"]["spec"]["ingress"]
-        assert len(rules) == 1, rules  # metricsFrom is empty in the example
+        assert len(rules) == (2 if name in ("worker-prefill", "worker-decode") else 1), rules  # no metricsFrom
         return [peer["podSelector"]["matchLabels"] for peer in rules[0]["from"]]
 
     def component_role(labels: dict[str, str]) -> tuple[str, str | None]:
@@ -270,6 +272,10 @@ def test_network_policies_only_when_enabled(helm: str, rendered: dict[str, list[
     assert [component_role(p) for p in callers("tokenizer")] == [("gateway", None)]
     assert [component_role(p) for p in callers("worker-decode")] == [("router", None), ("worker", "prefill")]
     assert [component_role(p) for p in callers("worker-prefill")] == [("router", None), ("worker", "decode")]
+    for role, other in (("prefill", "decode"), ("decode", "prefill")):  # nixl's UCX over TCP, between the tiers only
+        ucx_rule = policies[f"{RELEASE}-radixmesh-worker-{role}"]["spec"]["ingress"][1]
+        assert ucx_rule["ports"] == [{"port": 52000, "endPort": 52099, "protocol": "TCP"}]
+        assert [component_role(p["podSelector"]["matchLabels"]) for p in ucx_rule["from"]] == [("worker", other)]
     assert {component_role(p) for p in callers("redis")} == {("router", None), ("worker", None), ("grammar", None)}
     gateway_rules = policies[f"{RELEASE}-radixmesh-gateway"]["spec"]["ingress"]
     assert gateway_rules == [{"ports": [{"port": 8000, "protocol": "TCP"}, {"port": 50050, "protocol": "TCP"}]}]

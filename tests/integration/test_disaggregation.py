@@ -1,7 +1,9 @@
 """Prefill/decode disaggregation with real processes on 127.0.0.1: a prefill worker, a decode worker
-and a router (default model, CPU, grpc KV transport).
+and a router (default model, CPU), with the grpc KV transport and with --kv-transport auto, which picks
+nixl between two CPU workers when NIXL is installed (its UCX over TCP on the loopback interface: the
+stand-in for a link between nodes; tests/integration/test_nixl_faults.py has its faults mid-READ).
 
-One set of processes for the module; its tests run in order. The fault tests stop and kill the
+One set of processes per transport; its tests run in order. The fault tests stop and kill the
 prefill worker, so they come last. Reference answers come from an in-process engine (the same
 engine a unified worker runs), computed while the services start.
 """
@@ -38,7 +40,9 @@ ENGINE = ["--device", "cpu", "--max-total-tokens", "4096", "--max-running-reques
 PROMPTS = ["The capital of France is Paris. The capital of Germany is", "def fibonacci(n):\n    \"\"\"Return the",
            "Three primary colors are red, yellow and"]
 MAX_NEW_TOKENS = 8
-PREFILL_TIMEOUT_S = 6.0
+PREFILL_TIMEOUT_S = 20.0
+"""Generous: on a loaded 2-core machine a 700-token prefill queued behind another took over 6 s, and each such
+timeout is a fallback the tests count (the stopped-prefill test waits this long once)."""
 LONG_PROMPT_LEN = 700
 
 
@@ -59,14 +63,34 @@ def reference_answers(engine: Any) -> dict[str, list[int]]:
     return {str(p): ids for p, ids in zip(prompts, greedy_ids(engine, prompts, MAX_NEW_TOKENS))}
 
 
+TRANSPORTS = {"grpc": "grpc", "auto": "nixl"}
+"""--kv-transport of both workers -> the transport their transfers use."""
+
+
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
+def kv_transport(request: pytest.FixtureRequest) -> str:
+    if request.param == "auto":
+        from radixmesh.engine.disagg.transport.nixl_lib import nixl_available
+
+        if not nixl_available():
+            pytest.skip("NIXL is not installed (radixmesh[nixl]): auto would pick grpc")
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def started(default_engine: Any) -> Iterator[tuple[dict[str, ServiceProc], dict[str, list[int]]]]:
+def used_transport(kv_transport: str) -> str:
+    return TRANSPORTS[kv_transport]
+
+
+@pytest.fixture(scope="module")
+def started(default_engine: Any, kv_transport: str) -> Iterator[tuple[dict[str, ServiceProc], dict[str, list[int]]]]:
     """The services, and the reference answers, computed by the session's in-process engine while they start."""
-    common = [*ENGINE, "--kv-transport", "grpc", "--kv-lease-s", "20"]
+    common = [*ENGINE, "--kv-transport", kv_transport, "--kv-lease-s", "60"]
     specs = {"prefill": [*common, "--role", "prefill", "--worker-id", "prefill-0", "--metrics-port", "0"],
              "decode": [*common, "--role", "decode", "--worker-id", "decode-0", "--metrics-port", "0",
                         "--prefill-timeout-s", str(PREFILL_TIMEOUT_S)]}
-    threads = {"OMP_NUM_THREADS": "1"}  # two engines share the machine's cores
+    threads = {"OMP_NUM_THREADS": "1",  # two engines share the machine's cores
+               "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}  # nixl's UCX: TCP on 127.0.0.1 only
     procs = {name: start_service("worker", args, env=threads, wait_ready=False) for name, args in specs.items()}
     workers = f"{procs['prefill'].address},{procs['decode'].address}"
     procs["router"] = start_service("router", ["--workers", workers, "--pd-min-prefill-tokens", "8",
@@ -128,7 +152,8 @@ def tokens(msgs: list[worker_pb2.GenerateResponse]) -> list[int]:
 
 
 def load(services: dict[str, ServiceProc], name: str) -> worker_pb2.GetLoadResponse:
-    reply: worker_pb2.GetLoadResponse = stub(services[name].address).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+    # generous: the scheduler answers between forward passes, and a loaded machine's 700-token pass takes seconds
+    reply: worker_pb2.GetLoadResponse = stub(services[name].address).GetLoad(worker_pb2.GetLoadRequest(), timeout=60)
     return reply
 
 
@@ -167,13 +192,33 @@ def test_prefill_and_decode_give_the_unified_greedy_tokens(services: dict[str, S
     wait_for(lambda: is_idle(services, "decode") and is_idle(services, "prefill"), 30, "both workers idle")
 
 
-def test_second_turn_transfers_only_the_new_suffix(services: dict[str, ServiceProc], tokenizer: Any) -> None:
+def test_the_transport_used_is_reported(services: dict[str, ServiceProc], kv_transport: str,
+                                        used_transport: str) -> None:
+    decode, prefill = load(services, "decode").disagg, load(services, "prefill").disagg
+    assert decode.kv_transport == prefill.kv_transport == kv_transport
+    assert set(decode.transfers_received_by_transport) == set(prefill.transfers_sent_by_transport) == {used_transport}
+    assert decode.transfers_received_by_transport[used_transport] >= len(PROMPTS)
+    assert metric(services["decode"], "radixmesh_kv_transfer_seconds_count", direction="receive",
+                  transport=used_transport) >= len(PROMPTS)
+
+    def router_view() -> worker_pb2.DisaggStats:  # what the gateway's /server_info shows
+        return router(services).GetLoad(worker_pb2.GetLoadRequest(), timeout=10).disagg
+
+    wait_for(lambda: router_view().transfers_received_by_transport[used_transport]
+             == decode.transfers_received_by_transport[used_transport], 30, "the router's probe to see the transfers")
+    assert router_view().kv_transport == kv_transport
+    for tier in ("prefill", "decode"):  # each says at start what it uses (auto: what it can pick here)
+        assert f"KV transport {kv_transport}" in services[tier].log()
+
+
+def test_second_turn_transfers_only_the_new_suffix(services: dict[str, ServiceProc], tokenizer: Any,
+                                                    used_transport: str) -> None:
     decode = services["decode"]
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Name three large cities in Europe."}],
                                          tokenize=False, add_generation_prompt=True)
     turn1 = tokenizer.encode(text, add_special_tokens=False)
     bytes_0 = load(services, "decode").disagg.kv_bytes_received
-    metric_0 = metric(decode, "radixmesh_kv_transfer_bytes_total", direction="receive", transport="grpc")
+    metric_0 = metric(decode, "radixmesh_kv_transfer_bytes_total", direction="receive", transport=used_transport)
     answer = tokens(generate(services, turn1, greedy(12)))
     bytes_1 = load(services, "decode").disagg.kv_bytes_received
     turn2 = turn1 + answer + tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd in Asia?<|im_end|>\n"
@@ -187,7 +232,7 @@ def test_second_turn_transfers_only_the_new_suffix(services: dict[str, ServicePr
     held = len(turn1) + len(answer) - 1  # the decode worker's cache: turn 1 and its answer but the last token
     assert second == per_token * (len(turn2) - held), (first, second, len(turn1), len(turn2))
     assert second < first / 2
-    sent = metric(decode, "radixmesh_kv_transfer_bytes_total", direction="receive", transport="grpc") - metric_0
+    sent = metric(decode, "radixmesh_kv_transfer_bytes_total", direction="receive", transport=used_transport) - metric_0
     assert sent == first + second
     print(f"\nKV bytes transferred: turn 1 {first} ({len(turn1)} tokens), turn 2 {second} "
           f"({len(turn2) - held} new of {len(turn2)} tokens)")
@@ -256,8 +301,8 @@ def test_aborts_on_either_side_reach_the_other(services: dict[str, ServiceProc])
     # on the decode worker (through the router): its Prefill call is cancelled, the prefill worker drops it
     busy, busy_thread, result, thread = start_queued_behind(services, 20, "abort-on-decode")
     assert router(services).Abort(worker_pb2.AbortRequest(request_id="abort-on-decode"), timeout=10).found
-    thread.join(60)
-    busy_thread.join(60)
+    thread.join(300)
+    busy_thread.join(300)
     assert result["msgs"][-1].finish_reason == common_pb2.FINISH_REASON_ABORT and tokens(result["msgs"]) == []
     assert busy["msgs"][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert load(services, "prefill").disagg.num_exports == exports + 1  # the busy one's only
@@ -265,8 +310,8 @@ def test_aborts_on_either_side_reach_the_other(services: dict[str, ServiceProc])
     busy, busy_thread, result, thread = start_queued_behind(services, 30, "abort-on-prefill")
     prefill = stub(services["prefill"].address)
     assert prefill.Abort(worker_pb2.AbortRequest(request_id="abort-on-prefill"), timeout=10).found
-    thread.join(60)
-    busy_thread.join(60)
+    thread.join(300)
+    busy_thread.join(300)
     assert result["msgs"][-1].finish_reason == common_pb2.FINISH_REASON_ABORT and tokens(result["msgs"]) == []
     assert load(services, "prefill").disagg.num_exports == exports + 2
     wait_for(lambda: is_idle(services, "decode") and is_idle(services, "prefill"), 30, "both KV pools empty")
@@ -289,12 +334,13 @@ def answer_despite(services: dict[str, ServiceProc], ids: list[int],
 def test_prefill_timeout_falls_back_and_the_prefill_worker_cleans_up(services: dict[str, ServiceProc],
                                                                       reference: dict[str, list[int]]) -> None:
     prefill = services["prefill"].proc
+    timeouts = metric(services["decode"], "radixmesh_kv_transfer_fallbacks_total", reason="prefill_timeout")
     try:
         msgs = answer_despite(services, long_ids(0), lambda: prefill.send_signal(signal.SIGSTOP))  # never answers
     finally:
         prefill.send_signal(signal.SIGCONT)
     assert tokens(msgs) == reference[str(long_ids(0))]
-    assert metric(services["decode"], "radixmesh_kv_transfer_fallbacks_total", reason="prefill_timeout") == 1
+    assert metric(services["decode"], "radixmesh_kv_transfer_fallbacks_total", reason="prefill_timeout") == timeouts + 1
     # the decode worker cancelled the call: the prefill worker aborted or released it, and holds nothing
     wait_for(lambda: is_idle(services, "prefill") and is_idle(services, "decode"), 30, "both KV pools empty")
     wait_for(lambda: roles_seen(services["router"].address) == {"prefill", "decode"}, 30, "the prefill worker back")

@@ -13,6 +13,7 @@ import torch
 from radixmesh.cli import main
 from radixmesh.engine.disagg import bench_transfer as bench
 from radixmesh.engine.disagg import bench_transfer_peer as peer
+from radixmesh.engine.disagg.transport.nixl_lib import nixl_available
 from radixmesh.engine.memory import TokenToKVPool
 
 TINY = ["--num-layers", "2", "--kv-heads", "2", "--head-dim", "8", "--dtype", "bfloat16"]
@@ -37,6 +38,26 @@ def test_the_command_moves_kv_between_two_processes_and_reports_json_lines(tmp_p
         assert r["command"] and r["torch"] == torch.__version__ and r["sender_device_name"]
     table = capsys.readouterr().out
     assert "kv-transfer over grpc" in table and "copy GB/s" in table and "     256" in table
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (radixmesh[nixl])")
+@pytest.mark.parametrize("slots", ["random", "contiguous"])
+def test_nixl_moves_kv_between_two_processes_beside_a_bare_nixl_read(tmp_path: Path, slots: str,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "kv-transfer.jsonl"
+    assert main(["bench", "kv-transfer", "--device", "cpu", "--transport", "nixl", *TINY, "--num-tokens", "64",
+                 "--repeats", "2", "--warmup", "1", "--slots", slots, "--result-file", str(out)]) == 0
+    (r,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert r["transport"] == "nixl" and r["mode"] == "auto" and r["slots"] == slots and r["verified"] is True
+    assert r["bare_read_gbps"] > 0 and r["bare_ratio"] == round(r["transfer_gbps"] / r["bare_read_gbps"], 4)
+    stats = r["transport_stats"]  # 64 rows of 32 B: too fragmented for descriptors either way, so staged
+    assert stats["nixl_exports_staged"] == 3 and stats["nixl_metadata_sent"] == 1 and stats["nixl_staging_regions"] == 0
+    assert "bare GB/s" in capsys.readouterr().out
+
+
+def test_a_mode_of_another_transport_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "kv-transfer", "--device", "cpu", "--transport", "cuda-ipc", "--mode", "auto", *TINY]) == 2
+    assert "not one of cuda-ipc's" in capsys.readouterr().err
 
 
 def test_cuda_ipc_on_the_cpu_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:

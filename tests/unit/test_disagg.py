@@ -258,9 +258,9 @@ def test_overlap_queues_each_export_before_the_next_pass_and_sends_it_with_the_f
         events.append(("launch", ",".join(req.rid for req in batch.reqs)))
         return launch(batch, before_sample)
 
-    def traced_export(transfer_id: str, slots: Any) -> Any:
+    def traced_export(transfer_id: str, slots: Any, receiver: Any = None) -> Any:
         events.append(("export", transfer_id.removeprefix("tx-")))
-        return export(transfer_id, slots)
+        return export(transfer_id, slots, receiver)
 
     def traced_send(msg: KVExportMsg) -> None:
         events.append(("send", msg.rid))

@@ -131,7 +131,7 @@ def test_an_aborted_prefill_releases_nothing_and_says_abort() -> None:
     (start(ids=[]), "prompt"),
 ])
 def test_a_bad_start_is_refused_naming_the_field(first: worker_pb2.PrefillRequest, param: str) -> None:
-    flow, disagg, _ = flow_of([FIRST])
+    flow, disagg, _ = flow_of([FIRST], kv_transport="grpc")  # a fixed transport: another one asked is refused
     with pytest.raises(RadixMeshError) as info:
         serve(flow, requests_of(first))
     assert info.value.param == param and disagg.prefills == []

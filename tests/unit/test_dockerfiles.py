@@ -62,3 +62,4 @@ def test_worker_image_is_cuda_with_the_gpu_extra() -> None:
     text = DOCKERFILES[0].read_text()
     assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\S+$", text, re.M)
     assert 'pip install ".[gpu]"' in text
+    assert re.search(r"^ARG NIXL_PACKAGE=nixl-cu12>=", text, re.M)  # the nixl KV transport, for the image's CUDA 12

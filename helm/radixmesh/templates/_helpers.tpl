@@ -258,6 +258,22 @@ app.kubernetes.io/component=worker,app.kubernetes.io/instance={{ .Release.Name }
 {{- end }}
 {{- end -}}
 
+{{/* UCX settings of the nixl KV transport (worker.disagg.ucx), as env; nothing for empty values. */}}
+{{- define "radixmesh.ucxEnv" -}}
+{{- with .tls }}
+- name: UCX_TLS
+  value: {{ . | quote }}
+{{- end }}
+{{- with .netDevices }}
+- name: UCX_NET_DEVICES
+  value: {{ . | quote }}
+{{- end }}
+{{- with .tcpPortRange }}
+- name: UCX_TCP_PORT_RANGE
+  value: {{ . | quote }}
+{{- end }}
+{{- end -}}
+
 {{/* Pod pieces ------------------------------------------------------------------------- */}}
 
 {{/*

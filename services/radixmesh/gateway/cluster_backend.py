@@ -202,7 +202,7 @@ class ClusterBackend(GatewayBackend):
         return await self.generation.flush_cache()
 
     async def server_info(self) -> dict[str, Any]:
-        return (await self.generation.load()).as_stats()
+        return await self.generation.server_info()
 
     async def close(self) -> None:
         if self.model.closed:

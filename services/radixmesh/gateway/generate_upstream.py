@@ -21,6 +21,7 @@ from radixmesh.common.grpc_errors import ERROR_METADATA_KEY, from_rpc_error
 from radixmesh.common.lane import LaneBroken, LaneStream
 from radixmesh.gateway.upstreams import Upstream, UpstreamGroup, UpstreamWatcher, not_ready_error, parse_addresses
 from radixmesh.protocol import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from radixmesh.wire.convert import disagg_stats_from_proto
 from radixmesh.wire.load import WorkerLoad, load_from_proto
 
 logger = logging.getLogger(__name__)
@@ -144,9 +145,22 @@ class GenerateUpstream:
         return bool(response.flushed)
 
     async def load(self) -> WorkerLoad:
+        return load_from_proto((await self._get_load()).load)
+
+    async def server_info(self) -> dict[str, Any]:
+        """The load in the stats dict shape, and a worker's KV transfers (its --kv-transport, transfers by
+        transport; a router reports its workers' together)."""
+        response = await self._get_load()
+        info = load_from_proto(response.load).as_stats()
+        if response.disagg.kv_transport:
+            info.update(disagg_stats_from_proto(response.disagg))
+        return info
+
+    async def _get_load(self) -> worker_pb2.GetLoadResponse:
         target = self.control_target()
-        response = await call_control(target.stub.GetLoad, worker_pb2.GetLoadRequest(), target.address)
-        return load_from_proto(response.load)
+        response: worker_pb2.GetLoadResponse = await call_control(target.stub.GetLoad, worker_pb2.GetLoadRequest(),
+                                                                  target.address)
+        return response
 
 
 async def call_control(method: Callable[..., Any], request: Any, peer: str, **kwargs: Any) -> Any:

@@ -379,6 +379,46 @@ class DisaggStats(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class TransfersReceivedByTransportEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class TransfersSentByTransportEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NUM_RESERVATIONS_ACTIVE_FIELD_NUMBER: _builtins.int
     NUM_RESERVATIONS_PENDING_FIELD_NUMBER: _builtins.int
     NUM_RESERVED_TOKENS_FIELD_NUMBER: _builtins.int
@@ -392,6 +432,9 @@ class DisaggStats(_message.Message):
     NUM_EXPORTS_FIELD_NUMBER: _builtins.int
     NUM_TRANSFERS_LAPSED_FIELD_NUMBER: _builtins.int
     KV_BYTES_EXPORTED_FIELD_NUMBER: _builtins.int
+    KV_TRANSPORT_FIELD_NUMBER: _builtins.int
+    TRANSFERS_RECEIVED_BY_TRANSPORT_FIELD_NUMBER: _builtins.int
+    TRANSFERS_SENT_BY_TRANSPORT_FIELD_NUMBER: _builtins.int
     num_reservations_active: _builtins.int
     """decode side
     granted, waiting for KV or the first token
@@ -418,6 +461,18 @@ class DisaggStats(_message.Message):
     num_transfers_lapsed: _builtins.int
     """released by lease, not by the decode worker"""
     kv_bytes_exported: _builtins.int
+    kv_transport: _builtins.str
+    """both
+    --kv-transport: a transport id, or auto (chosen per pair of workers)
+    """
+    @_builtins.property
+    def transfers_received_by_transport(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """by the transport each one used (decode side)"""
+
+    @_builtins.property
+    def transfers_sent_by_transport(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """the same, prefill side"""
+
     def __init__(
         self,
         *,
@@ -434,10 +489,13 @@ class DisaggStats(_message.Message):
         num_exports: _builtins.int = ...,
         num_transfers_lapsed: _builtins.int = ...,
         kv_bytes_exported: _builtins.int = ...,
+        kv_transport: _builtins.str = ...,
+        transfers_received_by_transport: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        transfers_sent_by_transport: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_bytes_exported", b"kv_bytes_exported", "kv_bytes_received", b"kv_bytes_received", "num_committed", b"num_committed", "num_exports", b"num_exports", "num_fallbacks", b"num_fallbacks", "num_reservations_active", b"num_reservations_active", "num_reservations_granted", b"num_reservations_granted", "num_reservations_lapsed", b"num_reservations_lapsed", "num_reservations_pending", b"num_reservations_pending", "num_reservations_refused", b"num_reservations_refused", "num_reserved_tokens", b"num_reserved_tokens", "num_transfers_held", b"num_transfers_held", "num_transfers_lapsed", b"num_transfers_lapsed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_bytes_exported", b"kv_bytes_exported", "kv_bytes_received", b"kv_bytes_received", "kv_transport", b"kv_transport", "num_committed", b"num_committed", "num_exports", b"num_exports", "num_fallbacks", b"num_fallbacks", "num_reservations_active", b"num_reservations_active", "num_reservations_granted", b"num_reservations_granted", "num_reservations_lapsed", b"num_reservations_lapsed", "num_reservations_pending", b"num_reservations_pending", "num_reservations_refused", b"num_reservations_refused", "num_reserved_tokens", b"num_reserved_tokens", "num_transfers_held", b"num_transfers_held", "num_transfers_lapsed", b"num_transfers_lapsed", "transfers_received_by_transport", b"transfers_received_by_transport", "transfers_sent_by_transport", b"transfers_sent_by_transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -605,14 +663,16 @@ class PrefillStart(_message.Message):
     """first prompt position whose KV is sent: the decode worker holds"""
     kv_transport: _builtins.str
     """positions [0, start_pos) already; start_pos < len(token_ids)
-    transport id (grpc | cuda-ipc); the prefill worker must run the same
+    transport id (grpc | cuda-ipc | nixl), or auto: the prefill worker picks
     """
     lease_ms: _builtins.int
-    """the exported KV is released this long after it was sent, at the latest"""
+    """one for this pair of workers (a worker with a fixed id serves only it)
+    the exported KV is released this long after it was sent, at the latest
+    """
     decode_worker_id: _builtins.str
     """who asks (logs, traces)"""
     transport_params: _builtins.bytes
-    """decode-side parameters of the transport (an RDMA transport's memory"""
+    """the decode side described for the transport (msgpack ReceiverInfo of"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """the whole prompt"""
@@ -695,8 +755,9 @@ Global___PrefillResponse: _TypeAlias = PrefillResponse  # noqa: Y015
 class KVChunk(_message.Message):
     """KV of layers [layer_begin, layer_end) of `num_tokens` consecutive prompt positions from start_pos.
     What `data` holds is the transport's business: grpc puts the KV itself there, laid out
-    [layers, 2 (K, V), num_tokens, kv_heads, head_dim] in `dtype`, little-endian; cuda-ipc a CUDA
-    IPC handle of a staging buffer on the prefill GPU; an RDMA transport remote memory descriptors.
+    [layers, 2 (K, V), num_tokens, kv_heads, head_dim] in `dtype`, little-endian; cuda-ipc CUDA IPC
+    handles on the prefill GPU; nixl the prefill side's NIXL agent (and its metadata, unless the decode
+    side holds it) and where the rows are in its registered memory.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -710,6 +771,7 @@ class KVChunk(_message.Message):
     NUM_BYTES_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
     COUNT_FIELD_NUMBER: _builtins.int
+    LEASE_S_FIELD_NUMBER: _builtins.int
     transport: _builtins.str
     layer_begin: _builtins.int
     layer_end: _builtins.int
@@ -723,6 +785,8 @@ class KVChunk(_message.Message):
     """0-based position among the call's chunks"""
     count: _builtins.int
     """chunks in the call"""
+    lease_s: _builtins.float
+    """what `data` refers to is kept this long after the export at most"""
     def __init__(
         self,
         *,
@@ -735,10 +799,11 @@ class KVChunk(_message.Message):
         num_bytes: _builtins.int = ...,
         index: _builtins.int = ...,
         count: _builtins.int = ...,
+        lease_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "data", b"data", "dtype", b"dtype", "index", b"index", "layer_begin", b"layer_begin", "layer_end", b"layer_end", "num_bytes", b"num_bytes", "num_tokens", b"num_tokens", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "data", b"data", "dtype", b"dtype", "index", b"index", "layer_begin", b"layer_begin", "layer_end", b"layer_end", "lease_s", b"lease_s", "num_bytes", b"num_bytes", "num_tokens", b"num_tokens", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -841,18 +906,21 @@ class FetchKVStart(_message.Message):
     LEASE_MS_FIELD_NUMBER: _builtins.int
     REQUESTER_WORKER_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    TRANSPORT_PARAMS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """the sequence the prefix is fetched for (logs, traces)"""
     start_pos: _builtins.int
     """first position to send: the fetcher holds [0, start_pos) already"""
     kv_transport: _builtins.str
-    """transport id (grpc | cuda-ipc)"""
+    """transport id (grpc | cuda-ipc | nixl), or auto (as PrefillStart's)"""
     lease_ms: _builtins.int
     """the exported KV is released this long after it was sent, at the latest"""
     requester_worker_id: _builtins.str
     """who asks (logs, traces)"""
     epoch: _builtins.int
     """PeerPrefix.epoch (0: any)"""
+    transport_params: _builtins.bytes
+    """the fetching side described for the transport (as PrefillStart's)"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """the prefix whose KV is wanted, from position 0"""
@@ -867,10 +935,11 @@ class FetchKVStart(_message.Message):
         lease_ms: _builtins.int = ...,
         requester_worker_id: _builtins.str = ...,
         epoch: _builtins.int = ...,
+        transport_params: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "kv_transport", b"kv_transport", "lease_ms", b"lease_ms", "request_id", b"request_id", "requester_worker_id", b"requester_worker_id", "start_pos", b"start_pos", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "kv_transport", b"kv_transport", "lease_ms", b"lease_ms", "request_id", b"request_id", "requester_worker_id", b"requester_worker_id", "start_pos", b"start_pos", "token_ids", b"token_ids", "transport_params", b"transport_params"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

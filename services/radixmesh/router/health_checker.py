@@ -39,12 +39,15 @@ class HealthChecker:
         try:
             result = await aio.wait_for(handle.client.probe(self.config.timeout_s), self.config.timeout_s * 2.5)
         except asyncio.TimeoutError:
-            ok, error, load, reported_id, role, http_port = False, "probe timed out", None, "", "", None
+            ok, error, load, reported_id, role, http_port, disagg = False, "probe timed out", None, "", "", None, None
         else:
             ok, error, load, reported_id = result.ok, result.error, result.load, result.worker_id
             role, http_port = result.role, (result.http_port if load is not None else None)
+            disagg = result.disagg
         if load is not None:
             handle.load = load
+        if disagg is not None:
+            handle.transfers = disagg
         if reported_id:
             handle.index_id = reported_id
         if http_port is not None:

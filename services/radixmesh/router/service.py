@@ -141,8 +141,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     @map_errors("router")
     async def GetLoad(self, request: worker_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.GetLoadResponse:
-        loads = [w.load for w in self.registry.all() if w.health.healthy]
-        return worker_pb2.GetLoadResponse(load=load_to_proto(sum_loads(loads)), lane_port=self.lane_port)
+        healthy = [w for w in self.registry.all() if w.health.healthy]
+        return worker_pb2.GetLoadResponse(load=load_to_proto(sum_loads([w.load for w in healthy])),
+                                          lane_port=self.lane_port, disagg=sum_transfers(healthy))
 
     @map_errors("router")
     async def FlushCache(self, request: worker_pb2.FlushCacheRequest,
@@ -176,3 +177,19 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                               healthy=w.health.healthy, circuit_state=w.circuit_state.value,
                               num_inflight=w.num_inflight, load=load_to_proto(w.load))
         return reply
+
+
+def sum_transfers(workers: list[WorkerHandle]) -> worker_pb2.DisaggStats:
+    """The workers' KV transfers by transport (each counted once: received on its decode side, sent on its prefill
+    side) and their --kv-transport values ("auto", or e.g. "auto,nixl" when they differ)."""
+    total = worker_pb2.DisaggStats()
+    modes = sorted({w.transfers.kv_transport for w in workers if w.transfers is not None and w.transfers.kv_transport})
+    total.kv_transport = ",".join(modes)
+    for w in workers:
+        if w.transfers is None:
+            continue
+        for field in ("transfers_received_by_transport", "transfers_sent_by_transport"):
+            for transport, count in getattr(w.transfers, field).items():
+                getattr(total, field)[transport] += count
+    return total
+

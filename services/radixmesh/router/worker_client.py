@@ -51,6 +51,8 @@ class ProbeResult:
     """The role the worker reports (unified | prefill | decode; "" when unknown)."""
     http_port: int = 0
     """The port of the worker's OpenAI HTTP API on its host (0: none)."""
+    disagg: worker_pb2.DisaggStats | None = None
+    """Its KV transfer counters (for the router's GetLoad)."""
 
 
 class WorkerClient:
@@ -108,7 +110,8 @@ class WorkerClient:
         if self.lane is not None:
             self.lane.learn(reply.lane_port)
         return ProbeResult(True, load=load_from_proto(reply.load), worker_id=reply.worker_id,
-                           role=ROLE_FROM_PROTO.get(reply.role, ""), http_port=reply.http_port)
+                           role=ROLE_FROM_PROTO.get(reply.role, ""), http_port=reply.http_port,
+                           disagg=reply.disagg)
 
     async def abort(self, request_id: str, timeout_s: float = 5.0) -> bool:
         try:

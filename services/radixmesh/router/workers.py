@@ -38,6 +38,8 @@ class WorkerHandle:
     """The role the worker reports in GetLoad ("" until probed); wins over the discovery source's."""
     http_port: int = 0
     """The port of the worker's OpenAI HTTP API, as its GetLoad reports it (0: none, or not probed yet)."""
+    transfers: Any = None
+    """The worker's DisaggStats from its last GetLoad (its --kv-transport, transfers by transport), or None."""
     num_inflight: int = 0
     """Requests this router has open on the worker."""
     inflight_prefill_tokens: int = 0

@@ -142,12 +142,13 @@ def kv_chunk_to_proto(msg: KVExportMsg) -> worker_pb2.KVChunk:
     chunk = msg.chunk
     return worker_pb2.KVChunk(transport=chunk.transport, layer_begin=chunk.layer_begin, layer_end=chunk.layer_end,
                               num_tokens=chunk.num_tokens, dtype=chunk.dtype, data=chunk.data,
-                              num_bytes=chunk.num_bytes, index=msg.index, count=msg.count)
+                              num_bytes=chunk.num_bytes, index=msg.index, count=msg.count, lease_s=chunk.lease_s)
 
 
 def kv_chunk_from_proto(msg: worker_pb2.KVChunk) -> KVChunk:
     return KVChunk(transport=msg.transport, layer_begin=msg.layer_begin, layer_end=msg.layer_end,
-                   num_tokens=msg.num_tokens, dtype=msg.dtype, data=msg.data, num_bytes=msg.num_bytes)
+                   num_tokens=msg.num_tokens, dtype=msg.dtype, data=msg.data, num_bytes=msg.num_bytes,
+                   lease_s=msg.lease_s)
 
 
 def prefill_result_to_proto(out: TokenOut, kv_bytes: int, worker_id: str) -> worker_pb2.PrefillResult:
@@ -165,12 +166,27 @@ def prefill_result_to_proto(out: TokenOut, kv_bytes: int, worker_id: str) -> wor
     return msg
 
 
-_DISAGG_STATS = tuple(worker_pb2.DisaggStats.DESCRIPTOR.fields_by_name)
+_BY_TRANSPORT = ("transfers_received_by_transport", "transfers_sent_by_transport")
+_DISAGG_STATS = tuple(name for name in worker_pb2.DisaggStats.DESCRIPTOR.fields_by_name
+                      if name not in ("kv_transport", *_BY_TRANSPORT))
 
 
-def disagg_stats_to_proto(stats: dict[str, Any]) -> worker_pb2.DisaggStats:
-    """The disaggregation counters of the scheduler's stats dict (keys as the message's field names)."""
-    return worker_pb2.DisaggStats(**{name: int(stats.get(name, 0)) for name in _DISAGG_STATS})
+def disagg_stats_to_proto(stats: dict[str, Any], kv_transport: str = "") -> worker_pb2.DisaggStats:
+    """The disaggregation counters of the scheduler's stats dict (keys as the message's field names; transfers by
+    transport from `kv_transfers_received` / `kv_transfers_sent`), and the worker's --kv-transport."""
+    msg = worker_pb2.DisaggStats(kv_transport=kv_transport)
+    for name in _DISAGG_STATS:
+        setattr(msg, name, int(stats.get(name, 0)))
+    for field, key in zip(_BY_TRANSPORT, ("kv_transfers_received", "kv_transfers_sent")):
+        getattr(msg, field).update({str(k): int(v) for k, v in (stats.get(key) or {}).items()})
+    return msg
+
+
+def disagg_stats_from_proto(msg: worker_pb2.DisaggStats) -> dict[str, Any]:
+    """What /server_info shows of a worker's KV transfers: its --kv-transport (auto, or an id) and the transports
+    its transfers used (keys as the scheduler's stats dict)."""
+    return {"kv_transport": msg.kv_transport, "kv_transfers_received": dict(msg.transfers_received_by_transport),
+            "kv_transfers_sent": dict(msg.transfers_sent_by_transport)}
 
 
 # ---- images ---------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ class KVChunk(msgspec.Struct, frozen=True):
     """Layers [layer_begin, layer_end) of the KV of `num_tokens` consecutive prompt positions.
 
     What `data` holds is the transport's business: the KV itself (grpc) or where to fetch it
-    (cuda-ipc: a CUDA IPC handle of a staging buffer on the prefill GPU).
+    (cuda-ipc: CUDA IPC handles on the prefill GPU; nixl: the prefill agent and its rows' addresses).
     """
 
     transport: str
@@ -35,6 +35,9 @@ class KVChunk(msgspec.Struct, frozen=True):
     data: bytes
     num_bytes: int
     """Bytes of KV this chunk stands for (K and V of its layers and tokens)."""
+    lease_s: float = 0.0
+    """The exporting side keeps what `data` refers to this long after the export at the latest (0: not said).
+    A transport reading it later (nixl) rejects what lands after that, counted from its reservation's grant."""
 
 
 # ---- decode side -------------------------------------------------------------------------------
@@ -88,8 +91,11 @@ class PrefillReqMsg(msgspec.Struct, tag="disagg_prefill", frozen=True):
     start_pos: int
     """First prompt position whose KV is exported (the decode worker holds the ones before)."""
     transport: str
+    """A transport id, or auto (chosen per receiver: `transport.choice`)."""
     lease_s: float
     """The exported KV is released when `ReleaseTransferMsg` does not come this long after export."""
+    transport_params: bytes = b""
+    """The receiver's `ReceiverInfo` (msgpack), from `PrefillStart.transport_params`; empty: unknown."""
 
 
 class KVExportMsg(msgspec.Struct, tag="disagg_export", frozen=True):
@@ -118,6 +124,8 @@ class ExportCachedReqMsg(msgspec.Struct, tag="disagg_export_cached", frozen=True
     start_pos: int
     transport: str
     lease_s: float
+    transport_params: bytes = b""
+    """The fetching side's `ReceiverInfo` (msgpack); empty: unknown."""
 
 
 class PrefixLenReqMsg(msgspec.Struct, tag="disagg_prefix_len", frozen=True):

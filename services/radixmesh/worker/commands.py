@@ -11,7 +11,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the `worker` subcommand to the `radixmesh` command."""
     from radixmesh.common.grpc_server import add_server_args
     from radixmesh.engine.args import add_engine_args
-    from radixmesh.engine.disagg.transport.registry import KV_TRANSPORT_IDS
+    from radixmesh.engine.disagg.transport.registry import KV_TRANSPORT_CHOICES
 
     cmd = sub.add_parser("worker", help="serve one engine over gRPC (WorkerService)",
                          description="Run the engine's scheduler in its own process behind the gRPC "
@@ -20,9 +20,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--role", default="unified", choices=("unified", "prefill", "decode"),
                      help="unified serves whole requests; prefill/decode are disaggregation tiers (a decode "
                           "worker has the prefill worker a router names compute the prompt and send its KV)")
-    cmd.add_argument("--kv-transport", default="grpc", choices=KV_TRANSPORT_IDS,
+    cmd.add_argument("--kv-transport", default="auto", choices=KV_TRANSPORT_CHOICES,
                      help="disaggregation: how KV moves from prefill to decode workers (grpc: bytes over the "
-                          "Prefill call, anywhere; cuda-ipc: GPU to GPU on one host); both tiers must agree")
+                          "Prefill call, anywhere; cuda-ipc: GPU to GPU on one host; nixl: READ over NIXL/UCX, across "
+                          "nodes, needs radixmesh[nixl]; auto: cuda-ipc between workers on one host seeing each "
+                          "other's GPUs, else nixl when installed, else grpc, per pair of workers)")
     cmd.add_argument("--kv-lease-s", type=float, default=60.0,
                      help="disaggregation: seconds a KV reservation (decode) or exported KV (prefill) is held at most")
     cmd.add_argument("--prefill-timeout-s", type=float, default=30.0,

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from radixmesh.common.errors import invalid_argument
-from radixmesh.engine.disagg.transport.registry import check_transport_id
+from radixmesh.engine.disagg.transport.registry import AUTO, check_transport_id
 
 WORKER_ROLES = ("unified", "prefill", "decode")
 PEER_FETCH_MODES = ("auto", "always", "off")
@@ -27,9 +27,10 @@ class WorkerConfig:
     """Tokens per block of the KV-cache events this worker publishes."""
     redis_url: str | None = None
     """Redis of the KV-cache index and worker leases; None: publish nothing."""
-    kv_transport: str = "grpc"
-    """Disaggregation: KV transport id (grpc | cuda-ipc); a decode worker asks for it, a prefill worker
-    serves only it."""
+    kv_transport: str = AUTO
+    """Disaggregation and prefix sharing: KV transport id (grpc | cuda-ipc | nixl), or auto (picked per pair of
+    workers: cuda-ipc on one host seeing each other's GPUs, else nixl when installed, else grpc); a decode worker
+    asks for it, a prefill worker with a fixed id serves only it."""
     kv_lease_s: float = 60.0
     """Disaggregation: seconds a KV reservation (decode) or exported KV (prefill) is held at most."""
     prefill_timeout_s: float = 30.0
@@ -72,6 +73,17 @@ class WorkerConfig:
         if self.advertise_address and ":" not in self.advertise_address:
             raise invalid_argument(f"advertise_address must be host:port (got {self.advertise_address!r})",
                                    "advertise_address")
+
+    def serving_transport(self, asked: str) -> str:
+        """What an exporting worker uses for a peer that asked for `asked`: its own fixed id, or with auto here
+        what the peer asked (auto included: the scheduler picks). INVALID_ARGUMENT when two fixed ids differ."""
+        check_transport_id(asked or AUTO)
+        if self.kv_transport == AUTO:
+            return asked or AUTO
+        if asked in ("", AUTO, self.kv_transport):
+            return self.kv_transport
+        raise invalid_argument(f"this worker sends KV over {self.kv_transport}, not {asked}: run both tiers with the "
+                               "same --kv-transport (or auto)", "kv_transport")
 
     def resolve(self, listen_address: str) -> WorkerConfig:
         """Fill the advertise address and worker id from the address the server bound."""

@@ -64,6 +64,8 @@ class _Exchange:
     first_chunk_at: float | None = None
     result: worker_pb2.PrefillResult | None = None
     num_bytes: int = 0
+    transport: str = ""
+    """The transport the KV came with (the first chunk's)."""
 
 
 class DecodeFlow:
@@ -79,6 +81,8 @@ class DecodeFlow:
         self._exchanges: dict[str, asyncio.Task[None]] = {}
         self._aborted: set[str] = set()
         self._draining: set[asyncio.Task[None]] = set()
+        self._transports: dict[str, str] = {}
+        """Prefill worker id -> the transport its last transfer came with."""
 
     def abort(self, rid: str) -> bool:
         """Stop a sequence that is not committed yet (its Prefill call is cancelled); False when it is not
@@ -186,6 +190,7 @@ class DecodeFlow:
                     raise RadixMeshError(ErrorCode.UNAVAILABLE, "the prefill worker ended the call without a result")
                 if msg.HasField("kv_chunk"):
                     ex.first_chunk_at = ex.first_chunk_at or time.time()
+                    self._note_transport(ex, msg.kv_chunk.transport)
                     await self.disagg.land(ex.grant.reservation_id, kv_chunk_from_proto(msg.kv_chunk))
                 else:
                     ex.result = msg.result
@@ -205,7 +210,18 @@ class DecodeFlow:
         return worker_pb2.PrefillStart(
             request_id=ex.rid, token_ids=ex.input_ids, sampling_params=sampling_to_proto(ex.params),
             start_pos=ex.grant.prefix_len, kv_transport=self.config.kv_transport,
-            lease_ms=int(self.config.kv_lease_s * 1000), decode_worker_id=self.config.worker_id)
+            lease_ms=int(self.config.kv_lease_s * 1000), decode_worker_id=self.config.worker_id,
+            transport_params=ex.grant.transport_params)
+
+    def _note_transport(self, ex: _Exchange, transport: str) -> None:
+        """Remember the transport of the exchange; log each prefill worker's first one (and a change)."""
+        if ex.transport:
+            return
+        ex.transport = transport
+        if self._transports.get(ex.target.worker_id) != transport:
+            self._transports[ex.target.worker_id] = transport
+            logger.info("KV from prefill worker %s at %s comes over %s (--kv-transport %s)", ex.target.worker_id,
+                        ex.target.address, transport, self.config.kv_transport)
 
     def _release(self, call: grpc.aio.StreamStreamCall) -> None:
         """Tell the prefill worker the KV landed, off the request's path; it then ends the call."""
@@ -228,9 +244,9 @@ class DecodeFlow:
         result = ex.result
         assert result is not None, "the exchange ended without a result"
         now = time.time()
-        record_kv_transfer(self.config.kv_transport, "receive", ex.num_bytes, ex.first_chunk_at or now, now,
-                           attributes={"radixmesh.request_id": ex.rid, "kv.prefill_worker_id": ex.target.worker_id,
-                                       "kv.tokens": ex.grant.num_reserved_tokens})
+        record_kv_transfer(ex.transport or self.config.kv_transport, "receive", ex.num_bytes, ex.first_chunk_at or now,
+                           now, attributes={"radixmesh.request_id": ex.rid, "kv.prefill_worker_id": ex.target.worker_id,
+                                            "kv.tokens": ex.grant.num_reserved_tokens})
         top = [(e.token_id, e.logprob) for e in result.top_logprobs.entries] or None
         return ResolveReservationMsg(ex.rid, ex.grant.reservation_id, ex.input_ids, ex.params,
                                      first_token=result.token_id,

@@ -51,11 +51,12 @@ class PrefillFlow:
             raise invalid_argument("a Prefill call starts with PrefillRequest.start", "start")
         msg = self._prefill_msg(first.start)
         last: TokenOut | None = None
-        num_bytes = 0
+        num_bytes, transport = 0, msg.transport
         async with contextlib.aclosing(self._run(msg, first.start.decode_worker_id)) as items:
             async for item in items:
                 if isinstance(item, KVExportMsg):
                     num_bytes += item.chunk.num_bytes
+                    transport = item.chunk.transport  # what auto chose
                     yield worker_pb2.PrefillResponse(kv_chunk=kv_chunk_to_proto(item))
                 else:
                     last = item
@@ -68,17 +69,14 @@ class PrefillFlow:
             await wait_release(requests, msg.lease_s)
         finally:
             await self.disagg.release(msg.transfer_id)
-            record_kv_transfer(msg.transport, "send", num_bytes, sent_at, time.time(),
+            record_kv_transfer(transport, "send", num_bytes, sent_at, time.time(),
                                attributes={"radixmesh.request_id": msg.rid,
                                            "kv.decode_worker_id": first.start.decode_worker_id,
                                            "kv.tokens": len(msg.input_ids) - msg.start_pos})
 
     def _prefill_msg(self, start: worker_pb2.PrefillStart) -> PrefillReqMsg:
         ids, params = list(start.token_ids), sampling_from_proto(start.sampling_params)
-        if start.kv_transport != self.config.kv_transport:
-            raise invalid_argument(f"this prefill worker sends KV over {self.config.kv_transport}, not "
-                                   f"{start.kv_transport or '(none)'}: run both tiers with the same --kv-transport",
-                                   "kv_transport")
+        transport = self.config.serving_transport(start.kv_transport)
         if params.n != 1:
             raise invalid_argument("a Prefill call is one sequence: n must be 1", "n")
         self.engine.validate(ids, params)
@@ -89,7 +87,7 @@ class PrefillFlow:
             raise invalid_argument(f"request id {start.request_id!r} is already running on this worker", "request_id")
         lease_s = min(start.lease_ms / 1000, self.config.kv_lease_s) if start.lease_ms else self.config.kv_lease_s
         return PrefillReqMsg(start.request_id or uuid.uuid4().hex, uuid.uuid4().hex, ids, params, start.start_pos,
-                             start.kv_transport, lease_s)
+                             transport, lease_s, bytes(start.transport_params))
 
     async def _run(self, msg: PrefillReqMsg, decode_worker_id: str) -> AsyncGenerator[KVExportMsg | TokenOut, None]:
         """The scheduler's answers, tracked as this worker's load and timed as its queue/prefill spans."""

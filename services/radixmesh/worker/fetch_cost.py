@@ -20,7 +20,8 @@ MIN_PREFILL_SAMPLE_TOKENS = 32
 MIN_FETCH_SAMPLE_BYTES = 64 * 1024
 """Fetches of fewer bytes measure the round trip, not the bandwidth."""
 PREFILL_PRIOR_TOK_S = {"cuda": 8000.0, "cpu": 300.0}
-TRANSFER_PRIOR_BYTES_S = {"grpc": 300e6, "cuda-ipc": 10e9}
+TRANSFER_PRIOR_BYTES_S = {"grpc": 300e6, "cuda-ipc": 10e9, "nixl": 1e9}
+"""Until measured; auto (and any other id) starts from grpc's, the slowest."""
 OVERHEAD_S = 0.005
 
 

@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.disagg.client import DisaggClient
-from radixmesh.engine.disagg.transport.registry import check_transport_device
+from radixmesh.engine.disagg.transport.registry import AUTO, check_transport_device
 from radixmesh.protocol import worker_pb2
 from radixmesh.wire.convert import kv_chunk_to_proto
 from radixmesh.wire.disagg import ExportCachedReqMsg, KVExportMsg
@@ -45,11 +45,12 @@ class PeerExportFlow:
         if first is None or not first.HasField("start"):
             raise invalid_argument("a FetchKV call starts with FetchKVRequest.start", "start")
         msg = self._export_msg(first.start)
-        started, end, num_bytes = time.time(), 0, 0
+        started, end, num_bytes, transport = time.time(), 0, 0, msg.transport
         async with contextlib.aclosing(self.engine.stream(msg)) as items:
             async for item in items:
                 if isinstance(item, KVExportMsg):
                     num_bytes += item.chunk.num_bytes
+                    transport = item.chunk.transport  # what auto chose
                     yield worker_pb2.FetchKVResponse(kv_chunk=kv_chunk_to_proto(item))
                 else:
                     end = item.cached_tokens
@@ -62,7 +63,7 @@ class PeerExportFlow:
             await wait_release(requests, msg.lease_s)
         finally:
             await self.disagg.release(msg.transfer_id)
-            record_kv_transfer_span("worker.kv_export_cached", started, time.time(), msg.transport, num_bytes,
+            record_kv_transfer_span("worker.kv_export_cached", started, time.time(), transport, num_bytes,
                                     attributes={"radixmesh.request_id": first.start.request_id,
                                                 "kv.requester_worker_id": first.start.requester_worker_id,
                                                 "kv.tokens": end - msg.start_pos})
@@ -79,7 +80,9 @@ class PeerExportFlow:
         if start.epoch and current and start.epoch != current:
             raise RadixMeshError(ErrorCode.ABORTED, f"this worker's cache is of epoch {current}, not {start.epoch}: "
                                                     "the index entry the router read is stale")
-        check_transport_device(start.kv_transport, self.engine.config.device)
+        transport = start.kv_transport if start.kv_transport not in ("", AUTO) else self.config.kv_transport
+        check_transport_device(transport, self.engine.config.device)
         lease_s = min(start.lease_ms / 1000, self.config.kv_lease_s) if start.lease_ms else self.config.kv_lease_s
         rid = f"{start.request_id or 'fetch'}/export-{uuid.uuid4().hex[:12]}"
-        return ExportCachedReqMsg(rid, uuid.uuid4().hex, ids, start.start_pos, start.kv_transport, lease_s)
+        return ExportCachedReqMsg(rid, uuid.uuid4().hex, ids, start.start_pos, transport, lease_s,
+                                  bytes(start.transport_params))

@@ -58,6 +58,8 @@ class _Fetch:
     end: int = 0
     """Where the peer's KV ends (0 until its result came)."""
     num_bytes: int = 0
+    transport: str = ""
+    """The transport the KV came with (its first chunk's)."""
 
 
 KV_ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -164,7 +166,8 @@ class PeerFetchFlow:
             self._fetched[fetch.rid] = tokens
             self.costs.observe_fetch(fetch.num_bytes, elapsed)
         tier_metrics.observe_peer_fetch("fallback" if reason else "committed", elapsed, fetch.num_bytes, tokens)
-        record_kv_transfer_span("worker.peer_fetch", start, start + elapsed, self.config.kv_transport,
+        transport = fetch.transport or self.config.kv_transport
+        record_kv_transfer_span("worker.peer_fetch", start, start + elapsed, transport,
                                 fetch.num_bytes, attributes={"radixmesh.request_id": fetch.rid,
                                                              "kv.peer_worker_id": fetch.peer.worker_id,
                                                              "kv.tokens": tokens, "kv.fallback_reason": reason})
@@ -201,6 +204,7 @@ class PeerFetchFlow:
                 result: worker_pb2.FetchKVResult = msg.result
                 return result
             chunk = kv_chunk_from_proto(msg.kv_chunk)
+            fetch.transport = fetch.transport or chunk.transport
             if not trimmed and chunk.num_tokens < grant.num_reserved_tokens:  # the peer holds less than asked
                 await self.engine.send(TrimReservationMsg(grant.reservation_id, chunk.num_tokens))
             trimmed = True
@@ -210,7 +214,7 @@ class PeerFetchFlow:
         return worker_pb2.FetchKVStart(
             request_id=fetch.rid, token_ids=fetch.ids[: fetch.want], start_pos=grant.prefix_len,
             kv_transport=self.config.kv_transport, lease_ms=int(self.config.kv_lease_s * 1000),
-            requester_worker_id=self.config.worker_id, epoch=fetch.peer.epoch)
+            requester_worker_id=self.config.worker_id, epoch=fetch.peer.epoch, transport_params=grant.transport_params)
 
     def _release(self, call: grpc.aio.StreamStreamCall) -> None:
         """Tell the peer the KV landed, off the request's path; it then unlocks its copy and ends the call."""

@@ -23,7 +23,7 @@ from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
 from radixmesh.common.lane import LaneMethod
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.config import EngineConfig
-from radixmesh.engine.disagg.transport.registry import check_transport_device
+from radixmesh.engine.disagg.transport.registry import AUTO, check_transport_device, describe_auto
 from radixmesh.protocol import worker_pb2, worker_pb2_grpc
 from radixmesh.worker import metrics
 from radixmesh.worker.config import WorkerConfig
@@ -44,6 +44,8 @@ async def serve_worker(server_config: GrpcServerConfig, config: WorkerConfig, en
         engine_config = dataclasses.replace(engine_config, kv_events_block_size=config.block_size)
     if config.role != "unified":
         check_transport_device(config.kv_transport, engine_config.resolve().device)
+        chosen = f"auto: {describe_auto()}" if config.kv_transport == AUTO else config.kv_transport
+        print(f"radixmesh worker: {config.role}, KV transport {chosen}", file=sys.stderr, flush=True)
     client = await EngineClient.start(engine_config)
     publisher, servicer = None, None
     http_api: WorkerHttpApi | None = None

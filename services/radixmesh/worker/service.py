@@ -173,8 +173,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         metrics.ENGINE_STATS.update(stats)
         return worker_pb2.GetLoadResponse(worker_id=self.config.worker_id, role=ROLE_TO_PROTO[self.config.role],
                                           load=load_to_proto(WorkerLoad.from_stats(stats)),
-                                          disagg=disagg_stats_to_proto(stats), lane_port=self.lane_port,
-                                          http_port=self.http_port)
+                                          disagg=disagg_stats_to_proto(stats, self.config.kv_transport),
+                                          lane_port=self.lane_port, http_port=self.http_port)
 
     @map_errors("worker")
     async def FlushCache(self, request: worker_pb2.FlushCacheRequest,

@@ -2,9 +2,11 @@
 
 The receiver owns a KV pool and a transport like a decode worker's scheduler. It answers the sender
 (the benchmark's own process, the prefill side) over a multiprocessing pipe, one msgpack message at a
-time: `PrepareMsg` (zero the pool, draw the slots of the next size), `ChunkMsg`s (receive; after the
-last one finish, synchronize and report the time spent), `CheckMsg` (a fingerprint of the KV at its
-slots), `StopMsg`. Every request gets one `ReplyMsg`; a failure comes back as its `error`.
+time: `PrepareMsg` (zero the pool, draw the slots of the next size; the reply describes this side for
+the export, as a decode worker's grant does), `ChunkMsg`s (receive; after the last one finish,
+synchronize and report the time spent), `CheckMsg` (a fingerprint of the KV at its slots),
+`BareReadMsg` (nixl's baseline: `bench_transfer_nixl`), `StopMsg`. Every request gets one `ReplyMsg`;
+a failure comes back as its `error`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import msgspec
 import torch
 
+from radixmesh.engine.disagg.bench_transfer_nixl import BareReadMsg, BareReceiver
 from radixmesh.engine.disagg.transport.base import BaseKVTransport
 from radixmesh.engine.disagg.transport.registry import create_transport
 from radixmesh.engine.memory import TokenToKVPool
@@ -45,11 +48,14 @@ class PoolSpec(msgspec.Struct, frozen=True):
     """A key of KV_DTYPES."""
     transport: str
     """A KV transport id of the registry."""
+    mode: str = ""
+    """The transport's mode option (cuda-ipc: direct | staging; nixl: auto | direct | staging); "" its default."""
 
 
 class PrepareMsg(msgspec.Struct, tag="prepare", frozen=True):
     num_tokens: int
     seed: int
+    contiguous: bool = False
 
 
 class ChunkMsg(msgspec.Struct, tag="chunk", frozen=True):
@@ -73,9 +79,13 @@ class ReplyMsg(msgspec.Struct, frozen=True):
     """Per layer, the fingerprint of the KV at the receiver's slots (answering CheckMsg)."""
     error: str = ""
     """The receiver's traceback when it failed."""
+    transport_params: bytes = b""
+    """Answering PrepareMsg: this side's ReceiverInfo (nixl: the agents whose metadata it holds)."""
+    times_s: list[float] = []
+    """Answering BareReadMsg: seconds of each timed READ."""
 
 
-ToReceiverMsg = PrepareMsg | ChunkMsg | CheckMsg | StopMsg
+ToReceiverMsg = PrepareMsg | ChunkMsg | CheckMsg | BareReadMsg | StopMsg
 encoder = msgspec.msgpack.Encoder()
 reply_decoder = msgspec.msgpack.Decoder(ReplyMsg)
 _request_decoder = msgspec.msgpack.Decoder(ToReceiverMsg)
@@ -89,6 +99,8 @@ def open_side(spec: PoolSpec, **options: Any) -> tuple[TokenToKVPool, BaseKVTran
     if device.type == "cuda":
         torch.cuda.set_device(device)
     pool = TokenToKVPool(spec.size, spec.num_layers, spec.kv_heads, spec.head_dim, KV_DTYPES[spec.dtype], device)
+    if spec.mode and "mode" not in options:
+        options = {**options, "mode": spec.mode}
     return pool, create_transport(spec.transport, pool, **options)
 
 
@@ -97,9 +109,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def random_slots(pool: TokenToKVPool, num_tokens: int, seed: int) -> torch.Tensor:
-    """`num_tokens` distinct slots in random order, as a worker's allocator hands out after a while."""
+def random_slots(pool: TokenToKVPool, num_tokens: int, seed: int, contiguous: bool = False) -> torch.Tensor:
+    """`num_tokens` distinct slots in random order, as a worker's allocator hands out after a while (or one run
+    from a random place, as a fresh pool hands out)."""
     generator = torch.Generator().manual_seed(seed)
+    if contiguous:
+        first = int(torch.randint(0, pool.size - num_tokens + 1, (1,), generator=generator))
+        return torch.arange(first + 1, first + 1 + num_tokens, device=pool.device)
     return (torch.randperm(pool.size, generator=generator)[:num_tokens] + 1).to(pool.device)
 
 
@@ -166,6 +182,13 @@ class Receiver:
         self._conn.close()
 
 
+def _receiver_params(transport: BaseKVTransport) -> bytes:
+    from radixmesh.engine.disagg.transport.choice import ReceiverInfo, encode_receiver_info
+
+    agents = getattr(transport, "receiver_agents", None)
+    return encode_receiver_info(ReceiverInfo(nixl_agents=agents())) if agents is not None else b""
+
+
 def receiver_main(conn: Connection, spec: PoolSpec) -> None:
     """Entry point of the receiver process (multiprocessing 'spawn')."""
     try:
@@ -179,7 +202,7 @@ def receiver_main(conn: Connection, spec: PoolSpec) -> None:
 
 def _serve(conn: Connection, pool: TokenToKVPool, transport: BaseKVTransport) -> None:
     slots = torch.empty(0, dtype=torch.int64, device=pool.device)
-    receive_s = 0.0
+    receive_s, bare = 0.0, None
     while True:
         msg = _request_decoder.decode(conn.recv_bytes())
         if isinstance(msg, StopMsg):
@@ -187,9 +210,12 @@ def _serve(conn: Connection, pool: TokenToKVPool, transport: BaseKVTransport) ->
         if isinstance(msg, PrepareMsg):
             for buf in (*pool.k_buffers, *pool.v_buffers):
                 buf.zero_()
-            slots = random_slots(pool, msg.num_tokens, msg.seed)
+            slots = random_slots(pool, msg.num_tokens, msg.seed, msg.contiguous)
             synchronize(pool.device)
-            reply = ReplyMsg()
+            reply = ReplyMsg(transport_params=_receiver_params(transport))
+        elif isinstance(msg, BareReadMsg):
+            bare = bare or BareReceiver(pool.device)
+            reply = ReplyMsg(times_s=bare.read(msg))
         elif isinstance(msg, ChunkMsg):
             start = time.perf_counter()
             transport.receive(msg.chunk, slots)
@@ -199,7 +225,7 @@ def _serve(conn: Connection, pool: TokenToKVPool, transport: BaseKVTransport) ->
             receive_s += time.perf_counter() - start
             if not msg.last:
                 continue
-            reply, receive_s = ReplyMsg(receive_s=receive_s), 0.0
+            reply, receive_s = ReplyMsg(receive_s=receive_s, transport_params=_receiver_params(transport)), 0.0
         else:
             reply = ReplyMsg(sums=fingerprint(pool, slots))
         conn.send_bytes(encoder.encode(reply))

@@ -41,6 +41,8 @@ class Grant:
     num_reserved_tokens: int
     lease_s: float
     """Left of the lease when granted: the slots are freed if the reservation is not resolved by then."""
+    transport_params: bytes = b""
+    """This side described for the exporting side's transport (`PrefillStart.transport_params`)."""
 
 
 class DisaggClient:
@@ -70,7 +72,7 @@ class DisaggClient:
         if not reply.get("ok"):
             raise RadixMeshError(ErrorCode.RESOURCE_EXHAUSTED, f"KV reservation refused: {reply.get('error')}")
         return Grant(reservation_id, int(reply["prefix_len"]), int(reply["num_reserved_tokens"]),
-                     float(reply["lease_s"]))
+                     float(reply["lease_s"]), bytes(reply.get("transport_params") or b""))
 
     async def land(self, reservation_id: str, chunk: KVChunk) -> None:
         """Write one received chunk into the reservation's slots (errors surface in `transfer_done`)."""

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from radixmesh.common.errors import RadixMeshError
+from radixmesh.engine.disagg.transport.choice import AUTO, ReceiverInfo, choose_transport, decode_receiver_info
 from radixmesh.engine.request import Req
 from radixmesh.wire.disagg import ExportCachedReqMsg, KVExportMsg, PrefillReqMsg
 from radixmesh.wire.messages import TokenOut
@@ -50,16 +51,23 @@ class HeldTransfer:
 
 class ExportManager:
     def __init__(self, scheduler: Scheduler, transport: Callable[[str], BaseKVTransport],
-                 send: Callable[[KVExportMsg], object], clock: Callable[[], float] = time.monotonic) -> None:
+                 send: Callable[[KVExportMsg], object], clock: Callable[[], float] = time.monotonic,
+                 local_info: Callable[[], ReceiverInfo] | None = None) -> None:
         self.sched = scheduler
         self.transport = transport
         self.send = send
         self.clock = clock
+        self.local_info = local_info or (lambda: ReceiverInfo())
+        """This side described as `choice` compares it with a receiver (auto)."""
+        self._choices: set[tuple[str, str, str]] = set()
+        """(receiver host, receiver GPU, transport) choices logged already."""
         self.requested: dict[str, PrefillReqMsg] = {}
         """rid -> prefill request still computing."""
         self.staged: dict[str, list[KVExportMsg] | str] = {}
         """rid -> chunks of a prompt still computing whose gather is queued (or why its export failed)."""
         self.held: dict[str, HeldTransfer] = {}
+        self.by_transport: dict[str, int] = {}
+        """Transfers sent, by the transport they went with."""
         self.counters = {"num_exports": 0, "kv_bytes_exported": 0, "num_transfers_lapsed": 0, "num_export_errors": 0,
                          "num_cached_exports": 0, "cached_tokens_exported": 0}
 
@@ -72,7 +80,7 @@ class ExportManager:
             self.sched.fail(req, f"start_pos {msg.start_pos} is outside the prompt of {len(msg.input_ids)} tokens")
             return
         try:
-            self.transport(msg.transport)
+            msg = msgspec.structs.replace(msg, transport=self._choose(msg.transport, msg.transport_params))
         except RadixMeshError as exc:
             self.sched.fail(req, exc.message)
             return
@@ -122,19 +130,21 @@ class ExportManager:
         if len(match.indices) < len(msg.input_ids):
             return ("the prompt's KV is not in the radix cache after prefill "
                     "(a prefill worker needs its radix cache on)")
-        return self._stage_match(msg.rid, msg.transfer_id, match, msg.start_pos, msg.transport, msg.lease_s)
+        return self._stage_match(msg.rid, msg.transfer_id, match, msg.start_pos, msg.transport, msg.lease_s,
+                                 msg.transport_params)
 
     def export_cached(self, msg: ExportCachedReqMsg) -> None:
         """Prefix sharing: send the KV this worker holds of positions start_pos.. of `input_ids`, computing
         nothing, then one TokenOut whose `cached_tokens` is where the sent KV ends (see ExportCachedReqMsg)."""
         match = self.sched.kv.tree.match_prefix(list(msg.input_ids))
-        end, error = len(match.indices), None
+        end, error, transport = len(match.indices), None, msg.transport
         try:
-            self.transport(msg.transport)
+            transport = self._choose(msg.transport, msg.transport_params)
         except RadixMeshError as exc:
             error = exc.message
         if error is None and end > msg.start_pos:
-            staged = self._stage_match(msg.rid, msg.transfer_id, match, msg.start_pos, msg.transport, msg.lease_s)
+            staged = self._stage_match(msg.rid, msg.transfer_id, match, msg.start_pos, transport, msg.lease_s,
+                                       msg.transport_params)
             if isinstance(staged, str):
                 error = staged
             else:
@@ -145,22 +155,56 @@ class ExportManager:
                                   finish_reason="error" if error else "length", error=error)])
 
     def _stage_match(self, rid: str, transfer_id: str, match: MatchResult, start_pos: int, transport: str,
-                     lease_s: float) -> list[KVExportMsg] | str:
+                     lease_s: float, params: bytes = b"") -> list[KVExportMsg] | str:
         """Lock the matched path and export the KV of its positions start_pos..: the chunks to send, or an error."""
         self.sched.kv.tree.inc_lock_ref(match.last_node)
         self.held[transfer_id] = HeldTransfer(transfer_id, rid, match.last_node, transport, self.clock() + lease_s)
         try:
-            chunks = self.transport(transport).export(transfer_id, match.indices[start_pos:])
+            chunks = self.transport(transport).export(transfer_id, match.indices[start_pos:],
+                                                      decode_receiver_info(params))
         except (RadixMeshError, AssertionError, RuntimeError) as exc:
             self.release(transfer_id)
             logger.warning("request %s: KV export failed: %s", rid, exc)
             return f"KV export failed: {exc}"
-        return [KVExportMsg(rid, transfer_id, index, len(chunks), chunk) for index, chunk in enumerate(chunks)]
+        return [KVExportMsg(rid, transfer_id, index, len(chunks), msgspec.structs.replace(chunk, lease_s=lease_s))
+                for index, chunk in enumerate(chunks)]
+
+    def _choose(self, requested: str, params: bytes) -> str:
+        """The transport of `transfer_id`: `requested`, or for auto the one `choice` picks for its receiver;
+        RadixMeshError when it cannot run here."""
+        receiver = decode_receiver_info(params)
+        chosen, why = choose_transport(requested, receiver, self.local_info())
+        self.transport(chosen)
+        key = ("" if receiver is None else receiver.host_id,
+               receiver.gpu_uuids[0] if receiver is not None and receiver.gpu_uuids else "", chosen)
+        if requested == AUTO and key not in self._choices:
+            self._choices.add(key)
+            level = logging.WARNING if chosen == "grpc" else logging.INFO  # the slow path: say why, always
+            logger.log(level, "KV transport auto: %s for receivers on %s (%s)", chosen, key[0] or "an unknown host",
+                       why)
+        return chosen
 
     def _send(self, msgs: list[KVExportMsg]) -> None:
+        msgs = self._finalize(msgs)
         for msg in msgs:
             self.send(msg)
             self.counters["kv_bytes_exported"] += msg.chunk.num_bytes
+            self.by_transport[msg.chunk.transport] = self.by_transport.get(msg.chunk.transport, 0) + (msg.index == 0)
+
+    def _finalize(self, msgs: list[KVExportMsg]) -> list[KVExportMsg]:
+        """The chunks as they leave: a transport may wait for its device work and make them final here."""
+        final: list[KVExportMsg] = []
+        for transfer_id in dict.fromkeys(m.transfer_id for m in msgs):
+            mine = [m for m in msgs if m.transfer_id == transfer_id]
+            held = self.held.get(transfer_id)
+            chunks = self.transport(held.transport).ready_to_send(transfer_id) if held is not None else None
+            if chunks is None:
+                final += mine
+                continue
+            lease_s, rid = mine[0].chunk.lease_s, mine[0].rid
+            final += [KVExportMsg(rid, transfer_id, index, len(chunks), msgspec.structs.replace(chunk, lease_s=lease_s))
+                      for index, chunk in enumerate(chunks)]
+        return final
 
     def release(self, transfer_id: str) -> None:
         held = self.held.pop(transfer_id, None)

@@ -10,6 +10,10 @@ A reservation is a request row holding the decode worker's own cached prefix of 
 
 Resolving without a complete transfer (or without a first token) computes the prompt here
 instead: the request is queued like a plain Generate, so it is never lost.
+
+A transport may land a chunk after `receive` returned (nixl's READ): its `PendingReceive`s are polled
+by `tick`, `transfer_done` is answered once they landed (`receives`), and a reservation given up
+meanwhile keeps its slots until they are stopped.
 """
 
 from __future__ import annotations
@@ -20,9 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from radixmesh.common.errors import RadixMeshError
+from radixmesh.engine.device_io import HostCopy
+from radixmesh.engine.disagg.receives import Draining, InFlight, poll_receives
 from radixmesh.engine.request import Req
 from radixmesh.wire.disagg import KVChunkInMsg, ReserveReqMsg, ResolveReservationMsg, TransferDoneReqMsg
 
@@ -47,14 +55,35 @@ class Reservation:
     """[suffix_len] int64 slots of prompt positions prefix_len..prompt_len-1."""
     prefix_len: int
     expires_at: float
+    granted_at: float = 0.0
     layers_received: list[bool] = field(default_factory=list)
     num_bytes_received: int = 0
     error: str | None = None
     transports: set[str] = field(default_factory=set)
+    """Transports whose receives are complete once their `finish` returns."""
+    receiving: list[InFlight] = field(default_factory=list)
+    """Receives still landing after `receive` returned (polled by `tick`)."""
+    done_query: str | None = None
+    """A TransferDoneReqMsg waiting for `receiving` to land."""
+    slots_host: HostCopy | None = None
+    """`slots` on their way to the host, started at the grant (a transport describing them reads these, without
+    waiting for the device when the KV arrives)."""
+
+    def host_slots(self) -> npt.NDArray[np.int64] | None:
+        if self.slots_host is None:
+            return None
+        host = self.slots_host.wait()[0]
+        assert host is not None, "a host copy of the slots"
+        return host.numpy()[: int(self.slots.shape[0])]  # a trimmed reservation keeps its first slots
+
+    @property
+    def is_landing(self) -> bool:
+        return self.error is None and not all(item.done for item in self.receiving)
 
     @property
     def is_complete(self) -> bool:
-        return self.error is None and bool(self.layers_received) and all(self.layers_received)
+        return (self.error is None and bool(self.layers_received) and all(self.layers_received)
+                and all(item.done for item in self.receiving))
 
 
 @dataclass
@@ -75,6 +104,16 @@ class ReservationManager:
         self.counters = {"num_reservations_granted": 0, "num_reservations_lapsed": 0, "num_reservations_refused": 0,
                          "num_committed": 0, "num_fallbacks": 0, "kv_bytes_received": 0, "num_stale_chunks": 0}
         self.fallback_reasons: dict[str, int] = {}
+        self.by_transport: dict[str, int] = {}
+        """Transfers received, by the transport of their first chunk."""
+        self.draining = Draining(lambda slots: self.sched.kv.allocator.free(slots))
+        self.receiver_params: Callable[[], bytes] = lambda: b""
+        """This side's `ReceiverInfo` (msgpack), sent with each grant for the exporting side (auto, nixl)."""
+
+    @property
+    def is_busy(self) -> bool:
+        """Receives are landing: the scheduler loop should come back soon even when idle."""
+        return bool(self.draining) or any(r.is_landing for r in self.active.values())
 
     # ---- reserve ----------------------------------------------------------------------------------
     def reserve(self, msg: ReserveReqMsg) -> None:
@@ -108,7 +147,8 @@ class ReservationManager:
             self.counters["num_reservations_granted"] += 1
             self.reply(granted.query_id, {
                 "ok": True, "reservation_id": granted.reservation_id, "prefix_len": granted.prefix_len,
-                "num_reserved_tokens": int(granted.slots.shape[0]), "lease_s": granted.expires_at - self.clock()})
+                "num_reserved_tokens": int(granted.slots.shape[0]), "lease_s": granted.expires_at - self.clock(),
+                "transport_params": self.receiver_params()})
 
     def _try_grant(self, msg: ReserveReqMsg) -> Reservation | None:
         sched, kv = self.sched, self.sched.kv
@@ -132,8 +172,9 @@ class ReservationManager:
         prefix_len = req.kv_len
         kv.req_pool.write(req.req_pool_idx, prefix_len, slots)
         req.admitted_at = time.time()  # the end of its queue wait, as for a locally prefilled request
-        return Reservation(msg.reservation_id, msg.query_id, req, slots, prefix_len, self.clock() + msg.lease_s,
-                           layers_received=[False] * sched.runner.kv_pool.num_layers)
+        now = self.clock()
+        return Reservation(msg.reservation_id, msg.query_id, req, slots, prefix_len, now + msg.lease_s, granted_at=now,
+                           layers_received=[False] * sched.runner.kv_pool.num_layers, slots_host=HostCopy([slots]))
 
     def _decode_need(self, req: Req) -> int:
         return self.sched.decode.need(req)
@@ -152,12 +193,17 @@ class ReservationManager:
             return
         chunk = msg.chunk
         try:
-            self.transport(chunk.transport).receive(chunk, reservation.slots)
+            pending = self.transport(chunk.transport).receive(chunk, reservation.slots, reservation.host_slots())
         except (RadixMeshError, AssertionError, RuntimeError) as exc:
             reservation.error = f"KV chunk rejected: {exc}"
             logger.warning("reservation %s: %s", reservation.reservation_id, reservation.error)
             return
-        reservation.transports.add(chunk.transport)
+        if pending is None:
+            reservation.transports.add(chunk.transport)
+        else:
+            reservation.receiving.append(InFlight(pending))
+        if not any(reservation.layers_received):
+            self.by_transport[chunk.transport] = self.by_transport.get(chunk.transport, 0) + 1
         received = reservation.layers_received
         if any(received[chunk.layer_begin:chunk.layer_end]):
             reservation.error = f"layers [{chunk.layer_begin}, {chunk.layer_end}) were received twice"
@@ -172,14 +218,29 @@ class ReservationManager:
         if reservation is None:
             self.reply(msg.query_id, {"ok": False, "error": "the reservation is gone (lapsed, cancelled or aborted)"})
             return
+        self._poll(reservation)
+        if reservation.is_landing:
+            reservation.done_query = msg.query_id  # answered by `tick` once the receives landed
+            return
+        self._answer_done(reservation, msg.query_id)
+
+    def _poll(self, reservation: Reservation) -> None:
+        if not reservation.is_landing:
+            return
+        error = poll_receives(reservation.receiving, reservation.granted_at, self.clock())
+        if error is not None:
+            reservation.error = error
+            logger.warning("reservation %s: %s", reservation.reservation_id, error)
+
+    def _answer_done(self, reservation: Reservation, query_id: str) -> None:
+        reservation.done_query = None
         for transport_id in reservation.transports:
             self.transport(transport_id).finish()
         error = reservation.error
         if error is None and not reservation.is_complete:
             missing = [i for i, got in enumerate(reservation.layers_received) if not got]
             error = f"KV of {len(missing)} layers did not arrive (first missing: {missing[0]})"
-        self.reply(msg.query_id, {"ok": error is None, "error": error or "",
-                                  "num_bytes": reservation.num_bytes_received})
+        self.reply(query_id, {"ok": error is None, "error": error or "", "num_bytes": reservation.num_bytes_received})
 
     # ---- resolve ----------------------------------------------------------------------------------
     def resolve(self, msg: ResolveReservationMsg) -> None:
@@ -227,6 +288,11 @@ class ReservationManager:
 
     def tick(self) -> None:
         """Free lapsed reservations, refuse pending ones past their lease, grant what now fits."""
+        for reservation in list(self.active.values()):
+            self._poll(reservation)
+            if reservation.done_query is not None and not reservation.is_landing:
+                self._answer_done(reservation, reservation.done_query)
+        self.draining.tick()
         now = self.clock()
         for reservation_id in [i for i, r in self.active.items() if r.expires_at < now]:
             logger.warning("reservation %s lapsed; its slots are freed", reservation_id)
@@ -239,7 +305,10 @@ class ReservationManager:
     def free(self, reservation: Reservation) -> None:
         """Give a taken (or lapsed) reservation's slots, lock and row back."""
         kv, req = self.sched.kv, reservation.req
-        kv.allocator.free(reservation.slots)
+        if reservation.done_query is not None:
+            self.reply(reservation.done_query, {"ok": False, "error": "the reservation was given up"})
+            reservation.done_query = None
+        self.draining.give_up(reservation.receiving, reservation.slots)  # frees them now, or once nothing lands
         kv.unlock(req)
         if req.req_pool_idx is not None:
             kv.req_pool.free(req.req_pool_idx)
@@ -248,4 +317,6 @@ class ReservationManager:
     def stats(self) -> dict[str, int]:
         return {**self.counters, "num_reservations_active": len(self.active),
                 "num_reservations_pending": len(self.pending),
-                "num_reserved_tokens": sum(int(r.slots.shape[0]) for r in self.active.values())}
+                "num_reserved_tokens": sum(int(r.slots.shape[0]) for r in self.active.values()),
+                "num_receives_landing": sum(r.is_landing for r in self.active.values()),
+                "num_slots_draining": self.draining.num_slots}

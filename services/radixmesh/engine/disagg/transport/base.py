@@ -2,20 +2,28 @@
 
 Both ends run inside scheduler processes. Whatever a transport puts in `KVChunk.data` travels
 in-band, in the workers' gRPC `Prefill` call: the KV itself (grpc), or a reference the
-decode side fetches from (cuda-ipc: a CUDA IPC handle; an RDMA transport: remote memory
-descriptors). The prefill side keeps whatever backs its chunks until `release`.
+decode side fetches from (cuda-ipc: CUDA IPC handles; nixl: the prefill side's NIXL agent and where the
+rows are in its registered memory). The prefill side keeps whatever backs its chunks until `release`.
+
+A transport whose decode side moves the KV itself after `receive` returns (nixl's READ) hands back a
+`PendingReceive`, which the reservation polls between scheduler steps instead of blocking in `finish`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.memory import TokenToKVPool
 from radixmesh.wire.disagg import KVChunk
+
+if TYPE_CHECKING:
+    from radixmesh.engine.disagg.transport.choice import ReceiverInfo
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 """Most KV bytes per in-band chunk (whole layers; a single layer may exceed it)."""
@@ -25,15 +33,36 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+class PendingReceive(ABC):
+    """A received chunk whose KV is still on its way into the pool (the decode side polls it, never blocks)."""
+
+    lease_s: float | None = None
+    """The exporting side keeps the KV this long after the reservation was granted, at the latest (None: no
+    limit known). KV that landed later may have been overwritten there: the reservation rejects it."""
+
+    @abstractmethod
+    def poll(self) -> bool:
+        """True once the KV is in the pool; raises RadixMeshError when the receive failed (nothing writes the
+        slots any more then). Call again after True: it stays True."""
+
+    @abstractmethod
+    def cancel(self) -> bool:
+        """Stop it: True when nothing writes the slots any more, False when it could not be stopped (poll it
+        until it ends before the slots are reused)."""
+
+
 class BaseKVTransport(ABC):
     """Moves KV between two pools of the same model (same layers, KV heads, head dim and dtype).
 
-    Prefill side: `export(transfer_id, slots)` returns the in-band chunks of the KV at `slots`
-    (prompt positions in order), covering every layer exactly once; `release(transfer_id)` drops
-    what backs them once the decode side holds the KV (or the transfer was given up).
-    Decode side: `receive(chunk, slots)` writes the chunk's layers into `slots` (one per token,
-    distinct); `finish()` returns once every received chunk is in the pool (device work done),
-    so the prefill side may release.
+    Prefill side: `export(transfer_id, slots, receiver)` returns the in-band chunks of the KV at `slots`
+    (prompt positions in order), covering every layer exactly once; `ready_to_send(transfer_id)` blocks
+    until the peer may read what they describe (and may return the chunks final only then);
+    `release(transfer_id)` drops what backs them once the decode side holds the KV (or the transfer was
+    given up). `export` is called right behind the pass that wrote the KV, before the next one is
+    launched: it queues device work but must not wait for the device.
+    Decode side: `receive(chunk, slots, host_slots)` writes the chunk's layers into `slots` (one per
+    token, distinct), or starts to and returns a `PendingReceive`; `finish()` returns once every
+    received chunk is in the pool (device work done), so the prefill side may release.
     """
 
     transport_id: ClassVar[str]
@@ -73,15 +102,32 @@ class BaseKVTransport(ABC):
                                    "(run both workers with the same --dtype and --kv-cache-dtype)", "dtype")
 
     @abstractmethod
-    def export(self, transfer_id: str, slots: torch.Tensor) -> list[KVChunk]:
-        """The in-band chunks of the KV at `slots` [num_tokens] int64 (on the pool's device)."""
+    def export(self, transfer_id: str, slots: torch.Tensor, receiver: ReceiverInfo | None = None) -> list[KVChunk]:
+        """The in-band chunks of the KV at `slots` [num_tokens] int64 (on the pool's device), for a receiver that
+        described itself with `receiver` (None: unknown)."""
+
+    def ready_to_send(self, transfer_id: str) -> list[KVChunk] | None:
+        """Block until the peer may read what the chunks of `transfer_id` describe (called right before they
+        are sent); returns the chunks to send when they are final only now, None to send `export`'s."""
+        return None
 
     def release(self, transfer_id: str) -> None:  # noqa: B027
         """The transfer is over: free what backs its chunks (no-op when nothing does)."""
 
     @abstractmethod
-    def receive(self, chunk: KVChunk, slots: torch.Tensor) -> None:
-        """Write the chunk's KV into `slots` [num_tokens] int64; raise RadixMeshError when it does not fit."""
+    def receive(self, chunk: KVChunk, slots: torch.Tensor, host_slots: npt.NDArray[np.int64] | None = None
+                ) -> PendingReceive | None:
+        """Write the chunk's KV into `slots` [num_tokens] int64 (None: in the pool once `finish` returns), or
+        start to (a PendingReceive); raise RadixMeshError when it does not fit or cannot start. `host_slots`:
+        the same slots on the host, when the caller has them (a transport that needs them reads `slots`
+        otherwise, which waits for the device)."""
 
     def finish(self) -> None:  # noqa: B027
         """Block until every `receive` so far is complete in the pool."""
+
+    def progress(self) -> None:  # noqa: B027
+        """Called once per scheduler iteration: advance what the transport's library does not advance itself."""
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of what this transport holds (registrations, buffers in use), for leak checks."""
+        return {}

@@ -19,17 +19,22 @@ then using its own first device. GPUs are matched by UUID, not by index.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import msgspec
 import torch
 
 from radixmesh.common.errors import invalid_argument, unsupported
 from radixmesh.engine.disagg import kv_io
-from radixmesh.engine.disagg.transport.base import DEFAULT_CHUNK_BYTES, BaseKVTransport, dtype_name
+from radixmesh.engine.disagg.transport.base import DEFAULT_CHUNK_BYTES, BaseKVTransport, PendingReceive, dtype_name
 from radixmesh.engine.disagg.transport.ipc import CudaIpc, contiguous_strides
 from radixmesh.engine.disagg.transport.ipc_direct import DirectExporter, DirectReceiver, DirectRef
 from radixmesh.engine.disagg.transport.registry import CUDA_IPC_MODES
 from radixmesh.engine.memory import TokenToKVPool
 from radixmesh.wire.disagg import KVChunk
+
+if TYPE_CHECKING:
+    from radixmesh.engine.disagg.transport.choice import ReceiverInfo
 
 
 class IpcHandle(msgspec.Struct, tag="staging", frozen=True):
@@ -72,7 +77,7 @@ class CudaIpcKVTransport(BaseKVTransport):
         self._staging: dict[str, torch.Tensor] = {}
         self._opened: list[torch.Tensor] = []
 
-    def export(self, transfer_id: str, slots: torch.Tensor) -> list[KVChunk]:
+    def export(self, transfer_id: str, slots: torch.Tensor, receiver: ReceiverInfo | None = None) -> list[KVChunk]:
         pool = self.pool
         ref = self._exporter.export(transfer_id, slots) if self._exporter is not None else None
         if ref is None:
@@ -87,7 +92,7 @@ class CudaIpcKVTransport(BaseKVTransport):
         if self._exporter is not None:
             self._exporter.release(transfer_id)
 
-    def receive(self, chunk: KVChunk, slots: torch.Tensor) -> None:
+    def receive(self, chunk: KVChunk, slots: torch.Tensor, host_slots: Any = None) -> PendingReceive | None:
         self.check_chunk(chunk, slots.shape[0])
         try:
             ref = _decoder.decode(chunk.data)
@@ -101,6 +106,7 @@ class CudaIpcKVTransport(BaseKVTransport):
             self._receiver.receive(ref, slots)
         else:
             self._receive_staged(chunk, ref, slots)
+        return None  # queued on the device: in the pool once `finish` synchronized
 
     def finish(self) -> None:
         torch.cuda.synchronize(self.pool.device)

@@ -6,18 +6,23 @@ host and cuts it into layer ranges; receive copies a range to the device and sca
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.disagg import kv_io
-from radixmesh.engine.disagg.transport.base import BaseKVTransport, dtype_name
+from radixmesh.engine.disagg.transport.base import BaseKVTransport, PendingReceive, dtype_name
 from radixmesh.wire.disagg import KVChunk
+
+if TYPE_CHECKING:
+    from radixmesh.engine.disagg.transport.choice import ReceiverInfo
 
 
 class GrpcKVTransport(BaseKVTransport):
     transport_id = "grpc"
 
-    def export(self, transfer_id: str, slots: torch.Tensor) -> list[KVChunk]:
+    def export(self, transfer_id: str, slots: torch.Tensor, receiver: ReceiverInfo | None = None) -> list[KVChunk]:
         pool, num_tokens = self.pool, slots.shape[0]
         packed = torch.empty(kv_io.packed_shape(pool, pool.num_layers, num_tokens), dtype=pool.dtype,
                              device=pool.device)
@@ -29,7 +34,7 @@ class GrpcKVTransport(BaseKVTransport):
             chunks.append(KVChunk(self.transport_id, begin, end, num_tokens, dtype_name(pool.dtype), data, len(data)))
         return chunks
 
-    def receive(self, chunk: KVChunk, slots: torch.Tensor) -> None:
+    def receive(self, chunk: KVChunk, slots: torch.Tensor, host_slots: Any = None) -> PendingReceive | None:
         self.check_chunk(chunk, slots.shape[0])
         pool = self.pool
         shape = kv_io.packed_shape(pool, chunk.layer_end - chunk.layer_begin, chunk.num_tokens)
@@ -41,3 +46,4 @@ class GrpcKVTransport(BaseKVTransport):
         raw = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8)
         packed = raw.view(pool.dtype).reshape(shape).to(pool.device)
         kv_io.scatter(pool, slots, packed, chunk.layer_begin)
+        return None
