@@ -26,6 +26,7 @@ KIND_FROM_PROTO = {
     grammar_pb2.GRAMMAR_KIND_REGEX: "regex",
     grammar_pb2.GRAMMAR_KIND_EBNF: "ebnf",
     grammar_pb2.GRAMMAR_KIND_ANY_JSON: "json",
+    grammar_pb2.GRAMMAR_KIND_STRUCTURAL_TAG: "structural_tag",
 }
 KIND_TO_PROTO = {kind: value for value, kind in KIND_FROM_PROTO.items()}
 _SOURCES = {"compiled": grammar_pb2.GRAMMAR_SOURCE_COMPILED, "memory": grammar_pb2.GRAMMAR_SOURCE_MEMORY,
@@ -88,7 +89,7 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
     def _spec(self, request: grammar_pb2.CompileRequest) -> GrammarSpec:
         kind = KIND_FROM_PROTO.get(request.kind)
         if kind is None:
-            raise invalid_argument("kind must be one of JSON_SCHEMA, REGEX, EBNF, ANY_JSON", "kind")
+            raise invalid_argument("kind must be one of JSON_SCHEMA, REGEX, EBNF, ANY_JSON, STRUCTURAL_TAG", "kind")
         spec = GrammarSpec.parse(kind, request.spec)
         self.backend_cls.check_syntax(spec)
         return spec

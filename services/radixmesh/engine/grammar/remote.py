@@ -20,7 +20,7 @@ from radixmesh.engine.grammar.spec import GrammarSpec
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 10.0
 _KINDS = {"json_schema": "GRAMMAR_KIND_JSON_SCHEMA", "regex": "GRAMMAR_KIND_REGEX", "ebnf": "GRAMMAR_KIND_EBNF",
-          "json": "GRAMMAR_KIND_ANY_JSON"}
+          "json": "GRAMMAR_KIND_ANY_JSON", "structural_tag": "GRAMMAR_KIND_STRUCTURAL_TAG"}
 """GrammarKind names of proto/radixmesh/v1/grammar.proto, by spec kind."""
 
 
