@@ -217,13 +217,13 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 
 
-def _calls(*calls: dict[str, Any]) -> dict[str, Any]:
-    """A chat request whose history has one assistant turn with these tool calls."""
-    return _chat(messages=_tool_turns({"role": "assistant", "tool_calls": list(calls)}))
-
-
 def _tool_turns(*turns: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"role": "user", "content": "Weather in Paris?"}, *turns]
+
+
+def _called(**function: Any) -> list[dict[str, Any]]:
+    """A conversation whose assistant turn made one call with these `function` fields."""
+    return _tool_turns({"role": "assistant", "tool_calls": [{**CALL, "function": function}]})
 
 
 TOOL_CASES = [
@@ -270,16 +270,16 @@ TOOL_CASES = [
              "tool_call_id"),
     HttpCase("tool-message-tool-call-id-int", CHAT, _chat(messages=_tool_turns(
         {"role": "tool", "tool_call_id": 7, "content": "sunny"})), "messages", "tool_call_id"),
-    HttpCase("assistant-tool-call-arguments-not-json", CHAT, _calls(
-        {**CALL, "function": {"name": "get_weather", "arguments": "{city: Paris"}}), "messages", "not valid JSON"),
-    HttpCase("assistant-tool-call-arguments-object", CHAT, _calls(
-        {**CALL, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}), "messages", "arguments"),
-    HttpCase("assistant-tool-call-arguments-list", CHAT, _calls(
-        {**CALL, "function": {"name": "get_weather", "arguments": "[1]"}}), "messages", "JSON object"),
-    HttpCase("assistant-tool-call-without-id", CHAT, _calls(
-        {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}), "messages", "id"),
-    HttpCase("assistant-tool-call-name-not-string", CHAT, _calls(
-        {**CALL, "function": {"name": 3, "arguments": "{}"}}), "messages", "name"),
+    HttpCase("assistant-tool-call-arguments-not-json", CHAT, _chat(messages=_called(
+        name="get_weather", arguments="{city: Paris")), "messages", "not valid JSON"),
+    HttpCase("assistant-tool-call-arguments-object", CHAT, _chat(messages=_called(
+        name="get_weather", arguments={"city": "Paris"})), "messages", "arguments"),
+    HttpCase("assistant-tool-call-arguments-list", CHAT, _chat(messages=_called(name="get_weather", arguments="[1]")),
+             "messages", "JSON object"),
+    HttpCase("assistant-tool-call-without-id", CHAT, _chat(messages=_tool_turns({"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]})), "messages", "id"),
+    HttpCase("assistant-tool-call-name-not-string", CHAT, _chat(messages=_called(name=3, arguments="{}")), "messages",
+             "name"),
     HttpCase("user-message-with-tool-calls", CHAT, _chat(messages=[{"role": "user", "content": "hi", "tool_calls": [
         CALL]}]), "messages", "only assistant"),
     HttpCase("chat-functions-legacy", CHAT, _chat(functions=[{"name": "f"}]), "functions"),

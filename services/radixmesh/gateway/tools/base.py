@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from radixmesh.gateway.tools.json_scan import Memo
+
 
 @dataclass(frozen=True)
 class ToolSpec:
@@ -89,8 +91,9 @@ class ToolCallParser(abc.ABC):
     """The syntax starts with a special token (Mistral's [TOOL_CALLS]): decode with special tokens kept."""
 
     @abc.abstractmethod
-    def scan(self, text: str, final: bool) -> Scan:
-        """Content and calls of the output so far; `final`: the output is complete (release held-back text)."""
+    def scan(self, text: str, final: bool, memo: Memo | None = None) -> Scan:
+        """Content and calls of the output so far; `final`: the output is complete (release held-back text).
+        `memo`: the stream's scanning memo (json_scan.Memo), so that a growing text is not read again."""
 
     @property
     @abc.abstractmethod

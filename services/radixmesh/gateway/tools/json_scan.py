@@ -9,7 +9,9 @@ twice into Python values except the short name string.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from dataclasses import dataclass
 
 WHITESPACE = " \t\r\n"
@@ -23,48 +25,59 @@ def skip_ws(text: str, pos: int) -> int:
     return pos
 
 
-def string_end(text: str, pos: int) -> int | None:
+_STRING_STOP = re.compile(r'["\\]')
+_STRUCTURE = re.compile(r'[{}\[\]"]')
+_SCALAR_END = re.compile(r"[,}\] \t\r\n]")
+
+
+Memo = dict[tuple[str, int], tuple[int, int]]
+"""Where scanning of a value (by kind and start index) stopped when the text ran out: (depth, resume index).
+The text only grows, so a later scan of the same value resumes there instead of starting over; one memo per
+growing text (a stream), never shared between texts."""
+
+
+def string_end(text: str, pos: int, memo: Memo | None = None) -> int | None:
     """Index just past the JSON string opening at text[pos] == '"', or None when the text ends inside it."""
-    i = pos + 1
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if ch == '"':
-            return i + 1
-        i += 1
-    return None
+    i = memo.get(("s", pos), (0, pos + 1))[1] if memo is not None else pos + 1
+    while True:
+        stop = _STRING_STOP.search(text, i)
+        if stop is None or (stop.group() == "\\" and stop.end() >= len(text)):
+            if memo is not None:
+                memo[("s", pos)] = (0, i)
+            return None
+        if stop.group() == '"':
+            return stop.end()
+        i = stop.end() + 1  # past the escaped character
 
 
-def value_end(text: str, pos: int) -> int | None:
+def value_end(text: str, pos: int, memo: Memo | None = None) -> int | None:
     """Index just past the JSON value starting at text[pos] (no leading whitespace), or None when the text
     ends before the value does. Malformed values end where their brackets balance; json.loads judges them."""
     ch = text[pos]
     if ch == '"':
-        return string_end(text, pos)
+        return string_end(text, pos, memo)
     if ch not in "{[":
-        i = pos
-        while i < len(text) and text[i] not in ",}] \t\r\n":
-            i += 1
-        return i if i < len(text) else None
-    depth, i = 0, pos
-    while i < len(text):
-        ch = text[i]
-        if ch == '"':
-            end = string_end(text, i)
+        stop = _SCALAR_END.search(text, pos)
+        return stop.start() if stop is not None else None
+    depth, i = memo.get(("v", pos), (0, pos)) if memo is not None else (0, pos)
+    while True:
+        stop = _STRUCTURE.search(text, i)
+        if stop is None:
+            if memo is not None:
+                memo[("v", pos)] = (depth, len(text))
+            return None
+        if stop.group() == '"':
+            end = string_end(text, stop.start(), memo)
             if end is None:
+                if memo is not None:
+                    memo[("v", pos)] = (depth, stop.start())
                 return None
             i = end
             continue
-        if ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return None
+        depth += 1 if stop.group() in "{[" else -1
+        if depth == 0:
+            return stop.end()
+        i = stop.end()
 
 
 @dataclass
@@ -101,7 +114,7 @@ class CallScan:
         return decoded if isinstance(decoded, str) else raw
 
 
-def scan_call(text: str, pos: int) -> CallScan:
+def scan_call(text: str, pos: int, memo: Memo | None = None) -> CallScan:
     """Read the call object whose '{' is at text[pos]."""
     scan = CallScan()
     if pos >= len(text) or text[pos] != "{":
@@ -115,10 +128,10 @@ def scan_call(text: str, pos: int) -> CallScan:
         if text[i] == "}":
             scan.end = i + 1
             return scan
-        i = _member(text, i, scan)
-        if i is None or not scan.valid:
+        after = _member(text, i, scan, memo)
+        if after is None or not scan.valid:
             return scan
-        i = skip_ws(text, i)
+        i = skip_ws(text, after)
         if i >= len(text):
             return scan
         if text[i] == ",":
@@ -131,12 +144,12 @@ def scan_call(text: str, pos: int) -> CallScan:
             return scan
 
 
-def _member(text: str, i: int, scan: CallScan) -> int | None:
+def _member(text: str, i: int, scan: CallScan, memo: Memo | None) -> int | None:
     """Read `"key": value` from text[i]; the index after it, or None when the text ends first."""
     if text[i] != '"':
         scan.valid = False
         return None
-    key_end = string_end(text, i)
+    key_end = string_end(text, i, memo)
     if key_end is None:
         return None
     key = _loads(text[i:key_end])
@@ -151,7 +164,7 @@ def _member(text: str, i: int, scan: CallScan) -> int | None:
         return None
     if key in ARGUMENT_KEYS and scan.args_start is None:
         scan.args_start = i
-    end = value_end(text, i)
+    end = value_end(text, i, memo)
     if end is None:
         if key == "name" and text[i] != '"':
             scan.valid = False
@@ -167,7 +180,9 @@ def _member(text: str, i: int, scan: CallScan) -> int | None:
     return end
 
 
+@functools.lru_cache(maxsize=1024)
 def _loads(text: str) -> object:
+    """A key or name string, decoded (the same few are read again each time a stream's text grows)."""
     try:
         return json.loads(text)
     except ValueError:
@@ -192,13 +207,13 @@ class CallRun:
         return self.end is None and self.failed_at is None
 
 
-def read_run(text: str, pos: int, separator: str, close: str) -> CallRun:
+def read_run(text: str, pos: int, separator: str, close: str, memo: Memo | None = None) -> CallRun:
     """Call objects from text[pos] (a '{'), joined by `separator`, ended by `close` ("": by anything that is
     not the separator). An element without a name, once complete or malformed, ends the run as failed."""
     run = CallRun([])
     i = pos
     while True:
-        scan = scan_call(text, i)
+        scan = scan_call(text, i, memo)
         if scan.name is None:
             if not scan.valid or scan.complete:
                 run.failed_at = i

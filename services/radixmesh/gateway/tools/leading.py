@@ -19,7 +19,7 @@ from radixmesh.gateway.tools.base import (
     call_object,
     tool_list_json,
 )
-from radixmesh.gateway.tools.json_scan import CallRun, read_run, skip_ws
+from radixmesh.gateway.tools.json_scan import CallRun, Memo, read_run, skip_ws
 from radixmesh.gateway.tools.tagged import parsed
 
 PYTHON_TAG = "<|python_tag|>"
@@ -31,14 +31,14 @@ class LeadingJsonParser(ToolCallParser):
     opening = ""
     """Text that may come before the first call (Llama's <|python_tag|>)."""
 
-    def scan(self, text: str, final: bool) -> Scan:
+    def scan(self, text: str, final: bool, memo: Memo | None = None) -> Scan:
         k = skip_ws(text, 0)
         if self.opening and text.startswith(self.opening, k):
             k = skip_ws(text, k + len(self.opening))
         rest = text[k:]
         if not rest or (self.opening and self.opening.startswith(rest) and k == skip_ws(text, 0)):
             return Scan(content=text if final else "")
-        run = self._run(text, k)
+        run = self._run(text, k, memo)
         if run is None or (run.failed_at is not None and not run.calls):
             return Scan(content=text)
         out = Scan(calls=[parsed(scan, text) for scan, _ in run.calls])
@@ -51,7 +51,7 @@ class LeadingJsonParser(ToolCallParser):
         out.content = text[tail_from:]
         return out
 
-    def _run(self, text: str, k: int) -> CallRun | None:
+    def _run(self, text: str, k: int, memo: Memo | None) -> CallRun | None:
         """The calls from text[k] (a non-space character), or None when the answer is not calls."""
         raise NotImplementedError
 
@@ -62,8 +62,8 @@ class Llama3JsonParser(LeadingJsonParser):
     id = "llama3-json"
     opening = PYTHON_TAG
 
-    def _run(self, text: str, k: int) -> CallRun | None:
-        return read_run(text, k, ";", "") if text[k] == "{" else None
+    def _run(self, text: str, k: int, memo: Memo | None) -> CallRun | None:
+        return read_run(text, k, ";", "", memo) if text[k] == "{" else None
 
     @property
     def syntax(self) -> CallSyntax:
@@ -86,15 +86,15 @@ class JsonParser(LeadingJsonParser):
 
     id = "json"
 
-    def _run(self, text: str, k: int) -> CallRun | None:
+    def _run(self, text: str, k: int, memo: Memo | None) -> CallRun | None:
         if text[k] == "{":
-            return read_run(text, k, "", "")
+            return read_run(text, k, "", "", memo)
         if text[k] != "[":
             return None
         first = skip_ws(text, k + 1)
         if first >= len(text):
             return CallRun([])
-        return read_run(text, first, ",", "]") if text[first] == "{" else None
+        return read_run(text, first, ",", "]", memo) if text[first] == "{" else None
 
     @property
     def syntax(self) -> CallSyntax:

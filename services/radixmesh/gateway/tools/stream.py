@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 from radixmesh.gateway.tools.base import ToolCall, ToolCallParser
+from radixmesh.gateway.tools.json_scan import Memo
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,11 @@ class ToolCallStream:
         self.ids: list[str] = []
         self.names: list[str] = []
         self.arguments: list[str] = []
+        self.memo: Memo = {}
 
     def update(self, text: str, final: bool) -> tuple[str, list[CallDelta]]:
         """(new content, new call pieces) for the output `text` so far."""
-        scan = self.parser.scan(text, final)
+        scan = self.parser.scan(text, final, self.memo)
         content = scan.content.strip()
         assert content.startswith(self.content), f"{self.parser.id}: content went back from {self.content!r}"
         new_content, self.content = content[len(self.content):], content

@@ -17,7 +17,7 @@ from radixmesh.gateway.tools.base import (
     held_back,
     tool_list_json,
 )
-from radixmesh.gateway.tools.json_scan import CallRun, CallScan, read_run, scan_call, skip_ws
+from radixmesh.gateway.tools.json_scan import CallRun, CallScan, Memo, read_run, scan_call, skip_ws
 
 
 def parsed(scan: CallScan, text: str) -> ParsedCall:
@@ -30,21 +30,20 @@ class MarkedParser(ToolCallParser):
 
     start: str
 
-    def scan(self, text: str, final: bool) -> Scan:
+    def scan(self, text: str, final: bool, memo: Memo | None = None) -> Scan:
         out = Scan()
-        pos = 0
-        while True:
+        pos: int | None = 0
+        while pos is not None:
             i = text.find(self.start, pos)
             if i < 0:
                 tail = text[pos:]
                 out.content += tail if final else tail[:len(tail) - held_back(tail, self.start)]
                 return out
             out.content += text[pos:i]
-            pos = self._region(text, i, final, out)
-            if pos is None:
-                return out
+            pos = self._region(text, i, final, out, memo)
+        return out
 
-    def _region(self, text: str, i: int, final: bool, out: Scan) -> int | None:
+    def _region(self, text: str, i: int, final: bool, out: Scan, memo: Memo | None) -> int | None:
         """Read the region at text[i]: add its calls (or its text, when it holds none) to `out`; the index
         where scanning goes on, or None when the region reaches the text's end."""
         raise NotImplementedError
@@ -57,9 +56,9 @@ class HermesParser(MarkedParser):
     start = "<tool_call>"
     end = "</tool_call>"
 
-    def _region(self, text: str, i: int, final: bool, out: Scan) -> int | None:
+    def _region(self, text: str, i: int, final: bool, out: Scan, memo: Memo | None) -> int | None:
         k = skip_ws(text, i + len(self.start))
-        scan = scan_call(text, k) if k < len(text) else None
+        scan = scan_call(text, k, memo) if k < len(text) else None
         if scan is not None and scan.name is not None:
             out.calls.append(parsed(scan, text))
             if scan.valid and not scan.complete:
@@ -103,7 +102,7 @@ class MistralParser(MarkedParser):
     start = "[TOOL_CALLS]"
     keeps_special_tokens = True
 
-    def _region(self, text: str, i: int, final: bool, out: Scan) -> int | None:
+    def _region(self, text: str, i: int, final: bool, out: Scan, memo: Memo | None) -> int | None:
         k = skip_ws(text, i + len(self.start))
         if k >= len(text):
             if final:
@@ -115,9 +114,9 @@ class MistralParser(MarkedParser):
                 if final:
                     out.content += text[i:]
                 return None
-            run = read_run(text, first, ",", "]") if text[first] == "{" else CallRun([], failed_at=first)
+            run = read_run(text, first, ",", "]", memo) if text[first] == "{" else CallRun([], failed_at=first)
         elif text[k] == "{":
-            run = read_run(text, k, "", "")
+            run = read_run(text, k, "", "", memo)
         else:
             out.content += self.start
             return i + len(self.start)
