@@ -110,7 +110,8 @@ def test_template_without_tools_gets_them_as_text(http: TestClient, backend: Scr
     assert tools is None
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     assert '"name": "get_weather"' in messages[0]["content"] and "<tool_call>" in messages[0]["content"]
-    assert messages[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert messages[2]["content"] == \
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert messages[3]["content"] == "<tool_response>\n14 C\n</tool_response>"
 
 

@@ -55,8 +55,9 @@ def tools_from_proto(chat: tokenizer_pb2.ChatConversation) -> list[dict[str, Any
                                                                                           "properties": {}}
         except ValueError:
             raise invalid_argument(f"tools[{i}].parameters_json is not valid JSON", "tools") from None
-        function: dict[str, Any] = {"name": tool.name, "parameters": parameters}
+        function: dict[str, Any] = {"name": tool.name}
         if tool.description:
             function["description"] = tool.description
+        function["parameters"] = parameters
         out.append({"type": "function", "function": function})
     return out

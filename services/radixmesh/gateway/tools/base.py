@@ -28,9 +28,10 @@ class ToolSpec:
 
     def openai(self) -> dict[str, Any]:
         """OpenAI's chat `tools` entry (what chat templates read)."""
-        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        function: dict[str, Any] = {"name": self.name}
         if self.description:
             function["description"] = self.description
+        function["parameters"] = self.parameters
         return {"type": "function", "function": function}
 
 
