@@ -150,7 +150,7 @@ class ResponseEvents:
         item = self.open
         item["_text"] += text
         event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
         frames.append(self._frame(event, item_id=item["id"], output_index=self._index(item), content_index=0,
                                   delta=text, **extra))
         return frames
