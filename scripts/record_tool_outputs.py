@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -28,22 +29,28 @@ QUESTIONS = ["What is the weather like in Kyoto right now?", "Order two mugs for
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--seeds", type=int, default=2, help="samples per parser and question")
+    parser.add_argument("--seeds", type=int, default=2, help="samples per parser and question (n)")
+    parser.add_argument("--parsers", nargs="+", default=sorted(TOOL_PARSERS))
+    parser.add_argument("--questions", nargs="+", default=QUESTIONS)
     parser.add_argument("--max-tokens", type=int, default=160)
     args = parser.parse_args()
     tokenizer = load_tokenizer(ensure_default_model())
     tools = [ToolSpec(t["function"]["name"], t["function"]["description"], t["function"]["parameters"])
              for t in TOOLS]
-    for parser_id in sorted(TOOL_PARSERS):
-        for question in QUESTIONS:
-            messages = as_text([{"role": "user", "content": question}], tools, tool_parser(parser_id))
-            ids = encode_chat(tokenizer, messages)
-            for seed in range(args.seeds):
-                body = {"prompt": ids, "max_tokens": args.max_tokens, "temperature": 1.0, "seed": seed,
-                        "skip_special_tokens": not tool_parser(parser_id).keeps_special_tokens}
-                choice = httpx.post(f"{args.url}/v1/completions", json=body, timeout=3600).json()["choices"][0]
-                print(json.dumps({"parser": parser_id, "question": question, "seed": seed,
-                                  "finish_reason": choice["finish_reason"], "text": choice["text"]}), flush=True)
+    asks = [(parser_id, question) for parser_id in args.parsers for question in args.questions]
+
+    def record(ask: tuple[str, str]) -> list[str]:
+        parser_id, question = ask
+        messages = as_text([{"role": "user", "content": question}], tools, tool_parser(parser_id))
+        body = {"prompt": encode_chat(tokenizer, messages), "max_tokens": args.max_tokens, "temperature": 1.0,
+                "seed": 0, "n": args.seeds, "skip_special_tokens": not tool_parser(parser_id).keeps_special_tokens}
+        choices = httpx.post(f"{args.url}/v1/completions", json=body, timeout=3600).json()["choices"]
+        return [json.dumps({"parser": parser_id, "question": question, "sample": i,
+                            "finish_reason": c["finish_reason"], "text": c["text"]}) for i, c in enumerate(choices)]
+
+    with ThreadPoolExecutor(len(asks)) as pool:  # all in flight at once: the engine batches them
+        for lines in pool.map(record, asks):
+            print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":
