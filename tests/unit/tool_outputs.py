@@ -112,4 +112,42 @@ REASONING_OUTPUTS = [
     RecordedReasoning("qwen3-empty-thinking", "qwen3", "<think>\n\n</think>\n\nHi.", "", "Hi."),
 ]
 
-SMOLLM2_OUTPUTS: list[Recorded] = []
+
+
+def _prose(id_: str, parser: str, text: str) -> Recorded:
+    """A recorded answer with no call in it: all of it is content."""
+    return Recorded(id_, parser, text, text.strip())
+
+
+# Recorded by `scripts/record_tool_outputs.py` (temperature 1, max_tokens 100-120): the unconstrained default model
+# rarely writes the call syntax at all, which is what these keep: prose, JSON that is not a call, and one object
+# with a "name" that Llama's syntax reads as a call (cut by max_tokens).
+SMOLLM2_OUTPUTS = [
+    _prose('smollm2-json-prose', 'json',
+           "_I'm not the only lazy one_\n\nSince I asked, the weather in Kyoto is pretty cool. Thanks f"
+           'or asking.'),
+    _prose('smollm2-json-broken-object', 'json',
+           '{\n  "type": "function"\n...'),
+    _prose('smollm2-llama-parenthesized-json', 'llama3-json',
+           '({\n  "type": "function",\n  "function": {\n    "name": "health-system-product-navaalu"\n  '
+           '}\n});\n\nAna will order a mug for each of these orders, and in plain text with JSONS defin'
+           'ition of a mug order and time. Next, Aniar will express a quantity of a mug to the woman Di'
+           'emalaarle Tzuluá.'),
+    _prose('smollm2-mistral-json-without-marker', 'mistral',
+           'GM_FUTILT Edition:\n{"type": "unnamed", "function": {\n    "name": "view_city_area"\n, "fie'
+           'ld": "fare"}\n}\nGoogle Maps:\n{"type": "function", "function": {\n    "name": "view_city_a'
+           'rea`"\n},\n{"type": "function", "function": {"name": "view_sqiaquilm_if_gualzet"}}'),
+    _prose('smollm2-mistral-prose', 'mistral',
+           'To call functions, we need to populate a message in the form of a JSON array. We can use th'
+           'e STRING method to create a JSON string and call a function:\narray(JSON.stringify(get_mugs'
+           '[0], 2))\n```'),
+    _prose('smollm2-hermes-prose', 'hermes',
+           "Lara, welcome to Lara's Food Truck. I'll be happy to order ye. What can I do for ye from af"
+           "ar? You're now available at the food cart in Lima."),
+    Recorded('smollm2-llama-named-object-cut', 'llama3-json',
+             '{\n  "name": "Ana, Teleno Zambiamara",\n  "description": "Armasa feria, paradoras áudem com'
+             ' Aoca",\n  "type": "function",\n  "parameters": {\n    "type": "function",\n    "name": "ce'
+             'rtified"\n  },\n  "image_transcription": function _(image) {\n    "current_image"\n    : [{'
+             '\n      "image_transcription": {\n        "module',
+             None, [('Ana, Teleno Zambiamara', '{\n    "type": "function",\n    "name": "certified"\n  }')]),
+]
