@@ -74,6 +74,14 @@ def test_auto_answer_with_calls(http: TestClient, backend: ScriptedBackend) -> N
     assert backend.seen_params[-1].structural_tag is None  # auto is not constrained without --strict-tools
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call(http: TestClient, backend: ScriptedBackend) -> None:
+    backend.scripts = [HERMES_CALLS]
+    message = _chat(http, tools=[WEATHER, TIME], parallel_tool_calls=False)["choices"][0]["message"]
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    deltas = [e["choices"][0]["delta"] for e in _stream(http, tools=[WEATHER, TIME], parallel_tool_calls=False)]
+    assert {c["index"] for d in deltas for c in d.get("tool_calls", [])} == {0}
+
+
 def test_answer_without_calls_keeps_the_usual_shape(backend: ScriptedBackend) -> None:
     backend.scripts = ["Plain answer."]
     with _client(backend) as http:

@@ -83,4 +83,6 @@ class ChatSetup:
                                    "regex or ebnf", "tool_choice")
 
     def new_output(self) -> ChoiceOutput:
-        return ChoiceOutput(self.reasoning, self.parser if self.tools is not None else None, self.include_reasoning)
+        if self.tools is None:
+            return ChoiceOutput(self.reasoning, None, self.include_reasoning)
+        return ChoiceOutput(self.reasoning, self.parser, self.include_reasoning, None if self.tools.parallel else 1)

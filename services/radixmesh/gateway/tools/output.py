@@ -29,10 +29,10 @@ class ChoiceOutput:
     """Feed the choice's text deltas (`feed`), then read the whole answer (`content`, `reasoning`, `calls`)."""
 
     def __init__(self, reasoning: ReasoningParser | None = None, tools: ToolCallParser | None = None,
-                 include_reasoning: bool = True) -> None:
+                 include_reasoning: bool = True, max_calls: int | None = None) -> None:
         self.reasoning_parser = reasoning
         self.include_reasoning = include_reasoning
-        self.tools = ToolCallStream(tools) if tools is not None else None
+        self.tools = ToolCallStream(tools, max_calls) if tools is not None else None
         self.text = ""
         self.content = ""
         self.reasoning = ""

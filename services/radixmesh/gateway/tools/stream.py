@@ -30,10 +30,12 @@ def new_call_id() -> str:
 
 
 class ToolCallStream:
-    """Content (trimmed of surrounding whitespace) and calls of one choice's output."""
+    """Content (trimmed of surrounding whitespace) and calls of one choice's output; with `max_calls`, calls
+    beyond that many are dropped (parallel_tool_calls false when decoding did not enforce it)."""
 
-    def __init__(self, parser: ToolCallParser) -> None:
+    def __init__(self, parser: ToolCallParser, max_calls: int | None = None) -> None:
         self.parser = parser
+        self.max_calls = max_calls
         self.content = ""
         self.ids: list[str] = []
         self.names: list[str] = []
@@ -47,7 +49,7 @@ class ToolCallStream:
         assert content.startswith(self.content), f"{self.parser.id}: content went back from {self.content!r}"
         new_content, self.content = content[len(self.content):], content
         deltas = []
-        for index, call in enumerate(scan.calls):
+        for index, call in enumerate(scan.calls[:self.max_calls]):
             if index == len(self.ids):
                 self.ids.append(new_call_id())
                 self.names.append(call.name)
