@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from loadtests.tool_calls import TOOLS
+from radixmesh.engine.hf_tokenizer import encode_chat, load_tokenizer
 from radixmesh.engine.loader.default_model import ensure_default_model
-from radixmesh.engine.tokenizer import encode_chat, load_tokenizer
 from radixmesh.gateway.tools.base import ToolSpec
 from radixmesh.gateway.tools.prompt import as_text
 from radixmesh.gateway.tools.registry import TOOL_PARSERS, tool_parser

@@ -93,7 +93,7 @@ def test_structural_tag_spec_is_compact_and_keyed_apart():
 def test_every_kind_has_a_proto_value():
     from radixmesh.engine.grammar import remote
     from radixmesh.engine.grammar.spec import KINDS
-    from radixmesh.grammar.service import KIND_TO_PROTO
+    from radixmesh.grammar_service.service import KIND_TO_PROTO
 
     assert set(remote._KINDS) == set(KINDS) == set(KIND_TO_PROTO)
 

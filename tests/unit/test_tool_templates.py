@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from radixmesh.common.chat_convert import chat_to_proto, tools_from_proto
 from radixmesh.engine.chat_template import takes_tools, template_text, tool_syntax
-from radixmesh.engine.tokenizer import load_tokenizer, render_chat
+from radixmesh.engine.hf_tokenizer import load_tokenizer, render_chat
 from radixmesh.protocol import tokenizer_pb2
-from radixmesh.tokenizer.service import TokenizerServicer
+from radixmesh.tokenizer_service.service import TokenizerServicer
+from radixmesh.wire.chat_convert import chat_to_proto, tools_from_proto
 from tests.tool_template import tool_template_dir
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from radixmesh.common.errors import invalid_argument
+from radixmesh.common.registry import LazyRegistry
 from radixmesh.gateway.tools.base import held_back
 
 START, END = "<think>", "</think>"
@@ -56,16 +56,18 @@ class Qwen3Parser(ReasoningParser):
     starts_thinking = False
 
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {cls.id: cls for cls in (DeepSeekR1Parser, Qwen3Parser)}
+REASONING_PARSERS: LazyRegistry[type[ReasoningParser]] = LazyRegistry("reasoning parser", {
+    "deepseek-r1": "radixmesh.gateway.reasoning:DeepSeekR1Parser",
+    "qwen3": "radixmesh.gateway.reasoning:Qwen3Parser",
+}, param="reasoning_parser")
+"""--reasoning-parser id -> its class."""
 
 
 def check_reasoning_parser(name: str) -> str:
     key = name.replace("_", "-").lower()
-    if key not in REASONING_PARSERS:
-        raise invalid_argument(f"unknown reasoning parser {name!r} (known: {', '.join(sorted(REASONING_PARSERS))})",
-                               "reasoning_parser")
+    REASONING_PARSERS.check(key)
     return key
 
 
 def reasoning_parser(name: str) -> ReasoningParser:
-    return REASONING_PARSERS[check_reasoning_parser(name)]()
+    return REASONING_PARSERS.load(check_reasoning_parser(name))()

@@ -7,18 +7,17 @@ into the prompt of a template that renders no tools).
 
 from __future__ import annotations
 
-import importlib
 import re
 
-from radixmesh.common.errors import invalid_argument
+from radixmesh.common.registry import LazyRegistry
 from radixmesh.gateway.tools.base import ToolCallParser
 
-TOOL_PARSERS: dict[str, str] = {
+TOOL_PARSERS: LazyRegistry[type[ToolCallParser]] = LazyRegistry("tool-call parser", {
     "hermes": "radixmesh.gateway.tools.tagged:HermesParser",
     "mistral": "radixmesh.gateway.tools.tagged:MistralParser",
     "llama3-json": "radixmesh.gateway.tools.leading:Llama3JsonParser",
     "json": "radixmesh.gateway.tools.leading:JsonParser",
-}
+}, param="tool_call_parser")
 DEFAULT_TOOL_PARSER = "hermes"
 MODEL_NAME_PARSERS = ((re.compile(r"llama-?3", re.I), "llama3-json"), (re.compile(r"mi[sx]tral", re.I), "mistral"),
                       (re.compile(r"qwen|hermes", re.I), "hermes"))
@@ -28,16 +27,12 @@ MODEL_NAME_PARSERS = ((re.compile(r"llama-?3", re.I), "llama3-json"), (re.compil
 def check_tool_parser(name: str) -> str:
     """The registry id for `name` (underscores read as dashes), or INVALID_ARGUMENT listing the known ones."""
     key = name.replace("_", "-").lower()
-    if key not in TOOL_PARSERS:
-        raise invalid_argument(f"unknown tool-call parser {name!r} (known: {', '.join(sorted(TOOL_PARSERS))})",
-                               "tool_call_parser")
+    TOOL_PARSERS.check(key)
     return key
 
 
 def tool_parser(name: str) -> ToolCallParser:
-    module, _, attr = TOOL_PARSERS[check_tool_parser(name)].partition(":")
-    cls: type[ToolCallParser] = getattr(importlib.import_module(module), attr)
-    return cls()
+    return TOOL_PARSERS.load(check_tool_parser(name))()
 
 
 def parser_for_model(configured: str | None, template_syntax: str, model_names: list[str]) -> str:
