@@ -91,11 +91,12 @@ def test_structural_tag_spec_is_compact_and_keyed_apart():
 
 
 def test_every_kind_has_a_proto_value():
-    from radixmesh.engine.grammar import remote
+    from radixmesh.engine.grammar.remote import PROTO_KINDS
     from radixmesh.engine.grammar.spec import KINDS
-    from radixmesh.grammar_service.service import KIND_TO_PROTO
+    from radixmesh.protocol import grammar_pb2
 
-    assert set(remote._KINDS) == set(KINDS) == set(KIND_TO_PROTO)
+    assert set(PROTO_KINDS) == set(KINDS)
+    assert set(PROTO_KINDS.values()) == set(grammar_pb2.GrammarKind.keys()) - {"GRAMMAR_KIND_UNSPECIFIED"}
 
 
 # ---- the mask launcher -----------------------------------------------------------------------------
