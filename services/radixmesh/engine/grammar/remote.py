@@ -67,9 +67,9 @@ class GrammarServiceClient:
         if time.monotonic() < self._down_until:
             raise GrammarServiceUnavailable(f"grammar service {self.address} was unreachable moments ago")
         stub, fingerprint = self._connect()
-        request = grammar_pb2.CompileRequest(kind=grammar_pb2.GrammarKind.Value(PROTO_KINDS[spec.kind]), spec=spec.source,
-                                             tokenizer_fingerprint=fingerprint, vocab_size=self.vocab_size,
-                                             stop_token_ids=self.stop_token_ids)
+        kind = grammar_pb2.GrammarKind.Value(PROTO_KINDS[spec.kind])
+        request = grammar_pb2.CompileRequest(kind=kind, spec=spec.source, tokenizer_fingerprint=fingerprint,
+                                             vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
         try:
             response = stub.Compile(request, timeout=self.timeout_s)
         except grpc.RpcError as exc:
