@@ -17,6 +17,10 @@ from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.engine.grammar.spec import GrammarSpec
 from radixmesh.engine.grammar.xgrammar_backend import XGrammarBackend
 from radixmesh.engine.request import Req
+from radixmesh.gateway.tools.base import ToolSpec
+from radixmesh.gateway.tools.constraint import tool_call_tag
+from radixmesh.gateway.tools.registry import tool_parser
+from radixmesh.gateway.tools.stream import ToolCallStream
 from radixmesh.index.redis_server import LocalRedis
 from radixmesh.protocol import grammar_pb2, grammar_pb2_grpc
 from radixmesh.wire.fingerprint import tokenizer_fingerprint
@@ -99,11 +103,11 @@ def test_bad_requests_are_invalid_argument(services, tokenizer, field, value, wo
     assert error.code is ErrorCode.INVALID_ARGUMENT and words in error.message, error.message
 
 
-def _run_one(tokenizer, grammar_service: str) -> tuple[dict, str]:
+def _run_one(tokenizer, grammar_service: str, **grammar: str) -> tuple[dict, str]:
     sched, col = make_scheduler(tiny_model_config(vocab_size=VOCAB, eos_token_ids=(EOS,)), tokenizer=tokenizer,
                                 grammar_service=grammar_service, grammar_compile_timeout=60.0)
     req = Req(rid="r", origin_input_ids=[1, 2, 3], params=SamplingParams(
-        max_new_tokens=48, temperature=1.0, seed=3, json_schema=json.dumps(SCHEMA)))
+        max_new_tokens=96, temperature=1.0, seed=3, **(grammar or {"json_schema": json.dumps(SCHEMA)})))
     sched.add_request(req)
     run_until_idle(sched)
     assert col.finish["r"] == "stop"
@@ -116,6 +120,18 @@ def test_worker_fetches_from_the_service(services, tokenizer):
     assert stats["num_grammars_fetched"] == 1 and stats["num_grammars_compiled"] == 0
     assert stats["num_grammar_service_failures"] == 0
     jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_worker_fetches_a_tool_call_tag_from_the_service(services, tokenizer):
+    """tool_choice required as the gateway sends it: a structural tag, compiled by the service; the random-weight
+    model's answer is still one call of the tool with valid arguments."""
+    tag = tool_call_tag(tool_parser("hermes").syntax, [ToolSpec("get_population", "", SCHEMA)], "required", False)
+    stats, text = _run_one(tokenizer, services[0].address, structural_tag=tag)
+    assert stats["num_grammars_fetched"] == 1 and stats["num_grammars_compiled"] == 0
+    calls = ToolCallStream(tool_parser("hermes"))
+    calls.update(text, final=True)
+    assert [call.name for call in calls.calls] == ["get_population"] and not calls.content
+    jsonschema.validate(json.loads(calls.calls[0].arguments), SCHEMA)
 
 
 def test_worker_compiles_locally_when_the_service_is_down(tokenizer):

@@ -151,7 +151,6 @@ CHAT_CASES = [
     HttpCase("chat-logit-bias-list", CHAT, _chat(logit_bias=[1, 2]), "logit_bias"),
     HttpCase("chat-model-list", CHAT, _chat(model=["a", "b"]), "model"),
     HttpCase("chat-stream-options-string", CHAT, _chat(stream=True, stream_options="usage"), "stream_options"),
-    HttpCase("chat-tools-unsupported", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     HttpCase("chat-response-format-schema-missing", CHAT, _chat(response_format={"type": "json_schema"}),
              "response_format"),
     HttpCase("chat-response-format-unknown-type", CHAT, _chat(response_format={"type": "xml"}), "response_format"),
@@ -213,8 +212,81 @@ GENERATE_CASES = [
     HttpCase("gen-body-json-array", GENERATE, b"[1, 2, 3]", None, "JSON object"),
 ]
 
-HTTP_CASES = COMPLETION_CASES + CHAT_CASES + GENERATE_CASES
-GOOD_REQUESTS = [(COMPLETIONS, _completion()), (CHAT, _chat()), (GENERATE, _generate())]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+def _tool_turns(*turns: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": "Weather in Paris?"}, *turns]
+
+
+def _called(**function: Any) -> list[dict[str, Any]]:
+    """A conversation whose assistant turn made one call with these `function` fields."""
+    return _tool_turns({"role": "assistant", "tool_calls": [{**CALL, "function": function}]})
+
+
+TOOL_CASES = [
+    HttpCase("tools-not-a-list", CHAT, _chat(tools={"type": "function"}), "tools"),
+    HttpCase("tools-entry-not-object", CHAT, _chat(tools=["get_weather"]), "tools"),
+    HttpCase("tools-type-unknown", CHAT, _chat(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools",
+             "'function'"),
+    HttpCase("tools-function-missing", CHAT, _chat(tools=[{"type": "function"}]), "tools", "function"),
+    HttpCase("tools-name-missing", CHAT, _chat(tools=[{"type": "function", "function": {}}]), "tools", "name"),
+    HttpCase("tools-name-not-string", CHAT, _chat(tools=[{"type": "function", "function": {"name": 5}}]), "tools",
+             "name"),
+    HttpCase("tools-name-with-spaces", CHAT, _chat(tools=[{"type": "function", "function": {"name": "get weather"}}]),
+             "tools", "letters, digits"),
+    HttpCase("tools-name-too-long", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f" * 65}}]),
+             "tools", "64"),
+    HttpCase("tools-duplicate-name", CHAT, _chat(tools=[WEATHER, WEATHER]), "tools", "twice"),
+    HttpCase("tools-parameters-not-object", CHAT, _chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": "city"}}]), "tools", "parameters"),
+    HttpCase("tools-parameters-not-object-schema", CHAT, _chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "string"}}}]), "tools", "object"),
+    HttpCase("tools-parameters-invalid-schema", CHAT, _chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}]), "tools",
+             "tools[0].function.parameters"),
+    HttpCase("tools-description-not-string", CHAT, _chat(tools=[{"type": "function", "function": {
+        "name": "f", "description": 3}}]), "tools", "description"),
+    HttpCase("tool-choice-unknown", CHAT, _chat(tools=[WEATHER], tool_choice="always"), "tool_choice", "always"),
+    HttpCase("tool-choice-int", CHAT, _chat(tools=[WEATHER], tool_choice=1), "tool_choice"),
+    HttpCase("tool-choice-function-not-in-tools", CHAT, _chat(tools=[WEATHER], tool_choice={
+        "type": "function", "function": {"name": "get_time"}}), "tool_choice", "get_time"),
+    HttpCase("tool-choice-function-without-tools", CHAT, _chat(tool_choice={
+        "type": "function", "function": {"name": "get_time"}}), "tool_choice", "no tools"),
+    HttpCase("tool-choice-required-without-tools", CHAT, _chat(tool_choice="required"), "tool_choice", "needs tools"),
+    HttpCase("tool-choice-name-not-string", CHAT, _chat(tools=[WEATHER], tool_choice={
+        "type": "function", "function": {"name": ["get_weather"]}}), "tool_choice", "name"),
+    HttpCase("tool-choice-type-unknown", CHAT, _chat(tools=[WEATHER], tool_choice={
+        "type": "tool", "function": {"name": "get_weather"}}), "tool_choice", "'function'"),
+    HttpCase("tool-choice-required-with-response-format", CHAT, _chat(tools=[WEATHER], tool_choice="required",
+                                                                      response_format={"type": "json_object"}),
+             "tool_choice", "response_format"),
+    HttpCase("parallel-tool-calls-string", CHAT, _chat(tools=[WEATHER], parallel_tool_calls="no"),
+             "parallel_tool_calls"),
+    HttpCase("tool-message-without-tool-call-id", CHAT, _chat(messages=_tool_turns(
+        {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": "sunny"})), "messages",
+             "tool_call_id"),
+    HttpCase("tool-message-tool-call-id-int", CHAT, _chat(messages=_tool_turns(
+        {"role": "tool", "tool_call_id": 7, "content": "sunny"})), "messages", "tool_call_id"),
+    HttpCase("assistant-tool-call-arguments-not-json", CHAT, _chat(messages=_called(
+        name="get_weather", arguments="{city: Paris")), "messages", "not valid JSON"),
+    HttpCase("assistant-tool-call-arguments-object", CHAT, _chat(messages=_called(
+        name="get_weather", arguments={"city": "Paris"})), "messages", "arguments"),
+    HttpCase("assistant-tool-call-arguments-list", CHAT, _chat(messages=_called(name="get_weather", arguments="[1]")),
+             "messages", "JSON object"),
+    HttpCase("assistant-tool-call-without-id", CHAT, _chat(messages=_tool_turns({"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]})), "messages", "id"),
+    HttpCase("assistant-tool-call-name-not-string", CHAT, _chat(messages=_called(name=3, arguments="{}")), "messages",
+             "name"),
+    HttpCase("user-message-with-tool-calls", CHAT, _chat(messages=[{"role": "user", "content": "hi", "tool_calls": [
+        CALL]}]), "messages", "only assistant"),
+    HttpCase("chat-functions-legacy", CHAT, _chat(functions=[{"name": "f"}]), "functions"),
+]
+
+HTTP_CASES = COMPLETION_CASES + CHAT_CASES + TOOL_CASES + GENERATE_CASES
+GOOD_REQUESTS = [(COMPLETIONS, _completion()), (CHAT, _chat()), (GENERATE, _generate()), (CHAT, _chat(model="default"))]
 """One well-formed request per endpoint: each must still succeed after the malformed ones."""
 
 

@@ -36,6 +36,7 @@ class FakeBackend(GatewayBackend):
         self.aborted: list[str] = []
         self.cached_prefixes: list[list[int]] = []
         self.seen_params: list[SamplingParams] = []
+        self.seen_chats: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = []
         self._abort_requested: set[str] = set()
         self._seen_prompts: set[tuple[int, ...]] = set()
 
@@ -50,7 +51,9 @@ class FakeBackend(GatewayBackend):
     def encode(self, text: str) -> list[int]:
         return [ord(c) % VOCAB for c in text]
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) \
+            -> list[int]:
+        self.seen_chats.append((messages, tools))
         return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
 
     def decode(self, token_ids: list[int]) -> str:
@@ -170,7 +173,8 @@ def test_completion_parameter_errors_name_the_openai_field(http: TestClient, bod
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": 5}}]}, "tools"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
@@ -260,7 +264,7 @@ def test_native_generate(http: TestClient) -> None:
                                                 "sampling_params": {"max_new_tokens": 3}}) as response:
         events = _sse(response.read().decode())
     assert [e["text"] for e in events] == ["a", "ab", "abc"]  # cumulative, as SGLang streams
-    bad = http.post("/generate", json={"text": "a", "sampling_params": {"structural_tag": "{}"}})
+    bad = http.post("/generate", json={"text": "a", "sampling_params": {"structural_tag": "{}", "max_new_tokens": 2}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "structural_tag"
 
 

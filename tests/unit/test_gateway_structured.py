@@ -80,7 +80,10 @@ def test_native_sampling_params_carry_grammars(http: TestClient, backend: FakeBa
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format", "json_schema.schema"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "structural_tag"}}, "response_format",
-     "not supported"),
+     "needs format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "structural_tag", "format": {"type": "nope"}}},
+     "response_format", "structural tag"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format", "not supported"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}, "regex": "a"}, "response_format",
      "either"),
     ("/v1/chat/completions", {**CHAT, "regex": "(unclosed"}, "regex", "regex"),
@@ -89,7 +92,10 @@ def test_native_sampling_params_carry_grammars(http: TestClient, backend: FakeBa
     ("/v1/completions", {**COMPLETION, "regex": "a", "ebnf": 'root ::= "a"'}, "ebnf", "at most one"),
     ("/generate", _native(regex="a[b"), "regex", "regex"),
     ("/generate", _native(json_schema='{"type": 5}'), "json_schema", "type"),
-    ("/generate", _native(structural_tag="{}"), "structural_tag", "not supported"),
+    ("/generate", _native(structural_tag="{}"), "structural_tag", "format field"),
+    ("/generate", _native(structural_tag={"type": "structural_tag", "format": {"type": "tag", "begin": "<a>",
+                                                                               "content": {"type": "any_text"}}}),
+     "structural_tag", "end"),
 ])
 def test_invalid_grammars_are_400_naming_the_problem(http: TestClient, backend: FakeBackend, route: str,
                                                      body: dict[str, Any], param: str, words: str) -> None:

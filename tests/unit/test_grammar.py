@@ -22,6 +22,10 @@ from radixmesh.wire.sampling import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
+TAG = json.dumps({"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f>"], "tags": [
+    {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": SCHEMA}, "end": "</f>"}]}},
+    indent=1)
+"""Free text in which `<f>` opens an object of SCHEMA closed by `</f>`."""
 
 
 # ---- specs -----------------------------------------------------------------------------------------
@@ -55,6 +59,14 @@ def test_content_key_depends_on_spec_tokenizer_version_and_vocab():
     ({"ebnf": 'root ::= "a" missing'}, "ebnf", "missing"),
     ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf", "at most one"),
     ({"regex": "  "}, "regex", "must not be empty"),
+    ({"structural_tag": "[]"}, "structural_tag", "JSON object"),
+    ({"structural_tag": "{"}, "structural_tag", "not valid JSON"),
+    ({"structural_tag": '{"type": "structural_tag"}'}, "structural_tag", "format"),
+    ({"structural_tag": json.dumps({"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>",
+                                                                        "content": {"type": "json_schema",
+                                                                                    "json_schema": {"type": 5}}}})},
+     "structural_tag", "type"),
+    ({"regex": "a", "structural_tag": TAG}, "structural_tag", "at most one"),
 ])
 def test_invalid_specs_are_invalid_argument_naming_the_field(params, param, words):
     with pytest.raises(RadixMeshError) as info:
@@ -67,8 +79,24 @@ def test_invalid_specs_are_invalid_argument_naming_the_field(params, param, word
 
 def test_valid_specs_pass_the_check():
     for spec in (GrammarSpec("json_schema", json.dumps(SCHEMA)), GrammarSpec("regex", r"\d{3}-[a-z]+"),
-                 GrammarSpec("ebnf", 'root ::= "yes" | "no"'), GrammarSpec("json", "")):
+                 GrammarSpec("ebnf", 'root ::= "yes" | "no"'), GrammarSpec("json", ""),
+                 GrammarSpec.parse("structural_tag", TAG)):
         check_grammar_syntax(spec)
+
+
+def test_structural_tag_spec_is_compact_and_keyed_apart():
+    spec = grammar_spec(SamplingParams(structural_tag=TAG))
+    assert spec == GrammarSpec("structural_tag", json.dumps(json.loads(TAG), separators=(",", ":")))
+    assert spec.local_key() != GrammarSpec("json_schema", spec.source).local_key()
+
+
+def test_every_kind_has_a_proto_value():
+    from radixmesh.engine.grammar.remote import PROTO_KINDS
+    from radixmesh.engine.grammar.spec import KINDS
+    from radixmesh.protocol import grammar_pb2
+
+    assert set(PROTO_KINDS) == set(KINDS)
+    assert set(PROTO_KINDS.values()) == set(grammar_pb2.GrammarKind.keys()) - {"GRAMMAR_KIND_UNSPECIFIED"}
 
 
 # ---- the mask launcher -----------------------------------------------------------------------------
@@ -163,6 +191,15 @@ def test_serialized_grammar_round_trips(backend):
     assert matcher.find_jump_forward_string() == '{"name": "'
     with pytest.raises(ValueError, match="cannot load"):
         backend.deserialize(b"{}")
+
+
+def test_structural_tag_compiles_and_matches(tokenizer, backend):
+    compiled = backend.deserialize(backend.serialize(backend.compile(GrammarSpec.parse("structural_tag", TAG))))
+    good = backend.new_matcher(compiled)
+    assert good.accept_string('Sure. <f>{"name": "Ada", "age": 36}</f> done')  # type: ignore[attr-defined]
+    assert good.accept_token(2) and good.is_terminated()
+    bad = backend.new_matcher(compiled)
+    assert not bad.accept_string('<f>{"name": 3}')  # type: ignore[attr-defined]
 
 
 def test_retokenized_jump_joins_the_boundary_token(tokenizer, backend):

@@ -21,6 +21,8 @@ REGISTRIES = [
     ("radixmesh.router.policies", "ROUTING_POLICIES", "policy"),
     ("loadtests.workloads", "WORKLOADS", "workload"),
     ("radixmesh.engine.scheduler.hooks", "SCHEDULER_HOOKS", "scheduler hook"),
+    ("radixmesh.gateway.tools.registry", "TOOL_PARSERS", "tool-call parser"),
+    ("radixmesh.gateway.reasoning", "REASONING_PARSERS", "reasoning parser"),
     ("radixmesh.cli", "COMMANDS", "command"),
     ("loadtests.commands", "BENCH_COMMANDS", "bench command"),
 ]

@@ -1,8 +1,9 @@
 """One lazy registry for every plug-in point: a kebab-case id maps to a "module:attribute" imported on first use.
 
 Attention backends, grammar backends, model families, quantization methods, speculative proposers, KV
-transports, routing policies, loadtest workloads, scheduler hooks and the command lists all use it: the CLI and
-the Helm chart take the same ids, and listing them (`ids`) imports nothing.
+transports, routing policies, tool-call and reasoning parsers, loadtest workloads, scheduler hooks and the
+command lists all use it: the CLI and the Helm chart take the same ids, and listing them (`ids`) imports
+nothing.
 """
 
 from __future__ import annotations

@@ -53,20 +53,34 @@ def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> l
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-    """A conversation in the model's chat template, ready for the assistant's turn."""
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """A conversation in the model's chat template, ready for the assistant's turn.
+
+    `tools` (OpenAI's `[{"type": "function", "function": {...}}]`) go to the template as its `tools`
+    variable, with messages' tool calls in the shape templates read (`chat_template.template_messages`);
+    only for templates that take tools (`chat_template.takes_tools`).
+    """
+    from radixmesh.engine.chat_template import template_messages
+
     if not getattr(tokenizer, "chat_template", None):
         raise invalid_argument("this model has no chat template; use /v1/completions", "messages")
+    extra: dict[str, Any] = {"tools": tools} if tools else {}
+    if tools or any(m.get("tool_calls") or m.get("tool_call_id") for m in messages):
+        messages = template_messages(messages)
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **extra)
     except Exception as exc:  # jinja2 raises its own errors for conversations a template rejects
         raise invalid_argument(f"the chat template rejected the messages: {exc}", "messages") from None
     return str(text)
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of a rendered conversation (the template writes the special tokens)."""
-    return list(tokenizer.encode(render_chat(tokenizer, messages, add_generation_prompt), add_special_tokens=False))
+    return list(tokenizer.encode(render_chat(tokenizer, messages, add_generation_prompt, tools),
+                                 add_special_tokens=False))
 
 
 def decode_text(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool = True) -> str:

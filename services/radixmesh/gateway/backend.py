@@ -47,6 +47,10 @@ class ModelCard:
     """Facts of the backend shown by /server_info (engine flags, device)."""
     has_image_understanding: bool = False
     """The model takes images (chat `image_url` parts, native `image_data`)."""
+    chat_template_takes_tools: bool = False
+    """The chat template renders `tools`, tool calls and tool turns itself (else the gateway writes them as text)."""
+    chat_template_tool_syntax: str = ""
+    """The tool-call syntax the template teaches ("hermes", "mistral", "llama3-json"; "" when none is known)."""
 
     def accepts(self, name: str) -> bool:
         return name == self.name or name in self.aliases
@@ -94,10 +98,15 @@ class GatewayBackend(ABC):
         """Token ids of a raw prompt, with the special tokens the model expects at its start."""
 
     @abstractmethod
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation in the model's chat template, ready for the assistant's turn."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) \
+            -> list[int]:
+        """Token ids of a conversation in the model's chat template, ready for the assistant's turn.
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        Messages are {role, content} with, on assistant turns, `tool_calls` [{id, name, arguments}] and,
+        on tool turns, `tool_call_id` and `name`; `tools` (OpenAI's shape) only for a template that takes
+        them (`card.chat_template_takes_tools`)."""
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """A conversation as text in the model's chat template (for clients that build prompts)."""
         raise unsupported("this backend cannot render chat templates as text", "messages")
 

@@ -129,10 +129,11 @@ class ClusterBackend(GatewayBackend):
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(self.tokenizer.chat(messages, True).token_ids)
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) \
+            -> list[int]:
+        return list(self.tokenizer.chat(messages, True, tools).token_ids)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         return str(self.tokenizer.chat(messages, add_generation_prompt).prompt_text)
 
     async def tokenize_multimodal(self, prompt: PromptWithImages) -> MultimodalPrompt:

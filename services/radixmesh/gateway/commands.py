@@ -51,8 +51,25 @@ def _add_http_args(parser: argparse.ArgumentParser) -> None:
                         help="output cap for chat and /generate requests that give no max tokens")
     parser.add_argument("--graceful-shutdown-s", type=float, default=5.0,
                         help="on SIGINT/SIGTERM, seconds open requests may finish before they are aborted")
+    _add_tool_args(parser)
     add_tracing_args(parser)
     add_tls_args(parser, public=True)
+
+
+def _add_tool_args(parser: argparse.ArgumentParser) -> None:
+    from radixmesh.gateway.reasoning import REASONING_PARSERS
+    from radixmesh.gateway.tools.registry import TOOL_PARSERS
+
+    group = parser.add_argument_group("tools and reasoning (docs/tools.md)")
+    group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                       help="how the model writes tool calls (default: from its chat template or name, else hermes)")
+    group.add_argument("--strict-tools", action="store_true",
+                       help="constrain tool_choice 'auto' as well: once the model starts a call, its name is one of "
+                            "the tools and its arguments follow the tool's JSON Schema (required and named choices "
+                            "are always constrained)")
+    group.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                       help="return a thinking model's <think> part as reasoning_content, apart from content "
+                            "(default: none)")
 
 
 def _gateway_config(args: argparse.Namespace) -> GatewayConfig:
@@ -67,7 +84,9 @@ def _gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          grpc_port=args.grpc_port, tls=tls,
                          served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
                          max_default_tokens=args.max_default_tokens, graceful_shutdown_s=args.graceful_shutdown_s,
-                         log_level=args.log_level, image_limits=image_limits_from_args(args))
+                         log_level=args.log_level, image_limits=image_limits_from_args(args),
+                         tool_call_parser=args.tool_call_parser, strict_tools=args.strict_tools,
+                         reasoning_parser=args.reasoning_parser)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from radixmesh.common.errors import invalid_argument
 from radixmesh.common.tls import TlsConfig
 from radixmesh.engine.mm.config import ImageLimits
+from radixmesh.gateway.reasoning import check_reasoning_parser
+from radixmesh.gateway.tools.registry import check_tool_parser
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DETOKENIZE_MODES = ("local", "service")
@@ -41,6 +43,12 @@ class GatewayConfig:
     """Log level of the HTTP server (info also logs each request)."""
     image_limits: ImageLimits = field(default_factory=ImageLimits)
     """What `serve` accepts of images (a gateway leaves images to the tokenizer service and its limits)."""
+    tool_call_parser: str | None = None
+    """Tool-call syntax (hermes | llama3-json | mistral | json); None: chosen from the model."""
+    strict_tools: bool = False
+    """Constrain tool_choice auto too: a call, once the model starts one, names a tool and its arguments validate."""
+    reasoning_parser: str | None = None
+    """Split a thinking model's reasoning from its answer (deepseek-r1 | qwen3); None: no splitting."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -55,6 +63,10 @@ class GatewayConfig:
             raise invalid_argument("max_default_tokens must be >= 1", "max_default_tokens")
         if self.graceful_shutdown_s < 0:
             raise invalid_argument("graceful_shutdown_s must be >= 0", "graceful_shutdown_s")
+        if self.tool_call_parser is not None:
+            object.__setattr__(self, "tool_call_parser", check_tool_parser(self.tool_call_parser))
+        if self.reasoning_parser is not None:
+            object.__setattr__(self, "reasoning_parser", check_reasoning_parser(self.reasoning_parser))
         if self.log_level.lower() not in LOG_LEVELS:
             raise invalid_argument(f"log_level must be one of {', '.join(LOG_LEVELS)}", "log_level")
 

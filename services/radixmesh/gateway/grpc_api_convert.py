@@ -8,11 +8,13 @@ parameters live in the HTTP layer's one code path (openai_convert), which both A
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, get_args
 
 from radixmesh.common.errors import invalid_argument
 from radixmesh.gateway.openai_convert import ChoiceState
 from radixmesh.gateway.protocol import (
+    AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -21,6 +23,7 @@ from radixmesh.gateway.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    Delta,
     ModelObject,
     Usage,
     validate_data,
@@ -77,13 +80,59 @@ def completion_request(request: pb.CompleteRequest, stream: bool) -> CompletionR
 
 def chat_request(request: pb.ChatRequest, stream: bool) -> ChatCompletionRequest:
     options = request.options
-    data: dict[str, Any] = {"messages": [{"role": m.role, "content": m.content} for m in request.messages],
-                            **options_fields(options), "logprobs": options.logprobs, **_stream_fields(stream)}
+    data: dict[str, Any] = {"messages": [_turn(m) for m in request.messages], **options_fields(options),
+                            "logprobs": options.logprobs, **_stream_fields(stream), **_tool_fields(request)}
     if options.top_logprobs:
         data["top_logprobs"] = options.top_logprobs
     if request.model:
         data["model"] = request.model
     return validate_data(data, ChatCompletionRequest)
+
+
+def _turn(turn: pb.ChatTurn) -> dict[str, Any]:
+    """A ChatTurn as the HTTP API's message (tool fields only when set)."""
+    message: dict[str, Any] = {"role": turn.role, "content": turn.content}
+    if turn.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": c.type or "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in turn.tool_calls]
+    if turn.tool_call_id:
+        message["tool_call_id"] = turn.tool_call_id
+    if turn.name:
+        message["name"] = turn.name
+    return message
+
+
+def _tool_fields(request: pb.ChatRequest) -> dict[str, Any]:
+    """tools, tool_choice, parallel_tool_calls and include_reasoning as the HTTP API takes them."""
+    fields: dict[str, Any] = {}
+    if request.tools:
+        fields["tools"] = [{"type": tool.type or "function", "function": _function(tool.function, i)}
+                           for i, tool in enumerate(request.tools)]
+    choice = request.tool_choice.WhichOneof("choice") if request.HasField("tool_choice") else None
+    if choice == "mode":
+        fields["tool_choice"] = request.tool_choice.mode
+    elif choice == "function_name":
+        fields["tool_choice"] = {"type": "function", "function": {"name": request.tool_choice.function_name}}
+    if request.HasField("parallel_tool_calls"):
+        fields["parallel_tool_calls"] = request.parallel_tool_calls
+    if request.HasField("include_reasoning"):
+        fields["include_reasoning"] = request.include_reasoning
+    return fields
+
+
+def _function(function: pb.FunctionDefinition, index: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": function.name}
+    if function.description:
+        out["description"] = function.description
+    if function.parameters_json:
+        try:
+            out["parameters"] = json.loads(function.parameters_json)
+        except ValueError:
+            raise invalid_argument(f"tools[{index}].function.parameters_json is not valid JSON", "tools") from None
+    if function.HasField("strict"):
+        out["strict"] = function.strict
+    return out
 
 
 # ---- replies ----------------------------------------------------------------------------------------
@@ -148,9 +197,19 @@ def chat_reply(response: ChatCompletionResponse | ChatCompletionChunk, tokens: T
         choices.append(pb.ChatChoice(index=c.index, role=message.role or "", content=message.content or "",
                                      logprobs=chat_logprobs(c.logprobs),
                                      finish_reason=finish_reason_to_proto(c.finish_reason),
-                                     token_ids=tokens.take(c.index)))
+                                     token_ids=tokens.take(c.index), tool_calls=_tool_calls(message),
+                                     reasoning_content=message.reasoning_content or ""))
     return pb.ChatResponse(id=response.id, created=response.created, model=response.model, choices=choices,
                            usage=usage(response.usage))
+
+
+def _tool_calls(message: AssistantMessage | Delta) -> list[pb.ToolCall]:
+    """A whole answer's calls (indexed in order), or a stream message's call deltas."""
+    if isinstance(message, AssistantMessage):
+        return [pb.ToolCall(index=i, id=c.id, type=c.type, function=pb.FunctionCall(
+            name=c.function.name, arguments=c.function.arguments)) for i, c in enumerate(message.tool_calls or [])]
+    return [pb.ToolCall(index=d.index, id=d.id or "", type=d.type or "", function=pb.FunctionCall(
+        name=d.function.name or "", arguments=d.function.arguments or "")) for d in message.tool_calls or []]
 
 
 def model_reply(model: ModelObject) -> pb.Model:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from radixmesh.common import tracing
 from radixmesh.common.errors import invalid_argument
+from radixmesh.engine.chat_template import takes_tools, template_text, tool_syntax
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.hf_tokenizer import decode_text, encode_chat, encode_text, render_chat, token_texts
@@ -71,10 +72,12 @@ class LocalEngineBackend(GatewayBackend):
     def encode(self, text: str) -> list[int]:
         return _tokenize("text", encode_text, self._tokenizer("prompt"), text)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return _tokenize("chat", encode_chat, self._tokenizer("messages"), messages)
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) \
+            -> list[int]:
+        tokenizer = self._tokenizer("messages")
+        return _tokenize("chat", lambda tok, msgs: encode_chat(tok, msgs, tools=tools), tokenizer, messages)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         return render_chat(self._tokenizer("messages"), messages, add_generation_prompt)
 
     async def tokenize_multimodal(self, prompt: PromptWithImages) -> MultimodalPrompt:
@@ -172,10 +175,12 @@ def _make_card(client: EngineClient, served_model_name: str | None, has_images: 
         aliases |= DEFAULT_MODEL_ALIASES
     name = served_model_name or prepared.name
     running = int(client.server_info.get("max_running_requests", client.config.max_running_requests))
+    template = template_text(client.tokenizer)
     return ModelCard(
         name=name, aliases=frozenset(aliases - {name}),
         model_path=str(prepared.model_path or ""), tokenizer_path=str(prepared.tokenizer_path or ""),
         context_len=client.context_len, vocab_size=client.model_config.vocab_size,
         max_running_requests=running, created=int(time.time()),
         extra={"backend": "local", **dataclasses.asdict(client.config)}, has_image_understanding=has_images,
+        chat_template_takes_tools=takes_tools(template), chat_template_tool_syntax=tool_syntax(template),
     )

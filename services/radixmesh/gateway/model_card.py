@@ -103,4 +103,6 @@ def make_card(info: worker_pb2.GetModelInfoResponse, tok: tokenizer_pb2.GetToken
     return ModelCard(name=name, aliases=frozenset(aliases), model_path=info.model_path,
                      tokenizer_path=tok.tokenizer_path, context_len=info.context_len, vocab_size=info.vocab_size,
                      max_running_requests=info.max_running_requests, created=int(time.time()), extra=extra,
-                     has_image_understanding=info.has_image_understanding and tok.accepts_images)
+                     has_image_understanding=info.has_image_understanding and tok.accepts_images,
+                     chat_template_takes_tools=tok.chat_template_takes_tools,
+                     chat_template_tool_syntax=tok.chat_template_tool_syntax)

@@ -58,7 +58,8 @@ class NativeSamplingParams(RequestBody):
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
-    structural_tag: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    """An xgrammar structural tag, as JSON text or an object."""
 
 
 class GenerateRequest(RequestBody):
@@ -158,12 +159,11 @@ def _logprob_asks(req: GenerateRequest, num_prompts: int) -> list[tuple[int, int
 
 def _params(state: GatewayState, req: GenerateRequest, sp: NativeSamplingParams, prompt_len: int,
             logprob_ask: tuple[int, int]) -> SamplingParams:
-    if sp.structural_tag is not None:
-        raise unsupported("sampling_params.structural_tag is not supported; use json_schema, regex or ebnf",
-                          "structural_tag")
     fields = sp.model_dump(exclude={"structural_tag", "json_schema", "sampling_seed", "stop", "stop_token_ids",
                                     "logit_bias"})
     fields["json_schema"] = sp.json_schema if not isinstance(sp.json_schema, dict) else json.dumps(sp.json_schema)
+    fields["structural_tag"] = sp.structural_tag if not isinstance(sp.structural_tag, dict) \
+        else json.dumps(sp.structural_tag)
     fields["max_new_tokens"] = conv.resolve_max_new_tokens(
         sp.max_new_tokens, prompt_len, state.backend.card.context_len, state.config.max_default_tokens,
         "max_new_tokens", "input_ids" if req.input_ids is not None else "text")

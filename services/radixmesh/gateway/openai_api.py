@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixmesh.common.errors import invalid_argument
+from radixmesh.common.errors import invalid_argument, unsupported
 from radixmesh.engine.mm.prompt import PromptWithImages
 from radixmesh.gateway import openai_convert as conv
 from radixmesh.gateway.backend import GenerationChunk
@@ -29,12 +29,18 @@ from radixmesh.gateway.protocol import (
     CompletionRequest,
     CompletionResponse,
     Delta,
+    FunctionCallDelta,
+    FunctionCallOut,
     ModelList,
     ModelObject,
+    ToolCallDelta,
+    ToolCallOut,
     parse_body,
 )
 from radixmesh.gateway.sse import DONE, EventStreamResponse, event, with_error_events
 from radixmesh.gateway.state import GatewayState, get_state, unless_disconnected
+from radixmesh.gateway.tools.chat import ChatSetup
+from radixmesh.gateway.tools.stream import CallDelta
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -180,35 +186,51 @@ async def start_chat(state: GatewayState, req: ChatCompletionRequest) -> ChatRun
     """Validate and admit a chat request (HTTP and gRPC alike); the run is not started yet."""
     model = state.resolve_model(req.model)
     conv.check_chat_supported(req)
+    setup = ChatSetup.of(state.config, state.backend.card, conv.chat_tools(req), req.include_reasoning,
+                         req.separate_reasoning)
+    with conv.openai_names(conv.grammar_param_names(req)):
+        setup.check_no_grammar(bool(conv.grammar_fields(req)))
     mm = None
     if has_images(req.messages):
+        if setup.tools is not None:
+            raise unsupported("tools with images are not supported yet", "tools")
         messages, sources = chat_with_images(req.messages)
         prompt = await state.backend.tokenize_multimodal(PromptWithImages(sources, messages=messages))
         input_ids, mm = prompt.input_ids, prompt.mm
     else:
-        input_ids = state.backend.apply_chat_template(conv.chat_messages(req.messages))
+        input_ids = state.backend.apply_chat_template(*setup.template_inputs(conv.chat_messages(req.messages)))
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     names = {"max_new_tokens": max_param, "min_new_tokens": "min_tokens", "prompt": "messages",
-             **conv.grammar_param_names(req)}
+             "structural_tag": "tools", **conv.grammar_param_names(req)}
     with conv.openai_names(names):
         max_new = conv.resolve_max_new_tokens(requested, len(input_ids), state.backend.card.context_len,
                                               state.config.max_default_tokens, max_param, "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
-        generation = state.dispatcher.open("chat_completions", [PromptJob(input_ids, conv.sampling_params(
-            req, max_new, top), mm)])
-    return ChatRun(state, req, model, generation)
+        params = setup.sampling_params(conv.sampling_params(req, max_new, top))
+        generation = state.dispatcher.open("chat_completions", [PromptJob(input_ids, params, mm)])
+    return ChatRun(state, req, model, generation, setup)
+
+
+def _tool_call_deltas(calls: list[CallDelta]) -> list[ToolCallDelta] | None:
+    if not calls:
+        return None
+    return [ToolCallDelta(index=c.index, id=c.id, type="function" if c.id else None,
+                          function=FunctionCallDelta(name=c.name, arguments=c.arguments)) for c in calls]
 
 
 class ChatRun:
     """One /v1/chat/completions request turned into a response or a stream of chunks."""
 
     def __init__(self, state: GatewayState, req: ChatCompletionRequest, model: str,
-                 generation: Generation) -> None:
+                 generation: Generation, setup: ChatSetup) -> None:
         self.state, self.req, self.model, self.generation = state, req, model, generation
+        self.setup = setup
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.states = [conv.ChoiceState() for _ in range(generation.num_seqs)]
+        self.outputs = [setup.new_output() for _ in range(generation.num_seqs)]
+        """Each choice's reasoning, content and tool calls."""
 
     def _logprobs(self, token_ids: list[int], logprobs: list[float] | None,
                   top: list[list[tuple[int, float]]] | None) -> ChatLogprobs | None:
@@ -216,12 +238,23 @@ class ChatRun:
             return None
         return ChatLogprobs(content=conv.chat_logprobs(self.state.backend, token_ids, logprobs or [], top or []))
 
+    def message(self, index: int) -> AssistantMessage:
+        """The whole answer of a finished choice."""
+        out = self.outputs[index]
+        calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                 for c in out.calls]
+        content = out.content if out.content or not calls else None
+        return AssistantMessage(content=content, reasoning_content=out.reasoning or None, tool_calls=calls or None)
+
     async def collect(self) -> ChatCompletionResponse:
         async for index, chunk in self.generation.stream():
             self.states[index].add(chunk)
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=st.text), finish_reason=st.finish_reason,
-                              logprobs=self._logprobs(st.token_ids, st.logprobs, st.top_logprobs))
-                   for i, st in enumerate(self.states)]
+        choices = []
+        for i, st in enumerate(self.states):
+            self.outputs[i].feed(st.text, final=True)
+            choices.append(ChatChoice(index=i, message=self.message(i),
+                                      finish_reason=self.outputs[i].finish_reason(st.finish_reason),
+                                      logprobs=self._logprobs(st.token_ids, st.logprobs, st.top_logprobs)))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=conv.usage(self.states, self.req.n))
 
@@ -229,17 +262,21 @@ class ChatRun:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     async def chunks(self) -> AsyncGenerator[ChatCompletionChunk, None]:
-        """The stream's messages: the role, content deltas and the finish reason per choice, then usage when
-        asked for."""
+        """The stream's messages: the role, then content, reasoning and tool-call deltas and the finish reason
+        per choice, then usage when asked for."""
         for index in range(len(self.states)):
             yield self._chunk(ChatChunkChoice(index=index, delta=Delta(role="assistant", content="")))
         async for index, chunk in self.generation.stream():
             self.states[index].add(chunk)
-            if chunk.text or (self.req.logprobs and chunk.token_ids):
+            out = self.outputs[index].feed(chunk.text, final=chunk.finished)
+            if out or (self.req.logprobs and chunk.token_ids):
+                delta = Delta(content=out.content if out.content or not (out.reasoning or out.calls) else None,
+                              reasoning_content=out.reasoning or None, tool_calls=_tool_call_deltas(out.calls))
                 logprobs = self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
-                yield self._chunk(ChatChunkChoice(index=index, delta=Delta(content=chunk.text), logprobs=logprobs))
+                yield self._chunk(ChatChunkChoice(index=index, delta=delta, logprobs=logprobs))
             if chunk.finished:
-                yield self._chunk(ChatChunkChoice(index=index, delta=Delta(), finish_reason=chunk.finish_reason))
+                reason = self.outputs[index].finish_reason(chunk.finish_reason)
+                yield self._chunk(ChatChunkChoice(index=index, delta=Delta(), finish_reason=reason))
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
             yield ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
                                       usage=conv.usage(self.states, self.req.n))

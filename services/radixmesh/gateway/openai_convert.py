@@ -21,8 +21,17 @@ from radixmesh.gateway.protocol import (
     TopLogprob,
     Usage,
 )
+from radixmesh.gateway.tools.request import (
+    ToolRequest,
+    check_tools,
+    message_calls,
+    named_choice,
+    tool_choice,
+    tool_request,
+    tool_spec,
+)
 
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @contextlib.contextmanager
@@ -99,9 +108,14 @@ def grammar_fields(req: CompletionRequest | ChatCompletionRequest) -> dict[str, 
             raise invalid_argument("response_format of type 'json_schema' needs json_schema.schema (a JSON Schema "
                                    "object)", "response_format")
         fields["json_schema"] = json.dumps(fmt.json_schema.schema_)
+    elif fmt is not None and fmt.type == "structural_tag":
+        if fmt.format is None:
+            raise invalid_argument("response_format of type 'structural_tag' needs format (an xgrammar structural "
+                                   "tag format)", "response_format")
+        fields["structural_tag"] = json.dumps({"type": "structural_tag", "format": fmt.format})
     elif fmt is not None and fmt.type != "text":
-        raise unsupported(f"response_format of type {fmt.type!r} is not supported; use text, json_object or "
-                          "json_schema", "response_format")
+        raise unsupported(f"response_format of type {fmt.type!r} is not supported; use text, json_object, "
+                          "json_schema or structural_tag", "response_format")
     if fields and (req.json_schema is not None or req.regex is not None or req.ebnf is not None):
         raise invalid_argument("give either response_format or one of json_schema, regex and ebnf", "response_format")
     if req.json_schema is not None:
@@ -113,9 +127,12 @@ def grammar_fields(req: CompletionRequest | ChatCompletionRequest) -> dict[str, 
 
 
 def grammar_param_names(req: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
-    """Errors about the engine's json_schema name `response_format` when that is what the client sent."""
+    """Errors about the engine's json_schema (or structural_tag) name `response_format` when that is what the
+    client sent."""
     fmt = req.response_format
-    return {"json_schema": "response_format"} if fmt is not None and fmt.type != "text" else {}
+    if fmt is None or fmt.type == "text":
+        return {}
+    return {"structural_tag": "response_format"} if fmt.type == "structural_tag" else {"json_schema": "response_format"}
 
 
 def logit_bias(bias: dict[str, float]) -> dict[int, float]:
@@ -125,18 +142,47 @@ def logit_bias(bias: dict[str, float]) -> dict[int, float]:
         raise invalid_argument("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Plain {role, content} dicts for the chat template; text content parts are joined by newlines."""
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """{role, content} dicts for the chat template (text content parts joined by newlines), with an assistant
+    turn's `tool_calls` and a tool turn's `tool_call_id` and `name`."""
     out = []
     for i, msg in enumerate(messages):
         role = CHAT_ROLES.get(msg.role)
         if role is None:
-            raise unsupported(f"messages[{i}].role {msg.role!r} is not supported (use system, user or assistant; "
-                              "tools are not supported yet)", "messages")
+            raise unsupported(f"messages[{i}].role {msg.role!r} is not supported (use system, developer, user, "
+                              "assistant or tool)", "messages")
+        item: dict[str, Any] = {"role": role, "content": _text_content(msg, i)}
         if msg.tool_calls:
-            raise unsupported(f"messages[{i}] has tool_calls; tools are not supported yet", "messages")
-        out.append({"role": role, "content": _text_content(msg, i)})
+            if role != "assistant":
+                raise invalid_argument(f"messages[{i}] has tool_calls, but only assistant messages make calls",
+                                       "messages")
+            calls = message_calls([(c.id, c.type, c.function.name, c.function.arguments) for c in msg.tool_calls],
+                                  f"messages[{i}]")
+            item["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
+        if role == "tool":
+            if not msg.tool_call_id:
+                raise invalid_argument(f"messages[{i}] has role 'tool' but no tool_call_id (the id of the call whose "
+                                       "result it is)", "messages")
+            item["tool_call_id"] = msg.tool_call_id
+            if msg.name:
+                item["name"] = msg.name
+        out.append(item)
     return out
+
+
+def chat_tools(req: ChatCompletionRequest) -> ToolRequest | None:
+    """The request's tools and tool_choice, checked (None: the model answers in text)."""
+    tools = []
+    for i, tool in enumerate(req.tools or []):
+        if tool.type != "function":
+            raise invalid_argument(f"tools[{i}].type must be 'function' (got {tool.type!r})", "tools")
+        f = tool.function
+        tools.append(tool_spec(f.name, f.description, f.parameters, f"tools[{i}].function"))
+    check_tools(tools)
+    choice = req.tool_choice
+    named = named_choice(choice) if isinstance(choice, dict) else None
+    mode = choice if isinstance(choice, str) else None
+    return tool_request(tools, tool_choice(mode, named, tools), req.parallel_tool_calls)
 
 
 def _text_content(msg: ChatMessage, i: int) -> str:
@@ -152,10 +198,8 @@ def _text_content(msg: ChatMessage, i: int) -> str:
 
 
 def check_chat_supported(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise unsupported("tools are not supported yet", "tools")
     if req.functions:
-        raise unsupported("functions are not supported yet", "functions")
+        raise unsupported("functions (the legacy API) is not supported; use tools", "functions")
     if req.top_logprobs and not req.logprobs:
         raise invalid_argument("top_logprobs needs logprobs set to true", "top_logprobs")
 

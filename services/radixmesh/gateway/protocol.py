@@ -2,9 +2,9 @@
 
 Requests ignore unknown fields (`extra="ignore"`): OpenAI clients send fields such as
 `user`, `store`, `metadata` or `service_tier` that do not change what is generated.
-Fields that would change the output but are not supported yet (`tools`, `suffix`,
-`response_format` types other than text / json_object / json_schema) are declared so the
-handlers can reject them by name.
+Fields that would change the output but are not supported (`functions`, `suffix`,
+`response_format` types other than text / json_object / json_schema / structural_tag) are declared
+so the handlers can reject them by name.
 """
 
 from __future__ import annotations
@@ -148,10 +148,40 @@ class ContentPart(RequestBody):
     """`type: image_url`: a base64 data: URL (http(s) where the server allows it), as OpenAI sends it."""
 
 
+class FunctionCallBody(RequestBody):
+    name: str
+    arguments: str
+    """JSON text of the arguments object, as the model wrote it."""
+
+
+class MessageToolCall(RequestBody):
+    """A call an assistant turn made (from an earlier response's `tool_calls`)."""
+
+    id: str
+    type: str = "function"
+    function: FunctionCallBody
+
+
 class ChatMessage(RequestBody):
     role: str
     content: str | list[ContentPart] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    """A `tool` turn: the id of the call whose result this is."""
+    name: str | None = None
+
+
+class FunctionDefinition(RequestBody):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """JSON Schema of the arguments (an object); absent: the function takes none."""
+    strict: bool | None = None
+
+
+class ToolDefinition(RequestBody):
+    type: str
+    function: FunctionDefinition
 
 
 class JsonSchemaFormat(RequestBody):
@@ -167,6 +197,8 @@ class JsonSchemaFormat(RequestBody):
 class ResponseFormat(RequestBody):
     type: str
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    """`type: structural_tag`: the structural tag's format (xgrammar's, as SGLang takes it)."""
 
 
 class ChatCompletionRequest(SamplingExtensions):
@@ -187,8 +219,17 @@ class ChatCompletionRequest(SamplingExtensions):
     top_logprobs: int | None = None
     seed: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    """auto | none | required | `{"type": "function", "function": {"name": ...}}`; absent: auto with tools, none
+    without (checked by the tools module, whose messages name the part at fault)."""
+    parallel_tool_calls: bool | None = None
+    """False: at most one call per answer (default true)."""
     functions: list[Any] | None = None
+    include_reasoning: bool = True
+    """With a reasoning parser: false drops the reasoning (`reasoning_content`) from the answer."""
+    separate_reasoning: bool = True
+    """With a reasoning parser: false leaves the reasoning in `content`, unparsed (SGLang's option)."""
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -245,9 +286,29 @@ class ChatLogprobs(Response):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(Response):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(Response):
+    """`reasoning_content` and `tool_calls` are sent only when the answer has them."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items()
+                if value is not None or key not in ("reasoning_content", "tool_calls")}
 
 
 class ChatChoice(Response):
@@ -267,11 +328,35 @@ class ChatCompletionResponse(Response):
     usage: Usage
 
 
+class FunctionCallDelta(Response):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ToolCallDelta(Response):
+    """A call's first delta has its id, type and name (arguments ""); later ones only more arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class Delta(Response):
     """Only the fields a chunk carries are sent (role on the first, content after it)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -17,6 +17,8 @@ from radixmesh.gateway.dispatch import Dispatcher
 from radixmesh.gateway.metrics import GatewayMetrics
 
 T = TypeVar("T")
+DEFAULT_MODEL = "default"
+"""A `model` every gateway accepts as its one served model (SGLang serves under this name by default)."""
 
 
 @dataclass(frozen=True)
@@ -27,9 +29,10 @@ class GatewayState:
     dispatcher: Dispatcher
 
     def resolve_model(self, requested: str | None) -> str:
-        """The served name for a request's `model` (absent means the served model); 404 otherwise."""
+        """The served name for a request's `model` (absent, or "default" as SGLang's examples send it, means
+        the served model); 404 otherwise."""
         card = self.backend.card
-        if requested is None or requested == "" or card.accepts(requested):
+        if requested is None or requested in ("", DEFAULT_MODEL) or card.accepts(requested):
             return card.name
         raise not_found(f"The model '{requested}' does not exist; this server serves '{card.name}'", "model")
 

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from radixmesh.common import tls, tracing
-from radixmesh.common.errors import RadixMeshError, invalid_argument
+from radixmesh.common.errors import RadixMeshError
 from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.engine import hf_tokenizer as hf_text
 from radixmesh.engine.mm.prompt import MultimodalPrompt, PromptWithImages
@@ -25,6 +25,7 @@ from radixmesh.gateway.images import tokenize_request, tokenized_prompt
 from radixmesh.gateway.upstreams import CHANNEL_OPTIONS, Upstream, UpstreamGroup, UpstreamWatcher
 from radixmesh.protocol import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from radixmesh.wire.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
+from radixmesh.wire.chat_convert import chat_to_proto
 from radixmesh.wire.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -71,12 +72,9 @@ class TokenizerUpstream:
     def encode(self, text: str) -> list[int]:
         return list(self._tokenize(tokenizer_pb2.TokenizeRequest(text=text, block_size=self.block_size)).token_ids)
 
-    def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> tokenizer_pb2.TokenizeResponse:
-        try:
-            turns = [tokenizer_pb2.ChatMessage(role=str(m["role"]), content=str(m["content"])) for m in messages]
-        except KeyError as exc:
-            raise invalid_argument(f"every message needs a {exc.args[0]!r}", "messages") from None
-        conversation = tokenizer_pb2.ChatConversation(messages=turns, add_generation_prompt=add_generation_prompt)
+    def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+             tools: list[dict[str, Any]] | None = None) -> tokenizer_pb2.TokenizeResponse:
+        conversation = chat_to_proto(messages, add_generation_prompt, tools)
         return self._tokenize(tokenizer_pb2.TokenizeRequest(chat=conversation, block_size=self.block_size))
 
     async def tokenize_multimodal(self, prompt: PromptWithImages) -> MultimodalPrompt:

@@ -16,18 +16,13 @@ from radixmesh.common.errors import invalid_argument
 from radixmesh.common.grpc_errors import map_errors
 from radixmesh.common.metrics import GRAMMAR_COMPILE_BUCKETS_S
 from radixmesh.engine.grammar.base import BaseGrammarBackend
+from radixmesh.engine.grammar.remote import PROTO_KINDS
 from radixmesh.engine.grammar.spec import GrammarSpec
 from radixmesh.grammar_service.store import GrammarStore
 from radixmesh.protocol import grammar_pb2, grammar_pb2_grpc
 
 SERVICE_NAME = grammar_pb2.DESCRIPTOR.services_by_name["GrammarService"].full_name
-KIND_FROM_PROTO = {
-    grammar_pb2.GRAMMAR_KIND_JSON_SCHEMA: "json_schema",
-    grammar_pb2.GRAMMAR_KIND_REGEX: "regex",
-    grammar_pb2.GRAMMAR_KIND_EBNF: "ebnf",
-    grammar_pb2.GRAMMAR_KIND_ANY_JSON: "json",
-}
-KIND_TO_PROTO = {kind: value for value, kind in KIND_FROM_PROTO.items()}
+KIND_FROM_PROTO = {grammar_pb2.GrammarKind.Value(name): kind for kind, name in PROTO_KINDS.items()}
 _SOURCES = {"compiled": grammar_pb2.GRAMMAR_SOURCE_COMPILED, "memory": grammar_pb2.GRAMMAR_SOURCE_MEMORY,
             "redis": grammar_pb2.GRAMMAR_SOURCE_REDIS}
 MAX_VOCAB_SIZE = 1 << 22
@@ -88,7 +83,7 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServiceServicer):
     def _spec(self, request: grammar_pb2.CompileRequest) -> GrammarSpec:
         kind = KIND_FROM_PROTO.get(request.kind)
         if kind is None:
-            raise invalid_argument("kind must be one of JSON_SCHEMA, REGEX, EBNF, ANY_JSON", "kind")
+            raise invalid_argument("kind must be one of JSON_SCHEMA, REGEX, EBNF, ANY_JSON, STRUCTURAL_TAG", "kind")
         spec = GrammarSpec.parse(kind, request.spec)
         self.backend_cls.check_syntax(spec)
         return spec

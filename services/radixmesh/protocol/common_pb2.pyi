@@ -34,6 +34,8 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """aborted by the caller"""
     FINISH_REASON_ERROR: _FinishReason.ValueType  # 4
     """failed after admission; the stream then ends with an error status"""
+    FINISH_REASON_TOOL_CALLS: _FinishReason.ValueType  # 5
+    """the answer is tool calls (chat with tools; the engine stopped as for STOP)"""
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """Why a sequence ended; UNSPECIFIED on every chunk but the last."""
@@ -47,6 +49,8 @@ FINISH_REASON_ABORT: FinishReason.ValueType  # 3
 """aborted by the caller"""
 FINISH_REASON_ERROR: FinishReason.ValueType  # 4
 """failed after admission; the stream then ends with an error status"""
+FINISH_REASON_TOOL_CALLS: FinishReason.ValueType  # 5
+"""the answer is tool calls (chat with tools; the engine stopped as for STOP)"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 class _WorkerRole:

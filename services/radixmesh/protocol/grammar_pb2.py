@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aradixmesh/v1/grammar.proto\x12\x0cradixmesh.v1\"\x92\x01\n\x0e\x43ompileRequest\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.radixmesh.v1.GrammarKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\"\xa0\x01\n\x0f\x43ompileResponse\x12\x18\n\x10\x63ompiled_grammar\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63ontent_key\x18\x02 \x01(\t\x12\x1d\n\x15serialization_version\x18\x03 \x01(\t\x12+\n\x06source\x18\x04 \x01(\x0e\x32\x1b.radixmesh.v1.GrammarSource\x12\x12\n\ncompile_ms\x18\x05 \x01(\x01*\x93\x01\n\x0bGrammarKind\x12\x1c\n\x18GRAMMAR_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x01\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x02\x12\x15\n\x11GRAMMAR_KIND_EBNF\x10\x03\x12\x19\n\x15GRAMMAR_KIND_ANY_JSON\x10\x04*\x81\x01\n\rGrammarSource\x12\x1e\n\x1aGRAMMAR_SOURCE_UNSPECIFIED\x10\x00\x12\x1b\n\x17GRAMMAR_SOURCE_COMPILED\x10\x01\x12\x19\n\x15GRAMMAR_SOURCE_MEMORY\x10\x02\x12\x18\n\x14GRAMMAR_SOURCE_REDIS\x10\x03\x32X\n\x0eGrammarService\x12\x46\n\x07\x43ompile\x12\x1c.radixmesh.v1.CompileRequest\x1a\x1d.radixmesh.v1.CompileResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aradixmesh/v1/grammar.proto\x12\x0cradixmesh.v1\"\x92\x01\n\x0e\x43ompileRequest\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.radixmesh.v1.GrammarKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\"\xa0\x01\n\x0f\x43ompileResponse\x12\x18\n\x10\x63ompiled_grammar\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63ontent_key\x18\x02 \x01(\t\x12\x1d\n\x15serialization_version\x18\x03 \x01(\t\x12+\n\x06source\x18\x04 \x01(\x0e\x32\x1b.radixmesh.v1.GrammarSource\x12\x12\n\ncompile_ms\x18\x05 \x01(\x01*\xb4\x01\n\x0bGrammarKind\x12\x1c\n\x18GRAMMAR_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x01\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x02\x12\x15\n\x11GRAMMAR_KIND_EBNF\x10\x03\x12\x19\n\x15GRAMMAR_KIND_ANY_JSON\x10\x04\x12\x1f\n\x1bGRAMMAR_KIND_STRUCTURAL_TAG\x10\x05*\x81\x01\n\rGrammarSource\x12\x1e\n\x1aGRAMMAR_SOURCE_UNSPECIFIED\x10\x00\x12\x1b\n\x17GRAMMAR_SOURCE_COMPILED\x10\x01\x12\x19\n\x15GRAMMAR_SOURCE_MEMORY\x10\x02\x12\x18\n\x14GRAMMAR_SOURCE_REDIS\x10\x03\x32X\n\x0eGrammarService\x12\x46\n\x07\x43ompile\x12\x1c.radixmesh.v1.CompileRequest\x1a\x1d.radixmesh.v1.CompileResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'radixmesh.protocol.grammar_
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GRAMMARKIND']._serialized_start=357
-  _globals['_GRAMMARKIND']._serialized_end=504
-  _globals['_GRAMMARSOURCE']._serialized_start=507
-  _globals['_GRAMMARSOURCE']._serialized_end=636
+  _globals['_GRAMMARKIND']._serialized_end=537
+  _globals['_GRAMMARSOURCE']._serialized_start=540
+  _globals['_GRAMMARSOURCE']._serialized_end=669
   _globals['_COMPILEREQUEST']._serialized_start=45
   _globals['_COMPILEREQUEST']._serialized_end=191
   _globals['_COMPILERESPONSE']._serialized_start=194
   _globals['_COMPILERESPONSE']._serialized_end=354
-  _globals['_GRAMMARSERVICE']._serialized_start=638
-  _globals['_GRAMMARSERVICE']._serialized_end=726
+  _globals['_GRAMMARSERVICE']._serialized_start=671
+  _globals['_GRAMMARSERVICE']._serialized_end=759
 # @@protoc_insertion_point(module_scope)

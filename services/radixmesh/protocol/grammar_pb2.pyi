@@ -34,6 +34,8 @@ class _GrammarKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GrammarKi
     """spec: an EBNF grammar whose start rule is `root`"""
     GRAMMAR_KIND_ANY_JSON: _GrammarKind.ValueType  # 4
     """the built-in any-JSON grammar (an object or an array); spec empty"""
+    GRAMMAR_KIND_STRUCTURAL_TAG: _GrammarKind.ValueType  # 5
+    """spec: an xgrammar structural tag, as JSON text (e.g. tool calls)"""
 
 class GrammarKind(_GrammarKind, metaclass=_GrammarKindEnumTypeWrapper): ...
 
@@ -46,6 +48,8 @@ GRAMMAR_KIND_EBNF: GrammarKind.ValueType  # 3
 """spec: an EBNF grammar whose start rule is `root`"""
 GRAMMAR_KIND_ANY_JSON: GrammarKind.ValueType  # 4
 """the built-in any-JSON grammar (an object or an array); spec empty"""
+GRAMMAR_KIND_STRUCTURAL_TAG: GrammarKind.ValueType  # 5
+"""spec: an xgrammar structural tag, as JSON text (e.g. tool calls)"""
 Global___GrammarKind: _TypeAlias = GrammarKind  # noqa: Y015
 
 class _GrammarSource:
@@ -124,9 +128,10 @@ class CompileResponse(_message.Message):
     """xgrammar's CompiledGrammar.serialize_json(), UTF-8."""
     content_key: _builtins.str
     """Hex sha256 over these parts, each written as its length in bytes (8 bytes little-endian)
-    followed by its bytes: "radixmesh-grammar-key/1"; the kind ("json_schema", "regex", "ebnf"
-    or "json"); the spec (UTF-8; a JSON schema in compact form, `json.dumps(schema,
-    separators=(",", ":"), ensure_ascii=False)`, property order kept); the tokenizer fingerprint;
+    followed by its bytes: "radixmesh-grammar-key/1"; the kind ("json_schema", "regex", "ebnf",
+    "json" or "structural_tag"); the spec (UTF-8; a JSON schema in compact form, `json.dumps(schema,
+    separators=(",", ":"), ensure_ascii=False)`, property order kept; a structural tag likewise); the
+    tokenizer fingerprint;
     the serialization version; the vocab size in decimal; the stop token ids in decimal joined
     by ",". Redis keys are "radixmesh:grammar:" + content_key.
     The one implementation is `radixmesh.engine.grammar.spec.GrammarSpec.content_key`.

@@ -283,22 +283,181 @@ class ChatTurn(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
     role: _builtins.str
-    """system | developer | user | assistant"""
+    """system | developer | user | assistant | tool"""
     content: _builtins.str
+    tool_call_id: _builtins.str
+    """tool: the id of the call this turn answers (required)"""
+    name: _builtins.str
+    """tool: the function's name (optional)"""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """assistant: the calls it made (as a ChatChoice returned them)"""
+
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        tool_call_id: _builtins.str = ...,
+        name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "name", b"name", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatTurn: _TypeAlias = ChatTurn  # noqa: Y015
+
+@_typing.final
+class FunctionDefinition(_message.Message):
+    """A function the model may call (OpenAI's chat `tools` entry)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_JSON_FIELD_NUMBER: _builtins.int
+    STRICT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """[A-Za-z0-9_-], at most 64 characters"""
+    description: _builtins.str
+    parameters_json: _builtins.str
+    """JSON Schema of the arguments (an object), as text; "" = none"""
+    strict: _builtins.bool
+    """accepted; arguments always follow the schema when constrained"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        parameters_json: _builtins.str = ...,
+        strict: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_strict", b"_strict", "strict", b"strict"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_strict", b"_strict", "description", b"description", "name", b"name", "parameters_json", b"parameters_json", "strict", b"strict"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__strict: _TypeAlias = _typing.Literal["strict"]  # noqa: Y015
+    _WhichOneofArgType__strict: _TypeAlias = _typing.Literal["_strict", b"_strict"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__strict) -> _WhichOneofReturnType__strict | None: ...
+
+Global___FunctionDefinition: _TypeAlias = FunctionDefinition  # noqa: Y015
+
+@_typing.final
+class Tool(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    FUNCTION_FIELD_NUMBER: _builtins.int
+    type: _builtins.str
+    """"function" ("" = function)"""
+    @_builtins.property
+    def function(self) -> Global___FunctionDefinition: ...
+    def __init__(
+        self,
+        *,
+        type: _builtins.str = ...,
+        function: Global___FunctionDefinition | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["function", b"function"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["function", b"function", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tool: _TypeAlias = Tool  # noqa: Y015
+
+@_typing.final
+class ToolChoice(_message.Message):
+    """OpenAI's `tool_choice`; unset = "auto" when tools are given, "none" otherwise."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    FUNCTION_NAME_FIELD_NUMBER: _builtins.int
+    mode: _builtins.str
+    """auto | none | required"""
+    function_name: _builtins.str
+    """call exactly this function (one of `tools`)"""
+    def __init__(
+        self,
+        *,
+        mode: _builtins.str = ...,
+        function_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "function_name", b"function_name", "mode", b"mode"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "function_name", b"function_name", "mode", b"mode"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_choice: _TypeAlias = _typing.Literal["mode", "function_name"]  # noqa: Y015
+    _WhichOneofArgType_choice: _TypeAlias = _typing.Literal["choice", b"choice"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_choice) -> _WhichOneofReturnType_choice | None: ...
+
+Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
+
+@_typing.final
+class FunctionCall(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    arguments: _builtins.str
+    """JSON text; in a stream, the part new since the last message"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FunctionCall: _TypeAlias = FunctionCall  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """A tool call of the answer. In a stream each call first comes with its index, id, type and name (arguments
+    ""), then messages carry only the index and the next part of the arguments, as OpenAI streams them.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    FUNCTION_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    id: _builtins.str
+    """"call_..."; answer it with a tool turn of this tool_call_id"""
+    type: _builtins.str
+    """"function" """
+    @_builtins.property
+    def function(self) -> Global___FunctionCall: ...
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        id: _builtins.str = ...,
+        type: _builtins.str = ...,
+        function: Global___FunctionCall | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["function", b"function"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["function", b"function", "id", b"id", "index", b"index", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
 
 @_typing.final
 class ChatRequest(_message.Message):
@@ -307,26 +466,51 @@ class ChatRequest(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
     OPTIONS_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    INCLUDE_REASONING_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """"" = the served model"""
+    parallel_tool_calls: _builtins.bool
+    """unset = true: several calls in one answer"""
+    include_reasoning: _builtins.bool
+    """unset = true: with a reasoning parser, return reasoning_content"""
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatTurn]:
         """at least one"""
 
     @_builtins.property
     def options(self) -> Global___GenerationOptions: ...
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]:
+        """functions the model may call (see docs/tools.md)"""
+
+    @_builtins.property
+    def tool_choice(self) -> Global___ToolChoice: ...
     def __init__(
         self,
         *,
         model: _builtins.str = ...,
         messages: _abc.Iterable[Global___ChatTurn] | None = ...,
         options: Global___GenerationOptions | None = ...,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
+        tool_choice: Global___ToolChoice | None = ...,
+        parallel_tool_calls: _builtins.bool | None = ...,
+        include_reasoning: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_include_reasoning", b"_include_reasoning", "_parallel_tool_calls", b"_parallel_tool_calls", "include_reasoning", b"include_reasoning", "options", b"options", "parallel_tool_calls", b"parallel_tool_calls", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "model", b"model", "options", b"options"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_include_reasoning", b"_include_reasoning", "_parallel_tool_calls", b"_parallel_tool_calls", "include_reasoning", b"include_reasoning", "messages", b"messages", "model", b"model", "options", b"options", "parallel_tool_calls", b"parallel_tool_calls", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__include_reasoning: _TypeAlias = _typing.Literal["include_reasoning"]  # noqa: Y015
+    _WhichOneofArgType__include_reasoning: _TypeAlias = _typing.Literal["_include_reasoning", b"_include_reasoning"]  # noqa: Y015
+    _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__include_reasoning) -> _WhichOneofReturnType__include_reasoning | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
 
 Global___ChatRequest: _TypeAlias = ChatRequest  # noqa: Y015
 
@@ -511,17 +695,25 @@ class ChatChoice(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    REASONING_CONTENT_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     role: _builtins.str
     """"assistant" (a stream: only on the choice's first message)"""
     content: _builtins.str
     """whole (unary) or new since the last message (stream)"""
     finish_reason: _common_pb2.FinishReason.ValueType
-    """UNSPECIFIED until the choice's last message"""
+    """UNSPECIFIED until the choice's last message; TOOL_CALLS with calls"""
+    reasoning_content: _builtins.str
+    """with a reasoning parser: the thinking, apart from content"""
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___LogprobEntry]: ...
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """the answer's tool calls (a stream: their deltas)"""
+
     def __init__(
         self,
         *,
@@ -531,10 +723,12 @@ class ChatChoice(_message.Message):
         logprobs: _abc.Iterable[Global___LogprobEntry] | None = ...,
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        reasoning_content: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "role", b"role", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "reasoning_content", b"reasoning_content", "role", b"role", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -69,6 +69,7 @@ class SamplingParams(_message.Message):
     JSON_SCHEMA_FIELD_NUMBER: _builtins.int
     REGEX_FIELD_NUMBER: _builtins.int
     EBNF_FIELD_NUMBER: _builtins.int
+    STRUCTURAL_TAG_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """>= 1; unset = 128"""
     min_new_tokens: _builtins.int
@@ -108,6 +109,8 @@ class SamplingParams(_message.Message):
     """the whole output matches this regular expression"""
     ebnf: _builtins.str
     """a sentence of this EBNF grammar (start rule `root`)"""
+    structural_tag: _builtins.str
+    """an xgrammar structural tag, JSON text (tool calls in free text)"""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """output text is cut before the first match"""
@@ -143,10 +146,11 @@ class SamplingParams(_message.Message):
         json_schema: _builtins.str | None = ...,
         regex: _builtins.str | None = ...,
         ebnf: _builtins.str | None = ...,
+        structural_tag: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_ebnf", b"_ebnf", "_json_schema", b"_json_schema", "_logprob_start_len", b"_logprob_start_len", "_max_new_tokens", b"_max_new_tokens", "_regex", b"_regex", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "ebnf", b"ebnf", "json_schema", b"json_schema", "logprob_start_len", b"logprob_start_len", "max_new_tokens", b"max_new_tokens", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ebnf", b"_ebnf", "_json_schema", b"_json_schema", "_logprob_start_len", b"_logprob_start_len", "_max_new_tokens", b"_max_new_tokens", "_regex", b"_regex", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_structural_tag", b"_structural_tag", "_temperature", b"_temperature", "_top_p", b"_top_p", "ebnf", b"ebnf", "json_schema", b"json_schema", "logprob_start_len", b"logprob_start_len", "max_new_tokens", b"max_new_tokens", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "structural_tag", b"structural_tag", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ebnf", b"_ebnf", "_json_schema", b"_json_schema", "_logprob_start_len", b"_logprob_start_len", "_max_new_tokens", b"_max_new_tokens", "_regex", b"_regex", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "json_schema", b"json_schema", "logit_bias", b"logit_bias", "logprob_start_len", b"logprob_start_len", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ebnf", b"_ebnf", "_json_schema", b"_json_schema", "_logprob_start_len", b"_logprob_start_len", "_max_new_tokens", b"_max_new_tokens", "_regex", b"_regex", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_structural_tag", b"_structural_tag", "_temperature", b"_temperature", "_top_p", b"_top_p", "ebnf", b"ebnf", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "json_schema", b"json_schema", "logit_bias", b"logit_bias", "logprob_start_len", b"logprob_start_len", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "structural_tag", b"structural_tag", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__ebnf: _TypeAlias = _typing.Literal["ebnf"]  # noqa: Y015
     _WhichOneofArgType__ebnf: _TypeAlias = _typing.Literal["_ebnf", b"_ebnf"]  # noqa: Y015
@@ -164,6 +168,8 @@ class SamplingParams(_message.Message):
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__skip_special_tokens: _TypeAlias = _typing.Literal["skip_special_tokens"]  # noqa: Y015
     _WhichOneofArgType__skip_special_tokens: _TypeAlias = _typing.Literal["_skip_special_tokens", b"_skip_special_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__structural_tag: _TypeAlias = _typing.Literal["structural_tag"]  # noqa: Y015
+    _WhichOneofArgType__structural_tag: _TypeAlias = _typing.Literal["_structural_tag", b"_structural_tag"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
@@ -184,6 +190,8 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__skip_special_tokens) -> _WhichOneofReturnType__skip_special_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__structural_tag) -> _WhichOneofReturnType__structural_tag | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
     @_typing.overload

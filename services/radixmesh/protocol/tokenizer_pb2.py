@@ -26,49 +26,53 @@ from radixmesh.protocol import common_pb2 as radixmesh_dot_v1_dot_common__pb2
 from radixmesh.protocol import multimodal_pb2 as radixmesh_dot_v1_dot_multimodal__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cradixmesh/v1/tokenizer.proto\x12\x0cradixmesh.v1\x1a\x19radixmesh/v1/common.proto\x1a\x1dradixmesh/v1/multimodal.proto\"Z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12,\n\x05parts\x18\x14 \x03(\x0b\x32\x1d.radixmesh.v1.ChatContentPart\":\n\x0f\x43hatContentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x08H\x00\x42\x06\n\x04part\"\x1a\n\x0bTokenIdList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"}\n\x10\x43hatConversation\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.radixmesh.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x94\x02\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12.\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1e.radixmesh.v1.ChatConversationH\x00\x12.\n\ttoken_ids\x18\x14 \x01(\x0b\x32\x19.radixmesh.v1.TokenIdListH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x11\n\textra_key\x18\x05 \x01(\x0c\x12)\n\x06images\x18\x15 \x03(\x0b\x32\x19.radixmesh.v1.ImageSourceB\x07\n\x05inputB\x15\n\x13_add_special_tokens\"\x95\x01\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12/\n\x0c\x62lock_hashes\x18\x02 \x01(\x0b\x32\x19.radixmesh.v1.BlockHashes\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12(\n\x06images\x18\x14 \x03(\x0b\x32\x18.radixmesh.v1.ImageInput\"m\n\x0f\x44\x65tokenizeStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x03 \x03(\tB\x16\n\x14_skip_special_tokens\"v\n\x10\x44\x65tokenizeTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.radixmesh.v1.FinishReason\x12\x1c\n\x14\x65nds_with_stop_token\x18\x03 \x01(\x08\"}\n\x11\x44\x65tokenizeRequest\x12.\n\x05start\x18\x01 \x01(\x0b\x32\x1d.radixmesh.v1.DetokenizeStartH\x00\x12\x30\n\x06tokens\x18\x02 \x01(\x0b\x32\x1e.radixmesh.v1.DetokenizeTokensH\x00\x42\x06\n\x04kind\"3\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0f\n\x07stopped\x18\x02 \x01(\x08\"o\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x11\n\tper_token\x18\x03 \x01(\x08\x42\x16\n\x14_skip_special_tokens\"3\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0btoken_texts\x18\x02 \x03(\t\"\x19\n\x17GetTokenizerInfoRequest\".\n\x0cSpecialToken\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\"\xc8\x02\n\x18GetTokenizerInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x32\n\x0especial_tokens\x18\x03 \x03(\x0b\x32\x1a.radixmesh.v1.SpecialToken\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x16\n\x0etokenizer_path\x18\t \x01(\t\x12\x16\n\x0e\x61\x63\x63\x65pts_images\x18\x14 \x01(\x08\x12\x19\n\x11image_placeholder\x18\x15 \x01(\tB\x0f\n\r_bos_token_id\"\x1a\n\x18GetTokenizerFilesRequest\"+\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\\\n\x19GetTokenizerFilesResponse\x12*\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x1b.radixmesh.v1.TokenizerFile\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t2\xc0\x03\n\x10TokenizerService\x12I\n\x08Tokenize\x12\x1d.radixmesh.v1.TokenizeRequest\x1a\x1e.radixmesh.v1.TokenizeResponse\x12S\n\nDetokenize\x12\x1f.radixmesh.v1.DetokenizeRequest\x1a .radixmesh.v1.DetokenizeResponse(\x01\x30\x01\x12\x43\n\x06\x44\x65\x63ode\x12\x1b.radixmesh.v1.DecodeRequest\x1a\x1c.radixmesh.v1.DecodeResponse\x12\x61\n\x10GetTokenizerInfo\x12%.radixmesh.v1.GetTokenizerInfoRequest\x1a&.radixmesh.v1.GetTokenizerInfoResponse\x12\x64\n\x11GetTokenizerFiles\x12&.radixmesh.v1.GetTokenizerFilesRequest\x1a\'.radixmesh.v1.GetTokenizerFilesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cradixmesh/v1/tokenizer.proto\x12\x0cradixmesh.v1\x1a\x19radixmesh/v1/common.proto\x1a\x1dradixmesh/v1/multimodal.proto\"\xae\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12.\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1a.radixmesh.v1.ChatToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12,\n\x05parts\x18\x14 \x03(\x0b\x32\x1d.radixmesh.v1.ChatContentPart\";\n\x0c\x43hatToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"F\n\x08\x43hatTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\":\n\x0f\x43hatContentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x08H\x00\x42\x06\n\x04part\"\x1a\n\x0bTokenIdList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa4\x01\n\x10\x43hatConversation\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.radixmesh.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12%\n\x05tools\x18\x03 \x03(\x0b\x32\x16.radixmesh.v1.ChatToolB\x18\n\x16_add_generation_prompt\"\x94\x02\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12.\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1e.radixmesh.v1.ChatConversationH\x00\x12.\n\ttoken_ids\x18\x14 \x01(\x0b\x32\x19.radixmesh.v1.TokenIdListH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x11\n\textra_key\x18\x05 \x01(\x0c\x12)\n\x06images\x18\x15 \x03(\x0b\x32\x19.radixmesh.v1.ImageSourceB\x07\n\x05inputB\x15\n\x13_add_special_tokens\"\x95\x01\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12/\n\x0c\x62lock_hashes\x18\x02 \x01(\x0b\x32\x19.radixmesh.v1.BlockHashes\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12(\n\x06images\x18\x14 \x03(\x0b\x32\x18.radixmesh.v1.ImageInput\"m\n\x0f\x44\x65tokenizeStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x03 \x03(\tB\x16\n\x14_skip_special_tokens\"v\n\x10\x44\x65tokenizeTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.radixmesh.v1.FinishReason\x12\x1c\n\x14\x65nds_with_stop_token\x18\x03 \x01(\x08\"}\n\x11\x44\x65tokenizeRequest\x12.\n\x05start\x18\x01 \x01(\x0b\x32\x1d.radixmesh.v1.DetokenizeStartH\x00\x12\x30\n\x06tokens\x18\x02 \x01(\x0b\x32\x1e.radixmesh.v1.DetokenizeTokensH\x00\x42\x06\n\x04kind\"3\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0f\n\x07stopped\x18\x02 \x01(\x08\"o\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x11\n\tper_token\x18\x03 \x01(\x08\x42\x16\n\x14_skip_special_tokens\"3\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0btoken_texts\x18\x02 \x03(\t\"\x19\n\x17GetTokenizerInfoRequest\".\n\x0cSpecialToken\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\"\x8e\x03\n\x18GetTokenizerInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x32\n\x0especial_tokens\x18\x03 \x03(\x0b\x32\x1a.radixmesh.v1.SpecialToken\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x16\n\x0etokenizer_path\x18\t \x01(\t\x12!\n\x19\x63hat_template_takes_tools\x18\n \x01(\x08\x12!\n\x19\x63hat_template_tool_syntax\x18\x0b \x01(\t\x12\x16\n\x0e\x61\x63\x63\x65pts_images\x18\x14 \x01(\x08\x12\x19\n\x11image_placeholder\x18\x15 \x01(\tB\x0f\n\r_bos_token_id\"\x1a\n\x18GetTokenizerFilesRequest\"+\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\\\n\x19GetTokenizerFilesResponse\x12*\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x1b.radixmesh.v1.TokenizerFile\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t2\xc0\x03\n\x10TokenizerService\x12I\n\x08Tokenize\x12\x1d.radixmesh.v1.TokenizeRequest\x1a\x1e.radixmesh.v1.TokenizeResponse\x12S\n\nDetokenize\x12\x1f.radixmesh.v1.DetokenizeRequest\x1a .radixmesh.v1.DetokenizeResponse(\x01\x30\x01\x12\x43\n\x06\x44\x65\x63ode\x12\x1b.radixmesh.v1.DecodeRequest\x1a\x1c.radixmesh.v1.DecodeResponse\x12\x61\n\x10GetTokenizerInfo\x12%.radixmesh.v1.GetTokenizerInfoRequest\x1a&.radixmesh.v1.GetTokenizerInfoResponse\x12\x64\n\x11GetTokenizerFiles\x12&.radixmesh.v1.GetTokenizerFilesRequest\x1a\'.radixmesh.v1.GetTokenizerFilesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'radixmesh.protocol.tokenizer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHATMESSAGE']._serialized_start=104
-  _globals['_CHATMESSAGE']._serialized_end=194
-  _globals['_CHATCONTENTPART']._serialized_start=196
-  _globals['_CHATCONTENTPART']._serialized_end=254
-  _globals['_TOKENIDLIST']._serialized_start=256
-  _globals['_TOKENIDLIST']._serialized_end=282
-  _globals['_CHATCONVERSATION']._serialized_start=284
-  _globals['_CHATCONVERSATION']._serialized_end=409
-  _globals['_TOKENIZEREQUEST']._serialized_start=412
-  _globals['_TOKENIZEREQUEST']._serialized_end=688
-  _globals['_TOKENIZERESPONSE']._serialized_start=691
-  _globals['_TOKENIZERESPONSE']._serialized_end=840
-  _globals['_DETOKENIZESTART']._serialized_start=842
-  _globals['_DETOKENIZESTART']._serialized_end=951
-  _globals['_DETOKENIZETOKENS']._serialized_start=953
-  _globals['_DETOKENIZETOKENS']._serialized_end=1071
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1073
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1198
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1200
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1251
-  _globals['_DECODEREQUEST']._serialized_start=1253
-  _globals['_DECODEREQUEST']._serialized_end=1364
-  _globals['_DECODERESPONSE']._serialized_start=1366
-  _globals['_DECODERESPONSE']._serialized_end=1417
-  _globals['_GETTOKENIZERINFOREQUEST']._serialized_start=1419
-  _globals['_GETTOKENIZERINFOREQUEST']._serialized_end=1444
-  _globals['_SPECIALTOKEN']._serialized_start=1446
-  _globals['_SPECIALTOKEN']._serialized_end=1492
-  _globals['_GETTOKENIZERINFORESPONSE']._serialized_start=1495
-  _globals['_GETTOKENIZERINFORESPONSE']._serialized_end=1823
-  _globals['_GETTOKENIZERFILESREQUEST']._serialized_start=1825
-  _globals['_GETTOKENIZERFILESREQUEST']._serialized_end=1851
-  _globals['_TOKENIZERFILE']._serialized_start=1853
-  _globals['_TOKENIZERFILE']._serialized_end=1896
-  _globals['_GETTOKENIZERFILESRESPONSE']._serialized_start=1898
-  _globals['_GETTOKENIZERFILESRESPONSE']._serialized_end=1990
-  _globals['_TOKENIZERSERVICE']._serialized_start=1993
-  _globals['_TOKENIZERSERVICE']._serialized_end=2441
+  _globals['_CHATMESSAGE']._serialized_start=105
+  _globals['_CHATMESSAGE']._serialized_end=279
+  _globals['_CHATTOOLCALL']._serialized_start=281
+  _globals['_CHATTOOLCALL']._serialized_end=340
+  _globals['_CHATTOOL']._serialized_start=342
+  _globals['_CHATTOOL']._serialized_end=412
+  _globals['_CHATCONTENTPART']._serialized_start=414
+  _globals['_CHATCONTENTPART']._serialized_end=472
+  _globals['_TOKENIDLIST']._serialized_start=474
+  _globals['_TOKENIDLIST']._serialized_end=500
+  _globals['_CHATCONVERSATION']._serialized_start=503
+  _globals['_CHATCONVERSATION']._serialized_end=667
+  _globals['_TOKENIZEREQUEST']._serialized_start=670
+  _globals['_TOKENIZEREQUEST']._serialized_end=946
+  _globals['_TOKENIZERESPONSE']._serialized_start=949
+  _globals['_TOKENIZERESPONSE']._serialized_end=1098
+  _globals['_DETOKENIZESTART']._serialized_start=1100
+  _globals['_DETOKENIZESTART']._serialized_end=1209
+  _globals['_DETOKENIZETOKENS']._serialized_start=1211
+  _globals['_DETOKENIZETOKENS']._serialized_end=1329
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1331
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1456
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1458
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1509
+  _globals['_DECODEREQUEST']._serialized_start=1511
+  _globals['_DECODEREQUEST']._serialized_end=1622
+  _globals['_DECODERESPONSE']._serialized_start=1624
+  _globals['_DECODERESPONSE']._serialized_end=1675
+  _globals['_GETTOKENIZERINFOREQUEST']._serialized_start=1677
+  _globals['_GETTOKENIZERINFOREQUEST']._serialized_end=1702
+  _globals['_SPECIALTOKEN']._serialized_start=1704
+  _globals['_SPECIALTOKEN']._serialized_end=1750
+  _globals['_GETTOKENIZERINFORESPONSE']._serialized_start=1753
+  _globals['_GETTOKENIZERINFORESPONSE']._serialized_end=2151
+  _globals['_GETTOKENIZERFILESREQUEST']._serialized_start=2153
+  _globals['_GETTOKENIZERFILESREQUEST']._serialized_end=2179
+  _globals['_TOKENIZERFILE']._serialized_start=2181
+  _globals['_TOKENIZERFILE']._serialized_end=2224
+  _globals['_GETTOKENIZERFILESRESPONSE']._serialized_start=2226
+  _globals['_GETTOKENIZERFILESRESPONSE']._serialized_end=2318
+  _globals['_TOKENIZERSERVICE']._serialized_start=2321
+  _globals['_TOKENIZERSERVICE']._serialized_end=2769
 # @@protoc_insertion_point(module_scope)

@@ -26,10 +26,21 @@ class ChatMessage(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
     PARTS_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """system | user | assistant | tool ..."""
     content: _builtins.str
+    tool_call_id: _builtins.str
+    """a tool turn: the id of the call it answers"""
+    name: _builtins.str
+    """a tool turn: the function's name (may be empty)"""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatToolCall]:
+        """an assistant turn's function calls"""
+
     @_builtins.property
     def parts(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatContentPart]:
         """OpenAI content parts, in order; when set, `content` is ignored. An image part takes the next
@@ -41,15 +52,74 @@ class ChatMessage(_message.Message):
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ChatToolCall] | None = ...,
+        tool_call_id: _builtins.str = ...,
+        name: _builtins.str = ...,
         parts: _abc.Iterable[Global___ChatContentPart] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "parts", b"parts", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "name", b"name", "parts", b"parts", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class ChatToolCall(_message.Message):
+    """One function call of an assistant turn, as the chat template receives it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    name: _builtins.str
+    arguments: _builtins.str
+    """a JSON object as text; the template gets it parsed"""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatToolCall: _TypeAlias = ChatToolCall  # noqa: Y015
+
+@_typing.final
+class ChatTool(_message.Message):
+    """A function the model may call, for chat templates that render tools (GetTokenizerInfo tells which do)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_JSON_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    description: _builtins.str
+    parameters_json: _builtins.str
+    """JSON Schema of the arguments, as text; empty = no parameters"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        parameters_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "parameters_json", b"parameters_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatTool: _TypeAlias = ChatTool  # noqa: Y015
 
 @_typing.final
 class ChatContentPart(_message.Message):
@@ -102,19 +172,28 @@ class ChatConversation(_message.Message):
 
     MESSAGES_FIELD_NUMBER: _builtins.int
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
     add_generation_prompt: _builtins.bool
     """Append the assistant turn's opening so the model answers next; unset = true."""
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]: ...
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatTool]:
+        """Functions the model may call, passed to the template as `tools` (OpenAI's shape, parameters parsed).
+        Only for templates that render tools (chat_template_takes_tools); a caller renders them into the
+        messages itself otherwise.
+        """
+
     def __init__(
         self,
         *,
         messages: _abc.Iterable[Global___ChatMessage] | None = ...,
         add_generation_prompt: _builtins.bool | None = ...,
+        tools: _abc.Iterable[Global___ChatTool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "add_generation_prompt", b"add_generation_prompt"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "add_generation_prompt", b"add_generation_prompt", "messages", b"messages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "add_generation_prompt", b"add_generation_prompt", "messages", b"messages", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_generation_prompt: _TypeAlias = _typing.Literal["add_generation_prompt"]  # noqa: Y015
     _WhichOneofArgType__add_generation_prompt: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt"]  # noqa: Y015
@@ -438,6 +517,8 @@ class GetTokenizerInfoResponse(_message.Message):
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     TOKENIZER_PATH_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_TAKES_TOOLS_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_TOOL_SYNTAX_FIELD_NUMBER: _builtins.int
     ACCEPTS_IMAGES_FIELD_NUMBER: _builtins.int
     IMAGE_PLACEHOLDER_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
@@ -454,6 +535,12 @@ class GetTokenizerInfoResponse(_message.Message):
     tokenizer_path: _builtins.str
     """Where the tokenizer was loaded from: a directory on the service's machine or a Hugging Face
     hub id (what clients pass to load the same tokenizer themselves, as /model_info reports it).
+    """
+    chat_template_takes_tools: _builtins.bool
+    """The chat template reads `tools` (and renders tool calls and tool turns itself)."""
+    chat_template_tool_syntax: _builtins.str
+    """The tool-call syntax the template teaches the model ("hermes", "mistral", "llama3-json"), "" if none
+    is recognized: what a gateway parses tool calls with when no parser is configured.
     """
     accepts_images: _builtins.bool
     """the model has a vision encoder (Tokenize takes images)"""
@@ -475,12 +562,14 @@ class GetTokenizerInfoResponse(_message.Message):
         has_chat_template: _builtins.bool = ...,
         block_size: _builtins.int = ...,
         tokenizer_path: _builtins.str = ...,
+        chat_template_takes_tools: _builtins.bool = ...,
+        chat_template_tool_syntax: _builtins.str = ...,
         accepts_images: _builtins.bool = ...,
         image_placeholder: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "accepts_images", b"accepts_images", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "eos_token_ids", b"eos_token_ids", "fingerprint", b"fingerprint", "has_chat_template", b"has_chat_template", "image_placeholder", b"image_placeholder", "model_name", b"model_name", "special_tokens", b"special_tokens", "tokenizer_path", b"tokenizer_path", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "accepts_images", b"accepts_images", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "chat_template_takes_tools", b"chat_template_takes_tools", "chat_template_tool_syntax", b"chat_template_tool_syntax", "eos_token_ids", b"eos_token_ids", "fingerprint", b"fingerprint", "has_chat_template", b"has_chat_template", "image_placeholder", b"image_placeholder", "model_name", b"model_name", "special_tokens", b"special_tokens", "tokenizer_path", b"tokenizer_path", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bos_token_id: _TypeAlias = _typing.Literal["bos_token_id"]  # noqa: Y015
     _WhichOneofArgType__bos_token_id: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id"]  # noqa: Y015

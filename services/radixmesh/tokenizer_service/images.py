@@ -14,6 +14,7 @@ from radixmesh.engine.mm.prompt import (
     text_only_error,
 )
 from radixmesh.protocol import tokenizer_pb2
+from radixmesh.wire.chat_convert import tool_turn_fields
 from radixmesh.wire.convert import image_sources_from_proto
 
 
@@ -22,7 +23,7 @@ def chat_messages(chat: tokenizer_pb2.ChatConversation) -> ChatMessages:
     out: ChatMessages = []
     for m in chat.messages:
         if not m.parts:
-            out.append({"role": m.role, "content": m.content})
+            out.append({"role": m.role, "content": m.content, **tool_turn_fields(m)})
             continue
         parts: list[dict[str, Any]] = []
         for part in m.parts:
@@ -37,8 +38,9 @@ def chat_messages(chat: tokenizer_pb2.ChatConversation) -> ChatMessages:
     return out
 
 
-def text_only(messages: ChatMessages) -> list[dict[str, str]]:
-    """Messages whose parts hold no image, their text parts joined by newlines (as the gateway joins them)."""
+def text_only(messages: ChatMessages) -> list[dict[str, Any]]:
+    """Messages whose parts hold no image, their text parts joined by newlines (as the gateway joins them);
+    tool fields kept."""
     out = []
     for m in messages:
         content = m["content"]
@@ -47,7 +49,7 @@ def text_only(messages: ChatMessages) -> list[dict[str, str]]:
                 raise invalid_argument("a chat message has an image part but the request carries no images",
                                        "messages")
             content = "\n".join(str(part["text"]) for part in content)
-        out.append({"role": m["role"], "content": content})
+        out.append({**m, "content": content})
     return out
 
 

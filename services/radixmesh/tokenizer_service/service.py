@@ -13,6 +13,7 @@ from prometheus_client import Counter, Histogram
 from radixmesh.common import tracing
 from radixmesh.common.errors import invalid_argument
 from radixmesh.common.grpc_errors import map_errors
+from radixmesh.engine.chat_template import takes_tools, template_text, tool_syntax
 from radixmesh.engine.hf_tokenizer import decode_text, encode_text, render_chat, token_texts
 from radixmesh.engine.mm.prompt import MultimodalProcessor
 from radixmesh.engine.output import TextAssembler
@@ -20,6 +21,7 @@ from radixmesh.protocol import common_pb2, multimodal_pb2, tokenizer_pb2, tokeni
 from radixmesh.tokenizer_service.files import saved_files
 from radixmesh.tokenizer_service.images import chat_messages, text_only, tokenize_with_images
 from radixmesh.wire.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
+from radixmesh.wire.chat_convert import tools_from_proto
 from radixmesh.wire.convert import finish_reason_from_proto, images_to_proto
 from radixmesh.wire.fingerprint import tokenizer_fingerprint
 from radixmesh.wire.messages import TokenOut
@@ -54,6 +56,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self.block_size = block_size
         self.vocab_size = len(tokenizer)
         self.fingerprint = tokenizer_fingerprint(tokenizer)
+        self.template = template_text(tokenizer)
         self.images = images
         """Reads and places the images of prompts (None: a text-only model, which refuses them)."""
         self._files: list[tuple[str, bytes]] | None = None
@@ -75,7 +78,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         elif kind == "chat":
             messages = text_only(chat_messages(request.chat))
             add_prompt = request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
-            text = render_chat(self.tokenizer, messages, add_prompt)
+            text = render_chat(self.tokenizer, messages, add_prompt, tools_from_proto(request.chat))
             ids = await _maybe_in_thread(len(text), encode_text, self.tokenizer, text, False)
         elif kind == "text":
             text = request.text
@@ -142,7 +145,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             model_name=self.model_name, vocab_size=self.vocab_size, special_tokens=specials,
             fingerprint=self.fingerprint, has_chat_template=bool(getattr(tok, "chat_template", None)),
             block_size=self.block_size, tokenizer_path=self.tokenizer_path, accepts_images=self.images is not None,
-            image_placeholder=self.images.placeholder_text if self.images is not None else "")
+            image_placeholder=self.images.placeholder_text if self.images is not None else "",
+            chat_template_takes_tools=takes_tools(self.template), chat_template_tool_syntax=tool_syntax(self.template))
         if tok.bos_token_id is not None:
             info.bos_token_id = tok.bos_token_id
         if tok.eos_token_id is not None:

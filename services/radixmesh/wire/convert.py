@@ -22,6 +22,7 @@ _FINISH_TO_PROTO: dict[str | None, common_pb2.FinishReason.ValueType] = {
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
     "error": common_pb2.FINISH_REASON_ERROR,
+    "tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS,
 }
 _FINISH_FROM_PROTO = {value: key for key, value in _FINISH_TO_PROTO.items()}
 
@@ -42,7 +43,7 @@ def finish_reason_from_proto(value: common_pb2.FinishReason.ValueType) -> str | 
 
 
 # ---- sampling parameters --------------------------------------------------------------------------
-_OptionalNoneField = Literal["seed", "json_schema", "regex", "ebnf"]
+_OptionalNoneField = Literal["seed", "json_schema", "regex", "ebnf", "structural_tag"]
 """Fields whose engine default is None: unset on the wire."""
 _OptionalField = Literal["max_new_tokens", "temperature", "top_p", "repetition_penalty", "skip_special_tokens",
                         "logprob_start_len", _OptionalNoneField]

@@ -85,6 +85,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """Structured output: text that fully matches this regular expression."""
     ebnf: str | None = None
     """Structured output: a sentence of this EBNF grammar (start rule `root`)."""
+    structural_tag: str | None = None
+    """Structured output: an xgrammar structural tag (JSON text), e.g. free text with constrained tool calls."""
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise `RadixMeshError(INVALID_ARGUMENT)` naming the first bad field (a grammar's syntax is the
@@ -139,8 +141,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def has_grammar(self) -> bool:
-        """The output is constrained by json_schema, regex or ebnf."""
-        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
+        """The output is constrained by json_schema, regex, ebnf or structural_tag."""
+        return (self.json_schema is not None or self.regex is not None or self.ebnf is not None
+                or self.structural_tag is not None)
 
     @property
     def has_penalties(self) -> bool:

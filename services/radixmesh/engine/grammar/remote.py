@@ -19,9 +19,9 @@ from radixmesh.engine.grammar.spec import GrammarSpec
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 10.0
-_KINDS = {"json_schema": "GRAMMAR_KIND_JSON_SCHEMA", "regex": "GRAMMAR_KIND_REGEX", "ebnf": "GRAMMAR_KIND_EBNF",
-          "json": "GRAMMAR_KIND_ANY_JSON"}
-"""GrammarKind names of proto/radixmesh/v1/grammar.proto, by spec kind."""
+PROTO_KINDS = {"json_schema": "GRAMMAR_KIND_JSON_SCHEMA", "regex": "GRAMMAR_KIND_REGEX", "ebnf": "GRAMMAR_KIND_EBNF",
+          "json": "GRAMMAR_KIND_ANY_JSON", "structural_tag": "GRAMMAR_KIND_STRUCTURAL_TAG"}
+"""GrammarKind names of proto/radixmesh/v1/grammar.proto, by spec kind (the grammar service reads them too)."""
 
 
 class GrammarServiceUnavailable(ConnectionError):
@@ -67,9 +67,9 @@ class GrammarServiceClient:
         if time.monotonic() < self._down_until:
             raise GrammarServiceUnavailable(f"grammar service {self.address} was unreachable moments ago")
         stub, fingerprint = self._connect()
-        request = grammar_pb2.CompileRequest(kind=grammar_pb2.GrammarKind.Value(_KINDS[spec.kind]), spec=spec.source,
-                                             tokenizer_fingerprint=fingerprint, vocab_size=self.vocab_size,
-                                             stop_token_ids=self.stop_token_ids)
+        kind = grammar_pb2.GrammarKind.Value(PROTO_KINDS[spec.kind])
+        request = grammar_pb2.CompileRequest(kind=kind, spec=spec.source, tokenizer_fingerprint=fingerprint,
+                                             vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
         try:
             response = stub.Compile(request, timeout=self.timeout_s)
         except grpc.RpcError as exc:

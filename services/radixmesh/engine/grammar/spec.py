@@ -18,7 +18,7 @@ from radixmesh.common.errors import invalid_argument
 if TYPE_CHECKING:
     from radixmesh.wire.sampling import SamplingParams
 
-KINDS = ("json_schema", "regex", "ebnf", "json")
+KINDS = ("json_schema", "regex", "ebnf", "json", "structural_tag")
 ANY_JSON = "$$ANY$$"
 """A `json_schema` value that asks for the built-in any-JSON grammar (SGLang's spelling)."""
 MAX_SPEC_BYTES = 1 << 20
@@ -38,9 +38,10 @@ class GrammarSpec:
     """One grammar constraint, as text; `kind` says how `source` is read."""
 
     kind: str
-    """json_schema | regex | ebnf | json (the built-in any-JSON grammar; `source` is empty)."""
+    """json_schema | regex | ebnf | json (the built-in any-JSON grammar; `source` is empty) | structural_tag."""
     source: str
-    """A JSON schema (compact JSON text), a regular expression, or an EBNF grammar with rule `root`."""
+    """A JSON schema (compact JSON text), a regular expression, an EBNF grammar with rule `root`, or an
+    xgrammar structural tag (compact JSON text: `{"type": "structural_tag", "format": {...}}`)."""
 
     def __post_init__(self) -> None:
         assert self.kind in KINDS, f"unknown grammar kind {self.kind!r}"
@@ -78,6 +79,8 @@ class GrammarSpec:
             raise invalid_argument(f"{param} is longer than {MAX_SPEC_BYTES} bytes", param)
         if kind == "json_schema":
             return cls(kind, _compact_json(source))
+        if kind == "structural_tag":
+            return cls(kind, _compact_structural_tag(source))
         _check_optionals(kind, source)
         return cls(kind, source)
 
@@ -91,14 +94,17 @@ def _digest(*parts: bytes) -> str:
 
 
 def grammar_spec(params: SamplingParams) -> GrammarSpec | None:
-    """The spec of a request's `json_schema` / `regex` / `ebnf` field, or None when it has none."""
+    """The spec of a request's `json_schema` / `regex` / `ebnf` / `structural_tag` field, or None when it has
+    none."""
     given = [(name, value) for name, value in (("json_schema", params.json_schema), ("regex", params.regex),
-                                               ("ebnf", params.ebnf)) if value is not None]
+                                               ("ebnf", params.ebnf), ("structural_tag", params.structural_tag))
+             if value is not None]
     if not given:
         return None
     if len(given) > 1:
         names = ", ".join(name for name, _ in given)
-        raise invalid_argument(f"give at most one of json_schema, regex and ebnf (got {names})", given[1][0])
+        raise invalid_argument(f"give at most one of json_schema, regex, ebnf and structural_tag (got {names})",
+                               given[1][0])
     name, source = given[0]
     if name == "json_schema" and source == ANY_JSON:
         return GrammarSpec("json", "")
@@ -120,6 +126,22 @@ def _compact_json(source: str) -> str:
                                "json_schema")
     if isinstance(value, dict):
         _check_ref_cycles(value)
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _compact_structural_tag(source: str) -> str:
+    """A structural tag as compact JSON; its depth is bounded like a schema's (it embeds schemas)."""
+    try:
+        value = json.loads(source)
+    except (ValueError, RecursionError) as exc:
+        raise invalid_argument(f"structural_tag is not valid JSON (or nested too deeply): {exc}",
+                               "structural_tag") from None
+    if not isinstance(value, dict):
+        raise invalid_argument("structural_tag must be a JSON object", "structural_tag")
+    depth = json_depth(value)
+    if depth > 2 * MAX_SCHEMA_DEPTH:
+        raise invalid_argument(f"structural_tag is nested {depth} levels deep; at most {2 * MAX_SCHEMA_DEPTH} are "
+                               "allowed", "structural_tag")
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 

@@ -1,4 +1,4 @@
-"""The `xgrammar` grammar backend: JSON schema, regex, EBNF and the built-in any-JSON grammar.
+"""The `xgrammar` grammar backend: JSON schema, regex, EBNF, structural tags and the built-in any-JSON grammar.
 
 JSON is generated compactly (`{"a": 1, "b": [2, 3]}`: one space after ':' and ','; no
 other whitespace) and strictly (objects take only the properties the schema declares
@@ -49,6 +49,8 @@ def _syntax_error(kind: str, source: str) -> str | None:
             xgr.Grammar.from_regex(source)
         elif kind == "ebnf":
             xgr.Grammar.from_ebnf(source)
+        elif kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(source)
     except (RuntimeError, ValueError, TypeError) as exc:
         return _clean(exc)
     return None
@@ -92,6 +94,8 @@ class XGrammarBackend(BaseGrammarBackend):
                 return compiler.compile_regex(spec.source)
             if spec.kind == "ebnf":
                 return compiler.compile_grammar(spec.source)
+            if spec.kind == "structural_tag":
+                return compiler.compile_structural_tag(spec.source)
             return compiler.compile_builtin_json_grammar()
         except (RuntimeError, ValueError, TypeError) as exc:
             raise invalid_argument(f"invalid {spec.param}: {_clean(exc)}", spec.param) from None
