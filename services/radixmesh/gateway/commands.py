@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from radixmesh.common.env import env_str
 from radixmesh.common.tls import add_tls_args
 from radixmesh.common.tracing import add_tracing_args
+from radixmesh.engine.tokenize_pool import DEFAULT_TOKENIZER_WORKERS
 from radixmesh.gateway.config import DETOKENIZE_MODES
 
 if TYPE_CHECKING:
@@ -24,6 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                        "/generate, /health, /metrics. With no flags: the default model, "
                                        "on CUDA when available, else CPU, at http://127.0.0.1:8000.")
     _add_http_args(serve)
+    serve.add_argument("--tokenizer-workers", type=int, default=DEFAULT_TOKENIZER_WORKERS,
+                       help="threads that tokenize prompts off the event loop; prompts that arrive while all are "
+                            "busy are encoded together (default: %(default)s)")
     add_engine_args(serve)
     add_image_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -67,7 +71,8 @@ def _gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          grpc_port=args.grpc_port, tls=tls,
                          served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
                          max_default_tokens=args.max_default_tokens, graceful_shutdown_s=args.graceful_shutdown_s,
-                         log_level=args.log_level, image_limits=image_limits_from_args(args))
+                         log_level=args.log_level, image_limits=image_limits_from_args(args),
+                         tokenizer_workers=getattr(args, "tokenizer_workers", DEFAULT_TOKENIZER_WORKERS))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

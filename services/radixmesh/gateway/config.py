@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from radixmesh.common.errors import invalid_argument
 from radixmesh.common.tls import TlsConfig
 from radixmesh.engine.mm.config import ImageLimits
+from radixmesh.engine.tokenize_pool import DEFAULT_TOKENIZER_WORKERS, check_num_workers
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DETOKENIZE_MODES = ("local", "service")
@@ -41,6 +42,8 @@ class GatewayConfig:
     """Log level of the HTTP server (info also logs each request)."""
     image_limits: ImageLimits = field(default_factory=ImageLimits)
     """What `serve` accepts of images (a gateway leaves images to the tokenizer service and its limits)."""
+    tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS
+    """Threads that tokenize `serve`'s prompts off the event loop (a gateway asks the tokenizer service)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -55,6 +58,7 @@ class GatewayConfig:
             raise invalid_argument("max_default_tokens must be >= 1", "max_default_tokens")
         if self.graceful_shutdown_s < 0:
             raise invalid_argument("graceful_shutdown_s must be >= 0", "graceful_shutdown_s")
+        check_num_workers(self.tokenizer_workers)
         if self.log_level.lower() not in LOG_LEVELS:
             raise invalid_argument(f"log_level must be one of {', '.join(LOG_LEVELS)}", "log_level")
 
