@@ -28,15 +28,15 @@
 #   and its tiles
 #   STAGES="extend-kernel prefill-profile": where a prefill's time goes (the extend kernel's tiles against torch SDPA,
 #   one 8B prefill's kernels and host phases, with and without --enable-dense-prefill)
-#   ONLINE_TAG=x SERVE_ARGS=--disable-launch-pacing STAGES=online: the online result lands in online-x.json (a second
-#   call's online.json would replace the first one's while $OUT holds too few files to be packed); compare two such
-#   runs request by request with `radixmesh bench paired online.json online-x.json`
+#   ONLINE_TAG=x SERVE_ARGS=--disable-launch-pacing STAGES=online: the online results land in online-x-WORKLOAD.json (a
+#   second call's online-WORKLOAD.json would replace the first one's while $OUT holds too few files to be packed); compare
+#   two such runs request by request with `radixmesh bench paired online-random.json online-x-random.json`
 #   TREE=dir: run another tree's package (dir/services, dir/kernels, dir/loadtests) with this suite, e.g. the tree
 #   before a refactor, on the same machine (issue 44):
 #     git archive main services kernels loadtests | (mkdir -p base && tar -x -C base)   # before the upload
 #     for t in base . base .; do TREE=$t ONLINE_TAG=$(basename $(realpath $t)) OUT=out/$(basename $(realpath $t)) \
 #       STAGES="one-batch offline online" TIMEOUT_offline=580 bash scripts/gpu_suite.sh; done
-#   then compare out/*/one-batch.jsonl and offline.jsonl, and `radixmesh bench paired` the two online-*.json
+#   then compare out/*/one-batch.jsonl and offline.jsonl, and `radixmesh bench paired` the two online-*-random.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -169,30 +169,41 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
     offline)
       $RM bench offline --model-shape llama-3.1-8b --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 --random-output-len 2048 \
         --random-range-ratio 0.0 --context-length 8192 --result-file "$OUT/offline.jsonl" ${OFFLINE_ARGS:-} ;;
-    online)  # SGLang's online-latency workload through `serve`: 100 prompts at 1 req/s, in <= 4,096, out <= 2,048
+    online)  # SGLang's online-latency workload through `serve`: 100 prompts at 1 req/s, in <= 4,096, out <= 2,048.
+      # ONLINE_WORKLOADS (default "random random-ids") run one after the other on one server, each with 2 warm-up
+      # requests, into online[-TAG]-WORKLOAD.json: `random` (text the server tokenizes, as SGLang's CI sends it) is
+      # the headline figure; `random-ids` (token ids in) the line without tokenization. ONLINE_WORKLOAD=W: W alone.
       # The first server on a fresh machine is slower (its first 20 requests +21 ms; benchmarks README, eleventh
       # session): compare settings on one machine after a first run, or per request on the same prompts.
+      # (ONLINE_SHAPE, ONLINE_IN, ONLINE_OUT: another model shape and lengths, e.g. to try the stage on a CPU)
       runs=$(( $(cat /tmp/radixmesh-online-runs 2>/dev/null || echo 0) + 1 )); echo $runs > /tmp/radixmesh-online-runs
       echo "online run $runs on this machine${SERVE_ARGS:+ (serve args: $SERVE_ARGS)}"
-      model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
+      model=$(python3 scripts/gpu_tokenizer_model.py ${ONLINE_SHAPE:-llama-3.1-8b} "${TOKENIZER_DIR:-.gpu-model}" \
+        /tmp/smol-vocab-${ONLINE_SHAPE:-llama-3.1-8b})
       port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
       $RM serve --model "$model" --load-format dummy --context-length 8192 --port "$port" ${SERVE_ARGS:-} \
         > "$OUT/online${ONLINE_TAG:+-$ONLINE_TAG}-server.log" 2>&1 &
       server=$!
       for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null || ! kill -0 $server 2>/dev/null && break; sleep 1; done
       spy online "front=$server" $(for p in $(pgrep -P $server); do echo "child-$p=$p"; done)
-      $RM bench serving --backend sglang --port "$port" --workload ${ONLINE_WORKLOAD:-random-ids} --num-prompts ${ONLINE_PROMPTS:-100} \
-        --random-input-len 4096 --random-output-len 2048 --random-range-ratio 0.0 --request-rate ${ONLINE_RATE:-1} \
-        --warmup-requests 2 --disable-tqdm --output-file "$OUT/online${ONLINE_TAG:+-$ONLINE_TAG}.json"
+      for w in ${ONLINE_WORKLOAD:-${ONLINE_WORKLOADS:-random random-ids}}; do
+        echo "online workload $w"
+        $RM bench serving --backend sglang --port "$port" --workload "$w" --num-prompts ${ONLINE_PROMPTS:-100} \
+          --random-input-len ${ONLINE_IN:-4096} --random-output-len ${ONLINE_OUT:-2048} --random-range-ratio 0.0 --request-rate ${ONLINE_RATE:-1} \
+          --warmup-requests 2 --disable-tqdm --tokenizer "$model" \
+          --output-file "$OUT/online${ONLINE_TAG:+-$ONLINE_TAG}-$w.json"
+      done
       spy_collect online
       kill -INT $server; wait $server ;;
     services|trace-split)
-      # services: the online workload through gateway -> tokenizer -> router -> worker (Redis).
+      # services: the online workload through gateway -> tokenizer -> router -> worker (Redis), SERVICES_WORKLOADS
+      # (default: random, the text the tokenizer service tokenizes) into services-WORKLOAD.json.
       # trace-split: traced runs of the services and of serve (20 prompts each), their spans summed up by
       # scripts/trace_split.py: where the time to first token goes on each path.
-      model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
+      model=$(python3 scripts/gpu_tokenizer_model.py ${ONLINE_SHAPE:-llama-3.1-8b} "${TOKENIZER_DIR:-.gpu-model}" \
+        /tmp/smol-vocab-${ONLINE_SHAPE:-llama-3.1-8b})
       export PATH="${REDIS_DIR:-$PWD/.gpu-redis}/bin:$PATH" LD_LIBRARY_PATH="${REDIS_DIR:-$PWD/.gpu-redis}/lib"
-      bench="--backend sglang --workload random-ids --random-input-len 4096 --random-output-len 2048 \
+      bench="--backend sglang --random-input-len ${ONLINE_IN:-4096} --random-output-len ${ONLINE_OUT:-2048} \
         --random-range-ratio 0.0 --request-rate ${ONLINE_RATE:-1} --warmup-requests 2 --disable-tqdm --tokenizer $model"
       up="--workers 1 --model $model --load-format dummy --worker-args=--context-length=8192 --timeout-s 400"
       if [ "$stage" = services ]; then
@@ -201,14 +212,18 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
 print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
           $(w=$(python3 -c 'import json; print(json.load(open("/tmp/cluster-plain/state.json"))["pids"]["worker-0"])'); \
             for p in $(pgrep -P $w); do echo "worker-child-$p=$p"; done)
-        $RM bench serving --base-url "$url" $bench --num-prompts ${ONLINE_PROMPTS:-100} --output-file "$OUT/services.json"
+        for w in ${SERVICES_WORKLOADS:-random}; do
+          echo "services workload $w"
+          $RM bench serving --base-url "$url" $bench --workload "$w" --num-prompts ${ONLINE_PROMPTS:-100} \
+            --output-file "$OUT/services-$w.json"
+        done
         spy_collect services
         $RM cluster down --state-dir /tmp/cluster-plain
         return
       fi
       python3 scripts/trace_split.py collect --port 4317 --out /tmp/spans-services.json & collector=$!
       url=$($RM cluster up $up --state-dir /tmp/cluster-traced --otlp-endpoint http://127.0.0.1:4317 | tail -1)
-      $RM bench serving --base-url "$url" $bench --num-prompts 20 --output-file /tmp/services-traced.json \
+      $RM bench serving --base-url "$url" $bench --workload random-ids --num-prompts 20 --output-file /tmp/services-traced.json \
         | grep -E "Median (TTFT|ITL)"
       $RM cluster down --state-dir /tmp/cluster-traced
       sleep 2; kill $collector; wait $collector
@@ -218,7 +233,8 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
       $RM serve --model "$model" --load-format dummy --context-length 8192 --port "$port" \
         --otlp-endpoint http://127.0.0.1:4318 > "$OUT/serve-traced.log" 2>&1 & server=$!
       for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null || ! kill -0 $server 2>/dev/null && break; sleep 1; done
-      $RM bench serving --port "$port" $bench --num-prompts 20 --output-file /tmp/serve-traced.json | grep -E "Median (TTFT|ITL)"
+      $RM bench serving --port "$port" $bench --workload random-ids --num-prompts 20 --output-file /tmp/serve-traced.json \
+        | grep -E "Median (TTFT|ITL)"
       kill -INT $server; wait $server; sleep 1; kill $collector; wait $collector
       python3 scripts/trace_split.py summarize /tmp/spans-serve.json --json "$OUT/split-serve.json" ;;
     serve-vs-services)

@@ -83,8 +83,9 @@ class Dispatcher:
             raise RadixMeshError(ErrorCode.INVALID_ARGUMENT, f"got {len(rids)} request ids for {num_seqs} sequences",
                                  "rid")
         generation = Generation(self, request_id, jobs, rids)
-        generation.tokenize_s = tokenize_s
-        if tokenize_s is not None:
+        if tokenize_s is not None:  # the request arrived before its text was tokenized: TTFT counts from then
+            generation.tokenize_s = tokenize_s
+            generation.start_s -= tokenize_s
             self.metrics.tokenize.observe(tokenize_s)
         self.num_in_flight += num_seqs
         self.active[request_id] = generation

@@ -165,7 +165,16 @@ def settings(sched: Any, args: argparse.Namespace) -> dict[str, Any]:
             **sched.runner.memory_info(),
             "cuda_graph": sched.runner.graph_runner is not None, "max_total_tokens": sched.kv.capacity,
             "max_running_requests": sched.runner.plan.max_running_requests,
-            "chunked_prefill_size": cfg.chunked_prefill_size, "command": " ".join(sys.argv)}
+            "chunked_prefill_size": cfg.chunked_prefill_size, **_decode_fp8_settings(),
+            "command": " ".join(sys.argv)}
+
+
+def _decode_fp8_settings() -> dict[str, Any]:
+    """The FP8 decode tiles and widening set through the environment (nothing when unset)."""
+    from radixmesh.common.env import decode_fp8_tuning
+
+    tuning = decode_fp8_tuning()
+    return {} if tuning.is_default else {"decode_fp8_tiles": tuning.tiles, "decode_fp8_widen": tuning.widen}
 
 
 def gpu_memory(sched: Any) -> dict[str, Any]:
