@@ -12,7 +12,7 @@ from torch import nn
 
 from radixmesh.engine.distributed.layout import ShardLayout
 from radixmesh.engine.distributed.sharding import TensorParallel
-from radixmesh.engine.models.layers import AddRMSNorm, Linear
+from radixmesh.engine.models.layers import AddRMSNorm, Linear, Prologue
 
 
 class RowParallelLinear(Linear):
@@ -22,7 +22,7 @@ class RowParallelLinear(Linear):
         super().__init__(in_features_local, out_features, bias=False)  # a bias would be added size times
         self.tp = tp
 
-    def forward(self, x: torch.Tensor, prologue: AddRMSNorm | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prologue: Prologue | None = None) -> torch.Tensor:
         return self.tp.all_reduce(super().forward(x, prologue))
 
 
