@@ -165,9 +165,9 @@ class Linear(nn.Linear):
             if fused is not None:
                 return fused if self.bias is None else fused.add_(self.bias)
             if self.quant_method is not None:
-                y = self.quant_method.apply_after(self, x, prologue)
-                if y is not None:
-                    return y
+                after = self.quant_method.apply_after(self, x, prologue)
+                if after is not None:
+                    return after
             x = prologue.apply(x)
         if self.quant_method is not None:
             y: torch.Tensor = self.quant_method.apply(self, x)
