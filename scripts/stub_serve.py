@@ -1,6 +1,6 @@
 """`radixmesh serve`'s front end over a stub scheduler: what the front end itself costs per request.
 
-The real HTTP app, `LocalBackend` and `EngineClient` (validation, admission, detokenization, metrics) run as in
+The real HTTP app, `LocalEngineBackend` and `EngineClient` (validation, admission, detokenization, metrics) run as in
 `serve`; only the scheduler process is replaced by a stub in the same process that answers every request with
 its first token after `--ttft-ms` and the rest `--itl-ms` apart (as many as the request asks for). A benchmark
 against it measures the front end's own time to first token, e.g. the text workload against the token-id one:
@@ -8,7 +8,8 @@ against it measures the front end's own time to first token, e.g. the text workl
     python scripts/stub_serve.py --model DIR --port 8400 &
     radixmesh bench serving --port 8400 --backend sglang --workload random --random-input-len 4096 ...
 
-It imports nothing new from the tree, so the same script measures an older checkout (PYTHONPATH) too.
+It imports nothing new from the tree, so the same script measures an older checkout (PYTHONPATH) too, from
+before the engine's modules moved (`engine.messages`, `engine.tokenizer`, `LocalBackend`) as well as after.
 """
 
 from __future__ import annotations
@@ -23,11 +24,17 @@ import uvicorn
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.loader import prepare_model
-from radixmesh.engine.messages import TokenOut
-from radixmesh.engine.tokenizer import load_tokenizer
 from radixmesh.gateway.app import create_app
 from radixmesh.gateway.config import GatewayConfig
-from radixmesh.gateway.local_backend import LocalBackend
+
+try:
+    from radixmesh.engine.hf_tokenizer import load_tokenizer
+    from radixmesh.gateway.local_backend import LocalEngineBackend
+    from radixmesh.wire.messages import TokenOut
+except ImportError:  # a tree from before the modules moved
+    from radixmesh.engine.messages import TokenOut  # type: ignore[no-redef]
+    from radixmesh.engine.tokenizer import load_tokenizer  # type: ignore[no-redef]
+    from radixmesh.gateway.local_backend import LocalBackend as LocalEngineBackend  # type: ignore[no-redef]
 
 
 class StubEngineClient(EngineClient):
@@ -71,7 +78,7 @@ def main() -> None:
     prepared = prepare_model(args.model, "dummy")
     assert prepared.tokenizer_path is not None, f"{args.model} has no tokenizer"
     client = StubEngineClient(prepared, load_tokenizer(prepared.tokenizer_path), args.ttft_ms / 1e3, args.itl_ms / 1e3)
-    app = create_app(LocalBackend(client), GatewayConfig(port=args.port))
+    app = create_app(LocalEngineBackend(client), GatewayConfig(port=args.port))
     print(f"stub serve on http://127.0.0.1:{args.port}", flush=True)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 

@@ -13,12 +13,12 @@ from fastapi.testclient import TestClient
 
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.config import EngineConfig
-from radixmesh.engine.loader import prepare_model
-from radixmesh.wire.messages import TokenOut
 from radixmesh.engine.hf_tokenizer import encode_chat, encode_text, load_tokenizer
+from radixmesh.engine.loader import prepare_model
 from radixmesh.gateway.app import create_app
 from radixmesh.gateway.config import GatewayConfig
 from radixmesh.gateway.local_backend import LocalEngineBackend
+from radixmesh.wire.messages import TokenOut
 from tests.unit.test_tokenize_pool import CountingEncoder, random_text
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from radixmesh.common.errors import RadixMeshError
-from radixmesh.engine.tokenize_pool import TokenizerPool, batch_encoder
 from radixmesh.engine.hf_tokenizer import encode_chat, encode_text, load_tokenizer
+from radixmesh.engine.tokenize_pool import TokenizerPool, batch_encoder
 
 TEXTS = ["Hello, world!", "", "  leading and trailing spaces  ", "héllo wörld — naïve café 你好 🎉",
          "<|im_start|>user\nspecial tokens as text<|im_end|>", "line one\n\nline two\ttab", "a" * 3000,
