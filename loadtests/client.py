@@ -9,6 +9,7 @@ because time to first token and inter-token latency need chunk arrival times. Id
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from abc import ABC, abstractmethod
@@ -53,6 +54,21 @@ class StreamOutcome:
     usage: Usage = field(default_factory=Usage)
     error: str = ""
     status: int | None = None
+    server_timing_ms: dict[str, float] = field(default_factory=dict)
+    """The response's `Server-Timing` durations by name (radixmesh: `tokenize`), in ms."""
+
+
+def parse_server_timing(header: str) -> dict[str, float]:
+    """`Server-Timing: tokenize;dur=3.2, other;desc="x";dur=1` -> {"tokenize": 3.2, "other": 1.0}."""
+    timings: dict[str, float] = {}
+    for metric in header.split(","):
+        name, *params = (part.strip() for part in metric.split(";"))
+        for param in params:
+            key, _, value = param.partition("=")
+            if name and key.strip().lower() == "dur":
+                with contextlib.suppress(ValueError):
+                    timings[name] = float(value.strip().strip('"'))
+    return timings
 
 
 class StreamError(Exception):
@@ -96,6 +112,7 @@ class BaseBackend(ABC):
         try:
             async with http.post(self.url, json=payload, headers=self.headers) as resp:
                 outcome.status = resp.status
+                outcome.server_timing_ms = parse_server_timing(resp.headers.get("Server-Timing", ""))
                 if resp.status != 200:
                     body = (await resp.text())[:ERROR_BODY_CHARS]
                     outcome.error = f"HTTP {resp.status}: {body}"

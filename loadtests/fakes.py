@@ -17,6 +17,8 @@ from aiohttp import web
 
 VOCAB_SIZE = 200
 SPECIAL_IDS = [0, 1]
+TOKENIZE_MS_PER_WORD = 0.01
+"""What the fake server reports as its tokenization time, per word of a text prompt."""
 
 
 class WordTokenizer:
@@ -67,8 +69,9 @@ class FakeServer:
         self.seen.append(words)
         return {"prompt_tokens": len(words), "completion_tokens": completion_tokens, "cached_tokens": cached}
 
-    async def _stream(self, request: web.Request, num_tokens: int, frame: Any, final: Any) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    async def _stream(self, request: web.Request, num_tokens: int, frame: Any, final: Any,
+                      headers: dict[str, str] | None = None) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **(headers or {})})
         await resp.prepare(request)
         for i in range(num_tokens):
             await asyncio.sleep(self.token_delay_s)
@@ -88,7 +91,9 @@ class FakeServer:
         def frame(i: int) -> dict[str, Any]:
             return {"text": " t" * (i + 1), "meta_info": {**usage, "completion_tokens": i + 1}}
 
-        return await self._stream(request, n, frame, None)
+        # as radixmesh reports it: the time a text prompt took to tokenize (here TOKENIZE_MS_PER_WORD per word)
+        timing = {"Server-Timing": f"tokenize;dur={TOKENIZE_MS_PER_WORD * len(words):.3f}"} if "text" in body else {}
+        return await self._stream(request, n, frame, None, timing)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

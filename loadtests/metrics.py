@@ -54,6 +54,27 @@ class LatencyStats:
 
 
 @dataclass(frozen=True)
+class LengthFit:
+    """Least-squares line of a latency over prompt length: `intercept_ms + per_1k_ms * prompt_len / 1000`."""
+
+    intercept_ms: float
+    per_1k_ms: float
+    """Added per 1,000 prompt tokens."""
+    count: int
+
+    @classmethod
+    def of(cls, prompt_lens: Sequence[int], values_s: Sequence[float]) -> LengthFit | None:
+        """The fit, or None with fewer than 3 points or a single prompt length."""
+        if len(prompt_lens) < 3 or len(set(prompt_lens)) < 2:
+            return None
+        xs = [n / 1000 for n in prompt_lens]
+        ys = [v * 1000 for v in values_s]
+        x_mean, y_mean = mean(xs), mean(ys)
+        slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum((x - x_mean) ** 2 for x in xs)
+        return cls(intercept_ms=y_mean - slope * x_mean, per_1k_ms=slope, count=len(xs))
+
+
+@dataclass(frozen=True)
 class Summary:
     """The figures of one run."""
 
@@ -79,6 +100,12 @@ class Summary:
     tpot: LatencyStats
     """Time per output token after the first, per request."""
     e2e: LatencyStats
+    ttft_fit: LengthFit | None = None
+    """TTFT over prompt length (uncached requests' prompt lengths as the server counts them)."""
+    tokenize: LatencyStats | None = None
+    """The server's own prompt tokenization time (Server-Timing), None when it reported none."""
+    tokenize_share: float | None = None
+    """Median over requests of tokenization time / TTFT (None when the server reported no tokenization)."""
 
     def to_dict(self) -> dict[str, Any]:
         return _nan_to_none(asdict(self))
@@ -100,7 +127,26 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> Summary:
         itl=LatencyStats.of_seconds([gap for r in ok for gap in r.itl_s]),
         tpot=LatencyStats.of_seconds(tpots_s(ok)),
         e2e=LatencyStats.of_seconds([r.latency_s for r in ok]),
+        ttft_fit=LengthFit.of(*_ttft_points(ok)),
+        tokenize=_tokenize_stats(ok),
+        tokenize_share=_tokenize_share(ok),
     )
+
+
+def _ttft_points(results: Sequence[RequestResult]) -> tuple[list[int], list[float]]:
+    """(prompt length, TTFT) of the requests with a first token; cached tokens are not computed, so they don't count."""
+    points = [(r.prompt_len - (r.cached_len or 0), r.ttft_s) for r in results if r.ttft_s is not None]
+    return [n for n, _ in points], [t for _, t in points]
+
+
+def _tokenize_stats(results: Sequence[RequestResult]) -> LatencyStats | None:
+    times = [r.tokenize_s for r in results if r.tokenize_s is not None]
+    return LatencyStats.of_seconds(times) if times else None
+
+
+def _tokenize_share(results: Sequence[RequestResult]) -> float | None:
+    shares = [r.tokenize_s / r.ttft_s for r in results if r.tokenize_s is not None and r.ttft_s]
+    return percentile(shares, 50) if shares else None
 
 
 def cache_hit_rate(results: Sequence[RequestResult]) -> float | None:

@@ -34,6 +34,9 @@ class RequestResult:
     """HTTP status (None when no response came)."""
     group_id: int | None = None
     output_text: str = ""
+    tokenize_s: float | None = None
+    """The server's own time to turn the prompt's text into token ids (its `Server-Timing: tokenize`), when it
+    reports one: the part of `ttft_s` spent tokenizing."""
 
     @property
     def end_s(self) -> float:

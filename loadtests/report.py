@@ -58,6 +58,20 @@ def _hit_rate(run: RunReport) -> str:
     return "n/a" if rate is None else f"{rate * 100:.2f}%"
 
 
+def _ttft_fit(run: RunReport) -> str:
+    fit = run.summary.ttft_fit
+    return "n/a" if fit is None else f"{fit.intercept_ms:.1f}+{fit.per_1k_ms:.2f}/1k"
+
+
+def _tokenize(field: str) -> Callable[[RunReport], str]:
+    return lambda run: "n/a" if run.summary.tokenize is None else _num(getattr(run.summary.tokenize, field))
+
+
+def _tokenize_share(run: RunReport) -> str:
+    share = run.summary.tokenize_share
+    return "n/a" if share is None else f"{share * 100:.1f}%"
+
+
 SECTIONS: list[tuple[str, list[Row]]] = [
     ("", [
         ("Backend", lambda run: run.backend),
@@ -73,7 +87,11 @@ SECTIONS: list[tuple[str, list[Row]]] = [
         ("Concurrency", lambda run: _num(run.summary.concurrency)),
         ("Cache hit rate", _hit_rate),
     ]),
-    ("Time to First Token", _latency_rows("TTFT", "ttft")),
+    ("Time to First Token", [*_latency_rows("TTFT", "ttft"),
+                             ("TTFT fit (ms + ms per 1k prompt)", _ttft_fit),
+                             ("Median tokenize, server (ms)", _tokenize("median_ms")),
+                             ("P99 tokenize, server (ms)", _tokenize("p99_ms")),
+                             ("Tokenize share of TTFT (median)", _tokenize_share)]),
     ("Inter-Token Latency", _latency_rows("ITL", "itl")),
     ("Time per Output Token (excl. 1st)", _latency_rows("TPOT", "tpot")),
     ("End-to-End Latency", _latency_rows("E2E", "e2e")),

@@ -187,7 +187,8 @@ class _SessionRunner:
             output_len=output_len, start_s=outcome.start - self.start, latency_s=outcome.end - outcome.start,
             ttft_s=times[0] - outcome.start if times else None,
             itl_s=[b - a for a, b in itertools.pairwise(times)], cached_len=usage.cached_tokens,
-            error=outcome.error, status=outcome.status, group_id=session.group_id, output_text=outcome.text)
+            error=outcome.error, status=outcome.status, group_id=session.group_id, output_text=outcome.text,
+            tokenize_s=_ms_to_s(outcome.server_timing_ms.get("tokenize")))
 
     def _skipped(self, session: Session, index: int) -> RequestResult:
         if self._bar is not None:
@@ -197,3 +198,7 @@ class _SessionRunner:
                              prompt_len=session.turns[index].prompt_len, output_len=0, start_s=now, latency_s=0.0,
                              max_output_len=session.turns[index].output_len,
                              error=SKIPPED_ERROR, group_id=session.group_id)
+
+
+def _ms_to_s(value_ms: float | None) -> float | None:
+    return None if value_ms is None else value_ms / 1e3

@@ -17,6 +17,10 @@
 #   STAGES=tp STAGE_TIMEOUT_S=600 bash scripts/gpu_suite.sh     # tensor parallelism: needs 2 GPUs (tp-bench, tp-custom)
 #   STAGES="tp-tests tp-70b" then STAGES=tp-70b-offline TIMEOUT_tp_70b_offline=580 (70B shape at TP 2, two H200s)
 #   FP8 (issue 21): STAGES="fp8-tests fp8-kernel fp8-one-batch fp8-capacity fp8-accuracy fp8-offline" bash scripts/gpu_suite.sh
+#   Issue 50 in one call on two GPUs (the FP8 sweep and FP8 vs bf16 offline on one, the text workload's TTFT through
+#   serve and the services on the other):
+#     STAGES=pair PAIR0="fp8-decode-sweep" PAIR1="online services fp8-fused-tests" ONLINE_PROMPTS=80 \
+#       TIMEOUT_pair=595 TIMEOUT_fp8_decode_sweep=590 TIMEOUT_online=330 TIMEOUT_services=200 bash scripts/gpu_suite.sh
 #   STAGES="mm-tests images" bash scripts/gpu_suite.sh     (multimodal: LLaVA / Qwen2-VL)
 #   STAGES="pd-tests pd-transfer pd-goodput" (two GPUs: P/D); a stage's own time limit: TIMEOUT_<stage>=S (- as _)
 #   KV over NIXL (issue 49; the NIXL wheel in .whl: bash scripts/nixl_gpu_wheel.sh, 12.5 MiB):
@@ -37,15 +41,15 @@
 #   and its tiles
 #   STAGES="extend-kernel prefill-profile": where a prefill's time goes (the extend kernel's tiles against torch SDPA,
 #   one 8B prefill's kernels and host phases, with and without --enable-dense-prefill)
-#   ONLINE_TAG=x SERVE_ARGS=--disable-launch-pacing STAGES=online: the online result lands in online-x.json (a second
-#   call's online.json would replace the first one's while $OUT holds too few files to be packed); compare two such
-#   runs request by request with `radixmesh bench paired online.json online-x.json`
+#   ONLINE_TAG=x SERVE_ARGS=--disable-launch-pacing STAGES=online: the online results land in online-x-WORKLOAD.json (a
+#   second call's online-WORKLOAD.json would replace the first one's while $OUT holds too few files to be packed); compare
+#   two such runs request by request with `radixmesh bench paired online-random.json online-x-random.json`
 #   TREE=dir: run another tree's package (dir/services, dir/kernels, dir/loadtests) with this suite, e.g. the tree
 #   before a refactor, on the same machine (issue 44):
 #     git archive main services kernels loadtests | (mkdir -p base && tar -x -C base)   # before the upload
 #     for t in base . base .; do TREE=$t ONLINE_TAG=$(basename $(realpath $t)) OUT=out/$(basename $(realpath $t)) \
 #       STAGES="one-batch offline online" TIMEOUT_offline=580 bash scripts/gpu_suite.sh; done
-#   then compare out/*/one-batch.jsonl and offline.jsonl, and `radixmesh bench paired` the two online-*.json
+#   then compare out/*/one-batch.jsonl and offline.jsonl, and `radixmesh bench paired` the two online-*-random.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -184,32 +188,44 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
     offline)
       $RM bench offline --model-shape llama-3.1-8b --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 --random-output-len 2048 \
         --random-range-ratio 0.0 --context-length 8192 --result-file "$OUT/offline.jsonl" ${OFFLINE_ARGS:-} ;;
-    online)  # SGLang's online-latency workload through `serve`: 100 prompts at 1 req/s, in <= 4,096, out <= 2,048
+    online)  # SGLang's online-latency workload through `serve`: 100 prompts at 1 req/s, in <= 4,096, out <= 2,048.
+      # ONLINE_WORKLOADS (default "random random-ids") run one after the other on one server, each with 2 warm-up
+      # requests and the prefix cache flushed first (the same seed's text and ids share tokens), into
+      # online[-TAG]-WORKLOAD.json: `random` (text the server tokenizes, as SGLang's CI sends it) is
+      # the headline figure; `random-ids` (token ids in) the line without tokenization. ONLINE_WORKLOAD=W: W alone.
       # The first server on a fresh machine is slower (its first 20 requests +21 ms; benchmarks README, eleventh
       # session): compare settings on one machine after a first run, or per request on the same prompts.
+      # (ONLINE_SHAPE, ONLINE_IN, ONLINE_OUT: another model shape and lengths, e.g. to try the stage on a CPU)
       runs=$(( $(cat /tmp/radixmesh-online-runs 2>/dev/null || echo 0) + 1 )); echo $runs > /tmp/radixmesh-online-runs
       echo "online run $runs on this machine${SERVE_ARGS:+ (serve args: $SERVE_ARGS)}"
-      model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
+      model=$(python3 scripts/gpu_tokenizer_model.py ${ONLINE_SHAPE:-llama-3.1-8b} "${TOKENIZER_DIR:-.gpu-model}" \
+        /tmp/smol-vocab-${ONLINE_SHAPE:-llama-3.1-8b})
       port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
       $RM serve --model "$model" --load-format dummy --context-length 8192 --port "$port" ${SERVE_ARGS:-} \
         > "$OUT/online${ONLINE_TAG:+-$ONLINE_TAG}-server.log" 2>&1 &
       server=$!
       for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null || ! kill -0 $server 2>/dev/null && break; sleep 1; done
       spy online "front=$server" $(for p in $(pgrep -P $server); do echo "child-$p=$p"; done)
-      $RM bench serving --backend sglang --port "$port" --workload ${ONLINE_WORKLOAD:-random-ids} --num-prompts ${ONLINE_PROMPTS:-100} \
-        --random-input-len 4096 --random-output-len 2048 --random-range-ratio 0.0 --request-rate ${ONLINE_RATE:-1} \
-        --warmup-requests 2 --disable-tqdm --output-file "$OUT/online${ONLINE_TAG:+-$ONLINE_TAG}.json"
+      for w in ${ONLINE_WORKLOAD:-${ONLINE_WORKLOADS:-random random-ids}}; do
+        echo "online workload $w"
+        $RM bench serving --backend sglang --port "$port" --workload "$w" --num-prompts ${ONLINE_PROMPTS:-100} \
+          --random-input-len ${ONLINE_IN:-4096} --random-output-len ${ONLINE_OUT:-2048} --random-range-ratio 0.0 --request-rate ${ONLINE_RATE:-1} \
+          --warmup-requests 2 --disable-tqdm --tokenizer "$model" --flush-cache \
+          --output-file "$OUT/online${ONLINE_TAG:+-$ONLINE_TAG}-$w.json"
+      done
       spy_collect online
       kill -INT $server; wait $server ;;
     services|trace-split)
-      # services: the online workload through gateway -> tokenizer -> router -> worker (Redis).
+      # services: the online workload through gateway -> tokenizer -> router -> worker (Redis), SERVICES_WORKLOADS
+      # (default: random, the text the tokenizer service tokenizes) into services-WORKLOAD.json.
       # trace-split: traced runs of the services and of serve (20 prompts each), their spans summed up by
       # scripts/trace_split.py: where the time to first token goes on each path.
-      model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
+      model=$(python3 scripts/gpu_tokenizer_model.py ${ONLINE_SHAPE:-llama-3.1-8b} "${TOKENIZER_DIR:-.gpu-model}" \
+        /tmp/smol-vocab-${ONLINE_SHAPE:-llama-3.1-8b})
       export PATH="${REDIS_DIR:-$PWD/.gpu-redis}/bin:$PATH" \
         LD_LIBRARY_PATH="${REDIS_DIR:-$PWD/.gpu-redis}/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
       [ "${PD_TRANSPORT:-}" = nixl ] && nixl_env
-      bench="--backend sglang --workload random-ids --random-input-len 4096 --random-output-len 2048 \
+      bench="--backend sglang --random-input-len ${ONLINE_IN:-4096} --random-output-len ${ONLINE_OUT:-2048} \
         --random-range-ratio 0.0 --request-rate ${ONLINE_RATE:-1} --warmup-requests 2 --disable-tqdm --tokenizer $model"
       up="--workers 1 --model $model --load-format dummy --worker-args=--context-length=8192 --timeout-s 400"
       if [ "$stage" = services ]; then
@@ -218,14 +234,18 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
 print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
           $(w=$(python3 -c 'import json; print(json.load(open("/tmp/cluster-plain/state.json"))["pids"]["worker-0"])'); \
             for p in $(pgrep -P $w); do echo "worker-child-$p=$p"; done)
-        $RM bench serving --base-url "$url" $bench --num-prompts ${ONLINE_PROMPTS:-100} --output-file "$OUT/services.json"
+        for w in ${SERVICES_WORKLOADS:-random}; do
+          echo "services workload $w"
+          $RM bench serving --base-url "$url" $bench --workload "$w" --num-prompts ${ONLINE_PROMPTS:-100} --flush-cache \
+            --output-file "$OUT/services-$w.json"
+        done
         spy_collect services
         $RM cluster down --state-dir /tmp/cluster-plain
         return
       fi
       python3 scripts/trace_split.py collect --port 4317 --out /tmp/spans-services.json & collector=$!
       url=$($RM cluster up $up --state-dir /tmp/cluster-traced --otlp-endpoint http://127.0.0.1:4317 | tail -1)
-      $RM bench serving --base-url "$url" $bench --num-prompts 20 --output-file /tmp/services-traced.json \
+      $RM bench serving --base-url "$url" $bench --workload random-ids --num-prompts 20 --output-file /tmp/services-traced.json \
         | grep -E "Median (TTFT|ITL)"
       $RM cluster down --state-dir /tmp/cluster-traced
       sleep 2; kill $collector; wait $collector
@@ -235,7 +255,8 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
       $RM serve --model "$model" --load-format dummy --context-length 8192 --port "$port" \
         --otlp-endpoint http://127.0.0.1:4318 > "$OUT/serve-traced.log" 2>&1 & server=$!
       for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null || ! kill -0 $server 2>/dev/null && break; sleep 1; done
-      $RM bench serving --port "$port" $bench --num-prompts 20 --output-file /tmp/serve-traced.json | grep -E "Median (TTFT|ITL)"
+      $RM bench serving --port "$port" $bench --workload random-ids --num-prompts 20 --output-file /tmp/serve-traced.json \
+        | grep -E "Median (TTFT|ITL)"
       kill -INT $server; wait $server; sleep 1; kill $collector; wait $collector
       python3 scripts/trace_split.py summarize /tmp/spans-serve.json --json "$OUT/split-serve.json" ;;
     serve-vs-services)
@@ -410,6 +431,55 @@ print(s["tokenizer_address"], s["worker_addresses"][0], s["redis_url"] or "")')"
       $RM bench offline --model-shape llama-3.1-8b --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 \
         --random-output-len 2048 --random-range-ratio 0.0 --context-length 8192 --quantization fp8 \
         --kv-cache-dtype fp8_e4m3 --result-file "$OUT/fp8-offline.jsonl" ${OFFLINE_ARGS:-} ;;
+    fp8-fused-tests)  # issue 50: the FP8 quantizing norm/SiLU kernels and the FP8 decode widenings and tiles, compiled
+      python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/gpu/test_fp8_fused_gpu.py
+      python3 -m pytest -q -p no:cacheprovider tests/unit/test_fp8_fused_kernels.py tests/unit/test_fp8_kernels.py ;;
+    fp8-decode-sweep)  # issue 50: decode attention over an FP8 KV pool at the offline run's batches (lengths 256-6,144):
+      # tiles (SWEEP_TILES_FP8) x widenings (f32, direct, f16) at the engine's split count and one split, each checked
+      # against the reference; bf16 at its defaults on the same inputs for the bandwidth. Then the best (bench_decode
+      # --pick, the least time over the batches) runs the offline workload with FP8 weights + FP8 KV through
+      # RADIXMESH_DECODE_FP8_TILES/_WIDEN, and bf16 runs it on the same GPU: the FP8 / bf16 ratio (target >= 1.1).
+      # FP8_SWEEP_BATCHES (default "256 168 64"); FP8_SWEEP_ONLY=1: the sweep alone; FP8_BASELINE=1: also FP8 offline
+      # at the kernel's default tiles; FP8_MAX_RUNNING=N: also FP8 offline with N running requests (an FP8 pool holds
+      # twice the tokens). About 7 minutes on an H200 (TIMEOUT_fp8_decode_sweep=590).
+      for bs in ${FP8_SWEEP_BATCHES:-256 168 64}; do
+        python3 -m radixmesh.kernels.bench_decode --batch $bs --min-seq-len 256 --seq-len 6144 --dtype fp8_e4m3 \
+          --sweep --sweep-tiles fp8 --sweep-widen f32 direct f16 --sweep-splits 1 --grid-orders head-major --check \
+          --warmup 5 --iters 40 | tee -a "$OUT/fp8-decode-sweep.jsonl"
+        python3 -m radixmesh.kernels.bench_decode --batch $bs --min-seq-len 256 --seq-len 6144 --dtype bf16 \
+          --warmup 5 --iters 40 | tee -a "$OUT/fp8-decode-sweep.jsonl"
+      done
+      best=$(python3 -m radixmesh.kernels.bench_decode --pick "$OUT/fp8-decode-sweep.jsonl") \
+        || { echo "fp8-decode-sweep: no tiles measured at every batch"; return 1; }
+      echo "$best" | tee "$OUT/fp8-decode-best.txt"
+      [ -n "${FP8_SWEEP_ONLY:-}" ] && return 0
+      offline="bench offline --model-shape llama-3.1-8b --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 \
+        --random-output-len 2048 --random-range-ratio 0.0 --context-length 8192 --result-file $OUT/fp8-vs-bf16.jsonl"
+      fp8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
+      env $best $RM $offline $fp8
+      [ -n "${FP8_BASELINE:-}" ] && $RM $offline $fp8
+      [ -n "${FP8_MAX_RUNNING:-}" ] && env $best $RM $offline $fp8 --max-running-requests $FP8_MAX_RUNNING \
+        --cuda-graph-max-bs $FP8_MAX_RUNNING
+      $RM $offline
+      python3 - "$OUT/fp8-vs-bf16.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+bf16 = [r for r in rows if not r.get("quantization")]
+for r in rows:
+    ratio = f", {r['output_throughput_tok_s'] / bf16[-1]['output_throughput_tok_s']:.3f}x bf16" if bf16 else ""
+    print(f"{r.get('quantization') or 'bf16'} KV {r['kv_cache_dtype']} tiles {r.get('decode_fp8_tiles', 'default')} "
+          f"widen {r.get('decode_fp8_widen', 'f32')} running {r['max_running_requests']}: "
+          f"{r['output_throughput_tok_s']:.1f} out tok/s ({r['duration_s']:.1f} s){ratio}")
+PY
+      ;;
+    pair)  # two suites side by side on two GPUs: PAIR0="stages" on GPU 0 into $OUT/gpu0, PAIR1="stages" on GPU 1 into
+      # $OUT/gpu1 (each stage bounded by its own TIMEOUT_<stage>; TIMEOUT_pair bounds both)
+      [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "skipped: needs two GPUs"; return 0; }
+      CUDA_VISIBLE_DEVICES=0 OUT="$OUT/gpu0" STAGES="${PAIR0:-}" bash scripts/gpu_suite.sh > "$OUT/pair-gpu0.log" 2>&1 &
+      first=$!
+      CUDA_VISIBLE_DEVICES=1 OUT="$OUT/gpu1" STAGES="${PAIR1:-}" bash scripts/gpu_suite.sh > "$OUT/pair-gpu1.log" 2>&1
+      wait $first
+      tail -n 40 "$OUT/pair-gpu0.log" "$OUT/pair-gpu1.log" ;;
     fp8-capacity)  # KV tokens that fit next to the 8B weights: bf16 / FP8 weights x bf16 / FP8 KV, one process each
       for variant in none/auto none/fp8_e4m3 fp8/auto fp8/fp8_e4m3; do
         $RM bench kv-capacity --model-shape llama-3.1-8b --context-length 8192 --variants $variant \

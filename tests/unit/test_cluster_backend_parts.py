@@ -29,18 +29,22 @@ from .upstream_fakes import FakeCall, FakeReplica, RpcFailure, Watcher, response
 
 
 # ---- the tokenizer upstream ---------------------------------------------------------------------------
-class SyncTokenizer:
-    """The tokenizer service's blocking stub."""
+class AsyncTokenizer:
+    """The tokenizer service's asynchronous stub (Tokenize is awaited: the event loop keeps serving)."""
 
     def __init__(self, fail: grpc.RpcError | None = None) -> None:
         self.fail = fail
 
-    def Tokenize(self, request: Any, timeout: float) -> tokenizer_pb2.TokenizeResponse:
+    async def Tokenize(self, request: Any, timeout: float) -> tokenizer_pb2.TokenizeResponse:
         if self.fail is not None:
             raise self.fail
         ids = [ord(c) for c in request.text] if request.text else [1, 2, 3]
         return tokenizer_pb2.TokenizeResponse(token_ids=ids, block_hashes=common_pb2.BlockHashes(hashes=[99, 98]),
                                               prompt_text="<chat>")
+
+
+class SyncTokenizer:
+    """The tokenizer service's blocking stub (Decode, without a local copy of the tokenizer)."""
 
     def Decode(self, request: Any, timeout: float) -> tokenizer_pb2.DecodeResponse:
         return tokenizer_pb2.DecodeResponse(text="".join(chr(i) for i in request.token_ids),
@@ -63,6 +67,7 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 def tokenizer(loop: asyncio.AbstractEventLoop) -> Iterator[TokenizerUpstream]:
     upstream = TokenizerUpstream("127.0.0.1:1")  # nothing is dialled: the stubs are stand-ins
     upstream._sync = SyncTokenizer()  # type: ignore[assignment]
+    upstream.group.upstreams[0].stub = AsyncTokenizer()
     try:
         yield upstream
     finally:
@@ -70,40 +75,45 @@ def tokenizer(loop: asyncio.AbstractEventLoop) -> Iterator[TokenizerUpstream]:
         loop.run_until_complete(upstream.group.upstreams[0].close())
 
 
-def test_the_services_block_hashes_travel_with_its_ids(tokenizer: TokenizerUpstream) -> None:
-    ids = tokenizer.encode("hi")
+def test_the_services_block_hashes_travel_with_its_ids(tokenizer: TokenizerUpstream,
+                                                       loop: asyncio.AbstractEventLoop) -> None:
+    ids = loop.run_until_complete(tokenizer.encode("hi"))
     assert ids == [104, 105] and list(tokenizer.prompt_hashes(ids).hashes) == [99, 98]
     own = [5, 6, 7, 8] * 8  # ids a client sent itself: hashed here, with the same function
     assert list(tokenizer.prompt_hashes(own).hashes) == block_hashes(own, tokenizer.block_size)
     assert tokenizer.prompt_hashes(own).block_size == tokenizer.block_size
 
 
-def test_the_hash_cache_keeps_the_latest_prompts(tokenizer: TokenizerUpstream,
+def test_the_hash_cache_keeps_the_latest_prompts(tokenizer: TokenizerUpstream, loop: asyncio.AbstractEventLoop,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tokenizer_upstream, "HASH_CACHE_SIZE", 2)
     for text in ("a", "b", "c"):
-        tokenizer.encode(text)
+        loop.run_until_complete(tokenizer.encode(text))
     assert list(tokenizer.prompt_hashes([ord("a")]).hashes) == block_hashes([ord("a")], tokenizer.block_size)
     assert list(tokenizer.prompt_hashes([ord("c")]).hashes) == [99, 98]
 
 
-def test_chats_and_decoding_through_the_service(tokenizer: TokenizerUpstream) -> None:
-    assert list(tokenizer.chat([{"role": "user", "content": "x"}], True).token_ids) == [1, 2, 3]
+def test_chats_and_decoding_through_the_service(tokenizer: TokenizerUpstream,
+                                                loop: asyncio.AbstractEventLoop) -> None:
+    chat = loop.run_until_complete(tokenizer.chat([{"role": "user", "content": "x"}], True))
+    assert list(chat.token_ids) == [1, 2, 3]
     with pytest.raises(RadixMeshError, match="every message needs a 'content'"):
-        tokenizer.chat([{"role": "user"}], True)
+        loop.run_until_complete(tokenizer.chat([{"role": "user"}], True))
     assert tokenizer.decode([104, 105]) == "hi" and tokenizer.token_texts([104, 105]) == ["h", "i"]
 
 
-def test_an_unreachable_tokenizer_is_marked_down(tokenizer: TokenizerUpstream) -> None:
+def test_an_unreachable_tokenizer_is_marked_down(tokenizer: TokenizerUpstream,
+                                                  loop: asyncio.AbstractEventLoop) -> None:
     watcher = Watcher()
     tokenizer.watcher = watcher  # type: ignore[assignment]
-    tokenizer._sync = SyncTokenizer(fail=RpcFailure(grpc.StatusCode.UNAVAILABLE, "refused"))  # type: ignore[assignment]
+    upstream = tokenizer.group.upstreams[0]
+    upstream.stub = AsyncTokenizer(fail=RpcFailure(grpc.StatusCode.UNAVAILABLE, "refused"))
     with pytest.raises(RadixMeshError) as info:
-        tokenizer.encode("x")
+        loop.run_until_complete(tokenizer.encode("x"))
     assert info.value.code is ErrorCode.UNAVAILABLE and watcher.down == ["127.0.0.1:1"]
-    tokenizer._sync = SyncTokenizer(fail=RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "bad", own=True))  # type: ignore[assignment]
+    upstream.stub = AsyncTokenizer(fail=RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "bad", own=True))
     with pytest.raises(RadixMeshError):
-        tokenizer.encode("x")
+        loop.run_until_complete(tokenizer.encode("x"))
     assert watcher.down == ["127.0.0.1:1"]  # its own error: still up
 
 

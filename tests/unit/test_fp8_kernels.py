@@ -202,6 +202,37 @@ def test_decode_reads_fp8_pool_through_its_scales(fp8: torch.dtype, q_dtype: tor
     torch.testing.assert_close(out.float().cpu(), want, atol=tol * 3, rtol=tol)
 
 
+@pytest.mark.parametrize("widen,tiles", [("direct", None), ("f16", None), ("f16", (128, 4, 3)), ("f32", (128, 8, 3))])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_decode_fp8_widening_and_tiles_match_the_reference(widen: str, tiles: tuple[int, int, int] | None,
+                                                            q_dtype: torch.dtype) -> None:
+    seq_lens, heads, kv_heads, head_dim = [5, 300, 129], 8, 2, 32
+    k_buf, v_buf, k_ref, v_ref = _fp8_pool(sum(seq_lens) + 1, kv_heads, head_dim, E4M3, 0.5, 3.0, seed=11)
+    kv_indptr, kv_indices = _indices(seq_lens, sum(seq_lens) + 1, seed=11)
+    q = _rand(len(seq_lens), heads, head_dim, seed=12).to(q_dtype)
+    q[1, 0, 0] = 1e6  # beyond float16: saturated on the f16 path, so that head attends to its largest key
+    want = attention_reference(q, k_ref, v_ref, list(range(len(seq_lens) + 1)), kv_indptr.tolist(),
+                               kv_indices.cpu(), 0.2)
+    for num_kv_splits in (1, 3):
+        out = torch.empty(q.shape, dtype=q_dtype, device=DEVICE)
+        decode_attention_fwd(q.to(DEVICE), k_buf.to(DEVICE), v_buf.to(DEVICE), out, kv_indptr, kv_indices, 0.2,
+                             num_kv_splits, k_scale=0.5, v_scale=3.0, tiles=tiles, fp8_widen=widen)
+        tol = 2e-5 if q_dtype == torch.float32 and widen != "f16" else 3e-2
+        got = out.float().cpu()
+        torch.testing.assert_close(got[:, 1:], want[:, 1:], atol=tol * 3, rtol=tol)  # heads without the outlier
+        torch.testing.assert_close(got[[0, 2]], want[[0, 2]], atol=tol * 3, rtol=tol)
+        assert torch.isfinite(got).all()
+
+
+def test_decode_rejects_an_unknown_widening() -> None:
+    k_buf, v_buf, _, _ = _fp8_pool(9, 1, 16, E4M3, 1.0, 1.0, seed=1)
+    kv_indptr, kv_indices = _indices([8], 9, seed=1)
+    q = torch.zeros(1, 1, 16, device=DEVICE)
+    with pytest.raises(AssertionError, match="fp8_widen"):
+        decode_attention_fwd(q, k_buf.to(DEVICE), v_buf.to(DEVICE), torch.empty_like(q), kv_indptr, kv_indices, 1.0,
+                             1, fp8_widen="e5m2")
+
+
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 def test_extend_reads_fp8_pool_through_its_scales(q_dtype: torch.dtype) -> None:
     prefix_lens, new_lens, heads, kv_heads, head_dim = [20, 0], [9, 17], 4, 2, 32

@@ -48,13 +48,13 @@ class FakeBackend(GatewayBackend):
     def is_healthy(self) -> bool:
         return True
 
-    def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str) -> list[int]:
         return [ord(c) % VOCAB for c in text]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) \
-            -> list[int]:
+    async def apply_chat_template(self, messages: list[dict[str, Any]],
+                                  tools: list[dict[str, Any]] | None = None) -> list[int]:
         self.seen_chats.append((messages, tools))
-        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+        return await self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
 
     def decode(self, token_ids: list[int]) -> str:
         return "".join(chr(97 + t % 26) for t in token_ids)

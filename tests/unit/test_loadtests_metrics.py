@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from loadtests.metrics import cache_hit_rate, percentile, summarize, throughput_timeline
+from loadtests.client import parse_server_timing
+from loadtests.metrics import LengthFit, cache_hit_rate, percentile, summarize, throughput_timeline
 from loadtests.records import RequestResult
 
 
@@ -84,3 +85,21 @@ def test_summary_of_nothing_is_nan_not_an_error() -> None:
     s = summarize([], duration_s=0.0)
     assert s.num_completed == 0 and math.isnan(s.request_throughput)
     assert s.to_dict()["ttft"]["mean_ms"] is None
+
+
+def test_ttft_fit_over_uncached_prompt_length() -> None:
+    # TTFT = 30 ms + 15 ms per 1k computed tokens; a fully cached prefix is not computed
+    results = [RequestResult(0, 0, True, n, 1, 0.0, 1.0, ttft_s=(30 + 15 * (n - cached) / 1000) / 1e3,
+                             cached_len=cached) for n, cached in ((500, 0), (1500, 0), (3000, 1000), (4000, 0))]
+    fit = summarize(results, 1.0).ttft_fit
+    assert fit is not None and fit.count == 4
+    assert fit.intercept_ms == pytest.approx(30.0) and fit.per_1k_ms == pytest.approx(15.0)
+    assert LengthFit.of([100, 100, 100], [0.01, 0.02, 0.03]) is None  # one length: no slope
+    assert LengthFit.of([100, 200], [0.01, 0.02]) is None
+
+
+def test_server_timing_header_is_parsed() -> None:
+    assert parse_server_timing("tokenize;dur=3.25") == {"tokenize": 3.25}
+    assert parse_server_timing('db;desc="x";dur=1, tokenize;dur="2", cache, bad;dur=x') == {"db": 1.0,
+                                                                                            "tokenize": 2.0}
+    assert parse_server_timing("") == {}

@@ -166,3 +166,22 @@ def test_cli_compare_writes_table_json_and_plots(tmp_path: Path, default_model_d
         assert run["summary"]["cache_hit_rate"] > 0.3
     assert (tmp_path / "run-latency-cdf.png").stat().st_size > 0
     assert (tmp_path / "run-throughput.png").stat().st_size > 0
+
+
+def test_server_tokenization_time_is_recorded_for_text_prompts(fake: tuple[FakeServer, str]) -> None:
+    from loadtests.fakes import TOKENIZE_MS_PER_WORD
+    from loadtests.metrics import summarize
+
+    _, url = fake
+    for name, reported in (("random", True), ("random-ids", False)):
+        w = build(name, "--random-input-len", "50", "--random-output-len", "2", num_prompts=6)
+        record = asyncio.run(run_load(w, make_backend("sglang", url), QUIET, count_words))
+        summary = summarize(record.results, record.duration_s)
+        if reported:
+            assert all(r.tokenize_s == pytest.approx(TOKENIZE_MS_PER_WORD * r.prompt_len / 1e3) for r in record.results)
+            assert summary.tokenize is not None and summary.tokenize.count == 6
+            assert summary.tokenize_share is not None and 0 < summary.tokenize_share < 1
+            assert summary.ttft_fit is not None and summary.ttft_fit.count == 6
+        else:  # (the same prompts as ids: the fake server now reports them cached)
+            assert all(r.tokenize_s is None for r in record.results)
+            assert summary.tokenize is None and summary.tokenize_share is None

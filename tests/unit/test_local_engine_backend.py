@@ -91,7 +91,7 @@ def test_without_a_tokenizer_text_is_refused_naming_the_field_and_ids_read_as_nu
     for call, param in ((lambda: b.encode("hi"), "prompt"),
                         (lambda: b.apply_chat_template([{"role": "user", "content": "hi"}]), "messages")):
         with pytest.raises(RadixMeshError) as info:
-            call()
+            asyncio.run(call())
         assert info.value.param == param
     assert b.token_texts([5, 6]) == ["<5>", "<6>"]
 
@@ -99,7 +99,7 @@ def test_without_a_tokenizer_text_is_refused_naming_the_field_and_ids_read_as_nu
 def test_text_is_tokenized_and_detokenized_here() -> None:
     tokenizer = byte_level_tokenizer()
     b = backend(FakeClient(tokenizer=tokenizer))
-    ids = b.encode("hello world")
+    ids = asyncio.run(b.encode("hello world"))
     assert b.has_tokenizer and b.decode(ids) == "hello world" and "".join(b.token_texts(ids)) == "hello world"
 
 

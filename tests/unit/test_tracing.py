@@ -104,6 +104,7 @@ from radixmesh.gateway.app import create_app
 from radixmesh.gateway.config import GatewayConfig
 from radixmesh.router.dispatch import RequestRouter
 from radixmesh.router.policies import create_policy
+from radixmesh.engine.tokenize_pool import Encoded
 from radixmesh.gateway.local_backend import _tokenize
 from radixmesh.worker.timeline import RequestTimeline, record_kv_transfer, record_kv_transfer_span
 from tests.unit.router_factory import make_config, make_registry, make_request
@@ -133,7 +134,9 @@ with tracing.span("x") as span:
 tracing.set_attributes({"a": 1})
 record_kv_transfer("grpc", "send", 1024, 1.0, 1.5)
 record_kv_transfer_span("worker.kv_reserve", 1.0, 1.1, "grpc", 0)
-assert _tokenize("text", lambda tokenizer, text: [1, 2], None, "hi") == [1, 2]
+async def _encoded():
+    return Encoded([1, 2], "hi", 0.0, 0.0, None)
+assert asyncio.run(_tokenize("text", _encoded())) == [1, 2]
 # redis-py imports opentelemetry.sdk.metrics on its own; no tracer SDK, exporter or instrumentation is loaded
 loaded = sorted(m for m in sys.modules if m.startswith(("opentelemetry.sdk.trace", "opentelemetry.exporter",
                                                           "opentelemetry.instrumentation")))

@@ -21,7 +21,11 @@ uses a few of the launched splits and the launch shape depends on host ints alon
 fixed `num_kv_splits` and scratch buffers make the pair CUDA-graph capturable.
 
 FP8 pools: tiles are widened in registers; `k_scale` is folded into the softmax scale and `v_scale`
-multiplies each split's output, so the loop does no extra work per element.
+multiplies each split's output, so the loop does no extra work per element. How a tile is widened is
+`fp8_widen`: `f32` (e4m3 -> float32 -> the dot dtype, exact for every q dtype), `direct` (e4m3 -> the dot
+dtype in one Triton cast) or `f16` (e4m3 -> float16, one native conversion per pair on sm_89+, with both
+dots in float16: q is saturated to +-65504 first, far beyond what attention queries reach, and the
+probabilities keep more mantissa than in bf16).
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ from radixmesh.kernels._checks import (
     next_power_of_2,
 )
 from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
-from radixmesh.kernels.kv_store import from_pool
 
 LOG2E = 1.4426950408889634
 DEFAULT_MAX_KV_SPLITS = 64
@@ -55,6 +58,16 @@ MIN_TOKENS_PER_SPLIT = 256
 # the uneven lengths of a batch's requests (H100 sweep, batches 48-168 of 256-6,144 tokens)
 _PROGRAMS_PER_SM = 16
 _CPU_NUM_SMS = 4
+FP8_WIDENS = ("f32", "direct", "f16")
+"""How an FP8 pool's K/V tiles become `tl.dot` operands (see the module docstring)."""
+
+
+@triton.jit
+def _widen(x, OP_DTYPE: tl.constexpr, KV_FP8: tl.constexpr, THROUGH_F32: tl.constexpr):
+    """A K/V tile as the dots' operand dtype (FP8: through float32, or in one cast)."""
+    if KV_FP8 and THROUGH_F32:
+        x = x.to(tl.float32)
+    return x.to(OP_DTYPE)
 
 
 @triton.jit
@@ -67,7 +80,7 @@ def _decode_split_kernel(
     head_dim,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr, DIRECT: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr, DIRECT: tl.constexpr, THROUGH_F32: tl.constexpr, Q_CLAMP: tl.constexpr,
 ):
     if HEAD_MAJOR:  # grid (kv_heads, batch, splits): a request's KV heads are dispatched side by side
         kv_head = tl.program_id(0)
@@ -92,7 +105,10 @@ def _decode_split_kernel(
     mask_d = offs_d < head_dim
     # [BLOCK_H, BLOCK_D]: the group's query heads; padded rows are zero
     q = tl.load(q_ptr + req.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    if Q_CLAMP:  # float16 dots over a wider q: saturate instead of overflowing to inf
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
+    q = q.to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -107,14 +123,14 @@ def _decode_split_kernel(
         # [BLOCK_N, BLOCK_D]
         k = tl.load(k_base + slots[:, None] * stride_kb_slot + offs_d[None, :], mask=mask_kv, other=0.0)
         # [BLOCK_H, BLOCK_N], in log2 units
-        s = tl.dot(q, tl.trans(from_pool(k, DOT_DTYPE, KV_FP8)), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(_widen(k, DOT_DTYPE, KV_FP8, THROUGH_F32)), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + slots[:, None] * stride_vb_slot + offs_d[None, :], mask=mask_kv, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), from_pool(v, DOT_DTYPE, KV_FP8),
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), _widen(v, DOT_DTYPE, KV_FP8, THROUGH_F32),
                                             input_precision=DOT_PRECISION)
         m_i = m_new
     if PDL:
@@ -247,7 +263,8 @@ def _block_sizes(head_dim: int) -> tuple[int, int, int]:
 def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
                          kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float, num_kv_splits: int,
                          scratch: DecodeScratch | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                         tiles: tuple[int, int, int] | None = None, head_major: bool = True) -> None:
+                         tiles: tuple[int, int, int] | None = None, head_major: bool = True,
+                         fp8_widen: str = "f32") -> None:
     """Attention of one query per request over its KV, written to `out`.
 
     q, out: `[batch, num_heads, head_dim]`; k_buffer, v_buffer: `[num_slots, kv_heads, head_dim]`;
@@ -257,7 +274,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     without it, scratch is allocated per call (not CUDA-graph safe). No host sync.
     FP8 buffers hold `k / k_scale` and `v / v_scale` (`kv_store.store_kv`); the kernels read them back
     through the same scales. `tiles` (BLOCK_N, num_warps, num_stages) and `head_major` (the grid's order)
-    are for benchmarks: the defaults are the measured best.
+    are for benchmarks and tuning: the defaults are the measured best. `fp8_widen` (one of FP8_WIDENS) is how
+    an FP8 pool's tiles become dot operands; ignored for other pools.
     """
     _check_decode_args(q, k_buffer, v_buffer, out, kv_indptr, kv_indices, num_kv_splits)
     batch, num_heads, head_dim = q.shape
@@ -270,7 +288,9 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     mid_o, mid_lse = scratch.views(batch, num_heads, head_dim, num_kv_splits)
 
     group = num_heads // num_kv_heads
-    operand_dtype = dot_dtype(q.dtype, q.device)
+    assert fp8_widen in FP8_WIDENS, f"fp8_widen must be one of {FP8_WIDENS}, got {fp8_widen!r}"
+    kv_fp8 = k_buffer.dtype in FP8_DTYPES
+    operand_dtype = tl.float16 if kv_fp8 and fp8_widen == "f16" else dot_dtype(q.dtype, q.device)
     block_d = next_power_of_2(head_dim)
     block_n, num_warps, num_stages = tiles or _block_sizes(head_dim)
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"BLOCK_N must be a power of 2 >= 16, got {block_n}"
@@ -283,8 +303,9 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         head_dim,
         GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision(operand_dtype), KV_FP8=k_buffer.dtype in FP8_DTYPES,
-        HEAD_MAJOR=head_major, DIRECT=num_kv_splits == 1, num_warps=num_warps, num_stages=num_stages,
+        DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision(operand_dtype), KV_FP8=kv_fp8,
+        HEAD_MAJOR=head_major, DIRECT=num_kv_splits == 1, THROUGH_F32=fp8_widen == "f32",
+        Q_CLAMP=operand_dtype == tl.float16 and q.dtype != torch.float16, num_warps=num_warps, num_stages=num_stages,
         **pdl_args(q.device),
     )
     if num_kv_splits == 1:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+
+from radixmesh.common.errors import invalid_argument
 
 
 def env_str(name: str, default: str | None = None) -> str | None:
@@ -17,3 +20,49 @@ def env_flag(name: str) -> bool:
 def cache_dir() -> Path:
     """Where converted models and other caches live (RADIXMESH_CACHE_DIR, else ~/.cache/radixmesh)."""
     return Path(env_str("CACHE_DIR") or Path.home() / ".cache" / "radixmesh")
+
+
+DECODE_FP8_WIDENS = ("f32", "direct", "f16")
+"""Values of RADIXMESH_DECODE_FP8_WIDEN (radixmesh.kernels.decode_attention.FP8_WIDENS)."""
+
+
+@dataclass(frozen=True)
+class DecodeFp8Tuning:
+    """How decode attention reads an FP8 KV pool (bf16 pools keep the kernel's own tiles)."""
+
+    tiles: tuple[int, int, int] | None = None
+    """(BLOCK_N, num_warps, num_stages) of the split kernel (RADIXMESH_DECODE_FP8_TILES="128,4,3"); None: its
+    defaults."""
+    widen: str = "f32"
+    """How e4m3 tiles become dot operands (RADIXMESH_DECODE_FP8_WIDEN: f32 | direct | f16)."""
+
+    def __post_init__(self) -> None:
+        if self.widen not in DECODE_FP8_WIDENS:
+            raise invalid_argument(f"RADIXMESH_DECODE_FP8_WIDEN must be one of {', '.join(DECODE_FP8_WIDENS)} "
+                                   f"(got {self.widen!r})", "RADIXMESH_DECODE_FP8_WIDEN")
+        if self.tiles is None:
+            return
+        block_n, warps, stages = self.tiles
+        if block_n < 16 or block_n > 256 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16) \
+                or not 1 <= stages <= 8:
+            raise invalid_argument("RADIXMESH_DECODE_FP8_TILES must be BLOCK_N,num_warps,num_stages with BLOCK_N a "
+                                   f"power of 2 in [16, 256], warps in 1-16 (powers of 2), stages in 1-8 (got "
+                                   f"{self.tiles})", "RADIXMESH_DECODE_FP8_TILES")
+
+    @property
+    def is_default(self) -> bool:
+        return self.tiles is None and self.widen == "f32"
+
+
+def decode_fp8_tuning() -> DecodeFp8Tuning:
+    """RADIXMESH_DECODE_FP8_TILES and RADIXMESH_DECODE_FP8_WIDEN, checked (INVALID_ARGUMENT when malformed)."""
+    raw_tiles = (env_str("DECODE_FP8_TILES") or "").strip()
+    tiles = None
+    if raw_tiles:
+        try:
+            block_n, warps, stages = (int(part) for part in raw_tiles.split(","))
+        except ValueError:
+            raise invalid_argument(f"RADIXMESH_DECODE_FP8_TILES must be three integers BLOCK_N,num_warps,num_stages "
+                                   f"(got {raw_tiles!r})", "RADIXMESH_DECODE_FP8_TILES") from None
+        tiles = (block_n, warps, stages)
+    return DecodeFp8Tuning(tiles, (env_str("DECODE_FP8_WIDEN") or "f32").strip())

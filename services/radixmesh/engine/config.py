@@ -86,6 +86,9 @@ class EngineConfig:
     """Batch-1 linear layers on CUDA use cuBLAS instead of the GEMV kernel (bf16/fp16 weights)."""
     disable_gemv_fusion: bool = False
     """Batch-1 decode runs RMSNorm and SiLU-and-mul as launches of their own, not inside the next GEMV."""
+    disable_fp8_quant_fusion: bool = False
+    """FP8 weights on CUDA: quantize each projection's activations in a launch of their own, not inside the RMSNorm
+    or SiLU-and-mul kernel before it."""
     disable_launch_pacing: bool = False
     """Launch each decode step as soon as the previous one's results are read. By default, with overlap on CUDA and
     no request waiting for admission, the scheduler holds each decode launch until shortly before the device's

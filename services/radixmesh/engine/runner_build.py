@@ -60,7 +60,7 @@ def build_runner(runner: ModelRunner, config: EngineConfig, prepared: PreparedMo
     runner.dtype = DTYPES[config.dtype]
     runner.context_len = config.context_length or prepared.config.context_len
     runner.quant = build_linear_method(config.quantization, prepared.config, runner.device, runner.dtype,
-                                       config.fp8_gemm_backend)
+                                       config.fp8_gemm_backend, fuse_quant=not config.disable_fp8_quant_fusion)
     runner.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, runner.dtype, runner.device, config.attention_backend)
     check_tp_support(runner)
     runner.model = load_model(runner, prepared)

@@ -93,20 +93,22 @@ class GatewayBackend(ABC):
         return True
 
     # ---- text <-> tokens ------------------------------------------------------------------------
+    # Prompt tokenization never blocks the event loop (a worker thread, or the tokenizer service over an
+    # awaited call), and runs once per prompt: what these return is what the engine runs.
     @abstractmethod
-    def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str) -> list[int]:
         """Token ids of a raw prompt, with the special tokens the model expects at its start."""
 
     @abstractmethod
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) \
-            -> list[int]:
+    async def apply_chat_template(self, messages: list[dict[str, Any]],
+                                  tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation in the model's chat template, ready for the assistant's turn.
 
         Messages are {role, content} with, on assistant turns, `tool_calls` [{id, name, arguments}] and,
         on tool turns, `tool_call_id` and `name`; `tools` (OpenAI's shape) only for a template that takes
         them (`card.chat_template_takes_tools`)."""
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """A conversation as text in the model's chat template (for clients that build prompts)."""
         raise unsupported("this backend cannot render chat templates as text", "messages")
 

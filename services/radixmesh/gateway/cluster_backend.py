@@ -126,15 +126,15 @@ class ClusterBackend(GatewayBackend):
         return not self.not_ready_reason()
 
     # ---- text <-> tokens (blocking calls: the gateway backend contract is synchronous) -----------
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    async def encode(self, text: str) -> list[int]:
+        return await self.tokenizer.encode(text)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) \
-            -> list[int]:
-        return list(self.tokenizer.chat(messages, True, tools).token_ids)
+    async def apply_chat_template(self, messages: list[dict[str, Any]],
+                                  tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return list((await self.tokenizer.chat(messages, True, tools)).token_ids)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return str(self.tokenizer.chat(messages, add_generation_prompt).prompt_text)
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return str((await self.tokenizer.chat(messages, add_generation_prompt)).prompt_text)
 
     async def tokenize_multimodal(self, prompt: PromptWithImages) -> MultimodalPrompt:
         return await self.tokenizer.tokenize_multimodal(prompt)

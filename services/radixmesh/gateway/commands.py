@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from radixmesh.common.env import env_str
 from radixmesh.common.tls import add_tls_args
 from radixmesh.common.tracing import add_tracing_args
+from radixmesh.engine.tokenize_pool import DEFAULT_TOKENIZER_WORKERS
 from radixmesh.gateway.config import DETOKENIZE_MODES
 
 if TYPE_CHECKING:
@@ -24,6 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                        "/generate, /health, /metrics. With no flags: the default model, "
                                        "on CUDA when available, else CPU, at http://127.0.0.1:8000.")
     _add_http_args(serve)
+    serve.add_argument("--tokenizer-workers", type=int, default=DEFAULT_TOKENIZER_WORKERS,
+                       help="threads that tokenize prompts off the event loop; prompts that arrive while all are "
+                            "busy are encoded together (default: %(default)s)")
     add_engine_args(serve)
     add_image_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -86,7 +90,8 @@ def _gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          max_default_tokens=args.max_default_tokens, graceful_shutdown_s=args.graceful_shutdown_s,
                          log_level=args.log_level, image_limits=image_limits_from_args(args),
                          tool_call_parser=args.tool_call_parser, strict_tools=args.strict_tools,
-                         reasoning_parser=args.reasoning_parser)
+                         reasoning_parser=args.reasoning_parser,
+                         tokenizer_workers=getattr(args, "tokenizer_workers", DEFAULT_TOKENIZER_WORKERS))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

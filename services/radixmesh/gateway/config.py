@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from radixmesh.common.errors import invalid_argument
 from radixmesh.common.tls import TlsConfig
 from radixmesh.engine.mm.config import ImageLimits
+from radixmesh.engine.tokenize_pool import DEFAULT_TOKENIZER_WORKERS, check_num_workers
 from radixmesh.gateway.reasoning import check_reasoning_parser
 from radixmesh.gateway.tools.registry import check_tool_parser
 
@@ -49,6 +50,8 @@ class GatewayConfig:
     """Constrain tool_choice auto too: a call, once the model starts one, names a tool and its arguments validate."""
     reasoning_parser: str | None = None
     """Split a thinking model's reasoning from its answer (deepseek-r1 | qwen3); None: no splitting."""
+    tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS
+    """Threads that tokenize `serve`'s prompts off the event loop (a gateway asks the tokenizer service)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -67,6 +70,7 @@ class GatewayConfig:
             object.__setattr__(self, "tool_call_parser", check_tool_parser(self.tool_call_parser))
         if self.reasoning_parser is not None:
             object.__setattr__(self, "reasoning_parser", check_reasoning_parser(self.reasoning_parser))
+        check_num_workers(self.tokenizer_workers)
         if self.log_level.lower() not in LOG_LEVELS:
             raise invalid_argument(f"log_level must be one of {', '.join(LOG_LEVELS)}", "log_level")
 

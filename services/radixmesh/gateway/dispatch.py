@@ -56,11 +56,12 @@ class Dispatcher:
         return self.backend.card.max_running_requests + self.max_queued_requests
 
     def open(self, endpoint: str, jobs: list[PromptJob], request_id: str | None = None,
-             rids: list[str] | None = None) -> Generation:
+             rids: list[str] | None = None, tokenize_s: float | None = None) -> Generation:
         """Admit a request (429 when the queue is full) and return its not yet started generation.
 
         `rids` names the engine sequences (one per prompt and branch); by default they derive
-        from `request_id`, which `abort` accepts as well.
+        from `request_id`, which `abort` accepts as well. `tokenize_s`: the time the request's text
+        took to become token ids (None: it came as ids), reported in its response's Server-Timing.
         """
         reason = self.backend.not_ready_reason()
         if reason:
@@ -82,6 +83,10 @@ class Dispatcher:
             raise RadixMeshError(ErrorCode.INVALID_ARGUMENT, f"got {len(rids)} request ids for {num_seqs} sequences",
                                  "rid")
         generation = Generation(self, request_id, jobs, rids)
+        if tokenize_s is not None:  # the request arrived before its text was tokenized: TTFT counts from then
+            generation.tokenize_s = tokenize_s
+            generation.start_s -= tokenize_s
+            self.metrics.tokenize.observe(tokenize_s)
         self.num_in_flight += num_seqs
         self.active[request_id] = generation
         num_prompt_tokens = sum(len(job.input_ids) for job in jobs)
@@ -127,8 +132,16 @@ class Generation:
         if rids is None:
             rids = [request_id] if self.num_seqs == 1 else [f"{request_id}-{i}" for i in range(self.num_seqs)]
         self.rids = rids
+        self.tokenize_s: float | None = None
+        """Time the request's text took to become token ids (None: it came as ids)."""
         self._last_token_s: list[float | None] = [None] * self.num_seqs
         self._stream: AsyncGenerator[tuple[int, GenerationChunk], None] | None = None
+
+    def timing_headers(self) -> dict[str, str]:
+        """`Server-Timing` of the work done before the engine saw the request (W3C Server Timing)."""
+        if self.tokenize_s is None:
+            return {}
+        return {"Server-Timing": f"tokenize;dur={self.tokenize_s * 1e3:.3f}"}
 
     def stream(self) -> AsyncIterator[tuple[int, GenerationChunk]]:
         """The merged `(index, chunk)` stream of all sequences; can be taken once."""

@@ -45,14 +45,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     @map_errors(ERROR_SOURCE)
     async def Complete(self, request: pb.CompleteRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
-        run = start_completion(self._ready_state(), conv.completion_request(request, stream=False))
+        run = await start_completion(self._ready_state(), conv.completion_request(request, stream=False))
         response = await _collected(run)
         return conv.completion_reply(response, conv.TokenCursor(run.states))
 
     @map_errors(ERROR_SOURCE)
     async def StreamComplete(self, request: pb.CompleteRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[pb.CompleteResponse]:
-        run = start_completion(self._ready_state(), conv.completion_request(request, stream=True))
+        run = await start_completion(self._ready_state(), conv.completion_request(request, stream=True))
         tokens = conv.TokenCursor(run.states)
         try:
             async for chunk in run.chunks():

@@ -1,7 +1,9 @@
 """`local` backend: the tokenizer in this process, the scheduler in its own process (no gRPC, no router).
 
-`radixmesh serve` traces here what the cluster's services trace: `serve.tokenize`, then from the
-scheduler's timestamps `serve.queue`, `serve.prefill`, `serve.decode`, and `serve.detokenize`.
+Prompts are tokenized on a `TokenizerPool` (worker threads), never on the event loop that streams
+every request's tokens. `radixmesh serve` traces here what the cluster's services trace:
+`serve.tokenize`, then from the scheduler's timestamps `serve.queue`, `serve.prefill`, `serve.decode`,
+and `serve.detokenize`.
 """
 
 from __future__ import annotations
@@ -10,33 +12,35 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from radixmesh.common import tracing
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.chat_template import takes_tools, template_text, tool_syntax
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.config import EngineConfig
-from radixmesh.engine.hf_tokenizer import decode_text, encode_chat, encode_text, render_chat, token_texts
+from radixmesh.engine.hf_tokenizer import decode_text, render_chat, token_texts
 from radixmesh.engine.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 from radixmesh.engine.mm.config import ImageLimits
 from radixmesh.engine.mm.prompt import MultimodalProcessor, MultimodalPrompt, PromptWithImages, text_only_error
 from radixmesh.engine.output import TextAssembler
+from radixmesh.engine.tokenize_pool import DEFAULT_TOKENIZER_WORKERS, Encoded, TokenizerPool
 from radixmesh.gateway.backend import GatewayBackend, GenerationChunk, ModelCard, SamplingParams
 from radixmesh.wire.images import MultimodalInputs
 from radixmesh.worker.timeline import RequestTimeline
-
-T = TypeVar("T")
 
 
 class LocalEngineBackend(GatewayBackend):
     """Owns one `EngineClient` (and through it the scheduler process)."""
 
     def __init__(self, client: EngineClient, served_model_name: str | None = None,
-                 image_limits: ImageLimits | None = None) -> None:
+                 image_limits: ImageLimits | None = None, tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS) -> None:
         self.client = client
+        self.tokenize_pool = TokenizerPool(client.tokenizer, tokenizer_workers) if client.tokenizer is not None \
+            else None
+        """Encodes prompts on worker threads (None: a model without a tokenizer takes token ids only)."""
         prepared = client.prepared
         self.images = MultimodalProcessor.for_model(prepared.config, [prepared.model_path, prepared.tokenizer_path],
                                                     client.tokenizer, image_limits)
@@ -47,9 +51,10 @@ class LocalEngineBackend(GatewayBackend):
 
     @classmethod
     async def start(cls, config: EngineConfig, served_model_name: str | None = None,
-                    image_limits: ImageLimits | None = None) -> LocalEngineBackend:
+                    image_limits: ImageLimits | None = None,
+                    tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS) -> LocalEngineBackend:
         """Prepare the model (first use downloads and converts the default one) and start the scheduler."""
-        return cls(await EngineClient.start(config), served_model_name, image_limits)
+        return cls(await EngineClient.start(config), served_model_name, image_limits, tokenizer_workers)
 
     @property
     def card(self) -> ModelCard:
@@ -69,15 +74,19 @@ class LocalEngineBackend(GatewayBackend):
             raise invalid_argument("this model has no tokenizer; send token ids", param)
         return self.client.tokenizer
 
-    def encode(self, text: str) -> list[int]:
-        return _tokenize("text", encode_text, self._tokenizer("prompt"), text)
+    def _pool(self, param: str) -> TokenizerPool:
+        self._tokenizer(param)
+        assert self.tokenize_pool is not None, "a tokenizer without a pool"
+        return self.tokenize_pool
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) \
-            -> list[int]:
-        tokenizer = self._tokenizer("messages")
-        return _tokenize("chat", lambda tok, msgs: encode_chat(tok, msgs, tools=tools), tokenizer, messages)
+    async def encode(self, text: str) -> list[int]:
+        return await _tokenize("text", self._pool("prompt").encode(text))
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    async def apply_chat_template(self, messages: list[dict[str, Any]],
+                                  tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return await _tokenize("chat", self._pool("messages").encode_chat(messages, tools=tools))
+
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         return render_chat(self._tokenizer("messages"), messages, add_generation_prompt)
 
     async def tokenize_multimodal(self, prompt: PromptWithImages) -> MultimodalPrompt:
@@ -150,18 +159,22 @@ class LocalEngineBackend(GatewayBackend):
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self.tokenize_pool is not None:
+                self.tokenize_pool.close()
             await self.client.shutdown()
 
 
-def _tokenize(kind: str, encode: Callable[[Any, T], list[int]], tokenizer: Any, value: T) -> list[int]:
-    """`encode(tokenizer, value)`, in a `serve.tokenize` span when tracing is on."""
+async def _tokenize(kind: str, encoding: Awaitable[Encoded[None]]) -> list[int]:
+    """The ids of a pool encode, in a `serve.tokenize` span when tracing is on."""
     if not tracing.enabled():
-        return encode(tokenizer, value)
+        return (await encoding).ids
     with tracing.span("serve.tokenize", {"tokenize.input": kind}) as span:
-        ids = encode(tokenizer, value)
+        encoded = await encoding
         if span is not None:
-            span.set_attribute("tokenize.prompt_tokens", len(ids))
-    return ids
+            span.set_attributes({"tokenize.prompt_tokens": len(encoded.ids),
+                                 "tokenize.queued_ms": round(encoded.queued_s * 1e3, 3),
+                                 "tokenize.encode_ms": round(encoded.encode_s * 1e3, 3)})
+    return encoded.ids
 
 
 def _make_card(client: EngineClient, served_model_name: str | None, has_images: bool) -> ModelCard:

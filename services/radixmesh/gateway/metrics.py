@@ -53,6 +53,9 @@ class GatewayMetrics:
             p + "ttft_overhead_seconds", "Time from arrival to the first output token that the engine did not spend "
             "(the front end; in a cluster also the hops, the router and the worker's front end)",
             buckets=OVERHEAD_BUCKETS_S, registry=reg)
+        self.tokenize = Histogram(
+            p + "tokenize_seconds", "Time a request's prompt text took to become token ids (waiting for a tokenizer "
+            "thread included; in a cluster the tokenizer service call)", buckets=OVERHEAD_BUCKETS_S, registry=reg)
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between output tokens of a sequence",
                              buckets=ITL_BUCKETS_S, registry=reg)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from arrival to the last output token",

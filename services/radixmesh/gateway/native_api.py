@@ -87,7 +87,9 @@ class AbortRequest(RequestBody):
 async def generate(request: Request) -> Response:
     state = get_state(request)
     req = parse_body(await request.body(), GenerateRequest)
+    tokenize_start = time.perf_counter()
     prompts, mms, batched = await _prompts(state, req)
+    tokenize_s = time.perf_counter() - tokenize_start if req.text is not None else None
     per_prompt = req.sampling_params if isinstance(req.sampling_params, list) \
         else [req.sampling_params or NativeSamplingParams()] * len(prompts)
     if len(per_prompt) != len(prompts):
@@ -99,32 +101,36 @@ async def generate(request: Request) -> Response:
     with conv.openai_names({"prompt": prompt_param, "top_logprobs": "top_logprobs_num"}):  # SGLang's names
         jobs = [PromptJob(ids, _params(state, req, sp, len(ids), ask), mm)
                 for ids, sp, ask, mm in zip(prompts, per_prompt, asks, mms)]
-        generation = state.dispatcher.open("generate", jobs, request_id=rid, rids=rids)
+        generation = state.dispatcher.open("generate", jobs, request_id=rid, rids=rids, tokenize_s=tokenize_s)
     run = _NativeRun(state, req, generation, batched or len(generation.rids) > 1)
     if req.stream:
-        return EventStreamResponse(with_error_events(run.events()), on_close=generation.aclose)
+        return EventStreamResponse(with_error_events(run.events()), on_close=generation.aclose,
+                                   headers=generation.timing_headers())
     try:
-        return JSONResponse(await unless_disconnected(request, run.collect()))
+        return JSONResponse(await unless_disconnected(request, run.collect()), headers=generation.timing_headers())
     finally:
         await generation.aclose()
 
 
 async def _prompts(state: GatewayState, req: GenerateRequest) \
         -> tuple[list[list[int]], list[MultimodalInputs | None], bool]:
-    """Each prompt's token ids and images (placeholders expanded), and whether the request is a batch."""
+    """Each prompt's token ids and images (placeholders expanded), and whether the request is a batch.
+    The prompts of a batch tokenize together (the backend's pool encodes what waits at once)."""
     raw, batched = _raw_prompts(req)
-    ids_list: list[list[int]] = []
-    mms: list[MultimodalInputs | None] = []
-    for prompt, sources in zip(raw, native_image_sources(req.image_data, len(raw), batched)):
+
+    async def one(prompt: str | list[int], sources: list[Any]) -> tuple[list[int], MultimodalInputs | None]:
         if sources:
             kind = {"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
             placed = await state.backend.tokenize_multimodal(PromptWithImages(sources, **kind))
-            ids_list.append(placed.input_ids)
-            mms.append(placed.mm)
-        else:
-            ids_list.append(state.backend.encode(prompt) if isinstance(prompt, str) else prompt)
-            mms.append(None)
-    return ids_list, mms, batched
+            return placed.input_ids, placed.mm
+        return (await state.backend.encode(prompt) if isinstance(prompt, str) else prompt), None
+
+    sources = native_image_sources(req.image_data, len(raw), batched)
+    if len(raw) == 1:
+        placed = [await one(raw[0], sources[0])]
+    else:
+        placed = await asyncio.gather(*(one(p, s) for p, s in zip(raw, sources)))
+    return [ids for ids, _ in placed], [mm for _, mm in placed], batched
 
 
 def _raw_prompts(req: GenerateRequest) -> tuple[list[str | list[int]], bool]:
@@ -294,7 +300,7 @@ async def health_generate(request: Request) -> Response:
     """Generate one token end to end: proves the scheduler process is stepping, not only alive."""
     backend = get_state(request).backend
     _unavailable(get_state(request))
-    input_ids = backend.encode("Hi") if backend.has_tokenizer else [0]
+    input_ids = await backend.encode("Hi") if backend.has_tokenizer else [0]
     params = SamplingParams(max_new_tokens=1, temperature=0.0)
 
     async def one_token() -> None:

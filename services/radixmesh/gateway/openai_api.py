@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from fastapi import APIRouter
 from starlette.requests import Request
@@ -75,15 +77,17 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
 @router.post("/completions")
 async def completions(request: Request) -> Response:
     state = get_state(request)
-    run = start_completion(state, parse_body(await request.body(), CompletionRequest))
+    run = await start_completion(state, parse_body(await request.body(), CompletionRequest))
     return await _respond(request, run, run.req.stream)
 
 
-def start_completion(state: GatewayState, req: CompletionRequest) -> CompletionRun:
+async def start_completion(state: GatewayState, req: CompletionRequest) -> CompletionRun:
     """Validate and admit a completion request (HTTP and gRPC alike); the run is not started yet."""
     model = state.resolve_model(req.model)
     conv.check_completion_supported(req)
-    prompts = _completion_prompts(state, req)
+    tokenize_start = time.perf_counter()
+    prompts = await _completion_prompts(state, req)
+    tokenize_s = time.perf_counter() - tokenize_start if _has_text(req.prompt) else None
     echoes = [state.backend.decode(ids) if req.echo else "" for ids in prompts]
     jobs = []
     with conv.openai_names({**_COMPLETION_NAMES, **conv.grammar_param_names(req)}):
@@ -91,29 +95,41 @@ def start_completion(state: GatewayState, req: CompletionRequest) -> CompletionR
             max_new = conv.resolve_max_new_tokens(req.max_tokens, len(ids), state.backend.card.context_len,
                                                   16, "max_tokens", "prompt")
             jobs.append(PromptJob(ids, conv.sampling_params(req, max_new, req.logprobs)))
-        generation = state.dispatcher.open("completions", jobs)
+        generation = state.dispatcher.open("completions", jobs, tokenize_s=tokenize_s)
     return CompletionRun(state, req, model, generation, echoes)
 
 
 async def _respond(request: Request, run: CompletionRun | ChatRun, stream: bool) -> Response:
+    headers = run.generation.timing_headers()
     if stream:
-        return EventStreamResponse(with_error_events(run.events()), on_close=run.generation.aclose)
+        return EventStreamResponse(with_error_events(run.events()), on_close=run.generation.aclose, headers=headers)
     try:
-        return _json(await unless_disconnected(request, run.collect()))
+        response = _json(await unless_disconnected(request, run.collect()))
+        response.headers.update(headers)
+        return response
     finally:
         await run.generation.aclose()
 
 
-def _completion_prompts(state: GatewayState, req: CompletionRequest) -> list[list[int]]:
+def _has_text(prompt: Any) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
+
+
+async def _completion_prompts(state: GatewayState, req: CompletionRequest) -> list[list[int]]:
+    """Each prompt's ids; the texts of a list tokenize together (the backend's pool encodes what waits at once)."""
     prompt = req.prompt
     if isinstance(prompt, str):
-        return [state.backend.encode(prompt)]
+        return [await state.backend.encode(prompt)]
     if not prompt:
         raise invalid_argument("prompt must not be empty", "prompt")
     token_ids = [p for p in prompt if isinstance(p, int)]
     if len(token_ids) == len(prompt):  # one prompt of token ids (the request model keeps the list homogeneous)
         return [token_ids]
-    return [state.backend.encode(p) if isinstance(p, str) else list(p) for p in prompt if not isinstance(p, int)]
+
+    async def ids_of(p: str | list[int]) -> list[int]:
+        return await state.backend.encode(p) if isinstance(p, str) else list(p)
+
+    return list(await asyncio.gather(*(ids_of(p) for p in prompt if not isinstance(p, int))))
 
 
 class CompletionRun:
@@ -191,6 +207,7 @@ async def start_chat(state: GatewayState, req: ChatCompletionRequest) -> ChatRun
     with conv.openai_names(conv.grammar_param_names(req)):
         setup.check_no_grammar(bool(conv.grammar_fields(req)))
     mm = None
+    tokenize_start = time.perf_counter()
     if has_images(req.messages):
         if setup.tools is not None:
             raise unsupported("tools with images are not supported yet", "tools")
@@ -198,7 +215,8 @@ async def start_chat(state: GatewayState, req: ChatCompletionRequest) -> ChatRun
         prompt = await state.backend.tokenize_multimodal(PromptWithImages(sources, messages=messages))
         input_ids, mm = prompt.input_ids, prompt.mm
     else:
-        input_ids = state.backend.apply_chat_template(*setup.template_inputs(conv.chat_messages(req.messages)))
+        input_ids = await state.backend.apply_chat_template(*setup.template_inputs(conv.chat_messages(req.messages)))
+    tokenize_s = time.perf_counter() - tokenize_start
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     names = {"max_new_tokens": max_param, "min_new_tokens": "min_tokens", "prompt": "messages",
@@ -208,7 +226,8 @@ async def start_chat(state: GatewayState, req: ChatCompletionRequest) -> ChatRun
                                               state.config.max_default_tokens, max_param, "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = setup.sampling_params(conv.sampling_params(req, max_new, top))
-        generation = state.dispatcher.open("chat_completions", [PromptJob(input_ids, params, mm)])
+        generation = state.dispatcher.open("chat_completions", [PromptJob(input_ids, params, mm)],
+                                           tokenize_s=tokenize_s)
     return ChatRun(state, req, model, generation, setup)
 
 

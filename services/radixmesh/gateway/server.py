@@ -61,7 +61,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 async def serve(config: GatewayConfig, engine_config: EngineConfig) -> int:
     """`radixmesh serve`: the gateway over a local scheduler process, until SIGINT/SIGTERM."""
     return await serve_backend(config, lambda: LocalEngineBackend.start(engine_config, config.served_model_name,
-                                                                  config.image_limits),
+                                                                        config.image_limits, config.tokenizer_workers),
                                f"loading {engine_config.model or 'the default model'}")
 
 

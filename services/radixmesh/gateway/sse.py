@@ -44,8 +44,8 @@ class EventStreamResponse(StreamingResponse):
     """
 
     def __init__(self, events: AsyncGenerator[str, None],
-                 on_close: Callable[[], Awaitable[None]] | None = None) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+                 on_close: Callable[[], Awaitable[None]] | None = None, headers: dict[str, str] | None = None) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._events = events
         self._on_close = on_close

@@ -12,6 +12,7 @@ tokenizer themselves, so they work against any gateway, local or remote.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter
@@ -41,10 +42,10 @@ async def tokenize(request: Request) -> Response:
     req = parse_body(await request.body(), TokenizeRequest)
     body: dict[str, Any] = {"max_model_len": state.backend.card.context_len}
     if isinstance(req.prompt, str):
-        tokens = state.backend.encode(req.prompt)
+        tokens = await state.backend.encode(req.prompt)
         body.update(tokens=tokens, count=len(tokens))
     else:
-        batch = [state.backend.encode(text) for text in req.prompt]
+        batch = list(await asyncio.gather(*(state.backend.encode(text) for text in req.prompt)))
         body.update(tokens=batch, count=[len(ids) for ids in batch])
     return JSONResponse(body)
 
@@ -53,5 +54,5 @@ async def tokenize(request: Request) -> Response:
 async def apply_chat_template(request: Request) -> Response:
     state = get_state(request)
     req = parse_body(await request.body(), ChatTemplateRequest)
-    text = state.backend.render_chat(conv.chat_messages(req.messages), req.add_generation_prompt)
+    text = await state.backend.render_chat(conv.chat_messages(req.messages), req.add_generation_prompt)
     return JSONResponse({"text": text})

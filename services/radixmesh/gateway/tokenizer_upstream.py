@@ -32,14 +32,15 @@ logger = logging.getLogger(__name__)
 HASH_CACHE_SIZE = 1024
 """Prompts whose block hashes (from Tokenize) are kept until their Generate call."""
 TOKENIZE_TIMEOUT_S = 10.0
-"""Bound on the blocking tokenizer calls (they hold the event loop, as local tokenization does)."""
+"""Bound on a Tokenize call (awaited: the event loop streams other requests meanwhile) and on the blocking
+Decode call of logprob texts without a local tokenizer copy."""
 IMAGE_TOKENIZE_TIMEOUT_S = 60.0
 """Bound on a Tokenize call with images (the tokenizer service may fetch and resize them)."""
 
 
 class TokenizerUpstream:
-    """One tokenizer service: blocking tokenize and detokenize calls (the gateway backend contract is synchronous
-    there), an asynchronous multimodal tokenize, and the prompts' block hashes."""
+    """One tokenizer service: awaited tokenize calls (text, chat, images), detokenize calls (blocking where the
+    gateway backend contract is synchronous) and the prompts' block hashes."""
 
     def __init__(self, address: str) -> None:
         self.address = address
@@ -61,21 +62,22 @@ class TokenizerUpstream:
         return self.group.upstreams[0].stub
 
     # ---- text -> tokens ---------------------------------------------------------------------------
-    def _tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
+    async def _tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
         try:
-            response = self._sync.Tokenize(request, timeout=TOKENIZE_TIMEOUT_S)
+            response = await self.stub.Tokenize(request, timeout=TOKENIZE_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise self.error(exc) from None
         self._remember_hashes(list(response.token_ids), list(response.block_hashes.hashes))
         return response
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenize(tokenizer_pb2.TokenizeRequest(text=text, block_size=self.block_size)).token_ids)
+    async def encode(self, text: str) -> list[int]:
+        response = await self._tokenize(tokenizer_pb2.TokenizeRequest(text=text, block_size=self.block_size))
+        return list(response.token_ids)
 
-    def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-             tools: list[dict[str, Any]] | None = None) -> tokenizer_pb2.TokenizeResponse:
+    async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                   tools: list[dict[str, Any]] | None = None) -> tokenizer_pb2.TokenizeResponse:
         conversation = chat_to_proto(messages, add_generation_prompt, tools)
-        return self._tokenize(tokenizer_pb2.TokenizeRequest(chat=conversation, block_size=self.block_size))
+        return await self._tokenize(tokenizer_pb2.TokenizeRequest(chat=conversation, block_size=self.block_size))
 
     async def tokenize_multimodal(self, prompt: PromptWithImages) -> MultimodalPrompt:
         """The service reads, preprocesses and places the images (its limits apply)."""

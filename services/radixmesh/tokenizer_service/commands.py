@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from radixmesh.engine.tokenize_pool import DEFAULT_TOKENIZER_WORKERS
+
 DEFAULT_PORT = 50052
 
 
@@ -18,6 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                      "detokenize output streams incrementally, over gRPC.")
     add_model_args(cmd, tokenizer_only=True)
     cmd.add_argument("--block-size", type=int, default=16, help="tokens per block of the prompt's block hashes")
+    cmd.add_argument("--tokenizer-workers", type=int, default=DEFAULT_TOKENIZER_WORKERS,
+                     help="threads that tokenize prompts off the event loop; prompts that arrive while all are busy "
+                          "are encoded together (default: %(default)s)")
     add_image_args(cmd)
     add_server_args(cmd, DEFAULT_PORT)
     cmd.set_defaults(func=cmd_tokenizer)
@@ -32,4 +37,4 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level, "tokenizer")
     return asyncio.run(serve_tokenizer(server_config(args), args.model, args.load_format, args.block_size,
-                                       args.tokenizer, image_limits_from_args(args)))
+                                       args.tokenizer, image_limits_from_args(args), args.tokenizer_workers))

@@ -1,11 +1,16 @@
-"""TokenizerService: Tokenize, Detokenize (bidirectional stream), Decode, GetTokenizerInfo, GetTokenizerFiles."""
+"""TokenizerService: Tokenize, Detokenize (bidirectional stream), Decode, GetTokenizerInfo, GetTokenizerFiles.
+
+Tokenize encodes on a `TokenizerPool` (worker threads that batch what waits together), and the prompt's
+block hashes are computed there too: the event loop only parses and answers calls.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc.aio
 from prometheus_client import Counter, Histogram
@@ -14,9 +19,10 @@ from radixmesh.common import tracing
 from radixmesh.common.errors import invalid_argument
 from radixmesh.common.grpc_errors import map_errors
 from radixmesh.engine.chat_template import takes_tools, template_text, tool_syntax
-from radixmesh.engine.hf_tokenizer import decode_text, encode_text, render_chat, token_texts
+from radixmesh.engine.hf_tokenizer import decode_text, token_texts
 from radixmesh.engine.mm.prompt import MultimodalProcessor
 from radixmesh.engine.output import TextAssembler
+from radixmesh.engine.tokenize_pool import DEFAULT_TOKENIZER_WORKERS, TokenizerPool
 from radixmesh.protocol import common_pb2, multimodal_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from radixmesh.tokenizer_service.files import saved_files
 from radixmesh.tokenizer_service.images import chat_messages, text_only, tokenize_with_images
@@ -28,8 +34,6 @@ from radixmesh.wire.messages import TokenOut
 from radixmesh.wire.sampling import SamplingParams
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
-LONG_TEXT_CHARS = 4096
-"""Inputs longer than this are tokenized on a worker thread so the event loop keeps serving."""
 MAX_BLOCK_SIZE = 4096
 
 REQUESTS = Counter("radixmesh_tokenizer_requests_total", "Tokenizer service calls", ["rpc"])
@@ -39,17 +43,18 @@ PROMPT_TOKENS = Counter("radixmesh_tokenizer_prompt_tokens_total", "Prompt token
 DETOKENIZED_TOKENS = Counter("radixmesh_tokenizer_detokenized_tokens_total",
                              "Output tokens turned into text by Detokenize")
 
-T = TypeVar("T")
-
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     """Serves one Hugging Face tokenizer (the model's own)."""
 
     def __init__(self, tokenizer: Any, model_name: str, block_size: int = DEFAULT_BLOCK_SIZE,
-                 tokenizer_path: str = "", images: MultimodalProcessor | None = None) -> None:
+                 tokenizer_path: str = "", images: MultimodalProcessor | None = None,
+                 num_workers: int = DEFAULT_TOKENIZER_WORKERS) -> None:
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise invalid_argument(f"block_size must be in [1, {MAX_BLOCK_SIZE}] (got {block_size})", "block_size")
         self.tokenizer = tokenizer
+        self.pool = TokenizerPool(tokenizer, num_workers)
+        """Encodes prompts (and hashes their blocks) on worker threads."""
         self.model_name = model_name
         self.tokenizer_path = tokenizer_path
         """Where the tokenizer came from (a directory or hub id), reported by GetTokenizerInfo."""
@@ -72,23 +77,26 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         start = time.perf_counter()
         kind = request.WhichOneof("input")
         images: list[multimodal_pb2.ImageInput] = []
+        hash_blocks = functools.partial(block_hashes, block_size=block_size, extra_key=request.extra_key)
         if request.images:
             placed = await tokenize_with_images(self.images, request, self.model_name)
             ids, text, images = placed.input_ids, placed.prompt_text, images_to_proto(placed.mm)
+            hashes = hash_blocks(ids)
         elif kind == "chat":
             messages = text_only(chat_messages(request.chat))
             add_prompt = request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
-            text = render_chat(self.tokenizer, messages, add_prompt, tools_from_proto(request.chat))
-            ids = await _maybe_in_thread(len(text), encode_text, self.tokenizer, text, False)
+            encoded = await self.pool.encode_chat(messages, add_prompt, after=hash_blocks,
+                                                  tools=tools_from_proto(request.chat))
+            ids, text, hashes = encoded.ids, encoded.text, encoded.extra
         elif kind == "text":
-            text = request.text
             special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            ids = await _maybe_in_thread(len(text), encode_text, self.tokenizer, text, special)
+            encoded = await self.pool.encode(request.text, special, after=hash_blocks)
+            ids, text, hashes = encoded.ids, encoded.text, encoded.extra
         elif kind == "token_ids":
             text, ids = "", list(request.token_ids.ids)
+            hashes = hash_blocks(ids)
         else:
             raise invalid_argument("a Tokenize request needs `text` or `chat`", "input")
-        hashes = block_hashes(ids, block_size, request.extra_key)
         TOKENIZE_SECONDS.observe(time.perf_counter() - start)
         PROMPT_TOKENS.inc(len(ids))
         if tracing.enabled():
@@ -195,9 +203,3 @@ class DetokenizeSession:
         chunk = self.assembler.feed(TokenOut(self.request_id, ids, 0, 0, 0, finish_reason=finish,
                                              matched_stop=matched))
         return tokenizer_pb2.DetokenizeResponse(text=chunk.text, stopped=self.assembler.stopped)
-
-
-async def _maybe_in_thread(num_chars: int, func: Callable[..., T], *args: Any) -> T:
-    if num_chars > LONG_TEXT_CHARS:
-        return await asyncio.to_thread(func, *args)
-    return func(*args)

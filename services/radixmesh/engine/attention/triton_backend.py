@@ -7,6 +7,9 @@ the decode split count from host-side lengths; all layers share that plan. Per l
 reading K/V from the pool (extend reads the new tokens' own k/v rows instead where they
 equal what the pool holds: same dtype, no FP8). Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (slow; tests).
 
+Decode over an FP8 pool launches with `RADIXMESH_DECODE_FP8_TILES` / `RADIXMESH_DECODE_FP8_WIDEN` when set
+(`radixmesh.common.env.DecodeFp8Tuning`: tiles and widening a `bench_decode` sweep picked on this GPU).
+
 CUDA graphs (DECODE): `init_cuda_graph_state` allocates static index and scratch buffers
 once; `init_forward_metadata_graph` plans into them with device work only, and the split
 count per captured batch size is fixed from the context length (each request then uses
@@ -22,9 +25,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixmesh.common.env import DecodeFp8Tuning, decode_fp8_tuning
 from radixmesh.engine.attention.base import AttentionBackend, AttentionLayerSpec, ForwardBatch
 from radixmesh.engine.attention.dense_prefill import DENSE_PREFILL_MIN_TOKENS, DenseAttention, DensePlan, plan_dense
 from radixmesh.engine.device_io import to_device
+from radixmesh.kernels._checks import FP8_DTYPES
 from radixmesh.kernels.decode_attention import (
     DEFAULT_MAX_KV_SPLITS,
     DecodeScratch,
@@ -47,6 +52,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_KERNEL_DEFAULTS = DecodeFp8Tuning()
 DENSE_POOL_DTYPES = (torch.float16, torch.bfloat16)
 """KV pools whose requests may take the dense prefill path (an FP8 pool's attention must see its rounding)."""
 
@@ -84,11 +90,16 @@ class TritonBackend(AttentionBackend):
     GRAPH_INDICES_PER_SLOT = 4
 
     def __init__(self, max_kv_splits: int = DEFAULT_MAX_KV_SPLITS, dense_min_tokens: int = 0,
-                 dense: DenseAttention | None = None) -> None:
+                 dense: DenseAttention | None = None, fp8_tuning: DecodeFp8Tuning | None = None) -> None:
         """`dense_min_tokens`: prompts of at least this many tokens with no cached prefix run through
-        `dense` (cuDNN on CUDA); 0: never (`enable_dense_prefill` sets DENSE_PREFILL_MIN_TOKENS)."""
+        `dense` (cuDNN on CUDA); 0: never (`enable_dense_prefill` sets DENSE_PREFILL_MIN_TOKENS).
+        `fp8_tuning`: decode's tiles and widening over FP8 pools (default: from the environment)."""
         assert max_kv_splits >= 1, f"max_kv_splits must be >= 1, got {max_kv_splits}"
         self.max_kv_splits = max_kv_splits
+        self.fp8_tuning = fp8_tuning if fp8_tuning is not None else decode_fp8_tuning()
+        if not self.fp8_tuning.is_default:
+            logger.info("decode attention over FP8 pools: tiles %s, widening %s", self.fp8_tuning.tiles,
+                        self.fp8_tuning.widen)
         self.dense_min_tokens = dense_min_tokens
         self.dense = dense or DenseAttention()
         self.metadata: TritonForwardMetadata | None = None
@@ -199,8 +210,10 @@ class TritonBackend(AttentionBackend):
             scratch = meta.scratch
             if scratch is None:
                 scratch = self._decode_scratch(num_tokens, layer, meta.num_kv_splits, q.device)
+            tuning = self.fp8_tuning if k_buf.dtype in FP8_DTYPES else _KERNEL_DEFAULTS
             decode_attention_fwd(q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, layer.scaling,
-                                 meta.num_kv_splits, scratch, k_scale, v_scale)
+                                 meta.num_kv_splits, scratch, k_scale, v_scale, tiles=tuning.tiles,
+                                 fp8_widen=tuning.widen)
         else:
             assert meta.qo_indptr is not None, "extend pass planned without qo_indptr"
             # k/v hold what the pool now holds for the new tokens when the dtypes agree (no FP8 rounding):

@@ -159,13 +159,23 @@ def settings(sched: Any, args: argparse.Namespace) -> dict[str, Any]:
     cfg = sched.config
     return {"model": cfg.model, "load_format": cfg.load_format, "dtype": cfg.dtype, "tp_size": cfg.tp_size,
             "custom_all_reduce": cfg.enable_custom_all_reduce, "gemv_fusion": not cfg.disable_gemv_fusion,
+            "fp8_quant_fusion": bool(cfg.quantization) and not cfg.disable_fp8_quant_fusion,
             "dense_prefill": cfg.enable_dense_prefill,
             "pdl": _pdl_on(sched.runner.device), "attention_backend": cfg.attention_backend,
             "overlap_schedule": cfg.overlap_schedule,
             **sched.runner.memory_info(),
             "cuda_graph": sched.runner.graph_runner is not None, "max_total_tokens": sched.kv.capacity,
             "max_running_requests": sched.runner.plan.max_running_requests,
-            "chunked_prefill_size": cfg.chunked_prefill_size, "command": " ".join(sys.argv)}
+            "chunked_prefill_size": cfg.chunked_prefill_size, **_decode_fp8_settings(),
+            "command": " ".join(sys.argv)}
+
+
+def _decode_fp8_settings() -> dict[str, Any]:
+    """The FP8 decode tiles and widening set through the environment (nothing when unset)."""
+    from radixmesh.common.env import decode_fp8_tuning
+
+    tuning = decode_fp8_tuning()
+    return {} if tuning.is_default else {"decode_fp8_tiles": tuning.tiles, "decode_fp8_widen": tuning.widen}
 
 
 def gpu_memory(sched: Any) -> dict[str, Any]:

@@ -7,7 +7,7 @@ PyTorch ops below, which the kernels match rounding step for rounding step.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -22,6 +22,12 @@ def _kernels() -> Any:
     from radixmesh.kernels import fused
 
     return fused
+
+
+def _kernels_fp8() -> Any:
+    from radixmesh.kernels import fp8_fused
+
+    return fp8_fused
 
 
 class RMSNorm(nn.Module):
@@ -158,12 +164,17 @@ class Linear(nn.Linear):
     quant_method: Any = None
     """A `radixmesh.engine.quant.base.LinearMethod` owning this layer's weights (set by its `prepare`)."""
 
-    def forward(self, x: torch.Tensor, prologue: AddRMSNorm | None = None) -> torch.Tensor:
-        """`x @ W.T (+ bias)`; with a `prologue`, of `prologue(x)`: inside the GEMV kernel where one runs."""
+    def forward(self, x: torch.Tensor, prologue: Prologue | None = None) -> torch.Tensor:
+        """`x @ W.T (+ bias)`; with a `prologue`, of `prologue(x)`: inside the GEMV kernel where one runs, or
+        inside the quantization method's input step (FP8: the prologue's kernel quantizes its own output)."""
         if prologue is not None:
             fused = prologue.fused_gemv(self, x)
             if fused is not None:
                 return fused if self.bias is None else fused.add_(self.bias)
+            if self.quant_method is not None:
+                after = self.quant_method.apply_after(self, x, prologue)
+                if after is not None:
+                    return after
             x = prologue.apply(x)
         if self.quant_method is not None:
             y: torch.Tensor = self.quant_method.apply(self, x)
@@ -193,9 +204,44 @@ class Linear(nn.Linear):
         return weights
 
 
+class Prologue(Protocol):
+    """The step before a projection (`Linear.forward(x, prologue)`), which the projection may run inside its own
+    kernels."""
+
+    def fused_gemv(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """`layer(prologue(x))` with the prologue inside the batch-1 GEMV, or None where that does not run."""
+
+    def quantized(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`prologue(x)` quantized per token to FP8 `dtype` in the prologue's own kernel: (values, row scales), or
+        None where that does not run."""
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """`prologue(x)` on its own."""
+
+
+class SiluAndMul:
+    """`silu(gate) * up` of a stacked gate/up output, as the prologue of the down projection."""
+
+    def fused_gemv(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def quantized(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not (_fused(x) and x.dim() == 2 and _kernels_fp8().can_fuse(x.shape[-1] // 2)):
+            return None
+        q, scale = _kernels_fp8().silu_and_mul_quant(x, dtype)
+        return q, scale
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x)
+
+
+SILU_AND_MUL = SiluAndMul()
+
+
 class AddRMSNorm:
     """The step before a projection (`Linear.forward(x, prologue)`): `norm(x + residual)`, inside the batch-1 GEMV
-    where one runs (`radixmesh.kernels.gemv_fused`), else as its own op first. After the call `summed` holds
+    where one runs (`radixmesh.kernels.gemv_fused`), inside the FP8 quantization of the projection's input where
+    that runs (`radixmesh.kernels.fp8_fused`), else as its own op first. After the call `summed` holds
     `x + residual` (the residual stream)."""
 
     def __init__(self, norm: RMSNorm, residual: torch.Tensor) -> None:
@@ -229,6 +275,13 @@ class AddRMSNorm:
         y, self.summed = gemv_add_rmsnorm_rope(x, self.residual, self.norm.weight, self.norm.eps, *weights,
                                                RopeStore(**rope))
         return y
+
+    def quantized(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not (_fused(x) and x.dim() == 2 and _kernels_fp8().can_fuse(x.shape[-1])):
+            return None
+        q, scale, self.summed = _kernels_fp8().rms_norm_quant(x, self.norm.weight, self.norm.eps, self.residual,
+                                                             dtype)
+        return q, scale
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         h, self.summed = self.norm.forward_add(x, self.residual)
@@ -271,4 +324,4 @@ class GatedMLP(nn.Module):
             act = prologue.fused_gemv(self.gate_up_proj, x, gated=True)
             if act is not None:
                 return self.down_proj(act)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x, prologue)))
+        return self.down_proj(self.gate_up_proj(x, prologue), SILU_AND_MUL)

@@ -12,7 +12,7 @@ from torch import nn
 
 from radixmesh.engine.distributed.layout import ShardLayout
 from radixmesh.engine.distributed.sharding import TensorParallel
-from radixmesh.engine.models.layers import AddRMSNorm, Linear
+from radixmesh.engine.models.layers import Linear, Prologue
 
 
 class RowParallelLinear(Linear):
@@ -22,7 +22,7 @@ class RowParallelLinear(Linear):
         super().__init__(in_features_local, out_features, bias=False)  # a bias would be added size times
         self.tp = tp
 
-    def forward(self, x: torch.Tensor, prologue: AddRMSNorm | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prologue: Prologue | None = None) -> torch.Tensor:
         return self.tp.all_reduce(super().forward(x, prologue))
 
 
@@ -70,7 +70,7 @@ class ParallelLMHead(Linear):
         """Zero the padding rows (no checkpoint fills them)."""
         _zero_padding(self.weight, self.valid)
 
-    def forward(self, x: torch.Tensor, prologue: AddRMSNorm | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prologue: Prologue | None = None) -> torch.Tensor:
         local = super().forward(x, prologue)  # [num_tokens, vocab_rows]
         parts = self.tp.all_gather(local.contiguous())  # [size, num_tokens, vocab_rows]
         whole = parts.permute(1, 0, 2).reshape(local.shape[0], -1)  # [num_tokens, size * vocab_rows]

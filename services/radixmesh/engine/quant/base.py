@@ -9,17 +9,22 @@ steps, in this order:
    and typed like the prepared parameters (quantizing float weights, expanding scales), so the
    model's `load_weights` copies them by name; or `fill_dummy(model, seed)` for random weights;
 3. `finish(model)`: after the weights are in place (pick kernels, warm them up);
-4. `apply(layer, x)`: the layer's forward, `x` `[tokens, in]` -> `[tokens, out]` in `x`'s dtype.
-   It must not sync with the host (CUDA graphs capture it).
+4. `apply(layer, x)`: the layer's forward, `x` `[tokens, in]` -> `[tokens, out]` in `x`'s dtype
+   (`apply_after(layer, x, prologue)`: of `prologue(x)`, where the method runs the prologue inside its
+   own input step). Neither may sync with the host (CUDA graphs capture them).
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from radixmesh.engine.models.layers import Prologue
 
 
 class LinearMethod(abc.ABC):
@@ -47,6 +52,12 @@ class LinearMethod(abc.ABC):
     @abc.abstractmethod
     def apply(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """The layer's output for `x` `[tokens, in_features]`."""
+
+    def apply_after(self, layer: nn.Linear, x: torch.Tensor, prologue: Prologue) -> torch.Tensor | None:
+        """The layer's output for `prologue(x)` with the prologue inside the method's own input step (FP8: the
+        norm or SiLU-and-mul kernel quantizes the activations itself); None: the caller applies the prologue,
+        then `apply`."""
+        return None
 
     def gemv_weights(self, layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(weight, row scales) a batch-1 GEMV kernel reads for this layer (`radixmesh.kernels.gemv_fused`);

@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 
 def build_linear_method(quantization: str | None, model_config: ModelConfig, device: torch.device,
-                        dtype: torch.dtype, gemm_backend: str = "auto") -> LinearMethod | None:
+                        dtype: torch.dtype, gemm_backend: str = "auto", fuse_quant: bool = True) -> LinearMethod | None:
     """The linear method of this model: `--quantization`, else the checkpoint's own; None when neither.
 
     An FP8 checkpoint runs in FP8 without the flag (as SGLang and vLLM do); asking for another method
@@ -35,5 +35,6 @@ def build_linear_method(quantization: str | None, model_config: ModelConfig, dev
     require_fp8(device, what, "quantization")
     if device.type == "cpu":
         logger.info("%s on the CPU: FP8 weights, float32 arithmetic (the reference path, not fast)", what)
-    return create_method(name, device=device, dtype=dtype, checkpoint=checkpoint, gemm_backend=gemm_backend)
+    return create_method(name, device=device, dtype=dtype, checkpoint=checkpoint, gemm_backend=gemm_backend,
+                         fuse_quant=fuse_quant)
 

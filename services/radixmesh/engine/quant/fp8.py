@@ -8,8 +8,11 @@ checkpoints keep them; a tied LM head is the embedding).
 Forward on CUDA: a one-row input (batch-1 decode) with `use_gemv` goes to the FP8-weight GEMV (bf16
 activations, FP8 weights and scales read in its loop); otherwise the activations are quantized per
 token (`kernels.fp8_quant`) and the GEMM runs through `torch._scaled_mm` or the Triton FP8 GEMM,
-whichever `Fp8GemmPlan` measured faster for the shape. On the CPU the same W8A8 arithmetic runs in
-float32 (`kernels.fp8_ref.fp8_linear_reference`): FP8 storage, GPU numerics, no speed.
+whichever `Fp8GemmPlan` measured faster for the shape. Where the input comes from an RMSNorm (q/k/v,
+gate/up) or SiLU-and-mul (down), that kernel quantizes its own output (`kernels.fp8_fused`, `apply_after`):
+one launch less per projection and the activations written once, in FP8; `fuse_quant=False`
+(`--disable-fp8-quant-fusion`) quantizes in a launch of its own everywhere. On the CPU the same W8A8
+arithmetic runs in float32 (`kernels.fp8_ref.fp8_linear_reference`): FP8 storage, GPU numerics, no speed.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from torch import nn
 
 from radixmesh.common.errors import unsupported
-from radixmesh.engine.models.layers import Linear
+from radixmesh.engine.models.layers import Linear, Prologue
 from radixmesh.engine.quant.base import LinearMethod
 from radixmesh.engine.quant.checkpoint import CheckpointQuant
 from radixmesh.engine.quant.gemm_plan import Fp8GemmPlan
@@ -39,8 +42,9 @@ class Fp8LinearMethod(LinearMethod):
     name = "fp8"
 
     def __init__(self, device: torch.device, dtype: torch.dtype, checkpoint: CheckpointQuant | None = None,
-                 gemm_backend: str = "auto") -> None:
+                 gemm_backend: str = "auto", fuse_quant: bool = True) -> None:
         self.device, self.dtype, self.checkpoint = device, dtype, checkpoint
+        self.fuse_quant = fuse_quant
         self.gemm = Fp8GemmPlan(gemm_backend, device, dtype) if device.type == "cuda" else None
         self.layers: dict[str, Linear] = {}
         self.expert_layers: dict[str, Any] = {}
@@ -137,6 +141,17 @@ class Fp8LinearMethod(LinearMethod):
         if layer.bias is not None:
             y = y.add_(layer.bias)
         return y.reshape(*shape[:-1], -1)
+
+    def apply_after(self, layer: nn.Linear, x: torch.Tensor, prologue: Prologue) -> torch.Tensor | None:
+        if not self.fuse_quant or self.gemm is None or not x.is_cuda or x.dim() != 2:
+            return None
+        if x.shape[0] == 1 and getattr(layer, "use_gemv", False):
+            return None  # the batch-1 GEMV reads bf16 activations
+        quantized = prologue.quantized(x, layer.weight.dtype)
+        if quantized is None:
+            return None
+        y = self.gemm(*quantized, layer.weight, _scale_of(layer))
+        return y if layer.bias is None else y.add_(layer.bias)
 
 
 def _scale_of(layer: nn.Module) -> torch.Tensor:
