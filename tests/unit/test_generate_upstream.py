@@ -37,6 +37,7 @@ def test_an_unreachable_replica_before_the_first_message_is_skipped_and_marked_d
     gen, watcher = generation(dead, alive)
     assert [list(m.token_ids) for m in asyncio.run(drain(gen))] == [[7]]
     assert watcher.down == ["a:1"] and dead.call.cancelled
+    assert alive.log == ["generate r~r1"]  # a retry runs under an id of its own (the first try may still run)
 
 
 def test_a_replicas_own_error_before_the_first_message_is_the_requests() -> None:

@@ -18,14 +18,15 @@ import grpc.aio
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.protocol import worker_pb2
-from radixmesh.router.migration import StreamProgress
+from radixmesh.router.migration import LEG_SEPARATOR, StreamProgress
 
 logger = logging.getLogger(__name__)
 MAX_FAILOVERS = 3
 """Most router replicas one stream moves through after its first one."""
 
-OpenStream = Callable[[worker_pb2.GenerateRequest], Awaitable[tuple[Any, Any, Any]]]
-"""(target, call, first message or EOF) of a Generate on a ready replica (GenerateUpstream._open)."""
+OpenStream = Callable[[worker_pb2.GenerateRequest], Awaitable[tuple[Any, Any, Any, str]]]
+"""(target, call, first message or EOF, the id it runs under) of a Generate on a ready replica
+(GenerateUpstream._open)."""
 ReadNext = Callable[[Any, Any], Awaitable[Any]]
 """The call's next message or EOF (GenerateUpstream._read)."""
 
@@ -35,6 +36,17 @@ class StreamBroke(RadixMeshError):
 
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.UNAVAILABLE, message)
+
+
+def retry_request(request: worker_pb2.GenerateRequest, num_tried: int) -> worker_pb2.GenerateRequest:
+    """The request as the next replica gets it after `num_tried` refused it before its first message: under an
+    id of its own (`<id>~r<n>`), so that it never meets the earlier try on a worker that still runs it."""
+    if not num_tried:
+        return request
+    retry = worker_pb2.GenerateRequest()
+    retry.CopyFrom(request)
+    retry.request_id = f"{request.request_id}{LEG_SEPARATOR}r{num_tried}"
+    return retry
 
 
 def may_fail_over(exc: RadixMeshError) -> bool:
@@ -51,13 +63,13 @@ async def relay(request: worker_pb2.GenerateRequest, open_stream: OpenStream, re
     broke: RadixMeshError | None = None
     while True:
         try:
-            target, call, msg = await open_stream(progress.next_request())
+            target, call, msg, leg_id = await open_stream(progress.next_request())
         except RadixMeshError as exc:
             if broke is None:
                 raise
             raise RadixMeshError(broke.code, f"{broke.message}; no other replica could continue it: "
                                              f"{exc.message}") from None
-        on_target(target, progress.leg_id)
+        on_target(target, leg_id)
         try:
             while msg is not grpc.aio.EOF:
                 yield progress.observe(msg)

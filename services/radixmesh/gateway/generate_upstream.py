@@ -77,9 +77,11 @@ class GenerateUpstream:
             self.legs.pop(rid, None)
             await relayed.aclose()  # cancels the call (no-op once finished)
 
-    async def _open(self, request: worker_pb2.GenerateRequest) -> tuple[Upstream, Any, Any]:
-        """Start Generate on a ready target and wait for its first message. A replica that is unavailable
-        before that is skipped for the next one (nothing was streamed yet); other errors are the request's."""
+    async def _open(self, request: worker_pb2.GenerateRequest) -> tuple[Upstream, Any, Any, str]:
+        """Start Generate on a ready target and wait for its first message; (target, call, first message or EOF,
+        the request id it runs under). A replica that is unavailable before that is skipped for the next one
+        (nothing was streamed yet), which gets the request under an id of its own: the first replica's worker
+        may not have heard yet that it is gone. Other errors are the request's."""
         tried: list[str] = []
         last_error: RadixMeshError | None = None
         while True:
@@ -88,9 +90,10 @@ class GenerateUpstream:
                 reason = self.not_ready_reason()
                 raise last_error if last_error is not None and not reason else not_ready_error(reason)
             target = targets[0]
-            call = await self._start_call(target, request)
+            attempt = failover.retry_request(request, len(tried))
+            call = await self._start_call(target, attempt)
             try:
-                return target, call, await call.read()  # EOF: ended OK without a message
+                return target, call, await call.read(), attempt.request_id  # EOF: ended OK without a message
             except (grpc.RpcError, RadixMeshError) as exc:
                 call.cancel()
                 error, gone, _ = self._failure(target, exc)

@@ -123,7 +123,7 @@ class RequestRouter:
             worker = decision.worker
             forwarded = False
             uncached = max(0, request.num_prompt_tokens - decision.cached_blocks * request.block_size)
-            worker.begin_request(uncached)
+            is_trial = worker.begin_request(uncached)
             self.inflight[request.request_id] = worker
             try:
                 async for item in self.prefill.track(request, decision,
@@ -146,6 +146,8 @@ class RequestRouter:
                 legs.tried.add(worker.worker_id)
             finally:
                 worker.end_request(uncached, forwarded)
+                if is_trial:
+                    worker.breaker.end_trial()  # ended without a verdict (drained, caller gone): no stuck trial
                 if self.inflight.get(request.request_id) is worker:
                     del self.inflight[request.request_id]
             await self._before_retry(request, worker, legs)

@@ -79,10 +79,11 @@ class WorkerHandle:
     def circuit_state(self) -> CircuitState:
         return self.breaker.state
 
-    def begin_request(self, uncached_tokens: int) -> None:
+    def begin_request(self, uncached_tokens: int) -> bool:
+        """Count a request sent here; returns whether it is the circuit breaker's half-open trial."""
         self.num_inflight += 1
         self.inflight_prefill_tokens += uncached_tokens
-        self.breaker.on_dispatch()
+        return self.breaker.on_dispatch()
 
     def first_token(self, uncached_tokens: int) -> None:
         self.inflight_prefill_tokens = max(0, self.inflight_prefill_tokens - uncached_tokens)
