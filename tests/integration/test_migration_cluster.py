@@ -222,3 +222,27 @@ def test_sigterm_mid_stream_drains_and_hands_the_stream_over(cluster: Cluster) -
     (drained,) = hit
     assert drained.proc.wait(timeout=60) == 0, drained.log()
     assert "drain cut 1 streams" in drained.log(), "the stream outlived the drain timeout and was handed over"
+
+
+def test_a_draining_gateway_finishes_its_streams_and_takes_no_new_ones(cluster: Cluster) -> None:
+    """SIGTERM on the gateway mid-stream (stops the module's gateway: keep last): it stops listening at once (the
+    Service drops it), finishes the stream it relays, and exits 0."""
+    settle(cluster)
+    refused: list[bool] = []
+
+    def on_frame(n: int) -> None:
+        if n != 3:
+            return
+        cluster.gateway.terminate()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not refused:
+            try:
+                httpx.get(f"{cluster.gateway.address}/health", timeout=1)
+            except httpx.TransportError:
+                refused.append(True)
+            time.sleep(0.05)
+
+    answer = stream(cluster, {**GREEDY, "max_tokens": 48}, on_frame)
+    assert refused, "the draining gateway still accepted connections"
+    assert answer.usage["completion_tokens"] == 48 and answer.finish == {0: "length"}
+    assert cluster.gateway.proc.wait(timeout=60) == 0, cluster.gateway.log()

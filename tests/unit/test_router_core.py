@@ -290,7 +290,8 @@ class TestMigration:
         assert w0 is not None and sleeps == [] and not w0.health.healthy and w0.breaker._failures == 0
 
     def test_a_half_open_trial_that_ends_without_a_verdict_lets_the_next_one_through(self) -> None:
-        """A trial request cut by a drain (or whose caller left) must not keep the circuit shut for good."""
+        """A trial request refused by a draining worker (or whose caller left) before its first item must not keep
+        the circuit shut for good."""
         router, _ = make_router(num_workers=2)
         w0 = router.registry.get("w0")
         assert w0 is not None
@@ -300,6 +301,25 @@ class TestMigration:
             w0.breaker.on_failure()
         clock.now = router.config.breaker.open_s
         assert w0.breaker.state is CircuitState.HALF_OPEN and w0.is_available
-        collect_resumable(router, {"w0": ["a", draining()], "w1": ["b"]}, [])
+        assert collect_resumable(router, {"w0": [draining()], "w1": ["b"]}, []) == ["w1:b"]
         w0.health.on_probe(True)  # healthy again after its restart
         assert w0.breaker.state is CircuitState.HALF_OPEN and w0.is_available, "the trial is free again"
+
+    def test_a_half_open_trial_passes_with_its_first_item(self) -> None:
+        """A long stream as the trial must not keep the worker out of routing (and of migrations) until it ends."""
+        router, _ = make_router(num_workers=2)
+        w0 = router.registry.get("w0")
+        assert w0 is not None
+        clock = FakeClock()
+        w0.breaker.clock = clock
+        for _ in range(router.config.breaker.failure_threshold):
+            w0.breaker.on_failure()
+        clock.now = router.config.breaker.open_s
+
+        async def run() -> None:
+            stream = router.stream(make_request(1, 2), scripted_stream({"w0": ["a", "b"]}, []))
+            assert await stream.__anext__() == "w0:a"
+            assert w0.breaker.state is CircuitState.CLOSED and w0.is_available, "closed while the trial streams"
+            await stream.aclose()
+
+        asyncio.run(run())

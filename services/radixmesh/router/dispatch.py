@@ -132,6 +132,9 @@ class RequestRouter:
                         forwarded = True
                         worker.first_token(uncached)
                         legs.on_first_item()
+                        if is_trial:  # a half-open trial passes with its first item: a long stream does not keep
+                            worker.breaker.on_success()  # the worker out of routing (and of migrations) till its end
+                            is_trial = False
                     yield item
                 worker.breaker.on_success()
                 return
