@@ -59,8 +59,8 @@ def cluster() -> Iterator[Cluster]:
     router = start_service("router", ["--workers", ",".join(w.address for w in workers), "--policy", "round-robin",
                                       "--health-interval-s", "0.3", "--wait-for-worker-s", "120",
                                       "--metrics-port", "-1"], wait_ready=False)
-    gateway = start_service("gateway", ["--router", router.address, "--tokenizer", tokenizer.address], http=True,
-                            wait_ready=False)
+    gateway = start_service("gateway", ["--router", router.address, "--tokenizer", tokenizer.address,
+                                        "--graceful-shutdown-s", "120"], http=True, wait_ready=False)
     state = Cluster(workers, router, gateway, [tokenizer])
     try:
         wait_all_ready(state.all())
@@ -226,7 +226,7 @@ def test_sigterm_mid_stream_drains_and_hands_the_stream_over(cluster: Cluster) -
 
 def test_a_draining_gateway_finishes_its_streams_and_takes_no_new_ones(cluster: Cluster) -> None:
     """SIGTERM on the gateway mid-stream (stops the module's gateway: keep last): it stops listening at once (the
-    Service drops it), finishes the stream it relays, and exits 0."""
+    Service drops it), finishes the stream it relays within its --graceful-shutdown-s, and exits 0."""
     settle(cluster)
     refused: list[bool] = []
 
