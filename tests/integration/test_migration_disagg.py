@@ -24,7 +24,7 @@ MAX_NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def pd_cluster(default_engine: Any) -> Iterator[tuple[dict[str, ServiceProc], list[int]]]:
+def disagg_cluster(default_engine: Any) -> Iterator[tuple[dict[str, ServiceProc], list[int]]]:
     threads = {"OMP_NUM_THREADS": "1"}
     procs = {"prefill": start_service("worker", [*ENGINE, "--role", "prefill"], env=threads, wait_ready=False),
              **{f"decode-{i}": start_service("worker", [*ENGINE, "--role", "decode", "--prefill-timeout-s", "6"],
@@ -42,9 +42,9 @@ def pd_cluster(default_engine: Any) -> Iterator[tuple[dict[str, ServiceProc], li
 
 
 def test_a_decode_worker_killed_mid_stream_hands_the_stream_to_the_other(
-        pd_cluster: tuple[dict[str, ServiceProc], list[int]]) -> None:
-    procs, reference = pd_cluster
-    request = worker_pb2.GenerateRequest(request_id="pd-mig", token_ids=long_ids(5), sampling_params=sampling_pb2.
+        disagg_cluster: tuple[dict[str, ServiceProc], list[int]]) -> None:
+    procs, reference = disagg_cluster
+    request = worker_pb2.GenerateRequest(request_id="disagg-mig", token_ids=long_ids(5), sampling_params=sampling_pb2.
                                          SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0))
     got: list[int] = []
     routing: list[common_pb2.RoutingInfo] = []
