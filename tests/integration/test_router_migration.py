@@ -143,8 +143,8 @@ def test_a_draining_router_refuses_new_calls_and_cuts_open_streams_with_draining
 def test_the_gateway_hands_a_stream_to_another_router_replica(fault: str) -> None:
     """A router replica that drains (cuts its streams DRAINING) or stops mid-stream: the gateway continues the
     stream through the other one, resuming from the tokens it had."""
-    from radixmesh.gateway.backend import SamplingParams
-    from radixmesh.gateway.grpc_backend import GrpcBackend
+    from radixmesh.gateway.cluster_backend import ClusterBackend
+    from radixmesh.wire.sampling import SamplingParams
     from tests.integration.test_start_order import FAST_WATCH, start_tokenizer, wait_until
 
     async def run() -> None:
@@ -153,7 +153,7 @@ def test_the_gateway_hands_a_stream_to_another_router_replica(fault: str) -> Non
                 w.num_tokens, w.delay_s = 30, 0.03
             tokenizer = await start_tokenizer(0)
             addresses = ",".join(app.server.address for app in c.apps if app.server is not None)
-            backend = await GrpcBackend.start(tokenizer.address, addresses, watch=FAST_WATCH, transport="grpc")
+            backend = await ClusterBackend.start(tokenizer.address, addresses, watch=FAST_WATCH, transport="grpc")
             try:
                 assert await backend.wait_ready(20), backend.not_ready_reason()
                 await wait_until(lambda: all(u.up for u in backend.targets.upstreams), 10, "both routers up")
@@ -162,7 +162,7 @@ def test_the_gateway_hands_a_stream_to_another_router_replica(fault: str) -> Non
                 async for chunk in stream:
                     ids += chunk.token_ids
                     if len(ids) == 3:
-                        target, _ = backend._inflight["fo"]
+                        target = backend.generation.inflight["fo"]
                         app = next(a for a in c.apps if a.server is not None and a.server.address == target.address)
                         if fault == "drain":
                             asyncio.get_running_loop().create_task(app.servicer.drain_streams(0.05))
