@@ -27,6 +27,7 @@
 #   STAGES="pd-nixl-transfer pd-nixl-tests" TIMEOUT_pd_nixl_transfer=580, then
 #   STAGES=pd-goodput PD_TRANSPORT=nixl TIMEOUT_pd_goodput=590 (PD_UCX_TLS=tcp,cuda_copy: the workers' UCX over TCP;
 #   PD_CONFIGS=a or b: one of the two clusters per call)
+#   STAGES=faults TIMEOUT_faults=600 (two GPUs, issue 51): kill -9 and rolling restart under load, 8B shape workers
 #   STAGES="hicache" (one GPU); STAGES="peer-fetch" needs two GPUs (it says "skipped" with one)
 #   STAGES="spec-tests spec-same spec-unrelated spec-unrelated-raw spec-ngram" bash scripts/gpu_suite.sh (speculation)
 #   STAGES="moe-kernels lora-kernels" TIMEOUT_moe_kernels=590: the MoE and batched-LoRA kernels (issues 48, 46): GPU
@@ -592,6 +593,16 @@ PY
       # share their GPUs pick nixl and give grpc's tokens, over UCX's default transports and over TCP)
       nixl_env
       python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/gpu/test_kv_transfer_nixl_gpu.py ;;
+    faults)  # 2 GPUs, 8B shape, random weights: two unified workers (one GPU each) and two routers under streaming
+      # load; kill -9 of the busiest worker mid-stream, then a rolling restart (SIGTERM, drain, restart, one at a time).
+      # Reports failed requests, tokens lost / duplicated, texts changed and the migrations' stall. STAGE_TIMEOUT_S=600
+      [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "skipped: needs two GPUs"; return 0; }
+      model=$(python3 scripts/gpu_tokenizer_model.py llama-3.1-8b "${TOKENIZER_DIR:-.gpu-model}" /tmp/smol-vocab-8b)
+      export PATH="${REDIS_DIR:-$PWD/.gpu-redis}/bin:$PATH" LD_LIBRARY_PATH="${REDIS_DIR:-$PWD/.gpu-redis}/lib"
+      $RM bench faults --scenarios ${FAULT_SCENARIOS:-worker-kill,rolling-restart} --workers 2 --routers 2 \
+        --model "$model" --load-format dummy --worker-args="--context-length 4096 ${FAULT_WORKER_ARGS:-}" \
+        --worker-drain-s ${FAULT_DRAIN_S:-2} --concurrency ${FAULT_CONCURRENCY:-16} --max-tokens ${FAULT_MAX_TOKENS:-256} \
+        --timeout-s 120 --output-file "$OUT/faults-gpu.json" --markdown-file "$OUT/faults-gpu.md" ;;
     pd-tests)  # 2 GPUs: cuda-ipc vs grpc greedy tokens (8B shape), faults (prefill worker stopped / killed)
       python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/gpu/test_kv_transfer_gpu.py ;;
     pd-transfer)  # prefill-to-decode KV of the 8B shape between two processes on two GPUs (cuda-ipc) vs a plain copy

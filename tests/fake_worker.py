@@ -36,8 +36,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.server.add_lane({"Generate": LaneMethod(worker_pb2.GenerateRequest, self.Generate,
                                                      f"/{SERVICE_NAME}/Generate")})
         self.mode = "ok"
-        """ok | refuse (UNAVAILABLE before any message) | fail-mid (UNAVAILABLE after the first message)
-        | hang-mid (first message, then never finishes)."""
+        """ok | refuse (UNAVAILABLE before any message) | fail-mid (UNAVAILABLE after `fail_after` messages)
+        | drain-mid (DRAINING after `fail_after` messages) | hang-mid (first message, then never finishes)."""
+        self.fail_after = 1
         self.num_tokens = 3
         self.delay_s = 0.0
         self.requests: list[worker_pb2.GenerateRequest] = []
@@ -84,8 +85,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             self.writer.stored(hashes)
             await self.writer.wait_published()
         aborted = self.running[request.request_id] = asyncio.Event()
+        first = len(request.resume_output_ids)  # a migrated sequence continues after the tokens it had
         try:
-            for i in range(self.num_tokens):
+            for i in range(first, self.num_tokens):
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 if aborted.is_set():
@@ -93,8 +95,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
                     return
                 last = i == self.num_tokens - 1
                 yield self._msg(request, i, cached * BLOCK, common_pb2.FINISH_REASON_LENGTH if last else 0)
-                if self.mode == "fail-mid":
-                    await abort_with(context, RadixMeshError(ErrorCode.UNAVAILABLE, f"{self.name} died"), "worker")
+                if self.mode in ("fail-mid", "drain-mid") and i + 1 - first >= self.fail_after and not last:
+                    code = ErrorCode.UNAVAILABLE if self.mode == "fail-mid" else ErrorCode.DRAINING
+                    await abort_with(context, RadixMeshError(code, f"{self.name} died"), "worker")
                 if self.mode == "hang-mid":
                     await asyncio.Event().wait()
         finally:
@@ -105,7 +108,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.GenerateResponse(request_id=request.request_id, token_ids=[i],
                                            prompt_tokens=len(request.token_ids), cached_tokens=cached,
                                            completion_tokens=i + 1, finish_reason=finish,
-                                           worker_id=self.address if i == 0 else "")
+                                           worker_id=self.address if i == len(request.resume_output_ids) else "")
 
     async def Abort(self, request: worker_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:

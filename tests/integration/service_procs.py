@@ -64,6 +64,11 @@ class ServiceProc:
                 self.proc.wait()
         return int(self.proc.returncode)
 
+    def kill_group(self) -> None:
+        """SIGKILL the service's process group (started with `new_session`: itself and its children) and reap it."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
     def terminate(self) -> None:
         """SIGTERM, if it still runs and was not sent one already."""
         if not self.terminated and self.proc.poll() is None:
@@ -79,11 +84,13 @@ def stop_all(services: list[ServiceProc], timeout_s: float = 30.0) -> list[int]:
 
 
 def start_service(name: str, args: list[str], http: bool = False, env: dict[str, str] | None = None,
-                  health_port: bool = False, wait_ready: bool = True) -> ServiceProc:
+                  health_port: bool = False, wait_ready: bool = True, port: int | None = None,
+                  new_session: bool = False) -> ServiceProc:
     """`radixmesh <name> --port P <args>` (with `env` on top of ours), waited on until ready (unless not
     `wait_ready`). `health_port`: also serve plaintext health on a second port and wait on that one (the
-    main port may need mutual TLS)."""
-    port = free_port()
+    main port may need mutual TLS). `port`: this one rather than a free one (a restart at the same address);
+    `new_session`: in a process group of its own (`kill_group` then reaches its child processes too)."""
+    port = port or free_port()
     log_path = Path(tempfile.mkdtemp(prefix=f"radixmesh-{name}-")) / f"{name}.log"
     cmd = [sys.executable, "-m", "radixmesh.cli", name, "--host", "127.0.0.1", "--port", str(port), *args]
     health_address = ""
@@ -92,7 +99,7 @@ def start_service(name: str, args: list[str], http: bool = False, env: dict[str,
         cmd += ["--health-port", str(health)]
         health_address = f"127.0.0.1:{health}"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=new_session,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     address = f"http://127.0.0.1:{port}" if http else f"127.0.0.1:{port}"
     service = ServiceProc(name, address, proc, log_path, health_address, http)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from radixmesh.protocol import common_pb2, inference_pb2_grpc
 from radixmesh.protocol import inference_pb2 as pb
@@ -268,3 +270,95 @@ def test_example_client(served: Served) -> None:
     assert "model: smollm2-135m-instruct" in ok.stdout and "8 generated]" in ok.stdout
     refused = subprocess.run([*base, "--api-key", "sk-not-a-key", "Hi"], capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
+
+
+# ---- clients that go away are no error -----------------------------------------------------------------------
+def _raw_tls(served: Served, port: int, alpn: str | None = None) -> ssl.SSLSocket:
+    context = _trusting(served.ca_file)
+    if alpn:
+        context.set_alpn_protocols([alpn])
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    return context.wrap_socket(sock, server_hostname="127.0.0.1")
+
+
+def _disconnects(served: Served, api: str) -> float:
+    metrics = httpx.get(served.url + "/metrics", verify=_trusting(served.ca_file), timeout=10).text
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "radixmesh_client_disconnects_total" and sample.labels.get("api") == api:
+                return float(sample.value)
+    raise AssertionError(f"no radixmesh_client_disconnects_total{{api={api!r}}} in /metrics")
+
+
+def _until(check: Any, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_http_client_that_sends_half_a_body_is_one_info_line_and_a_metric(served: Served) -> None:
+    before = _disconnects(served, "http")
+    log_start = served.log_path.stat().st_size
+    body = json.dumps({"prompt": "The capital of France is", "max_tokens": 4}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEYS[0]}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    port = int(served.url.rsplit(":", 1)[1])
+    with _raw_tls(served, port) as sock:
+        sock.sendall(head + body[: len(body) // 2])
+    _until(lambda: _disconnects(served, "http") == before + 1)
+    log = served.log_path.read_bytes()[log_start:].decode(errors="replace")
+    gone = [line for line in log.splitlines() if "went away" in line]
+    assert len(gone) == 1 and " INFO " in gone[0] and "/v1/completions" in gone[0], log
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log
+    with served.http() as http:  # and it still serves
+        assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def _h2_frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream_id.to_bytes(4, "big") + payload
+
+
+def _hpack_literal(name: str, value: str) -> bytes:
+    """A header field as HPACK "literal without indexing, new name" (lengths below 127, no Huffman)."""
+    assert len(name) < 127 and len(value) < 127
+    return bytes([0, len(name)]) + name.encode() + bytes([len(value)]) + value.encode()
+
+
+def test_grpc_client_that_sends_half_a_message_leaves_no_trace(served: Served) -> None:
+    """HTTP/2 by hand: a Complete call whose message announces 200 bytes, 20 sent, then the socket closes. gRPC
+    never hands the call to the service (no metric to count); nothing may be logged as an error."""
+    log_start = served.log_path.stat().st_size
+    headers = b"".join(_hpack_literal(k, v) for k, v in (
+        (":method", "POST"), (":scheme", "https"), (":path", "/radixmesh.v1.InferenceService/Complete"),
+        (":authority", "127.0.0.1"), ("content-type", "application/grpc"), ("te", "trailers"),
+        ("authorization", f"Bearer {KEYS[0]}")))
+    message = b"\x00" + (200).to_bytes(4, "big") + b"\x0a" * 20
+    port = int(served.grpc_address.rsplit(":", 1)[1])
+    with _raw_tls(served, port, alpn="h2") as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2_frame(4, 0, 0, b"")
+                     + _h2_frame(1, 0x4, 1, headers) + _h2_frame(0, 0, 1, message))
+        time.sleep(0.5)
+    time.sleep(1.0)
+    log = served.log_path.read_bytes()[log_start:].decode(errors="replace")
+    assert "Traceback" not in log and " ERROR " not in log, log
+    channel, stub = served.stub()
+    with channel:
+        reply = stub.Complete(pb.CompleteRequest(text="Hi", options=pb.GenerationOptions(max_tokens=2)),
+                              metadata=_metadata(), timeout=120)
+    assert reply.usage.completion_tokens == 2
+
+
+def test_grpc_client_that_cancels_is_one_info_line_and_a_metric(served: Served) -> None:
+    before = _disconnects(served, "grpc")
+    log_start = served.log_path.stat().st_size
+    channel, stub = served.stub()
+    with channel:
+        call = stub.StreamComplete(pb.CompleteRequest(text="Count to a thousand:", options=pb.GenerationOptions(
+            max_tokens=500, ignore_eos=True)), metadata=_metadata(), timeout=120)
+        next(call)
+        call.cancel()
+    _until(lambda: _disconnects(served, "grpc") == before + 1)
+    log = served.log_path.read_bytes()[log_start:].decode(errors="replace")
+    assert sum("went away" in line for line in log.splitlines()) == 1, log
+    assert "Traceback" not in log, log

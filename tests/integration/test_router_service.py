@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -18,7 +20,7 @@ from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.common.grpc_server import GrpcServerConfig
 from radixmesh.index.redis_server import LocalRedis
 from radixmesh.protocol import common_pb2, router_pb2, router_pb2_grpc, sampling_pb2, worker_pb2
-from radixmesh.router.config import HealthConfig, RetryConfig, RouterConfig
+from radixmesh.router.config import HealthConfig, MigrationConfig, RetryConfig, RouterConfig
 from radixmesh.router.discovery.base import WorkerEndpoint
 from radixmesh.router.discovery.static import StaticDiscovery
 from radixmesh.router.server import RouterApp
@@ -40,7 +42,7 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(num_workers: int = 2, policy: str = "cache-aware", redis_url: str | None = None,
-                  num_routers: int = 1) -> AsyncIterator[Cluster]:
+                  num_routers: int = 1, **overrides: Any) -> AsyncIterator[Cluster]:
     if redis_url:
         sync_redis.Redis.from_url(redis_url).flushall()
     workers = [await FakeWorker(f"w{i}", redis_url).start() for i in range(num_workers)]
@@ -50,6 +52,7 @@ async def cluster(num_workers: int = 2, policy: str = "cache-aware", redis_url: 
         config = RouterConfig(policy=policy, redis_url=redis_url, block_size=BLOCK, seed=1, redis_probe_s=0.2,
                               health=HealthConfig(interval_s=0.1, timeout_s=0.5),
                               retry=RetryConfig(max_attempts=3, base_backoff_s=0.01, max_backoff_s=0.02))
+        config = dataclasses.replace(config, **overrides)
         app = RouterApp(GrpcServerConfig(port=0, metrics_port=-1, drain_timeout_s=1), config,
                         StaticDiscovery(endpoints))
         await app.start()
@@ -128,8 +131,9 @@ def test_retries_before_the_first_message_then_avoids_the_worker() -> None:
 
 
 def test_failure_after_the_first_message_ends_the_stream_with_an_error() -> None:
+    """With migration off (or nowhere to migrate) a stream that broke after its first message fails."""
     async def run() -> None:
-        async with cluster(num_workers=1, policy="round-robin") as c:
+        async with cluster(num_workers=1, policy="round-robin", migration=MigrationConfig(enabled=False)) as c:
             c.workers[0].mode = "fail-mid"
             got: list[worker_pb2.GenerateResponse] = []
             with pytest.raises(grpc.aio.AioRpcError) as info:

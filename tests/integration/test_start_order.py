@@ -149,7 +149,9 @@ def test_gateway_waits_for_two_routers_then_fails_over_when_one_dies() -> None:
     asyncio.run(run())
 
 
-def test_a_stream_cut_after_it_started_ends_with_a_clear_error() -> None:
+def test_a_stream_cut_after_it_started_moves_to_the_other_router_then_ends_with_a_clear_error() -> None:
+    """The router that served a stream stops: the other replica continues it (from the token sent); when that
+    one stops too, nothing is left to continue it and the stream ends with an error naming the break."""
     async def run() -> None:
         async with gateway_first() as (backend, router_ports, tokenizer_port):
             worker = await FakeWorker("w0").start()
@@ -163,6 +165,10 @@ def test_a_stream_cut_after_it_started_ends_with_a_clear_error() -> None:
                 assert first.text == "<0>"
                 owner = next(r for r in routers if r.router.inflight.get("cut") is not None)
                 await owner.server.stop()
+                second = await stream.__anext__()  # the fake worker resumes after token 0 and hangs again
+                assert second.text == "<1>" and worker.requests[-1].resume_output_ids == [0]
+                other = next(r for r in routers if r is not owner)
+                await other.server.stop()
                 with pytest.raises(RadixMeshError) as err:
                     await stream.__anext__()
                 assert err.value.code is ErrorCode.UNAVAILABLE

@@ -37,6 +37,7 @@ def test_an_unreachable_replica_before_the_first_message_is_skipped_and_marked_d
     gen, watcher = generation(dead, alive)
     assert [list(m.token_ids) for m in asyncio.run(drain(gen))] == [[7]]
     assert watcher.down == ["a:1"] and dead.call.cancelled
+    assert alive.log == ["generate r~r1"]  # a retry runs under an id of its own (the first try may still run)
 
 
 def test_a_replicas_own_error_before_the_first_message_is_the_requests() -> None:
@@ -57,11 +58,10 @@ def test_with_every_replica_gone_the_error_names_what_is_missing() -> None:
     assert info.value.code is ErrorCode.UNAVAILABLE and info.value.message == "no router answers"
 
 
-def test_a_stream_that_breaks_after_it_started_is_unavailable_and_not_retried() -> None:
+def test_a_stream_that_breaks_after_it_started_with_no_other_replica_is_unavailable() -> None:
     broken = FakeReplica("a:1", FakeCall([response(1)], fail_after=1,
                                          error=RpcFailure(grpc.StatusCode.UNAVAILABLE, "reset")))
-    spare = FakeReplica("b:1", FakeCall([response(9)]))
-    gen, watcher = generation(broken, spare)
+    gen, watcher = generation(broken)
     got: list[Any] = []
 
     async def run() -> None:
@@ -71,7 +71,18 @@ def test_a_stream_that_breaks_after_it_started_is_unavailable_and_not_retried() 
     with pytest.raises(RadixMeshError) as info:
         asyncio.run(run())
     assert info.value.code is ErrorCode.UNAVAILABLE and "broke after it started" in info.value.message
-    assert len(got) == 1 and spare.log == [] and watcher.down == ["a:1"]
+    assert len(got) == 1 and watcher.down == ["a:1"]
+
+
+def test_a_stream_that_breaks_after_it_started_continues_on_another_replica() -> None:
+    broken = FakeReplica("a:1", FakeCall([response(1)], fail_after=1,
+                                         error=RpcFailure(grpc.StatusCode.UNAVAILABLE, "reset")))
+    spare = FakeReplica("b:1", FakeCall([response(9)]))
+    gen, watcher = generation(broken, spare)
+    got = asyncio.run(drain(gen))
+    assert [list(m.token_ids) for m in got] == [[1], [9]] and all(m.request_id == "r" for m in got)
+    assert spare.log == ["generate r~g1"] and watcher.down == ["a:1"]  # the leg resumes from token 1 under its id
+    assert not gen.inflight and not gen.legs
 
 
 def test_a_targets_own_error_mid_stream_comes_through_as_it_is() -> None:

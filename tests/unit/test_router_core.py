@@ -245,3 +245,81 @@ class TestDispatch:
         asyncio.run(run())
         w0 = router.registry.get("w0")
         assert w0 is not None and w0.num_inflight == 0 and w0.breaker.state is CircuitState.CLOSED
+
+
+def draining(msg: str = "worker is draining") -> RadixMeshError:
+    return RadixMeshError(ErrorCode.DRAINING, msg)
+
+
+def collect_resumable(router: RequestRouter, script: Script, calls: list[str], resumable: bool = True) -> list[str]:
+    async def run() -> list[str]:
+        stream = router.stream(make_request(1, 2), scripted_stream(script, calls), resumable=lambda: resumable)
+        return [item async for item in stream]
+
+    return asyncio.run(run())
+
+
+class TestMigration:
+    def test_a_break_after_the_first_item_continues_on_another_worker_at_once(self) -> None:
+        router, sleeps = make_router()
+        calls: list[str] = []
+        out = collect_resumable(router, {"w0": ["a", unavailable("gone")], "w2": ["b", "c"], "w1": []}, calls)
+        assert out == ["w0:a", "w2:b", "w2:c"] and calls == ["w0", "w2"] and sleeps == []  # (round-robin order)
+        assert router.num_migrations == 1
+
+    def test_not_resumable_or_off_or_past_the_limit_ends_with_the_error(self) -> None:
+        import dataclasses
+
+        from radixmesh.router.config import MigrationConfig
+
+        router, _ = make_router()
+        with pytest.raises(RadixMeshError, match="failed mid-stream"):
+            collect_resumable(router, {"w0": ["a", unavailable()], "w2": ["b"], "w1": []}, [], resumable=False)
+        router, _ = make_router()
+        router.config = dataclasses.replace(router.config, migration=MigrationConfig(max_per_request=1))
+        calls: list[str] = []
+        with pytest.raises(RadixMeshError, match="after 1 migrations"):
+            collect_resumable(router, {"w0": ["a", unavailable()], "w2": ["b", unavailable()], "w1": ["c"]}, calls)
+        assert calls == ["w0", "w2"]
+
+    def test_a_drain_refusal_is_retried_at_once_without_a_breaker_failure(self) -> None:
+        router, sleeps = make_router()
+        calls: list[str] = []
+        assert collect_resumable(router, {"w0": [draining()], "w2": ["a"], "w1": []}, calls) == ["w2:a"]
+        w0 = router.registry.get("w0")
+        assert w0 is not None and sleeps == [] and not w0.health.healthy and w0.breaker._failures == 0
+
+    def test_a_half_open_trial_that_ends_without_a_verdict_lets_the_next_one_through(self) -> None:
+        """A trial request refused by a draining worker (or whose caller left) before its first item must not keep
+        the circuit shut for good."""
+        router, _ = make_router(num_workers=2)
+        w0 = router.registry.get("w0")
+        assert w0 is not None
+        clock = FakeClock()
+        w0.breaker.clock = clock
+        for _ in range(router.config.breaker.failure_threshold):
+            w0.breaker.on_failure()
+        clock.now = router.config.breaker.open_s
+        assert w0.breaker.state is CircuitState.HALF_OPEN and w0.is_available
+        assert collect_resumable(router, {"w0": [draining()], "w1": ["b"]}, []) == ["w1:b"]
+        w0.health.on_probe(True)  # healthy again after its restart
+        assert w0.breaker.state is CircuitState.HALF_OPEN and w0.is_available, "the trial is free again"
+
+    def test_a_half_open_trial_passes_with_its_first_item(self) -> None:
+        """A long stream as the trial must not keep the worker out of routing (and of migrations) until it ends."""
+        router, _ = make_router(num_workers=2)
+        w0 = router.registry.get("w0")
+        assert w0 is not None
+        clock = FakeClock()
+        w0.breaker.clock = clock
+        for _ in range(router.config.breaker.failure_threshold):
+            w0.breaker.on_failure()
+        clock.now = router.config.breaker.open_s
+
+        async def run() -> None:
+            stream = router.stream(make_request(1, 2), scripted_stream({"w0": ["a", "b"]}, []))
+            assert await stream.__anext__() == "w0:a"
+            assert w0.breaker.state is CircuitState.CLOSED and w0.is_available, "closed while the trial streams"
+            await stream.aclose()
+
+        asyncio.run(run())

@@ -47,7 +47,7 @@ spec:
       {{- end }}
       {{- with include "radixmesh.imagePullSecrets" $root | trim }}{{ . | nindent 6 }}{{ end }}
       securityContext: {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
-      terminationGracePeriodSeconds: {{ add $v.drainTimeoutSeconds 15 }}
+      terminationGracePeriodSeconds: {{ include "radixmesh.terminationGrace" (dict "root" $root "drain" $v.drainTimeoutSeconds) }}
       {{- if .loadsModel }}
       {{- with include "radixmesh.modelInitContainer" (dict "root" $root "image" "service" "model" .model) | trim }}
       initContainers: {{- . | nindent 8 }}
@@ -57,6 +57,7 @@ spec:
         - name: {{ $component }}
           image: {{ include "radixmesh.image" (dict "root" $root "kind" "service") }}
           imagePullPolicy: {{ $root.Values.images.service.pullPolicy }}
+          {{- include "radixmesh.lifecycle" $root | indent 10 }}
           command: ["radixmesh"]
           args:
             - {{ $component }}

@@ -424,3 +424,20 @@ plaintext; the services keep Generate on their gRPC ports). Args: root, port. */
 {{- define "radixmesh.lanePort" -}}
 {{- if and .port (not .root.Values.tls.internal.enabled) }}{{ .port }}{{ end -}}
 {{- end }}
+
+{{/* Graceful shutdown -------------------------------------------------------------------- */}}
+
+{{/* A pod's terminationGracePeriodSeconds: the preStop wait, its drain, and 15 s to stop: (dict "root" $ "drain" N). */}}
+{{- define "radixmesh.terminationGrace" -}}
+{{- add .root.Values.shutdown.preStopSeconds .drain 15 -}}
+{{- end -}}
+
+{{/* The container's preStop hook: keep serving while endpoints and routers drop the pod, then SIGTERM drains it. */}}
+{{- define "radixmesh.lifecycle" -}}
+{{- if gt (int .Values.shutdown.preStopSeconds) 0 }}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", "{{ .Values.shutdown.preStopSeconds }}"]
+{{- end }}
+{{- end -}}

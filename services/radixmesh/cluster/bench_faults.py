@@ -38,6 +38,9 @@ def register_faults(sub: argparse._SubParsersAction) -> None:
     add_model_args(cmd)
     cmd.add_argument("--worker-args", default="--max-total-tokens 8192", help="extra flags for every worker")
     cmd.add_argument("--router-args", default="", help="extra flags for every router")
+    cmd.add_argument("--worker-drain-s", type=float, default=1.0,
+                     help="the workers' --drain-timeout-s: on SIGTERM (rolling-restart) a worker lets its requests run "
+                          "this long, then hands the rest to the others (the router migrates them)")
     cmd.add_argument("--concurrency", type=int, default=None, help="streaming clients (default 6, short 4)")
     cmd.add_argument("--max-requests", type=int, default=400, help="cap on requests per scenario")
     cmd.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (default 24, short 12)")
@@ -60,13 +63,15 @@ def cmd_faults(args: argparse.Namespace) -> int:
     return 0 if all(r.get("hung") == 0 and r.get("leaked_slots") == 0 for r in result["runs"]) else 1
 
 
+
 def fault_spec(args: argparse.Namespace, state_dir: Path) -> Any:
     from radixmesh.cluster.spec import ClusterSpec
 
+    worker_args = f"{args.worker_args} --drain-timeout-s {args.worker_drain_s:g}".strip()
     return ClusterSpec(num_workers=args.workers, num_routers=args.routers, policy=args.policy, model=args.model,
                        load_format=args.load_format, tokenizer=args.tokenizer, dtype=args.dtype,
-                       context_length=args.context_length, worker_args=args.worker_args,
-                       router_args=args.router_args, state_dir=state_dir)
+                       context_length=args.context_length, worker_args=worker_args,
+                       router_args=args.router_args, state_dir=state_dir, metrics=True)
 
 
 def run_faults(args: argparse.Namespace) -> dict[str, Any]:
@@ -94,7 +99,8 @@ def run_faults(args: argparse.Namespace) -> dict[str, Any]:
             "device": _device(), "short": args.short, "cluster": {"workers": args.workers, "routers": args.routers,
                                                                    "policy": args.policy,
                                                                    "model": args.model or "smollm2-135m-instruct",
-                                                                   "worker_args": args.worker_args},
+                                                                   "worker_args": args.worker_args,
+                                                                   "worker_drain_s": args.worker_drain_s},
             "load": shape.__dict__, "startup_s": round(cluster.startup_s, 1), "runs": runs}
 
 
@@ -104,10 +110,15 @@ def _command() -> str:
 
 
 def _line(r: dict[str, Any]) -> str:
+    m = r["migration"]
     return (f"{r['scenario']}: sent {r['sent']}, completed {r['completed']}, failed {r['failed_clear']}, "
             f"hung {r['hung']}, aborted {r['aborted']}, failed-not-started {r['failed_not_started']} "
             f"(no text at fault {r['failed_no_text_at_fault']}), "
-            f"detect {_fmt(r['detect_s'])} s, recover {_fmt(r['recover_s'])} s, leaked slots {r['leaked_slots']}")
+            f"detect {_fmt(r['detect_s'])} s, recover {_fmt(r['recover_s'])} s, leaked slots {r['leaked_slots']}; "
+            f"tokens lost {r['tokens_lost']}, duplicated {r['tokens_duplicated']}, texts differing "
+            f"{r['text_mismatches']} of {r['compared']}; {m['affected_streams']} streams through the fault, "
+            f"stall p50 {_fmt(m['stall_p50_ms'], 0)} ms (ITL p50 {_fmt(m['itl_p50_ms'], 0)} ms), "
+            f"migrations {sum(m['router_migrations'].values())}")
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -123,7 +134,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"shared with other work; 1-min load average at the end {_fmt(device.get('load_avg_1m_at_end'))}). "
         f"Date: {result['created']}.",
         "",
-        f"Cluster (`radixmesh cluster up` API): {c['workers']} workers of {c['model']} (`{c['worker_args']}`), "
+        f"Cluster (`radixmesh cluster up` API): {c['workers']} workers of {c['model']} (`{c['worker_args']}`, "
+        f"--drain-timeout-s {c.get('worker_drain_s', 30):g}), "
         f"{c['routers']} router replicas ({c['policy']}), Redis, tokenizer, gateway; up in {result['startup_s']} s.",
         f"Load per scenario: {load['concurrency']} streaming chat clients, {load['max_tokens']} tokens each, "
         f"at most {load['max_requests']} requests, {load['timeout_s']:.0f} s before a request counts as hung; "
@@ -143,6 +155,21 @@ def markdown(result: dict[str, Any]) -> str:
                      f"({r['failed_no_text_at_fault']}) "
                      f"| {_fmt(r['detect_s'])} | {_fmt(r['recover_s'])} | {kv} | {r['leaked_slots']} "
                      f"| {_fmt(r['latency_p50_s'], 2)} | {sum(r['rss_mb'].values()):.0f} |")
+    lines += ["", "Streams through the fault: tokens (every request greedy, exactly its max_tokens tokens, each with "
+              "its log-prob), answers sent again once healthy, and the pause a moved stream saw.", "",
+              "| scenario | streams checked | tokens lost | tokens duplicated | usage mismatches | texts differing "
+              "(affected compared) | streams at the fault | router migrations | ITL p50 ms | stall p50 / max ms "
+              "| TTFT p50 ms before / after the fault (max after) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["runs"]:
+        m = r["migration"]
+        migrations = ", ".join(f"{k} {v}" for k, v in sorted(m["router_migrations"].items()) if v) or "0"
+        lines.append(f"| {r['scenario']} | {r['checked_streams']} | {r['tokens_lost']} | {r['tokens_duplicated']} "
+                     f"| {r['usage_mismatches']} | {r['text_mismatches']} of {r['compared']} "
+                     f"({r['compared_affected']}) | {m['affected_streams']} | {migrations} "
+                     f"| {_fmt(m['itl_p50_ms'], 0)} | {_fmt(m['stall_p50_ms'], 0)} / {_fmt(m['stall_max_ms'], 0)} "
+                     f"| {_fmt(m['ttft_p50_ms_before'], 0)} / {_fmt(m['ttft_p50_ms_after_fault'], 0)} "
+                     f"({_fmt(m['ttft_max_ms_after_fault'], 0)}) |")
     lines += ["", "Errors seen (the most frequent per scenario):", ""]
     for r in result["runs"]:
         for error, n in r["errors"].items():
@@ -163,4 +190,14 @@ _NOTES = (
     "killed processes it includes their start-up. Latency: median time of the completed requests. RSS: every "
     "service's process group, summed (per service in the JSON). KV slots: each worker's slots in use once no "
     "request runs and its cache is flushed, before the scenario (idle) and after it (settled). The proxy scenarios "
-    "run through an extra router (round-robin) and gateway whose router reaches one worker through the proxy.")
+    "run through an extra router (round-robin) and gateway whose router reaches one worker through the proxy. "
+    "Streams through the fault: tokens lost or duplicated count, over completed streams, the log-prob entries the "
+    "client got against max_tokens; usage mismatches, streams whose usage.completion_tokens differs from them. Texts "
+    "differing: requests streaming at a fault (and others, up to 24 in all) sent again one at a time once the "
+    "cluster is healthy, greedy, compared with what the client got. Streams at the fault: streaming when a fault "
+    "step began (each SIGTERM of a rolling restart). Stall: the longest gap between frames of those streams (the "
+    "migration's pause as the client sees it), against the median gap between frames of the other streams (ITL). "
+    "TTFT after the fault: requests sent within 10 s of a fault step. Router migrations: "
+    "radixmesh_router_migrations_total by reason over the routers (a router killed in its scenario loses its count). "
+    "The workers run with --drain-timeout-s of the cluster line (--worker-drain-s): a rolling restart's drained "
+    "worker hands what still runs after that to the others.")

@@ -20,6 +20,9 @@ class ErrorCode(enum.Enum):
     ABORTED = "aborted"
     UNSUPPORTED = "unsupported"
     INTERNAL = "internal"
+    DRAINING = "draining"
+    """The service is shutting down gracefully: a router or gateway moves the request elsewhere (clients see
+    it as unavailable)."""
 
 
 class RadixMeshError(Exception):

@@ -33,10 +33,11 @@ _TO_STATUS: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.ABORTED: grpc.StatusCode.ABORTED,
     ErrorCode.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
     ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorCode.DRAINING: grpc.StatusCode.UNAVAILABLE,
 }
 
 _FROM_STATUS: dict[grpc.StatusCode, ErrorCode] = {
-    **{status: code for code, status in _TO_STATUS.items()},
+    **{status: code for code, status in _TO_STATUS.items() if code is not ErrorCode.DRAINING},
     grpc.StatusCode.FAILED_PRECONDITION: ErrorCode.INVALID_ARGUMENT,
     grpc.StatusCode.OUT_OF_RANGE: ErrorCode.INVALID_ARGUMENT,
     grpc.StatusCode.ALREADY_EXISTS: ErrorCode.INVALID_ARGUMENT,

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 LIVENESS_SERVICE = "liveness"
 """Health service name that is SERVING while the process serves (readiness aside)."""
+STREAMS_DRAINED_GRACE_S = 1.0
+"""Grace of the server's stop once a service drained its own streams (health watches and control calls)."""
 NOT_READY_METADATA_KEY = "radixmesh-not-ready"
 """Trailing metadata of a NOT_SERVING Check reply: why the service is not ready."""
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
@@ -318,15 +320,22 @@ class GrpcServer:
                 asyncio.get_running_loop().create_task(self.lane.close(0))
         self._stop.set()
 
-    async def run_until_signal(self) -> None:
-        """Serve until SIGTERM/SIGINT (or `request_stop`), then drain."""
+    async def run_until_signal(self, drain_streams: Callable[[], Awaitable[object]] | None = None) -> None:
+        """Serve until SIGTERM/SIGINT (or `request_stop`), then drain. `drain_streams`: the service drains its own
+        streams first (health is NOT_SERVING by then; see radixmesh.common.drain), and the server then stops
+        with a short grace (what is left are health watches)."""
         freeze_startup_objects()  # the service is built: keep the collector off what startup made
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_stop)
         try:
             await self._stop.wait()
-            await self.drain()
+            if drain_streams is None:
+                await self.drain()
+            else:
+                await self.health.enter_graceful_shutdown()  # watchers (routers) hear NOT_SERVING now
+                await drain_streams()
+                await self.drain(grace_s=STREAMS_DRAINED_GRACE_S)
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
@@ -338,11 +347,12 @@ class GrpcServer:
         else:
             await self.server.stop(grace_s)
 
-    async def drain(self) -> None:
-        """Report NOT_SERVING, refuse new calls, let open ones finish within drain_timeout_s."""
-        logger.info("%s: draining (up to %.0f s)", self.name, self.config.drain_timeout_s)
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Report NOT_SERVING, refuse new calls, let open ones finish within `grace_s` (default drain_timeout_s)."""
+        grace_s = self.config.drain_timeout_s if grace_s is None else grace_s
+        logger.info("%s: draining (up to %.0f s)", self.name, grace_s)
         await self.health.enter_graceful_shutdown()
-        await self.stop(self.config.drain_timeout_s)
+        await self.stop(grace_s)
         if self._health_server is not None:
             await self._health_server.stop(0)
         if self._metrics_httpd is not None:

@@ -151,6 +151,15 @@ def set_attributes(attributes: Mapping[str, Any]) -> None:
     trace.get_current_span().set_attributes(dict(attributes))
 
 
+def add_event(name: str, attributes: Mapping[str, Any] | None = None) -> None:
+    """An event on the current span (a migration on the router's Generate span); no-op when off."""
+    if not enabled():
+        return
+    from opentelemetry import trace
+
+    trace.get_current_span().add_event(name, dict(attributes or {}))
+
+
 def _rpc_filter() -> Any:
     from opentelemetry.instrumentation.grpc import filters
 

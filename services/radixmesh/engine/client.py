@@ -14,7 +14,7 @@ import multiprocessing as mp
 import os
 import tempfile
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, TypeAlias
 
 import msgspec
@@ -30,7 +30,7 @@ from radixmesh.engine.loader import PreparedModel, prepare_model
 from radixmesh.engine.malloc_env import spawn_env
 from radixmesh.engine.mm.validate import validate_images
 from radixmesh.engine.output import TextAssembler
-from radixmesh.engine.sampling.validation import validate_request
+from radixmesh.engine.sampling.validation import validate_request, validate_resume
 from radixmesh.engine.scheduler.process import run_scheduler_process
 from radixmesh.wire.disagg import (
     CommitFetchMsg,
@@ -162,17 +162,20 @@ class EngineClient:
         assert finished
 
     async def generate_tokens(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
-                              prefill_only: bool = False,
-                              mm: MultimodalInputs | None = None) -> AsyncGenerator[TokenOut, None]:
+                              prefill_only: bool = False, mm: MultimodalInputs | None = None,
+                              output_ids: Sequence[int] = ()) -> AsyncGenerator[TokenOut, None]:
         """Stream one request's token messages without text (for front ends that detokenize elsewhere).
 
-        `prefill_only` computes and caches the prompt's KV and generates nothing. Leaving the
-        iterator early aborts the request and frees its KV.
+        `prefill_only` computes and caches the prompt's KV and generates nothing. `output_ids`: tokens
+        generated before (a migrated request): the request continues after them and streams only new
+        ones. Leaving the iterator early aborts the request and frees its KV.
         """
         self.validate(input_ids, SamplingParams() if prefill_only else params, generates=not prefill_only, mm=mm)
         if prefill_only:
             params = SamplingParams(max_new_tokens=0)
-        msg = GenerateReqMsg(rid or uuid.uuid4().hex, list(input_ids), params, prefill_only, mm=mm)
+        validate_resume(output_ids, params, self.model_config.vocab_size)
+        msg = GenerateReqMsg(rid or uuid.uuid4().hex, list(input_ids), params, prefill_only, mm=mm,
+                             output_ids=list(output_ids))
         async for out in self._stream(msg):
             assert isinstance(out, TokenOut), "a Generate is answered by tokens only"
             yield out

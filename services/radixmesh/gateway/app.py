@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -22,8 +22,8 @@ from radixmesh.gateway.backend import GatewayBackend
 from radixmesh.gateway.cluster_backend import ClusterBackend
 from radixmesh.gateway.config import GatewayConfig
 from radixmesh.gateway.dispatch import Dispatcher
-from radixmesh.gateway.errors import error_response, framework_error_response, to_http
-from radixmesh.gateway.limits import BodySizeLimitMiddleware
+from radixmesh.gateway.errors import CLIENT_CLOSED_REQUEST, error_response, framework_error_response, to_http
+from radixmesh.gateway.limits import BodySizeLimitMiddleware, client_gone
 from radixmesh.gateway.metrics import GatewayMetrics
 from radixmesh.gateway.state import GatewayState, get_state
 from radixmesh.gateway.upstreams import not_ready_error
@@ -67,7 +67,8 @@ def create_app(backend: GatewayBackend, config: GatewayConfig, api_keys: ApiKeys
         app.add_middleware(ApiKeyMiddleware, keys=keys)
     routes = frozenset(getattr(route, "path", "") for router in routers
                        for route in router.routes)
-    app.add_middleware(BodySizeLimitMiddleware)  # 413 for bodies over RequestLimits.max_request_bytes
+    app.add_middleware(BodySizeLimitMiddleware,  # 413 for bodies over RequestLimits.max_request_bytes
+                       on_client_gone=lambda: metrics.observe_client_gone("http"))
     app.add_middleware(RouteMetricsMiddleware, metrics=metrics, routes=routes)
     if tracing.enabled():
         from radixmesh.gateway.http_tracing import HttpTracingMiddleware
@@ -139,6 +140,11 @@ def _add_exception_handlers(app: FastAPI) -> None:
         assert isinstance(exc, HTTPException)
         return framework_error_response(exc.status_code, str(exc.detail))
 
+    async def disconnected(request: Request, exc: Exception) -> Response:
+        """A body read after the client left (routes that read one past the size limit's middleware)."""
+        client_gone(request.scope, count=lambda: get_state(request).metrics.observe_client_gone("http"))
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
     async def internal_error(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
         return error_response(RadixMeshError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"))
@@ -146,6 +152,7 @@ def _add_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RadixMeshError, domain_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, framework_error)
+    app.add_exception_handler(ClientDisconnect, disconnected)
     app.add_exception_handler(Exception, internal_error)
 
 

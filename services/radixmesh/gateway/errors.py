@@ -24,6 +24,7 @@ _HTTP: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.UNAVAILABLE: (503, "server_error"),
     ErrorCode.ABORTED: (CLIENT_CLOSED_REQUEST, "invalid_request_error"),
     ErrorCode.INTERNAL: (500, "server_error"),
+    ErrorCode.DRAINING: (503, "server_error"),
 }
 
 

@@ -1,9 +1,10 @@
 """The Generate side of the cluster gateway: routers (one or more replicas) or one worker.
 
-A request starts on the first ready replica; a replica that fails before streaming anything (unreachable, or
-UNAVAILABLE) is skipped for the next one, later failures are the request's. Generate rides the replica's lane
-when it has one that answers (radixmesh.common.lane), else gRPC. Aborts go to the replica running the request,
-control calls (flush, load, model info) to a ready one.
+A request starts on the first ready replica; a replica that fails before streaming anything (unreachable,
+UNAVAILABLE or DRAINING) is skipped for the next one. With several router replicas, one that dies or drains
+mid-stream hands the stream to another (failover.py); other later failures are the request's. Generate rides
+the replica's lane when it has one that answers (radixmesh.common.lane), else gRPC. Aborts go to the replica
+running the request, control calls (flush, load, model info) to a ready one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import grpc.aio
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
 from radixmesh.common.grpc_errors import ERROR_METADATA_KEY, from_rpc_error
 from radixmesh.common.lane import LaneBroken, LaneStream
+from radixmesh.gateway import failover
 from radixmesh.gateway.upstreams import Upstream, UpstreamGroup, UpstreamWatcher, not_ready_error, parse_addresses
 from radixmesh.protocol import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from radixmesh.wire.convert import disagg_stats_from_proto
@@ -54,25 +56,33 @@ class GenerateUpstream:
         """Told when a replica stops answering (set by the backend that watches them)."""
         self.inflight: dict[str, Upstream] = {}
         """Request id -> the replica running it (where an abort goes)."""
+        self.legs: dict[str, str] = {}
+        """Request id -> the id it runs under on that replica (they differ after a failover)."""
 
     async def stream(self, request: worker_pb2.GenerateRequest) -> AsyncGenerator[Any, None]:
         """The request's GenerateResponse messages; closing the generator early cancels the call (the target
         then aborts the request and frees its KV)."""
-        call = None
-        try:
-            target, call, msg = await self._open(request)
-            self.inflight[request.request_id] = target
-            while msg is not grpc.aio.EOF:
-                yield msg
-                msg = await self._read(target, call)
-        finally:
-            self.inflight.pop(request.request_id, None)
-            if call is not None:
-                call.cancel()  # no-op once finished
+        rid = request.request_id
 
-    async def _open(self, request: worker_pb2.GenerateRequest) -> tuple[Upstream, Any, Any]:
-        """Start Generate on a ready target and wait for its first message. A replica that is unavailable
-        before that is skipped for the next one (nothing was streamed yet); other errors are the request's."""
+        def on_target(target: Upstream, leg_id: str) -> None:
+            self.inflight[rid] = target
+            self.legs[rid] = leg_id
+
+        can_fail_over = self.target_kind == "router" and len(self.group.upstreams) > 1
+        relayed = failover.relay(request, self._open, self._read, on_target, can_fail_over)
+        try:
+            async for msg in relayed:
+                yield msg
+        finally:
+            self.inflight.pop(rid, None)
+            self.legs.pop(rid, None)
+            await relayed.aclose()  # cancels the call (no-op once finished)
+
+    async def _open(self, request: worker_pb2.GenerateRequest) -> tuple[Upstream, Any, Any, str]:
+        """Start Generate on a ready target and wait for its first message; (target, call, first message or EOF,
+        the request id it runs under). A replica that is unavailable before that is skipped for the next one
+        (nothing was streamed yet), which gets the request under an id of its own: the first replica's worker
+        may not have heard yet that it is gone. Other errors are the request's."""
         tried: list[str] = []
         last_error: RadixMeshError | None = None
         while True:
@@ -81,13 +91,14 @@ class GenerateUpstream:
                 reason = self.not_ready_reason()
                 raise last_error if last_error is not None and not reason else not_ready_error(reason)
             target = targets[0]
-            call = await self._start_call(target, request)
+            attempt = failover.retry_request(request, len(tried))
+            call = await self._start_call(target, attempt)
             try:
-                return target, call, await call.read()  # EOF: ended OK without a message
+                return target, call, await call.read(), attempt.request_id  # EOF: ended OK without a message
             except (grpc.RpcError, RadixMeshError) as exc:
                 call.cancel()
                 error, gone, _ = self._failure(target, exc)
-                if gone:  # the next ready replica, or 503 naming what is missing
+                if gone or error.code is ErrorCode.DRAINING:  # the next ready replica, or 503
                     self._mark_down(target, error)
                 elif error.code is not ErrorCode.UNAVAILABLE or len(self.group.upstreams) == 1:
                     raise error from None
@@ -114,12 +125,14 @@ class GenerateUpstream:
             return await call.read()
         except (grpc.RpcError, RadixMeshError) as exc:
             error, gone, carried = self._failure(target, exc)
-            if carried:  # the target's own error (the worker failed the request): as it is
+            if carried:  # the target's own error (the worker failed the request, the router drained): as it is
+                if error.code is ErrorCode.DRAINING:
+                    self._mark_down(target, error)
                 raise error from None
             if gone:
                 self._mark_down(target, error)
-            raise RadixMeshError(ErrorCode.UNAVAILABLE, f"the stream from {target.description} broke after it "
-                                                        f"started: {error.message}") from None
+            raise failover.StreamBroke(f"the stream from {target.description} broke after it started: "
+                                       f"{error.message}") from None
 
     def _mark_down(self, target: Upstream, error: RadixMeshError) -> None:
         if self.watcher is not None:
@@ -128,9 +141,10 @@ class GenerateUpstream:
     async def abort(self, rid: str) -> None:
         target = self.inflight.get(rid)
         targets = [target] if target is not None else self.group.ready()
+        leg_id = self.legs.get(rid, rid)
         for t in targets:  # an abort of an unknown or finished request is not an error
             with contextlib.suppress(Exception):
-                await t.stub.Abort(worker_pb2.AbortRequest(request_id=rid), timeout=CONTROL_TIMEOUT_S)
+                await t.stub.Abort(worker_pb2.AbortRequest(request_id=leg_id), timeout=CONTROL_TIMEOUT_S)
 
     # ---- control ----------------------------------------------------------------------------------
     def control_target(self) -> Upstream:

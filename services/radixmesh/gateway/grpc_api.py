@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
 
 import grpc.aio
@@ -23,6 +24,7 @@ from radixmesh.gateway.upstreams import not_ready_error
 from radixmesh.protocol import inference_pb2 as pb
 from radixmesh.protocol import inference_pb2_grpc
 
+logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 """radixmesh.v1.InferenceService"""
 ERROR_SOURCE = "gateway"
@@ -45,35 +47,43 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     @map_errors(ERROR_SOURCE)
     async def Complete(self, request: pb.CompleteRequest, context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
-        run = await start_completion(self._ready_state(), conv.completion_request(request, stream=False))
-        response = await _collected(run)
+        state = self._ready_state()
+        run = await start_completion(state, conv.completion_request(request, stream=False))
+        with _client_gone(state, "Complete"):
+            response = await _collected(run)
         return conv.completion_reply(response, conv.TokenCursor(run.states))
 
     @map_errors(ERROR_SOURCE)
     async def StreamComplete(self, request: pb.CompleteRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[pb.CompleteResponse]:
-        run = await start_completion(self._ready_state(), conv.completion_request(request, stream=True))
+        state = self._ready_state()
+        run = await start_completion(state, conv.completion_request(request, stream=True))
         tokens = conv.TokenCursor(run.states)
         try:
-            async for chunk in run.chunks():
-                yield conv.completion_reply(chunk, tokens)
+            with _client_gone(state, "StreamComplete"):
+                async for chunk in run.chunks():
+                    yield conv.completion_reply(chunk, tokens)
         finally:
             await _shielded(run.generation.aclose())
 
     @map_errors(ERROR_SOURCE)
     async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> pb.ChatResponse:
-        run = await start_chat(self._ready_state(), conv.chat_request(request, stream=False))
-        response = await _collected(run)
+        state = self._ready_state()
+        run = await start_chat(state, conv.chat_request(request, stream=False))
+        with _client_gone(state, "Chat"):
+            response = await _collected(run)
         return conv.chat_reply(response, conv.TokenCursor(run.states))
 
     @map_errors(ERROR_SOURCE)
     async def StreamChat(self, request: pb.ChatRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ChatResponse]:
-        run = await start_chat(self._ready_state(), conv.chat_request(request, stream=True))
+        state = self._ready_state()
+        run = await start_chat(state, conv.chat_request(request, stream=True))
         tokens = conv.TokenCursor(run.states)
         try:
-            async for chunk in run.chunks():
-                yield conv.chat_reply(chunk, tokens)
+            with _client_gone(state, "StreamChat"):
+                async for chunk in run.chunks():
+                    yield conv.chat_reply(chunk, tokens)
         finally:
             await _shielded(run.generation.aclose())
 
@@ -81,6 +91,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[conv.model_reply(model_object(self._ready_state()))])
+
+
+@contextlib.contextmanager
+def _client_gone(state: GatewayState, method: str) -> Iterator[None]:
+    """A call its client cancelled (it went away before its answer): one info line and the metric, no error."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        logger.info("gRPC API %s: the client went away before its answer; its sequences are aborted", method)
+        state.metrics.observe_client_gone("grpc")
+        raise
 
 
 async def _collected(run: CompletionRun | ChatRun) -> Any:

@@ -41,6 +41,11 @@ class GatewayMetrics:
                                 ["endpoint"], registry=reg)
         self.finished = Counter(p + "requests_finished", "Sequences finished, by finish reason",
                                 ["finish_reason"], registry=reg)
+        self.client_disconnects = Counter(p + "client_disconnects", "Clients that went away before their request "
+                                          "was whole (http) or before its answer (grpc), by API", ["api"],
+                                          registry=reg)
+        for api in ("http", "grpc"):  # the series exist before the first one
+            self.client_disconnects.labels(api=api)
         self.rejected = Counter(p + "requests_rejected", "Generation requests refused because the queue was full",
                                 registry=reg)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=reg)
@@ -102,6 +107,10 @@ class GatewayMetrics:
 
     def observe_http(self, route: str, status: int) -> None:
         self.http_requests.labels(route=route, status=str(status)).inc()
+
+    def observe_client_gone(self, api: str) -> None:
+        """A client left early (http: before its whole body; grpc: before its answer)."""
+        self.client_disconnects.labels(api=api).inc()
 
     def observe_admitted(self, endpoint: str, prompt_tokens: int) -> None:
         self.requests.labels(endpoint=endpoint).inc()

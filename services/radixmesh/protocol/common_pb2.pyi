@@ -94,6 +94,11 @@ class _ErrorCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorCode.V
     ERROR_CODE_ABORTED: _ErrorCode.ValueType  # 6
     ERROR_CODE_UNSUPPORTED: _ErrorCode.ValueType  # 7
     ERROR_CODE_INTERNAL: _ErrorCode.ValueType  # 8
+    ERROR_CODE_DRAINING: _ErrorCode.ValueType  # 9
+    """The service is draining (SIGTERM): it takes no new call, and a stream it ends with this code
+    was cut short on purpose. A router or gateway re-issues the request elsewhere (a stream that
+    had tokens continues from them: GenerateRequest.resume_output_ids); clients see UNAVAILABLE.
+    """
 
 class ErrorCode(_ErrorCode, metaclass=_ErrorCodeEnumTypeWrapper):
     """---- Errors -----------------------------------------------------------------------------------
@@ -113,6 +118,11 @@ ERROR_CODE_UNAVAILABLE: ErrorCode.ValueType  # 5
 ERROR_CODE_ABORTED: ErrorCode.ValueType  # 6
 ERROR_CODE_UNSUPPORTED: ErrorCode.ValueType  # 7
 ERROR_CODE_INTERNAL: ErrorCode.ValueType  # 8
+ERROR_CODE_DRAINING: ErrorCode.ValueType  # 9
+"""The service is draining (SIGTERM): it takes no new call, and a stream it ends with this code
+was cut short on purpose. A router or gateway re-issues the request elsewhere (a stream that
+had tokens continues from them: GenerateRequest.resume_output_ids); clients see UNAVAILABLE.
+"""
 Global___ErrorCode: _TypeAlias = ErrorCode  # noqa: Y015
 
 @_typing.final

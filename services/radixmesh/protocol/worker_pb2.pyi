@@ -35,6 +35,7 @@ class GenerateRequest(_message.Message):
     PREFILL_FIELD_NUMBER: _builtins.int
     PEER_PREFIX_FIELD_NUMBER: _builtins.int
     IMAGES_FIELD_NUMBER: _builtins.int
+    RESUME_OUTPUT_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """unique per sequence; empty = the worker picks one"""
     prefill_only: _builtins.bool
@@ -70,6 +71,16 @@ class GenerateRequest(_message.Message):
         hold their pad ids. Sequences with images are never disaggregated (the decode worker computes them).
         """
 
+    @_builtins.property
+    def resume_output_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Migration: output tokens this sequence already generated elsewhere (a worker that died or drained
+        mid-stream), in order. The worker continues after them as if it had generated them itself: they count
+        as output for max_new_tokens (unchanged: the budget left is max_new_tokens minus these), min_new_tokens,
+        penalties, stop strings and the seeded draw of each position; a grammar's matcher replays them first.
+        The stream carries only new tokens; completion_tokens counts these too. Set by a router or gateway
+        (never by end users); such a call computes its prompt itself (no prefill worker, no peer fetch).
+        """
+
     def __init__(
         self,
         *,
@@ -81,10 +92,11 @@ class GenerateRequest(_message.Message):
         prefill: Global___PrefillTarget | None = ...,
         peer_prefix: Global___PeerPrefix | None = ...,
         images: _abc.Iterable[_multimodal_pb2.ImageInput] | None = ...,
+        resume_output_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "peer_prefix", b"peer_prefix", "prefill", b"prefill", "sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "images", b"images", "peer_prefix", b"peer_prefix", "prefill", b"prefill", "prefill_only", b"prefill_only", "request_id", b"request_id", "sampling_params", b"sampling_params", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "images", b"images", "peer_prefix", b"peer_prefix", "prefill", b"prefill", "prefill_only", b"prefill_only", "request_id", b"request_id", "resume_output_ids", b"resume_output_ids", "sampling_params", b"sampling_params", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -339,6 +351,7 @@ class GetLoadResponse(_message.Message):
     DISAGG_FIELD_NUMBER: _builtins.int
     LANE_PORT_FIELD_NUMBER: _builtins.int
     HTTP_PORT_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     role: _common_pb2.WorkerRole.ValueType
     lane_port: _builtins.int
@@ -346,6 +359,10 @@ class GetLoadResponse(_message.Message):
     http_port: _builtins.int
     """Port of the worker's OpenAI-compatible HTTP API (same host), where a proxy sends the requests an
     endpoint picker (the router's --epp-port) placed on this worker; 0: none (worker --http-port).
+    """
+    draining: _builtins.bool
+    """The service got SIGTERM: it takes no new Generate (they end DRAINING), finishes what it runs within
+    its --drain-timeout-s and ends the rest DRAINING. Routers stop sending it requests at once.
     """
     @_builtins.property
     def load(self) -> _common_pb2.WorkerLoad: ...
@@ -362,10 +379,11 @@ class GetLoadResponse(_message.Message):
         disagg: Global___DisaggStats | None = ...,
         lane_port: _builtins.int = ...,
         http_port: _builtins.int = ...,
+        draining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["disagg", b"disagg", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["disagg", b"disagg", "http_port", b"http_port", "lane_port", b"lane_port", "load", b"load", "role", b"role", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["disagg", b"disagg", "draining", b"draining", "http_port", b"http_port", "lane_port", b"lane_port", "load", b"load", "role", b"role", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

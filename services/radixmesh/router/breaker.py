@@ -42,10 +42,18 @@ class CircuitBreaker:
         state = self.state
         return state is CircuitState.CLOSED or (state is CircuitState.HALF_OPEN and not self._trial_in_flight)
 
-    def on_dispatch(self) -> None:
-        """A request was sent; in half-open state it is the one trial."""
-        if self.state is CircuitState.HALF_OPEN:
+    def on_dispatch(self) -> bool:
+        """A request was sent; in half-open state it is the one trial (returns whether it is)."""
+        if self.state is CircuitState.HALF_OPEN and not self._trial_in_flight:
             self._trial_in_flight = True
+            return True
+        return False
+
+    def end_trial(self) -> None:
+        """The trial request ended without a verdict (its caller left, the worker drained): the next request may be
+        the trial. A no-op once its success or failure moved the circuit on."""
+        if self._state is CircuitState.HALF_OPEN:
+            self._trial_in_flight = False
 
     def on_success(self) -> None:
         self._failures = 0

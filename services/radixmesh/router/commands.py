@@ -79,6 +79,10 @@ def add_routing_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--max-attempts", type=int, default=3, help="tries per request before its first token")
     cmd.add_argument("--wait-for-worker-s", type=float, default=5.0,
                      help="a request that finds no healthy worker waits this long for one before failing (0: at once)")
+    cmd.add_argument("--migration", default="on", choices=("on", "off"),
+                     help="a stream whose worker dies, drains or fails after its first token continues on another "
+                          "worker from the tokens already sent (off: it ends with the error)")
+    cmd.add_argument("--max-migrations", type=int, default=3, help="most migrations of one request")
     cmd.add_argument("--seed", type=int, default=None, help="seed of the random and power-of-two policies")
     cmd.add_argument("--pd-min-prefill-tokens", type=int, default=256,
                      help="disaggregation: prompts with fewer tokens uncached on the chosen decode worker skip the "
@@ -130,7 +134,14 @@ def epp_config(args: argparse.Namespace) -> EppConfig | None:
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
-    from radixmesh.router.config import DisaggConfig, HealthConfig, RetryConfig, RouterConfig, ScoringConfig
+    from radixmesh.router.config import (
+        DisaggConfig,
+        HealthConfig,
+        MigrationConfig,
+        RetryConfig,
+        RouterConfig,
+        ScoringConfig,
+    )
 
     return RouterConfig(policy=args.policy, block_size=args.block_size, redis_url=args.redis_url,
                         index_namespace=args.index_namespace, index_lookup=args.index_lookup, seed=args.seed,
@@ -140,6 +151,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                                             failure_threshold=args.health_failure_threshold,
                                             success_threshold=args.health_success_threshold),
                         retry=RetryConfig(max_attempts=args.max_attempts, wait_for_worker_s=args.wait_for_worker_s),
+                        migration=MigrationConfig(enabled=args.migration == "on",
+                                                  max_per_request=args.max_migrations),
                         disagg=DisaggConfig(min_prefill_tokens=args.pd_min_prefill_tokens),
                         scoring=ScoringConfig(host_hit_weight=args.host_hit_weight),
                         peer_fetch_min_tokens=args.peer_fetch_min_tokens)

@@ -67,6 +67,24 @@ class RetryConfig:
 
 
 @dataclass(frozen=True)
+class MigrationConfig:
+    """Moving a stream that broke after its first token (its worker died, drained or failed) to another worker."""
+
+    enabled: bool = True
+    """Continue such streams elsewhere from the tokens already sent (off: they end with the error)."""
+    max_per_request: int = 3
+    """Most migrations of one request; the next break ends it with the error."""
+
+    def __post_init__(self) -> None:
+        if self.max_per_request < 0:
+            raise invalid_argument("max_migrations must be >= 0", "max_migrations")
+
+    @property
+    def may_migrate(self) -> bool:
+        return self.enabled and self.max_per_request > 0
+
+
+@dataclass(frozen=True)
 class ScoringConfig:
     """How cache-aware policies weigh cached prefix against load."""
 
@@ -143,6 +161,8 @@ class RouterConfig:
     """Per-worker circuit breakers."""
     retry: RetryConfig = field(default_factory=RetryConfig)
     """Retries before the first token."""
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
+    """Migration of streams that broke after their first token."""
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     """Cache-aware scoring."""
     disagg: DisaggConfig = field(default_factory=DisaggConfig)

@@ -66,7 +66,7 @@ class PrefillPlanner:
             return
         worker = prefill.worker
         uncached = max(0, request.num_prompt_tokens - prefill.cached_tokens.get(worker.worker_id, 0))
-        worker.begin_request(uncached)
+        is_trial = worker.begin_request(uncached)
         ended = False
         try:
             async for item in stream:
@@ -77,6 +77,8 @@ class PrefillPlanner:
         finally:
             if not ended:
                 worker.end_request(uncached, first_token_seen=False)
+            if is_trial:
+                worker.breaker.end_trial()  # the router sees no verdict on the prefill worker's part
 
     async def start(self) -> None:
         await self.policy.start()

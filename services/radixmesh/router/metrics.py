@@ -16,6 +16,13 @@ _FINE_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015
 DECISIONS = Counter("radixmesh_router_decisions_total", "Routing decisions by policy, outcome (reason) and worker",
                     ["policy", "reason", "worker"])
 RETRIES = Counter("radixmesh_router_retries_total", "Requests retried on another worker before the first token")
+MIGRATIONS = Counter("radixmesh_router_migrations_total",
+                     "Streams moved to another worker after their first token, by reason: drain (the worker drained), "
+                     "worker-lost (unreachable or died), worker-error (it failed the stream)", ["reason"])
+MIGRATION_REASONS = ("drain", "worker-lost", "worker-error")
+MIGRATION_GAP = Histogram("radixmesh_router_migration_gap_seconds",
+                          "From a stream's break to the first token of the worker it moved to",
+                          buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
 REQUESTS = Counter("radixmesh_router_requests_total", "Routed Generate calls by policy and outcome",
                    ["policy", "outcome"])
 OUTCOMES = ("ok", "error", "cancelled")

@@ -158,7 +158,7 @@ async def serve_router(server_config: GrpcServerConfig, config: RouterConfig, di
     assert app.server is not None
     try:
         await app.start()
-        await app.server.run_until_signal()
+        await app.server.run_until_signal(functools.partial(app.servicer.drain_streams, server_config.drain_timeout_s))
         return 0
     finally:
         await app.close_parts()

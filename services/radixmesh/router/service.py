@@ -1,4 +1,5 @@
-"""RouterService: Generate routed to a worker (with retries), plus the fan-out control RPCs."""
+"""RouterService: Generate routed to a worker (with retries before the first token and migration after it, see
+radixmesh.router.migration), plus the fan-out control RPCs."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from collections.abc import AsyncIterator
 
 import grpc.aio
 
+from radixmesh.common.drain import StreamDrain
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.common.grpc_errors import map_errors
 from radixmesh.protocol import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from radixmesh.router import metrics
 from radixmesh.router.dispatch import RequestRouter
+from radixmesh.router.migration import StreamProgress
 from radixmesh.router.policies.base import RouteRequest, RoutingDecision
 from radixmesh.router.workers import WorkerHandle
 from radixmesh.wire.block_hash import block_hashes
@@ -91,6 +94,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.registry = router.registry
         self.lane_port = 0
         """The port of this router's Generate lane, reported by GetLoad (set once the server runs; 0: none)."""
+        self.legs: dict[str, str] = {}
+        """Request id -> the id its current leg runs under on its worker (they differ after a migration)."""
+        self.drain = StreamDrain("router")
+        """SIGTERM: new calls end DRAINING, routed streams finish or are cut (radixmesh.common.drain)."""
         for outcome in metrics.OUTCOMES:  # the series exist before the first request
             metrics.REQUESTS.labels(router.policy.policy_id, outcome)
 
@@ -100,21 +107,32 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         received = time.perf_counter()
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
+        self.drain.refuse_new()
         call = _RoutedCall(self.router.policy.active_policy())
+        progress = StreamProgress(request)
 
         async def open_stream(worker: WorkerHandle, decision: RoutingDecision,
                               attempt: int) -> AsyncIterator[worker_pb2.GenerateResponse]:
             call.worker_call_s = time.perf_counter()
-            name_prefill_worker(request, decision)
-            name_peer(request, decision)
-            async for msg in worker.client.generate(request):
+            leg = progress.next_request()
+            if not leg.resume_output_ids:
+                name_prefill_worker(leg, decision)
+                name_peer(leg, decision)
+            self.legs[request.request_id] = leg.request_id
+            async for msg in worker.client.generate(leg):
                 yield msg
 
         stream = self.router.stream(route_request(request, self.router.config.block_size), open_stream,
-                                    call.on_decision)
+                                    call.on_decision, progress.can_resume)
         outcome = "cancelled"  # the caller left before the end
         try:
             async for msg in stream:
+                if msg.finish_reason == common_pb2.FINISH_REASON_ABORT and self.drain.was_cut(request.request_id):
+                    if msg.token_ids:  # the tokens the worker sent with its abort, then the call ends DRAINING
+                        msg.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
+                        yield progress.observe(msg)
+                    raise self.drain.cut_error()
+                progress.observe(msg)
                 if call.decision is not None:
                     arrived = time.perf_counter()
                     msg.routing.CopyFrom(routing_info(call.decision, call.attempt))
@@ -128,22 +146,33 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise
         finally:
             metrics.REQUESTS.labels(call.policy, outcome).inc()
+            self.legs.pop(request.request_id, None)
             await stream.aclose()
 
     @map_errors("router")
     async def Abort(self, request: worker_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:
-        worker = self.router.inflight.get(request.request_id)
+        return worker_pb2.AbortResponse(found=await self._abort(request.request_id))
+
+    async def _abort(self, request_id: str) -> bool:
+        """Abort a routed request where its current leg runs; False when it runs nowhere."""
+        worker = self.router.inflight.get(request_id)
         if worker is None:
-            return worker_pb2.AbortResponse(found=False)
-        return worker_pb2.AbortResponse(found=await worker.client.abort(request.request_id))
+            return False
+        return bool(await worker.client.abort(self.legs.get(request_id, request_id)))
+
+    async def drain_streams(self, timeout_s: float) -> int:
+        """On SIGTERM: refuse new calls, let routed streams finish within `timeout_s`, then cut the rest
+        (aborted on their workers; the callers continue them through another router replica)."""
+        return await self.drain.run(lambda: self.router.inflight, self._abort, timeout_s)
 
     @map_errors("router")
     async def GetLoad(self, request: worker_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.GetLoadResponse:
         healthy = [w for w in self.registry.all() if w.health.healthy]
         return worker_pb2.GetLoadResponse(load=load_to_proto(sum_loads([w.load for w in healthy])),
-                                          lane_port=self.lane_port, disagg=sum_transfers(healthy))
+                                          lane_port=self.lane_port, disagg=sum_transfers(healthy),
+                                          draining=self.drain.draining)
 
     @map_errors("router")
     async def FlushCache(self, request: worker_pb2.FlushCacheRequest,

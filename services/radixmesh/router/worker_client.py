@@ -53,6 +53,8 @@ class ProbeResult:
     """The port of the worker's OpenAI HTTP API on its host (0: none)."""
     disagg: worker_pb2.DisaggStats | None = None
     """Its KV transfer counters (for the router's GetLoad)."""
+    draining: bool = False
+    """The worker drains (SIGTERM): it leaves routing at once, whatever the failure threshold."""
 
 
 class WorkerClient:
@@ -107,11 +109,26 @@ class WorkerClient:
             reply = await self.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             return ProbeResult(True, f"GetLoad: {exc.code().name}")
+        if reply.draining:
+            return ProbeResult(False, "draining", draining=True)
         if self.lane is not None:
             self.lane.learn(reply.lane_port)
         return ProbeResult(True, load=load_from_proto(reply.load), worker_id=reply.worker_id,
                            role=ROLE_FROM_PROTO.get(reply.role, ""), http_port=reply.http_port,
                            disagg=reply.disagg)
+
+    async def watch_serving(self) -> AsyncIterator[bool]:
+        """grpc.health.v1 Watch of the worker's service: whether it serves, now and at each change (a worker
+        that drains turns NOT_SERVING at once); raises RadixMeshError when the stream breaks."""
+        call = self.health.Watch(health_pb2.HealthCheckRequest(service=WORKER_SERVICE))
+        try:
+            async for reply in call:
+                yield reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        finally:
+            if not call.done():
+                call.cancel()
 
     async def abort(self, request_id: str, timeout_s: float = 5.0) -> bool:
         try:

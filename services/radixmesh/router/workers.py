@@ -7,12 +7,15 @@ worker and closing the clients of workers that disappeared.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixmesh.common import aio
 from radixmesh.router.breaker import CircuitBreaker, CircuitState
 from radixmesh.router.config import BreakerConfig, HealthConfig
 from radixmesh.router.discovery.base import WorkerEndpoint
@@ -20,6 +23,9 @@ from radixmesh.router.health import HealthState
 from radixmesh.wire.load import WorkerLoad
 
 logger = logging.getLogger(__name__)
+RETIRE_POLL_S = 0.1
+RETIRE_MAX_S = 3600.0
+"""Longest a removed worker's client stays open for its requests (their workers cut them at their drain timeout)."""
 
 
 @dataclass(eq=False)
@@ -75,10 +81,11 @@ class WorkerHandle:
     def circuit_state(self) -> CircuitState:
         return self.breaker.state
 
-    def begin_request(self, uncached_tokens: int) -> None:
+    def begin_request(self, uncached_tokens: int) -> bool:
+        """Count a request sent here; returns whether it is the circuit breaker's half-open trial."""
         self.num_inflight += 1
         self.inflight_prefill_tokens += uncached_tokens
-        self.breaker.on_dispatch()
+        return self.breaker.on_dispatch()
 
     def first_token(self, uncached_tokens: int) -> None:
         self.inflight_prefill_tokens = max(0, self.inflight_prefill_tokens - uncached_tokens)
@@ -104,6 +111,8 @@ class WorkerRegistry:
         self._workers: dict[str, WorkerHandle] = {}
         self.on_added: list[Callable[[WorkerHandle], None]] = []
         """Called for every new handle (the health checker starts probing it)."""
+        self._retiring: dict[asyncio.Task[None], WorkerHandle] = {}
+        """Removed workers whose clients close once their open requests end."""
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -123,9 +132,28 @@ class WorkerRegistry:
         return {(w.index_id or w.worker_id): w for w in self._workers.values()}
 
     async def apply(self, endpoints: list[WorkerEndpoint]) -> None:
-        """Make the registry hold exactly `endpoints` (the discovery callback); closes removed clients."""
+        """Make the registry hold exactly `endpoints` (the discovery callback); closes removed clients, each once
+        the requests open on it ended (a worker leaves discovery when it starts draining: its streams go on)."""
         for handle in self.replace(endpoints):
-            await _close_client(handle)
+            if handle.num_inflight:
+                self._retire(handle)
+            else:
+                await _close_client(handle)
+
+    def _retire(self, handle: WorkerHandle) -> None:
+        logger.info("router: worker %s left with %d requests open; its client closes once they end",
+                    handle.worker_id, handle.num_inflight)
+        task = asyncio.get_running_loop().create_task(self._close_when_idle(handle),
+                                                      name=f"retire-{handle.worker_id}")
+        self._retiring[task] = handle
+        task.add_done_callback(lambda done: self._retiring.pop(done, None))
+
+    @staticmethod
+    async def _close_when_idle(handle: WorkerHandle) -> None:
+        deadline = time.monotonic() + RETIRE_MAX_S
+        while handle.num_inflight and time.monotonic() < deadline:
+            await asyncio.sleep(RETIRE_POLL_S)
+        await _close_client(handle)
 
     def replace(self, endpoints: list[WorkerEndpoint]) -> list[WorkerHandle]:
         """The synchronous part of `apply`: returns the removed handles, whose clients the caller closes."""
@@ -154,7 +182,9 @@ class WorkerRegistry:
         return handle
 
     async def close(self) -> None:
-        for handle in self.replace([]):
+        retiring = list(self._retiring.items())
+        await aio.cancel_and_wait(*(task for task, _ in retiring))
+        for handle in [*self.replace([]), *(h for task, h in retiring if task.cancelled())]:
             await _close_client(handle)
 
 

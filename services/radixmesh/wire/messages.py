@@ -20,6 +20,8 @@ class GenerateReqMsg(msgspec.Struct, tag="generate", frozen=True):
     """Compute and cache the prompt's KV, generate nothing (used to share a prompt across n branches)."""
     mm: MultimodalInputs | None = None
     """The prompt's preprocessed images (None: text only)."""
+    output_ids: list[int] = msgspec.field(default_factory=list)
+    """Output tokens generated before (a migrated request): the sequence continues after them."""
 
 
 class AbortReqMsg(msgspec.Struct, tag="abort", frozen=True):

@@ -1,5 +1,9 @@
 """Run a worker: start the scheduler process, serve WorkerService until SIGTERM, drain, stop.
 
+Drain (SIGTERM): NOT_SERVING at once (routers watching its health stop sending it requests), new Generate
+calls end DRAINING (routers retry them elsewhere), running sequences get --drain-timeout-s to finish, and
+the rest end DRAINING: routers move them to another worker from the tokens already sent.
+
 The scheduler runs in its own process (EngineClient); this process is only the asyncio gRPC
 front end, so request I/O never shares the GIL with the model.
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import sys
 from typing import TYPE_CHECKING
@@ -71,7 +76,7 @@ async def serve_worker(server_config: GrpcServerConfig, config: WorkerConfig, en
             http_api = WorkerHttpApi(client, server_config.host, config.http_port, config.served_model_name,
                                      min(server_config.drain_timeout_s, 30.0))
             servicer.http_port = await http_api.start()
-        await server.run_until_signal()
+        await server.run_until_signal(functools.partial(servicer.drain_streams, server_config.drain_timeout_s))
         await aio.cancel_and_wait(*watchers, stats)
         return 0
     finally:

@@ -11,7 +11,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 
 import grpc.aio
+import msgspec
 
+from radixmesh.common.drain import StreamDrain
 from radixmesh.common.errors import invalid_argument
 from radixmesh.common.grpc_errors import map_errors
 from radixmesh.engine.client import EngineClient
@@ -66,6 +68,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """The port of this worker's OpenAI HTTP API, reported by GetLoad (set once it listens; 0: none)."""
         self.peer_export = PeerExportFlow(client, config, lambda: self.index_epoch())
         """FetchKV calls: cached prefixes sent to peers (every role)."""
+        self.drain = StreamDrain(f"worker {config.worker_id or 'starting'}")
+        """SIGTERM: new Generate calls end DRAINING, running ones finish or are cut (radixmesh.common.drain)."""
 
     def resolve(self, listen_address: str) -> WorkerConfig:
         """Fill the worker id and advertise address once the server bound its address."""
@@ -73,11 +77,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         for flow in (self.decode, self.prefill, self.peer_fetch, self.peer_export):
             if flow is not None:
                 flow.config = self.config
+        self.drain.service = f"worker {self.config.worker_id}"
         return self.config
+
+    async def drain_streams(self, timeout_s: float) -> int:
+        """On SIGTERM: refuse new sequences, let running ones finish within `timeout_s`, cut the rest."""
+        return await self.drain.run(lambda: self.load.active, self._abort, timeout_s)
 
     @map_errors("worker")
     async def Generate(self, request: worker_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        self.drain.refuse_new()
         params = sampling_from_proto(request.sampling_params)
         if params.n != 1:
             raise invalid_argument("a Generate call is one sequence: n must be 1 (split branches before)", "n")
@@ -95,6 +105,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 engine_start = time.perf_counter()
                 async with contextlib.aclosing(stream) as outs:
                     async for out in outs:
+                        if out.finish_reason == "abort" and self.drain.was_cut(rid):
+                            if out.token_ids:  # what the engine had not sent yet, then the call ends DRAINING
+                                yield token_out_to_proto(msgspec.structs.replace(out, finish_reason=None), worker_id)
+                            raise self.drain.cut_error()
                         timeline.on_output(out)
                         first = not seq.started
                         if first:
@@ -117,6 +131,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def _tokens(self, request: worker_pb2.GenerateRequest, ids: list[int], params: SamplingParams,
                 rid: str, mm: MultimodalInputs | None) -> AsyncGenerator[TokenOut, None]:
+        if request.resume_output_ids:  # a migrated sequence: prompt and output are computed here
+            return self.client.generate_tokens(ids, params, rid, mm=mm, output_ids=list(request.resume_output_ids))
         if self.decode is not None and request.HasField("prefill") and not request.prefill_only and mm is None:
             return self.decode.generate(rid, ids, params, request.prefill)
         if (self.peer_fetch is not None and request.HasField("peer_prefix") and not request.prefill_only
@@ -159,10 +175,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:
         found = request.request_id in self.load.active
         if found:
-            if self.decode is not None:
-                self.decode.abort(request.request_id)  # still waiting for its prefill worker: stop that too
-            await self.client.abort(request.request_id)
+            await self._abort(request.request_id)
         return worker_pb2.AbortResponse(found=found)
+
+    async def _abort(self, rid: str) -> None:
+        if self.decode is not None:
+            self.decode.abort(rid)  # still waiting for its prefill worker: stop that too
+        await self.client.abort(rid)
 
     @map_errors("worker")
     async def GetLoad(self, request: worker_pb2.GetLoadRequest,
@@ -174,7 +193,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.GetLoadResponse(worker_id=self.config.worker_id, role=ROLE_TO_PROTO[self.config.role],
                                           load=load_to_proto(WorkerLoad.from_stats(stats)),
                                           disagg=disagg_stats_to_proto(stats, self.config.kv_transport),
-                                          lane_port=self.lane_port, http_port=self.http_port)
+                                          lane_port=self.lane_port, http_port=self.http_port,
+                                          draining=self.drain.draining)
 
     @map_errors("worker")
     async def FlushCache(self, request: worker_pb2.FlushCacheRequest,

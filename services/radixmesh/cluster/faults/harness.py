@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,21 @@ class FaultCluster:
         self.pids[name] = spawn(name, self.argv[name], self.log_dir, self.env.get(name)).pid
         wait_for(lambda: self.answers(name), READY_TIMEOUT_S, f"{name} to answer after its restart")
 
+    def drain_restart(self, name: str, timeout_s: float = 120.0) -> float:
+        """A rollout step: SIGTERM the service's main process (as Kubernetes does: it drains), wait for it to exit,
+        start it again with its flags and port, and wait until it answers and every router routes to it again.
+        Returns the seconds the drain took."""
+        start = time.monotonic()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pids[name], signal.SIGTERM)
+        wait_for(lambda: not _running(self.pids[name]), timeout_s, f"{name} to drain and exit")
+        drained_s = time.monotonic() - start
+        self.restart(name)
+        if name in self.worker_names:
+            wait_for(lambda: all(self.answers(r) for r in self.router_names), READY_TIMEOUT_S,
+                     f"every router to route to {name} again")
+        return drained_s
+
     def _restart_redis(self) -> None:
         assert self.state is not None and self.state.redis_url is not None
         port = int(self.state.redis_url.rsplit(":", 1)[1].split("/", 1)[0])
@@ -146,6 +162,28 @@ class FaultCluster:
     def any_router_marks_down(self, address: str) -> bool:
         views = [self.router_health(r) for r in self.router_names]
         return any(v is not None and v.get(address) is False for v in views)
+
+    def router_migrations(self) -> dict[str, float]:
+        """radixmesh_router_migrations_total by reason, summed over the routers' /metrics ({} with metrics off)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        assert self.state is not None
+        totals: dict[str, float] = {}
+        for router in self.router_names:
+            url = self.state.metrics_urls.get(router)
+            if url is None:
+                continue
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    text = response.read().decode()
+            except OSError:
+                continue
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "radixmesh_router_migrations_total":
+                        reason = sample.labels.get("reason", "")
+                        totals[reason] = totals.get(reason, 0.0) + sample.value
+        return totals
 
     def all_healthy(self) -> bool:
         """Every service answers and every router sees every worker healthy."""
@@ -231,13 +269,21 @@ def _argv(pid: int) -> list[str]:
     return [a.decode() for a in raw.split(b"\0")]
 
 
+def _running(pid: int) -> bool:
+    """Alive and not yet reaped (a child of this process is reaped here once it exited)."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+    return is_alive(pid)
+
+
 def _omp_env(pid: int) -> dict[str, str]:
+    """What a restart must keep of the process's environment: its threads and its GPUs."""
     try:
         items = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return {}
     pairs = (item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
-    return {k: v for k, v in pairs if k == "OMP_NUM_THREADS"}
+    return {k: v for k, v in pairs if k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")}
 
 
 def _process_groups() -> dict[int, list[int]]:

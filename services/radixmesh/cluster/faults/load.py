@@ -14,7 +14,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -52,12 +52,24 @@ class RequestRecord:
     end_s: float | None = None
     outcome: str = "hung"
     error: str = ""
+    index: int = -1
+    """The index its spec was made for (the same index makes the same request)."""
+    frame_s: list[float] = field(default_factory=list)
+    """Streamed: when each frame with generated tokens arrived (seconds since the load started)."""
+    num_tokens: int = 0
+    """Streamed with log-probs: tokens received (one log-prob entry each)."""
+    text: str = ""
+    """Streamed: the generated text, as the client assembled it."""
+    completion_tokens: int | None = None
+    """The usage the server reported (streamed with include_usage)."""
 
 
 def chat_stream(index: int, max_tokens: int, **extra: Any) -> RequestSpec:
-    """A streamed chat request whose prompt differs per index (so no two share a whole prompt)."""
+    """A streamed chat request whose prompt differs per index (so no two share a whole prompt); greedy, exactly
+    `max_tokens` tokens, each with its log-prob (the client counts the tokens it gets) and the usage at the end."""
     body = {"messages": [{"role": "user", "content": f"Request {index}: list some facts about the number {index}."}],
-            "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True}
+            "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True, "logprobs": True,
+            "stream_options": {"include_usage": True}}
     return RequestSpec("chat-stream", "/v1/chat/completions", {**body, **extra})
 
 
@@ -104,8 +116,8 @@ class LoadGen:
     async def _client(self, client: httpx.AsyncClient) -> None:
         while not self._stopped and self._next < self.max_requests:
             spec = self.make_spec(self._next)
+            record = RequestRecord(spec.kind, self.now_s(), index=self._next)
             self._next += 1
-            record = RequestRecord(spec.kind, self.now_s())
             self.records.append(record)
             try:
                 await aio.wait_for(self._send(client, spec, record), self.timeout_s)
@@ -143,20 +155,28 @@ class LoadGen:
                 record.error = f"error frame: {json.dumps(payload['error'])[:200]}"
                 continue
             num_frames += 1
-            if record.first_frame_s is None and _has_text(payload):
-                record.first_frame_s = self.now_s()
+            _take_frame(record, payload, self.now_s())
             if spec.abort_after_frames is not None and num_frames >= spec.abort_after_frames:
                 record.outcome = "aborted"
                 return  # leaving the `stream` block closes the connection
         record.outcome, record.error = "failed", record.error or "stream ended without [DONE]"
 
 
-def _has_text(payload: dict[str, Any]) -> bool:
-    """A frame carrying generated text (not only the assistant role)."""
+def _take_frame(record: RequestRecord, payload: dict[str, Any], now_s: float) -> None:
+    """Add a frame's text, tokens (log-prob entries) and usage to the record; time the frames with tokens."""
+    if payload.get("usage"):
+        record.completion_tokens = int(payload["usage"].get("completion_tokens", 0))
+    num_tokens, text = 0, ""
     for choice in payload.get("choices") or []:
-        if choice.get("text") or (choice.get("delta") or {}).get("content"):
-            return True
-    return False
+        text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+        logprobs = choice.get("logprobs") or {}
+        num_tokens += len(logprobs.get("content") or logprobs.get("tokens") or [])
+    record.text += text
+    record.num_tokens += num_tokens
+    if text or num_tokens:
+        record.frame_s.append(now_s)
+        if record.first_frame_s is None:
+            record.first_frame_s = now_s
 
 
 def _finish(record: RequestRecord, status: int, text: str) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from radixmesh.cluster.faults import integrity
 from radixmesh.cluster.faults.harness import FaultCluster, wait_for
 from radixmesh.cluster.faults.load import LoadGen, chat_stream, summarize
 from radixmesh.cluster.faults.scenarios import Scenario
@@ -36,13 +38,15 @@ class LoadShape:
 async def run_scenario(scenario: Scenario, shape: LoadShape) -> dict[str, Any]:
     cluster = scenario.cluster
     url = await scenario.setup()
+    make_spec = functools.partial(chat_stream, max_tokens=shape.max_tokens)
     try:
         idle_kv = await asyncio.to_thread(cluster.settled_kv)
-        load = LoadGen(url, lambda i: chat_stream(i, shape.max_tokens), shape.concurrency, shape.max_requests,
-                       shape.timeout_s)
+        migrations_before = await asyncio.to_thread(cluster.router_migrations)
+        load = LoadGen(url, make_spec, shape.concurrency, shape.max_requests, shape.timeout_s)
         running = asyncio.create_task(load.run())
         await _until(lambda: load.num_streaming >= min(2, shape.concurrency) or running.done(), 300)
         fault_s, fault_at = load.now_s(), time.monotonic()
+        scenario.fault_times = [fault_s]
         detect = asyncio.create_task(asyncio.to_thread(_poll_detected, scenario))
         await scenario.inject(load)
         await asyncio.sleep(max(0.0, scenario.hold_s - (time.monotonic() - fault_at)))
@@ -53,6 +57,8 @@ async def run_scenario(scenario: Scenario, shape: LoadShape) -> dict[str, Any]:
         load.stop()
         records = await running
         probe_s = await detect
+        texts = await integrity.text_mismatches(url, make_spec, records, scenario.fault_times, shape.timeout_s)
+        migrations = _delta(await asyncio.to_thread(cluster.router_migrations), migrations_before)
     finally:
         await scenario.teardown()
     records += getattr(scenario, "quitters", [])
@@ -62,9 +68,17 @@ async def run_scenario(scenario: Scenario, shape: LoadShape) -> dict[str, Any]:
     return {"scenario": scenario.id, "fault": scenario.fault, "hold_s": scenario.hold_s, **summary,
             "detect_s": round(detect_s, 3) if detect_s is not None else None,
             "detect_probe_s": probe_s, "recover_s": round(recover_s, 3),
+            "fault_times_s": [round(t, 3) for t in scenario.fault_times],
+            **integrity.token_counts(records, shape.max_tokens), **texts,
+            "migration": {**integrity.migration_cost(records, scenario.fault_times), "router_migrations": migrations},
             "kv_idle": idle_kv, "kv_settled": settled_kv,
             "leaked_slots": sum(max(0, settled_kv[w] - idle_kv.get(w, 0)) for w in settled_kv),
-            "rss_mb": await asyncio.to_thread(cluster.rss_mb)}
+            "rss_mb": await asyncio.to_thread(cluster.rss_mb), **scenario.extra()}
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
+    """Migrations by reason during the scenario (a router restarted in it starts from zero again)."""
+    return {reason: int(max(0.0, n - before.get(reason, 0.0))) for reason, n in after.items()}
 
 
 async def _until(check: Any, timeout_s: float) -> None:

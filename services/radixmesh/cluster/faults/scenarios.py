@@ -59,8 +59,15 @@ class Scenario:
     def detected(self) -> bool | None:
         return None
 
+    def extra(self) -> dict[str, object]:
+        """Scenario-specific figures for the results."""
+        return {}
+
     victim: str = ""
     """The worker a worker fault hits: the busiest when the fault begins (the proxied one for proxies)."""
+    fault_times: list[float]
+    """When the fault (each step of it) began, seconds since the load started (set by the runner, added to by
+    scenarios of several steps)."""
 
     @property
     def victim_worker(self) -> str:
@@ -166,6 +173,25 @@ class WorkerStop(Scenario):
         return self.cluster.any_router_marks_down(self.cluster.addresses[self.victim_worker])
 
 
+class RollingRestart(Scenario):
+    id = "rolling-restart"
+    fault = "SIGTERM each worker in turn (drain), start it again, next once it is routed to"
+
+    @property
+    def hold_s(self) -> float:
+        return 0.0
+
+    async def inject(self, load: LoadGen) -> None:
+        self.drain_s: list[float] = []
+        for i, name in enumerate(self.cluster.worker_names):
+            if i:
+                self.fault_times.append(load.now_s())
+            self.drain_s.append(round(await asyncio.to_thread(self.cluster.drain_restart, name), 2))
+
+    def extra(self) -> dict[str, object]:
+        return {"drain_s": getattr(self, "drain_s", [])}
+
+
 class _Proxied(Scenario):
     """The load goes through a router that dials the victim worker through a FaultProxy."""
 
@@ -231,7 +257,7 @@ class ClientDisconnect(Scenario):
 
 
 SCENARIOS: dict[str, Callable[[FaultCluster, Pace], Scenario]] = {
-    cls.id: cls for cls in (WorkerKill, RouterKill, TokenizerKill, GatewayKill, WorkerStop, RedisRestart,
-                            ProxyDelay, ProxyCut, ClientDisconnect)
+    cls.id: cls for cls in (WorkerKill, RollingRestart, RouterKill, TokenizerKill, GatewayKill, WorkerStop,
+                            RedisRestart, ProxyDelay, ProxyCut, ClientDisconnect)
 }
 """Scenario id -> class, in the order the full suite runs them."""

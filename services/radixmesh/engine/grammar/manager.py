@@ -2,8 +2,9 @@
 
 Lifecycle of a grammar request: `submit` starts (or joins) its compilation and holds the
 request; `collect` hands it to the waiting queue with a fresh matcher once the grammar is
-ready, or fails it (bad grammar, or not compiled within the timeout). While it runs, every
-sampled token goes through `accept` before its next mask is built by `build_mask`.
+ready (advanced over the output a migrated request resumes from), or fails it (bad grammar, or
+not compiled within the timeout). While it runs, every sampled token goes through `accept`
+before its next mask is built by `build_mask`.
 """
 
 from __future__ import annotations
@@ -100,7 +101,11 @@ class GrammarManager:
                 error = item.future.exception()
                 if error is None:
                     item.req.grammar = self.pool.backend.new_matcher(item.future.result())
-                    ready.append(item.req)
+                    refused = replay_output(item.req)
+                    if refused is None:
+                        ready.append(item.req)
+                    else:
+                        failed.append((item.req, refused))
                 else:
                     failed.append((item.req, _message(error)))
             elif now >= item.deadline_s:
@@ -182,6 +187,18 @@ class GrammarManager:
 
     def shutdown(self) -> None:
         self.pool.shutdown()
+
+
+def replay_output(req: Req) -> str | None:
+    """Advance a fresh matcher over the output a migrated request resumes from (the state, jump-forward
+    included, is then the one its first worker had); why not when the grammar refuses it (None: accepted)."""
+    matcher = _matcher(req)
+    for pos, token_id in enumerate(req.output_ids):
+        if not matcher.accept_token(token_id):
+            return f"the grammar refuses resumed output token {token_id} at position {pos}"
+    if req.output_ids and matcher.is_terminated():
+        return "the resumed output already ends the grammar"
+    return None
 
 
 def _message(error: BaseException) -> str:

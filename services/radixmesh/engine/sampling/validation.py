@@ -47,3 +47,14 @@ def validate_request(input_ids: Sequence[int], params: SamplingParams, vocab_siz
         raise invalid_argument(f"max_new_tokens={params.max_new_tokens} is too large: the prompt has {prompt_len} "
                                f"tokens and the context length is {context_len}, so at most {room} tokens can "
                                "be generated", "max_new_tokens")
+
+
+def validate_resume(output_ids: Sequence[int], params: SamplingParams, vocab_size: int) -> None:
+    """Checks of the output a migrated request resumes from: ids in the vocabulary, and budget left."""
+    if not output_ids:
+        return
+    if min(output_ids) < 0 or max(output_ids) >= vocab_size:
+        raise invalid_argument(f"resume_output_ids must be in [0, {vocab_size})", "resume_output_ids")
+    if len(output_ids) >= params.max_new_tokens:
+        raise invalid_argument(f"{len(output_ids)} tokens were generated already: max_new_tokens="
+                               f"{params.max_new_tokens} leaves none to resume", "resume_output_ids")

@@ -83,6 +83,6 @@ class PrefillManager:
 
     def _count_first_admission(self, req: Req) -> None:
         req.admitted_at = time.time()
-        req.cached_tokens = len(req.prefix_indices)
+        req.cached_tokens = min(len(req.prefix_indices), len(req.origin_input_ids))  # (a resumed output)
         self.counters.num_cached_tokens += req.cached_tokens
         self.counters.num_prompt_tokens += len(req.origin_input_ids)
