@@ -27,6 +27,7 @@ BENCH_COMMANDS: LazyRegistry[Callable[[argparse._SubParsersAction], None]] = Laz
     "hicache": "radixmesh.engine.bench.hicache:register_hicache",
     "speculative": "radixmesh.engine.bench.speculative:register_speculative",
     "kv-transfer": "radixmesh.engine.disagg.bench_transfer:register_kv_transfer",
+    "lora": "radixmesh.engine.bench.lora:register_lora",
     # a local cluster of services
     "routing": "radixmesh.cluster.bench:register_routing",
     "epp": "radixmesh.cluster.bench_epp:register_epp",
@@ -39,7 +40,7 @@ BENCH_COMMANDS: LazyRegistry[Callable[[argparse._SubParsersAction], None]] = Laz
 GROUPS = {
     "serving endpoint": ("serving", "goodput", "grpc-vs-http", "paired", "tool-calls"),
     "engine (in-process)": ("one-batch", "offline", "structured", "fp8-accuracy", "kv-capacity", "images",
-                            "hicache", "speculative", "kv-transfer"),
+                            "hicache", "speculative", "kv-transfer", "lora"),
     "local cluster": ("routing", "epp", "peer-fetch", "faults", "soak"),
 }
 """How `radixmesh bench --help` lists the subcommands."""

@@ -30,6 +30,7 @@
 #   STAGES=faults TIMEOUT_faults=600 (two GPUs, issue 51): kill -9 and rolling restart under load, 8B shape workers
 #   STAGES="hicache" (one GPU); STAGES="peer-fetch" needs two GPUs (it says "skipped" with one)
 #   STAGES="spec-tests spec-same spec-unrelated spec-unrelated-raw spec-ngram" bash scripts/gpu_suite.sh (speculation)
+#   STAGES=lora: LoRA adapters in the engine (GPU tests, then `bench lora`: 16 adapters in a batch of 32 vs the base)
 #   STAGES="moe-kernels lora-kernels" TIMEOUT_moe_kernels=590: the MoE and batched-LoRA kernels (issues 48, 46): GPU
 #   tests, the CPU kernel tests compiled, the benchmarks (MoE tile sweep at MOE_SWEEP_MS) and a table of each at the end
 #   STAGES=moe TIMEOUT_moe=590 (issue 48, two GPUs, about 6 minutes): Qwen3-30B-A3B batch-1 decode against its bandwidth
@@ -119,7 +120,8 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
         tests/gpu/test_speculative_gpu.py tests/gpu/test_mm_gpu.py tests/gpu/test_hicache_gpu.py \
         tests/gpu/test_custom_all_reduce_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_hot_path_gpu.py \
         tests/gpu/test_triton_kernels_gpu.py tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_kv_transfer_gpu.py \
-        tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_lora_gpu.py ;;
+        tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_lora_gpu.py \
+        tests/gpu/test_lora_engine_gpu.py ;;
     pdl-tests)  # programmatic dependent launch: decode kernel chains in graphs vs without PDL, engine vs transformers
       python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/gpu/test_pdl_gpu.py tests/gpu/test_engine_gpu.py
       python3 -m pytest -q -p no:cacheprovider -rfE tests/unit/test_gemv_rope_kernel.py tests/unit/test_gemv_fused_kernel.py ;;
@@ -519,6 +521,11 @@ PY
       python3 -m radixmesh.kernels.bench_moe --check --sweep --sweep-ms ${MOE_SWEEP_MS:-1 16 64 256} \
         | tee "$OUT/moe-kernels.jsonl"
       python3 -m radixmesh.kernels.bench_moe --table "$OUT/moe-kernels.jsonl" ;;
+    lora)  # issue 46: adapters in the engine (graphs vs eager vs CPU), then 16 rank-16 adapters mixed in a batch of 32
+      # vs the base model, batch 1 with and without an adapter, and a run-time load (8B shape, random weights)
+      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_engine_gpu.py tests/gpu/test_lora_gpu.py
+      $RM bench lora --model-shape llama-3.1-8b --num-adapters 16 --rank 16 --batch-size 32 --input-len 256 \
+        --output-len 128 --result-file "$OUT/lora.jsonl" ;;
     lora-kernels)  # batched LoRA at the 8B projections: tests, then the adapters' cost next to cuBLAS's base GEMMs
       # (32 decode rows over 16 rank-16 adapters, batch 1, four 512-token prefill segments; then slots sized for rank 64)
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_gpu.py

@@ -39,17 +39,17 @@ class FakeClient:
         self.outputs = outputs or []
         self.log: list[str] = []
 
-    def validate(self, input_ids: list[int], params: SamplingParams, mm: Any = None) -> None:
+    def validate(self, input_ids: list[int], params: SamplingParams, mm: Any = None, lora: Any = None) -> None:
         self.log.append(f"validate {len(input_ids)}")
 
     async def generate_tokens(self, input_ids: list[int], params: SamplingParams, rid: str,
-                              mm: Any = None) -> AsyncGenerator[TokenOut, None]:
+                              mm: Any = None, lora: Any = None) -> AsyncGenerator[TokenOut, None]:
         self.log.append(f"generate {rid}")
         for out in self.outputs:
             await asyncio.sleep(0.001)
             yield out
 
-    async def cache_prefix(self, input_ids: list[int], mm: Any = None) -> None:
+    async def cache_prefix(self, input_ids: list[int], mm: Any = None, lora: Any = None) -> None:
         self.log.append("cache_prefix")
 
     def branch_params(self, params: SamplingParams) -> list[SamplingParams]:

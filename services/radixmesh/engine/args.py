@@ -60,6 +60,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if field.type in ("bool", bool):
             parser.add_argument(flag, action="store_true", help=help_text)
             continue
+        if str(field.type) == "tuple[str, ...]":
+            parser.add_argument(flag, nargs="*", default=[], help=help_text)
+            continue
         kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(field.type), str)
         parser.add_argument(flag, type=kind, default=field.default, help=help_text)
     parser.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_const", const="off",

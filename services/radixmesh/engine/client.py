@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from radixmesh.common import aio
-from radixmesh.common.errors import ErrorCode, RadixMeshError
+from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument, not_found
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.distributed.layout import check_tensor_parallel
 from radixmesh.engine.hf_tokenizer import load_tokenizer
@@ -50,6 +50,9 @@ from radixmesh.wire.messages import (
     FatalMsg,
     FlushCacheReqMsg,
     GenerateReqMsg,
+    LoraListReqMsg,
+    LoraLoadReqMsg,
+    LoraUnloadReqMsg,
     QueryOutMsg,
     ReadyMsg,
     ServerInfoReqMsg,
@@ -67,7 +70,8 @@ QUERY_TIMEOUT_S = 60.0
 StreamedMsg: TypeAlias = GenerateReqMsg | PrefillReqMsg | ResolveReservationMsg | ExportCachedReqMsg | CommitFetchMsg
 """Requests answered by a stream of TokenOut (a prefill's or an export's also by its KVExportMsg chunks, before its
 last)."""
-QueryMsg: TypeAlias = FlushCacheReqMsg | ServerInfoReqMsg | ReserveReqMsg | TransferDoneReqMsg | PrefixLenReqMsg
+QueryMsg: TypeAlias = (FlushCacheReqMsg | ServerInfoReqMsg | ReserveReqMsg | TransferDoneReqMsg | PrefixLenReqMsg
+                       | LoraLoadReqMsg | LoraUnloadReqMsg | LoraListReqMsg)
 """Requests answered by one QueryOutMsg."""
 
 
@@ -137,22 +141,27 @@ class EngineClient:
 
     # ---- requests -----------------------------------------------------------------------------
     def validate(self, input_ids: list[int], params: SamplingParams, generates: bool = True,
-                 mm: MultimodalInputs | None = None) -> None:
+                 mm: MultimodalInputs | None = None, lora: str | None = None) -> None:
         """Reject bad input before admission, naming the parameter (`validate_request`, and for a prompt
-        with images `validate_images`)."""
+        with images `validate_images`); an adapter on a server without LoRA is NOT_FOUND."""
+        if lora is not None and not self.config.lora_enabled:
+            raise not_found(f"LoRA adapter {lora!r} is not loaded: this server serves no adapters (start it with "
+                            "--lora-paths or --enable-lora)", "lora_path")
         if mm is not None:
             validate_images(input_ids, mm, params, self.model_config)
             input_ids = masked_text_ids(input_ids)
         validate_request(input_ids, params, self.model_config.vocab_size, self.context_len, generates)
 
     async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
-                       mm: MultimodalInputs | None = None) -> AsyncGenerator[GenerationChunk, None]:
-        """Stream one completion; leaving the iterator early aborts the request and frees its KV."""
-        self.validate(input_ids, params, mm=mm)
+                       mm: MultimodalInputs | None = None,
+                       lora: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
+        """Stream one completion (of adapter `lora`; None: the base model); leaving the iterator early aborts the
+        request and frees its KV."""
+        self.validate(input_ids, params, mm=mm, lora=lora)
         rid = rid or uuid.uuid4().hex
         assembler = TextAssembler(self.tokenizer, params) if self.tokenizer is not None else None
         finished = False
-        async for out in self._stream(GenerateReqMsg(rid, list(input_ids), params, mm=mm)):
+        async for out in self._stream(GenerateReqMsg(rid, list(input_ids), params, mm=mm, lora=lora)):
             assert isinstance(out, TokenOut), "a Generate is answered by tokens only"
             finished = out.finish_reason is not None
             if assembler is not None:
@@ -163,27 +172,31 @@ class EngineClient:
 
     async def generate_tokens(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
                               prefill_only: bool = False, mm: MultimodalInputs | None = None,
-                              output_ids: Sequence[int] = ()) -> AsyncGenerator[TokenOut, None]:
+                              output_ids: Sequence[int] = (),
+                              lora: str | None = None) -> AsyncGenerator[TokenOut, None]:
         """Stream one request's token messages without text (for front ends that detokenize elsewhere).
 
         `prefill_only` computes and caches the prompt's KV and generates nothing. `output_ids`: tokens
         generated before (a migrated request): the request continues after them and streams only new
         ones. Leaving the iterator early aborts the request and frees its KV.
         """
-        self.validate(input_ids, SamplingParams() if prefill_only else params, generates=not prefill_only, mm=mm)
+        self.validate(input_ids, SamplingParams() if prefill_only else params, generates=not prefill_only, mm=mm,
+                      lora=lora)
         if prefill_only:
             params = SamplingParams(max_new_tokens=0)
         validate_resume(output_ids, params, self.model_config.vocab_size)
         msg = GenerateReqMsg(rid or uuid.uuid4().hex, list(input_ids), params, prefill_only, mm=mm,
-                             output_ids=list(output_ids))
+                             output_ids=list(output_ids), lora=lora)
         async for out in self._stream(msg):
             assert isinstance(out, TokenOut), "a Generate is answered by tokens only"
             yield out
 
-    async def cache_prefix(self, input_ids: list[int], mm: MultimodalInputs | None = None) -> None:
+    async def cache_prefix(self, input_ids: list[int], mm: MultimodalInputs | None = None,
+                           lora: str | None = None) -> None:
         """Compute and cache a prompt's KV without generating (shared by n > 1 branches)."""
         params = SamplingParams(max_new_tokens=0)
-        async for _ in self._stream(GenerateReqMsg(uuid.uuid4().hex, list(input_ids), params, True, mm=mm)):
+        msg = GenerateReqMsg(uuid.uuid4().hex, list(input_ids), params, True, mm=mm, lora=lora)
+        async for _ in self._stream(msg):
             pass
 
     def branch_params(self, params: SamplingParams) -> list[SamplingParams]:
@@ -213,7 +226,8 @@ class EngineClient:
                     yield item
                     continue
                 if item.finish_reason == "error":
-                    raise RadixMeshError(ErrorCode.INVALID_ARGUMENT, item.error or "request failed")
+                    code = ErrorCode(item.error_code or "invalid_argument")
+                    raise RadixMeshError(code, item.error or "request failed")
                 done = item.finish_reason is not None
                 yield item
         finally:
@@ -235,6 +249,27 @@ class EngineClient:
 
     async def get_server_info(self) -> dict[str, Any]:
         return await self.query(ServerInfoReqMsg(uuid.uuid4().hex))
+
+    async def lora_query(self, msg: LoraLoadReqMsg | LoraUnloadReqMsg | LoraListReqMsg) -> dict[str, Any]:
+        """Load, unload or list adapters (`radixmesh.engine.lora.hook`); its error as a RadixMeshError."""
+        if not self.config.lora_enabled:
+            if isinstance(msg, LoraListReqMsg):
+                return {"adapters": []}
+            raise invalid_argument("this server serves no LoRA adapters: start it with --enable-lora or "
+                                   "--lora-paths", "lora_name")
+        result = await self.query(msg, timeout_s=max(QUERY_TIMEOUT_S, 120.0))
+        if "error" in result:
+            raise RadixMeshError(ErrorCode(result["code"]), result["error"], "lora_name")
+        return result
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        return await self.lora_query(LoraLoadReqMsg(uuid.uuid4().hex, name, path))
+
+    async def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        return await self.lora_query(LoraUnloadReqMsg(uuid.uuid4().hex, name))
+
+    async def list_lora_adapters(self) -> list[dict[str, Any]]:
+        return list((await self.lora_query(LoraListReqMsg(uuid.uuid4().hex)))["adapters"])
 
     async def query(self, msg: QueryMsg, timeout_s: float = QUERY_TIMEOUT_S) -> dict[str, Any]:
         """Send `msg` and wait for its one answer (UNAVAILABLE when the engine dies meanwhile)."""

@@ -167,6 +167,20 @@ class EngineConfig:
     """ngram: longest suffix tried first (longer matches propose better drafts), at most 16."""
     disable_speculative_backoff: bool = False
     """Always propose the full number of drafts (no back-off per request or batch size): benchmarks only."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (implied by --lora-paths): adapters load at run time (/load_lora_adapter) into
+    device slots; docs/lora.md."""
+    lora_paths: tuple[str, ...] = ()
+    """PEFT LoRA adapters loaded at start, as NAME=PATH (or PATH, named after its directory)."""
+    max_loras_per_batch: int = 8
+    """Device slots for adapters: at most this many different adapters run in one batch (the base model is free)."""
+    max_loaded_loras: int = 64
+    """Adapters kept in host memory; past that the least recently used one not on the device is unloaded."""
+    max_lora_rank: int = 64
+    """Largest adapter rank served (the slots' size), up to 256; adapters of a larger rank are refused at load."""
+    lora_target_modules: tuple[str, ...] = ()
+    """Projections with adapter slots (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; empty: all);
+    an adapter targeting another one is refused at load."""
 
     def __post_init__(self) -> None:
         _in(self.device, DEVICES, "device")
@@ -204,6 +218,9 @@ class EngineConfig:
         self._check_grammar_options()
         self._check_quant_options()
         self._check_speculative_options()
+        from radixmesh.engine.lora.options import check_lora_options
+
+        check_lora_options(self)
         from radixmesh.engine.hicache.options import check_hicache_options
 
         check_hicache_options(self)
@@ -265,6 +282,11 @@ class EngineConfig:
     @property
     def prefill_token_budget(self) -> int:
         return self.chunked_prefill_size if self.chunked_prefill_size > 0 else self.max_prefill_tokens
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Adapters may be served (--enable-lora or --lora-paths)."""
+        return self.enable_lora or bool(self.lora_paths)
 
     @property
     def chunking_enabled(self) -> bool:

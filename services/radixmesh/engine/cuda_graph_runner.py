@@ -182,7 +182,11 @@ class CudaGraphRunner:
         backend = self.runner.attn_backend
         model = self.runner.model
 
+        lora = self.runner.lora
+
         def run() -> torch.Tensor:
+            if lora is not None:
+                lora.bind_graph(bs)
             backend.init_forward_metadata_graph(fb, bs)
             logits: torch.Tensor = model(fb.input_ids, fb.positions, fb)
             return logits
@@ -209,6 +213,8 @@ class CudaGraphRunner:
         if head is None:
             head = self._heads[bs] = views.head(bs)
         stage_inputs(views, head, batch, prev_tokens, self.runner.req_pool.req_to_token)
+        if self.runner.lora is not None:
+            self.runner.lora.stage_graph([req.lora_slot for req in batch.reqs], padded)
         self.graphs[padded].replay()
         self.num_replays += 1
         return self.outputs[padded][:bs]

@@ -87,11 +87,12 @@ class Engine:
 
     def generate(self, prompt: Prompt | list[Prompt], sampling_params: dict[str, Any] | SamplingParams
                  | None = None, image_data: ImageData | list[ImageData | None] | None = None,
-                 ) -> dict[str, Any] | list[dict[str, Any]]:
+                 lora_path: str | list[str | None] | None = None) -> dict[str, Any] | list[dict[str, Any]]:
         """One result dict for one prompt (a list when n > 1); a list for a list of prompts.
 
         `image_data`: the prompt's images (a list of them per prompt for a list of prompts); the prompt
         holds the model's image placeholder once per image (`<image>`, `<|vision_start|><|image_pad|>...`).
+        `lora_path`: the loaded LoRA adapter to run with (one per prompt for a list; None: the base model).
         """
         params = _as_params(sampling_params)
         single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
@@ -101,24 +102,27 @@ class Engine:
             raise invalid_argument(f"got image_data for {len(per_prompt)} prompts, not {len(prompts)}", "image_data")
         placed = [self.prepare_prompt(p, images, f"image_data[{i}]" if not single else "image_data")
                   for i, (p, images) in enumerate(zip(prompts, per_prompt))]
-        for ids, mm in placed:
-            self.client.validate(ids, params, mm=mm)
-        results = self._run(self._generate_all(placed, params))
+        loras = _per_prompt_lora(lora_path, len(prompts))
+        for (ids, mm), lora in zip(placed, loras):
+            self.client.validate(ids, params, mm=mm, lora=lora)
+        results = self._run(self._generate_all(placed, params, loras))
         if single and params.n == 1:
             return results[0]
         return results
 
     async def _generate_all(self, prompts: list[tuple[list[int], MultimodalInputs | None]],
-                            params: SamplingParams) -> list[dict[str, Any]]:
+                            params: SamplingParams, loras: list[str | None]) -> list[dict[str, Any]]:
         if params.n > 1:
-            await asyncio.gather(*(self.client.cache_prefix(ids, mm) for ids, mm in prompts))
-        jobs = [self._collect(ids, branch, mm) for ids, mm in prompts for branch in self.client.branch_params(params)]
+            await asyncio.gather(*(self.client.cache_prefix(ids, mm, lora)
+                                   for (ids, mm), lora in zip(prompts, loras)))
+        jobs = [self._collect(ids, branch, mm, lora) for (ids, mm), lora in zip(prompts, loras)
+                for branch in self.client.branch_params(params)]
         return list(await asyncio.gather(*jobs))
 
     async def _collect(self, input_ids: list[int], params: SamplingParams,
-                       mm: MultimodalInputs | None = None) -> dict[str, Any]:
+                       mm: MultimodalInputs | None = None, lora: str | None = None) -> dict[str, Any]:
         result: GenerationResult | None = None
-        async for chunk in self.client.generate(input_ids, params, mm=mm):
+        async for chunk in self.client.generate(input_ids, params, mm=mm, lora=lora):
             result = result or GenerationResult(chunk.rid, input_ids=input_ids)
             result.add(chunk)
         assert result is not None
@@ -150,6 +154,16 @@ class Engine:
     def get_server_info(self) -> dict[str, Any]:
         return self._run(self.client.get_server_info())
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Load the PEFT adapter at `lora_path` as `lora_name` (its rank, targets and load time)."""
+        return self._run(self.client.load_lora_adapter(lora_name, lora_path))
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self._run(self.client.unload_lora_adapter(lora_name))
+
+    def list_lora_adapters(self) -> list[dict[str, Any]]:
+        return self._run(self.client.list_lora_adapters())
+
     def shutdown(self) -> None:
         if self._thread.is_alive():
             self._run(self.client.shutdown())
@@ -161,6 +175,14 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _per_prompt_lora(lora_path: str | list[str | None] | None, num_prompts: int) -> list[str | None]:
+    if not isinstance(lora_path, list):
+        return [lora_path] * num_prompts
+    if len(lora_path) != num_prompts:
+        raise invalid_argument(f"got lora_path for {len(lora_path)} prompts, not {num_prompts}", "lora_path")
+    return lora_path
 
 
 def _as_params(params: dict[str, Any] | SamplingParams | None) -> SamplingParams:

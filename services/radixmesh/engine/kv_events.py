@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from radixmesh.wire.block_hash import block_hashes
 from radixmesh.wire.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, KVEventsMsg
+from radixmesh.wire.lora import namespace_extra_key, split_namespace
 
 if TYPE_CHECKING:
     from radixmesh.engine.radix_cache import TreeNode
@@ -72,4 +73,6 @@ class BlockEventRecorder:
         first, end = start // self.block_size, len(path) // self.block_size
         if first >= end:
             return []
-        return block_hashes(path[: end * self.block_size], self.block_size, self.extra_key)[first:]
+        namespace, tokens = split_namespace(path[: end * self.block_size])  # an adapter's prefix: its own key
+        extra = self.extra_key + namespace_extra_key(namespace)
+        return block_hashes(tokens, self.block_size, extra)[first:]

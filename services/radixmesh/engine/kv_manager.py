@@ -38,7 +38,7 @@ class KVCacheManager:
         Only eviction can invalidate the match, and nothing evicts before admission locks it.
         """
         assert req.last_node is None, "a waiting request must not hold a lock"
-        match = self.tree.match_prefix(req.all_ids[: req.max_prefix_len])
+        match = self.tree.match_prefix(req.cache_key(req.all_ids[: req.max_prefix_len]))
         req.prefix_indices = match.indices
         req.matched_node = match.last_node
 
@@ -79,7 +79,7 @@ class KVCacheManager:
     def cache_unfinished(self, req: Req) -> None:
         """Hand the request's computed KV to the tree and re-lock it as the new prefix (chunking)."""
         assert req.req_pool_idx is not None, "request has no KV row"
-        tokens = req.all_ids[: req.kv_len]
+        tokens = req.cache_key(req.all_ids[: req.kv_len])
         row = self.req_pool.req_to_token[req.req_pool_idx]
         self._insert(req, tokens, row[: req.kv_len])
         self.unlock(req)
@@ -96,7 +96,7 @@ class KVCacheManager:
             self.unlock(req)
             return
         row = self.req_pool.req_to_token[req.req_pool_idx]
-        self._insert(req, req.all_ids[: req.kv_len], row[: req.kv_len])
+        self._insert(req, req.cache_key(req.all_ids[: req.kv_len]), row[: req.kv_len])
         self.unlock(req)
         self.req_pool.free(req.req_pool_idx)
         req.req_pool_idx = None

@@ -30,6 +30,7 @@ from radixmesh.engine.sampling.sampler import SampleOutput, Sampler
 
 if TYPE_CHECKING:
     from radixmesh.engine.distributed.leader import TpLeader
+    from radixmesh.engine.lora.runtime import LoraRuntime
 
 
 class ModelRunner:
@@ -54,6 +55,8 @@ class ModelRunner:
     sampler: Sampler
     sampling_cache: SamplingInfoCache
     graph_runner: CudaGraphRunner | None
+    lora: LoraRuntime | None = None
+    """Adapter slots and the per-pass slot choice (LoRA on)."""
 
     def __init__(self, config: EngineConfig, prepared: PreparedModel, rank_link: RankLink | None = None) -> None:
         """`rank_link`: a tensor-parallel rank other than 0 (`follower.FollowerLink`); without one,
@@ -117,10 +120,12 @@ class ModelRunner:
         """Logits (float32) for each request's last new token `[batch, vocab]`, then for the packed
         tokens that score prompt log-probs `[num_scored, vocab]` (EXTEND only)."""
         if self.tp_leader is not None:  # the same pass on every rank
-            self.tp_leader.publish_forward(batch, self.req_pool.drain_journal())
+            self.tp_leader.publish_forward(batch, self.req_pool.drain_journal(), self.lora is not None)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch, self.last_tokens)
         fb = self._forward_batch(batch)
+        if self.lora is not None:
+            self.lora.prepare(batch)
         if self.mm is not None:
             fb.mm = self.mm.prepare(batch)
         self.attn_backend.init_forward_metadata(fb)

@@ -56,6 +56,8 @@ class Req:
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     error: str | None = None
+    error_code: str | None = None
+    """The `ErrorCode` value of `error` (None: invalid_argument)."""
     futures: list[tuple[int, int]] = field(default_factory=list)
     """(launch id, row) of tokens sampled on the device but not yet appended, oldest first (overlap)."""
     grammar: GrammarMatcher | None = None
@@ -75,6 +77,12 @@ class Req:
     pending_input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     mm: ReqImages | None = None
     """The prompt's images (their positions hold pad ids, see radixmesh.wire.images); None: text only."""
+    lora_name: str | None = None
+    """The LoRA adapter the request runs with (None: the base model)."""
+    lora_slot: int = -1
+    """The device slot holding its adapter while it is admitted (-1: none)."""
+    cache_namespace: int = 0
+    """Its prefix-cache namespace (`radixmesh.wire.lora.adapter_namespace`; 0: the base model's)."""
 
     def __post_init__(self) -> None:
         start = self.params.logprob_start_len
@@ -84,6 +92,15 @@ class Req:
     def all_ids(self) -> list[int]:
         """Prompt followed by generated tokens: what the KV must eventually cover."""
         return self.origin_input_ids + self.output_ids
+
+    def cache_key(self, ids: list[int]) -> list[int]:
+        """`ids` as radix-cache keys: in a namespace of its own per adapter, so that two adapters never share
+        KV and requests of one adapter do (`radixmesh.wire.lora`)."""
+        if not self.cache_namespace:
+            return ids
+        from radixmesh.wire.lora import namespaced
+
+        return namespaced(ids, self.cache_namespace)
 
     @property
     def fill_len(self) -> int:

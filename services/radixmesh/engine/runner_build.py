@@ -1,7 +1,7 @@
 """How a `ModelRunner` is built, one named step at a time.
 
 `build_runner` runs the steps in their order; each step reads what the steps before it set on the runner:
-device -> quantization -> KV dtype -> tensor-parallel checks -> load -> memory plan -> pools -> FP8 scales
+device -> quantization -> KV dtype -> tensor-parallel checks -> load -> LoRA slots -> memory plan -> pools -> FP8 scales
 -> multimodal -> attention backend (and its warm-up) -> sampler -> CUDA graphs.
 """
 
@@ -34,6 +34,7 @@ from radixmesh.engine.sampling.sampler import Sampler
 from radixmesh.engine.speculative.draft_setup import draft_memory_need
 
 if TYPE_CHECKING:
+    from radixmesh.engine.lora.runtime import LoraRuntime
     from radixmesh.engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ def build_runner(runner: ModelRunner, config: EngineConfig, prepared: PreparedMo
     runner.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, runner.dtype, runner.device, config.attention_backend)
     check_tp_support(runner)
     runner.model = load_model(runner, prepared)
+    runner.lora = build_lora(runner)
     if runner.rank_link is not None:
         runner.rank_link.stage("loaded")  # rank 0 waits here until every rank holds its shard
     runner.plan = plan_memory(runner)
@@ -165,6 +167,29 @@ def _enable_fast_paths(runner: ModelRunner, model: torch.nn.Module) -> None:
     if runner.dtype in (torch.bfloat16, torch.float16) and not config.disable_gemv:
         layers = enable_gemv(model, fuse_prologues=not config.disable_gemv_fusion)
         logger.info("batch-1 GEMV kernel on for %d linear layers", layers)
+
+
+def build_lora(runner: ModelRunner) -> LoraRuntime | None:
+    """Adapter slots on every Llama/Qwen2 projection an adapter may target (LoRA on); before the memory plan, so
+    the KV pool is sized around them."""
+    config = runner.config
+    if not config.lora_enabled:
+        return None
+    from radixmesh.engine.lora.options import target_modules
+    from radixmesh.engine.lora.runtime import LoraRuntime
+    from radixmesh.engine.lora.slots import SlotShape
+
+    if not model_family(runner.model_config.family).tensor_parallel:  # the decoder-only text families
+        family = runner.model_config.family
+        raise invalid_argument(f"LoRA adapters run on the Llama and Qwen2 text models, not {family!r}", "enable_lora")
+    shape = SlotShape(config.max_loras_per_batch, config.max_lora_rank, target_modules(config))
+    lora = LoraRuntime(runner.model, runner.layout, runner.model_config.hidden_size, shape, runner.device,
+                       runner.dtype, config.cuda_graph_max_bs if runner.device.type == "cuda" else 0)
+    if runner.tp_leader is not None:
+        lora.mirror = runner.tp_leader.lora_slot
+    logger.info("LoRA: %d slots of rank %d, %.1f MiB", shape.num_slots, shape.max_rank,
+                lora.slots.num_bytes / 2**20)
+    return lora
 
 
 def plan_memory(runner: ModelRunner) -> MemoryPlan:

@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from radixmesh import __version__
 from radixmesh.common import tracing
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
-from radixmesh.gateway import native_api, openai_api, responses_api, tokenize_api
+from radixmesh.gateway import lora_api, native_api, openai_api, responses_api, tokenize_api
 from radixmesh.gateway.auth import ApiKeys, api_keys_of
 from radixmesh.gateway.backend import GatewayBackend
 from radixmesh.gateway.cluster_backend import ClusterBackend
@@ -57,7 +57,8 @@ def create_app(backend: GatewayBackend, config: GatewayConfig, api_keys: ApiKeys
     app = FastAPI(title="radixmesh", version=__version__,
                   description="OpenAI-compatible and SGLang-native LLM serving API", **_no_native_telemetry())
     app.state.gateway = state
-    routers = (probes, openai_api.router, responses_api.router, native_api.router, tokenize_api.router)
+    routers = (probes, openai_api.router, responses_api.router, native_api.router, tokenize_api.router,
+               lora_api.router)
     for router in routers:
         app.include_router(router)
     _add_exception_handlers(app)

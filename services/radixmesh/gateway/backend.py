@@ -51,6 +51,8 @@ class ModelCard:
     """The chat template renders `tools`, tool calls and tool turns itself (else the gateway writes them as text)."""
     chat_template_tool_syntax: str = ""
     """The tool-call syntax the template teaches ("hermes", "mistral", "llama3-json"; "" when none is known)."""
+    serves_lora: bool = False
+    """LoRA adapters may be named (`model: "base:adapter"`, `lora_path`); which ones the engine decides."""
 
     def accepts(self, name: str) -> bool:
         return name == self.name or name in self.aliases
@@ -128,19 +130,22 @@ class GatewayBackend(ABC):
         """Each token's own text (special tokens kept), for logprobs."""
 
     # ---- generation -----------------------------------------------------------------------------
-    # A prompt with images passes its `mm` (from `tokenize_multimodal`) as a keyword argument to the
-    # three methods below; callers pass none for text prompts.
+    # A prompt with images passes its `mm` (from `tokenize_multimodal`), one with a LoRA adapter its `lora`
+    # (the adapter's name), as keyword arguments to the three methods below; callers pass none otherwise.
     @abstractmethod
-    def validate(self, input_ids: list[int], params: SamplingParams, mm: MultimodalInputs | None = None) -> None:
+    def validate(self, input_ids: list[int], params: SamplingParams, mm: MultimodalInputs | None = None,
+                 lora: str | None = None) -> None:
         """Raise INVALID_ARGUMENT, naming the parameter, for a request the backend would refuse."""
 
     @abstractmethod
     def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
-                 mm: MultimodalInputs | None = None) -> AsyncGenerator[GenerationChunk, None]:
-        """Stream one sequence (params.n == 1); its last chunk carries the finish reason."""
+                 mm: MultimodalInputs | None = None, lora: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
+        """Stream one sequence (params.n == 1); its last chunk carries the finish reason. An adapter no engine
+        holds is NOT_FOUND, naming it."""
 
     @abstractmethod
-    async def cache_prefix(self, input_ids: list[int], mm: MultimodalInputs | None = None) -> None:
+    async def cache_prefix(self, input_ids: list[int], mm: MultimodalInputs | None = None,
+                           lora: str | None = None) -> None:
         """Compute and cache a prompt's KV without generating, so n > 1 branches share it."""
 
     @abstractmethod
@@ -164,6 +169,19 @@ class GatewayBackend(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Stop the model runtime; idempotent."""
+
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+    async def list_lora_adapters(self) -> list[dict[str, Any]]:
+        """The loaded adapters (name, rank, ...); none by default."""
+        return []
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Load the PEFT adapter at `path` as `name`: INVALID_ARGUMENT naming what is wrong with a bad one."""
+        raise unsupported("this server does not load LoRA adapters", "lora_name")
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Unload adapter `name` (NOT_FOUND if it is not loaded)."""
+        raise unsupported("this server does not load LoRA adapters", "lora_name")
 
     def metric_views(self) -> list[tuple[Any, str]]:
         """Metrics of other parts running in this process, (a collector, its service label), that the gateway's

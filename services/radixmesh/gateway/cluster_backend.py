@@ -149,7 +149,8 @@ class ClusterBackend(GatewayBackend):
         return self.tokenizer.prompt_hashes(ids)
 
     # ---- generation -------------------------------------------------------------------------------
-    def validate(self, input_ids: list[int], params: SamplingParams, mm: MultimodalInputs | None = None) -> None:
+    def validate(self, input_ids: list[int], params: SamplingParams, mm: MultimodalInputs | None = None,
+                 lora: str | None = None) -> None:
         """The checks that need no engine; the worker checks everything again and its errors come back exact."""
         card = self.card
         if mm is not None:
@@ -164,16 +165,17 @@ class ClusterBackend(GatewayBackend):
             raise invalid_argument(f"input_ids must be in [0, {card.vocab_size})", "input_ids")
 
     def _request(self, input_ids: list[int], params: SamplingParams, rid: str, prefill_only: bool = False,
-                 mm: MultimodalInputs | None = None) -> worker_pb2.GenerateRequest:
+                 mm: MultimodalInputs | None = None, lora: str | None = None) -> worker_pb2.GenerateRequest:
         return worker_pb2.GenerateRequest(request_id=rid, token_ids=input_ids,
-                                          block_hashes=self.tokenizer.prompt_hashes(input_ids),
+                                          block_hashes=self.tokenizer.prompt_hashes(input_ids, lora),
                                           sampling_params=sampling_to_proto(params), prefill_only=prefill_only,
-                                          images=images_to_proto(mm))
+                                          images=images_to_proto(mm), lora_name=lora or "")
 
     async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
-                       mm: MultimodalInputs | None = None) -> AsyncGenerator[GenerationChunk, None]:
+                       mm: MultimodalInputs | None = None,
+                       lora: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
         rid = rid or uuid.uuid4().hex
-        request = self._request(list(input_ids), params, rid, mm=mm)
+        request = self._request(list(input_ids), params, rid, mm=mm, lora=lora)
         detok = self.tokenizer.stream_text(rid, params)
         messages = self.generation.stream(request)
         try:
@@ -184,8 +186,9 @@ class ClusterBackend(GatewayBackend):
             await messages.aclose()  # an unfinished call is cancelled: the target aborts and frees the KV
             detok.close()
 
-    async def cache_prefix(self, input_ids: list[int], mm: MultimodalInputs | None = None) -> None:
-        request = self._request(list(input_ids), SamplingParams(), uuid.uuid4().hex, True, mm)
+    async def cache_prefix(self, input_ids: list[int], mm: MultimodalInputs | None = None,
+                           lora: str | None = None) -> None:
+        request = self._request(list(input_ids), SamplingParams(), uuid.uuid4().hex, True, mm, lora)
         async for _ in self.generation.stream(request):
             pass
 

@@ -30,11 +30,16 @@ class PromptJob:
     params: SamplingParams
     mm: MultimodalInputs | None = None
     """The prompt's images (from `GatewayBackend.tokenize_multimodal`); None for text."""
+    lora: str | None = None
+    """The LoRA adapter the prompt runs with (None: the base model)."""
 
     @property
     def mm_kwargs(self) -> dict[str, Any]:
-        """`mm=...` for the backend calls of a prompt with images; nothing for text prompts."""
-        return {"mm": self.mm} if self.mm is not None else {}
+        """`mm=...` and `lora=...` for the backend calls of a prompt with images or an adapter; nothing else."""
+        kwargs: dict[str, Any] = {"mm": self.mm} if self.mm is not None else {}
+        if self.lora is not None:
+            kwargs["lora"] = self.lora
+        return kwargs
 
 
 class Dispatcher:
@@ -173,9 +178,9 @@ class Generation:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _cache_shared_prompts(self) -> None:
-        shared = {tuple(job.input_ids): job for job in self.jobs if job.params.n > 1}
+        shared = {(tuple(job.input_ids), job.lora): job for job in self.jobs if job.params.n > 1}
         backend = self.dispatcher.backend
-        await asyncio.gather(*(backend.cache_prefix(list(ids), **job.mm_kwargs) for ids, job in shared.items()))
+        await asyncio.gather(*(backend.cache_prefix(list(ids), **job.mm_kwargs) for (ids, _), job in shared.items()))
 
     async def _pump(self, index: int, queue: asyncio.Queue[tuple[int, GenerationChunk] | Exception]) -> None:
         try:

@@ -18,11 +18,18 @@ import grpc.aio
 
 from radixmesh.common.grpc_errors import map_errors
 from radixmesh.gateway import grpc_api_convert as conv
-from radixmesh.gateway.openai_api import ChatRun, CompletionRun, model_object, start_chat, start_completion
+from radixmesh.gateway.openai_api import (
+    ChatRun,
+    CompletionRun,
+    adapter_objects,
+    model_object,
+    start_chat,
+    start_completion,
+)
 from radixmesh.gateway.state import GatewayState
 from radixmesh.gateway.upstreams import not_ready_error
+from radixmesh.protocol import common_pb2, inference_pb2_grpc
 from radixmesh.protocol import inference_pb2 as pb
-from radixmesh.protocol import inference_pb2_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -90,7 +97,24 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     @map_errors(ERROR_SOURCE)
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=[conv.model_reply(model_object(self._ready_state()))])
+        state = self._ready_state()
+        adapters = await state.backend.list_lora_adapters() if state.backend.card.serves_lora else []
+        models = [model_object(state), *adapter_objects(state, adapters)]
+        return pb.ListModelsResponse(models=[conv.model_reply(m) for m in models])
+
+    @map_errors(ERROR_SOURCE)
+    async def LoadLoraAdapter(self, request: common_pb2.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> common_pb2.LoadLoraAdapterResponse:
+        info = await self._ready_state().backend.load_lora_adapter(request.name, request.path)
+        return common_pb2.LoadLoraAdapterResponse(name=request.name, rank=int(info.get("rank", 0)),
+                                                  targets=list(info.get("targets", [])),
+                                                  load_s=float(info.get("load_s", 0.0)))
+
+    @map_errors(ERROR_SOURCE)
+    async def UnloadLoraAdapter(self, request: common_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> common_pb2.UnloadLoraAdapterResponse:
+        await self._ready_state().backend.unload_lora_adapter(request.name)
+        return common_pb2.UnloadLoraAdapterResponse()
 
 
 @contextlib.contextmanager

@@ -214,4 +214,4 @@ def _tool_calls(message: AssistantMessage | Delta) -> list[pb.ToolCall]:
 
 def model_reply(model: ModelObject) -> pb.Model:
     return pb.Model(id=model.id, created=model.created, owned_by=model.owned_by, root=model.root or "",
-                    max_model_len=model.max_model_len or 0)
+                    max_model_len=model.max_model_len or 0, parent=model.parent or "")

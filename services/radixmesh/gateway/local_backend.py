@@ -108,14 +108,16 @@ class LocalEngineBackend(GatewayBackend):
         return token_texts(self.client.tokenizer, token_ids)
 
     # ---- generation -----------------------------------------------------------------------------
-    def validate(self, input_ids: list[int], params: SamplingParams, mm: MultimodalInputs | None = None) -> None:
-        self.client.validate(input_ids, params, mm=mm)
+    def validate(self, input_ids: list[int], params: SamplingParams, mm: MultimodalInputs | None = None,
+                 lora: str | None = None) -> None:
+        self.client.validate(input_ids, params, mm=mm, lora=lora)
 
     def bind_queue_time(self, histogram: Any) -> None:
         self._queue_time = histogram
 
     async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
-                       mm: MultimodalInputs | None = None) -> AsyncGenerator[GenerationChunk, None]:
+                       mm: MultimodalInputs | None = None,
+                       lora: str | None = None) -> AsyncGenerator[GenerationChunk, None]:
         """EngineClient.generate, plus the timeline of the request (queue-time metric, phase spans)."""
         rid = rid or uuid.uuid4().hex
         tokenizer = self.client.tokenizer
@@ -125,7 +127,7 @@ class LocalEngineBackend(GatewayBackend):
         detokenize_ns = 0
         engine_start: float | None = time.perf_counter()
         try:
-            async for out in self.client.generate_tokens(input_ids, params, rid, mm=mm):
+            async for out in self.client.generate_tokens(input_ids, params, rid, mm=mm, lora=lora):
                 timeline.on_output(out)
                 start_ns = time.perf_counter_ns()
                 chunk = assembler.feed(out) if assembler is not None else GenerationChunk.of(out)
@@ -140,8 +142,9 @@ class LocalEngineBackend(GatewayBackend):
                     "radixmesh.request_id": rid, "detokenize.output_tokens": timeline.num_output_tokens,
                     "detokenize.busy_ms": round(detokenize_ns / 1e6, 3)}, timeline.parent)
 
-    async def cache_prefix(self, input_ids: list[int], mm: MultimodalInputs | None = None) -> None:
-        await self.client.cache_prefix(input_ids, mm)
+    async def cache_prefix(self, input_ids: list[int], mm: MultimodalInputs | None = None,
+                           lora: str | None = None) -> None:
+        await self.client.cache_prefix(input_ids, mm, lora)
 
     def branch_params(self, params: SamplingParams) -> list[SamplingParams]:
         return self.client.branch_params(params)
@@ -162,6 +165,15 @@ class LocalEngineBackend(GatewayBackend):
             if self.tokenize_pool is not None:
                 self.tokenize_pool.close()
             await self.client.shutdown()
+
+    async def list_lora_adapters(self) -> list[dict[str, Any]]:
+        return await self.client.list_lora_adapters()
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        return await self.client.load_lora_adapter(name, path)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self.client.unload_lora_adapter(name)
 
 
 async def _tokenize(kind: str, encoding: Awaitable[Encoded[None]]) -> list[int]:
@@ -196,4 +208,5 @@ def _make_card(client: EngineClient, served_model_name: str | None, has_images: 
         max_running_requests=running, created=int(time.time()),
         extra={"backend": "local", **dataclasses.asdict(client.config)}, has_image_understanding=has_images,
         chat_template_takes_tools=takes_tools(template), chat_template_tool_syntax=tool_syntax(template),
+        serves_lora=client.config.lora_enabled,
     )

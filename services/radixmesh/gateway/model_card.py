@@ -105,4 +105,5 @@ def make_card(info: worker_pb2.GetModelInfoResponse, tok: tokenizer_pb2.GetToken
                      max_running_requests=info.max_running_requests, created=int(time.time()), extra=extra,
                      has_image_understanding=info.has_image_understanding and tok.accepts_images,
                      chat_template_takes_tools=tok.chat_template_takes_tools,
-                     chat_template_tool_syntax=tok.chat_template_tool_syntax)
+                     chat_template_tool_syntax=tok.chat_template_tool_syntax,
+                     serves_lora=bool(extra.get("enable_lora") or extra.get("lora_paths")))

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from radixmesh import __version__
 from radixmesh.common import aio
-from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument, unsupported
+from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument, not_found
 from radixmesh.engine.mm.prompt import PromptWithImages
 from radixmesh.gateway import openai_convert as conv
 from radixmesh.gateway.backend import SamplingParams
@@ -99,8 +99,8 @@ async def generate(request: Request) -> Response:
     rids = req.rid if isinstance(req.rid, list) else None
     prompt_param = "input_ids" if req.input_ids is not None else "text"
     with conv.openai_names({"prompt": prompt_param, "top_logprobs": "top_logprobs_num"}):  # SGLang's names
-        jobs = [PromptJob(ids, _params(state, req, sp, len(ids), ask), mm)
-                for ids, sp, ask, mm in zip(prompts, per_prompt, asks, mms)]
+        jobs = [PromptJob(ids, _params(state, req, sp, len(ids), ask), mm, lora)
+                for ids, sp, ask, mm, lora in zip(prompts, per_prompt, asks, mms, _loras(state, req, len(prompts)))]
         generation = state.dispatcher.open("generate", jobs, request_id=rid, rids=rids, tokenize_s=tokenize_s)
     run = _NativeRun(state, req, generation, batched or len(generation.rids) > 1)
     if req.stream:
@@ -133,9 +133,20 @@ async def _prompts(state: GatewayState, req: GenerateRequest) \
     return [ids for ids, _ in placed], [mm for _, mm in placed], batched
 
 
+def _loras(state: GatewayState, req: GenerateRequest, num_prompts: int) -> list[str | None]:
+    """Each prompt's LoRA adapter: SGLang's `lora_path`, an adapter name or one per prompt (None: the base)."""
+    value = req.lora_path
+    names = value if isinstance(value, list) else [value] * num_prompts
+    if len(names) != num_prompts or not all(n is None or isinstance(n, str) for n in names):
+        raise invalid_argument(f"lora_path must be an adapter name or a list of {num_prompts} (names or null)",
+                               "lora_path")
+    if any(names) and not state.backend.card.serves_lora:
+        missing = next(n for n in names if n)
+        raise not_found(f"LoRA adapter {missing!r} is not loaded: this server serves no adapters", "lora_path")
+    return [n or None for n in names]
+
+
 def _raw_prompts(req: GenerateRequest) -> tuple[list[str | list[int]], bool]:
-    if req.lora_path is not None:
-        raise unsupported("lora_path is not supported", "lora_path")
     if (req.text is None) == (req.input_ids is None):
         raise invalid_argument("give exactly one of text and input_ids", "text")
     if req.text is not None:

@@ -12,7 +12,7 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixmesh.common.errors import invalid_argument, unsupported
+from radixmesh.common.errors import invalid_argument, not_found, unsupported
 from radixmesh.engine.mm.prompt import PromptWithImages
 from radixmesh.gateway import openai_convert as conv
 from radixmesh.gateway.backend import GenerationChunk
@@ -61,16 +61,30 @@ def model_object(state: GatewayState) -> ModelObject:
                        max_model_len=card.context_len)
 
 
+def adapter_objects(state: GatewayState, adapters: list[dict[str, Any]]) -> list[ModelObject]:
+    """LoRA adapters as models: id "adapter", parent the base model (vLLM's way)."""
+    card = state.backend.card
+    return [ModelObject(id=a["name"], created=card.created, root=str(a.get("path") or a["name"]), parent=card.name,
+                        max_model_len=card.context_len) for a in adapters]
+
+
 @router.get("/models")
 async def list_models(request: Request) -> Response:
-    return _json(ModelList(data=[model_object(get_state(request))]))
+    state = get_state(request)
+    adapters = await state.backend.list_lora_adapters() if state.backend.card.serves_lora else []
+    return _json(ModelList(data=[model_object(state), *adapter_objects(state, adapters)]))
 
 
 @router.get("/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> Response:
     state = get_state(request)
-    state.resolve_model(model_id)
-    return _json(model_object(state))
+    _, lora = state.resolve_model_adapter(model_id)
+    if lora is None:
+        return _json(model_object(state))
+    found = [a for a in await state.backend.list_lora_adapters() if a["name"] == lora]
+    if not found:
+        raise not_found(f"The model '{model_id}' does not exist: no LoRA adapter {lora!r} is loaded", "model")
+    return _json(adapter_objects(state, found)[0])
 
 
 # ---- completions ---------------------------------------------------------------------------------
@@ -83,7 +97,8 @@ async def completions(request: Request) -> Response:
 
 async def start_completion(state: GatewayState, req: CompletionRequest) -> CompletionRun:
     """Validate and admit a completion request (HTTP and gRPC alike); the run is not started yet."""
-    model = state.resolve_model(req.model)
+    model, lora = state.resolve_model_adapter(req.model)
+    model = req.model if lora is not None and req.model else model  # a fine-tune answers under its own name
     conv.check_completion_supported(req)
     tokenize_start = time.perf_counter()
     prompts = await _completion_prompts(state, req)
@@ -94,7 +109,7 @@ async def start_completion(state: GatewayState, req: CompletionRequest) -> Compl
         for ids in prompts:
             max_new = conv.resolve_max_new_tokens(req.max_tokens, len(ids), state.backend.card.context_len,
                                                   16, "max_tokens", "prompt")
-            jobs.append(PromptJob(ids, conv.sampling_params(req, max_new, req.logprobs)))
+            jobs.append(PromptJob(ids, conv.sampling_params(req, max_new, req.logprobs), lora=lora))
         generation = state.dispatcher.open("completions", jobs, tokenize_s=tokenize_s)
     return CompletionRun(state, req, model, generation, echoes)
 
@@ -200,7 +215,8 @@ async def chat_completions(request: Request) -> Response:
 
 async def start_chat(state: GatewayState, req: ChatCompletionRequest) -> ChatRun:
     """Validate and admit a chat request (HTTP and gRPC alike); the run is not started yet."""
-    model = state.resolve_model(req.model)
+    model, lora = state.resolve_model_adapter(req.model)
+    model = req.model if lora is not None and req.model else model
     conv.check_chat_supported(req)
     setup = ChatSetup.of(state.config, state.backend.card, conv.chat_tools(req), req.include_reasoning,
                          req.separate_reasoning)
@@ -226,7 +242,7 @@ async def start_chat(state: GatewayState, req: ChatCompletionRequest) -> ChatRun
                                               state.config.max_default_tokens, max_param, "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = setup.sampling_params(conv.sampling_params(req, max_new, top))
-        generation = state.dispatcher.open("chat_completions", [PromptJob(input_ids, params, mm)],
+        generation = state.dispatcher.open("chat_completions", [PromptJob(input_ids, params, mm, lora)],
                                            tokenize_s=tokenize_s)
     return ChatRun(state, req, model, generation, setup)
 

@@ -386,6 +386,8 @@ class ModelObject(Response):
     created: int
     owned_by: str = "radixmesh"
     root: str | None = None
+    parent: str | None = None
+    """A LoRA adapter's base model (None for the base model itself)."""
     max_model_len: int | None = None
 
 

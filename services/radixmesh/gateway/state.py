@@ -15,6 +15,7 @@ from radixmesh.gateway.backend import GatewayBackend
 from radixmesh.gateway.config import GatewayConfig
 from radixmesh.gateway.dispatch import Dispatcher
 from radixmesh.gateway.metrics import GatewayMetrics
+from radixmesh.wire.lora import split_model_name
 
 T = TypeVar("T")
 DEFAULT_MODEL = "default"
@@ -31,9 +32,21 @@ class GatewayState:
     def resolve_model(self, requested: str | None) -> str:
         """The served name for a request's `model` (absent, or "default" as SGLang's examples send it, means
         the served model); 404 otherwise."""
+        name, adapter = self.resolve_model_adapter(requested)
+        if adapter is not None:
+            raise not_found(f"The model '{requested}' does not exist; this server serves '{name}'", "model")
+        return name
+
+    def resolve_model_adapter(self, requested: str | None) -> tuple[str, str | None]:
+        """(served name, LoRA adapter) of a request's `model`: the base model's name (or "default"), "base:adapter"
+        or "adapter" (OpenAI's way to name a fine-tune) where adapters are served; 404 for anything else."""
         card = self.backend.card
         if requested is None or requested in ("", DEFAULT_MODEL) or card.accepts(requested):
-            return card.name
+            return card.name, None
+        if card.serves_lora:
+            _, adapter = split_model_name(requested, (card.name, *card.aliases))
+            if adapter is not None and ":" not in adapter:
+                return card.name, adapter
         raise not_found(f"The model '{requested}' does not exist; this server serves '{card.name}'", "model")
 
 

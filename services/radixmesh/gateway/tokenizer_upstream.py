@@ -26,6 +26,7 @@ from radixmesh.gateway.upstreams import CHANNEL_OPTIONS, Upstream, UpstreamGroup
 from radixmesh.protocol import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from radixmesh.wire.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
 from radixmesh.wire.chat_convert import chat_to_proto
+from radixmesh.wire.lora import adapter_extra_key
 from radixmesh.wire.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -94,11 +95,12 @@ class TokenizerUpstream:
         while len(self._hashes) > HASH_CACHE_SIZE:
             self._hashes.popitem(last=False)
 
-    def prompt_hashes(self, ids: list[int]) -> common_pb2.BlockHashes:
-        """The prompt's block chain: as the tokenizer service computed it, or (ids sent by the client) here."""
-        hashes = self._hashes.get(tuple(ids))
+    def prompt_hashes(self, ids: list[int], lora: str | None = None) -> common_pb2.BlockHashes:
+        """The prompt's block chain: as the tokenizer service computed it, or (ids sent by the client) here; an
+        adapter's prompts chain under its own extra key (`radixmesh.wire.lora`)."""
+        hashes = self._hashes.get(tuple(ids)) if lora is None else None
         if hashes is None:
-            hashes = block_hashes(ids, self.block_size)
+            hashes = block_hashes(ids, self.block_size, adapter_extra_key(lora))
         return common_pb2.BlockHashes(block_size=self.block_size, hashes=hashes)
 
     # ---- tokens -> text ---------------------------------------------------------------------------

@@ -233,6 +233,8 @@ class WorkerLoad(_message.Message):
     KV_USAGE_FIELD_NUMBER: _builtins.int
     CACHE_HIT_RATE_FIELD_NUMBER: _builtins.int
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _builtins.int
+    LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_PER_BATCH_FIELD_NUMBER: _builtins.int
     num_running_reqs: _builtins.int
     """sequences in the running batch (decode or chunked prefill)"""
     num_waiting_reqs: _builtins.int
@@ -251,6 +253,14 @@ class WorkerLoad(_message.Message):
     """cached prompt tokens / prompt tokens since start, in [0, 1]"""
     max_running_requests: _builtins.int
     """most sequences decoded at once"""
+    max_loras_per_batch: _builtins.int
+    """adapters one batch may mix (device slots); 0: the worker serves none"""
+    @_builtins.property
+    def lora_adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterLoad]:
+        """LoRA: the adapters loaded on the worker, and per adapter its running and waiting sequences (the
+        inference gateway's model-server protocol reports these; routers prefer a worker holding a request's adapter).
+        """
+
     def __init__(
         self,
         *,
@@ -263,14 +273,43 @@ class WorkerLoad(_message.Message):
         kv_usage: _builtins.float = ...,
         cache_hit_rate: _builtins.float = ...,
         max_running_requests: _builtins.int = ...,
+        lora_adapters: _abc.Iterable[Global___AdapterLoad] | None = ...,
+        max_loras_per_batch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_hit_rate", b"cache_hit_rate", "kv_usage", b"kv_usage", "kv_used_tokens", b"kv_used_tokens", "max_running_requests", b"max_running_requests", "max_total_tokens", b"max_total_tokens", "num_queued_prefill_tokens", b"num_queued_prefill_tokens", "num_running_decode_tokens", b"num_running_decode_tokens", "num_running_reqs", b"num_running_reqs", "num_waiting_reqs", b"num_waiting_reqs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_hit_rate", b"cache_hit_rate", "kv_usage", b"kv_usage", "kv_used_tokens", b"kv_used_tokens", "lora_adapters", b"lora_adapters", "max_loras_per_batch", b"max_loras_per_batch", "max_running_requests", b"max_running_requests", "max_total_tokens", b"max_total_tokens", "num_queued_prefill_tokens", b"num_queued_prefill_tokens", "num_running_decode_tokens", b"num_running_decode_tokens", "num_running_reqs", b"num_running_reqs", "num_waiting_reqs", b"num_waiting_reqs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkerLoad: _TypeAlias = WorkerLoad  # noqa: Y015
+
+@_typing.final
+class AdapterLoad(_message.Message):
+    """One LoRA adapter on a worker."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    NUM_RUNNING_REQS_FIELD_NUMBER: _builtins.int
+    NUM_WAITING_REQS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    num_running_reqs: _builtins.int
+    num_waiting_reqs: _builtins.int
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        num_running_reqs: _builtins.int = ...,
+        num_waiting_reqs: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "num_running_reqs", b"num_running_reqs", "num_waiting_reqs", b"num_waiting_reqs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterLoad: _TypeAlias = AdapterLoad  # noqa: Y015
 
 @_typing.final
 class RoutingInfo(_message.Message):
@@ -386,3 +425,95 @@ class ErrorDetail(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ErrorDetail: _TypeAlias = ErrorDetail  # noqa: Y015
+
+@_typing.final
+class LoadLoraAdapterRequest(_message.Message):
+    """LoRA adapter loading (WorkerService and the public InferenceService)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """what requests call it"""
+    path: _builtins.str
+    """a directory with adapter_config.json and adapter_model.safetensors"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoraAdapterRequest: _TypeAlias = LoadLoraAdapterRequest  # noqa: Y015
+
+@_typing.final
+class LoadLoraAdapterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    TARGETS_FIELD_NUMBER: _builtins.int
+    LOAD_S_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    rank: _builtins.int
+    load_s: _builtins.float
+    """read and check time"""
+    @_builtins.property
+    def targets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """target projections (q_proj, ..., down_proj)"""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        targets: _abc.Iterable[_builtins.str] | None = ...,
+        load_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load_s", b"load_s", "name", b"name", "rank", b"rank", "targets", b"targets"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoraAdapterResponse: _TypeAlias = LoadLoraAdapterResponse  # noqa: Y015
+
+@_typing.final
+class UnloadLoraAdapterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoraAdapterRequest: _TypeAlias = UnloadLoraAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadLoraAdapterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoraAdapterResponse: _TypeAlias = UnloadLoraAdapterResponse  # noqa: Y015

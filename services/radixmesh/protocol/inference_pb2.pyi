@@ -793,6 +793,7 @@ class Model(_message.Message):
     OWNED_BY_FIELD_NUMBER: _builtins.int
     ROOT_FIELD_NUMBER: _builtins.int
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """what requests pass as `model`"""
     created: _builtins.int
@@ -801,6 +802,8 @@ class Model(_message.Message):
     """where the weights came from"""
     max_model_len: _builtins.int
     """context length: prompt + output tokens"""
+    parent: _builtins.str
+    """a LoRA adapter's base model ("" for the base model)"""
     def __init__(
         self,
         *,
@@ -809,10 +812,11 @@ class Model(_message.Message):
         owned_by: _builtins.str = ...,
         root: _builtins.str = ...,
         max_model_len: _builtins.int = ...,
+        parent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "id", b"id", "max_model_len", b"max_model_len", "owned_by", b"owned_by", "root", b"root"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "id", b"id", "max_model_len", b"max_model_len", "owned_by", b"owned_by", "parent", b"parent", "root", b"root"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

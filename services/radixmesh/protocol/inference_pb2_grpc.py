@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from radixmesh.protocol import common_pb2 as radixmesh_dot_v1_dot_common__pb2
 from radixmesh.protocol import inference_pb2 as radixmesh_dot_v1_dot_inference__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -60,6 +61,16 @@ class InferenceServiceStub:
                 request_serializer=radixmesh_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=radixmesh_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/radixmesh.v1.InferenceService/LoadLoraAdapter',
+                request_serializer=radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/radixmesh.v1.InferenceService/UnloadLoraAdapter',
+                request_serializer=radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -104,6 +115,20 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters: load one from a path on the server (INVALID_ARGUMENT naming a mismatch with the base
+        model), unload one (NOT_FOUND if unknown). Requests then name it in `model` ("base:adapter" or "adapter").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +156,16 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=radixmesh_dot_v1_dot_inference__pb2.ListModelsRequest.FromString,
                     response_serializer=radixmesh_dot_v1_dot_inference__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +304,60 @@ class InferenceService:
             '/radixmesh.v1.InferenceService/ListModels',
             radixmesh_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
             radixmesh_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.InferenceService/LoadLoraAdapter',
+            radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+            radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.InferenceService/UnloadLoraAdapter',
+            radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,6 +19,7 @@ Server reflection and grpc.health.v1 are served too, so grpcurl needs no .proto 
 
 from collections import abc as _abc
 from grpc import aio as _aio
+from radixmesh.protocol import common_pb2 as _common_pb2
 from radixmesh.protocol import inference_pb2 as _inference_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -62,6 +63,11 @@ class InferenceServiceStub:
     """
     ListModels: _grpc.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]
     """The served model(s)."""
+    LoadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.LoadLoraAdapterRequest, _common_pb2.LoadLoraAdapterResponse]
+    """LoRA adapters: load one from a path on the server (INVALID_ARGUMENT naming a mismatch with the base
+    model), unload one (NOT_FOUND if unknown). Requests then name it in `model` ("base:adapter" or "adapter").
+    """
+    UnloadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.UnloadLoraAdapterRequest, _common_pb2.UnloadLoraAdapterResponse]
 
 @_typing.type_check_only
 class InferenceServiceAsyncStub(InferenceServiceStub):
@@ -83,6 +89,11 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     """
     ListModels: _aio.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]  # type: ignore[assignment]
     """The served model(s)."""
+    LoadLoraAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.LoadLoraAdapterRequest, _common_pb2.LoadLoraAdapterResponse]  # type: ignore[assignment]
+    """LoRA adapters: load one from a path on the server (INVALID_ARGUMENT naming a mismatch with the base
+    model), unload one (NOT_FOUND if unknown). Requests then name it in `model` ("base:adapter" or "adapter").
+    """
+    UnloadLoraAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.UnloadLoraAdapterRequest, _common_pb2.UnloadLoraAdapterResponse]  # type: ignore[assignment]
 
 class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     """Text completion and chat for end users (the public API; see the top of this file)."""
@@ -131,5 +142,22 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.ListModelsResponse, _abc.Awaitable[_inference_pb2.ListModelsResponse]]:
         """The served model(s)."""
+
+    @_abc_1.abstractmethod
+    def LoadLoraAdapter(
+        self,
+        request: _common_pb2.LoadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.LoadLoraAdapterResponse, _abc.Awaitable[_common_pb2.LoadLoraAdapterResponse]]:
+        """LoRA adapters: load one from a path on the server (INVALID_ARGUMENT naming a mismatch with the base
+        model), unload one (NOT_FOUND if unknown). Requests then name it in `model` ("base:adapter" or "adapter").
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadLoraAdapter(
+        self,
+        request: _common_pb2.UnloadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.UnloadLoraAdapterResponse, _abc.Awaitable[_common_pb2.UnloadLoraAdapterResponse]]: ...
 
 def add_InferenceServiceServicer_to_server(servicer: InferenceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -36,10 +36,15 @@ class GenerateRequest(_message.Message):
     PEER_PREFIX_FIELD_NUMBER: _builtins.int
     IMAGES_FIELD_NUMBER: _builtins.int
     RESUME_OUTPUT_IDS_FIELD_NUMBER: _builtins.int
+    LORA_NAME_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """unique per sequence; empty = the worker picks one"""
     prefill_only: _builtins.bool
     """Compute and cache the prompt's KV and generate nothing (n > 1 branches then share it)."""
+    lora_name: _builtins.str
+    """The LoRA adapter to run with ("" = the base model); NOT_FOUND where the worker has not loaded it.
+    block_hashes then take the adapter's extra key (radixmesh.wire.lora: "lora:" + 4-byte namespace).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """the prompt"""
@@ -93,10 +98,11 @@ class GenerateRequest(_message.Message):
         peer_prefix: Global___PeerPrefix | None = ...,
         images: _abc.Iterable[_multimodal_pb2.ImageInput] | None = ...,
         resume_output_ids: _abc.Iterable[_builtins.int] | None = ...,
+        lora_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "peer_prefix", b"peer_prefix", "prefill", b"prefill", "sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "images", b"images", "peer_prefix", b"peer_prefix", "prefill", b"prefill", "prefill_only", b"prefill_only", "request_id", b"request_id", "resume_output_ids", b"resume_output_ids", "sampling_params", b"sampling_params", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "images", b"images", "lora_name", b"lora_name", "peer_prefix", b"peer_prefix", "prefill", b"prefill", "prefill_only", b"prefill_only", "request_id", b"request_id", "resume_output_ids", b"resume_output_ids", "sampling_params", b"sampling_params", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

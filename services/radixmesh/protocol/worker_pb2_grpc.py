@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from radixmesh.protocol import common_pb2 as radixmesh_dot_v1_dot_common__pb2
 from radixmesh.protocol import worker_pb2 as radixmesh_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -59,6 +60,16 @@ class WorkerServiceStub:
                 request_serializer=radixmesh_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=radixmesh_dot_v1_dot_worker__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/radixmesh.v1.WorkerService/LoadLoraAdapter',
+                request_serializer=radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/radixmesh.v1.WorkerService/UnloadLoraAdapter',
+                request_serializer=radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
         self.Prefill = channel.stream_stream(
                 '/radixmesh.v1.WorkerService/Prefill',
                 request_serializer=radixmesh_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
@@ -103,6 +114,20 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters (docs/lora.md): load a PEFT adapter from a path on the worker (INVALID_ARGUMENT naming a
+        mismatch with the base model or a rank above the worker's maximum), unload one (NOT_FOUND if unknown).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -175,6 +200,16 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=radixmesh_dot_v1_dot_worker__pb2.GetModelInfoRequest.FromString,
                     response_serializer=radixmesh_dot_v1_dot_worker__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
             'Prefill': grpc.stream_stream_rpc_method_handler(
                     servicer.Prefill,
@@ -322,6 +357,60 @@ class WorkerService:
             '/radixmesh.v1.WorkerService/GetModelInfo',
             radixmesh_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
             radixmesh_dot_v1_dot_worker__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.WorkerService/LoadLoraAdapter',
+            radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+            radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.WorkerService/UnloadLoraAdapter',
+            radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

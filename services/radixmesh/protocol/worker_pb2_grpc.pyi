@@ -7,6 +7,7 @@ requests carry token ids (and block hashes) computed once at the edge.
 
 from collections import abc as _abc
 from grpc import aio as _aio
+from radixmesh.protocol import common_pb2 as _common_pb2
 from radixmesh.protocol import worker_pb2 as _worker_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -43,6 +44,11 @@ class WorkerServiceStub:
     FlushCache: _grpc.UnaryUnaryMultiCallable[_worker_pb2.FlushCacheRequest, _worker_pb2.FlushCacheResponse]
     """Drop the prefix cache; flushed = false when sequences are running and nothing was dropped."""
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_worker_pb2.GetModelInfoRequest, _worker_pb2.GetModelInfoResponse]
+    LoadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.LoadLoraAdapterRequest, _common_pb2.LoadLoraAdapterResponse]
+    """LoRA adapters (docs/lora.md): load a PEFT adapter from a path on the worker (INVALID_ARGUMENT naming a
+    mismatch with the base model or a rank above the worker's maximum), unload one (NOT_FOUND if unknown).
+    """
+    UnloadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.UnloadLoraAdapterRequest, _common_pb2.UnloadLoraAdapterResponse]
     Prefill: _grpc.StreamStreamMultiCallable[_worker_pb2.PrefillRequest, _worker_pb2.PrefillResponse]
     """---- Prefill/decode disaggregation (DESIGN.md section 7, docs/disaggregation.md) -------------
     A router sends Generate to a decode worker with GenerateRequest.prefill naming a prefill
@@ -89,6 +95,11 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     FlushCache: _aio.UnaryUnaryMultiCallable[_worker_pb2.FlushCacheRequest, _worker_pb2.FlushCacheResponse]  # type: ignore[assignment]
     """Drop the prefix cache; flushed = false when sequences are running and nothing was dropped."""
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_worker_pb2.GetModelInfoRequest, _worker_pb2.GetModelInfoResponse]  # type: ignore[assignment]
+    LoadLoraAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.LoadLoraAdapterRequest, _common_pb2.LoadLoraAdapterResponse]  # type: ignore[assignment]
+    """LoRA adapters (docs/lora.md): load a PEFT adapter from a path on the worker (INVALID_ARGUMENT naming a
+    mismatch with the base model or a rank above the worker's maximum), unload one (NOT_FOUND if unknown).
+    """
+    UnloadLoraAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.UnloadLoraAdapterRequest, _common_pb2.UnloadLoraAdapterResponse]  # type: ignore[assignment]
     Prefill: _aio.StreamStreamMultiCallable[_worker_pb2.PrefillRequest, _worker_pb2.PrefillResponse]  # type: ignore[assignment]
     """---- Prefill/decode disaggregation (DESIGN.md section 7, docs/disaggregation.md) -------------
     A router sends Generate to a decode worker with GenerateRequest.prefill naming a prefill
@@ -162,6 +173,23 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_pb2.GetModelInfoRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.GetModelInfoResponse, _abc.Awaitable[_worker_pb2.GetModelInfoResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def LoadLoraAdapter(
+        self,
+        request: _common_pb2.LoadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.LoadLoraAdapterResponse, _abc.Awaitable[_common_pb2.LoadLoraAdapterResponse]]:
+        """LoRA adapters (docs/lora.md): load a PEFT adapter from a path on the worker (INVALID_ARGUMENT naming a
+        mismatch with the base model or a rank above the worker's maximum), unload one (NOT_FOUND if unknown).
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadLoraAdapter(
+        self,
+        request: _common_pb2.UnloadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.UnloadLoraAdapterResponse, _abc.Awaitable[_common_pb2.UnloadLoraAdapterResponse]]: ...
 
     @_abc_1.abstractmethod
     def Prefill(

@@ -54,6 +54,9 @@ def add_routing_args(cmd: argparse.ArgumentParser) -> None:
     """How a router finds workers and picks one (shared by `radixmesh router` and `gateway --embedded-router`)."""
     from radixmesh.common.lane import GENERATE_TRANSPORTS, TRANSPORT_HELP
 
+    cmd.add_argument("--lora-paths", nargs="*", default=[],
+                     help="LoRA adapters the router may load onto workers, NAME=PATH (a path on the workers): a "
+                          "request of an adapter no worker holds (or a hot one) gets it loaded on the least loaded")
     cmd.add_argument("--policy", default="cache-aware", choices=POLICIES,
                      help="routing policy (cache-aware needs --redis-url, else it runs as approx-tree)")
     cmd.add_argument("--workers", default="", help="static worker list host:port,... (implies --discovery static)")
@@ -135,6 +138,7 @@ def epp_config(args: argparse.Namespace) -> EppConfig | None:
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
     from radixmesh.router.config import (
+        AdapterConfig,
         DisaggConfig,
         HealthConfig,
         MigrationConfig,
@@ -142,6 +146,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         RouterConfig,
         ScoringConfig,
     )
+    from radixmesh.wire.lora import parse_lora_path
 
     return RouterConfig(policy=args.policy, block_size=args.block_size, redis_url=args.redis_url,
                         index_namespace=args.index_namespace, index_lookup=args.index_lookup, seed=args.seed,
@@ -155,7 +160,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                                                   max_per_request=args.max_migrations),
                         disagg=DisaggConfig(min_prefill_tokens=args.pd_min_prefill_tokens),
                         scoring=ScoringConfig(host_hit_weight=args.host_hit_weight),
-                        peer_fetch_min_tokens=args.peer_fetch_min_tokens)
+                        peer_fetch_min_tokens=args.peer_fetch_min_tokens,
+                        adapters=AdapterConfig(tuple(parse_lora_path(item) for item in args.lora_paths)))
 
 
 def make_discovery(args: argparse.Namespace) -> BaseDiscovery:

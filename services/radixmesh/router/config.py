@@ -133,6 +133,19 @@ INDEX_LOOKUPS = ("inline", "async")
 
 
 @dataclass(frozen=True)
+class AdapterConfig:
+    """Where adapters' files are, and when a hot adapter spreads to another worker."""
+
+    lora_paths: tuple[tuple[str, str], ...] = ()
+    """(name, path on the workers) of adapters the router may load onto a worker."""
+    spread_ratio: float = 2.0
+    """A hot adapter spreads when its least busy holder runs this many times the requests of the least busy
+    LoRA-serving worker without it ..."""
+    spread_slack: int = 4
+    """... plus this many."""
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """Everything the router needs besides its server address."""
 
@@ -172,6 +185,8 @@ class RouterConfig:
     worker holds, so that it may fetch their KV instead of computing them (0: never)."""
     seed: int | None = None
     """Seed of the random and power-of-two policies (None: from the OS)."""
+    adapters: AdapterConfig = field(default_factory=AdapterConfig)
+    """LoRA adapters: where their files are on the workers, when a hot one spreads (router/adapters.py)."""
 
     def __post_init__(self) -> None:
         from radixmesh.router.policies import ROUTING_POLICIES

@@ -26,6 +26,7 @@ from typing import TypeVar
 from radixmesh.common import tracing
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.router import metrics
+from radixmesh.router.adapters import AdapterAffinity
 from radixmesh.router.config import RouterConfig
 from radixmesh.router.disagg import SERVING_ROLES, PrefillPlanner
 from radixmesh.router.policies import create_policy
@@ -61,6 +62,8 @@ class RequestRouter:
         self.rng = rng
         self.inflight: dict[str, WorkerHandle] = {}
         """request id -> the worker running it (for Abort)."""
+        self.adapters = AdapterAffinity(config.adapters)
+        """LoRA: a request of an adapter goes where it is loaded (adapters.py)."""
         self.decision_s: list[float] = []
         """Recent routing-decision latencies (bounded), for benchmarks and metrics."""
         self.num_retries = 0
@@ -79,6 +82,7 @@ class RequestRouter:
             if exclude:
                 detail += f"; already tried {', '.join(sorted(exclude))}"
             raise RadixMeshError(ErrorCode.UNAVAILABLE, f"no worker available ({detail})")
+        candidates = await self.adapters.narrow(request.lora_name, candidates)
         start = time.perf_counter()
         with tracing.span("router.route") as span:
             decision = await self.policy.choose(request, candidates)

@@ -23,6 +23,7 @@ from radixmesh.router.workers import WorkerHandle
 from radixmesh.wire.block_hash import block_hashes
 from radixmesh.wire.convert import ROLE_TO_PROTO
 from radixmesh.wire.load import load_to_proto, sum_loads
+from radixmesh.wire.lora import adapter_extra_key
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
@@ -33,8 +34,9 @@ def route_request(request: worker_pb2.GenerateRequest, block_size: int) -> Route
     """What the policy sees; the request's own block hashes when their block size matches ours."""
     hashes = list(request.block_hashes.hashes)
     if (request.block_hashes.block_size or 16) != block_size or (not hashes and len(request.token_ids) >= block_size):
-        hashes = block_hashes(request.token_ids, block_size)  # ids from a client that did not hash them
-    return RouteRequest(request.request_id, len(request.token_ids), tuple(hashes), block_size)
+        # ids from a client that did not hash them
+        hashes = block_hashes(request.token_ids, block_size, adapter_extra_key(request.lora_name or None))
+    return RouteRequest(request.request_id, len(request.token_ids), tuple(hashes), block_size, request.lora_name)
 
 
 def routing_info(decision: RoutingDecision, attempt: int) -> common_pb2.RoutingInfo:

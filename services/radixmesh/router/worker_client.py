@@ -18,7 +18,7 @@ from radixmesh.common.errors import RadixMeshError
 from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.common.grpc_server import MAX_MESSAGE_BYTES
 from radixmesh.common.lane import PeerLane
-from radixmesh.protocol import worker_pb2, worker_pb2_grpc
+from radixmesh.protocol import common_pb2, worker_pb2, worker_pb2_grpc
 from radixmesh.router.discovery.base import WorkerEndpoint
 from radixmesh.wire.convert import ROLE_FROM_PROTO
 from radixmesh.wire.load import WorkerLoad, load_from_proto
@@ -148,6 +148,15 @@ class WorkerClient:
         try:
             reply: worker_pb2.GetModelInfoResponse = await self.stub.GetModelInfo(worker_pb2.GetModelInfoRequest(),
                                                                                    timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        return reply
+
+    async def load_lora_adapter(self, name: str, path: str,
+                                timeout_s: float = 120.0) -> common_pb2.LoadLoraAdapterResponse:
+        try:
+            reply: common_pb2.LoadLoraAdapterResponse = await self.stub.LoadLoraAdapter(
+                common_pb2.LoadLoraAdapterRequest(name=name, path=path), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from None
         return reply

@@ -36,6 +36,14 @@ class WorkerLoad:
     """Cached prompt tokens / prompt tokens since the worker started."""
     max_running_requests: int = 0
     """Most sequences the worker runs at once (0: unknown)."""
+    lora_adapters: tuple[tuple[str, int, int], ...] = ()
+    """LoRA adapters loaded on the worker: (name, running sequences, waiting sequences)."""
+    max_loras_per_batch: int = 0
+    """Adapters one batch may mix (0: the worker serves none)."""
+
+    @property
+    def adapter_names(self) -> frozenset[str]:
+        return frozenset(name for name, _, _ in self.lora_adapters)
 
     @classmethod
     def from_stats(cls, stats: Mapping[str, Any]) -> WorkerLoad:
@@ -49,7 +57,8 @@ class WorkerLoad:
             max_total_tokens=int(stats.get("max_total_num_tokens", 0)),
             kv_usage=float(stats.get("kv_usage", 0.0)),
             cache_hit_rate=float(stats.get("cache_hit_rate", 0.0)),
-            max_running_requests=int(stats.get("max_running_requests", 0)))
+            max_running_requests=int(stats.get("max_running_requests", 0)),
+            lora_adapters=_adapters_of(stats), max_loras_per_batch=int(stats.get("max_loras_per_batch", 0)))
 
     def as_stats(self) -> dict[str, Any]:
         """The stats dict shape (SGLang's /get_server_info names)."""
@@ -60,7 +69,16 @@ class WorkerLoad:
             "kv_used_tokens": self.kv_used_tokens, "max_total_num_tokens": self.max_total_tokens,
             "kv_usage": self.kv_usage, "cache_hit_rate": self.cache_hit_rate,
             "max_running_requests": self.max_running_requests,
+            **({"lora_adapters": [n for n, _, _ in self.lora_adapters],
+                "lora_running": {n: r for n, r, _ in self.lora_adapters if r},
+                "lora_waiting": {n: w for n, _, w in self.lora_adapters if w},
+                "max_loras_per_batch": self.max_loras_per_batch} if self.max_loras_per_batch else {}),
         }
+
+
+def _adapters_of(stats: Mapping[str, Any]) -> tuple[tuple[str, int, int], ...]:
+    running, waiting = stats.get("lora_running") or {}, stats.get("lora_waiting") or {}
+    return tuple((str(n), int(running.get(n, 0)), int(waiting.get(n, 0))) for n in stats.get("lora_adapters") or ())
 
 
 def load_to_proto(load: WorkerLoad) -> common_pb2.WorkerLoad:
@@ -69,7 +87,9 @@ def load_to_proto(load: WorkerLoad) -> common_pb2.WorkerLoad:
         num_queued_prefill_tokens=load.num_queued_prefill_tokens,
         num_running_decode_tokens=load.num_running_decode_tokens, kv_used_tokens=load.kv_used_tokens,
         max_total_tokens=load.max_total_tokens, kv_usage=load.kv_usage, cache_hit_rate=load.cache_hit_rate,
-        max_running_requests=load.max_running_requests)
+        max_running_requests=load.max_running_requests, max_loras_per_batch=load.max_loras_per_batch,
+        lora_adapters=[common_pb2.AdapterLoad(name=n, num_running_reqs=r, num_waiting_reqs=w)
+                       for n, r, w in load.lora_adapters])
 
 
 def load_from_proto(load: common_pb2.WorkerLoad) -> WorkerLoad:
@@ -78,7 +98,9 @@ def load_from_proto(load: common_pb2.WorkerLoad) -> WorkerLoad:
                       num_running_decode_tokens=load.num_running_decode_tokens,
                       kv_used_tokens=load.kv_used_tokens, max_total_tokens=load.max_total_tokens,
                       kv_usage=load.kv_usage, cache_hit_rate=load.cache_hit_rate,
-                      max_running_requests=load.max_running_requests)
+                      max_running_requests=load.max_running_requests, max_loras_per_batch=load.max_loras_per_batch,
+                      lora_adapters=tuple((a.name, a.num_running_reqs, a.num_waiting_reqs)
+                                          for a in load.lora_adapters))
 
 
 def sum_loads(loads: Iterable[WorkerLoad]) -> WorkerLoad:

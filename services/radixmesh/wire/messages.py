@@ -22,6 +22,8 @@ class GenerateReqMsg(msgspec.Struct, tag="generate", frozen=True):
     """The prompt's preprocessed images (None: text only)."""
     output_ids: list[int] = msgspec.field(default_factory=list)
     """Output tokens generated before (a migrated request): the sequence continues after them."""
+    lora: str | None = None
+    """The LoRA adapter to run with (None: the base model)."""
 
 
 class AbortReqMsg(msgspec.Struct, tag="abort", frozen=True):
@@ -40,8 +42,25 @@ class ShutdownReqMsg(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
+class LoraLoadReqMsg(msgspec.Struct, tag="lora_load", frozen=True):
+    """Load the PEFT adapter at `path` as `name`; answered with its rank and targets, or an error."""
+
+    query_id: str
+    name: str
+    path: str
+
+
+class LoraUnloadReqMsg(msgspec.Struct, tag="lora_unload", frozen=True):
+    query_id: str
+    name: str
+
+
+class LoraListReqMsg(msgspec.Struct, tag="lora_list", frozen=True):
+    query_id: str
+
+
 ToSchedulerMsg = (GenerateReqMsg | AbortReqMsg | FlushCacheReqMsg | ServerInfoReqMsg | ShutdownReqMsg
-                  | DisaggToSchedulerMsg)
+                  | LoraLoadReqMsg | LoraUnloadReqMsg | LoraListReqMsg | DisaggToSchedulerMsg)
 
 
 class TokenOut(msgspec.Struct, frozen=True):

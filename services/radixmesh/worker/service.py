@@ -18,7 +18,7 @@ from radixmesh.common.errors import invalid_argument
 from radixmesh.common.grpc_errors import map_errors
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
-from radixmesh.protocol import worker_pb2, worker_pb2_grpc
+from radixmesh.protocol import common_pb2, worker_pb2, worker_pb2_grpc
 from radixmesh.wire.convert import (
     ROLE_TO_PROTO,
     disagg_stats_to_proto,
@@ -131,16 +131,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def _tokens(self, request: worker_pb2.GenerateRequest, ids: list[int], params: SamplingParams,
                 rid: str, mm: MultimodalInputs | None) -> AsyncGenerator[TokenOut, None]:
+        lora = request.lora_name or None
         if request.resume_output_ids:  # a migrated sequence: prompt and output are computed here
-            return self.client.generate_tokens(ids, params, rid, mm=mm, output_ids=list(request.resume_output_ids))
-        if self.decode is not None and request.HasField("prefill") and not request.prefill_only and mm is None:
+            return self.client.generate_tokens(ids, params, rid, mm=mm, output_ids=list(request.resume_output_ids),
+                                               lora=lora)
+        plain = mm is None and lora is None  # adapters' sequences are computed here, never handed over
+        if self.decode is not None and request.HasField("prefill") and not request.prefill_only and plain:
             return self.decode.generate(rid, ids, params, request.prefill)
         if (self.peer_fetch is not None and request.HasField("peer_prefix") and not request.prefill_only
-                and mm is None):
+                and plain):
             return self.peer_fetch.generate(rid, ids, params, request.peer_prefix)
-        if mm is None:
+        if mm is None and lora is None:
             return self.client.generate_tokens(ids, params, rid, request.prefill_only)
-        return self.client.generate_tokens(ids, params, rid, request.prefill_only, mm=mm)
+        return self.client.generate_tokens(ids, params, rid, request.prefill_only, mm=mm, lora=lora)
 
     def _observe_prefill_rate(self, timeline: RequestTimeline) -> None:
         """Feed the prefix-sharing cost model this worker's own prefill rate (admission to first token)."""
@@ -215,6 +218,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             aliases=sorted(model_aliases(client) - {prepared.name}),
             engine_config_json=json.dumps(dataclasses.asdict(client.config), default=str),
             has_image_understanding=client.model_config.is_multimodal)
+
+    @map_errors("worker")
+    async def LoadLoraAdapter(self, request: common_pb2.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> common_pb2.LoadLoraAdapterResponse:
+        info = await self.client.load_lora_adapter(request.name, request.path)
+        return common_pb2.LoadLoraAdapterResponse(name=request.name, rank=int(info["rank"]),
+                                                  targets=list(info["targets"]), load_s=float(info["load_s"]))
+
+    @map_errors("worker")
+    async def UnloadLoraAdapter(self, request: common_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> common_pb2.UnloadLoraAdapterResponse:
+        await self.client.unload_lora_adapter(request.name)
+        return common_pb2.UnloadLoraAdapterResponse()
 
     async def close(self) -> None:
         for flow in (self.decode, self.peer_fetch):

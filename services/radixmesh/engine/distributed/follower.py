@@ -28,6 +28,7 @@ from radixmesh.engine.distributed.leader import RankSpec
 from radixmesh.engine.distributed.messages import (
     KVGatherMsg,
     KVScatterMsg,
+    LoraSlotMsg,
     RankStatusMsg,
     StepMsg,
     StopMsg,
@@ -43,6 +44,11 @@ from radixmesh.wire.sampling import SamplingParams
 PARENT_CHECK_MS = 1000
 _PLACEHOLDER = Req(rid="", origin_input_ids=[0], params=SamplingParams())
 """Stands for each request of a rebuilt batch (the forward pass only counts them)."""
+
+
+def _placeholder(lora_slot: int) -> Req:
+    """A stand-in request that carries its LoRA slot (the pass reads it)."""
+    return Req(rid="", origin_input_ids=[0], params=_PLACEHOLDER.params, lora_slot=lora_slot)
 
 
 class FollowerLink:
@@ -74,9 +80,11 @@ class FollowerLoop:
                 return
             self.handle(msg)
 
-    def handle(self, msg: StepMsg | TokensMsg | KVGatherMsg | KVScatterMsg) -> None:
+    def handle(self, msg: StepMsg | TokensMsg | KVGatherMsg | KVScatterMsg | LoraSlotMsg) -> None:
         if isinstance(msg, StepMsg):
             self.forward(msg)
+        elif isinstance(msg, LoraSlotMsg):
+            self.lora_slot(msg)
         elif isinstance(msg, TokensMsg):
             self.runner.last_tokens = self._receive(msg.num_tokens, torch.int64)
         elif isinstance(msg, KVGatherMsg):
@@ -98,11 +106,26 @@ class FollowerLoop:
             runner.req_pool.req_to_token[row, start:start + n] = payload[offset:offset + n]
             offset += n
         plan = PromptLogprobPlan(msg.logit_rows, [], [], []) if msg.logit_rows else None
-        batch = ScheduleBatch(ForwardMode(msg.mode), [_PLACEHOLDER] * len(msg.req_pool_indices), msg.input_ids,
+        reqs = [_PLACEHOLDER] * len(msg.req_pool_indices)
+        if msg.lora_slots is not None:
+            reqs = [_placeholder(slot) for slot in msg.lora_slots]
+        batch = ScheduleBatch(ForwardMode(msg.mode), reqs, msg.input_ids,
                               msg.positions, payload[:msg.num_slots], msg.prefix_lens, msg.extend_lens,
                               msg.req_pool_indices, msg.future_rows, plan)
         runner.forward(batch)  # the logits are rank 0's to sample
         self.num_steps += 1
+
+    def lora_slot(self, msg: LoraSlotMsg) -> None:
+        """Rank 0 loaded an adapter into a slot (or emptied it): the same here, with this rank's shard."""
+        lora = self.runner.lora
+        assert lora is not None, "a LoRA slot message on a rank without adapter slots"
+        if msg.path is None:
+            lora.clear(msg.slot)
+            return
+        from radixmesh.engine.lora.adapter import load_adapter
+
+        config = self.runner.config
+        lora.write(msg.slot, load_adapter(msg.name, msg.path, self.runner.model_config, config.max_lora_rank))
 
     def _receive(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         buf = torch.empty(n, dtype=dtype, device=self.runner.device)

@@ -34,6 +34,7 @@ from radixmesh.engine.distributed.layout import ShardLayout, check_tensor_parall
 from radixmesh.engine.distributed.messages import (
     KVGatherMsg,
     KVScatterMsg,
+    LoraSlotMsg,
     RankStatusMsg,
     StepMsg,
     StopMsg,
@@ -167,8 +168,10 @@ class TpLeader:
                 self._errors[msg.rank] = msg.error
 
     # ---- per step -------------------------------------------------------------------------------
-    def publish_forward(self, batch: ScheduleBatch, journal: list[tuple[int, int, torch.Tensor]]) -> None:
-        """Before rank 0's forward pass: the same pass on every rank (see `StepMsg`)."""
+    def publish_forward(self, batch: ScheduleBatch, journal: list[tuple[int, int, torch.Tensor]],
+                        lora: bool = False) -> None:
+        """Before rank 0's forward pass: the same pass on every rank (see `StepMsg`; `lora`: with each
+        request's adapter slot)."""
         self.check_ranks()
         entries = [(row, start, int(values.shape[0])) for row, start, values in journal]
         plan = batch.prompt_logprobs
@@ -176,11 +179,17 @@ class TpLeader:
             mode=batch.mode.value, input_ids=batch.input_ids, positions=batch.positions,
             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens, req_pool_indices=batch.req_pool_indices,
             future_rows=batch.future_rows, logit_rows=plan.rows if plan is not None and plan.rows else None,
-            num_slots=int(batch.out_cache_loc.shape[0]), journal=entries))
+            num_slots=int(batch.out_cache_loc.shape[0]), journal=entries,
+            lora_slots=[r.lora_slot for r in batch.reqs] if lora else None))
         parts = [batch.out_cache_loc] + [values.to(self.device) for _, _, values in journal]
         payload = torch.cat(parts) if len(parts) > 1 else parts[0]
         if payload.numel():
             self._comm.broadcast(payload.to(torch.int64).contiguous())
+
+    def lora_slot(self, slot: int, name: str, path: str | None) -> None:
+        """Every other rank writes its shard of the adapter at `path` into `slot` (None: empties it)."""
+        self.check_ranks()
+        self._send(LoraSlotMsg(slot, name, path))
 
     def share_tokens(self, tokens: torch.Tensor) -> None:
         """After sampling: every rank gets the tokens (the next step's future inputs)."""

@@ -31,6 +31,8 @@ class StepMsg(msgspec.Struct, tag="step", frozen=True):
     """Length of `out_cache_loc` (tokens of this pass)."""
     journal: list[tuple[int, int, int]]
     """`(row, start, length)`: `req_to_token[row, start:start + length]` takes the next `length` values."""
+    lora_slots: list[int] | None = None
+    """Each request's LoRA adapter slot (-1: none); None when LoRA is off."""
 
 
 class TokensMsg(msgspec.Struct, tag="tokens", frozen=True):
@@ -61,7 +63,15 @@ class StopMsg(msgspec.Struct, tag="stop", frozen=True):
     pass
 
 
-ToRankMsg = StepMsg | TokensMsg | KVGatherMsg | KVScatterMsg | StopMsg
+class LoraSlotMsg(msgspec.Struct, tag="lora_slot", frozen=True):
+    """Write the adapter rank 0 checked at `path` into `slot` (each rank its shard); no path: empty the slot."""
+
+    slot: int
+    name: str
+    path: str | None
+
+
+ToRankMsg = StepMsg | TokensMsg | KVGatherMsg | KVScatterMsg | StopMsg | LoraSlotMsg
 
 
 class RankStatusMsg(msgspec.Struct, tag="status", frozen=True):

@@ -163,19 +163,28 @@ class Linear(nn.Linear):
     """One-row calls run an `AddRMSNorm` prologue inside the GEMV kernel (`enable_gemv`)."""
     quant_method: Any = None
     """A `radixmesh.engine.quant.base.LinearMethod` owning this layer's weights (set by its `prepare`)."""
+    lora: Any = None
+    """A `radixmesh.engine.lora.layers.LoraProjection` adding the batch's adapters (set when LoRA is on)."""
 
     def forward(self, x: torch.Tensor, prologue: Prologue | None = None) -> torch.Tensor:
         """`x @ W.T (+ bias)`; with a `prologue`, of `prologue(x)`: inside the GEMV kernel where one runs, or
-        inside the quantization method's input step (FP8: the prologue's kernel quantizes its own output)."""
+        inside the quantization method's input step (FP8: the prologue's kernel quantizes its own output). With
+        LoRA, plus each row's adapter output (of the normed input: no prologue is fused then)."""
         if prologue is not None:
             fused = prologue.fused_gemv(self, x)
             if fused is not None:
                 return fused if self.bias is None else fused.add_(self.bias)
-            if self.quant_method is not None:
+            if self.quant_method is not None and self.lora is None:  # adapters read the normed input
                 after = self.quant_method.apply_after(self, x, prologue)
                 if after is not None:
                     return after
             x = prologue.apply(x)
+        if self.lora is not None:
+            y: torch.Tensor = self.lora.add(x, self._project(x))
+            return y
+        return self._project(x)
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             y: torch.Tensor = self.quant_method.apply(self, x)
             return y
@@ -195,6 +204,8 @@ class Linear(nn.Linear):
     def gemv_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(weight, its FP8 row scales or None) when the one-row call `x` runs a GEMV kernel that takes a prologue;
         else None."""
+        if self.lora is not None:  # its adapters read the normed input: no prologue inside the GEMV
+            return None
         if not (self.use_gemv and self.fuse_prologues and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
                 and x.is_contiguous()):
             return None

@@ -183,9 +183,9 @@ class Scheduler:
         self.kv.release(req)
         self.prefill.requeue(req)
 
-    def fail(self, req: Req, message: str) -> None:
-        """End a request that holds no KV with an error."""
-        self.results.fail(req, message)
+    def fail(self, req: Req, message: str, code: str = "invalid_argument") -> None:
+        """End a request that holds no KV with an error (`code`: an `ErrorCode` value)."""
+        self.results.fail(req, message, code)
 
     def commit_prefilled(self, req: Req, cached_tokens: int, first_token: int, logprob: float | None = None,
                          top_logprobs: list[tuple[int, float]] | None = None) -> None:

@@ -117,6 +117,7 @@ SCHEDULER_HOOKS: LazyRegistry[HookFactory] = LazyRegistry("scheduler hook", {
     "grammar": "radixmesh.engine.grammar.hook:create_hook",
     "host-tier": "radixmesh.engine.hicache.hook:create_hook",
     "speculative": "radixmesh.engine.speculative.decoder:create_hook",
+    "lora": "radixmesh.engine.lora.hook:create_hook",
 })
 """Hook id -> factory taking the scheduler, returning the hook (None where the feature is off). The order is
 the order of calls (launch pacing times the step from its very start; a grammar's requests join the queue before

@@ -108,7 +108,7 @@ class SchedulerLoop:
     def _generate(self, msg: GenerateReqMsg) -> None:
         self.scheduler.add_request(Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), params=msg.params,
                                        prefill_only=msg.prefill_only, mm=ReqImages(msg.mm) if msg.mm else None,
-                                       output_ids=list(msg.output_ids)))
+                                       output_ids=list(msg.output_ids), lora_name=msg.lora))
 
     def _abort(self, msg: AbortReqMsg) -> None:
         self.scheduler.abort(msg.rid)  # (hooks drop what they hold of the request too)

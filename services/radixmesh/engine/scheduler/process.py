@@ -103,4 +103,9 @@ def _build(config: EngineConfig, prepared: PreparedModel, send: zmq.Socket) -> S
     loop = SchedulerLoop(scheduler, send, recorder)
     disagg = DisaggHandler(scheduler, lambda msg: send.send(encoder.encode(msg), copy=False), loop.reply)
     loop.route(DISAGG_MSG_TYPES, disagg.handle)
+    from radixmesh.engine.lora.hook import LORA_MSG_TYPES, LoraHook
+
+    lora = scheduler.hooks.get(LoraHook)
+    if lora is not None:
+        loop.route(LORA_MSG_TYPES, lambda msg: lora.handle(msg, loop.reply))
     return loop

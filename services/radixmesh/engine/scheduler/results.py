@@ -153,7 +153,7 @@ class ResultProcessor:
             logprobs=req.pending_logprobs if req.wants_logprobs else None,
             top_logprobs=req.pending_top_logprobs if req.params.top_logprobs else None,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
-            matched_stop=req.matched_stop, error=req.error,
+            matched_stop=req.matched_stop, error=req.error, error_code=req.error_code,
             input_logprobs=req.pending_input_logprobs or None,
             input_top_logprobs=req.pending_input_top_logprobs if req.params.top_logprobs
             and req.pending_input_logprobs else None,
@@ -170,8 +170,10 @@ class ResultProcessor:
         self.kv.release(req)
         self.emit([self.token_out(req)])
 
-    def fail(self, req: Req, message: str) -> None:
-        """End a request that holds no KV with an error (refused at intake) and emit it."""
+    def fail(self, req: Req, message: str, code: str = "invalid_argument") -> None:
+        """End a request that holds no KV with an error (refused at intake; `code`: an `ErrorCode` value) and
+        emit it."""
         req.error = message
+        req.error_code = code
         req.finish_reason = FinishReason.ERROR
         self.emit([self.token_out(req)])

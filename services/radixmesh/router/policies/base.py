@@ -26,6 +26,8 @@ class RouteRequest:
     """Chained keys of the prompt's full blocks (radixmesh.wire.block_hash)."""
     block_size: int
     """Tokens per block of `block_hashes`."""
+    lora_name: str = ""
+    """The LoRA adapter it runs with ("" for the base model); its block hashes carry the adapter's extra key."""
 
     @property
     def routing_key(self) -> bytes:

@@ -1,0 +1,83 @@
+"""The LoRA side of a linear layer: adds each row's adapter output to the base layer's output.
+
+A `Linear` with a `LoraProjection` (its `lora` attribute) computes `y = x @ W.T` and then `y += scaling_s *
+x @ A_s.T @ B_s.T` for every row whose request uses the adapter in slot s. On CUDA that is the batched
+shrink/expand kernels of `radixmesh.kernels.lora` (Punica/S-LoRA style, CUDA-graph capturable); elsewhere
+plain matmuls over the batch's runs of rows sharing a slot. Which slot each row uses is the one
+`LoraBatchState` of the model, set by the runner before every pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class LoraBatchState:
+    """Which adapter slot the rows of the current pass use (shared by every LoRA projection of a model)."""
+
+    ranks: torch.Tensor
+    """[num_slots] int32 on the device: each slot's rank (0: empty)."""
+    scalings: torch.Tensor
+    """[num_slots] float32 on the device."""
+    ranks_host: list[int]
+    """Host copy of `ranks` (the matmul path sizes its products with it)."""
+    scalings_host: list[float]
+    """Host copy of `scalings`."""
+    active: bool = False
+    """Some row of the pass uses an adapter (else the projections add nothing)."""
+    kernel_batch: Any = None
+    """CUDA: the `radixmesh.kernels.lora.LoraBatch` of the pass (per row or per segment)."""
+    runs: list[tuple[int, int, int]] = field(default_factory=list)
+    """Matmul path: (slot, first row, end row) of the pass's runs of rows with an adapter."""
+
+
+class LoraProjection:
+    """The adapter slots of one (possibly stacked) projection: `a` [num_slots, num_slices * R, in_local] and
+    `b` [num_slots, out_local, R], slice i's B in the rows of its output columns (`radixmesh.kernels.lora`)."""
+
+    def __init__(self, state: LoraBatchState, a: torch.Tensor, b: torch.Tensor,
+                 slice_sizes: tuple[int, ...]) -> None:
+        assert a.shape[1] % len(slice_sizes) == 0 and b.shape[1] == sum(slice_sizes), (
+            f"a {tuple(a.shape)} / b {tuple(b.shape)} do not fit slices {slice_sizes}")
+        self.state, self.a, self.b, self.slice_sizes = state, a, b, slice_sizes
+        self.max_rank = b.shape[2]
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` (the base output of `x`) plus the rows' adapter outputs, in place."""
+        state = self.state
+        if not state.active or x.shape[0] == 0:
+            return y
+        if x.is_cuda:
+            from radixmesh.kernels.lora import lora_apply
+
+            return lora_apply(x.contiguous(), y, self.a, self.b, state.kernel_batch, state.ranks, state.scalings,
+                              self.slice_sizes)
+        return self._add_matmul(x, y)
+
+    def _add_matmul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        state, big_r = self.state, self.max_rank
+        for slot, start, end in state.runs:
+            rank, scaling = state.ranks_host[slot], state.scalings_host[slot]
+            xs = x[start:end]  # [rows, in]
+            col = 0
+            for i, size in enumerate(self.slice_sizes):
+                xa = xs @ self.a[slot, i * big_r:i * big_r + rank].t()  # [rows, rank]
+                y[start:end, col:col + size] += scaling * (xa @ self.b[slot, col:col + size, :rank].t())
+                col += size
+        return y
+
+
+def row_runs(row_slots: list[int]) -> list[tuple[int, int, int]]:
+    """(slot, first row, end row) of each run of consecutive rows sharing a slot >= 0."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for row in range(1, len(row_slots) + 1):
+        if row == len(row_slots) or row_slots[row] != row_slots[start]:
+            if row_slots[start] >= 0:
+                runs.append((row_slots[start], start, row))
+            start = row
+    return runs

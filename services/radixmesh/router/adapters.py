@@ -1,0 +1,90 @@
+"""LoRA adapter affinity: which workers a request of an adapter may go to, before the policy picks among them.
+
+Workers publish their loaded adapters in GetLoad (`WorkerLoad.lora_adapters`). A request of adapter A goes to the
+workers holding A (the policy then prefers the one holding its prefix: adapters' block hashes carry their own extra
+key). When no worker holds A, or A is hot (every holder is busier than `spread_ratio` times the least loaded
+LoRA-serving worker, plus `spread_slack` requests), the least loaded other worker gets A loaded first, when the
+router knows where A's files are (`--lora-paths NAME=PATH`, a path on the workers' file system); without a path a
+request of an adapter no worker holds is NOT_FOUND here, naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from radixmesh.common.errors import ErrorCode, RadixMeshError, not_found
+from radixmesh.router.config import AdapterConfig
+from radixmesh.router.policies.scoring import num_requests
+from radixmesh.router.workers import WorkerHandle
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AdapterAffinity:
+    """Narrows a request's candidate workers to those holding its adapter, loading it where needed."""
+
+    config: AdapterConfig
+    loading: dict[tuple[str, str], asyncio.Future[None]] = field(default_factory=dict)
+    """(worker id, adapter) -> its load in progress (concurrent requests wait for one load)."""
+    loaded_here: set[tuple[str, str]] = field(default_factory=set)
+    """(worker id, adapter) loads this router made, until the worker's GetLoad lists them."""
+    num_loads: int = 0
+
+    def holds(self, worker: WorkerHandle, name: str) -> bool:
+        return name in worker.load.adapter_names or (worker.worker_id, name) in self.loaded_here
+
+    async def narrow(self, name: str, candidates: list[WorkerHandle]) -> list[WorkerHandle]:
+        """The workers a request of adapter `name` may go to (all of `candidates` for the base model)."""
+        if not name:
+            return candidates
+        self.forget_listed(candidates)
+        serving = [w for w in candidates if w.load.max_loras_per_batch > 0] or candidates
+        holders = [w for w in serving if self.holds(w, name)]
+        others = [w for w in serving if not self.holds(w, name)]
+        path = dict(self.config.lora_paths).get(name)
+        if holders and not (path and others and self._hot(holders, others)):
+            return holders
+        if not others or path is None:
+            if holders:
+                return holders
+            raise not_found(f"LoRA adapter {name!r} is not loaded on any worker (and the router has no "
+                            "--lora-paths entry for it)", "lora_name")
+        target = min(others, key=num_requests)
+        await self._load(target, name, path)
+        return [*holders, target] if holders else [target]
+
+    def _hot(self, holders: list[WorkerHandle], others: list[WorkerHandle]) -> bool:
+        busiest_ok = min(num_requests(w) for w in holders)
+        idle = min(num_requests(w) for w in others)
+        return busiest_ok > self.config.spread_ratio * idle + self.config.spread_slack
+
+    async def _load(self, worker: WorkerHandle, name: str, path: str) -> None:
+        key = (worker.worker_id, name)
+        pending = self.loading.get(key)
+        if pending is not None:
+            await asyncio.shield(pending)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.loading[key] = fut
+        try:
+            await worker.client.load_lora_adapter(name, path)
+            self.num_loads += 1
+            logger.info("loaded LoRA adapter %s on worker %s", name, worker.worker_id)
+        except RadixMeshError as exc:
+            if not (exc.code is ErrorCode.INVALID_ARGUMENT and "already loaded" in exc.message):
+                fut.set_exception(exc)
+                fut.exception()  # retrieved here: waiters re-raise it
+                raise
+        finally:
+            self.loading.pop(key, None)
+        self.loaded_here.add(key)
+        if not fut.done():
+            fut.set_result(None)
+
+    def forget_listed(self, workers: list[WorkerHandle]) -> None:
+        """Drop local records of loads the workers' GetLoad now reports."""
+        for worker in workers:
+            self.loaded_here -= {(worker.worker_id, n) for n in worker.load.adapter_names}
