@@ -69,6 +69,9 @@ fi
 TREE=$(realpath "${TREE:-$PWD}")
 echo "package from $TREE"
 export PYTHONPATH=$TREE/services:$TREE/kernels:$TREE:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# (PYTHONSAFEPATH: `python -m` must not put the working directory first, where this tree's loadtests would shadow
+# TREE's)
+export PYTHONSAFEPATH=1
 export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer RADIXMESH_CACHE_DIR=/tmp/radixmesh-cache
 export RADIXMESH_TEST_TOKENIZER_DIR=${TOKENIZER_DIR:-$PWD/.gpu-model}
 RM="python3 -m radixmesh.cli"

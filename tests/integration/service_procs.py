@@ -83,6 +83,21 @@ def stop_all(services: list[ServiceProc], timeout_s: float = 30.0) -> list[int]:
     return [service.stop(timeout_s) for service in services]
 
 
+def within_visible_gpus(env: dict[str, str]) -> dict[str, str]:
+    """`env` with its CUDA_VISIBLE_DEVICES read as indices into this process's own visible GPUs: a test that gives a
+    service GPU "1" while the suite runs on GPUs "2,3" (CUDA_VISIBLE_DEVICES=2,3) puts it on GPU 3, not on GPU 1."""
+    wanted, ours = env.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not wanted or not ours:
+        return env
+    visible = [d.strip() for d in ours.split(",") if d.strip()]
+    try:
+        mapped = [visible[int(i)] for i in wanted.split(",")]
+    except (ValueError, IndexError):
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={wanted!r} asks for GPUs this process does not see ({ours!r})") \
+            from None
+    return {**env, "CUDA_VISIBLE_DEVICES": ",".join(mapped)}
+
+
 def start_service(name: str, args: list[str], http: bool = False, env: dict[str, str] | None = None,
                   health_port: bool = False, wait_ready: bool = True, port: int | None = None,
                   new_session: bool = False) -> ServiceProc:
@@ -100,7 +115,7 @@ def start_service(name: str, args: list[str], http: bool = False, env: dict[str,
         health_address = f"127.0.0.1:{health}"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=new_session,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **within_visible_gpus(env or {})})
     address = f"http://127.0.0.1:{port}" if http else f"127.0.0.1:{port}"
     service = ServiceProc(name, address, proc, log_path, health_address, http)
     if wait_ready:
