@@ -15,11 +15,11 @@ import pytest
 from radixmesh.kernels._pdl import set_pdl
 from radixmesh.kernels.fp8_quant import quantize_rows
 from radixmesh.kernels.moe import MoeWorkspace, fused_moe
-from radixmesh.kernels.moe_config import MoeConfig, MoeGemmConfig
+from radixmesh.kernels.moe_config import MoeConfig
 from radixmesh.kernels.moe_ref import moe_ref, route_ref
 from radixmesh.kernels.moe_routing import RouterSpec, route_align
 
-from ..unit.test_moe_kernels import check_alignment
+from ..unit.test_moe_kernels import OTHER_TILES, check_alignment
 
 pytestmark = pytest.mark.gpu
 
@@ -75,11 +75,7 @@ def test_qwen3_layer_matches_reference(qwen3: tuple[torch.Tensor, torch.Tensor],
     assert _rel_err(got, moe_ref(x, *qwen3, weights, ids)) < 1e-2
 
 
-@pytest.mark.parametrize("config", [
-    MoeConfig(1, MoeGemmConfig(32, 256), MoeGemmConfig(16, 512)),  # register path
-    MoeConfig(32, MoeGemmConfig(64, 128, 8, 4, 4), MoeGemmConfig(128, 64, 8, 8, 3)),
-    MoeConfig(64, MoeGemmConfig(128, 128, 8, 8, 3), MoeGemmConfig(64, 256, 8, 4, 3)),
-])
+@pytest.mark.parametrize("config", OTHER_TILES)
 def test_qwen3_layer_with_other_tiles(qwen3: tuple[torch.Tensor, torch.Tensor], config: MoeConfig) -> None:
     x, logits = _inputs(48, QWEN3, seed=2)
     got = fused_moe(x, logits, *qwen3, RouterSpec(8), config=config)

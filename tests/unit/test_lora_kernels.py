@@ -57,8 +57,10 @@ def _run(x: torch.Tensor, y: torch.Tensor, slices: tuple[int, ...], batch: LoraB
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor, y: torch.Tensor) -> float:
-    """Error relative to the adapters' contribution (not to y, which would hide it)."""
-    return float((got.float() - want).norm() / (want - y.float()).norm())
+    """Error relative to the adapters' contribution (not to y, which would hide it); some row must have one."""
+    contribution = (want - y.float()).norm()
+    assert contribution > 0, "no row has an adapter: the relative error would be 0 / 0"
+    return float((got.float() - want).norm() / contribution)
 
 
 I32 = torch.int32
@@ -86,6 +88,20 @@ def test_prefill_segments_of_different_lengths(slices: tuple[int, ...], config: 
     got, want = _run(x, y, slices, LoraBatch(slots, seg_starts, 24), config)
     assert _rel_err(got, want, y) < 1e-5
     assert torch.equal(got[6:30], y[6:30])
+
+
+@pytest.mark.parametrize("in_features,slices", [(4096, (32, 16, 16)), (14336, (32,))])
+@pytest.mark.parametrize("slot", [0, 1, -1])
+def test_a_batch_of_one_row_with_the_gpu_tiles(in_features: int, slices: tuple[int, ...], slot: int) -> None:
+    batch = LoraBatch.per_row(torch.tensor([slot], dtype=I32))
+    config = default_config(batch, in_features, len(slices), torch.device("cuda"))
+    assert config.num_splits == min(16, in_features // 512)  # batch 1: K split over 8 (4096) or 16 programs
+    x, y = _rand(1, in_features, seed=10, scale=0.1), _rand(1, sum(slices), seed=11)
+    got, want = _run(x, y, slices, batch, config)
+    if slot < 0:
+        assert torch.equal(got, y)
+    else:
+        assert _rel_err(got, want, y) < 1e-5
 
 
 def test_a_batch_of_base_rows_is_left_alone() -> None:

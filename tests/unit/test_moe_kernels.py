@@ -17,12 +17,30 @@ import pytest
 
 from radixmesh.kernels.fp8_ref import quantize_rows
 from radixmesh.kernels.moe import MoeWorkspace, fused_moe
-from radixmesh.kernels.moe_config import TUNED, MoeConfig, MoeGemmConfig, default_config, dtype_key, m_bucket
+from radixmesh.kernels.moe_config import (
+    DTYPE_KEYS,
+    HOPPER_SMEM_BYTES,
+    M_BUCKETS,
+    TUNED,
+    MoeConfig,
+    MoeGemmConfig,
+    default_config,
+    dtype_key,
+    m_bucket,
+)
+from radixmesh.kernels.moe_gemm import check_tiles_fit
 from radixmesh.kernels.moe_ref import moe_ref, route_ref
 from radixmesh.kernels.moe_routing import MoeAlignment, RouterSpec, max_blocks, route_align, route_rows
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMALL = MoeGemmConfig(16, 32, 2, 1, 1)
+OTHER_TILES = [  # the GPU tests' tiles besides the defaults (tests/gpu/test_moe_gpu.py)
+    MoeConfig(1, MoeGemmConfig(32, 256), MoeGemmConfig(16, 512)),  # register path
+    MoeConfig(32, MoeGemmConfig(64, 128, 8, 4, 4), MoeGemmConfig(128, 64, 8, 8, 3)),
+    MoeConfig(64, MoeGemmConfig(128, 128, 8, 8, 2), MoeGemmConfig(64, 256, 8, 4, 3)),
+]
+# (activation, weight) element bytes per dtype key
+KEY_BYTES = {"bf16": (2, 2), "fp16": (2, 2), "fp32": (4, 4), "fp8-w8a16": (2, 1), "fp8-w8a8": (1, 1)}
 
 
 def _rand(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -230,3 +248,28 @@ def test_configs_by_shape_and_batch() -> None:
         del TUNED[(128, 768, 2048, "bf16", 2)]
     with pytest.raises(AssertionError, match="power of 2"):
         MoeConfig(12, SMALL, SMALL)
+
+
+def test_tiles_fit_in_hopper_shared_memory() -> None:
+    # 128x128 gate and up tiles at block_m 64 in 3 stages: the 245760 bytes an H200 refused to compile
+    over = MoeGemmConfig(128, 128, 8, 8, 3)
+    assert over.smem_bytes(64, 2, 2, gated=True) == 245760 > HOPPER_SMEM_BYTES
+    with pytest.raises(AssertionError, match="need 245760 bytes of shared memory"):
+        check_tiles_fit(over, 64, torch.bfloat16, torch.bfloat16, True, HOPPER_SMEM_BYTES)
+    check_tiles_fit(over, 64, torch.bfloat16, torch.bfloat16, False, HOPPER_SMEM_BYTES)  # one weight tile
+    check_tiles_fit(over, 64, torch.bfloat16, torch.float8_e4m3fn, True, HOPPER_SMEM_BYTES)  # FP8 weights
+    for cfg in OTHER_TILES:
+        if cfg.block_m >= 16:
+            check_tiles_fit(cfg.up, cfg.block_m, torch.bfloat16, torch.bfloat16, True, HOPPER_SMEM_BYTES)
+            check_tiles_fit(cfg.down, cfg.block_m, torch.bfloat16, torch.bfloat16, False, HOPPER_SMEM_BYTES)
+
+
+@pytest.mark.parametrize("key", DTYPE_KEYS)
+def test_default_tiles_fit_in_hopper_shared_memory(key: str) -> None:
+    a_bytes, w_bytes = KEY_BYTES[key]
+    for experts, inter, hidden, top_k in ((128, 768, 2048, 8), (8, 14336, 4096, 2), (256, 2048, 7168, 8)):
+        for m in M_BUCKETS:
+            cfg = default_config(experts, inter, hidden, key, m, top_k, torch.device("cuda"))
+            for tiles, gated in ((cfg.up, True), (cfg.down, False)):
+                need = tiles.smem_bytes(cfg.block_m, a_bytes, w_bytes, gated)
+                assert need <= HOPPER_SMEM_BYTES, f"{key} M={m}: {cfg} needs {need} bytes"

@@ -36,8 +36,8 @@ def block_m_candidates(rows_per_expert: float) -> list[int]:
 
 def fits(block_m: int, tiles: tuple[int, int, int, int], elem_bytes: int, gated: bool) -> bool:
     """Whether the pipelined loads of a tile fit in shared memory."""
-    block_n, block_k, _, stages = tiles
-    return stages * (block_m * block_k + (2 if gated else 1) * block_k * block_n) * elem_bytes <= SMEM_BYTES
+    cfg = MoeGemmConfig(tiles[0], tiles[1], 8, tiles[2], tiles[3])
+    return cfg.smem_bytes(block_m, elem_bytes, elem_bytes, gated) <= SMEM_BYTES
 
 
 def _best(b: Bench, calls_for: Callable[[MoeGemmConfig], list[Callable[[], object]]], block_m: int,

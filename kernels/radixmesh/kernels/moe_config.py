@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+HOPPER_SMEM_BYTES = 232448
+"""Shared memory one program may use on an H100/H200 (227 KiB, the opt-in limit)."""
 DTYPE_KEYS = ("bf16", "fp16", "fp32", "fp8-w8a16", "fp8-w8a8")
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -39,6 +41,12 @@ class MoeGemmConfig:
             assert value >= 1 and value & (value - 1) == 0, f"{name} must be a power of 2, got {value}"
         assert self.block_n >= 16 and self.block_k >= 16, f"block_n, block_k must be >= 16: {self}"
         assert self.num_warps in (1, 2, 4, 8, 16) and 1 <= self.num_stages <= 8, f"bad warps/stages: {self}"
+
+    def smem_bytes(self, block_m: int, a_bytes: int, w_bytes: int, gated: bool) -> int:
+        """Shared memory of the K loop's pipelined loads on the tensor-core path: `num_stages` copies of the
+        activation tile `[block_m, block_k]` and of the weight tile `[block_k, block_n]` (two when gated)."""
+        weights = (2 if gated else 1) * self.block_k * self.block_n * w_bytes
+        return self.num_stages * (block_m * self.block_k * a_bytes + weights)
 
 
 @dataclass(frozen=True)
@@ -77,7 +85,8 @@ def m_bucket(m: int) -> int:
 def default_config(num_experts: int, inter: int, hidden: int, key: str, m: int, top_k: int,
                    device: torch.device) -> MoeConfig:
     """The tuned configuration of this layer and batch, else one chosen by the expected rows per expert:
-    few rows (decode) favour narrow N tiles (many programs streaming weights), many rows square tiles."""
+    few rows (decode) favour narrow N tiles (many programs streaming weights), many rows square tiles. Every
+    choice fits `HOPPER_SMEM_BYTES` (float32 takes half the K of 16-bit types, FP8 twice)."""
     assert key in DTYPE_KEYS, f"dtype key {key!r} not one of {DTYPE_KEYS}"
     tuned = TUNED.get((num_experts, inter, hidden, key, m_bucket(m)))
     if tuned is not None:
@@ -85,7 +94,7 @@ def default_config(num_experts: int, inter: int, hidden: int, key: str, m: int, 
     if device.type == "cpu":  # the interpreter: small tiles, few ops per program
         small = MoeGemmConfig(16, 32, 4, 1, 1)
         return MoeConfig(16, small, small)
-    wide_k = 256 if key.startswith("fp8") else 128
+    wide_k = {"fp8-w8a16": 256, "fp8-w8a8": 256, "fp32": 64}.get(key, 128)  # the same bytes of K per tile
     rows = m * top_k / num_experts
     if rows <= 16:
         tiles = MoeGemmConfig(64, wide_k, 8, 4, 4)
@@ -93,5 +102,5 @@ def default_config(num_experts: int, inter: int, hidden: int, key: str, m: int, 
     if rows <= 64:
         tiles = MoeGemmConfig(128, wide_k // 2, 8, 4, 4)
         return MoeConfig(32 if rows <= 32 else 64, tiles, tiles)
-    tiles = MoeGemmConfig(128, 64, 8, 8, 3)
+    tiles = MoeGemmConfig(128, 32 if key == "fp32" else 64, 8, 8, 3)
     return MoeConfig(128 if rows >= 256 else 64, tiles, tiles)

@@ -19,6 +19,8 @@ memory-bound batches) or quantized per token (W8A8, FP8 tensor cores); the scale
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -142,10 +144,28 @@ def _check_operands(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tens
         f"activation scales must be a contiguous float32 [{a_rows}], got {a_scale.dtype} {tuple(a_scale.shape)}")
 
 
+@functools.cache
+def _smem_limit(device: torch.device) -> int:
+    """Shared memory one program may use on a CUDA device (the opt-in limit)."""
+    return int(torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
+
+
+def check_tiles_fit(cfg: MoeGemmConfig, block_m: int, a_dtype: torch.dtype, w_dtype: torch.dtype, gated: bool,
+                    limit_bytes: int) -> None:
+    """Fails, naming the tiles, when a tensor-core GEMM's pipelined loads exceed `limit_bytes` of shared memory
+    (the compiler would refuse the kernel at its first launch)."""
+    need = cfg.smem_bytes(block_m, a_dtype.itemsize, w_dtype.itemsize, gated)
+    assert need <= limit_bytes, (
+        f"{'gate/up' if gated else 'down'} tiles {cfg} at block_m {block_m} ({a_dtype} x {w_dtype}) need {need} "
+        f"bytes of shared memory, the GPU has {limit_bytes}: use fewer num_stages or smaller tiles")
+
+
 def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor | None,
             out: torch.Tensor, al: MoeAlignment, cfg: MoeGemmConfig, gated: bool) -> None:
     n, k = out.shape[1], a.shape[1]
     use_dot = al.block_m >= 16
+    if use_dot and a.device.type == "cuda":
+        check_tiles_fit(cfg, al.block_m, a.dtype, w.dtype, gated, _smem_limit(a.device))
     operand = dot_dtype(a.dtype if a_scale is None else torch.float32, a.device)  # unused by FP8 x FP8 dots
     grid = (al.num_blocks * triton.cdiv(n, cfg.block_n),)
     if grid[0] == 0:
