@@ -38,6 +38,11 @@ EXAMPLE_NODES = (
              taints=(GPU_TAINT,)),
     FakeNode("kwok-gpu4-1", {"nvidia.com/gpu.count": "4", "nvidia.com/gpu.present": "true"}, gpus=4,
              taints=(GPU_TAINT,)),
+    # moe-ep2-mixtral: two pods of 2 GPUs (EP 2 x TP 2) on nodes labelled with 2 GPUs
+    FakeNode("kwok-gpu2-0", {"nvidia.com/gpu.count": "2", "nvidia.com/gpu.present": "true"}, gpus=2,
+             taints=(GPU_TAINT,)),
+    FakeNode("kwok-gpu2-1", {"nvidia.com/gpu.count": "2", "nvidia.com/gpu.present": "true"}, gpus=2,
+             taints=(GPU_TAINT,)),
 )
 
 
