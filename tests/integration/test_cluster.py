@@ -189,7 +189,7 @@ def test_redis_restart_falls_back_to_approx_tree_and_back(cluster: ClusterState,
 
 
 def test_worker_killed_mid_stream(cluster: ClusterState) -> None:
-    """Last: it kills a worker. The open stream ends with a clear error, new requests go to the other
+    """Last: it kills a worker. The open stream moves to the other worker and finishes, new requests go to the other
     worker, nothing hangs, and once the killed worker's lease lapses its index entries stop counting."""
     seeded = _seed_a_group_on_each_worker(cluster)
     router = router_stub(cluster.router_address)
@@ -211,8 +211,8 @@ def test_worker_killed_mid_stream(cluster: ClusterState) -> None:
                 os.killpg(pid, signal.SIGKILL)
     assert time.monotonic() - started < 60
     assert frames[-1] == "[DONE]"
-    error = json.loads(frames[-2])
-    assert "error" in error and "mid-stream" in json.dumps(error), error
+    last = json.loads(frames[-2])  # the stream moved to the other worker (migration) and finished there
+    assert "error" not in last and last["meta_info"]["completion_tokens"] == 400, last
     survivor = next(a for a in cluster.worker_addresses if a != victim)
     victim_group = seeded[victim]
     for member in range(1, 3):

@@ -368,7 +368,7 @@ def _scrape(server: Server) -> dict[str, float]:
     assert response.status_code == 200
     samples = {}
     for family in text_string_to_metric_families(response.text):
-        assert family.name.startswith("radixmesh_"), family.name
+        assert family.name.startswith(("radixmesh_", "vllm:")), family.name  # vllm: the model-server protocol's
         for sample in family.samples:
             labels = dict(sample.labels)
             assert labels.pop("service", None) == "serve", f"{sample.name} lacks service=\"serve\""
