@@ -62,7 +62,7 @@ class HealthChecker:
             ok, error, load, reported_id = result.ok, result.error, result.load, result.worker_id
             role, http_port = result.role, (result.http_port if load is not None else None)
             disagg = result.disagg
-            draining = getattr(result, "draining", False)
+            draining = result.draining
         if load is not None:
             handle.load = load
         if disagg is not None:
