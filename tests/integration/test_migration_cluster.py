@@ -165,6 +165,12 @@ def settle(cluster: Cluster) -> None:
     wait_all_ready(cluster.workers)
     wait_for(lambda: healthy_workers(cluster.router.address) == 2, 120, "the router to see both workers again")
     wait_for(lambda: all(running(w) == 0 for w in cluster.workers), 60, "idle workers")
+    # the gateway checks the router on its own schedule (every 0.2-2 s while the router was not ready)
+    wait_for(lambda: gateway_ready(cluster), 30, "the gateway to see the router ready again")
+
+
+def gateway_ready(cluster: Cluster) -> bool:
+    return httpx.get(f"{cluster.gateway.address}/ready", timeout=5).status_code == 200
 
 
 GREEDY = {"prompt": "The history of the city of Rome began", "max_tokens": 40, "temperature": 0.0,
