@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -39,6 +40,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+TEST_TIMES = os.environ.get("RADIXMESH_TEST_TIMES", "")
+"""A file to append each test phase's duration to as it ends (one JSON line: test, when, s, outcome), so a
+long run shows where its time goes even when it is stopped early."""
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if TEST_TIMES:
+        with open(TEST_TIMES, "a") as out:
+            out.write(json.dumps({"test": report.nodeid, "when": report.when, "s": round(report.duration, 2),
+                                  "outcome": report.outcome}) + "\n")
 
 
 @pytest.fixture(autouse=True)
