@@ -193,7 +193,7 @@ def test_worker_killed_mid_stream(cluster: ClusterState) -> None:
     worker, nothing hangs, and once the killed worker's lease lapses its index entries stop counting."""
     seeded = _seed_a_group_on_each_worker(cluster)
     router = router_stub(cluster.router_address)
-    body = {**ids_request(group_ids(30, 0), max_new_tokens=400), "stream": True}
+    body = {**ids_request(group_ids(30, 0), max_new_tokens=200), "stream": True}
     body["sampling_params"]["ignore_eos"] = True
     started = time.monotonic()
     frames: list[str] = []
@@ -209,10 +209,10 @@ def test_worker_killed_mid_stream(cluster: ClusterState) -> None:
                 victim = busy[0].address
                 pid = cluster.pids[f"worker-{cluster.worker_addresses.index(victim)}"]
                 os.killpg(pid, signal.SIGKILL)
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 240, "the stream hung"  # a loose bound: only a hang should fail it
     assert frames[-1] == "[DONE]"
     last = json.loads(frames[-2])  # the stream moved to the other worker (migration) and finished there
-    assert "error" not in last and last["meta_info"]["completion_tokens"] == 400, last
+    assert "error" not in last and last["meta_info"]["completion_tokens"] == 200, last
     survivor = next(a for a in cluster.worker_addresses if a != victim)
     victim_group = seeded[victim]
     for member in range(1, 3):
