@@ -62,7 +62,8 @@ class RouterApp:
         self.policy = create_policy(config.policy, config, reader=self.reader)
         self.router = RequestRouter(config, self.registry, self.policy,
                                     prefill_policy=create_policy(config.policy, dataclasses.replace(
-                                        config, sweep_interval_s=0), reader=self.reader))  # one sweeper is enough
+                                        config, sweep_interval_s=0), reader=self.reader),  # one sweeper is enough
+                                    reader=self.reader)
         self.servicer = RouterServicer(self.router)
         self.server: GrpcServer | None = None
         if server_config is not None:
