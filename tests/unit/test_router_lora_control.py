@@ -89,7 +89,7 @@ def test_load_goes_to_every_worker_or_the_named_one_and_routing_follows_at_once(
 
 
 def test_unload_goes_to_the_holders_and_routing_leaves_them_at_once() -> None:
-    control, router, workers = _control((("sql", "chat"), ("sql",)))
+    control, router, _ = _control((("sql", "chat"), ("sql",)))
     assert list(_unload(control, "sql", worker_id="w0").worker_ids) == ["w0"]
     assert _land(router, "sql") == {"w1"}  # GetLoad still lists sql on w0
     assert list(_unload(control, "sql").worker_ids) == ["w1"]
