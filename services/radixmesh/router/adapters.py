@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from radixmesh.common.errors import ErrorCode, RadixMeshError, not_found
 from radixmesh.index.lease import WorkerLease
 from radixmesh.index.reader import KVIndexReader
+from radixmesh.router import metrics
 from radixmesh.router.config import AdapterConfig
 from radixmesh.router.policies.scoring import num_requests
 from radixmesh.router.workers import WorkerHandle
@@ -72,15 +73,15 @@ class AdapterAffinity:
         holders = [w for w in serving if self.holds(w, name, leases)]
         others = [w for w in serving if not self.holds(w, name, leases)]
         path = dict(self.config.lora_paths).get(name)
-        if holders and not (path and others and self._hot(holders, others)):
+        if holders and (not (path and others) or not self._hot(holders, others)):
+            metrics.LORA_DECISIONS.labels(name, "holder").inc()
             return holders
         if not others or path is None:
-            if holders:
-                return holders
             raise not_found(f"LoRA adapter {name!r} is not loaded on any worker (and the router has no "
                             "--lora-paths entry for it)", "lora_name")
         target = min(others, key=num_requests)
         await self._load(target, name, path)
+        metrics.LORA_DECISIONS.labels(name, "spread" if holders else "loaded").inc()
         return [*holders, target] if holders else [target]
 
     def _hot(self, holders: list[WorkerHandle], others: list[WorkerHandle]) -> bool:
@@ -99,6 +100,7 @@ class AdapterAffinity:
         try:
             await worker.client.load_lora_adapter(name, path)
             self.num_loads += 1
+            metrics.LORA_LOADS.labels(name, "route").inc()
             logger.info("loaded LoRA adapter %s on worker %s", name, worker.worker_id)
         except RadixMeshError as exc:
             if not (exc.code is ErrorCode.INVALID_ARGUMENT and "already loaded" in exc.message):

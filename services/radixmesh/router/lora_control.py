@@ -19,6 +19,7 @@ from typing import Any
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument, not_found
 from radixmesh.protocol import common_pb2
+from radixmesh.router import metrics
 from radixmesh.router.adapters import AdapterAffinity
 from radixmesh.router.disagg import SERVING_ROLES
 from radixmesh.router.workers import WorkerHandle, WorkerRegistry
@@ -64,6 +65,7 @@ class LoraControl:
         done = [w for w, r in zip(targets, results) if not isinstance(r, BaseException)]
         for worker in done:
             self.affinity.on_loaded(worker, name)
+            metrics.LORA_LOADS.labels(name, "api").inc()
         _raise_first(name, "loading", targets, results, done)
         replies = [r for r in results if isinstance(r, common_pb2.LoadLoraAdapterResponse)]
         reply = common_pb2.LoadLoraAdapterResponse(name=name, worker_ids=sorted(w.worker_id for w in done))

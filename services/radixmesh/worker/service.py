@@ -118,6 +118,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         metrics.GENERATED_TOKENS.inc(len(out.token_ids))
                         if out.finish_reason is not None:
                             _count_finished(out.finish_reason, out.prompt_tokens, out.cached_tokens, start)
+                        if request.lora_name:
+                            _count_adapter(request.lora_name, len(out.token_ids), out.finish_reason is not None)
                         msg = token_out_to_proto(out, worker_id)
                         if first:
                             msg.engine_ttft_s = time.perf_counter() - engine_start
@@ -257,6 +259,12 @@ def _count_finished(reason: str, prompt_tokens: int, cached_tokens: int, start: 
     metrics.PROMPT_TOKENS.inc(prompt_tokens)
     metrics.CACHED_TOKENS.inc(cached_tokens)
     metrics.E2E.observe(time.perf_counter() - start)
+
+
+def _count_adapter(name: str, num_tokens: int, finished: bool) -> None:
+    metrics.LORA_TOKENS.labels(name).inc(num_tokens)
+    if finished:
+        metrics.LORA_FINISHED.labels(name).inc()
 
 
 def model_aliases(client: EngineClient) -> set[str]:
