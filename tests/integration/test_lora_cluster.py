@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from radixmesh import cli
 from radixmesh.cluster.local import cluster_down, cluster_up
 from radixmesh.cluster.lora_affinity import serving_workers
 from radixmesh.cluster.spec import ClusterSpec, ClusterState
@@ -41,7 +40,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterS
     root = tmp_path_factory.mktemp("lora-cluster")
     redis: LocalRedis = start_local_redis(root / "redis")
     spec = ClusterSpec(num_workers=2, redis_url=redis.url, worker_args=WORKER_ARGS, state_dir=root / "cluster",
-                       router_args="--health-interval-s 0.3", log_level="info", timeout_s=300)
+                       router_args="--health-interval-s 0.3", log_level="info", timeout_s=300, metrics=True)
     try:
         state = cluster_up(spec)
         try:
@@ -52,14 +51,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterS
         redis.stop()
 
 
-def test_requests_land_where_their_adapter_is(cluster: tuple[ClusterState, Path]) -> None:
+def test_requests_land_where_their_adapter_is(cluster: tuple[ClusterState, Path],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
     state, root = cluster
     result_file = root / "bench.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "radixmesh.cli", "bench", "lora-routing", "--cluster-state",
-                           str(root / "cluster"), "--adapters", "4", "--rank", "8", "--requests", "8",
-                           "--max-new-tokens", "1", "--result-file", str(result_file)],
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    code = cli.main(["bench", "lora-routing", "--cluster-state", str(root / "cluster"), "--adapters", "4",
+                     "--rank", "8", "--requests", "8", "--max-new-tokens", "1", "--result-file", str(result_file)])
+    assert code == 0, capsys.readouterr().out[-3000:]
     result = json.loads(result_file.read_text().splitlines()[-1])
     assert (result["workers"], result["adapters"], result["requests"], result["failed"]) == (2, 4, 8, 0)
     assert result["hit_rate"] == 1.0 and result["random_expected"] == 0.5
@@ -69,6 +67,22 @@ def test_requests_land_where_their_adapter_is(cluster: tuple[ClusterState, Path]
         assert landed == {placement[adapter]: sum(landed.values())}, (adapter, landed)
     with httpx.Client(base_url=state.gateway_url, timeout=60) as client:  # the bench unloaded what it placed
         assert client.get("/list_lora_adapters").json() == {"adapters": []}
+    router = _samples(state, "router")  # the dashboard's per-adapter series
+    for adapter, landed in result["landed"].items():
+        assert router[("radixmesh_router_lora_decisions_total", adapter, "holder")] == sum(landed.values())
+        assert router[("radixmesh_router_lora_loads_total", adapter, "api")] == 1
+    tokens = [_samples(state, name).get(("radixmesh_lora_generation_tokens_total", "lora0", "")) or 0
+              for name in ("worker-0", "worker-1")]
+    assert sorted(tokens)[0] == 0 and sorted(tokens)[1] >= 1  # lora0's tokens, all on its one worker
+
+
+def _samples(state: ClusterState, service: str) -> dict[tuple[str, str, str], float]:
+    """(series, adapter, reason or state) -> value of the LoRA series on a service's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(state.metrics_urls[service], timeout=10).text
+    return {(s.name, s.labels.get("adapter", ""), s.labels.get("reason", s.labels.get("state", ""))): s.value
+            for family in text_string_to_metric_families(text) if "lora" in family.name for s in family.samples}
 
 
 def _leases(state: ClusterState) -> dict[str, tuple[str, ...]]:
@@ -94,6 +108,13 @@ def _wait_leases(state: ClusterState, want: tuple[str, ...], timeout_s: float = 
         time.sleep(0.1)
 
 
+def _wait_for(condition: Any, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
 def test_gateway_loads_everywhere_or_on_one_worker_with_clear_errors(cluster: tuple[ClusterState, Path]) -> None:
     state, root = cluster
     [path] = write_random_adapters(ModelConfig.from_dir(ensure_default_model(False)), root / "extra", 1, 8, seed=7)
@@ -104,6 +125,8 @@ def test_gateway_loads_everywhere_or_on_one_worker_with_clear_errors(cluster: tu
         assert reply.status_code == 200, reply.text
         assert reply.json()["worker_ids"] == workers
         _wait_leases(state, ("sql",))  # both workers' index leases name it
+        _wait_for(lambda: all(("radixmesh_lora_adapter_requests", "sql", "running") in _samples(state, w)
+                              for w in ("worker-0", "worker-1")), "both workers' sql series")
         listed = client.get("/list_lora_adapters").json()["adapters"]
         assert [(a["name"], a["worker_ids"], a["rank"]) for a in listed] == [("sql", workers, 8)]
         assert [m["id"] for m in client.get("/v1/models").json()["data"]][1:] == ["sql"]
