@@ -107,3 +107,18 @@ def test_lora_series_per_adapter() -> None:
     _count_adapter("sql", 1, finished=True)
     assert sample("radixmesh_lora_generation_tokens_total", {"adapter": "sql"}) == tokens + 4
     assert sample("radixmesh_lora_requests_finished_total", {"adapter": "sql"}) == finished + 1
+
+
+def test_gateway_counts_tokens_per_adapter() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from radixmesh.gateway.metrics import GatewayMetrics
+
+    gateway = GatewayMetrics("m", "gateway")
+    gateway.observe_adapter("sql", 3, finished=False)
+    gateway.observe_adapter("sql", 1, finished=True)
+    samples = {(s.name, s.labels.get("adapter")): s.value
+               for f in text_string_to_metric_families(gateway.render().decode()) for s in f.samples}
+    assert samples[("radixmesh_lora_generation_tokens_total", "sql")] == 4
+    assert samples[("radixmesh_lora_requests_finished_total", "sql")] == 1
+    assert gateway.lora is None  # a gateway's engines are the workers: they report the adapters they hold
