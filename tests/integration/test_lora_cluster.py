@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 
@@ -25,8 +26,9 @@ from radixmesh.engine.loader.default_model import ensure_default_model
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.index.config import IndexConfig
 from radixmesh.index.reader import KVIndexReader
-from radixmesh.index.redis_server import LocalRedis
+from radixmesh.index.redis_server import LocalRedis, free_port
 from radixmesh.index.writer import connect
+from radixmesh.protocol import common_pb2, inference_pb2_grpc
 from tests.redis_helpers import start_local_redis
 
 from ..unit.test_lora_adapter import write_adapter
@@ -39,8 +41,11 @@ WORKER_ARGS = "--enable-lora --max-loras-per-batch 2 --max-lora-rank 8 --max-tot
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterState, Path]]:
     root = tmp_path_factory.mktemp("lora-cluster")
     redis: LocalRedis = start_local_redis(root / "redis")
+    grpc_port = free_port()
     spec = ClusterSpec(num_workers=2, redis_url=redis.url, worker_args=WORKER_ARGS, state_dir=root / "cluster",
-                       router_args="--health-interval-s 0.3", log_level="info", timeout_s=300, metrics=True)
+                       router_args="--health-interval-s 0.3", log_level="info", timeout_s=300, metrics=True,
+                       gateway_args=f"--grpc-port {grpc_port}")
+    (root / "grpc_port").write_text(str(grpc_port))
     try:
         state = cluster_up(spec)
         try:
@@ -149,3 +154,19 @@ def test_gateway_loads_everywhere_or_on_one_worker_with_clear_errors(cluster: tu
         nowhere = client.post("/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(path),
                                                           "worker_id": "w-none"})
         assert nowhere.status_code == 404 and "'w-none'" in nowhere.json()["error"]["message"], nowhere.text
+
+
+def test_public_grpc_api_loads_on_a_named_worker(cluster: tuple[ClusterState, Path]) -> None:
+    state, root = cluster
+    [path] = write_random_adapters(ModelConfig.from_dir(ensure_default_model(False)), root / "grpc", 1, 8, seed=9)
+    workers = sorted(serving_workers(state.router_address))
+    with grpc.insecure_channel(f"127.0.0.1:{(root / 'grpc_port').read_text()}") as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        reply = stub.LoadLoraAdapter(common_pb2.LoadLoraAdapterRequest(name="g", path=str(path),
+                                                                       worker_id=workers[1]), timeout=120)
+        assert list(reply.worker_ids) == [workers[1]] and reply.rank == 8
+        reply = stub.UnloadLoraAdapter(common_pb2.UnloadLoraAdapterRequest(name="g"), timeout=60)
+        assert list(reply.worker_ids) == [workers[1]]
+        with pytest.raises(grpc.RpcError) as err:
+            stub.UnloadLoraAdapter(common_pb2.UnloadLoraAdapterRequest(name="g"), timeout=60)
+        assert err.value.code() is grpc.StatusCode.NOT_FOUND and "'g'" in (err.value.details() or "")

@@ -125,3 +125,23 @@ def test_errors_keep_the_workers_code_and_name_the_worker() -> None:
 class _Down:
     async def load_lora_adapter(self, name: str, path: str) -> None:
         raise RadixMeshError(ErrorCode.UNAVAILABLE, "service unavailable (worker w0 at 127.0.0.1:6000)")
+
+
+def test_a_gateway_routing_in_its_own_process_reaches_the_same_calls() -> None:
+    """`gateway --embedded-router`: the in-process stub answers the LoRA calls, errors staying domain errors."""
+    from radixmesh.gateway.embedded_router import InProcessRouterStub
+    from radixmesh.router.service import RouterServicer
+
+    _, router, _ = _control()
+    stub = InProcessRouterStub(RouterServicer(router))
+
+    async def run() -> None:
+        reply = await stub.LoadLoraAdapter(common_pb2.LoadLoraAdapterRequest(name="sql", path="/a/sql"), timeout=5)
+        assert list(reply.worker_ids) == ["w0", "w1"]
+        listed = await stub.ListLoraAdapters(common_pb2.ListLoraAdaptersRequest(), timeout=5)
+        assert [(a.name, list(a.worker_ids)) for a in listed.adapters] == [("sql", ["w0", "w1"])]
+        with pytest.raises(RadixMeshError) as err:
+            await stub.UnloadLoraAdapter(common_pb2.UnloadLoraAdapterRequest(name="nope"), timeout=5)
+        assert err.value.code is ErrorCode.NOT_FOUND
+
+    asyncio.run(run())
