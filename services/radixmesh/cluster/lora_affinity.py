@@ -113,8 +113,8 @@ def held_adapters(workers: dict[str, str]) -> dict[str, list[str]]:
 
 def route_requests(router_address: str, run: AffinityRun, num_requests: int, prompt_len: int,
                    max_new_tokens: int, seed: int, vocab: int) -> None:
-    """Send `num_requests` requests of adapters drawn at random (seeded; each adapter at least once when there
-    are enough requests) through the router, one after another; record where each ran."""
+    """Send `num_requests` requests through the router, one after another, each adapter as often as the others
+    (within one) in a seeded random order, each with a random prompt; record where each ran."""
     rng = random.Random(seed)
     names = sorted(run.placement)
     order = (names * (num_requests // len(names) + 1))[:num_requests]
