@@ -81,7 +81,7 @@ class RouterApp:
 
             self.epp = EndpointPickerApp(epp, self.registry, self.policy, config.block_size,
                                          server_config.host if server_config else "127.0.0.1",
-                                         server_config.tls if server_config else None)
+                                         server_config.tls if server_config else None, self.router.adapters)
         self.checker.on_change.append(self.refresh_readiness)
         self._tasks: list[asyncio.Task[None]] = []
 
