@@ -10,6 +10,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -125,10 +126,17 @@ def test_gateway_loads_everywhere_or_on_one_worker_with_clear_errors(cluster: tu
     [path] = write_random_adapters(ModelConfig.from_dir(ensure_default_model(False)), root / "extra", 1, 8, seed=7)
     bad = write_adapter(root / "bad", 8, hidden=64)  # another model's shapes
     workers = sorted(serving_workers(state.router_address))
-    with httpx.Client(base_url=state.gateway_url, timeout=120) as client:
+    with httpx.Client(base_url=state.gateway_url, timeout=120) as client, ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(client.post, "/v1/completions", json={  # base-model requests the load runs beside
+            "prompt": f"Count to twenty, take {i}:", "max_tokens": 16, "ignore_eos": True, "temperature": 0})
+            for i in range(2)]
+        time.sleep(0.3)
         reply = client.post("/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(path)})
         assert reply.status_code == 200, reply.text
         assert reply.json()["worker_ids"] == workers
+        for future in running:  # loading never fails a running request
+            done = future.result()
+            assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 16, done.text
         _wait_leases(state, ("sql",))  # both workers' index leases name it
         _wait_for(lambda: all(("radixmesh_lora_adapter_requests", "sql", "running") in _samples(state, w)
                               for w in ("worker-0", "worker-1")), "both workers' sql series")
