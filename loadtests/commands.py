@@ -34,6 +34,7 @@ BENCH_COMMANDS: LazyRegistry[Callable[[argparse._SubParsersAction], None]] = Laz
     "peer-fetch": "radixmesh.cluster.bench_peer_fetch:register_peer_fetch",
     "faults": "radixmesh.cluster.bench_faults:register_faults",
     "soak": "radixmesh.cluster.soak:register_soak",
+    "lora-routing": "radixmesh.cluster.bench_lora:register_lora_routing",
 })
 """`radixmesh bench` subcommand -> "module:function" adding it to the `bench` subparsers object."""
 
@@ -41,7 +42,7 @@ GROUPS = {
     "serving endpoint": ("serving", "goodput", "grpc-vs-http", "paired", "tool-calls"),
     "engine (in-process)": ("one-batch", "offline", "structured", "fp8-accuracy", "kv-capacity", "images",
                             "hicache", "speculative", "kv-transfer", "lora"),
-    "local cluster": ("routing", "epp", "peer-fetch", "faults", "soak"),
+    "local cluster": ("routing", "epp", "peer-fetch", "faults", "soak", "lora-routing"),
 }
 """How `radixmesh bench --help` lists the subcommands."""
 

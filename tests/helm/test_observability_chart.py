@@ -39,6 +39,9 @@ REQUIRED_PANELS_METRICS = {
     "radixmesh_router_circuit_state", "radixmesh_kv_transfer_bytes_total", "radixmesh_kv_transfer_seconds",
     "radixmesh_kv_transfer_fallbacks_total", "radixmesh_grammar_compile_seconds",
     "radixmesh_grammar_cache_hits_total", "radixmesh_grammar_compile_requests_total",
+    "radixmesh_lora_adapter_requests", "radixmesh_lora_generation_tokens_total",
+    "radixmesh_lora_requests_finished_total", "radixmesh_router_lora_decisions_total",
+    "radixmesh_router_lora_loads_total",
 }
 """What the dashboard must chart: the quantities DESIGN.md section 8 and the issue name."""
 
@@ -158,6 +161,20 @@ def test_dashboard_queries_only_documented_metrics(helm: str) -> None:
                 assert series.endswith("_bucket") == ("histogram_quantile" in expr), expr
             queried.add(metric.name)
     assert queried >= REQUIRED_PANELS_METRICS, sorted(REQUIRED_PANELS_METRICS - queried)
+
+
+def test_lora_row_charts_each_adapter(helm: str) -> None:
+    """The LoRA row's panels: each adapter's requests, tokens, finished sequences, holders and placements."""
+    panels = _dashboard(render(helm, sets=["grafana.dashboards.enabled=true"]))["panels"]
+    start = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == "LoRA adapters")
+    row = panels[start + 1:]
+    row = row[:next((i for i, p in enumerate(row) if p["type"] == "row"), len(row))]
+    assert len(row) >= 5
+    per_adapter = [p["title"] for p in row if any("by (adapter" in t["expr"] for t in p["targets"])]
+    assert len(per_adapter) == len(row), [p["title"] for p in row]
+    assert all("{{adapter}}" in t["legendFormat"] for p in row for t in p["targets"] if "by (adapter" in t["expr"])
+    bottoms = [p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels[:start]]
+    assert panels[start]["gridPos"]["y"] >= max(bottoms)  # below everything before it
 
 
 def test_notes_say_where_traces_and_the_dashboard_go(helm: str, tmp_path: Path) -> None:

@@ -86,3 +86,20 @@ def test_bad_adapters_are_refused_naming_the_problem(setup: tuple[httpx.Client, 
     again = client.post("/load_lora_adapter", json={"lora_name": "r8", "lora_path": str(ctx["paths"]["r8"])})
     assert again.status_code == 400 and "already loaded" in again.text
     assert client.post("/unload_lora_adapter", json={"lora_name": "nope"}).status_code == 404
+
+
+def test_per_adapter_series(setup: tuple[httpx.Client, dict[str, Any]]) -> None:
+    """The dashboard's per-adapter series on `serve`: tokens and finished sequences by adapter, each loaded
+    adapter's running and waiting sequences."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client, _ = setup
+    assert _generate(client, "r8").status_code == 200
+    samples = {(s.name, s.labels.get("adapter"), s.labels.get("state")): s.value
+               for f in text_string_to_metric_families(client.get("/metrics").text) if "lora" in f.name
+               for s in f.samples}
+    assert samples[("radixmesh_lora_generation_tokens_total", "r8", None)] >= MAX_NEW
+    assert samples[("radixmesh_lora_requests_finished_total", "r8", None)] >= 1
+    assert samples[("radixmesh_lora_adapter_requests", "r8", "running")] == 0
+    assert ("radixmesh_lora_adapter_requests", "r8", "waiting") in samples
+    assert samples[("radixmesh_lora_adapters_loaded", None, None)] >= 1

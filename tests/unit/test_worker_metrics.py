@@ -81,3 +81,44 @@ def test_reservations_and_transfers_are_counted() -> None:
     sent = sample("radixmesh_kv_transfer_bytes_total", {"transport": "grpc", "direction": "send"})
     metrics.observe_kv_transfer("grpc", "send", 4096, 0.002)
     assert sample("radixmesh_kv_transfer_bytes_total", {"transport": "grpc", "direction": "send"}) == sent + 4096
+
+
+def test_lora_series_per_adapter() -> None:
+    """Every loaded adapter has a running and a waiting series (0 while idle); the names the hook reports."""
+    from radixmesh.worker.service import _count_adapter
+
+    collector = EngineStatsCollector()
+    collector.update({"lora_adapters": ["sql", "chat"], "lora_running": {"sql": 2}, "lora_waiting": {"chat": 1},
+                      "max_loras_per_batch": 4, "lora_slot_loads": 5})
+    families = {family.name: family for family in collector.collect()}
+    requests = {(s.labels["adapter"], s.labels["state"]): s.value
+                for s in families["radixmesh_lora_adapter_requests"].samples}
+    assert requests == {("sql", "running"): 2, ("sql", "waiting"): 0, ("chat", "running"): 0,
+                        ("chat", "waiting"): 1}
+    assert families["radixmesh_lora_adapters_loaded"].samples[0].value == 2
+    assert families["radixmesh_lora_slot_loads"].samples[0].value == 5
+    collector.update({})  # without LoRA: the families exist, with no per-adapter samples
+    families = {family.name: family for family in collector.collect()}
+    assert families["radixmesh_lora_adapter_requests"].samples == []
+    assert families["radixmesh_lora_adapters_loaded"].samples[0].value == 0
+    tokens = sample("radixmesh_lora_generation_tokens_total", {"adapter": "sql"})
+    finished = sample("radixmesh_lora_requests_finished_total", {"adapter": "sql"})
+    _count_adapter("sql", 3, finished=False)
+    _count_adapter("sql", 1, finished=True)
+    assert sample("radixmesh_lora_generation_tokens_total", {"adapter": "sql"}) == tokens + 4
+    assert sample("radixmesh_lora_requests_finished_total", {"adapter": "sql"}) == finished + 1
+
+
+def test_gateway_counts_tokens_per_adapter() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from radixmesh.gateway.metrics import GatewayMetrics
+
+    gateway = GatewayMetrics("m", "gateway")
+    gateway.observe_adapter("sql", 3, finished=False)
+    gateway.observe_adapter("sql", 1, finished=True)
+    samples = {(s.name, s.labels.get("adapter")): s.value
+               for f in text_string_to_metric_families(gateway.render().decode()) for s in f.samples}
+    assert samples[("radixmesh_lora_generation_tokens_total", "sql")] == 4
+    assert samples[("radixmesh_lora_requests_finished_total", "sql")] == 1
+    assert gateway.lora is None  # a gateway's engines are the workers: they report the adapters they hold

@@ -90,6 +90,8 @@ class EngineClient:
         self._fatal: str | None = None
         self.on_kv_events: Callable[[KVEventsMsg], None] | None = None
         """Receives the radix cache's block events (only sent when config.kv_events_block_size > 0)."""
+        self.on_lora_change: Callable[[list[str]], None] | None = None
+        """Receives the loaded LoRA adapters' names after every load or unload that succeeded."""
         self._proc: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._ctx = zmq.asyncio.Context()
@@ -263,10 +265,18 @@ class EngineClient:
         return result
 
     async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
-        return await self.lora_query(LoraLoadReqMsg(uuid.uuid4().hex, name, path))
+        info = await self.lora_query(LoraLoadReqMsg(uuid.uuid4().hex, name, path))
+        await self._lora_changed()
+        return info
 
     async def unload_lora_adapter(self, name: str) -> dict[str, Any]:
-        return await self.lora_query(LoraUnloadReqMsg(uuid.uuid4().hex, name))
+        result = await self.lora_query(LoraUnloadReqMsg(uuid.uuid4().hex, name))
+        await self._lora_changed()
+        return result
+
+    async def _lora_changed(self) -> None:
+        if self.on_lora_change is not None:  # a load may also have dropped the least recently used adapter
+            self.on_lora_change([a["name"] for a in await self.list_lora_adapters()])
 
     async def list_lora_adapters(self) -> list[dict[str, Any]]:
         return list((await self.lora_query(LoraListReqMsg(uuid.uuid4().hex)))["adapters"])

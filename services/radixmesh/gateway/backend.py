@@ -172,15 +172,17 @@ class GatewayBackend(ABC):
 
     # ---- LoRA adapters ---------------------------------------------------------------------------
     async def list_lora_adapters(self) -> list[dict[str, Any]]:
-        """The loaded adapters (name, rank, ...); none by default."""
+        """The loaded adapters (name, path, rank, targets; in a cluster worker_ids); none by default."""
         return []
 
-    async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
-        """Load the PEFT adapter at `path` as `name`: INVALID_ARGUMENT naming what is wrong with a bad one."""
+    async def load_lora_adapter(self, name: str, path: str, worker_id: str = "") -> dict[str, Any]:
+        """Load the PEFT adapter at `path` as `name`: INVALID_ARGUMENT naming what is wrong with a bad one. In a
+        cluster it goes to every worker serving adapters, or to `worker_id` (the answer names them: worker_ids)."""
         raise unsupported("this server does not load LoRA adapters", "lora_name")
 
-    async def unload_lora_adapter(self, name: str) -> None:
-        """Unload adapter `name` (NOT_FOUND if it is not loaded)."""
+    async def unload_lora_adapter(self, name: str, worker_id: str = "") -> dict[str, Any]:
+        """Unload adapter `name` (NOT_FOUND if it is not loaded); in a cluster from every worker holding it, or
+        from `worker_id` (the answer names them: worker_ids)."""
         raise unsupported("this server does not load LoRA adapters", "lora_name")
 
     def metric_views(self) -> list[tuple[Any, str]]:

@@ -29,6 +29,7 @@ from radixmesh.gateway.upstreams import Upstream, UpstreamGroup, UpstreamWatcher
 from radixmesh.protocol import common_pb2, worker_pb2
 from radixmesh.wire.convert import images_to_proto, proto_to_chunk, sampling_to_proto
 from radixmesh.wire.images import MultimodalInputs, masked_text_ids
+from radixmesh.wire.lora_info import adapter_info_from_proto, load_result_from_proto
 
 
 class ClusterBackend(GatewayBackend):
@@ -207,6 +208,20 @@ class ClusterBackend(GatewayBackend):
 
     async def server_info(self) -> dict[str, Any]:
         return await self.generation.server_info()
+
+    # ---- LoRA adapters (a router spreads these over its workers: radixmesh.router.lora_control) ---------------
+    async def list_lora_adapters(self) -> list[dict[str, Any]]:
+        reply = await self.generation.lora_call("ListLoraAdapters", common_pb2.ListLoraAdaptersRequest())
+        return [adapter_info_from_proto(a) for a in reply.adapters]
+
+    async def load_lora_adapter(self, name: str, path: str, worker_id: str = "") -> dict[str, Any]:
+        request = common_pb2.LoadLoraAdapterRequest(name=name, path=path, worker_id=worker_id)
+        return load_result_from_proto(await self.generation.lora_call("LoadLoraAdapter", request))
+
+    async def unload_lora_adapter(self, name: str, worker_id: str = "") -> dict[str, Any]:
+        request = common_pb2.UnloadLoraAdapterRequest(name=name, worker_id=worker_id)
+        reply = await self.generation.lora_call("UnloadLoraAdapter", request)
+        return {"worker_ids": list(reply.worker_ids)} if reply.worker_ids else {}
 
     async def close(self) -> None:
         if self.model.closed:

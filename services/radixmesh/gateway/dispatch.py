@@ -220,6 +220,9 @@ class Generation:
             self._last_token_s[index] = now
         if chunk.finished:
             metrics.observe_finished(chunk.finish_reason or "", now - self.start_s)
+        lora = self.seq_jobs[index].lora
+        if lora is not None and (chunk.token_ids or chunk.finished):
+            metrics.observe_adapter(lora, len(chunk.token_ids), chunk.finished)
         return chunk
 
     async def aclose(self) -> None:

@@ -92,7 +92,8 @@ class InProcessRouterStub:
         return invoke
 
     def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
-        if name in ("Abort", "GetLoad", "FlushCache", "GetModelInfo", "ListWorkers"):
+        if name in ("Abort", "GetLoad", "FlushCache", "GetModelInfo", "ListWorkers", "LoadLoraAdapter",
+                    "UnloadLoraAdapter", "ListLoraAdapters"):
             return self._unary(getattr(RouterServicer, name))
         raise AttributeError(name)
 

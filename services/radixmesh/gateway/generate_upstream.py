@@ -28,6 +28,8 @@ from radixmesh.wire.load import WorkerLoad, load_from_proto
 
 logger = logging.getLogger(__name__)
 CONTROL_TIMEOUT_S = 30.0
+LORA_TIMEOUT_S = 150.0
+"""Loading an adapter reads and checks its files on every worker (a worker allows itself 120 s)."""
 
 
 class GenerateUpstream:
@@ -170,6 +172,12 @@ class GenerateUpstream:
             info.update(disagg_stats_from_proto(response.disagg))
         return info
 
+    async def lora_call(self, method: str, request: Any) -> Any:
+        """A LoRA control call (LoadLoraAdapter, UnloadLoraAdapter, ListLoraAdapters) on the first ready target: a
+        router spreads it over its workers (radixmesh.router.lora_control), a worker answers for itself."""
+        target = self.control_target()
+        return await call_control(getattr(target.stub, method), request, target.address, LORA_TIMEOUT_S)
+
     async def _get_load(self) -> worker_pb2.GetLoadResponse:
         target = self.control_target()
         response: worker_pb2.GetLoadResponse = await call_control(target.stub.GetLoad, worker_pb2.GetLoadRequest(),
@@ -177,10 +185,11 @@ class GenerateUpstream:
         return response
 
 
-async def call_control(method: Callable[..., Any], request: Any, peer: str, **kwargs: Any) -> Any:
+async def call_control(method: Callable[..., Any], request: Any, peer: str, timeout_s: float = CONTROL_TIMEOUT_S,
+                       **kwargs: Any) -> Any:
     """A unary control call with the control timeout; a failure as the domain error naming `peer`."""
     try:
-        return await method(request, timeout=CONTROL_TIMEOUT_S, **kwargs)
+        return await method(request, timeout=timeout_s, **kwargs)
     except grpc.RpcError as exc:
         raise from_rpc_error(exc, peer) from None
 

@@ -30,6 +30,7 @@ from radixmesh.gateway.state import GatewayState
 from radixmesh.gateway.upstreams import not_ready_error
 from radixmesh.protocol import common_pb2, inference_pb2_grpc
 from radixmesh.protocol import inference_pb2 as pb
+from radixmesh.wire.lora_info import load_result_to_proto
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -105,16 +106,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     @map_errors(ERROR_SOURCE)
     async def LoadLoraAdapter(self, request: common_pb2.LoadLoraAdapterRequest,
                               context: grpc.aio.ServicerContext) -> common_pb2.LoadLoraAdapterResponse:
-        info = await self._ready_state().backend.load_lora_adapter(request.name, request.path)
-        return common_pb2.LoadLoraAdapterResponse(name=request.name, rank=int(info.get("rank", 0)),
-                                                  targets=list(info.get("targets", [])),
-                                                  load_s=float(info.get("load_s", 0.0)))
+        info = await self._ready_state().backend.load_lora_adapter(request.name, request.path, request.worker_id)
+        return load_result_to_proto(request.name, info, info.get("worker_ids"))
 
     @map_errors(ERROR_SOURCE)
     async def UnloadLoraAdapter(self, request: common_pb2.UnloadLoraAdapterRequest,
                                 context: grpc.aio.ServicerContext) -> common_pb2.UnloadLoraAdapterResponse:
-        await self._ready_state().backend.unload_lora_adapter(request.name)
-        return common_pb2.UnloadLoraAdapterResponse()
+        info = await self._ready_state().backend.unload_lora_adapter(request.name, request.worker_id)
+        return common_pb2.UnloadLoraAdapterResponse(worker_ids=info.get("worker_ids", []))
 
 
 @contextlib.contextmanager

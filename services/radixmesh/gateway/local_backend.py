@@ -169,11 +169,14 @@ class LocalEngineBackend(GatewayBackend):
     async def list_lora_adapters(self) -> list[dict[str, Any]]:
         return await self.client.list_lora_adapters()
 
-    async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+    async def load_lora_adapter(self, name: str, path: str, worker_id: str = "") -> dict[str, Any]:
+        _one_server(worker_id)
         return await self.client.load_lora_adapter(name, path)
 
-    async def unload_lora_adapter(self, name: str) -> None:
+    async def unload_lora_adapter(self, name: str, worker_id: str = "") -> dict[str, Any]:
+        _one_server(worker_id)
         await self.client.unload_lora_adapter(name)
+        return {}
 
 
 async def _tokenize(kind: str, encoding: Awaitable[Encoded[None]]) -> list[int]:
@@ -210,3 +213,9 @@ def _make_card(client: EngineClient, served_model_name: str | None, has_images: 
         chat_template_takes_tools=takes_tools(template), chat_template_tool_syntax=tool_syntax(template),
         serves_lora=client.config.lora_enabled,
     )
+
+
+def _one_server(worker_id: str) -> None:
+    if worker_id:
+        raise invalid_argument(f"worker_id {worker_id!r}: this server is one engine (worker_id names a worker of a "
+                               "cluster gateway)", "worker_id")

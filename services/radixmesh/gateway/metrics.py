@@ -10,6 +10,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from radixmesh.common.lora_metrics import LoraStatsCollector
 from radixmesh.common.metrics import (
     E2E_BUCKETS_S,
     ITL_BUCKETS_S,
@@ -52,6 +53,10 @@ class GatewayMetrics:
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens", registry=reg)
         self.cached_tokens = Counter(p + "cached_tokens", "Prompt tokens served from the prefix cache",
                                      registry=reg)
+        self.lora_finished = Counter(p + "lora_requests_finished", "Sequences of a LoRA adapter finished",
+                                     ["adapter"], registry=reg)
+        self.lora_tokens = Counter(p + "lora_generation_tokens", "Output tokens of a LoRA adapter's sequences",
+                                   ["adapter"], registry=reg)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time from arrival to the first output token",
                               buckets=TTFT_BUCKETS_S, registry=reg)
         self.ttft_overhead = Histogram(
@@ -88,11 +93,15 @@ class GatewayMetrics:
         """The model-server protocol's gauges (what inference-pool pickers scrape): with a local engine only."""
         self.moe: MoeStatsCollector | None = None
         """Expert-load series of MoE models: with a local engine only."""
+        self.lora: LoraStatsCollector | None = None
+        """Loaded LoRA adapters and their running and waiting sequences: with a local engine only."""
         if local:
             self.speculative = SpecStatsCollector()
             reg.register(self.speculative)
             self.moe = MoeStatsCollector()
             reg.register(self.moe)
+            self.lora = LoraStatsCollector()
+            reg.register(self.lora)
             self.model_server = ModelServerMetrics()
             reg.register(self.model_server)
         self.set_model_name(model_name)
@@ -131,6 +140,12 @@ class GatewayMetrics:
             for _ in range(num_tokens):
                 self.itl.observe(per_token_s)
 
+    def observe_adapter(self, adapter: str, num_tokens: int, finished: bool) -> None:
+        """Tokens (and the end) of a sequence of LoRA adapter `adapter`."""
+        self.lora_tokens.labels(adapter=adapter).inc(num_tokens)
+        if finished:
+            self.lora_finished.labels(adapter=adapter).inc()
+
     def observe_finished(self, finish_reason: str, elapsed_s: float) -> None:
         self.finished.labels(finish_reason=finish_reason).inc()
         self.e2e.observe(elapsed_s)
@@ -147,6 +162,8 @@ class GatewayMetrics:
             self.speculative.update(stats)
         if self.moe is not None:
             self.moe.update(stats)
+        if self.lora is not None:
+            self.lora.update(stats)
         if self.model_server is not None:
             self.model_server.update(stats)
 

@@ -3,8 +3,9 @@
     {ns}:workers              SET   ids of workers that ever published (the janitor prunes it)
     {ns}:epoch:{worker}       INT   incremented on every writer start (and resync); never expires
     {ns}:lease:{worker}       STR   a serialized radixmesh.v1.WorkerLease; PX lease_ttl, renewed by heartbeat
-    {ns}:leasever             INT   incremented whenever a worker writes a new lease (start, resync) or
-                                    withdraws one: readers cache the lease set and read it again when it moved
+    {ns}:leasever             INT   incremented whenever a worker writes a new lease (start, resync, a change of
+                                    its LoRA adapters) or withdraws one: readers cache the lease set and read it
+                                    again when it moved
     {ns}:b:{hash}             HASH  worker id -> epoch in which the worker stored the block (KV on its device)
     {ns}:bh:{hash}            HASH  the same for blocks whose KV is in the worker's host tier only
                                     (hierarchical cache); a block is under b: or bh: of a worker, never both

@@ -38,11 +38,17 @@ class WorkerLease:
     """Prometheus port (0: none)."""
     started_ms: int = 0
     """Unix time the writer started, in ms."""
+    lora_adapters: tuple[str, ...] = ()
+    """LoRA adapters the worker holds, sorted (a load or unload rewrites the lease at once)."""
+    max_loras_per_batch: int = 0
+    """Adapters one of its batches may mix (0: it serves no adapters)."""
 
     def to_bytes(self) -> bytes:
         msg = kv_index_pb2.WorkerLease(worker_id=self.worker_id, address=self.address, role=_ROLES[self.role],
                                        epoch=self.epoch, block_size=self.block_size, metrics_port=self.metrics_port,
-                                       started_ms=self.started_ms, heartbeat_ms=int(time.time() * 1000))
+                                       started_ms=self.started_ms, heartbeat_ms=int(time.time() * 1000),
+                                       lora_adapters=list(self.lora_adapters),
+                                       max_loras_per_batch=self.max_loras_per_batch)
         return msg.SerializeToString()
 
 
@@ -61,4 +67,5 @@ def parse_lease(worker_id: str, raw: bytes | str | None) -> WorkerLease | None:
                        worker_id, msg.worker_id, msg.address, msg.epoch, msg.role)
         return None
     return WorkerLease(worker_id=worker_id, epoch=msg.epoch, address=msg.address, role=_ROLE_NAMES[msg.role],
-                       block_size=msg.block_size, metrics_port=msg.metrics_port, started_ms=msg.started_ms)
+                       block_size=msg.block_size, metrics_port=msg.metrics_port, started_ms=msg.started_ms,
+                       lora_adapters=tuple(msg.lora_adapters), max_loras_per_batch=msg.max_loras_per_batch)

@@ -1,4 +1,4 @@
-"""Connects an engine's block events to a `KVIndexWriter` (used by the worker service)."""
+"""Connects an engine's block events and LoRA adapter changes to a `KVIndexWriter` (used by the worker service)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ async def start_publisher(engine_client: Any, config: IndexConfig, identity: Wri
         f"the engine reports blocks of {block_size} tokens; the index uses {config.block_size}")
     writer = KVIndexWriter(config, identity)
     engine_client.on_kv_events = lambda msg: apply_events(writer, msg)
+    if engine_client.config.lora_enabled:  # the lease names the adapters: those loaded at start, then each change
+        width = engine_client.config.max_loras_per_batch
+        engine_client.on_lora_change = lambda names: writer.set_lora_adapters(names, width)
+        writer.set_lora_adapters([a["name"] for a in await engine_client.list_lora_adapters()], width)
     await writer.start()
     logger.info("index: worker %s publishes its cache to %s (namespace %s)", identity.worker_id,
                 config.redis_url, config.namespace)

@@ -117,6 +117,18 @@ class KVIndexReader:
             return self._leases
         return await self._read_leases()
 
+    def cached_leases(self) -> dict[str, WorkerLease]:
+        """The cached lease set without waiting (for a request's path, which must not stall on a Redis outage):
+        a set older than `lease_cache_s` is read again in the background; one older than the lease TTL, or none
+        read yet, is empty meanwhile."""
+        age_s = time.monotonic() - self._leases_read_s
+        if age_s <= self.config.lease_cache_s:
+            return self._leases
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.create_task(self._read_leases_later(), name="index-leases")
+            self._refresh.add_done_callback(_log_refresh_failure)
+        return self._leases if age_s <= self.config.lease_cache_s + self.config.lease_ttl_s else {}
+
     async def _read_leases_later(self) -> dict[str, WorkerLease]:
         # Not alongside the lookup that found the set stale: that request's walk and worker call go first.
         await asyncio.sleep(BACKGROUND_READ_DELAY_S)

@@ -5,6 +5,9 @@ everything. Incremental changes are queued and sent in pipelined batches. Any Re
 failure (or a lapsed lease) triggers a resync: a new epoch, the lease rewritten, the
 whole mirror republished, and the old epoch's entries cleaned. Readers count only entries
 of the lease's current epoch, so a resync never shows a mix of old and new state.
+
+The lease also names the LoRA adapters the worker holds (`set_lora_adapters`): a change rewrites the lease at
+once and moves the lease counter, so routers read the new list before their next lookup.
 """
 
 from __future__ import annotations
@@ -83,8 +86,15 @@ class KVIndexWriter:
         self._stopping = False
         self._last_error_log = 0.0
         self._started_ms = int(time.time() * 1000)
+        self.lora_adapters: tuple[str, ...] = ()
+        """LoRA adapters the lease names (sorted)."""
+        self.max_loras_per_batch = 0
+        """The lease's LoRA batch width (0: the worker serves no adapters)."""
+        self._lease_dirty = False
+        self._in_rewrite = False
         self.num_resyncs = 0
         self.num_flushed_events = 0
+        self.num_lease_rewrites = 0
 
     # ---- events (called from the worker's receive loop) --------------------------------------
     def stored(self, block_hashes: Iterable[int], tier: str = DEVICE_TIER) -> None:
@@ -111,6 +121,16 @@ class KVIndexWriter:
         self._needs_resync = True
         self._wake.set()
 
+    def set_lora_adapters(self, names: Iterable[str], max_loras_per_batch: int) -> None:
+        """The LoRA adapters the worker holds now (after a load, an unload or its start); a change rewrites the
+        lease soon after (before the first publish: the first lease carries them)."""
+        adapters = tuple(sorted(set(names)))
+        if (adapters, max_loras_per_batch) == (self.lora_adapters, self.max_loras_per_batch):
+            return
+        self.lora_adapters, self.max_loras_per_batch = adapters, max_loras_per_batch
+        self._lease_dirty = True
+        self._wake.set()
+
     def _maybe_wake(self) -> None:
         if len(self._pending) >= self.config.max_batch_events:
             self._wake.set()
@@ -129,7 +149,7 @@ class KVIndexWriter:
     async def wait_published(self, timeout_s: float = 5.0) -> bool:
         """Wait until everything queued so far is in Redis (tests, shutdown); False on timeout."""
         deadline = time.monotonic() + timeout_s
-        while self._needs_resync or self._in_resync or self._pending:
+        while self._needs_resync or self._in_resync or self._pending or self._lease_dirty or self._in_rewrite:
             if time.monotonic() > deadline:
                 return False
             self._wake.set()
@@ -163,6 +183,8 @@ class KVIndexWriter:
             try:
                 if self._needs_resync:
                     await self._resync()
+                if self._lease_dirty and not self._needs_resync:
+                    await self._rewrite_lease()
                 while self._pending and not self._needs_resync:
                     await self._flush_batch()
             except (RedisError, OSError) as exc:
@@ -203,6 +225,7 @@ class KVIndexWriter:
     async def _resync(self) -> None:
         # A clear or an error during the awaits below sets _needs_resync again, for another round.
         self._needs_resync = False
+        self._lease_dirty = False  # the new lease names the adapters
         self._pending.clear()
         snapshot = list(self.held.items())
         self._in_resync = True
@@ -227,10 +250,28 @@ class KVIndexWriter:
         logger.info("index: worker %s published %d blocks in epoch %d (was %d)", wid, len(snapshot), epoch, previous)
         await self.janitor.clean_worker(wid, keep_epoch=epoch)
 
+    async def _rewrite_lease(self) -> None:
+        """The same epoch's lease with the current adapters; the counter moves so readers read it again."""
+        self._lease_dirty = False
+        wid = self.identity.worker_id
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(self.keys.lease(wid), self._lease(self.epoch).to_bytes(), px=self.config.lease_ttl_ms, xx=True)
+        pipe.incr(self.keys.lease_version)
+        self._in_rewrite = True
+        try:
+            alive, _ = await pipe.execute()
+        finally:
+            self._in_rewrite = False
+        self.num_lease_rewrites += 1
+        if not alive:
+            logger.warning("index: lease of worker %s lapsed; republishing", wid)
+            self._needs_resync = True
+            self._wake.set()
+
     def _lease(self, epoch: int) -> WorkerLease:
         ident = self.identity
         return WorkerLease(ident.worker_id, epoch, ident.address, ident.role, self.config.block_size,
-                           ident.metrics_port, self._started_ms)
+                           ident.metrics_port, self._started_ms, self.lora_adapters, self.max_loras_per_batch)
 
     async def _flush_batch(self) -> None:
         batch = self._pending[: self.config.max_batch_events]

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19radixmesh/v1/common.proto\x12\x0cradixmesh.v1\"1\n\x0b\x42lockHashes\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x0e\n\x06hashes\x18\x02 \x03(\x06\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\":\n\x0bTopLogprobs\x12+\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1a.radixmesh.v1.TokenLogprob\"\xcf\x02\n\nWorkerLoad\x12\x18\n\x10num_running_reqs\x18\x01 \x01(\r\x12\x18\n\x10num_waiting_reqs\x18\x02 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\x03 \x01(\x04\x12!\n\x19num_running_decode_tokens\x18\x04 \x01(\x04\x12\x16\n\x0ekv_used_tokens\x18\x05 \x01(\x04\x12\x18\n\x10max_total_tokens\x18\x06 \x01(\x04\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01\x12\x16\n\x0e\x63\x61\x63he_hit_rate\x18\x08 \x01(\x01\x12\x1c\n\x14max_running_requests\x18\t \x01(\r\x12\x30\n\rlora_adapters\x18\n \x03(\x0b\x32\x19.radixmesh.v1.AdapterLoad\x12\x1b\n\x13max_loras_per_batch\x18\x0b \x01(\r\"O\n\x0b\x41\x64\x61pterLoad\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10num_running_reqs\x18\x02 \x01(\r\x12\x18\n\x10num_waiting_reqs\x18\x03 \x01(\r\"\xff\x01\n\x0bRoutingInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\x12\x30\n\ncandidates\x18\x05 \x03(\x0b\x32\x1c.radixmesh.v1.CandidateScore\x12\x19\n\x11prefill_worker_id\x18\x06 \x01(\t\x12\x1e\n\x16prefill_worker_address\x18\x07 \x01(\t\x12$\n\x1cprefill_cached_prefix_tokens\x18\x08 \x01(\r\x12\x11\n\tpd_reason\x18\t \x01(\t\"P\n\x0e\x43\x61ndidateScore\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x03 \x01(\r\"e\n\x0b\x45rrorDetail\x12%\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x17.radixmesh.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05param\x18\x03 \x01(\t\x12\x0f\n\x07service\x18\x04 \x01(\t\"4\n\x16LoadLoraAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"V\n\x17LoadLoraAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07targets\x18\x03 \x03(\t\x12\x0e\n\x06load_s\x18\x04 \x01(\x01\"(\n\x18UnloadLoraAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoraAdapterResponse*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05*s\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_UNIFIED\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03*\xa7\x02\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x02\x12\x1e\n\x1a\x45RROR_CODE_UNAUTHENTICATED\x10\x03\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x04\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x05\x12\x16\n\x12\x45RROR_CODE_ABORTED\x10\x06\x12\x1a\n\x16\x45RROR_CODE_UNSUPPORTED\x10\x07\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x08\x12\x17\n\x13\x45RROR_CODE_DRAINING\x10\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19radixmesh/v1/common.proto\x12\x0cradixmesh.v1\"1\n\x0b\x42lockHashes\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x0e\n\x06hashes\x18\x02 \x03(\x06\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\":\n\x0bTopLogprobs\x12+\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1a.radixmesh.v1.TokenLogprob\"\xcf\x02\n\nWorkerLoad\x12\x18\n\x10num_running_reqs\x18\x01 \x01(\r\x12\x18\n\x10num_waiting_reqs\x18\x02 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\x03 \x01(\x04\x12!\n\x19num_running_decode_tokens\x18\x04 \x01(\x04\x12\x16\n\x0ekv_used_tokens\x18\x05 \x01(\x04\x12\x18\n\x10max_total_tokens\x18\x06 \x01(\x04\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01\x12\x16\n\x0e\x63\x61\x63he_hit_rate\x18\x08 \x01(\x01\x12\x1c\n\x14max_running_requests\x18\t \x01(\r\x12\x30\n\rlora_adapters\x18\n \x03(\x0b\x32\x19.radixmesh.v1.AdapterLoad\x12\x1b\n\x13max_loras_per_batch\x18\x0b \x01(\r\"O\n\x0b\x41\x64\x61pterLoad\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10num_running_reqs\x18\x02 \x01(\r\x12\x18\n\x10num_waiting_reqs\x18\x03 \x01(\r\"\xff\x01\n\x0bRoutingInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\x12\x30\n\ncandidates\x18\x05 \x03(\x0b\x32\x1c.radixmesh.v1.CandidateScore\x12\x19\n\x11prefill_worker_id\x18\x06 \x01(\t\x12\x1e\n\x16prefill_worker_address\x18\x07 \x01(\t\x12$\n\x1cprefill_cached_prefix_tokens\x18\x08 \x01(\r\x12\x11\n\tpd_reason\x18\t \x01(\t\"P\n\x0e\x43\x61ndidateScore\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x03 \x01(\r\"e\n\x0b\x45rrorDetail\x12%\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x17.radixmesh.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05param\x18\x03 \x01(\t\x12\x0f\n\x07service\x18\x04 \x01(\t\"G\n\x16LoadLoraAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\"j\n\x17LoadLoraAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07targets\x18\x03 \x03(\t\x12\x0e\n\x06load_s\x18\x04 \x01(\x01\x12\x12\n\nworker_ids\x18\x05 \x03(\t\";\n\x18UnloadLoraAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\"/\n\x19UnloadLoraAdapterResponse\x12\x12\n\nworker_ids\x18\x01 \x03(\t\"\x19\n\x17ListLoraAdaptersRequest\"`\n\x0fLoraAdapterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0f\n\x07targets\x18\x04 \x03(\t\x12\x12\n\nworker_ids\x18\x05 \x03(\t\"K\n\x18ListLoraAdaptersResponse\x12/\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1d.radixmesh.v1.LoraAdapterInfo*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05*s\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_UNIFIED\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03*\xa7\x02\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x02\x12\x1e\n\x1a\x45RROR_CODE_UNAUTHENTICATED\x10\x03\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x04\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x05\x12\x16\n\x12\x45RROR_CODE_ABORTED\x10\x06\x12\x1a\n\x16\x45RROR_CODE_UNSUPPORTED\x10\x07\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x08\x12\x17\n\x13\x45RROR_CODE_DRAINING\x10\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'radixmesh.protocol.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1281
-  _globals['_FINISHREASON']._serialized_end=1456
-  _globals['_WORKERROLE']._serialized_start=1458
-  _globals['_WORKERROLE']._serialized_end=1573
-  _globals['_ERRORCODE']._serialized_start=1576
-  _globals['_ERRORCODE']._serialized_end=1871
+  _globals['_FINISHREASON']._serialized_start=1561
+  _globals['_FINISHREASON']._serialized_end=1736
+  _globals['_WORKERROLE']._serialized_start=1738
+  _globals['_WORKERROLE']._serialized_end=1853
+  _globals['_ERRORCODE']._serialized_start=1856
+  _globals['_ERRORCODE']._serialized_end=2151
   _globals['_BLOCKHASHES']._serialized_start=43
   _globals['_BLOCKHASHES']._serialized_end=92
   _globals['_TOKENLOGPROB']._serialized_start=94
@@ -54,11 +54,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ERRORDETAIL']._serialized_start=964
   _globals['_ERRORDETAIL']._serialized_end=1065
   _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1067
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1119
-  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=1121
-  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=1207
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1209
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1249
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=1251
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=1278
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1138
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=1140
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=1246
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1248
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1307
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=1309
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=1356
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_start=1358
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_end=1383
+  _globals['_LORAADAPTERINFO']._serialized_start=1385
+  _globals['_LORAADAPTERINFO']._serialized_end=1481
+  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_start=1483
+  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_end=1558
 # @@protoc_insertion_point(module_scope)

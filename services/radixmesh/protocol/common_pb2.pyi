@@ -428,25 +428,32 @@ Global___ErrorDetail: _TypeAlias = ErrorDetail  # noqa: Y015
 
 @_typing.final
 class LoadLoraAdapterRequest(_message.Message):
-    """LoRA adapter loading (WorkerService and the public InferenceService)."""
+    """LoRA adapter loading (WorkerService, RouterService and the public InferenceService). Through a router (or a
+    cluster gateway) a load goes to every worker that serves adapters, or to the one `worker_id` names; an unload
+    to every worker holding the adapter, or to the named one (docs/lora.md).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
+    WORKER_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """what requests call it"""
     path: _builtins.str
     """a directory with adapter_config.json and adapter_model.safetensors"""
+    worker_id: _builtins.str
+    """through a router: only this worker (empty: every worker serving adapters)"""
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         path: _builtins.str = ...,
+        worker_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -460,13 +467,18 @@ class LoadLoraAdapterResponse(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     TARGETS_FIELD_NUMBER: _builtins.int
     LOAD_S_FIELD_NUMBER: _builtins.int
+    WORKER_IDS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     rank: _builtins.int
     load_s: _builtins.float
-    """read and check time"""
+    """read and check time (through a router: the slowest worker's)"""
     @_builtins.property
     def targets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """target projections (q_proj, ..., down_proj)"""
+
+    @_builtins.property
+    def worker_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """through a router: the workers that hold it now"""
 
     def __init__(
         self,
@@ -475,10 +487,11 @@ class LoadLoraAdapterResponse(_message.Message):
         rank: _builtins.int = ...,
         targets: _abc.Iterable[_builtins.str] | None = ...,
         load_s: _builtins.float = ...,
+        worker_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["load_s", b"load_s", "name", b"name", "rank", b"rank", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load_s", b"load_s", "name", b"name", "rank", b"rank", "targets", b"targets", "worker_ids", b"worker_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -489,15 +502,19 @@ class UnloadLoraAdapterRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int
+    WORKER_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    worker_id: _builtins.str
+    """through a router: only this worker (empty: every worker holding it)"""
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
+        worker_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -505,6 +522,28 @@ Global___UnloadLoraAdapterRequest: _TypeAlias = UnloadLoraAdapterRequest  # noqa
 
 @_typing.final
 class UnloadLoraAdapterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def worker_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """through a router: the workers it was unloaded from"""
+
+    def __init__(
+        self,
+        *,
+        worker_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["worker_ids", b"worker_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoraAdapterResponse: _TypeAlias = UnloadLoraAdapterResponse  # noqa: Y015
+
+@_typing.final
+class ListLoraAdaptersRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -516,4 +555,62 @@ class UnloadLoraAdapterResponse(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___UnloadLoraAdapterResponse: _TypeAlias = UnloadLoraAdapterResponse  # noqa: Y015
+Global___ListLoraAdaptersRequest: _TypeAlias = ListLoraAdaptersRequest  # noqa: Y015
+
+@_typing.final
+class LoraAdapterInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    TARGETS_FIELD_NUMBER: _builtins.int
+    WORKER_IDS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    path: _builtins.str
+    """as loaded (a path on the workers)"""
+    rank: _builtins.int
+    @_builtins.property
+    def targets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def worker_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the workers holding it (a worker's own answer: empty)"""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        targets: _abc.Iterable[_builtins.str] | None = ...,
+        worker_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path", "rank", b"rank", "targets", b"targets", "worker_ids", b"worker_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraAdapterInfo: _TypeAlias = LoraAdapterInfo  # noqa: Y015
+
+@_typing.final
+class ListLoraAdaptersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___LoraAdapterInfo]:
+        """by name"""
+
+    def __init__(
+        self,
+        *,
+        adapters: _abc.Iterable[Global___LoraAdapterInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListLoraAdaptersResponse: _TypeAlias = ListLoraAdaptersResponse  # noqa: Y015

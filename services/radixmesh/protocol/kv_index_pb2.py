@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from radixmesh.protocol import common_pb2 as radixmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bradixmesh/v1/kv_index.proto\x12\x0cradixmesh.v1\x1a\x19radixmesh/v1/common.proto\"e\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x06\x12%\n\x04tier\x18\x03 \x01(\x0e\x32\x17.radixmesh.v1.CacheTier\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\"\x12\n\x10\x41llBlocksCleared\"\xa1\x01\n\x07KvEvent\x12+\n\x06stored\x18\x01 \x01(\x0b\x32\x19.radixmesh.v1.BlockStoredH\x00\x12-\n\x07removed\x18\x02 \x01(\x0b\x32\x1a.radixmesh.v1.BlockRemovedH\x00\x12\x31\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1e.radixmesh.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\x93\x01\n\x0cKvEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0ctimestamp_ms\x18\x05 \x01(\x03\x12%\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x15.radixmesh.v1.KvEvent\"\xbc\x01\n\x0bWorkerLease\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12&\n\x04role\x18\x03 \x01(\x0e\x32\x18.radixmesh.v1.WorkerRole\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x14\n\x0cmetrics_port\x18\x06 \x01(\x05\x12\x12\n\nstarted_ms\x18\x07 \x01(\x03\x12\x14\n\x0cheartbeat_ms\x18\x08 \x01(\x03*7\n\tCacheTier\x12\x15\n\x11\x43\x41\x43HE_TIER_DEVICE\x10\x00\x12\x13\n\x0f\x43\x41\x43HE_TIER_HOST\x10\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bradixmesh/v1/kv_index.proto\x12\x0cradixmesh.v1\x1a\x19radixmesh/v1/common.proto\"e\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x19\n\x11parent_block_hash\x18\x02 \x01(\x06\x12%\n\x04tier\x18\x03 \x01(\x0e\x32\x17.radixmesh.v1.CacheTier\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\"\x12\n\x10\x41llBlocksCleared\"\xa1\x01\n\x07KvEvent\x12+\n\x06stored\x18\x01 \x01(\x0b\x32\x19.radixmesh.v1.BlockStoredH\x00\x12-\n\x07removed\x18\x02 \x01(\x0b\x32\x1a.radixmesh.v1.BlockRemovedH\x00\x12\x31\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1e.radixmesh.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\x93\x01\n\x0cKvEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0ctimestamp_ms\x18\x05 \x01(\x03\x12%\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x15.radixmesh.v1.KvEvent\"\xf0\x01\n\x0bWorkerLease\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12&\n\x04role\x18\x03 \x01(\x0e\x32\x18.radixmesh.v1.WorkerRole\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x14\n\x0cmetrics_port\x18\x06 \x01(\x05\x12\x12\n\nstarted_ms\x18\x07 \x01(\x03\x12\x14\n\x0cheartbeat_ms\x18\x08 \x01(\x03\x12\x15\n\rlora_adapters\x18\t \x03(\t\x12\x1b\n\x13max_loras_per_batch\x18\n \x01(\r*7\n\tCacheTier\x12\x15\n\x11\x43\x41\x43HE_TIER_DEVICE\x10\x00\x12\x13\n\x0f\x43\x41\x43HE_TIER_HOST\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'radixmesh.protocol.kv_index_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CACHETIER']._serialized_start=738
-  _globals['_CACHETIER']._serialized_end=793
+  _globals['_CACHETIER']._serialized_start=790
+  _globals['_CACHETIER']._serialized_end=845
   _globals['_BLOCKSTORED']._serialized_start=72
   _globals['_BLOCKSTORED']._serialized_end=173
   _globals['_BLOCKREMOVED']._serialized_start=175
@@ -45,5 +45,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVEVENTBATCH']._serialized_start=398
   _globals['_KVEVENTBATCH']._serialized_end=545
   _globals['_WORKERLEASE']._serialized_start=548
-  _globals['_WORKERLEASE']._serialized_end=736
+  _globals['_WORKERLEASE']._serialized_end=788
 # @@protoc_insertion_point(module_scope)

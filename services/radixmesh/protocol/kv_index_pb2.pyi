@@ -214,6 +214,8 @@ class WorkerLease(_message.Message):
     METRICS_PORT_FIELD_NUMBER: _builtins.int
     STARTED_MS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_MS_FIELD_NUMBER: _builtins.int
+    LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_PER_BATCH_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     address: _builtins.str
     """host:port others dial (--advertise-address)"""
@@ -224,6 +226,15 @@ class WorkerLease(_message.Message):
     """0 when none"""
     started_ms: _builtins.int
     heartbeat_ms: _builtins.int
+    max_loras_per_batch: _builtins.int
+    """adapters one batch may mix; 0: the worker serves no adapters"""
+    @_builtins.property
+    def lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """LoRA adapters the worker holds (loaded in its host memory, ready for its device slots), sorted by name. A
+        load or unload rewrites the lease at once and moves {ns}:leasever, so routers read the new list before their
+        next lookup. Absent (old writers, or a worker without LoRA): none.
+        """
+
     def __init__(
         self,
         *,
@@ -235,10 +246,12 @@ class WorkerLease(_message.Message):
         metrics_port: _builtins.int = ...,
         started_ms: _builtins.int = ...,
         heartbeat_ms: _builtins.int = ...,
+        lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
+        max_loras_per_batch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "epoch", b"epoch", "heartbeat_ms", b"heartbeat_ms", "metrics_port", b"metrics_port", "role", b"role", "started_ms", b"started_ms", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_size", b"block_size", "epoch", b"epoch", "heartbeat_ms", b"heartbeat_ms", "lora_adapters", b"lora_adapters", "max_loras_per_batch", b"max_loras_per_batch", "metrics_port", b"metrics_port", "role", b"role", "started_ms", b"started_ms", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

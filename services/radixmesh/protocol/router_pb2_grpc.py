@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from radixmesh.protocol import common_pb2 as radixmesh_dot_v1_dot_common__pb2
 from radixmesh.protocol import router_pb2 as radixmesh_dot_v1_dot_router__pb2
 from radixmesh.protocol import worker_pb2 as radixmesh_dot_v1_dot_worker__pb2
 
@@ -65,6 +66,21 @@ class RouterServiceStub:
                 request_serializer=radixmesh_dot_v1_dot_router__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=radixmesh_dot_v1_dot_router__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/radixmesh.v1.RouterService/LoadLoraAdapter',
+                request_serializer=radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/radixmesh.v1.RouterService/UnloadLoraAdapter',
+                request_serializer=radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/radixmesh.v1.RouterService/ListLoraAdapters',
+                request_serializer=radixmesh_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServiceServicer:
@@ -112,6 +128,29 @@ class RouterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters across the workers (docs/lora.md): a load goes to every worker serving adapters (those already
+        holding it are skipped; INVALID_ARGUMENT when every one does) or to `worker_id`; an unload to every worker
+        holding it (NOT_FOUND when none does) or to `worker_id`. A worker's error comes back with its code, naming
+        the worker and the workers that succeeded. Routing follows at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """The adapters of the healthy workers, each with the workers holding it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +183,21 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=radixmesh_dot_v1_dot_router__pb2.ListWorkersRequest.FromString,
                     response_serializer=radixmesh_dot_v1_dot_router__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=radixmesh_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +362,87 @@ class RouterService:
             '/radixmesh.v1.RouterService/ListWorkers',
             radixmesh_dot_v1_dot_router__pb2.ListWorkersRequest.SerializeToString,
             radixmesh_dot_v1_dot_router__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.RouterService/LoadLoraAdapter',
+            radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+            radixmesh_dot_v1_dot_common__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.RouterService/UnloadLoraAdapter',
+            radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.RouterService/ListLoraAdapters',
+            radixmesh_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.SerializeToString,
+            radixmesh_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,6 +8,7 @@ router or straight at one worker.
 
 from collections import abc as _abc
 from grpc import aio as _aio
+from radixmesh.protocol import common_pb2 as _common_pb2
 from radixmesh.protocol import router_pb2 as _router_pb2
 from radixmesh.protocol import worker_pb2 as _worker_pb2
 import abc as _abc_1
@@ -48,6 +49,15 @@ class RouterServiceStub:
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_worker_pb2.GetModelInfoRequest, _worker_pb2.GetModelInfoResponse]
     """The model the workers serve (from one healthy worker)."""
     ListWorkers: _grpc.UnaryUnaryMultiCallable[_router_pb2.ListWorkersRequest, _router_pb2.ListWorkersResponse]
+    LoadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.LoadLoraAdapterRequest, _common_pb2.LoadLoraAdapterResponse]
+    """LoRA adapters across the workers (docs/lora.md): a load goes to every worker serving adapters (those already
+    holding it are skipped; INVALID_ARGUMENT when every one does) or to `worker_id`; an unload to every worker
+    holding it (NOT_FOUND when none does) or to `worker_id`. A worker's error comes back with its code, naming
+    the worker and the workers that succeeded. Routing follows at once.
+    """
+    UnloadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.UnloadLoraAdapterRequest, _common_pb2.UnloadLoraAdapterResponse]
+    ListLoraAdapters: _grpc.UnaryUnaryMultiCallable[_common_pb2.ListLoraAdaptersRequest, _common_pb2.ListLoraAdaptersResponse]
+    """The adapters of the healthy workers, each with the workers holding it."""
 
 @_typing.type_check_only
 class RouterServiceAsyncStub(RouterServiceStub):
@@ -65,6 +75,15 @@ class RouterServiceAsyncStub(RouterServiceStub):
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_worker_pb2.GetModelInfoRequest, _worker_pb2.GetModelInfoResponse]  # type: ignore[assignment]
     """The model the workers serve (from one healthy worker)."""
     ListWorkers: _aio.UnaryUnaryMultiCallable[_router_pb2.ListWorkersRequest, _router_pb2.ListWorkersResponse]  # type: ignore[assignment]
+    LoadLoraAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.LoadLoraAdapterRequest, _common_pb2.LoadLoraAdapterResponse]  # type: ignore[assignment]
+    """LoRA adapters across the workers (docs/lora.md): a load goes to every worker serving adapters (those already
+    holding it are skipped; INVALID_ARGUMENT when every one does) or to `worker_id`; an unload to every worker
+    holding it (NOT_FOUND when none does) or to `worker_id`. A worker's error comes back with its code, naming
+    the worker and the workers that succeeded. Routing follows at once.
+    """
+    UnloadLoraAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.UnloadLoraAdapterRequest, _common_pb2.UnloadLoraAdapterResponse]  # type: ignore[assignment]
+    ListLoraAdapters: _aio.UnaryUnaryMultiCallable[_common_pb2.ListLoraAdaptersRequest, _common_pb2.ListLoraAdaptersResponse]  # type: ignore[assignment]
+    """The adapters of the healthy workers, each with the workers holding it."""
 
 class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -115,5 +134,32 @@ class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _router_pb2.ListWorkersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_router_pb2.ListWorkersResponse, _abc.Awaitable[_router_pb2.ListWorkersResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def LoadLoraAdapter(
+        self,
+        request: _common_pb2.LoadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.LoadLoraAdapterResponse, _abc.Awaitable[_common_pb2.LoadLoraAdapterResponse]]:
+        """LoRA adapters across the workers (docs/lora.md): a load goes to every worker serving adapters (those already
+        holding it are skipped; INVALID_ARGUMENT when every one does) or to `worker_id`; an unload to every worker
+        holding it (NOT_FOUND when none does) or to `worker_id`. A worker's error comes back with its code, naming
+        the worker and the workers that succeeded. Routing follows at once.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadLoraAdapter(
+        self,
+        request: _common_pb2.UnloadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.UnloadLoraAdapterResponse, _abc.Awaitable[_common_pb2.UnloadLoraAdapterResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListLoraAdapters(
+        self,
+        request: _common_pb2.ListLoraAdaptersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.ListLoraAdaptersResponse, _abc.Awaitable[_common_pb2.ListLoraAdaptersResponse]]:
+        """The adapters of the healthy workers, each with the workers holding it."""
 
 def add_RouterServiceServicer_to_server(servicer: RouterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

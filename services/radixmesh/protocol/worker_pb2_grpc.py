@@ -70,6 +70,11 @@ class WorkerServiceStub:
                 request_serializer=radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
                 response_deserializer=radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.FromString,
                 _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/radixmesh.v1.WorkerService/ListLoraAdapters',
+                request_serializer=radixmesh_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
         self.Prefill = channel.stream_stream(
                 '/radixmesh.v1.WorkerService/Prefill',
                 request_serializer=radixmesh_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
@@ -128,6 +133,12 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -210,6 +221,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.UnloadLoraAdapter,
                     request_deserializer=radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.FromString,
                     response_serializer=radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=radixmesh_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=radixmesh_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
             'Prefill': grpc.stream_stream_rpc_method_handler(
                     servicer.Prefill,
@@ -411,6 +427,33 @@ class WorkerService:
             '/radixmesh.v1.WorkerService/UnloadLoraAdapter',
             radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
             radixmesh_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.WorkerService/ListLoraAdapters',
+            radixmesh_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.SerializeToString,
+            radixmesh_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,7 @@ class WorkerServiceStub:
     mismatch with the base model or a rank above the worker's maximum), unload one (NOT_FOUND if unknown).
     """
     UnloadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.UnloadLoraAdapterRequest, _common_pb2.UnloadLoraAdapterResponse]
+    ListLoraAdapters: _grpc.UnaryUnaryMultiCallable[_common_pb2.ListLoraAdaptersRequest, _common_pb2.ListLoraAdaptersResponse]
     Prefill: _grpc.StreamStreamMultiCallable[_worker_pb2.PrefillRequest, _worker_pb2.PrefillResponse]
     """---- Prefill/decode disaggregation (DESIGN.md section 7, docs/disaggregation.md) -------------
     A router sends Generate to a decode worker with GenerateRequest.prefill naming a prefill
@@ -100,6 +101,7 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     mismatch with the base model or a rank above the worker's maximum), unload one (NOT_FOUND if unknown).
     """
     UnloadLoraAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.UnloadLoraAdapterRequest, _common_pb2.UnloadLoraAdapterResponse]  # type: ignore[assignment]
+    ListLoraAdapters: _aio.UnaryUnaryMultiCallable[_common_pb2.ListLoraAdaptersRequest, _common_pb2.ListLoraAdaptersResponse]  # type: ignore[assignment]
     Prefill: _aio.StreamStreamMultiCallable[_worker_pb2.PrefillRequest, _worker_pb2.PrefillResponse]  # type: ignore[assignment]
     """---- Prefill/decode disaggregation (DESIGN.md section 7, docs/disaggregation.md) -------------
     A router sends Generate to a decode worker with GenerateRequest.prefill naming a prefill
@@ -190,6 +192,13 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _common_pb2.UnloadLoraAdapterRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.UnloadLoraAdapterResponse, _abc.Awaitable[_common_pb2.UnloadLoraAdapterResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListLoraAdapters(
+        self,
+        request: _common_pb2.ListLoraAdaptersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.ListLoraAdaptersResponse, _abc.Awaitable[_common_pb2.ListLoraAdaptersResponse]]: ...
 
     @_abc_1.abstractmethod
     def Prefill(

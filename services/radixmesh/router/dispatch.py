@@ -25,6 +25,7 @@ from typing import TypeVar
 
 from radixmesh.common import tracing
 from radixmesh.common.errors import ErrorCode, RadixMeshError
+from radixmesh.index.reader import KVIndexReader
 from radixmesh.router import metrics
 from radixmesh.router.adapters import AdapterAffinity
 from radixmesh.router.config import RouterConfig
@@ -52,7 +53,8 @@ class RequestRouter:
 
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, policy: BaseRoutingPolicy,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                 rng: Callable[[], float] = random.random, prefill_policy: BaseRoutingPolicy | None = None) -> None:
+                 rng: Callable[[], float] = random.random, prefill_policy: BaseRoutingPolicy | None = None,
+                 reader: KVIndexReader | None = None) -> None:
         self.config = config
         self.registry = registry
         self.policy = policy
@@ -62,8 +64,8 @@ class RequestRouter:
         self.rng = rng
         self.inflight: dict[str, WorkerHandle] = {}
         """request id -> the worker running it (for Abort)."""
-        self.adapters = AdapterAffinity(config.adapters)
-        """LoRA: a request of an adapter goes where it is loaded (adapters.py)."""
+        self.adapters = AdapterAffinity(config.adapters, reader)
+        """LoRA: a request of an adapter goes where it is loaded, as the index and GetLoad say (adapters.py)."""
         self.decision_s: list[float] = []
         """Recent routing-decision latencies (bounded), for benchmarks and metrics."""
         self.num_retries = 0

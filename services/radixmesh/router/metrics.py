@@ -32,6 +32,13 @@ OVERHEAD = Histogram("radixmesh_router_overhead_seconds",
                      buckets=_FINE_BUCKETS)
 DECISION = Histogram("radixmesh_router_decision_seconds", "Time of one routing decision (index lookup included)",
                      buckets=_FINE_BUCKETS)
+LORA_DECISIONS = Counter("radixmesh_router_lora_decisions_total",
+                         "Requests of a LoRA adapter by how they were placed: holder (a worker holding it), loaded "
+                         "(loaded on a worker first), spread (a hot adapter loaded on one more worker)",
+                         ["adapter", "reason"])
+LORA_LOADS = Counter("radixmesh_router_lora_loads_total",
+                     "LoRA adapter loads this router made: route (for a request), api (a load call through it)",
+                     ["adapter", "reason"])
 HEALTHY_WORKERS = Gauge("radixmesh_router_healthy_workers", "Workers passing health checks")
 FALLBACK = Gauge("radixmesh_router_index_fallback", "1 while cache-aware routes with approx-tree (Redis down)")
 PD_DECISIONS = Counter("radixmesh_router_pd_decisions_total",

@@ -62,7 +62,8 @@ class RouterApp:
         self.policy = create_policy(config.policy, config, reader=self.reader)
         self.router = RequestRouter(config, self.registry, self.policy,
                                     prefill_policy=create_policy(config.policy, dataclasses.replace(
-                                        config, sweep_interval_s=0), reader=self.reader))  # one sweeper is enough
+                                        config, sweep_interval_s=0), reader=self.reader),  # one sweeper is enough
+                                    reader=self.reader)
         self.servicer = RouterServicer(self.router)
         self.server: GrpcServer | None = None
         if server_config is not None:
@@ -80,7 +81,7 @@ class RouterApp:
 
             self.epp = EndpointPickerApp(epp, self.registry, self.policy, config.block_size,
                                          server_config.host if server_config else "127.0.0.1",
-                                         server_config.tls if server_config else None)
+                                         server_config.tls if server_config else None, self.router.adapters)
         self.checker.on_change.append(self.refresh_readiness)
         self._tasks: list[asyncio.Task[None]] = []
 

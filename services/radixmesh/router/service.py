@@ -17,6 +17,7 @@ from radixmesh.common.grpc_errors import map_errors
 from radixmesh.protocol import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from radixmesh.router import metrics
 from radixmesh.router.dispatch import RequestRouter
+from radixmesh.router.lora_control import LoraControl
 from radixmesh.router.migration import StreamProgress
 from radixmesh.router.policies.base import RouteRequest, RoutingDecision
 from radixmesh.router.workers import WorkerHandle
@@ -100,6 +101,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         """Request id -> the id its current leg runs under on its worker (they differ after a migration)."""
         self.drain = StreamDrain("router")
         """SIGTERM: new calls end DRAINING, routed streams finish or are cut (radixmesh.common.drain)."""
+        self.lora = LoraControl(router.registry, router.adapters)
+        """LoRA adapters loaded and unloaded across the workers (lora_control.py)."""
         for outcome in metrics.OUTCOMES:  # the series exist before the first request
             metrics.REQUESTS.labels(router.policy.policy_id, outcome)
 
@@ -184,6 +187,21 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise RadixMeshError(ErrorCode.UNAVAILABLE, "no healthy worker to flush")
         results = await asyncio.gather(*(w.client.flush_cache() for w in workers))
         return worker_pb2.FlushCacheResponse(flushed=all(results))
+
+    @map_errors("router")
+    async def LoadLoraAdapter(self, request: common_pb2.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> common_pb2.LoadLoraAdapterResponse:
+        return await self.lora.load(request)
+
+    @map_errors("router")
+    async def UnloadLoraAdapter(self, request: common_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> common_pb2.UnloadLoraAdapterResponse:
+        return await self.lora.unload(request)
+
+    @map_errors("router")
+    async def ListLoraAdapters(self, request: common_pb2.ListLoraAdaptersRequest,
+                               context: grpc.aio.ServicerContext) -> common_pb2.ListLoraAdaptersResponse:
+        return await self.lora.list()
 
     @map_errors("router")
     async def GetModelInfo(self, request: worker_pb2.GetModelInfoRequest,

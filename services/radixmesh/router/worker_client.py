@@ -161,6 +161,20 @@ class WorkerClient:
             raise self._error(exc) from None
         return reply
 
+    async def unload_lora_adapter(self, name: str, timeout_s: float = 30.0) -> None:
+        try:
+            await self.stub.UnloadLoraAdapter(common_pb2.UnloadLoraAdapterRequest(name=name), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+
+    async def list_lora_adapters(self, timeout_s: float = 10.0) -> list[common_pb2.LoraAdapterInfo]:
+        try:
+            reply: common_pb2.ListLoraAdaptersResponse = await self.stub.ListLoraAdapters(
+                common_pb2.ListLoraAdaptersRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        return list(reply.adapters)
+
     async def close(self) -> None:
         if self.lane is not None:
             await self.lane.close()

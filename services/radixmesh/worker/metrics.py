@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from radixmesh.common.lora_metrics import lora_metric_families
 from radixmesh.common.metrics import (
     E2E_BUCKETS_S,
     GRAMMAR_COMPILE_BUCKETS_S,
@@ -39,6 +40,8 @@ REQUESTS = Counter("radixmesh_requests_finished", "Sequences finished, by finish
 PROMPT_TOKENS = Counter("radixmesh_prompt_tokens", "Prompt tokens of finished sequences")
 CACHED_TOKENS = Counter("radixmesh_cached_tokens", "Prompt tokens served from the prefix cache")
 GENERATED_TOKENS = Counter("radixmesh_generation_tokens", "Output tokens streamed")
+LORA_FINISHED = Counter("radixmesh_lora_requests_finished", "Sequences of a LoRA adapter finished", ["adapter"])
+LORA_TOKENS = Counter("radixmesh_lora_generation_tokens", "Output tokens of a LoRA adapter's sequences", ["adapter"])
 RUNNING = Gauge("radixmesh_num_inflight_requests", "Generate calls open on this worker")
 QUEUED_PREFILL_TOKENS = Gauge("radixmesh_num_queued_prefill_tokens",
                               "Prompt tokens of admitted Generate calls not prefilled yet")
@@ -107,6 +110,7 @@ class EngineStatsCollector(Collector):
         for key, (name, doc) in self.COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
         yield from moe_metric_families(stats)
+        yield from lora_metric_families(stats)
         yield histogram_from_stats("radixmesh_grammar_compile_seconds",
                                    "Time for the engine to get a compiled grammar (fetched or compiled here)",
                                    GRAMMAR_COMPILE_BUCKETS_S, stats, "grammar_compile_seconds")

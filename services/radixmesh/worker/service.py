@@ -14,7 +14,7 @@ import grpc.aio
 import msgspec
 
 from radixmesh.common.drain import StreamDrain
-from radixmesh.common.errors import invalid_argument
+from radixmesh.common.errors import invalid_argument, not_found
 from radixmesh.common.grpc_errors import map_errors
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
@@ -28,6 +28,7 @@ from radixmesh.wire.convert import (
 )
 from radixmesh.wire.images import MultimodalInputs
 from radixmesh.wire.load import WorkerLoad, load_to_proto
+from radixmesh.wire.lora_info import adapter_info_to_proto, load_result_to_proto
 from radixmesh.wire.messages import TokenOut
 from radixmesh.wire.sampling import SamplingParams
 from radixmesh.worker import metrics
@@ -117,6 +118,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         metrics.GENERATED_TOKENS.inc(len(out.token_ids))
                         if out.finish_reason is not None:
                             _count_finished(out.finish_reason, out.prompt_tokens, out.cached_tokens, start)
+                        if request.lora_name:
+                            _count_adapter(request.lora_name, len(out.token_ids), out.finish_reason is not None)
                         msg = token_out_to_proto(out, worker_id)
                         if first:
                             msg.engine_ttft_s = time.perf_counter() - engine_start
@@ -222,15 +225,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @map_errors("worker")
     async def LoadLoraAdapter(self, request: common_pb2.LoadLoraAdapterRequest,
                               context: grpc.aio.ServicerContext) -> common_pb2.LoadLoraAdapterResponse:
+        self._check_named(request.worker_id)
         info = await self.client.load_lora_adapter(request.name, request.path)
-        return common_pb2.LoadLoraAdapterResponse(name=request.name, rank=int(info["rank"]),
-                                                  targets=list(info["targets"]), load_s=float(info["load_s"]))
+        return load_result_to_proto(request.name, info)
 
     @map_errors("worker")
     async def UnloadLoraAdapter(self, request: common_pb2.UnloadLoraAdapterRequest,
                                 context: grpc.aio.ServicerContext) -> common_pb2.UnloadLoraAdapterResponse:
+        self._check_named(request.worker_id)
         await self.client.unload_lora_adapter(request.name)
         return common_pb2.UnloadLoraAdapterResponse()
+
+    @map_errors("worker")
+    async def ListLoraAdapters(self, request: common_pb2.ListLoraAdaptersRequest,
+                               context: grpc.aio.ServicerContext) -> common_pb2.ListLoraAdaptersResponse:
+        adapters = await self.client.list_lora_adapters()
+        return common_pb2.ListLoraAdaptersResponse(adapters=[adapter_info_to_proto(a)
+                                                             for a in sorted(adapters, key=lambda a: a["name"])])
+
+    def _check_named(self, worker_id: str) -> None:
+        """A call naming a worker (meant for a router) reaches this one only if it is the one named."""
+        if worker_id and worker_id != self.config.worker_id:
+            raise not_found(f"no worker {worker_id!r} here (this is worker {self.config.worker_id!r})", "worker_id")
 
     async def close(self) -> None:
         for flow in (self.decode, self.peer_fetch):
@@ -243,6 +259,12 @@ def _count_finished(reason: str, prompt_tokens: int, cached_tokens: int, start: 
     metrics.PROMPT_TOKENS.inc(prompt_tokens)
     metrics.CACHED_TOKENS.inc(cached_tokens)
     metrics.E2E.observe(time.perf_counter() - start)
+
+
+def _count_adapter(name: str, num_tokens: int, finished: bool) -> None:
+    metrics.LORA_TOKENS.labels(name).inc(num_tokens)
+    if finished:
+        metrics.LORA_FINISHED.labels(name).inc()
 
 
 def model_aliases(client: EngineClient) -> set[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from radixmesh.common.readiness import Readiness
 from radixmesh.common.tls import TlsConfig
+from radixmesh.router.adapters import AdapterAffinity
 from radixmesh.router.epp.config import EppConfig
 from radixmesh.router.epp.picker import EndpointPicker
 from radixmesh.router.epp.server import EppServer
@@ -17,11 +18,13 @@ class EndpointPickerApp:
     """Picker, tokenizer client, ext_proc service and port over the router's registry and policy."""
 
     def __init__(self, config: EppConfig, registry: WorkerRegistry, policy: BaseRoutingPolicy, block_size: int,
-                 host: str = "127.0.0.1", tls: TlsConfig | None = None) -> None:
+                 host: str = "127.0.0.1", tls: TlsConfig | None = None,
+                 adapters: AdapterAffinity | None = None) -> None:
+        """`adapters`: the router's LoRA adapter affinity (requests of an adapter go to workers holding it)."""
         self.config = config
         self.readiness = Readiness("endpoint picker")
         self.readiness.add("workers", "a ready worker serving HTTP", detail="no worker discovered yet")
-        self.picker = EndpointPicker(config, registry, policy)
+        self.picker = EndpointPicker(config, registry, policy, adapters)
         self.tokenizer = PromptTokenizer(config.tokenizer, block_size, config.tokenize_timeout_s, config.tokenize)
         self.service = ExtProcService(config, self.picker, self.tokenizer, block_size)
         self.server = EppServer(host, config.port, self.service, self.readiness, tls)

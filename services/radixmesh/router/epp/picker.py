@@ -6,6 +6,11 @@ answers 503). All of them with `max_queue_per_worker` requests waiting: RESOURCE
 the policy chooses as it does for the router's own Generate calls (cache-aware: the prompt's blocks against the
 KV-cache index, plus load), and is told of the pick (its speculative index entries and approximate tree).
 
+A request naming a LoRA adapter (`lora_path`, `model: "base:adapter"`, or `model` a name some worker publishes as
+an adapter) is narrowed first to the workers holding it, as the router's own Generate calls are
+(radixmesh.router.adapters: loaded on the least loaded worker when the router knows its path; NOT_FOUND, a 404
+naming it, when no worker holds it and the router cannot place it).
+
 The picker never sees a request finish, only its ext_proc stream close; a pick counts as in flight on its
 worker until then (`release`), which is what load scoring adds to the workers' polled figures. For shedding,
 the picks sent to a worker since its last load report count as waiting on it, so a burst is shed before the
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.router import metrics as router_metrics
+from radixmesh.router.adapters import AdapterAffinity
 from radixmesh.router.epp import metrics
 from radixmesh.router.epp.config import EppConfig
 from radixmesh.router.policies.base import BaseRoutingPolicy, RouteRequest, RoutingDecision
@@ -45,10 +51,13 @@ class Pick:
 class EndpointPicker:
     """Picks over one registry with one policy (the router's own)."""
 
-    def __init__(self, config: EppConfig, registry: WorkerRegistry, policy: BaseRoutingPolicy) -> None:
+    def __init__(self, config: EppConfig, registry: WorkerRegistry, policy: BaseRoutingPolicy,
+                 adapters: AdapterAffinity | None = None) -> None:
         self.config = config
         self.registry = registry
         self.policy = policy
+        self.adapters = adapters
+        """LoRA adapter affinity (the router's own); None: adapters are not looked at."""
         self._sent: dict[str, tuple[WorkerLoad, int]] = {}
         """worker id -> (the load report it was last seen with, picks sent to it since that report)."""
 
@@ -59,12 +68,26 @@ class EndpointPicker:
             return ready
         return [w for w in ready if w.http_endpoint in subset]
 
+    def adapter_of(self, model: str) -> str:
+        """The LoRA adapter a request's model names: after the colon of "base:adapter", else the name itself when
+        a worker publishes an adapter of that name; "" for the base model."""
+        if not model or self.adapters is None:
+            return ""
+        if ":" in model:
+            return model.split(":", 1)[1]
+        leases = self.adapters.leases()
+        published = (self.adapters.published(w, leases)[0] for w in self.registry.available("unified"))
+        return model if any(model in names for names in published) else ""
+
     async def pick(self, request: RouteRequest, subset: frozenset[str] | None = None) -> Pick:
-        """The pick for `request` (UNAVAILABLE or RESOURCE_EXHAUSTED as the module docstring says)."""
+        """The pick for `request` (UNAVAILABLE or RESOURCE_EXHAUSTED as the module docstring says; NOT_FOUND for
+        an adapter no worker holds)."""
         candidates = self.candidates(subset)
         if not candidates:
             metrics.PICKS.labels("unavailable").inc()
             raise RadixMeshError(ErrorCode.UNAVAILABLE, self._why_none(subset))
+        if request.lora_name and self.adapters is not None:
+            candidates = await self.adapters.narrow(request.lora_name, candidates)
         limit = self.config.max_queue_per_worker
         if limit and all(self.queued(w) >= limit for w in candidates):
             metrics.PICKS.labels("shed").inc()

@@ -5,11 +5,14 @@ Bodies are recognised by their shape, whatever the path: OpenAI chat (`messages`
 A batch is picked by its first prompt (the whole batch goes to one worker). Chat messages become what the
 gateway renders with the chat template (roles as the gateway maps them, text parts joined by newlines);
 anything the picker cannot read exactly as the model server will (images, tools, bad JSON) has no prompt,
-and the request is picked by load alone: the model server still answers it, or refuses it, itself.
+and the request is picked by load alone: the model server still answers it, or refuses it, itself. The model it
+names (OpenAI `model`, or SGLang's `lora_path` for a LoRA adapter) comes along: the picker sends a request of an
+adapter to a worker holding it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +35,9 @@ class PromptInput:
     """kind ids: the prompt's token ids, as the client sent them."""
     reason: str = ""
     """kind none: why there is no prompt to look up."""
+    model: str = ""
+    """The model or LoRA adapter the body names: `lora_path` (the first of a batch), else OpenAI's `model`
+    ("base:adapter" or a bare name); "" when it names none."""
 
 
 def none(reason: str) -> PromptInput:
@@ -46,12 +52,26 @@ def prompt_of(body: bytes) -> PromptInput:
         return none("the body is not JSON")
     if not isinstance(data, dict):
         return none("the body is not a JSON object")
+    return dataclasses.replace(_prompt(data), model=_model(data))
+
+
+def _prompt(data: dict[str, Any]) -> PromptInput:
     if "messages" in data:
         return _chat(data["messages"])
     for key in ("prompt", "text", "input_ids"):
         if key in data:
             return _plain(data[key], key)
     return none("no messages, prompt, text or input_ids")
+
+
+def _model(data: dict[str, Any]) -> str:
+    lora = data.get("lora_path")
+    if isinstance(lora, list):
+        lora = lora[0] if lora else None
+    if isinstance(lora, str) and lora:
+        return lora
+    model = data.get("model")
+    return model if isinstance(model, str) else ""
 
 
 def _plain(value: Any, key: str) -> PromptInput:

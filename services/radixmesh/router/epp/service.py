@@ -98,11 +98,12 @@ class ExtProcService:
     async def _pick(self, exchange: _Exchange, prompt: PromptInput, on_headers: bool) -> pb.ProcessingResponse:
         exchange.answered = True
         started = time.perf_counter()
-        tokens = await self.tokenizer.tokens(prompt)
+        adapter = self.picker.adapter_of(prompt.model)
+        tokens = await self.tokenizer.tokens(prompt, adapter)
         picking = time.perf_counter()
         metrics.TOKENIZE.observe(picking - started)
         rid = exchange.headers.get("x-request-id") or uuid.uuid4().hex
-        request = RouteRequest(rid, tokens.num_tokens, tokens.block_hashes, self.block_size)
+        request = RouteRequest(rid, tokens.num_tokens, tokens.block_hashes, self.block_size, adapter)
         try:
             pick = await self.picker.pick(request, exchange.subset)
         except RadixMeshError as exc:

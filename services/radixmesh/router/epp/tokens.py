@@ -12,6 +12,7 @@ it is picked by load alone.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from radixmesh.engine.hf_tokenizer import encode_chat, encode_text
 from radixmesh.protocol import tokenizer_pb2, tokenizer_pb2_grpc
 from radixmesh.router.epp.prompt import PromptInput
 from radixmesh.wire.block_hash import block_hashes
+from radixmesh.wire.lora import adapter_extra_key
 
 logger = logging.getLogger(__name__)
 FETCH_RETRY_S = 5.0
@@ -45,6 +47,8 @@ class PromptTokens:
     source: str
     """token-ids (hashed here) | tokenized (the copy here) | tokenized-service (a Tokenize call) | none (no
     prompt, or no tokenizer) | tokenizer-error."""
+    token_ids: list[int] = dataclasses.field(default_factory=list, compare=False)
+    """The ids (for an adapter's hashes, which take its extra key)."""
 
 
 NO_TOKENS = PromptTokens(0, (), "none")
@@ -84,10 +88,20 @@ class PromptTokenizer:
             logger.warning("epp: tokenizing with a copy of the tokenizer at %s", self.address)
             return
 
-    async def tokens(self, prompt: PromptInput) -> PromptTokens:
+    async def tokens(self, prompt: PromptInput, adapter: str = "") -> PromptTokens:
+        """The prompt's tokens; a LoRA adapter's block hashes take its extra key (radixmesh.wire.lora)."""
+        found = await self._tokens(prompt)
+        if not adapter or not found.num_tokens:
+            return found
+        return dataclasses.replace(found, block_hashes=tuple(self._hashes(found.token_ids, adapter)))
+
+    def _hashes(self, ids: list[int], adapter: str = "") -> list[int]:
+        return block_hashes(ids, self.block_size, adapter_extra_key(adapter or None))
+
+    async def _tokens(self, prompt: PromptInput) -> PromptTokens:
         if prompt.kind == "ids":
             ids = list(prompt.token_ids)
-            return PromptTokens(len(ids), tuple(block_hashes(ids, self.block_size)), "token-ids")
+            return PromptTokens(len(ids), tuple(self._hashes(ids)), "token-ids", ids)
         if prompt.kind == "none":
             return NO_TOKENS
         if self.local is not None:
@@ -96,7 +110,7 @@ class PromptTokenizer:
             except RadixMeshError as exc:  # a conversation the chat template rejects: the worker will say so
                 logger.debug("epp: no tokens for a prompt: %s", exc.message)
                 return PromptTokens(0, (), "tokenizer-error")
-            return PromptTokens(len(ids), tuple(block_hashes(ids, self.block_size)), "tokenized")
+            return PromptTokens(len(ids), tuple(self._hashes(ids)), "tokenized", ids)
         if self.stub is None:
             return NO_TOKENS
         try:
@@ -104,7 +118,8 @@ class PromptTokenizer:
         except grpc.RpcError as exc:
             self._warn(exc)
             return PromptTokens(0, (), "tokenizer-error")
-        return PromptTokens(len(reply.token_ids), tuple(reply.block_hashes.hashes), "tokenized-service")
+        return PromptTokens(len(reply.token_ids), tuple(reply.block_hashes.hashes), "tokenized-service",
+                            list(reply.token_ids))
 
     async def _encode_here(self, prompt: PromptInput) -> list[int]:
         """What the service's Tokenize returns for `prompt`: text with the model's special tokens at its start,
