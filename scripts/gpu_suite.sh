@@ -30,6 +30,7 @@
 #   STAGES=faults TIMEOUT_faults=600 (two GPUs, issue 51): kill -9 and rolling restart under load, 8B shape workers
 #   STAGES="hicache" (one GPU); STAGES="peer-fetch" needs two GPUs (it says "skipped" with one)
 #   STAGES="spec-tests spec-same spec-unrelated spec-unrelated-raw spec-ngram" bash scripts/gpu_suite.sh (speculation)
+#   STAGES=spec-oracle: issue 47's targets (oracle drafts at a 1B draft's cost, acceptance 1.0 / 0.7; own-weights draft)
 #   STAGES=lora: LoRA adapters in the engine (GPU tests, then `bench lora`: 16 adapters in a batch of 32 vs the base)
 #   STAGES="moe-kernels lora-kernels" TIMEOUT_moe_kernels=590: the MoE and batched-LoRA kernels (issues 48, 46): GPU
 #   tests, the CPU kernel tests compiled, the benchmarks (MoE tile sweep at MOE_SWEEP_MS) and a table of each at the end
@@ -643,6 +644,16 @@ PY
         spec-ngram)
           $RM bench speculative $spec --speculative-algorithm ngram ;;
       esac ;;
+    spec-oracle)  # issue 47's targets in one stage (8B shape, random weights, 4 drafts, no back-off): oracle drafts
+      # at the 1B shape's cost (acceptance 1.0 and 0.7, batch 1 and 8), then a draft with the target's own weights
+      spec="--model-shape llama-3.1-8b --workload random --input-len 512 --output-len 256 --context-length 4096 \
+        --max-total-tokens 32768 --cuda-graph-max-bs 32 --speculative-num-draft-tokens 4 --disable-speculative-backoff \
+        --result-file $OUT/spec-oracle.jsonl ${SPEC_ARGS:-}"
+      $RM bench speculative $spec --oracle --oracle-acceptance 1.0,0.7 --batch-sizes 1,8 \
+        --speculative-draft-model llama-3.2-1b --speculative-draft-load-format dummy
+      $RM bench speculative $spec --batch-sizes 1 --speculative-algorithm draft --speculative-draft-model llama-3.1-8b \
+        --speculative-draft-load-format dummy
+      python3 scripts/spec_oracle_summary.py "$OUT/spec-oracle.jsonl" ;;
     *) echo "unknown stage $stage" ;;
   esac
 }

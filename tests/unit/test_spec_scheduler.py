@@ -207,8 +207,8 @@ def test_backoff_stops_drafting_that_never_pays(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"speculative_algorithm": "eagle"}, "speculative_algorithm must be one of"),
-    ({"speculative_algorithm": "draft"}, "--speculative-draft-model goes with"),
+    ({"speculative_algorithm": "medusa"}, "speculative_algorithm must be one of"),
+    ({"speculative_algorithm": "draft"}, "--speculative-algorithm draft needs --speculative-draft-model"),
     ({"speculative_draft_model": "x"}, "--speculative-draft-model goes with"),
     ({"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 0}, "speculative_num_draft_tokens"),
     ({"speculative_algorithm": "ngram", "speculative_ngram_min_match": 5, "speculative_ngram_max_match": 3},

@@ -16,6 +16,8 @@ MAX_TP_SIZE = 64
 MOE_DISPATCHES = ("auto", "all-reduce", "all-to-all")
 MAX_DRAFT_TOKENS = 16
 MAX_NGRAM_MATCH = 16
+DRAFT_MODEL_ALGORITHMS = ("draft", "oracle")
+"""Speculative algorithms that run a draft model (oracle: only for its cost, in benchmarks)."""
 DEFAULT_MEM_FRACTION = 0.85
 LARGE_GPU_MEM_FRACTION = 0.9
 LARGE_GPU_BYTES = 60 << 30
@@ -153,7 +155,7 @@ class EngineConfig:
     """moe_dispatch auto: the smallest eager pass (tokens) dispatched by all-to-all."""
     speculative_algorithm: str | None = None
     """Speculative decoding: ngram (drafts looked up in the request's own prompt and output) | draft (a
-    small draft model, --speculative-draft-model); unset: off."""
+    small draft model, --speculative-draft-model) | oracle (benchmarks only: bench speculative --oracle); unset: off."""
     speculative_num_draft_tokens: int = 4
     """Most draft tokens verified per request and step (the back-off may propose fewer), 1 to 16."""
     speculative_draft_model: str | None = None
@@ -268,9 +270,13 @@ class EngineConfig:
         if not 1 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise invalid_argument(f"speculative_num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]",
                                    "speculative_num_draft_tokens")
-        if (algorithm == "draft") != (self.speculative_draft_model is not None):
-            raise invalid_argument("--speculative-draft-model goes with --speculative-algorithm draft (and only "
-                                   "with it)", "speculative_draft_model")
+        if algorithm == "draft" and self.speculative_draft_model is None:
+            raise invalid_argument("--speculative-algorithm draft needs --speculative-draft-model",
+                                   "speculative_draft_model")
+        if self.speculative_draft_model is not None and algorithm not in DRAFT_MODEL_ALGORITHMS:
+            raise invalid_argument(f"--speculative-draft-model goes with --speculative-algorithm "
+                                   f"{' or '.join(DRAFT_MODEL_ALGORITHMS)} (and only with those)",
+                                   "speculative_draft_model")
         _in(self.speculative_draft_load_format, LOAD_FORMATS, "speculative_draft_load_format")
         if not 1 <= self.speculative_ngram_min_match <= self.speculative_ngram_max_match <= MAX_NGRAM_MATCH:
             raise invalid_argument(f"need 1 <= speculative_ngram_min_match <= speculative_ngram_max_match <= "

@@ -8,6 +8,10 @@ of this thread's CPU time, which other processes do not inflate), the speedup, t
 length and whether the outputs were identical; one JSON line per batch size.
 Workloads: `copy` (rewrite or extend a passage, edit code; the model's tokenizer and chat
 template) or `random` (random token ids; any shape, e.g. `--model-shape llama-3.1-8b`).
+`--oracle` measures the machinery's ceiling: every prompt first runs on the plain engine and its
+output is recorded; the speculative engine's oracle proposer replays it (speculative/oracle.py),
+at the cost of `--speculative-draft-model` if given, and `--oracle-acceptance 1.0,0.7` repeats
+the measurement with a seeded fraction of the proposals spoiled.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 from radixmesh.engine.bench.throughput import DEFAULT_SHAPE, _report, device_info, settings
 
 SPEC_STATS = ("spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_verify_passes",
-              "spec_num_verified_requests", "spec_num_backoff_steps")
+              "spec_num_verified_requests", "spec_num_backoff_steps", "spec_oracle_diverged")
 
 
 @dataclass
@@ -68,6 +72,8 @@ def _build(args: argparse.Namespace, speculative: bool) -> Any:
     kwargs["model"] = args.model_shape or args.model or (DEFAULT_SHAPE if args.workload == "random" else None)
     if args.model_shape:
         kwargs["load_format"] = "dummy"
+    if args.oracle:
+        kwargs["speculative_algorithm"] = "oracle"
     config = EngineConfig(**kwargs)
     if not speculative:
         config = dataclasses.replace(config, speculative_algorithm=None, speculative_draft_model=None)
@@ -128,6 +134,30 @@ def _run_round(sched: Any, prompts: list[list[int]], output_len: int, tag: str, 
         totals.stats[key] += after.get(key, 0) - before.get(key, 0)
 
 
+def _decoder(sched: Any) -> Any:
+    """The speculative engine's `SpecDecoder` hook."""
+    from radixmesh.engine.speculative.decoder import SpecDecoder
+
+    decoder = sched.hooks.get(SpecDecoder)
+    assert decoder is not None, "the speculative engine has no SpecDecoder"
+    return decoder
+
+
+def _record(args: argparse.Namespace, plain: Any, spec: Any, prompts: list[list[int]], batch_size: int,
+            output_len: int) -> None:
+    """--oracle: the plain engine's greedy output of each prompt, handed to the oracle proposer."""
+    if not args.oracle:
+        return
+    proposer = _decoder(spec).proposer
+    unique = [p for p in dict.fromkeys(tuple(p) for p in prompts) if len(proposer.recordings.get(p, ())) < output_len]
+    for start in range(0, len(unique), batch_size):
+        chunk = [list(p) for p in unique[start:start + batch_size]]
+        totals = Totals()
+        _run_round(plain, chunk, output_len, f"rec{batch_size}-{start}-", totals)
+        for prompt, output in zip(chunk, totals.outputs):
+            proposer.record(prompt, output)
+
+
 def _compare(args: argparse.Namespace, plain: Any, spec: Any, prompts: list[list[int]],
              batch_size: int) -> tuple[Totals, Totals]:
     """Every request of this batch size on both engines, round by round, alternating which goes first.
@@ -137,11 +167,13 @@ def _compare(args: argparse.Namespace, plain: Any, spec: Any, prompts: list[list
     if args.workload == "random":
         work = _prompts(args, plain, num, seed=args.seed * 1000 + batch_size)
         warm = _prompts(args, plain, batch_size, seed=args.seed * 1000 + batch_size + 500)
+        _record(args, plain, spec, warm, batch_size, 8)
         for sched in (plain, spec):
             _run_round(sched, warm, 8, f"warm{batch_size}-", Totals())
-        spec.spec.policy.reset()
+        _decoder(spec).policy.reset()
     else:
         work = [prompts[i % len(prompts)] for i in range(num)]
+    _record(args, plain, spec, work, batch_size, args.output_len)
     totals = (Totals(), Totals())
     for round_index, start in enumerate(range(0, num, batch_size)):
         order = (0, 1) if round_index % 2 == 0 else (1, 0)
@@ -164,6 +196,8 @@ def _row(p: Totals, s: Totals, cpu: bool) -> dict[str, Any]:
         row["plain_decode_tok_per_cpu_s"] = round(p.decoded / p.decode_cpu_s, 2)
         row["spec_decode_tok_per_cpu_s"] = round(s.decoded / s.decode_cpu_s, 2)
         row["speedup_cpu_time"] = round((s.decoded / s.decode_cpu_s) / (p.decoded / p.decode_cpu_s), 3)
+    if "spec_oracle_diverged" in s.stats:  # requests whose output left the recording (bf16 rounding)
+        row["oracle_diverged"] = int(s.stats["spec_oracle_diverged"])
     same = sum(a == b for a, b in zip(p.outputs, s.outputs))
     row.update({
         "plain_e2e_s": round(p.e2e_wall_s, 3), "spec_e2e_s": round(s.e2e_wall_s, 3),
@@ -176,14 +210,22 @@ def _row(p: Totals, s: Totals, cpu: bool) -> dict[str, Any]:
 
 
 def cmd_speculative(args: argparse.Namespace) -> int:
-    if args.speculative_algorithm is None:
-        raise SystemExit("radixmesh: error: bench speculative needs --speculative-algorithm")
+    args.oracle = args.oracle or args.oracle_acceptance is not None
+    if args.oracle and args.speculative_algorithm not in (None, "oracle"):
+        raise SystemExit("radixmesh: error: --oracle replaces --speculative-algorithm (the draft's cost: "
+                         "--speculative-draft-model)")
+    if args.speculative_algorithm is None and not args.oracle:
+        raise SystemExit("radixmesh: error: bench speculative needs --speculative-algorithm or --oracle")
+    acceptances = args.oracle_acceptance or [1.0]
+    if any(not 0.0 <= a <= 1.0 for a in acceptances):
+        raise SystemExit("radixmesh: error: --oracle-acceptance values must be in [0, 1]")
     plain = _build(args, speculative=False)
     spec = _build(args, speculative=True)
     prompts = _prompts(args, plain)
+    _record(args, plain, spec, prompts[:2], 2, 8)
     for sched in (plain, spec):  # kernels compile, graphs warm; the back-off starts fresh per batch size
         _run_round(sched, prompts[:2], 8, "warm-", Totals())
-    spec.spec.policy.reset()
+    _decoder(spec).policy.reset()
     cfg = spec.config
     common = {"bench": "speculative", **device_info(spec), **settings(spec, args), "workload": args.workload,
               "speculative_algorithm": cfg.speculative_algorithm,
@@ -191,9 +233,14 @@ def cmd_speculative(args: argparse.Namespace) -> int:
               "speculative_num_draft_tokens": cfg.speculative_num_draft_tokens,
               "backoff": not cfg.disable_speculative_backoff, "output_len": args.output_len}
     cpu = spec.runner.device.type == "cpu"
-    for b in args.batch_sizes:
-        p, s = _compare(args, plain, spec, prompts, b)
-        _report({**common, "batch_size": b, **_row(p, s, cpu)}, args)
+    for acceptance in acceptances if args.oracle else [None]:
+        extra: dict[str, Any] = {}
+        if acceptance is not None:
+            _decoder(spec).proposer.set_acceptance(acceptance, args.seed)
+            extra = {"oracle_acceptance": acceptance}
+        for b in args.batch_sizes:
+            p, s = _compare(args, plain, spec, prompts, b)
+            _report({**common, **extra, "batch_size": b, **_row(p, s, cpu)}, args)
     return 0
 
 
@@ -215,5 +262,11 @@ def register_speculative(bench: argparse._SubParsersAction) -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="random workload without --num-prompts: batches per batch size (noise averages out)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--oracle", action="store_true",
+                        help="benchmark-only drafts: the target's own greedy output, recorded on the plain engine "
+                             "first (acceptance 1.0); at the cost of --speculative-draft-model when given")
+    parser.add_argument("--oracle-acceptance", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                        help="with --oracle: comma-separated accept rates, e.g. 1.0,0.7 (a seeded fraction of the "
+                             "proposals is spoiled so that accepted / proposed is this in expectation)")
     parser.add_argument("--result-file", default=None, help="append the JSON results to this file")
     parser.set_defaults(func=cmd_speculative)

@@ -41,9 +41,9 @@ def num_parameters(model_config: ModelConfig) -> int:
 
 
 def draft_memory_need(config: EngineConfig, dtype: torch.dtype) -> DraftMemory:
-    """The draft model's memory when `--speculative-algorithm draft` is on (nothing otherwise): the
+    """The draft model's memory when one runs (`draft`, or `oracle` at a draft's cost; nothing otherwise): the
     target's KV pool is sized so that the draft's weights and an equal-length draft pool fit too."""
-    if config.speculative_algorithm != "draft":
+    if config.speculative_draft_model is None:
         return DraftMemory()
     from radixmesh.engine.memory import TokenToKVPool
 
