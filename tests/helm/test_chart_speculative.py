@@ -30,7 +30,7 @@ def test_speculative_values_render_as_engine_flags_the_worker_parses(helm: str) 
 
 
 @pytest.mark.parametrize("sets, message", [
-    (["worker.engine.speculativeAlgorithm=eagle"], "/worker/engine/speculativeAlgorithm"),
+    (["worker.engine.speculativeAlgorithm=medusa"], "/worker/engine/speculativeAlgorithm"),
     (["worker.engine.speculativeNumDraftTokens=0"], "/worker/engine/speculativeNumDraftTokens"),
     (["worker.engine.speculativeNumDraftTokens=17"], "/worker/engine/speculativeNumDraftTokens"),
 ])

@@ -16,8 +16,9 @@ MAX_TP_SIZE = 64
 MOE_DISPATCHES = ("auto", "all-reduce", "all-to-all")
 MAX_DRAFT_TOKENS = 16
 MAX_NGRAM_MATCH = 16
-DRAFT_MODEL_ALGORITHMS = ("draft", "oracle")
-"""Speculative algorithms that run a draft model (oracle: only for its cost, in benchmarks)."""
+DRAFT_MODEL_ALGORITHMS = ("draft", "eagle", "eagle3", "oracle")
+"""Speculative algorithms that run a draft model (EAGLE: a head; oracle: only for its cost, in benchmarks)."""
+MAX_EAGLE_TOPK = 8
 DEFAULT_MEM_FRACTION = 0.85
 LARGE_GPU_MEM_FRACTION = 0.9
 LARGE_GPU_BYTES = 60 << 30
@@ -155,9 +156,16 @@ class EngineConfig:
     """moe_dispatch auto: the smallest eager pass (tokens) dispatched by all-to-all."""
     speculative_algorithm: str | None = None
     """Speculative decoding: ngram (drafts looked up in the request's own prompt and output) | draft (a
-    small draft model, --speculative-draft-model) | oracle (benchmarks only: bench speculative --oracle); unset: off."""
+    small draft model, --speculative-draft-model) | eagle | eagle3 (an EAGLE or EAGLE-3 head, --speculative-draft-model,
+    reading the target's hidden states) | oracle (benchmarks only: bench speculative --oracle); unset: off."""
     speculative_num_draft_tokens: int = 4
-    """Most draft tokens verified per request and step (the back-off may propose fewer), 1 to 16."""
+    """Most draft tokens verified per request and step (the back-off may propose fewer), 1 to 16; eagle/eagle3 with
+    --speculative-eagle-topk > 1: the draft tree's nodes kept for verification."""
+    speculative_num_steps: int | None = None
+    """eagle/eagle3: draft steps per cycle (the depth of the chain or tree); unset: --speculative-num-draft-tokens
+    (a chain)."""
+    speculative_eagle_topk: int = 1
+    """eagle/eagle3: branches per draft step (1: a chain; more: a tree verified with a tree mask), 1 to 8."""
     speculative_draft_model: str | None = None
     """Draft model of --speculative-algorithm draft (name, HF directory, .gguf file or named shape); it must
     share the target's tokenizer."""
@@ -270,9 +278,17 @@ class EngineConfig:
         if not 1 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise invalid_argument(f"speculative_num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]",
                                    "speculative_num_draft_tokens")
-        if algorithm == "draft" and self.speculative_draft_model is None:
-            raise invalid_argument("--speculative-algorithm draft needs --speculative-draft-model",
+        if algorithm in ("draft", "eagle", "eagle3") and self.speculative_draft_model is None:
+            raise invalid_argument(f"--speculative-algorithm {algorithm} needs --speculative-draft-model",
                                    "speculative_draft_model")
+        if self.speculative_num_steps is not None and not 1 <= self.speculative_num_steps <= MAX_DRAFT_TOKENS:
+            raise invalid_argument(f"speculative_num_steps must be in [1, {MAX_DRAFT_TOKENS}]", "speculative_num_steps")
+        if not 1 <= self.speculative_eagle_topk <= MAX_EAGLE_TOPK:
+            raise invalid_argument(f"speculative_eagle_topk must be in [1, {MAX_EAGLE_TOPK}]", "speculative_eagle_topk")
+        if (self.speculative_eagle_topk > 1 or self.speculative_num_steps is not None) and algorithm not in (
+                "eagle", "eagle3"):
+            raise invalid_argument("--speculative-num-steps and --speculative-eagle-topk go with "
+                                   "--speculative-algorithm eagle or eagle3", "speculative_eagle_topk")
         if self.speculative_draft_model is not None and algorithm not in DRAFT_MODEL_ALGORITHMS:
             raise invalid_argument(f"--speculative-draft-model goes with --speculative-algorithm "
                                    f"{' or '.join(DRAFT_MODEL_ALGORITHMS)} (and only with those)",
@@ -284,6 +300,13 @@ class EngineConfig:
         if algorithm is not None and self.tp_size > 1:
             raise invalid_argument(f"speculative decoding does not run with tensor parallelism yet (--tp-size "
                                    f"{self.tp_size}): use one or the other", "speculative_algorithm")
+
+    @property
+    def speculative_max_drafts(self) -> int:
+        """Most drafts per request and step: an EAGLE chain's steps, else --speculative-num-draft-tokens."""
+        if self.speculative_num_steps is not None and self.speculative_eagle_topk == 1:
+            return self.speculative_num_steps
+        return self.speculative_num_draft_tokens
 
     @property
     def prefill_token_budget(self) -> int:

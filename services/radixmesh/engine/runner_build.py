@@ -2,7 +2,7 @@
 
 `build_runner` runs the steps in their order; each step reads what the steps before it set on the runner:
 device -> quantization -> KV dtype -> tensor-parallel checks -> load -> LoRA slots -> memory plan -> pools -> FP8 scales
--> multimodal -> attention backend (and its warm-up) -> sampler -> CUDA graphs.
+-> multimodal -> EAGLE feature capture -> attention backend (and its warm-up) -> sampler -> CUDA graphs.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from radixmesh.engine.quant.device import resolve_kv_dtype
 from radixmesh.engine.sampling.batch_info import SamplingInfoCache
 from radixmesh.engine.sampling.sampler import Sampler
 from radixmesh.engine.speculative.draft_setup import draft_memory_need
+from radixmesh.engine.speculative.eagle_setup import build_capture
 
 if TYPE_CHECKING:
     from radixmesh.engine.lora.runtime import LoraRuntime
@@ -72,6 +73,7 @@ def build_runner(runner: ModelRunner, config: EngineConfig, prepared: PreparedMo
     build_pools(runner)
     set_fp8_kv_scales(runner)
     runner.mm = build_multimodal(runner)
+    build_capture(runner)
     runner.attn_backend = build_attention(runner)
     runner.sampler = Sampler(seed=config.random_seed)
     runner.sampling_cache = SamplingInfoCache()
@@ -197,7 +199,7 @@ def plan_memory(runner: ModelRunner) -> MemoryPlan:
     config, mc = runner.config, runner.model_config
     per_token = TokenToKVPool.bytes_per_token(mc.num_layers, runner.layout.num_kv_heads, mc.head_dim,
                                               runner.kv_dtype)
-    draft = draft_memory_need(config, runner.dtype)  # a draft model's weights and equal-length pool
+    draft = draft_memory_need(config, runner.dtype, mc)  # a draft model's weights and equal-length pool
     per_token += draft.kv_bytes_per_token
     if config.max_total_tokens is not None:
         total = config.max_total_tokens

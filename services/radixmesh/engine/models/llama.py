@@ -7,6 +7,7 @@ on q and k. Parameter names match Hugging Face checkpoints so weights load by na
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -119,6 +120,18 @@ def _embedding(num_rows: int, dim: int) -> nn.Embedding:
     return nn.Embedding.from_pretrained(torch.empty(num_rows, dim), freeze=False)
 
 
+@dataclass
+class HiddenCapture:
+    """Where every pass stores the features an EAGLE draft head reads: row `slot` of `pool` for the token whose KV
+    is in that slot (rejected drafts' slots are freed and overwritten, cached prefixes keep theirs)."""
+
+    pool: torch.Tensor
+    """[KV slots + 1, hidden * max(1, len(layers))] in the model's dtype."""
+    layers: tuple[int, ...] = ()
+    """EAGLE-3: the residual stream at the input of these layers (the number of layers: the last one's output),
+    side by side; empty (EAGLE): the last hidden state after the final norm."""
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel = TP_NONE,
                  make_layer: Callable[[ModelConfig, int, RotaryEmbedding, TensorParallel], nn.Module] = DecoderLayer
@@ -131,14 +144,31 @@ class DecoderModel(nn.Module):
             else _embedding(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(make_layer(config, i, self.rotary, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.capture: HiddenCapture | None = None
+        """Set (before CUDA graphs are captured) when an EAGLE head drafts for this model."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        capture = self.capture
+        for i, layer in enumerate(self.layers):
+            if capture is not None and i in capture.layers:
+                self._store(capture, i, x if residual is None else x + residual, batch)
             x, residual = layer(positions, x, residual, batch)
-        return self.norm(x) if residual is None else self.norm.forward_add(x, residual)[0]
+        if capture is not None and len(self.layers) in capture.layers:
+            self._store(capture, len(self.layers), x if residual is None else x + residual, batch)
+        out = self.norm(x) if residual is None else self.norm.forward_add(x, residual)[0]
+        if capture is not None and not capture.layers:
+            capture.pool[batch.out_cache_loc] = out
+        return out
+
+    @staticmethod
+    def _store(capture: HiddenCapture, layer: int, state: torch.Tensor, batch: ForwardBatch) -> None:
+        width = state.shape[-1]
+        for j, wanted in enumerate(capture.layers):  # (a layer may be asked for twice)
+            if wanted == layer:
+                capture.pool[batch.out_cache_loc, j * width:(j + 1) * width] = state
 
 
 class CausalLM(nn.Module):

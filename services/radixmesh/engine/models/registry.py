@@ -44,6 +44,8 @@ class ModelFamily:
     """GGUF `general.architecture` of its files (the first of `architectures` is what they convert to)."""
     gguf_rope_permuted: bool = False
     """llama.cpp stored the q/k projections of its GGUF files rope-permuted (undone on conversion)."""
+    draft_head: bool = False
+    """A speculative draft head (EAGLE): it loads only as --speculative-draft-model of a target."""
     moe: str | None = None
     """Its MLPs are mixtures of experts, described in config.json the way of `qwen3-moe` or `mixtral`
     (models/moe_spec.py reads either); None: a dense model."""
@@ -79,6 +81,11 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 {"Qwen2VLForConditionalGeneration": "qwen2_vl"}, multimodal=True, qkv_bias=True),
     ModelFamily("qwen2_5_vl", "radixmesh.engine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
                 {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}, multimodal=True, qkv_bias=True),
+    # speculative draft heads over a Llama target (--speculative-algorithm eagle / eagle3), never served alone
+    ModelFamily("llama_eagle", "radixmesh.engine.models.eagle:EagleDraft", {"LlamaForCausalLMEagle": "llama"},
+                draft_head=True),
+    ModelFamily("llama_eagle3", "radixmesh.engine.models.eagle:Eagle3Draft", {"LlamaForCausalLMEagle3": "llama"},
+                draft_head=True),
 )
 """Every model family, in the order errors list them."""
 

@@ -1,4 +1,4 @@
-"""The proposer contract: what a draft source (n-gram lookup, draft model, later an EAGLE head) provides."""
+"""The proposer contract: what a draft source (n-gram lookup, draft model, EAGLE head, oracle) provides."""
 
 from __future__ import annotations
 
@@ -59,9 +59,8 @@ class BaseProposer(abc.ABC):
     - `release(req)` when the request left decoding (finished, aborted, retracted): free its state.
     - `flush()` drops caches (the engine's flush_cache); False when it cannot (requests hold state).
 
-    An EAGLE-style head would implement the same calls with its own one-layer model reading the
-    target's embedding and LM head (`ctx.target.model`); it also needs the target's last hidden
-    states, which the verify pass does not return yet.
+    EAGLE heads (eagle.py) implement the same calls; the target's features reach them through the
+    target model's `HiddenCapture` (models/llama.py), not through this contract.
     """
 
     id: str

@@ -64,7 +64,7 @@ class SpecDecoder(SchedulerHook):
         config = sched.config
         self.sched = sched
         self.proposer = proposer
-        self.max_drafts = config.speculative_num_draft_tokens
+        self.max_drafts = config.speculative_max_drafts
         self.verifier = Verifier(sched.runner, config.random_seed,
                                  make_verify_graphs(sched.runner, self.max_drafts, config.cuda_graph_max_bs))
         self.policy = AdaptivePolicy(self.max_drafts, proposer.relative_cost,
@@ -90,7 +90,7 @@ class SpecDecoder(SchedulerHook):
         graphs = decoder.verifier.graphs
         logger.info("speculative decoding: %s, up to %d draft tokens, back-off %s; verify passes %s and wait for "
                     "the previous step's tokens; plain decode steps %s", config.speculative_algorithm,
-                    config.speculative_num_draft_tokens, "off" if config.disable_speculative_backoff else "on",
+                    config.speculative_max_drafts, "off" if config.disable_speculative_backoff else "on",
                     f"replay CUDA graphs (batch <= {graphs.max_bs}, else eager)" if graphs else "run eagerly",
                     "replay CUDA graphs and overlap" if sched.runner.graph_runner is not None else "as usual")
         return decoder

@@ -25,7 +25,9 @@ from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import Req
 from radixmesh.engine.sampling.sampler import argmax
 from radixmesh.engine.speculative.base import BaseProposer, Proposal, ProposerContext
+from radixmesh.engine.speculative.draft_loop import DraftLoop, make_draft_loop
 from radixmesh.engine.speculative.draft_setup import check_draft_fits, num_parameters, prepare_draft
+from radixmesh.engine.speculative.eagle_setup import as_head
 from radixmesh.engine.speculative.rejection import inverse_cdf
 from radixmesh.wire.sampling import SamplingParams
 
@@ -67,21 +69,27 @@ class _Passes:
 
 class DraftModelProposer(BaseProposer):
     id = "draft"
+    shares_prefixes = True
+    """Finished requests' draft KV goes to a radix cache (an EAGLE head's KV also depends on the next token: no)."""
 
     def __init__(self, ctx: ProposerContext) -> None:
         config, target = ctx.config, ctx.target
-        prepared = prepare_draft(config)
+        prepared = as_head(config, prepare_draft(config), target.context_len)
         check_draft_fits(target.model_config, target.context_len, ctx.tokenizer,
                          getattr(ctx.tokenizer, "name_or_path", None), prepared)
         draft_config = dataclasses.replace(
             config, model=config.speculative_draft_model, load_format=prepared.load_format, tokenizer=None,
             max_total_tokens=target.plan.max_total_tokens, max_running_requests=target.plan.max_running_requests,
-            context_length=target.context_len, speculative_algorithm=None, speculative_draft_model=None)
+            context_length=target.context_len, speculative_algorithm=None, speculative_draft_model=None,
+            speculative_num_steps=None, speculative_eagle_topk=1)
         self.runner = ModelRunner(draft_config, prepared)
-        tree = RadixCache(self.runner.allocator, disable=config.disable_radix_cache)
+        tree = RadixCache(self.runner.allocator, disable=config.disable_radix_cache or not self.shares_prefixes)
         self.kv = KVCacheManager(self.runner.req_pool, self.runner.kv_pool, self.runner.allocator, tree)
         self.device = target.device
         self.prefill_budget = config.prefill_token_budget
+        self.loop: DraftLoop | None = make_draft_loop(self.runner, config.speculative_max_drafts - 1,
+                                                      config.cuda_graph_max_bs, self._to_target, self._between_steps)
+        """Greedy chains' decode steps in one pass (one CUDA graph replay), when the draft replays graphs."""
         self.shadows: dict[str, _Shadow] = {}
         self.relative_cost = num_parameters(prepared.config) / max(num_parameters(target.model_config), 1)
         self._generator = torch.Generator(device="cpu")
@@ -125,7 +133,7 @@ class DraftModelProposer(BaseProposer):
             shadow = self._shadow(req) if limit > 0 and budget > 0 else None
             if shadow is None:
                 continue
-            feed = min(req.fill_len - shadow.req.kv_len, budget)
+            feed = min(self._catch_up_len(req) - shadow.req.kv_len, budget)
             assert feed >= 1, f"request {req.rid}: the draft already has KV for its last token"
             budget -= feed
             fed.append((i, shadow, feed))
@@ -138,7 +146,7 @@ class DraftModelProposer(BaseProposer):
         for _, shadow, feed in fed:
             sreq = shadow.req
             start = sreq.kv_len
-            input_ids += sreq.all_ids[start:start + feed]
+            input_ids += self._fed_tokens(sreq, start, feed)
             positions += range(start, start + feed)
             assert sreq.req_pool_idx is not None
             self.kv.req_pool.req_to_token[sreq.req_pool_idx, start:start + feed] = slots[offset:offset + feed]
@@ -146,23 +154,29 @@ class DraftModelProposer(BaseProposer):
         shadows = [shadow.req for _, shadow, _ in fed]
         batch = ScheduleBatch(ForwardMode.EXTEND, shadows, input_ids, positions, slots,
                               [r.kv_len for r in shadows], [n for _, _, n in fed], _pool_rows(shadows))
+        self._before_catch_up(reqs, [(i, shadow.req.kv_len, feed) for i, shadow, feed in fed])
         logits = self.runner.forward(batch)  # [len(fed), vocab]: each request's last fed token
         self.num_draft_passes += 1
         chains: list[_Chain] = []
         rows: list[int] = []
         for row, (i, shadow, feed) in enumerate(fed):
             shadow.req.kv_len += feed
-            if shadow.req.kv_len == reqs[i].fill_len:  # caught up (else: a long prompt, continued next step)
+            if shadow.req.kv_len == self._catch_up_len(reqs[i]):  # caught up (else: a long prompt, continued next step)
                 params = reqs[i].params
                 chains.append(_Chain(i, shadow, max_drafts[i], params.is_greedy, params.temperature))
                 rows.append(row)
         if not chains:
             return [], None
-        return chains, logits.index_select(0, to_device(rows, torch.int64, self.device))
+        rows_t = to_device(rows, torch.int64, self.device)
+        self._after_catch_up(rows_t, [n for _, _, n in fed])
+        return chains, logits.index_select(0, rows_t)
 
     def _draft(self, chains: list[_Chain], logits: torch.Tensor) -> _Passes:
         """Draft token 1 from the catch-up logits, then one DECODE pass per further token."""
         sampled = any(not c.greedy for c in chains)
+        looped = None if sampled else self._draft_loop(chains, logits)
+        if looped is not None:
+            return looped
         passes = _Passes()
         active = chains
         for step in range(1, max(c.limit for c in chains) + 1):
@@ -180,6 +194,25 @@ class DraftModelProposer(BaseProposer):
                 passes.probs.append(q)
         return passes
 
+    def _draft_loop(self, chains: list[_Chain], logits: torch.Tensor) -> _Passes | None:
+        """Greedy chains of one length through the draft loop: every draft on the device, no host step between."""
+        loop = self.loop
+        limit = chains[0].limit
+        starts = [c.shadow.req.kv_len for c in chains]
+        if loop is None or limit < 2 or any(c.limit != limit for c in chains) or not loop.fits(
+                len(chains), limit - 1, starts):
+            return None
+        slots = self.kv.alloc_slots(len(chains) * (limit - 1))
+        if slots is None:
+            return None
+        first, _ = self._pick(logits, chains, False)
+        self._before_loop(len(chains))
+        out = loop.run(first, starts, _pool_rows([c.shadow.req for c in chains]), slots.view(limit - 1, len(chains)),
+                       limit - 1)
+        self.num_draft_passes += limit - 1
+        members = [c.index for c in chains]
+        return _Passes([first, *out.unbind(0)], [members] * limit)
+
     def _decode(self, active: list[_Chain], step: int, prev: torch.Tensor, keep: list[int]) -> torch.Tensor | None:
         """Feed each chain its draft `step - 1` (row `keep[i]` of `prev`, read on the device)."""
         slots = self.kv.alloc_slots(len(active))
@@ -191,6 +224,7 @@ class DraftModelProposer(BaseProposer):
                               [1] * len(active), _pool_rows(shadows), future_rows=keep)
         self.runner.last_tokens = prev
         self.num_draft_passes += 1
+        self._before_decode(keep)
         return self.runner.forward(batch)
 
     def _pick(self, logits: torch.Tensor, active: list[_Chain],
@@ -198,12 +232,49 @@ class DraftModelProposer(BaseProposer):
         """Greedy chains take the argmax; the others draw from the temperature softmax `q` (returned)."""
         greedy_ids = argmax(logits)
         if not sampled:
-            return greedy_ids, None
+            return self._to_target(greedy_ids), None
         temps = to_device([1.0 if c.greedy else c.temperature for c in active], torch.float32, self.device)
         q = torch.softmax(logits.float() / temps.unsqueeze(1), dim=-1)
         uniforms = torch.rand(len(active), generator=self._generator).to(self.device)
         is_greedy = to_device([c.greedy for c in active], torch.bool, self.device)
-        return torch.where(is_greedy, greedy_ids, inverse_cdf(q, uniforms)), q
+        ids = self._to_target(torch.where(is_greedy, greedy_ids, inverse_cdf(q, uniforms)))
+        return ids, self._target_probs(q)
+
+    # ---- what a draft head (EAGLE) changes ---------------------------------------------------
+    def _catch_up_len(self, req: Req) -> int:
+        """Positions of `req` whose draft KV the catch-up pass builds (all its tokens: a draft model)."""
+        return req.fill_len
+
+    def _fed_tokens(self, sreq: Req, start: int, feed: int) -> list[int]:
+        """The tokens fed at positions `start .. start + feed - 1`."""
+        return sreq.all_ids[start:start + feed]
+
+    def _before_catch_up(self, reqs: list[Req], fed: list[tuple[int, int, int]]) -> None:
+        """Before the catch-up pass: (proposal index, first position, tokens) of each fed request."""
+
+    def _after_catch_up(self, rows: torch.Tensor, feeds: list[int]) -> None:
+        """After it: `rows` of the fed requests (in its output) that draft on."""
+
+    def _before_decode(self, keep: list[int]) -> None:
+        """Before a decode pass extending the chains at rows `keep` of the previous pass."""
+
+    def _before_loop(self, bs: int) -> None:
+        """Before the draft loop of `bs` chains."""
+
+    def _between_steps(self, bs: int) -> None:
+        """Inside the draft loop, after each step (captured with it)."""
+
+    def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of the draft's ids."""
+        return ids
+
+    def _target_probs(self, q: torch.Tensor) -> torch.Tensor:
+        """Draft distributions over the target's vocabulary."""
+        return q
+
+    def _kept(self, req: Req, shadow: _Shadow, end: int, num_accepted: int) -> int:
+        """Draft KV positions still valid after verification: its KV of the accepted drafts."""
+        return min(end, shadow.req.kv_len + num_accepted, len(req.all_ids) - 1)
 
     # ---- per-request state ------------------------------------------------------------------
     def _shadow(self, req: Req) -> _Shadow | None:
@@ -229,7 +300,7 @@ class DraftModelProposer(BaseProposer):
         sreq, end = shadow.req, shadow.draft_end
         shadow.draft_end = None
         # kv_len covers the verified token; drafts 1..num_accepted follow it, the last token has no KV
-        valid = min(end, sreq.kv_len + num_accepted, len(req.all_ids) - 1)
+        valid = self._kept(req, shadow, end, num_accepted)
         assert sreq.req_pool_idx is not None
         row = self.kv.req_pool.req_to_token[sreq.req_pool_idx]
         if valid < end:

@@ -26,9 +26,11 @@ class DraftMemory:
 
 def prepare_draft(config: EngineConfig) -> PreparedModel:
     from radixmesh.engine.loader import prepare_model
+    from radixmesh.engine.speculative.eagle_setup import as_head
 
     assert config.speculative_draft_model is not None, "a draft model was asked for without its name"
-    return prepare_model(config.speculative_draft_model, config.speculative_draft_load_format, progress=False)
+    return as_head(config, prepare_model(config.speculative_draft_model, config.speculative_draft_load_format,
+                                         progress=False))
 
 
 def num_parameters(model_config: ModelConfig) -> int:
@@ -40,17 +42,19 @@ def num_parameters(model_config: ModelConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def draft_memory_need(config: EngineConfig, dtype: torch.dtype) -> DraftMemory:
+def draft_memory_need(config: EngineConfig, dtype: torch.dtype, target: ModelConfig | None = None) -> DraftMemory:
     """The draft model's memory when one runs (`draft`, or `oracle` at a draft's cost; nothing otherwise): the
     target's KV pool is sized so that the draft's weights and an equal-length draft pool fit too."""
     if config.speculative_draft_model is None:
         return DraftMemory()
     from radixmesh.engine.memory import TokenToKVPool
+    from radixmesh.engine.speculative.eagle_setup import feature_width
 
     mc = prepare_draft(config).config
     itemsize = torch.empty((), dtype=dtype).element_size()
+    features = feature_width(config, target) * itemsize if target is not None else 0  # EAGLE: the target's features
     return DraftMemory(num_parameters(mc) * itemsize,
-                       TokenToKVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype))
+                       TokenToKVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype) + features)
 
 
 def check_draft_fits(target: ModelConfig, target_context_len: int, target_tokenizer: Any, target_tokenizer_path: Any,

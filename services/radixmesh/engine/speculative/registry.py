@@ -12,6 +12,8 @@ if TYPE_CHECKING:
 PROPOSERS: LazyRegistry[type[BaseProposer]] = LazyRegistry("speculative algorithm", {
     "ngram": "radixmesh.engine.speculative.ngram:NgramProposer",
     "draft": "radixmesh.engine.speculative.draft_model:DraftModelProposer",
+    "eagle": "radixmesh.engine.speculative.eagle:EagleProposer",
+    "eagle3": "radixmesh.engine.speculative.eagle:EagleProposer",
     "oracle": "radixmesh.engine.speculative.oracle:OracleProposer",  # benchmarks only (bench speculative --oracle)
 }, param="speculative_algorithm")
 

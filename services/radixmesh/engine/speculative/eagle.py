@@ -1,0 +1,117 @@
+"""EAGLE and EAGLE-3 drafts: a one-layer head over the target's features (models/eagle.py), run like a draft model.
+
+The head keeps its own KV (one layer) per request, position t holding what it computed from the target's
+features of position t and the embedding of token t + 1. Per step, the catch-up EXTEND pass feeds every
+position whose target features exist (up to the one before the request's last token: the target has not
+run that token yet) and not yet in the head's KV, reading the features the target stored by KV slot
+(`HiddenCapture`: the target's own passes, prefill, decode or verify, wrote them; nothing is copied out).
+Its last row's logits give draft 1; each further draft step is one DECODE pass over the previous draft
+token and the head's own output features (static buffers: they replay the head's CUDA graphs). After
+verification only the catch-up KV stays (drafted positions were computed from the head's guesses, not the
+target's features; the next catch-up recomputes the accepted ones from the real ones).
+EAGLE-3's draft vocabulary maps to the target's through `d2t`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from radixmesh.common.errors import invalid_argument
+from radixmesh.engine.device_io import to_device
+from radixmesh.engine.models.eagle import EagleDraft
+from radixmesh.engine.request import Req
+from radixmesh.engine.speculative.base import ProposerContext
+from radixmesh.engine.speculative.draft_model import DraftModelProposer, _Shadow
+
+logger = logging.getLogger(__name__)
+
+TARGET_WEIGHTS = {"embed_tokens.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight"}
+"""Head weights a checkpoint may leave out -> the target's parameter they come from."""
+
+
+class EagleProposer(DraftModelProposer):
+    """Drafts from an EAGLE or EAGLE-3 head (`--speculative-algorithm eagle|eagle3`); chains (top-1)."""
+
+    id = "eagle"
+    shares_prefixes = False
+
+    def __init__(self, ctx: ProposerContext) -> None:
+        if ctx.config.speculative_eagle_topk > 1:
+            raise invalid_argument("--speculative-eagle-topk > 1 (tree drafts) is not implemented yet: EAGLE heads "
+                                   "draft chains (topk 1)", "speculative_eagle_topk")
+        super().__init__(ctx)
+        head = self.head
+        target = ctx.target.model
+        capture = getattr(getattr(target, "model", None), "capture", None)
+        assert capture is not None, "the target stores no features for the head (eagle_setup.build_capture)"
+        self.features = capture.pool
+        self.target_rows = ctx.target.req_pool.req_to_token
+        target_params = dict(target.named_parameters())
+        head_params = dict(head.named_parameters())
+        for name in head.missing_optional:  # copied in: the head's CUDA graphs read its own tensors
+            source = target_params[TARGET_WEIGHTS[name]]
+            if tuple(source.shape) != tuple(head_params[name].shape):
+                raise ValueError(f"the head's {name} has shape {tuple(head_params[name].shape)}, the target's "
+                                 f"{tuple(source.shape)}")
+            with torch.no_grad():
+                head_params[name].copy_(source)
+        self._prev: torch.Tensor | None = None
+        """The previous pass's output features of the drafting chains, in chain order."""
+        self._draft_ids = torch.arange(head.draft_vocab, device=self.device)
+        logger.info("EAGLE%s head: %d-token draft vocabulary, features %d wide", "-3" if head.eagle3 else "",
+                    head.draft_vocab, head.feature_dim)
+
+    @property
+    def head(self) -> EagleDraft:
+        head = self.runner.model
+        assert isinstance(head, EagleDraft), f"an EAGLE head was expected, got {type(head).__name__}"
+        return head
+
+    # ---- the head's passes ------------------------------------------------------------------
+    def _catch_up_len(self, req: Req) -> int:
+        return req.fill_len - 1  # the last token has no target features yet
+
+    def _fed_tokens(self, sreq: Req, start: int, feed: int) -> list[int]:
+        return sreq.all_ids[start + 1:start + 1 + feed]  # position t reads token t + 1
+
+    def _before_catch_up(self, reqs: list[Req], fed: list[tuple[int, int, int]]) -> None:
+        slots = []
+        for index, start, feed in fed:
+            row = reqs[index].req_pool_idx
+            assert row is not None, f"request {reqs[index].rid} drafts without a target row"
+            slots.append(self.target_rows[row, start:start + feed])
+        self.head.features = self.features.index_select(0, torch.cat(slots))
+
+    def _after_catch_up(self, rows: torch.Tensor, feeds: list[int]) -> None:
+        self.head.features = None
+        assert self.head.extend_hidden is not None
+        last = torch.cumsum(to_device(feeds, torch.int64, self.device), 0) - 1
+        self._prev = self.head.extend_hidden.index_select(0, last.index_select(0, rows))
+
+    def _before_decode(self, keep: list[int]) -> None:
+        assert self._prev is not None, "a draft decode pass before the catch-up"
+        n = len(keep)
+        self.head.draft_in[:n].copy_(self._prev.index_select(0, to_device(keep, torch.int64, self.device)))
+        self._prev = self.head.hidden_out[:n]
+
+    def _before_loop(self, bs: int) -> None:
+        assert self._prev is not None, "the draft loop before the catch-up"
+        self.head.draft_in[:bs].copy_(self._prev)
+
+    def _between_steps(self, bs: int) -> None:
+        self.head.draft_in[:bs].copy_(self.head.hidden_out[:bs])
+
+    def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.draft_to_target(ids)
+
+    def _target_probs(self, q: torch.Tensor) -> torch.Tensor:
+        if q.shape[1] == self.runner.model_config.vocab_size and not self.head.eagle3:
+            return q
+        full = torch.zeros(q.shape[0], self.runner.model_config.vocab_size, dtype=q.dtype, device=q.device)
+        full[:, self.head.draft_to_target(self._draft_ids)] = q
+        return full
+
+    def _kept(self, req: Req, shadow: _Shadow, end: int, num_accepted: int) -> int:
+        return min(shadow.req.kv_len, len(req.all_ids) - 1)  # only the catch-up's KV came from real features
