@@ -121,7 +121,7 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_custom_all_reduce_gpu.py ;;
     gpu-tests)  # every GPU test file, newest features first, without stopping at a failure (10 minutes at most)
       python3 -m pytest -v -p no:cacheprovider -m gpu --timeout 240 -rfE tests/gpu/test_fp8_gpu.py \
-        tests/gpu/test_speculative_gpu.py tests/gpu/test_mm_gpu.py tests/gpu/test_hicache_gpu.py \
+        tests/gpu/test_speculative_gpu.py tests/gpu/test_spec_graphs_gpu.py tests/gpu/test_mm_gpu.py tests/gpu/test_hicache_gpu.py \
         tests/gpu/test_custom_all_reduce_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_hot_path_gpu.py \
         tests/gpu/test_triton_kernels_gpu.py tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_kv_transfer_gpu.py \
         tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_lora_gpu.py \
@@ -626,8 +626,9 @@ PY
       CUDA_VISIBLE_DEVICES=0 $RM bench one-batch --model-shape llama-3.1-8b --batch-size 1 \
         --input-len 1024 4096 16384 --output-len 4 --context-length 16640 --disable-cuda-graph \
         --result-file "$OUT/pd-prefill.jsonl" ;;
-    spec-tests)  # speculative decoding: Triton verify beside CUDA graphs, exact greedy, device rejection sampling
-      python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_speculative_gpu.py ;;
+    spec-tests)  # speculative decoding: Triton verify beside CUDA graphs, exact greedy, device rejection sampling;
+      # the draft loop's graphs against its eager run and pass-by-pass drafting, EAGLE heads over the target's graphs
+      python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_speculative_gpu.py tests/gpu/test_spec_graphs_gpu.py ;;
     spec-same|spec-unrelated|spec-unrelated-raw|spec-ngram)  # 8B shape, random weights, batch 1/8/32: plain vs spec
       spec="--model-shape llama-3.1-8b --workload random --batch-sizes 1,8,32 --input-len 512 --output-len 256 \
         --context-length 4096 --max-total-tokens 32768 --cuda-graph-max-bs 32 --result-file $OUT/spec.jsonl ${SPEC_ARGS:-}"
