@@ -1,7 +1,7 @@
 """Speculative decoding's CUDA graphs against their eager runs (issue 47): the draft loop (a cycle's draft decode
-steps in one graph) drafts what its eager run and the pass-by-pass path draft, and EAGLE heads read the target
-features its decode and verify graphs store (an identity head drafts the target's own greedy token), with greedy
-output equal to plain decoding (float32)."""
+steps in one graph) and the draft model's catch-up graphs draft what their eager runs and pass-by-pass drafting
+draft, and EAGLE heads read the target features its decode and verify graphs store (an identity head drafts the
+target's own greedy token), with greedy output equal to plain decoding (float32)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from radixmesh.engine.scheduler.core import Scheduler
 from radixmesh.engine.speculative.decoder import SpecDecoder
 from radixmesh.engine.speculative.draft_loop import DraftLoop
 from radixmesh.engine.speculative.draft_model import DraftModelProposer
+from radixmesh.engine.speculative.verify_graphs import VerifyGraphRunner
 from tests.unit.eagle_factory import write_eagle, write_eagle3
 from tests.unit.scheduler_factory import VOCAB, clone, make_requests, make_scheduler, run_until_idle, tiny_model_config
 from tests.unit.spec_factory import write_model_dir
@@ -59,8 +60,11 @@ def _speculate(reqs: list[Req], loop: str, **overrides: Any) -> tuple[Scheduler,
     if loop == "eager":
         proposer.loop = DraftLoop(proposer.runner, proposer.loop.max_steps, proposer.loop.max_bs, proposer._to_target,
                                   proposer._between_steps, capture=False)
+        if proposer.catch_up_graphs is not None:
+            proposer.catch_up_graphs = VerifyGraphRunner(proposer.runner, 1, proposer.catch_up_graphs.max_bs,
+                                                         capture=False)
     elif loop == "off":
-        proposer.loop = None
+        proposer.loop = proposer.catch_up_graphs = None
     seen: list[Any] = []
     propose = proposer.propose
 
@@ -104,6 +108,8 @@ def test_draft_loop_graphs_draft_what_eager_and_pass_by_pass_draft(tmp_path: Pat
     assert loop is not None and loop.num_runs > 0
     if algorithm == "draft":  # the target's own weights: every draft accepted in float32
         assert graph_sched.stats()["spec_accept_rate"] > 0.99
+        catch_up = graph_sched.hooks.get(SpecDecoder).proposer.catch_up_graphs  # type: ignore[union-attr]
+        assert catch_up is not None and catch_up.num_replays > 0
 
 
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])

@@ -22,6 +22,7 @@ from radixmesh.engine.scheduler.core import Scheduler
 from radixmesh.engine.speculative.decoder import SpecDecoder
 from radixmesh.engine.speculative.draft_loop import DraftLoop
 from radixmesh.engine.speculative.draft_model import DraftModelProposer
+from radixmesh.engine.speculative.verify_graphs import VerifyGraphRunner
 
 from .eagle_factory import write_eagle, write_eagle3
 from .scheduler_factory import clone, make_requests, make_scheduler, run_until_idle, tiny_model_config
@@ -55,6 +56,8 @@ def _speculate(reqs: list[Req], loop: bool, **overrides: Any) -> tuple[dict[str,
     assert proposer.loop is None  # (no CUDA graphs on the CPU)
     if loop:
         proposer.loop = DraftLoop(proposer.runner, 2, 4, proposer._to_target, proposer._between_steps, capture=False)
+        if proposer.graph_catch_up:  # the draft model's catch-up through the extend graphs' static-buffer pass
+            proposer.catch_up_graphs = VerifyGraphRunner(proposer.runner, 1, 4, capture=False)
     drafted: list[list[int]] = []
     propose = proposer.propose
 
@@ -65,6 +68,8 @@ def _speculate(reqs: list[Req], loop: bool, **overrides: Any) -> tuple[dict[str,
 
     proposer.propose = spy  # type: ignore[method-assign]
     outputs = _run(sched, reqs, col)
+    if loop and proposer.catch_up_graphs is not None:
+        assert proposer.catch_up_graphs.num_replays > 0
     return outputs, drafted, proposer.loop.num_runs if proposer.loop is not None else 0
 
 

@@ -2,8 +2,10 @@
 
 Per step, one EXTEND pass brings each request's draft KV up to its last token (the tokens the
 target accepted since, or a whole prompt the first time, within the prefill budget), then up to
-`k - 1` DECODE passes (replaying CUDA graphs where captured) extend the chains, each feeding the
-previous pass's tokens on the device; the drafts are read back once. Each target request has a
+`k - 1` DECODE passes extend the chains, each feeding the previous pass's tokens on the device
+(greedy chains of one length: all in one draft-loop pass, one CUDA graph replay; else pass by pass,
+replaying the draft's decode graphs); the drafts are read back once. Short catch-ups replay extend
+graphs (`catch_up_graphs`). Each target request has a
 shadow `Req` here sharing its token lists; draft KV past the shadow's `kv_len` is provisional
 until `on_verified` keeps the accepted part.
 """
@@ -29,6 +31,7 @@ from radixmesh.engine.speculative.draft_loop import DraftLoop, make_draft_loop
 from radixmesh.engine.speculative.draft_setup import check_draft_fits, num_parameters, prepare_draft
 from radixmesh.engine.speculative.eagle_setup import as_head
 from radixmesh.engine.speculative.rejection import inverse_cdf
+from radixmesh.engine.speculative.verify_graphs import VerifyGraphRunner, make_verify_graphs
 from radixmesh.wire.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -69,6 +72,8 @@ class _Passes:
 
 class DraftModelProposer(BaseProposer):
     id = "draft"
+    graph_catch_up = True
+    """Catch-up passes replay extend graphs (an EAGLE head's read its features from a tensor set per pass: no)."""
     shares_prefixes = True
     """Finished requests' draft KV goes to a radix cache (an EAGLE head's KV also depends on the next token: no)."""
 
@@ -90,6 +95,11 @@ class DraftModelProposer(BaseProposer):
         self.loop: DraftLoop | None = make_draft_loop(self.runner, config.speculative_max_drafts - 1,
                                                       config.cuda_graph_max_bs, self._to_target, self._between_steps)
         """Greedy chains' decode steps in one pass (one CUDA graph replay), when the draft replays graphs."""
+        self.catch_up_graphs: VerifyGraphRunner | None = (
+            make_verify_graphs(self.runner, 1, config.cuda_graph_max_bs)
+            if self.graph_catch_up else None)
+        """Catch-up passes of 1 or 2 tokens per request (after each verification: the token after the accepted
+        drafts, and the last draft when all were accepted) through captured extend graphs of the verify kind."""
         self.shadows: dict[str, _Shadow] = {}
         self.relative_cost = num_parameters(prepared.config) / max(num_parameters(target.model_config), 1)
         self._generator = torch.Generator(device="cpu")
@@ -155,7 +165,7 @@ class DraftModelProposer(BaseProposer):
         batch = ScheduleBatch(ForwardMode.EXTEND, shadows, input_ids, positions, slots,
                               [r.kv_len for r in shadows], [n for _, _, n in fed], _pool_rows(shadows))
         self._before_catch_up(reqs, [(i, shadow.req.kv_len, feed) for i, shadow, feed in fed])
-        logits = self.runner.forward(batch)  # [len(fed), vocab]: each request's last fed token
+        logits = self._catch_up_pass(batch)  # [len(fed), vocab]: each request's last fed token
         self.num_draft_passes += 1
         chains: list[_Chain] = []
         rows: list[int] = []
@@ -193,6 +203,16 @@ class DraftModelProposer(BaseProposer):
             if q is not None:
                 passes.probs.append(q)
         return passes
+
+    def _catch_up_pass(self, batch: ScheduleBatch) -> torch.Tensor:
+        """The catch-up pass's last-token logits: through a captured extend graph when one holds the batch (a few
+        tokens per request, as after each verification), else eagerly (a prompt's first catch-up)."""
+        graphs = self.catch_up_graphs
+        key = graphs.key(batch) if graphs is not None else None
+        if graphs is None or key is None:
+            return self.runner.forward(batch)
+        lasts = torch.cumsum(to_device(batch.extend_lens, torch.int64, self.device), 0) - 1
+        return graphs.replay(batch, key).index_select(0, lasts)
 
     def _draft_loop(self, chains: list[_Chain], logits: torch.Tensor) -> _Passes | None:
         """Greedy chains of one length through the draft loop: every draft on the device, no host step between."""

@@ -36,6 +36,7 @@ class EagleProposer(DraftModelProposer):
 
     id = "eagle"
     shares_prefixes = False
+    graph_catch_up = False
 
     def __init__(self, ctx: ProposerContext) -> None:
         if ctx.config.speculative_eagle_topk > 1:

@@ -1,4 +1,5 @@
-"""Verify passes through captured CUDA graphs, one per (bucketed batch size, tokens per request).
+"""Verify passes through captured CUDA graphs, one per (bucketed batch size, tokens per request); a draft model's
+catch-up passes (a few tokens per request) replay graphs of the same kind on the draft's runner.
 
 A verify pass feeds each request its last token and its drafts. Graphs are captured for the
 decode graphs' batch-size buckets and for a few lengths `E` (tokens per request: 2, 3, 5, 9, ...
@@ -29,8 +30,8 @@ from radixmesh.engine.cuda_graph_runner import graph_batch_sizes
 from radixmesh.engine.device_io import copy_to_device, rows_to_device
 
 if TYPE_CHECKING:
+    from radixmesh.engine.batch import ScheduleBatch
     from radixmesh.engine.model_runner import ModelRunner
-    from radixmesh.engine.speculative.verify_batch import VerifyBatch
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class VerifyGraphRunner:
         item.graph = graph
         return item
 
-    def key(self, batch: VerifyBatch) -> tuple[int, int] | None:
+    def key(self, batch: ScheduleBatch) -> tuple[int, int] | None:
         """The graph (batch size, tokens per request) that holds `batch`, or None (verify eagerly)."""
         bs, need = len(batch.reqs), max(batch.extend_lens)
         e = next((e for e in self.lens if e >= need), None)
@@ -161,7 +162,7 @@ class VerifyGraphRunner:
             return None
         return size, e
 
-    def replay(self, batch: VerifyBatch, key: tuple[int, int]) -> torch.Tensor:
+    def replay(self, batch: ScheduleBatch, key: tuple[int, int]) -> torch.Tensor:
         """Float32 logits `[rows, vocab]` of the batch's tokens, in packed order (as the eager pass)."""
         size, e = key
         item = self.graphs[key]
