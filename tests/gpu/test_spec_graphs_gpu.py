@@ -18,7 +18,7 @@ from radixmesh.engine.speculative.draft_model import DraftModelProposer
 from radixmesh.engine.speculative.verify_graphs import VerifyGraphRunner
 from tests.unit.eagle_factory import write_eagle, write_eagle3
 from tests.unit.scheduler_factory import VOCAB, clone, make_requests, make_scheduler, run_until_idle, tiny_model_config
-from tests.unit.spec_factory import write_model_dir
+from tests.unit.spec_factory import draft_values, write_model_dir
 
 pytestmark = [pytest.mark.gpu]
 
@@ -70,7 +70,7 @@ def _speculate(reqs: list[Req], loop: str, **overrides: Any) -> tuple[Scheduler,
 
     def spy(batch: list[Req], limits: list[int]) -> Any:
         proposal = propose(batch, limits)
-        seen.extend((req.all_ids[-1], list(d)) for req, d in zip(batch, proposal.drafts) if d)
+        seen.extend((req.all_ids[-1], d) for req, d in zip(batch, draft_values(proposal)) if d)
         return proposal
 
     proposer.propose = spy  # type: ignore[method-assign]

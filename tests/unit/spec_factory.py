@@ -44,6 +44,14 @@ def draft_scheduler(draft_dir: Path, same_weights: bool = False, **overrides: An
     return sched, col
 
 
+def draft_values(proposal: Proposal) -> list[list[int]]:
+    """Each request's drafts, read from the device when they stayed there (`Proposal.device_drafts`)."""
+    if proposal.device_drafts is None:
+        return [list(d) for d in proposal.drafts]
+    flat = proposal.device_drafts.tolist()
+    return [flat[first:first + len(d)] for first, d in zip(proposal.prob_rows, proposal.drafts)]
+
+
 class OracleProposer(BaseProposer):
     """Proposes each request's known greedy continuation, with one token spoiled at a position that
     depends on the request's prompt and progress (reproducibly), so that acceptance lengths vary

@@ -26,7 +26,7 @@ from radixmesh.engine.speculative.verify_graphs import VerifyGraphRunner
 
 from .eagle_factory import write_eagle, write_eagle3
 from .scheduler_factory import clone, make_requests, make_scheduler, run_until_idle, tiny_model_config
-from .spec_factory import write_model_dir
+from .spec_factory import draft_values, write_model_dir
 
 pytestmark = [pytest.mark.slow,  # the Triton interpreter: over a minute per case
               pytest.mark.skipif(torch.cuda.is_available(),
@@ -58,18 +58,23 @@ def _speculate(reqs: list[Req], loop: bool, **overrides: Any) -> tuple[dict[str,
         proposer.loop = DraftLoop(proposer.runner, 2, 4, proposer._to_target, proposer._between_steps, capture=False)
         if proposer.graph_catch_up:  # the draft model's catch-up through the extend graphs' static-buffer pass
             proposer.catch_up_graphs = VerifyGraphRunner(proposer.runner, 1, 4, capture=False)
+        # and the verify pass through its graphs' static-buffer pass, drafts written in on the device
+        spec.verifier.graphs = VerifyGraphRunner(sched.runner, 3, 4, capture=False)
     drafted: list[list[int]] = []
     propose = proposer.propose
 
     def spy(batch: list[Req], limits: list[int]) -> Any:
         proposal = propose(batch, limits)
-        drafted.extend(list(d) for d in proposal.drafts)
+        drafted.extend(draft_values(proposal))
         return proposal
 
     proposer.propose = spy  # type: ignore[method-assign]
     outputs = _run(sched, reqs, col)
     if loop and proposer.catch_up_graphs is not None:
         assert proposer.catch_up_graphs.num_replays > 0
+    if loop:
+        assert spec.verifier.graphs is not None and spec.verifier.graphs.num_replays > 0
+        assert sched.stats()["spec_draft_device_proposals"] > 0
     return outputs, drafted, proposer.loop.num_runs if proposer.loop is not None else 0
 
 

@@ -19,6 +19,7 @@ from radixmesh.wire.sampling import SamplingParams
 
 from .eagle_factory import write_eagle, write_eagle3
 from .scheduler_factory import VOCAB, Collector, assert_no_leak, clone, make_requests, make_scheduler, run_until_idle
+from .spec_factory import draft_values
 
 
 def _run(sched: Scheduler, col: Collector, reqs: list[Req]) -> dict[str, list[int]]:
@@ -100,7 +101,7 @@ def test_identity_heads_draft_the_targets_greedy_token(tmp_path: Path, algorithm
 
     def spy(reqs: list[Req], max_drafts: list[int]) -> Any:
         proposal = propose(reqs, max_drafts)
-        seen.extend((req.all_ids[-1], list(d)) for req, d in zip(reqs, proposal.drafts) if d)
+        seen.extend((req.all_ids[-1], d) for req, d in zip(reqs, draft_values(proposal)) if d)
         return proposal
 
     proposer.propose = spy  # type: ignore[method-assign]
@@ -127,6 +128,7 @@ def test_greedy_output_is_plain_decoding(tmp_path: Path, algorithm: str, overrid
     assert _run(sched, col, reqs) == expected
     stats = sched.stats()
     assert stats["spec_num_draft_tokens"] > 0 and stats["spec_draft_passes"] > 0
+    assert stats["spec_draft_device_proposals"] > 0  # greedy: the drafts went to the verify pass on the device
     if "speculative_num_steps" in overrides:
         assert sched.config.speculative_max_drafts == 2
     _assert_clean(sched, proposer)

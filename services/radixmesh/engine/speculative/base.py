@@ -36,7 +36,10 @@ class Proposal:
     of request i was drawn from. None: every draft is deterministic (a point mass), as lookups are."""
     prob_rows: list[int] = field(default_factory=list)
     """First row of each request's drafts in `draft_probs` (fixed when the proposal is made, so that
-    shortening `drafts` later keeps rows aligned)."""
+    shortening `drafts` later keeps rows aligned), and in `device_drafts`."""
+    device_drafts: torch.Tensor | None = None
+    """[drafts] int64 on the target's device, laid out as `prob_rows` says: the drafts' values when they never
+    went to the host (`drafts` then holds placeholders of the right lengths; see `device_drafts_ok`)."""
 
     @property
     def num_drafts(self) -> int:
@@ -67,6 +70,9 @@ class BaseProposer(abc.ABC):
     """Registry id (kebab-case), as in --speculative-algorithm."""
     relative_cost: float = 0.0
     """Cost of one draft token relative to one target decode step; the back-off weighs drafts with it."""
+    device_drafts_ok: bool = False
+    """Set by the decoder before each `propose`: the batch reads no draft values on the host (greedy requests
+    without grammar or penalties), so a proposer may leave them on the device (`Proposal.device_drafts`)."""
 
     @abc.abstractmethod
     def propose(self, reqs: list[Req], max_drafts: list[int]) -> Proposal: ...

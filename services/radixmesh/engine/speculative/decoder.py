@@ -134,6 +134,9 @@ class SpecDecoder(SchedulerHook):
     def _verify_batch(self, reqs: list[Req], limits: list[int]) -> VerifyBatch | None:
         for req in reqs:
             self.active[req.rid] = req
+        # drafts' values are read on the host only for sampled rows, grammars and penalties
+        self.proposer.device_drafts_ok = all(
+            r.params.is_greedy and r.grammar is None and not r.params.has_penalties for r in reqs)
         proposal = self.proposer.propose(reqs, limits)
         for req, drafts, limit in zip(reqs, proposal.drafts, limits):
             del drafts[limit:]

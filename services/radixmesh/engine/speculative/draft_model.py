@@ -105,6 +105,7 @@ class DraftModelProposer(BaseProposer):
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(config.random_seed + 1)
         self.num_draft_passes = 0
+        self.num_device_proposals = 0
         logger.info("draft model %s (%s weights, %.3fx the target's parameters)", prepared.name,
                     prepared.load_format, self.relative_cost)
 
@@ -115,7 +116,10 @@ class DraftModelProposer(BaseProposer):
         if logits is None:
             return Proposal(drafts)
         passes = self._draft(chains, logits)
-        flat = torch.cat(passes.tokens).tolist()  # the one host read of this step's drafts
+        tokens = torch.cat(passes.tokens)
+        on_device = self.device_drafts_ok and not passes.probs
+        # the one host read of this step's drafts, unless the verify pass takes them on the device
+        flat = [0] * tokens.shape[0] if on_device else tokens.tolist()
         rows: dict[int, list[int]] = {c.index: [] for c in chains}  # proposal index -> flat rows, in order
         offset = 0
         for members in passes.members:
@@ -130,8 +134,12 @@ class DraftModelProposer(BaseProposer):
             order += rows[chain.index]
             chain.shadow.draft_end = chain.shadow.req.kv_len + len(rows[chain.index]) - 1
         draft_probs = None
+        order_t = to_device(order, torch.int64, self.device)
         if passes.probs:
-            draft_probs = torch.cat(passes.probs).index_select(0, to_device(order, torch.int64, self.device))
+            draft_probs = torch.cat(passes.probs).index_select(0, order_t)
+        if on_device:
+            self.num_device_proposals += 1
+            return Proposal(drafts, prob_rows=prob_rows, device_drafts=tokens.index_select(0, order_t))
         return Proposal(drafts, draft_probs, prob_rows)
 
     def _catch_up(self, reqs: list[Req], max_drafts: list[int]) -> tuple[list[_Chain], torch.Tensor | None]:
@@ -340,7 +348,8 @@ class DraftModelProposer(BaseProposer):
 
     def stats(self) -> dict[str, float | int]:
         kv = self.kv
-        return {"spec_draft_passes": self.num_draft_passes, "spec_draft_kv_used_tokens": kv.used_tokens(),
+        return {"spec_draft_passes": self.num_draft_passes, "spec_draft_device_proposals": self.num_device_proposals,
+                "spec_draft_kv_used_tokens": kv.used_tokens(),
                 "spec_draft_kv_cached_tokens": kv.tree.total_size()}
 
 

@@ -70,6 +70,7 @@ class OracleProposer(BaseProposer):
             from radixmesh.engine.speculative.draft_model import DraftModelProposer
 
             self.cost = DraftModelProposer(ctx)
+            self.cost.device_drafts_ok = True  # its tokens are dropped: never read back
             self.relative_cost = self.cost.relative_cost
         self.num_spoiled = 0
         self.num_diverged = 0

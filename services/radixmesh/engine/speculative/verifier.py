@@ -117,6 +117,7 @@ class Verifier:
             seq_lens_cpu=batch.seq_lens, extend_prefix_lens_cpu=batch.prefix_lens,
             extend_seq_lens_cpu=batch.extend_lens, extra_logit_rows=extra_t if extra else None,
             req_pool_indices_cpu=batch.req_pool_indices)
+        batch.put_device_drafts(input_ids)
         r.attn_backend.init_forward_metadata(fb)
         logits: torch.Tensor = r.model(fb.input_ids, fb.positions, fb)
         return logits.index_select(0, order_t)
@@ -179,6 +180,8 @@ class Verifier:
             segment += [i] * (len(drafts) + 1)
             position += range(len(drafts) + 1)
         nxt, seg, pos = rows_to_device([draft_next, segment, position], device)
+        # row r checks the draft fed at row r + 1
+        batch.put_device_drafts(nxt, [r - 1 for r in batch.draft_rows])
         return ChainRows(nxt, seg, pos, len(batch.reqs))
 
     @staticmethod

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from radixmesh.engine.attention.base import ForwardMode
 from radixmesh.engine.batch import ScheduleBatch
+from radixmesh.engine.device_io import to_device
 from radixmesh.engine.kv_manager import KVCacheManager
 from radixmesh.engine.request import Req
 from radixmesh.engine.speculative.base import Proposal
@@ -25,6 +28,16 @@ class VerifyBatch(ScheduleBatch):
     """Per request, the draft tokens fed after its last token."""
     proposal: Proposal | None = None
     """Where the drafts came from (their distributions for rejection sampling)."""
+    device_drafts: torch.Tensor | None = None
+    """[drafts] int64 on the device, the drafts' values at packed rows `draft_rows` (the input ids there hold
+    placeholders) when they never went to the host."""
+    draft_rows: list[int] = field(default_factory=list)
+
+    def put_device_drafts(self, ids: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Write the device drafts into `ids` (at `rows`, default the packed rows: a graph's layout may differ)."""
+        if self.device_drafts is not None and self.device_drafts.shape[0]:
+            index = to_device(self.draft_rows if rows is None else rows, torch.int64, ids.device)
+            ids.index_copy_(0, index, self.device_drafts)
 
     @property
     def row_starts(self) -> list[int]:
@@ -60,8 +73,16 @@ def build_verify_batch(reqs: list[Req], proposal: Proposal, kv: KVCacheManager) 
         kv.req_pool.req_to_token[req.req_pool_idx, start:start + n] = slots[offset:offset + n]
         offset += n
     pool_rows = [r.req_pool_idx for r in reqs if r.req_pool_idx is not None]
-    return VerifyBatch(ForwardMode.EXTEND, reqs, input_ids, positions, slots, [r.kv_len for r in reqs], lens,
-                       pool_rows, drafts=[list(d) for d in drafts], proposal=proposal)
+    batch = VerifyBatch(ForwardMode.EXTEND, reqs, input_ids, positions, slots, [r.kv_len for r in reqs], lens,
+                        pool_rows, drafts=[list(d) for d in drafts], proposal=proposal)
+    if proposal.device_drafts is not None:  # (drafts may have been shortened: their first rows stay)
+        index: list[int] = []
+        for tokens, first, start in zip(drafts, proposal.prob_rows, batch.row_starts):
+            index += range(first, first + len(tokens))
+            batch.draft_rows += range(start + 1, start + 1 + len(tokens))
+        batch.device_drafts = proposal.device_drafts.index_select(
+            0, to_device(index, torch.int64, proposal.device_drafts.device))
+    return batch
 
 
 def settle_kv(req: Req, start: int, num_reserved: int, num_accepted: int, kv: KVCacheManager) -> int:

@@ -180,8 +180,11 @@ class VerifyGraphRunner:
         positions += list(range(e)) * dummy
         rows = batch.req_pool_indices + [0] * dummy
         seq_lens = [p + e for p in batch.prefix_lens] + [e] * dummy
-        *_, host = self._views(size, e)
+        ids_view, *_, host = self._views(size, e)
         copy_to_device(host, ids + positions + rows + seq_lens)
+        device_drafts = getattr(batch, "device_drafts", None)  # (a VerifyBatch whose drafts stayed on the device)
+        if device_drafts is not None:
+            batch.put_device_drafts(ids_view, [graph_rows[r] for r in batch.draft_rows])  # type: ignore[attr-defined]
         device = self.runner.device
         scatter, gather = rows_to_device([graph_rows, [item.order[g] for g in graph_rows]], device)
         out_cache_loc = self.out_cache_loc[:size * e]
