@@ -30,7 +30,8 @@
 #   STAGES=faults TIMEOUT_faults=600 (two GPUs, issue 51): kill -9 and rolling restart under load, 8B shape workers
 #   STAGES="hicache" (one GPU); STAGES="peer-fetch" needs two GPUs (it says "skipped" with one)
 #   STAGES="spec-tests spec-same spec-unrelated spec-unrelated-raw spec-ngram" bash scripts/gpu_suite.sh (speculation)
-#   STAGES=spec-oracle: issue 47's targets (oracle drafts at a 1B draft's cost, acceptance 1.0 / 0.7; own-weights draft)
+#   STAGES=spec-oracle TIMEOUT_spec_oracle=420: issue 47's targets (oracle drafts at a 1B draft's cost, acceptance 1.0 /
+#   0.7; own-weights draft); STAGES=spec-eagle: random 8B-shape EAGLE / EAGLE-3 heads (a cycle's cost, exactness)
 #   STAGES=lora: LoRA adapters in the engine (GPU tests, then `bench lora`: 16 adapters in a batch of 32 vs the base)
 #   STAGES="moe-kernels lora-kernels" TIMEOUT_moe_kernels=590: the MoE and batched-LoRA kernels (issues 48, 46): GPU
 #   tests, the CPU kernel tests compiled, the benchmarks (MoE tile sweep at MOE_SWEEP_MS) and a table of each at the end
@@ -655,6 +656,19 @@ PY
       $RM bench speculative $spec --batch-sizes 1 --speculative-algorithm draft --speculative-draft-model llama-3.1-8b \
         --speculative-draft-load-format dummy
       python3 scripts/spec_oracle_summary.py "$OUT/spec-oracle.jsonl" ;;
+    spec-eagle)  # EAGLE / EAGLE-3 heads of the 8B shape (random weights: nothing accepted, so this measures a cycle's
+      # cost and exactness), 3 steps, batch 1 and 8, no back-off
+      for alg in eagle eagle3; do
+        python3 -c "import json, os, sys; d = f'/tmp/{sys.argv[1]}-8b'; os.makedirs(d, exist_ok=True); json.dump({
+          'architectures': ['LlamaForCausalLMEagle3' if sys.argv[1] == 'eagle3' else 'LlamaForCausalLM'],
+          'hidden_size': 4096, 'intermediate_size': 14336, 'num_hidden_layers': 1, 'num_attention_heads': 32,
+          'num_key_value_heads': 8, 'head_dim': 128, 'vocab_size': 128256, 'draft_vocab_size': 32000,
+          'rope_theta': 500000.0, 'max_position_embeddings': 4096, 'rms_norm_eps': 1e-5}, open(d + '/config.json', 'w'))" $alg
+        $RM bench speculative --model-shape llama-3.1-8b --workload random --batch-sizes 1,8 --input-len 512 \
+          --output-len 256 --context-length 4096 --max-total-tokens 32768 --cuda-graph-max-bs 32 \
+          --speculative-algorithm $alg --speculative-draft-model /tmp/$alg-8b --speculative-draft-load-format dummy \
+          --speculative-num-steps 3 --disable-speculative-backoff --result-file $OUT/spec-eagle.jsonl ${SPEC_ARGS:-}
+      done ;;
     *) echo "unknown stage $stage" ;;
   esac
 }

@@ -76,7 +76,8 @@ def _build(args: argparse.Namespace, speculative: bool) -> Any:
         kwargs["speculative_algorithm"] = "oracle"
     config = EngineConfig(**kwargs)
     if not speculative:
-        config = dataclasses.replace(config, speculative_algorithm=None, speculative_draft_model=None)
+        config = dataclasses.replace(config, speculative_algorithm=None, speculative_draft_model=None,
+                                     speculative_num_steps=None, speculative_eagle_topk=1)
     config = config.resolve()
     prepared = prepare_model(config.model, config.load_format, lend_tokenizer=args.workload == "copy")
     tokenizer = load_tokenizer(prepared.tokenizer_path) if prepared.tokenizer_path else None
