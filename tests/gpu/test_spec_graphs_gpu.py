@@ -61,7 +61,8 @@ def _speculate(reqs: list[Req], loop: str, **overrides: Any) -> tuple[Scheduler,
         proposer.loop = DraftLoop(proposer.runner, proposer.loop.max_steps, proposer.loop.max_bs, proposer._to_target,
                                   proposer._between_steps, capture=False)
         if proposer.catch_up_graphs is not None:
-            proposer.catch_up_graphs = VerifyGraphRunner(proposer.runner, 1, proposer.catch_up_graphs.max_bs,
+            tokens = proposer._catch_up_graph_tokens(sched.config)
+            proposer.catch_up_graphs = VerifyGraphRunner(proposer.runner, tokens - 1, proposer.catch_up_graphs.max_bs,
                                                          capture=False)
     elif loop == "off":
         proposer.loop = proposer.catch_up_graphs = None
@@ -108,8 +109,8 @@ def test_draft_loop_graphs_draft_what_eager_and_pass_by_pass_draft(tmp_path: Pat
     assert loop is not None and loop.num_runs > 0
     if algorithm == "draft":  # the target's own weights: every draft accepted in float32
         assert graph_sched.stats()["spec_accept_rate"] > 0.99
-        catch_up = graph_sched.hooks.get(SpecDecoder).proposer.catch_up_graphs  # type: ignore[union-attr]
-        assert catch_up is not None and catch_up.num_replays > 0
+    catch_up = graph_sched.hooks.get(SpecDecoder).proposer.catch_up_graphs  # type: ignore[union-attr]
+    assert catch_up is not None and catch_up.num_replays > 0  # short catch-ups replayed their graphs
 
 
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])

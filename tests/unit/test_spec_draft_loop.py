@@ -56,8 +56,9 @@ def _speculate(reqs: list[Req], loop: bool, **overrides: Any) -> tuple[dict[str,
     assert proposer.loop is None  # (no CUDA graphs on the CPU)
     if loop:
         proposer.loop = DraftLoop(proposer.runner, 2, 4, proposer._to_target, proposer._between_steps, capture=False)
-        if proposer.graph_catch_up:  # the draft model's catch-up through the extend graphs' static-buffer pass
-            proposer.catch_up_graphs = VerifyGraphRunner(proposer.runner, 1, 4, capture=False)
+        if proposer.graph_catch_up:  # short catch-ups through the extend graphs' static-buffer pass
+            tokens = proposer._catch_up_graph_tokens(sched.config)
+            proposer.catch_up_graphs = VerifyGraphRunner(proposer.runner, tokens - 1, 4, capture=False)
         # and the verify pass through its graphs' static-buffer pass, drafts written in on the device
         spec.verifier.graphs = VerifyGraphRunner(sched.runner, 3, 4, capture=False)
     drafted: list[list[int]] = []

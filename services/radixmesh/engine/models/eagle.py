@@ -17,10 +17,11 @@ next feature, whose logits give the draft token after it.
   vocabulary of `draft_vocab_size` tokens, draft id i being target id `i + d2t[i]`. Later draft
   steps feed the head's own output (pre-norm) instead of the fused feature.
 
-Passes: an EXTEND pass reads the target features of its tokens from `features` (set by the
-proposer); a DECODE pass reads the previous step's outputs from the static buffer `draft_in`, so
-it replays in CUDA graphs. Every pass leaves its output features in `hidden_out` (DECODE, static)
-or `extend_hidden` (EXTEND).
+Passes: an eager EXTEND pass reads the target features of its tokens from `features` (set by the
+proposer); one replayed from a CUDA graph (`features` None) gathers them from the target's feature
+pool by the static `feature_slots`. A DECODE pass reads the previous step's outputs from the static
+buffer `draft_in`, so it replays in CUDA graphs. Every pass leaves its output features in
+`hidden_out` (DECODE, static), `extend_hidden` (eager EXTEND) or `graph_hidden` (static EXTEND).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.layers import AddRMSNorm, GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from radixmesh.engine.models.llama import STACKED_PARAMS, Attention, DecoderLayer, _embedding
 
+GRAPH_EXTEND_ROWS = 256
+"""Tokens of the largest EXTEND pass replayed from a graph (verify_graphs.MAX_GRAPH_TOKENS)."""
 OPTIONAL_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")
 """Weights a head may leave to the target (the proposer copies the target's in)."""
 
@@ -93,6 +96,10 @@ class EagleDraft(nn.Module):
         self.features: torch.Tensor | None = None
         """EXTEND passes: `[tokens, feature_dim]` target features of the fed tokens (set before the pass)."""
         self.extend_hidden: torch.Tensor | None = None
+        self.feature_pool: torch.Tensor | None = None
+        """The target's features by KV slot (`HiddenCapture.pool`), read by graph-replayed EXTEND passes."""
+        self.feature_slots = torch.empty(0, dtype=torch.int64)
+        self.graph_hidden = torch.empty(0)
         self.draft_in = torch.empty(0)
         self.hidden_out = torch.empty(0)
         self.missing_optional: list[str] = [n for n in OPTIONAL_WEIGHTS if n != "lm_head.weight" or not self.eagle3]
@@ -115,6 +122,8 @@ class EagleDraft(nn.Module):
         device, dtype = self.fc.weight.device, self.fc.weight.dtype
         self.draft_in = torch.zeros(rows, self.config.hidden_size, device=device, dtype=dtype)
         self.hidden_out = torch.zeros(rows, self.config.hidden_size, device=device, dtype=dtype)
+        self.feature_slots = torch.zeros(GRAPH_EXTEND_ROWS, dtype=torch.int64, device=device)
+        self.graph_hidden = torch.zeros(GRAPH_EXTEND_ROWS, self.config.hidden_size, device=device, dtype=dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -122,15 +131,23 @@ class EagleDraft(nn.Module):
         embeds = self.embed_tokens(input_ids)
         if batch.is_decode:
             feature = self.draft_in[:n]
-        else:
-            assert self.features is not None and self.features.shape[0] == n, "EXTEND pass without its features"
+        elif self.features is not None:
+            assert self.features.shape[0] == n, f"{self.features.shape[0]} features for an EXTEND pass of {n} tokens"
             feature = self.features
+        else:  # a graph's static pass: features gathered by slot
+            assert self.feature_pool is not None and n <= GRAPH_EXTEND_ROWS, "EXTEND pass without its features"
+            feature = self.feature_pool.index_select(0, self.feature_slots[:n])
         hidden = self._hidden(positions, embeds, feature, batch, batch.is_decode)
         if batch.is_decode:
             self.hidden_out[:n].copy_(hidden)
         else:
             self.extend_hidden = hidden
-            hidden = hidden[torch.cumsum(batch.extend_seq_lens, 0) - 1]
+            if self.features is None:
+                self.graph_hidden[:n].copy_(hidden)
+            rows = torch.cumsum(batch.extend_seq_lens, 0) - 1
+            if batch.extra_logit_rows is not None:  # (a graph's pass returns every row's logits)
+                rows = torch.cat([rows, batch.extra_logit_rows])
+            hidden = hidden[rows]
         return self._logits(hidden)
 
     def _hidden(self, positions: torch.Tensor, embeds: torch.Tensor, feature: torch.Tensor, batch: ForwardBatch,

@@ -20,6 +20,7 @@ import torch
 
 from radixmesh.engine.attention.base import ForwardMode
 from radixmesh.engine.batch import ScheduleBatch
+from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.device_io import to_device
 from radixmesh.engine.kv_manager import KVCacheManager
 from radixmesh.engine.model_runner import ModelRunner
@@ -73,7 +74,7 @@ class _Passes:
 class DraftModelProposer(BaseProposer):
     id = "draft"
     graph_catch_up = True
-    """Catch-up passes replay extend graphs (an EAGLE head's read its features from a tensor set per pass: no)."""
+    """Short catch-up passes replay extend graphs."""
     shares_prefixes = True
     """Finished requests' draft KV goes to a radix cache (an EAGLE head's KV also depends on the next token: no)."""
 
@@ -88,6 +89,7 @@ class DraftModelProposer(BaseProposer):
             context_length=target.context_len, speculative_algorithm=None, speculative_draft_model=None,
             speculative_num_steps=None, speculative_eagle_topk=1)
         self.runner = ModelRunner(draft_config, prepared)
+        self._setup_runner(ctx)
         tree = RadixCache(self.runner.allocator, disable=config.disable_radix_cache or not self.shares_prefixes)
         self.kv = KVCacheManager(self.runner.req_pool, self.runner.kv_pool, self.runner.allocator, tree)
         self.device = target.device
@@ -96,7 +98,7 @@ class DraftModelProposer(BaseProposer):
                                                       config.cuda_graph_max_bs, self._to_target, self._between_steps)
         """Greedy chains' decode steps in one pass (one CUDA graph replay), when the draft replays graphs."""
         self.catch_up_graphs: VerifyGraphRunner | None = (
-            make_verify_graphs(self.runner, 1, config.cuda_graph_max_bs)
+            make_verify_graphs(self.runner, self._catch_up_graph_tokens(config) - 1, config.cuda_graph_max_bs)
             if self.graph_catch_up else None)
         """Catch-up passes of 1 or 2 tokens per request (after each verification: the token after the accepted
         drafts, and the last draft when all were accepted) through captured extend graphs of the verify kind."""
@@ -218,9 +220,10 @@ class DraftModelProposer(BaseProposer):
         graphs = self.catch_up_graphs
         key = graphs.key(batch) if graphs is not None else None
         if graphs is None or key is None:
+            self._before_eager_catch_up()
             return self.runner.forward(batch)
         lasts = torch.cumsum(to_device(batch.extend_lens, torch.int64, self.device), 0) - 1
-        return graphs.replay(batch, key).index_select(0, lasts)
+        return graphs.replay(batch, key, self._stage_catch_up).index_select(0, lasts)
 
     def _draft_loop(self, chains: list[_Chain], logits: torch.Tensor) -> _Passes | None:
         """Greedy chains of one length through the draft loop: every draft on the device, no host step between."""
@@ -269,6 +272,19 @@ class DraftModelProposer(BaseProposer):
         return ids, self._target_probs(q)
 
     # ---- what a draft head (EAGLE) changes ---------------------------------------------------
+    def _setup_runner(self, ctx: ProposerContext) -> None:
+        """Once the draft's runner is built, before its loop and catch-up graphs are captured."""
+
+    def _catch_up_graph_tokens(self, config: EngineConfig) -> int:
+        """Most tokens per request of a catch-up replayed from a graph: 2 after a verification."""
+        return 2
+
+    def _before_eager_catch_up(self) -> None:
+        """Before a catch-up pass runs eagerly."""
+
+    def _stage_catch_up(self, graph_rows: list[int]) -> None:
+        """Before a catch-up replays a graph: each fed token's row in the graph's layout."""
+
     def _catch_up_len(self, req: Req) -> int:
         """Positions of `req` whose draft KV the catch-up pass builds (all its tokens: a draft model)."""
         return req.fill_len

@@ -19,6 +19,7 @@ import logging
 import torch
 
 from radixmesh.common.errors import invalid_argument
+from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.device_io import to_device
 from radixmesh.engine.models.eagle import EagleDraft
 from radixmesh.engine.request import Req
@@ -36,18 +37,30 @@ class EagleProposer(DraftModelProposer):
 
     id = "eagle"
     shares_prefixes = False
-    graph_catch_up = False
 
     def __init__(self, ctx: ProposerContext) -> None:
         if ctx.config.speculative_eagle_topk > 1:
             raise invalid_argument("--speculative-eagle-topk > 1 (tree drafts) is not implemented yet: EAGLE heads "
                                    "draft chains (topk 1)", "speculative_eagle_topk")
+        self._catch_up_slots: torch.Tensor | None = None
+        """The target KV slots of the catch-up's tokens, in packed order (their features' rows)."""
+        self._graph_rows: list[int] | None = None
+        """Each of them's row in a replayed catch-up graph's layout (None: the catch-up ran eagerly)."""
         super().__init__(ctx)
+        head = self.head
+        self._prev: torch.Tensor | None = None
+        """The previous pass's output features of the drafting chains, in chain order."""
+        self._draft_ids = torch.arange(head.draft_vocab, device=self.device)
+        logger.info("EAGLE%s head: %d-token draft vocabulary, features %d wide", "-3" if head.eagle3 else "",
+                    head.draft_vocab, head.feature_dim)
+
+    def _setup_runner(self, ctx: ProposerContext) -> None:
+        """The target's feature pool and, where the checkpoint has none, its embedding and LM head."""
         head = self.head
         target = ctx.target.model
         capture = getattr(getattr(target, "model", None), "capture", None)
         assert capture is not None, "the target stores no features for the head (eagle_setup.build_capture)"
-        self.features = capture.pool
+        self.features = head.feature_pool = capture.pool
         self.target_rows = ctx.target.req_pool.req_to_token
         target_params = dict(target.named_parameters())
         head_params = dict(head.named_parameters())
@@ -58,11 +71,9 @@ class EagleProposer(DraftModelProposer):
                                  f"{tuple(source.shape)}")
             with torch.no_grad():
                 head_params[name].copy_(source)
-        self._prev: torch.Tensor | None = None
-        """The previous pass's output features of the drafting chains, in chain order."""
-        self._draft_ids = torch.arange(head.draft_vocab, device=self.device)
-        logger.info("EAGLE%s head: %d-token draft vocabulary, features %d wide", "-3" if head.eagle3 else "",
-                    head.draft_vocab, head.feature_dim)
+
+    def _catch_up_graph_tokens(self, config: EngineConfig) -> int:
+        return config.speculative_max_drafts + 1  # the accepted drafts and the token after them
 
     @property
     def head(self) -> EagleDraft:
@@ -83,13 +94,34 @@ class EagleProposer(DraftModelProposer):
             row = reqs[index].req_pool_idx
             assert row is not None, f"request {reqs[index].rid} drafts without a target row"
             slots.append(self.target_rows[row, start:start + feed])
-        self.head.features = self.features.index_select(0, torch.cat(slots))
+        self._catch_up_slots = torch.cat(slots)
+        self._graph_rows = None
+
+    def _before_eager_catch_up(self) -> None:
+        assert self._catch_up_slots is not None
+        self.head.features = self.features.index_select(0, self._catch_up_slots)
+
+    def _stage_catch_up(self, graph_rows: list[int]) -> None:
+        assert self._catch_up_slots is not None
+        slots = self.head.feature_slots
+        slots.zero_()  # padding tokens read the dummy slot's features
+        slots.index_copy_(0, to_device(graph_rows, torch.int64, self.device), self._catch_up_slots)
+        self._graph_rows = graph_rows
 
     def _after_catch_up(self, rows: torch.Tensor, feeds: list[int]) -> None:
-        self.head.features = None
-        assert self.head.extend_hidden is not None
-        last = torch.cumsum(to_device(feeds, torch.int64, self.device), 0) - 1
-        self._prev = self.head.extend_hidden.index_select(0, last.index_select(0, rows))
+        head = self.head
+        head.features = None
+        lasts, offset = [], 0
+        for feed in feeds:
+            offset += feed
+            lasts.append(offset - 1)
+        if self._graph_rows is not None:  # the outputs sit in the replayed graph's layout
+            hidden = head.graph_hidden
+            lasts = [self._graph_rows[r] for r in lasts]
+        else:
+            assert head.extend_hidden is not None
+            hidden = head.extend_hidden
+        self._prev = hidden.index_select(0, to_device(lasts, torch.int64, self.device).index_select(0, rows))
 
     def _before_decode(self, keep: list[int]) -> None:
         assert self._prev is not None, "a draft decode pass before the catch-up"

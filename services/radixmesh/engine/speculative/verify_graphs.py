@@ -78,7 +78,8 @@ class VerifyGraphRunner:
         self.out_cache_loc = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int64, device=device)
         self.kv_indices = torch.zeros(max_bs * self.max_seq_len, dtype=torch.int32, device=device)
-        self.logits = torch.zeros(max_tokens, runner.model_config.vocab_size, dtype=torch.float32, device=device)
+        width = int(getattr(runner.model, "draft_vocab", runner.model_config.vocab_size))  # (an EAGLE-3 head's own)
+        self.logits = torch.zeros(max_tokens, width, dtype=torch.float32, device=device)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.num_replays = 0
         start = time.perf_counter()
@@ -162,8 +163,10 @@ class VerifyGraphRunner:
             return None
         return size, e
 
-    def replay(self, batch: ScheduleBatch, key: tuple[int, int]) -> torch.Tensor:
-        """Float32 logits `[rows, vocab]` of the batch's tokens, in packed order (as the eager pass)."""
+    def replay(self, batch: ScheduleBatch, key: tuple[int, int],
+               stage: Callable[[list[int]], None] | None = None) -> torch.Tensor:
+        """Float32 logits `[rows, vocab]` of the batch's tokens, in packed order (as the eager pass). `stage` gets
+        each packed token's row in the graph's layout before the replay (to fill a model's own static inputs)."""
         size, e = key
         item = self.graphs[key]
         ids: list[int] = []
@@ -190,6 +193,8 @@ class VerifyGraphRunner:
         out_cache_loc = self.out_cache_loc[:size * e]
         out_cache_loc.zero_()  # padding writes its K/V to the dummy slot 0
         out_cache_loc.index_copy_(0, scatter, batch.out_cache_loc)
+        if stage is not None:
+            stage(graph_rows)
         if item.graph is not None:
             item.graph.replay()
             logits = self.logits[:size * e]
