@@ -104,7 +104,7 @@ def test_a_draft_models_kv_shares_each_token_of_the_pool(monkeypatch: pytest.Mon
     runner = bare_runner(config(max_total_tokens=None, mem_fraction_static=0.5))
     alone = plan_memory(runner).max_total_tokens
     draft_kv = 3 * per_token(runner)
-    monkeypatch.setattr(runner_build, "draft_memory_need", lambda cfg, dtype: DraftMemory(10**6, draft_kv))
+    monkeypatch.setattr(runner_build, "draft_memory_need", lambda cfg, dtype, target=None: DraftMemory(10**6, draft_kv))
     with_draft = plan_memory(runner).max_total_tokens
     ram = 4000 * 4096 * runner_build.CPU_KV_RAM_SHARE * 0.5
     assert alone == int(ram // per_token(runner)) and with_draft == int(ram // (4 * per_token(runner)))
