@@ -285,21 +285,26 @@ def test_burst_with_aborts_leaves_both_kv_pools_empty(services: dict[str, Servic
     wait_for(lambda: is_idle(services, "decode") and is_idle(services, "prefill"), 30, "both KV pools empty")
 
 
-def start_queued_behind(services: dict[str, ServiceProc], seed: int,
-                        rid: str) -> tuple[dict[str, Any], threading.Thread, dict[str, Any], threading.Thread]:
+def start_queued_behind(services: dict[str, ServiceProc], seed: int, rid: str, busy_len: int = LONG_PROMPT_LEN
+                        ) -> tuple[dict[str, Any], threading.Thread, dict[str, Any], threading.Thread]:
     """A long prompt keeps the prefill worker's scheduler busy; `rid` waits behind it there (its scheduler
-    takes messages between steps, so an abort lands before `rid` runs). Returns both calls' results."""
-    _, busy, busy_thread = start_in_thread(services, long_ids(seed), greedy(2))
-    wait_for(lambda: queued_on_prefill(services) >= LONG_PROMPT_LEN, 30, "the prefill worker to start")
+    takes messages between steps, so an abort lands before `rid` runs). Returns both calls' results.
+
+    `busy_len`: the busy prompt's length, which sets how long `rid` waits."""
+    _, busy, busy_thread = start_in_thread(services, long_ids(seed, busy_len), greedy(2))
+    wait_for(lambda: queued_on_prefill(services) >= busy_len, 30, "the prefill worker to start")
     _, result, thread = start_in_thread(services, long_ids(seed + 1), greedy(), rid=rid)
-    wait_for(lambda: queued_on_prefill(services) >= 2 * LONG_PROMPT_LEN, 30, f"{rid} queued on the prefill worker")
+    wait_for(lambda: queued_on_prefill(services) >= busy_len + LONG_PROMPT_LEN, 30,
+             f"{rid} queued on the prefill worker")
     return busy, busy_thread, result, thread
 
 
 def test_aborts_on_either_side_reach_the_other(services: dict[str, ServiceProc]) -> None:
     exports = load(services, "prefill").disagg.num_exports
     # on the decode worker (through the router): its Prefill call is cancelled, the prefill worker drops it
-    busy, busy_thread, result, thread = start_queued_behind(services, 20, "abort-on-decode")
+    # (an abort through the router travels router -> decode worker -> a cancelled Prefill call -> the prefill
+    # worker's scheduler: behind a 700-token prompt it once came after `rid` was prefilled and exported)
+    busy, busy_thread, result, thread = start_queued_behind(services, 20, "abort-on-decode", 3 * LONG_PROMPT_LEN)
     assert router(services).Abort(worker_pb2.AbortRequest(request_id="abort-on-decode"), timeout=10).found
     thread.join(300)
     busy_thread.join(300)
