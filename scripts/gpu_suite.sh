@@ -651,8 +651,8 @@ PY
       spec="--model-shape llama-3.1-8b --workload random --input-len 512 --output-len 256 --context-length 4096 \
         --max-total-tokens 32768 --cuda-graph-max-bs 32 --speculative-num-draft-tokens 4 --disable-speculative-backoff \
         --result-file $OUT/spec-oracle.jsonl ${SPEC_ARGS:-}"
-      $RM bench speculative $spec --oracle --oracle-acceptance 1.0,0.7 --batch-sizes 1,8 \
-        --speculative-draft-model llama-3.2-1b --speculative-draft-load-format dummy
+      $RM bench speculative $spec --oracle --oracle-acceptance 1.0,0.7 --batch-sizes 1,8 --rounds ${SPEC_ROUNDS:-3} \
+        --speculative-draft-model llama-3.2-1b --speculative-draft-load-format dummy --profile-cycles
       $RM bench speculative $spec --batch-sizes 1 --speculative-algorithm draft --speculative-draft-model llama-3.1-8b \
         --speculative-draft-load-format dummy
       python3 scripts/spec_oracle_summary.py "$OUT/spec-oracle.jsonl" ;;

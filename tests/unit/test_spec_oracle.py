@@ -105,6 +105,25 @@ def test_a_request_leaving_its_recording_gets_no_more_drafts() -> None:
     assert_no_leak(sched)
 
 
+def test_a_tie_margin_keeps_the_target_on_its_recording() -> None:
+    """With a margin wider than any logit gap, every verify row emits the recorded token: what the oracle does for
+    random bf16 weights' near-ties, here forced with a recording that leaves the target's argmax at token 5."""
+    reqs = make_requests(2, seed=14, max_new_tokens=20)
+    expected = _run(*make_scheduler(), reqs)
+    wrong = dict(expected)
+    first = reqs[0].rid
+    wrong[first] = expected[first][:5] + [(t + 1) % 101 for t in expected[first][5:]]
+    sched, col, proposer = _oracle_scheduler(reqs, wrong, speculative_num_draft_tokens=4)
+    proposer.set_tie_margin(1e9)
+    assert _run(sched, col, reqs) == wrong
+    stats = _stats(sched)
+    assert stats["spec_oracle_diverged"] == 0 and stats["spec_accept_rate"] == 1.0
+    assert stats["spec_oracle_snapped"] >= 15  # every row of the altered tail changed (others need no snap)
+    assert_no_leak(sched)
+    with pytest.raises(ValueError, match="tie margin"):
+        proposer.set_tie_margin(-1.0)
+
+
 def test_bench_speculative_oracle_on_cpu(tmp_path: Path) -> None:
     model = write_model_dir(tmp_path / "tiny", vocab_size=512)
     result = tmp_path / "spec.jsonl"

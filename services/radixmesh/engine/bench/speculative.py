@@ -11,7 +11,10 @@ template) or `random` (random token ids; any shape, e.g. `--model-shape llama-3.
 `--oracle` measures the machinery's ceiling: every prompt first runs on the plain engine and its
 output is recorded; the speculative engine's oracle proposer replays it (speculative/oracle.py),
 at the cost of `--speculative-draft-model` if given, and `--oracle-acceptance 1.0,0.7` repeats
-the measurement with a seeded fraction of the proposals spoiled.
+the measurement with a seeded fraction of the proposals spoiled. Random weights in bf16 have near-ties
+that the decode and verify kernels break differently; `--oracle-tie-margin` lets a verify row emit the
+recorded token when it is that close to the row's maximum logit (counted as `oracle_snapped`), so the
+run stays on its recording and its outputs equal the plain engine's.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from typing import Any
 from radixmesh.engine.bench.throughput import DEFAULT_SHAPE, _report, device_info, settings
 
 SPEC_STATS = ("spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_verify_passes",
-              "spec_num_verified_requests", "spec_num_backoff_steps", "spec_oracle_diverged")
+              "spec_num_verified_requests", "spec_num_backoff_steps", "spec_oracle_diverged",
+              "spec_oracle_snapped")
 
 
 @dataclass
@@ -199,6 +203,7 @@ def _row(p: Totals, s: Totals, cpu: bool) -> dict[str, Any]:
         row["speedup_cpu_time"] = round((s.decoded / s.decode_cpu_s) / (p.decoded / p.decode_cpu_s), 3)
     if "spec_oracle_diverged" in s.stats:  # requests whose output left the recording (bf16 rounding)
         row["oracle_diverged"] = int(s.stats["spec_oracle_diverged"])
+        row["oracle_snapped"] = int(s.stats.get("spec_oracle_snapped", 0))
     same = sum(a == b for a, b in zip(p.outputs, s.outputs))
     row.update({
         "plain_e2e_s": round(p.e2e_wall_s, 3), "spec_e2e_s": round(s.e2e_wall_s, 3),
@@ -238,11 +243,54 @@ def cmd_speculative(args: argparse.Namespace) -> int:
         extra: dict[str, Any] = {}
         if acceptance is not None:
             _decoder(spec).proposer.set_acceptance(acceptance, args.seed)
-            extra = {"oracle_acceptance": acceptance}
+            _decoder(spec).proposer.set_tie_margin(args.oracle_tie_margin)
+            extra = {"oracle_acceptance": acceptance, "oracle_tie_margin": args.oracle_tie_margin}
         for b in args.batch_sizes:
             p, s = _compare(args, plain, spec, prompts, b)
-            _report({**common, **extra, "batch_size": b, **_row(p, s, cpu)}, args)
+            row = {**common, **extra, "batch_size": b, **_row(p, s, cpu)}
+            if args.profile_cycles and not cpu:
+                row.update(_profile_cycles(args, plain, spec, b))
+            _report(row, args)
     return 0
+
+
+def _profile_cycles(args: argparse.Namespace, plain: Any, spec: Any, batch_size: int) -> dict[str, Any]:
+    """--profile-cycles: 16 steps of a recorded batch, timed (wall per step) and then traced (device kernel time
+    per step): what a speculative cycle costs on the device and how much of it the device waits for the host."""
+    import time
+
+    import torch
+
+    from radixmesh.engine.bench.graph_profile import profile_decode_steps
+    from radixmesh.engine.request import Req
+    from radixmesh.wire.sampling import SamplingParams
+
+    prompts = _prompts(args, plain, batch_size, seed=args.seed * 1000 + batch_size + 700)
+    _record(args, plain, spec, prompts, batch_size, args.output_len)
+    out: dict[str, Any] = {}
+    for phase in ("timed", "traced"):
+        reqs = [Req(rid=f"prof-{phase}{batch_size}-{i}", origin_input_ids=list(ids),
+                    params=SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True))
+                for i, ids in enumerate(prompts)]
+        if phase == "traced":
+            out.update(profile_decode_steps(spec, reqs, skip=4, steps=16))
+            continue
+        for req in reqs:
+            spec.add_request(req)
+        for _ in range(4):
+            spec.step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(16):
+            spec.step()
+        torch.cuda.synchronize()
+        out["cycle_wall_ms"] = round((time.perf_counter() - start) / 16 * 1000, 3)
+        while spec.has_work:
+            spec.step()
+    device_ms = out.get("step_kernel_us_per_replay", 0.0) / 1000
+    out["cycle_device_ms"] = round(device_ms, 3)
+    print(f"cycle: {out['cycle_wall_ms']:.2f} ms wall, {device_ms:.2f} ms of kernels on the device")
+    return out
 
 
 def register_speculative(bench: argparse._SubParsersAction) -> None:
@@ -269,5 +317,13 @@ def register_speculative(bench: argparse._SubParsersAction) -> None:
     parser.add_argument("--oracle-acceptance", type=lambda s: [float(x) for x in s.split(",")], default=None,
                         help="with --oracle: comma-separated accept rates, e.g. 1.0,0.7 (a seeded fraction of the "
                              "proposals is spoiled so that accepted / proposed is this in expectation)")
+    parser.add_argument("--oracle-tie-margin", type=float, default=1.0,
+                        help="with --oracle: a verify row emits the recorded token when its logit is within this of "
+                             "the row's maximum (random weights in bf16 have near-ties that the decode and verify "
+                             "kernels break differently, which would leave the recording within a few tokens); 0: "
+                             "exact argmax only. Rows it changed are reported as oracle_snapped")
+    parser.add_argument("--profile-cycles", action="store_true",
+                        help="CUDA: after each batch size, 16 steps timed and traced (wall and kernel time per step, "
+                             "the top kernels)")
     parser.add_argument("--result-file", default=None, help="append the JSON results to this file")
     parser.set_defaults(func=cmd_speculative)

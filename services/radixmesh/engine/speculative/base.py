@@ -41,6 +41,14 @@ class Proposal:
     """[drafts] int64 on the target's device, laid out as `prob_rows` says: the drafts' values when they never
     went to the host (`drafts` then holds placeholders of the right lengths; see `device_drafts_ok`)."""
 
+    snap_ids: list[list[int]] | None = None
+    """Benchmarks only (the oracle): per request, the token expected at each of its verify rows (-1: none). A greedy
+    row whose target logit for that token is within `snap_margin` of its maximum takes it as the argmax, so bf16
+    near-ties of random weights do not move the target off its recorded path."""
+    snap_margin: float = 0.0
+    snap_count: torch.Tensor | None = None
+    """[1] int64 on the device: rows whose argmax the snap changed are added here."""
+
     @property
     def num_drafts(self) -> int:
         return sum(len(d) for d in self.drafts)

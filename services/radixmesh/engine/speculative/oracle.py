@@ -17,6 +17,8 @@ import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from radixmesh.engine.speculative.base import BaseProposer, Proposal, ProposerContext
 
 if TYPE_CHECKING:
@@ -74,6 +76,8 @@ class OracleProposer(BaseProposer):
             self.relative_cost = self.cost.relative_cost
         self.num_spoiled = 0
         self.num_diverged = 0
+        self.tie_margin = 0.0
+        self._snapped = torch.zeros(1, dtype=torch.int64, device=ctx.target.device)
         logger.info("oracle drafts (benchmarks only), at the cost of %s",
                     ctx.config.speculative_draft_model or "nothing (no draft model)")
 
@@ -91,6 +95,13 @@ class OracleProposer(BaseProposer):
         if seed is not None:
             self.seed = seed
 
+    def set_tie_margin(self, margin: float) -> None:
+        """Verify rows take the recorded token when its logit is within `margin` of the maximum (0: exact argmax
+        only). Random weights in bf16 have near-ties that the decode and verify kernels break differently."""
+        if margin < 0.0:
+            raise ValueError(f"oracle tie margin must be >= 0, got {margin}")
+        self.tie_margin = margin
+
     # ---- proposing --------------------------------------------------------------------------
     def propose(self, reqs: list[Req], max_drafts: list[int]) -> Proposal:
         limits = [min(limit, self._available(req)) for req, limit in zip(reqs, max_drafts)]
@@ -100,7 +111,18 @@ class OracleProposer(BaseProposer):
         drafts: list[list[int]] = []
         for req, limit in zip(reqs, limits):
             drafts.append(self._drafts(req, limit) if limit > 0 else [])
-        return Proposal(drafts)
+        if self.tie_margin <= 0.0:
+            return Proposal(drafts)
+        snap = [self._expected(req, len(d) + 1) for req, d in zip(reqs, drafts)]
+        return Proposal(drafts, snap_ids=snap, snap_margin=self.tie_margin, snap_count=self._snapped)
+
+    def _expected(self, req: Req, rows: int) -> list[int]:
+        """The recorded tokens the verify rows of `req` should emit (none once it left its recording)."""
+        track = self.tracks.get(req.rid)
+        if track is None or track.diverged:
+            return []
+        done = len(req.output_ids)
+        return track.recording[done:done + rows]
 
     def _available(self, req: Req) -> int:
         """Recorded tokens after the request's current output (0 when none, or when it left the recording)."""
@@ -157,7 +179,8 @@ class OracleProposer(BaseProposer):
 
     def stats(self) -> dict[str, float | int]:
         stats: dict[str, float | int] = {"spec_oracle_spoiled": self.num_spoiled,
-                                         "spec_oracle_diverged": self.num_diverged}
+                                         "spec_oracle_diverged": self.num_diverged,
+                                         "spec_oracle_snapped": int(self._snapped.item())}
         if self.cost is not None:
             stats.update(self.cost.stats())
         return stats

@@ -145,6 +145,8 @@ class Verifier:
         processed = process_logits(logits, info)
         rows = self._chain_rows(batch, device)
         greedy_ids = argmax(processed)
+        if batch.proposal is not None and batch.proposal.snap_ids is not None:
+            greedy_ids = self._snap(batch, processed, greedy_ids)
         if info.all_greedy:
             num_accepted = accepted_lengths(greedy_accept(greedy_ids, rows), rows)
             final = greedy_ids
@@ -183,6 +185,23 @@ class Verifier:
         # row r checks the draft fed at row r + 1
         batch.put_device_drafts(nxt, [r - 1 for r in batch.draft_rows])
         return ChainRows(nxt, seg, pos, len(batch.reqs))
+
+    @staticmethod
+    def _snap(batch: VerifyBatch, processed: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
+        """The oracle's expected token where it is within the proposal's margin of the row's maximum logit."""
+        proposal = batch.proposal
+        assert proposal is not None and proposal.snap_ids is not None
+        expected: list[int] = []
+        for drafts, ids in zip(batch.drafts, proposal.snap_ids):
+            rows = len(drafts) + 1
+            expected += ids[:rows] + [-1] * (rows - len(ids[:rows]))
+        exp = to_device(expected, torch.int64, processed.device)
+        valid = exp >= 0
+        picked = processed.gather(1, exp.clamp(min=0).unsqueeze(1)).squeeze(1)
+        near = valid & (picked >= processed.max(dim=-1).values - proposal.snap_margin)
+        if proposal.snap_count is not None:
+            proposal.snap_count += (near & (greedy_ids != exp)).sum()
+        return torch.where(near, exp, greedy_ids)
 
     @staticmethod
     def _draft_rows(batch: VerifyBatch, device: torch.device) -> torch.Tensor | None:
