@@ -18,6 +18,11 @@ three SMs); per segment (prefill) programs take `block_m` rows of one segment on
 Rows of slot -1 are skipped; ranks below R read only their rows of A and B. Launches depend only on host
 ints (rows, segments, the longest segment, R, the slices), the slots being a device tensor, so a decode
 step captures in a CUDA graph. Reference: `lora_ref`; benchmark: `bench_lora`.
+
+These per-row launches ("rows") are one of three kernel sets for a decode batch (`KERNELS`); the others, in
+`radixmesh.kernels.lora_grouped`, read each adapter once for all its rows ("grouped") or run shrink and expand
+as one launch for a few rows ("fused"). `lora_apply(kernels="auto")` picks fused up to `FUSED_MAX_ROWS` rows,
+grouped above; prefill segments always take the per-segment launches here.
 """
 
 from __future__ import annotations
@@ -39,11 +44,19 @@ from radixmesh.kernels._checks import (
 from radixmesh.kernels._jit import unspecialized
 from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from radixmesh.kernels._tiles import mma
+from radixmesh.kernels.lora_grouped import fused_apply, fused_tiles, grouped_expand, grouped_shrink, grouped_tiles
 
 MAX_SLICES = 3
 """Most B's writing column slices of one output (q/k/v)."""
 MAX_RANK = 256
 """Largest slot rank R (a program holds a row's R values of a slice)."""
+KERNELS = ("auto", "rows", "grouped", "fused")
+"""Kernel sets of a decode batch: auto (fused for a few rows, else grouped), or one of them; "rows" is the
+per-row shrink and expand of this module."""
+FUSED_MAX_ROWS = 4
+"""auto: decode batches of at most this many rows run the fused launch (each program recomputes its row's xa)."""
+FUSED_MAX_RANK = 64
+"""auto: slots of a larger R take the grouped launches (a fused program holds R values per K step)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,29 @@ def default_config(batch: LoraBatch, in_features: int, num_slices: int, device: 
     if cpu:
         return LoraConfig(block_m, 32, 16, 1, 1)
     return LoraConfig(block_m, 256 if block_m == 1 else 64, 128, splits, 4)
+
+
+def choose_kernels(kernels: str, batch: LoraBatch, max_rank: int) -> str:
+    """The kernel set a batch runs: "rows", "grouped" or "fused" (segments: always "rows")."""
+    assert kernels in KERNELS, f"kernels must be one of {KERNELS}, got {kernels!r}"
+    if batch.seg_starts is not None:
+        return "rows"
+    if kernels != "auto":
+        return kernels
+    return "fused" if batch.num_segments <= FUSED_MAX_ROWS and max_rank <= FUSED_MAX_RANK else "grouped"
+
+
+def kernel_config(kind: str, batch: LoraBatch, in_features: int, slice_sizes: tuple[int, ...], max_rank: int,
+                  num_slots: int, device: torch.device) -> LoraConfig:
+    """Default tiles of a kernel set (`choose_kernels`) for a batch."""
+    cpu = device.type == "cpu"
+    rows = batch.num_segments
+    if kind == "grouped":
+        return LoraConfig(*grouped_tiles(rows, num_slots, in_features, len(slice_sizes), cpu))
+    if kind == "fused":
+        block_k, block_n, num_warps = fused_tiles(rows, max_rank, slice_sizes, cpu)
+        return LoraConfig(1, block_k, block_n, 1, num_warps)
+    return default_config(batch, in_features, len(slice_sizes), device)
 
 
 @triton.jit
@@ -215,10 +251,7 @@ def _operand(x: torch.Tensor) -> tuple[tl.dtype, str]:
     return op, dot_precision(op)
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch, ranks: torch.Tensor, num_slices: int = 1,
-                out: torch.Tensor | None = None, config: LoraConfig | None = None) -> torch.Tensor:
-    """`x @ A.T` of every row's adapter, per slice: float32 `[num_splits, M, num_slices * R]` partial sums
-    (rows of slot -1 are not written). `x` `[M, in]`, `a` `[num_slots, num_slices * R, in]`."""
+def _check_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch, ranks: torch.Tensor, num_slices: int) -> None:
     assert x.dim() == 2 and a.dim() == 3, f"x must be [M, in] and a [slots, slices*R, in]: {x.shape}, {a.shape}"
     assert 1 <= num_slices <= MAX_SLICES and a.shape[1] % num_slices == 0, (
         f"a has {a.shape[1]} rows, not a multiple of {num_slices} slices (1..{MAX_SLICES})")
@@ -231,7 +264,20 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch, ranks: torch
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("a", a)
     _check_batch(batch, rows, ranks, x.device)
-    cfg = config or default_config(batch, k, num_slices, x.device)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch, ranks: torch.Tensor, num_slices: int = 1,
+                out: torch.Tensor | None = None, config: LoraConfig | None = None,
+                kernels: str = "rows") -> torch.Tensor:
+    """`x @ A.T` of every row's adapter, per slice: float32 `[num_splits, M, num_slices * R]` partial sums
+    (rows of slot -1 are not written). `x` `[M, in]`, `a` `[num_slots, num_slices * R, in]`; `kernels`: "rows"
+    (per row or segment) or "grouped" (per slot, decode only)."""
+    _check_shrink(x, a, batch, ranks, num_slices)
+    rows, k = x.shape
+    max_rank = a.shape[1] // num_slices
+    grouped = _is_grouped(kernels, batch)
+    cfg = config or kernel_config("grouped" if grouped else "rows", batch, k, (1,) * num_slices, max_rank,
+                                  ranks.shape[0], x.device)
     shape = (cfg.num_splits, rows, num_slices * max_rank)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=x.device)
@@ -240,8 +286,13 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch, ranks: torch
         f"out must be float32 {list(shape)} with contiguous rows, got {out.dtype} {tuple(out.shape)}")
     if rows == 0 or batch.num_segments == 0:
         return out
-    use_dot = cfg.block_m >= 16
     op, precision = _operand(x)
+    if grouped:
+        assert cfg.block_m >= 16, f"grouped programs take 16+ rows on the tensor cores, block_m {cfg.block_m}"
+        grouped_shrink(x, a, batch.slots, ranks, num_slices, out, cfg.block_m, cfg.block_k, cfg.num_splits,
+                       cfg.num_warps, op, precision)
+        return out
+    use_dot = cfg.block_m >= 16
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.num_splits), cfg.block_k) * cfg.block_k
     grid = (batch.num_segments, triton.cdiv(batch.max_seg_len, cfg.block_m), num_slices * cfg.num_splits)
     _shrink_kernel[grid](
@@ -253,30 +304,51 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch, ranks: torch
     return out
 
 
-def lora_expand(xa: torch.Tensor, b: torch.Tensor, batch: LoraBatch, ranks: torch.Tensor, scalings: torch.Tensor,
-                y: torch.Tensor, slice_sizes: tuple[int, ...], config: LoraConfig | None = None) -> torch.Tensor:
-    """`y[:, cols_i] += scaling * xa_i @ B_i.T` in place for every row with an adapter; returns `y`.
+def _is_grouped(kernels: str, batch: LoraBatch) -> bool:
+    assert kernels in ("rows", "grouped"), f"shrink and expand run the rows or grouped kernels, not {kernels!r}"
+    assert kernels == "rows" or batch.seg_starts is None, "the grouped kernels take one slot per row (decode)"
+    return kernels == "grouped"
 
-    `xa` from `lora_shrink`; `b` `[num_slots, sum(slice_sizes), R]`; `y` `[M, sum(slice_sizes)]` (b's dtype)."""
-    assert xa.dim() == 3 and b.dim() == 3 and y.dim() == 2, "xa [splits, M, slices*R], b [slots, out, R], y [M, out]"
+
+def _check_outputs(b: torch.Tensor, batch: LoraBatch, ranks: torch.Tensor, scalings: torch.Tensor, y: torch.Tensor,
+                   slice_sizes: tuple[int, ...]) -> None:
+    assert b.dim() == 3 and y.dim() == 2, "b [slots, out, R], y [M, out]"
     assert 1 <= len(slice_sizes) <= MAX_SLICES and min(slice_sizes) >= 1, f"1..{MAX_SLICES} slices: {slice_sizes}"
     rows, out_features = y.shape
-    max_rank = b.shape[2]
     assert sum(slice_sizes) == out_features == b.shape[1], (
         f"slices {slice_sizes} must cover y's {out_features} columns and b's {b.shape[1]} rows")
-    assert tuple(xa.shape[1:]) == (rows, len(slice_sizes) * max_rank) and xa.dtype == torch.float32, (
-        f"xa must be float32 [splits, {rows}, {len(slice_sizes) * max_rank}], got {xa.dtype} {tuple(xa.shape)}")
     check_float("y", y)
     assert b.dtype == y.dtype, f"b is {b.dtype}, y is {y.dtype}"
-    for name, t in (("xa", xa), ("b", b), ("scalings", scalings)):
+    for name, t in (("b", b), ("scalings", scalings)):
         check_device(name, t, y.device)
     assert scalings.dtype == torch.float32 and scalings.shape == ranks.shape, "scalings: float32, one per slot"
-    check_last_dim_contiguous("xa", xa)
     check_last_dim_contiguous("b", b)
     check_last_dim_contiguous("y", y)
     _check_batch(batch, rows, ranks, y.device)
-    cfg = config or default_config(batch, 0, len(slice_sizes), y.device)
+
+
+def lora_expand(xa: torch.Tensor, b: torch.Tensor, batch: LoraBatch, ranks: torch.Tensor, scalings: torch.Tensor,
+                y: torch.Tensor, slice_sizes: tuple[int, ...], config: LoraConfig | None = None,
+                kernels: str = "rows") -> torch.Tensor:
+    """`y[:, cols_i] += scaling * xa_i @ B_i.T` in place for every row with an adapter; returns `y`.
+
+    `xa` from `lora_shrink` (of the same `kernels`); `b` `[num_slots, sum(slice_sizes), R]`; `y`
+    `[M, sum(slice_sizes)]` (b's dtype)."""
+    _check_outputs(b, batch, ranks, scalings, y, slice_sizes)
+    rows, max_rank = y.shape[0], b.shape[2]
+    assert xa.dim() == 3 and tuple(xa.shape[1:]) == (rows, len(slice_sizes) * max_rank) and (
+        xa.dtype == torch.float32), (
+        f"xa must be float32 [splits, {rows}, {len(slice_sizes) * max_rank}], got {xa.dtype} {tuple(xa.shape)}")
+    check_device("xa", xa, y.device)
+    check_last_dim_contiguous("xa", xa)
+    grouped = _is_grouped(kernels, batch)
+    cfg = config or kernel_config("grouped" if grouped else "rows", batch, 0, slice_sizes, max_rank,
+                                  ranks.shape[0], y.device)
     if rows == 0 or batch.num_segments == 0:
+        return y
+    if grouped:
+        assert cfg.block_m >= 16, f"grouped programs take 16+ rows on the tensor cores, block_m {cfg.block_m}"
+        grouped_expand(xa, b, batch.slots, ranks, scalings, y, slice_sizes, cfg.block_m, cfg.block_n, cfg.num_warps)
         return y
     use_dot = cfg.block_m >= 16
     op, precision = _operand(y)
@@ -294,8 +366,19 @@ def lora_expand(xa: torch.Tensor, b: torch.Tensor, batch: LoraBatch, ranks: torc
 
 def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoraBatch,
                ranks: torch.Tensor, scalings: torch.Tensor, slice_sizes: tuple[int, ...],
-               config: LoraConfig | None = None, xa: torch.Tensor | None = None) -> torch.Tensor:
-    """Adds every row's adapter output to the base layer's output `y` in place (shrink, then expand)."""
-    cfg = config or default_config(batch, x.shape[1], len(slice_sizes), x.device)
-    xa = lora_shrink(x, a, batch, ranks, len(slice_sizes), xa, cfg)
-    return lora_expand(xa, b, batch, ranks, scalings, y, slice_sizes, cfg)
+               config: LoraConfig | None = None, xa: torch.Tensor | None = None, kernels: str = "auto") -> torch.Tensor:
+    """Adds every row's adapter output to the base layer's output `y` in place: shrink then expand, or one fused
+    launch; `kernels` one of `KERNELS` (`choose_kernels`), `config` tiles for the set it picks."""
+    max_rank = b.shape[2]
+    kind = choose_kernels(kernels, batch, max_rank)
+    cfg = config or kernel_config(kind, batch, x.shape[1], slice_sizes, max_rank, ranks.shape[0], x.device)
+    if kind != "fused":
+        xa = lora_shrink(x, a, batch, ranks, len(slice_sizes), xa, cfg, kind)
+        return lora_expand(xa, b, batch, ranks, scalings, y, slice_sizes, cfg, kind)
+    _check_shrink(x, a, batch, ranks, len(slice_sizes))
+    _check_outputs(b, batch, ranks, scalings, y, slice_sizes)
+    assert y.shape[0] == x.shape[0] and a.shape[1] == len(slice_sizes) * max_rank, (
+        f"x {tuple(x.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)} and y {tuple(y.shape)} do not match")
+    if x.shape[0]:
+        fused_apply(x, y, a, b, batch.slots, ranks, scalings, slice_sizes, cfg.block_k, cfg.block_n, cfg.num_warps)
+    return y

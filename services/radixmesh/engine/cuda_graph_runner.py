@@ -10,6 +10,10 @@ first five rows come from the host, padding included, in one non-blocking copy; 
 and the previous launch's tokens are copied on the device (on CUDA by one kernel,
 `radixmesh.kernels.decode_inputs`). Per step that is one host-to-device copy and one small
 kernel besides the replay, and no host sync.
+
+With LoRA adapters each size is captured twice: with the adapters' launches (reading a static
+per-row slot buffer) and without them, replayed when no row of the batch uses an adapter, so a
+batch of base requests pays nothing for LoRA being on.
 """
 
 from __future__ import annotations
@@ -116,8 +120,10 @@ class CudaGraphRunner:
         # [6 * max_bs] int64, viewed per batch size B as 6 rows of B (see GraphInputs)
         self.flat_inputs = torch.zeros(6 * self.max_bs, dtype=torch.int64, device=self.device)
         self.inputs = {bs: GraphInputs.of(self.flat_inputs, bs) for bs in self.sizes}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.variants = (False, True) if runner.lora is not None else (False,)
+        """Captured variants of each size: without LoRA launches, and with them when adapters may run."""
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, with LoRA) -> graph
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self._heads: dict[int, GraphInputs] = {}  # batch size -> its rows of its graph's inputs
         self.num_replays = 0
         self._capture_all()
@@ -162,23 +168,25 @@ class CudaGraphRunner:
             if gc_was_enabled:
                 gc.enable()
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s", len(self.sizes),
-                    self.max_bs, time.perf_counter() - start)
+        logger.info("captured %d decode CUDA graphs (batch sizes up to %d%s) in %.1f s", len(self.graphs),
+                    self.max_bs, ", with and without LoRA" if len(self.variants) > 1 else "",
+                    time.perf_counter() - start)
 
     def _capture_sizes(self, pool: Any, stream: torch.cuda.Stream) -> None:  # pool: an opaque handle
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            fb = self._forward_batch(bs)
-            run = self._make_run(fb, bs)
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up: Triton compiles, allocator settles
-                    run()
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    self.outputs[bs] = run()
-            self.graphs[bs] = graph
+            for with_lora in self.variants:
+                fb = self._forward_batch(bs)
+                run = self._make_run(fb, bs, with_lora)
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # warm up: Triton compiles, allocator settles
+                        run()
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                        self.outputs[bs, with_lora] = run()
+                self.graphs[bs, with_lora] = graph
 
-    def _make_run(self, fb: ForwardBatch, bs: int) -> Callable[[], torch.Tensor]:
+    def _make_run(self, fb: ForwardBatch, bs: int, with_lora: bool) -> Callable[[], torch.Tensor]:
         backend = self.runner.attn_backend
         model = self.runner.model
 
@@ -186,7 +194,7 @@ class CudaGraphRunner:
 
         def run() -> torch.Tensor:
             if lora is not None:
-                lora.bind_graph(bs)
+                lora.bind_graph(bs, with_lora)
             backend.init_forward_metadata_graph(fb, bs)
             logits: torch.Tensor = model(fb.input_ids, fb.positions, fb)
             return logits
@@ -213,11 +221,19 @@ class CudaGraphRunner:
         if head is None:
             head = self._heads[bs] = views.head(bs)
         stage_inputs(views, head, batch, prev_tokens, self.runner.req_pool.req_to_token)
-        if self.runner.lora is not None:
-            self.runner.lora.stage_graph([req.lora_slot for req in batch.reqs], padded)
-        self.graphs[padded].replay()
+        key = (padded, self._stage_lora(batch, padded))
+        self.graphs[key].replay()
         self.num_replays += 1
-        return self.outputs[padded][:bs]
+        return self.outputs[key][:bs]
+
+    def _stage_lora(self, batch: ScheduleBatch, padded: int) -> bool:
+        """Whether some row uses an adapter (then its graph's slot buffer is filled)."""
+        lora = self.runner.lora
+        slots = [req.lora_slot for req in batch.reqs]
+        if lora is None or all(slot < 0 for slot in slots):
+            return False
+        lora.stage_graph(slots, padded)
+        return True
 
     def time_replay_ms(self, bs: int, seq_len: int, iters: int = 20) -> float | None:
         """Device time of one replay for `bs` rows of `seq_len` tokens (benchmarks; it syncs);
@@ -237,7 +253,7 @@ class CudaGraphRunner:
         copy_to_device(views.seq_lens, seq_lens)
         for view in (views.req_pool_indices, views.input_ids, views.out_cache_loc):
             view.zero_()
-        graph = self.graphs[padded]
+        graph = self.graphs[padded, False]
         graph.replay()  # warm
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()

@@ -3,7 +3,8 @@
 Before every eager pass `prepare` reads each request's slot (`Req.lora_slot`, -1 for the base model): per
 row in a decode step, per request segment of rows in a prefill pass. A decode CUDA graph is captured over a
 static per-row slot buffer (`bind_graph`) that each replay fills first (`stage_graph`), so one graph serves
-any mix of adapters.
+any mix of adapters; a second graph of the same size without the adapters' launches serves batches of base
+requests only.
 """
 
 from __future__ import annotations
@@ -75,12 +76,13 @@ class LoraRuntime:
             starts = torch.tensor([0, *accumulate(extend_lens)], dtype=torch.int32).to(self.device, non_blocking=True)
             state.kernel_batch = LoraBatch(slots, starts, max(max(extend_lens), 1))
 
-    def bind_graph(self, bs: int) -> None:
-        """A decode graph of `bs` rows being captured reads the static slot buffer."""
+    def bind_graph(self, bs: int, with_lora: bool = True) -> None:
+        """A decode graph of `bs` rows being captured reads the static slot buffer (`with_lora`), or launches
+        nothing for adapters (a graph for batches of base requests)."""
         from radixmesh.kernels.lora import LoraBatch
 
-        self.state.active = True
-        self.state.kernel_batch = LoraBatch.per_row(self.graph_slots[:bs])
+        self.state.active = with_lora
+        self.state.kernel_batch = LoraBatch.per_row(self.graph_slots[:bs]) if with_lora else None
 
     def stage_graph(self, req_slots: list[int], padded_bs: int) -> None:
         """Fill the static slot buffer for a replay of `padded_bs` rows (padding rows use none)."""
