@@ -38,12 +38,37 @@ def _run(model: Path, adapters: list[Path], slots: int, **overrides: object) -> 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("slots", [3, 2])
-def test_graphs_match_eager_and_cpu(tmp_path: Path, slots: int) -> None:
+@pytest.mark.parametrize("slots,kernels", [(3, "auto"), (2, "auto"), (3, "rows"), (3, "grouped")])
+def test_graphs_match_eager_and_cpu(tmp_path: Path, slots: int, kernels: str) -> None:
     model = write_tiny_checkpoint(tmp_path / "tiny")
     adapters = write_random_adapters(ModelConfig.from_hf_dict(TINY_SHAPE), tmp_path / "adapters", 3, 16, seed=5)
     cpu = _run(model, adapters, slots)
-    gpu = dict(device="cuda", dtype="float32", disable_gemv=True)
+    gpu = dict(device="cuda", dtype="float32", disable_gemv=True, lora_kernels=kernels)
     graphs = _run(model, adapters, slots, **gpu)
     eager = _run(model, adapters, slots, disable_cuda_graph=True, **gpu)
     assert graphs == eager == cpu
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_base_requests_replay_the_graphs_without_lora_launches(tmp_path: Path) -> None:
+    """A LoRA engine serving only base requests (bf16, the GEMV and its fused prologues on) gives the tokens of an
+    engine without LoRA, through the graphs captured without the adapters' launches."""
+    model = write_tiny_checkpoint(tmp_path / "tiny")
+    adapters = write_random_adapters(ModelConfig.from_hf_dict(TINY_SHAPE), tmp_path / "adapters", 2, 16, seed=6)
+    tokens = []
+    for lora in (False, True):
+        sched, col = make_tp_scheduler(model, 1, device="cuda", dtype="bfloat16",
+                                       **({"lora_paths": (f"a0={adapters[0]}",), "max_lora_rank": 16} if lora else {}))
+        try:
+            for i, prompt in enumerate(PROMPTS):
+                sched.add_request(Req(rid=f"r{i}", origin_input_ids=list(prompt),
+                                      params=SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)))
+            run_until_idle(sched)
+            assert not col.errors, col.errors
+            graphs = sched.runner.graph_runner
+            assert graphs is not None and graphs.num_replays > 0
+            assert graphs.variants == ((False, True) if lora else (False,))
+            tokens.append(col.tokens)
+        finally:
+            close_scheduler(sched)
+    assert tokens[0] == tokens[1]

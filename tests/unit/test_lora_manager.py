@@ -168,6 +168,7 @@ def test_info_lists_most_recently_used_first_with_sizes(tmp_path: Path) -> None:
     ({"lora_target_modules": ("q_proj", "lm_head")}, "lora_target_modules"),
     ({"lora_paths": ("sql=/a", "/b/sql")}, "lora_paths"),
     ({"lora_paths": ("a=/a", "b=/b"), "max_loaded_loras": 1}, "lora_paths"),
+    ({"lora_kernels": "punica"}, "lora_kernels"),
 ])
 def test_lora_options_out_of_bounds_are_refused(settings: dict[str, Any], field: str) -> None:
     with pytest.raises(RadixMeshError) as err:
@@ -183,6 +184,14 @@ def test_lora_options_in_bounds_and_their_defaults() -> None:
     assert target_modules(config) == ("q_proj",)
     plain = EngineConfig(load_format="dummy")
     assert not plain.lora_enabled and target_modules(plain) == TARGET_MODULES
+    assert plain.lora_kernels == "auto" and EngineConfig(load_format="dummy", lora_kernels="rows").lora_kernels == "rows"
+
+
+def test_the_lora_kernels_flag_offers_every_kernel_set() -> None:
+    from radixmesh.engine.lora.options import LORA_KERNELS
+    from radixmesh.kernels.lora import KERNELS
+
+    assert sorted(LORA_KERNELS) == sorted(KERNELS)
 
 
 def test_lora_does_not_combine_with_the_hierarchical_cache() -> None:

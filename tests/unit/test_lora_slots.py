@@ -177,3 +177,49 @@ def test_stage_graph_pads_rows_with_no_adapter(padded_bs: int) -> None:
     assert runtime.graph_slots.tolist() == [-1] * 4
     runtime.stage_graph([1, 0], padded_bs)
     assert runtime.graph_slots[:padded_bs].tolist() == [1, 0] + [-1] * (padded_bs - 2)
+
+
+def test_bind_graph_captures_with_or_without_the_adapters() -> None:
+    runtime = make_runtime(max_graph_bs=4)
+    runtime.bind_graph(4, with_lora=False)
+    assert not runtime.state.active and runtime.state.kernel_batch is None
+    runtime.bind_graph(2)
+    assert runtime.state.active and runtime.state.kernel_batch.slots.data_ptr() == runtime.graph_slots.data_ptr()
+    assert runtime.state.kernel_batch.num_segments == 2
+
+
+def test_a_replay_takes_the_graph_without_lora_when_no_row_uses_an_adapter() -> None:
+    from types import SimpleNamespace
+
+    from radixmesh.engine.cuda_graph_runner import CudaGraphRunner
+
+    graphs = CudaGraphRunner.__new__(CudaGraphRunner)  # no CUDA: only the variant choice
+    graphs.runner = SimpleNamespace(lora=make_runtime(max_graph_bs=4))
+
+    def batch(*slots: int) -> SimpleNamespace:
+        return SimpleNamespace(reqs=[SimpleNamespace(lora_slot=s) for s in slots])
+
+    assert not graphs._stage_lora(batch(-1, -1), 4)
+    assert graphs.runner.lora.graph_slots.tolist() == [-1] * 4  # nothing staged
+    assert graphs._stage_lora(batch(-1, 1, -1), 4)
+    assert graphs.runner.lora.graph_slots.tolist() == [-1, 1, -1, -1]
+    graphs.runner = SimpleNamespace(lora=None)
+    assert not graphs._stage_lora(batch(-1), 1)
+
+
+def test_a_linear_layer_runs_as_without_lora_in_a_pass_of_base_rows() -> None:
+    from radixmesh.engine.models.layers import Linear
+
+    runtime = make_runtime()
+    layer = Linear(HIDDEN, Q + 2 * KV, bias=False)
+    layer.lora = runtime.slots.projections[(0, "qkv_proj")]
+    runtime.write(0, make_adapter("a", 4, {"q_proj": (HIDDEN, Q), "v_proj": (HIDDEN, KV)}))
+    x = torch.randn(2, HIDDEN)
+    runtime.prepare_rows([-1, -1], None)
+    assert not layer.lora.active
+    torch.testing.assert_close(layer(x), x @ layer.weight.t())
+    runtime.prepare_rows([0, -1], None)
+    assert layer.lora.active
+    out = layer(x)
+    torch.testing.assert_close(out[1], x[1] @ layer.weight.t())
+    assert not torch.allclose(out[0], x[0] @ layer.weight.t())

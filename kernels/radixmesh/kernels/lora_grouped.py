@@ -213,7 +213,8 @@ def grouped_expand(xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, ranks
         xa, b, slots, ranks, scalings, y, rows, *sizes, xa.shape[0], tiles, xa.stride(0), xa.stride(1),
         b.stride(0), b.stride(1), y.stride(0), R=max_rank, BLOCK_M=block_m,
         BLOCK_R=max(16, next_power_of_2(max_rank)), BLOCK_N=block_n,
-        PRECISION="ieee" if y.device.type == "cpu" else "tf32", num_warps=num_warps, **pdl_args(y.device))
+        PRECISION="ieee" if y.device.type == "cpu" or y.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        **pdl_args(y.device))
 
 
 def fused_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,

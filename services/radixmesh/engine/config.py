@@ -188,6 +188,9 @@ class EngineConfig:
     """Adapters kept in host memory; past that the least recently used one not on the device is unloaded."""
     max_lora_rank: int = 64
     """Largest adapter rank served (the slots' size), up to 256; adapters of a larger rank are refused at load."""
+    lora_kernels: str = "auto"
+    """Decode LoRA kernels on CUDA: auto (one fused launch per projection for a few rows, else launches grouped by
+    adapter) | grouped | fused | rows (a shrink and an expand program per row); prefill takes per-request ones."""
     lora_target_modules: tuple[str, ...] = ()
     """Projections with adapter slots (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; empty: all);
     an adapter targeting another one is refused at load."""

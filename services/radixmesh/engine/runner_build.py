@@ -187,10 +187,11 @@ def build_lora(runner: ModelRunner) -> LoraRuntime | None:
     shape = SlotShape(config.max_loras_per_batch, config.max_lora_rank, target_modules(config))
     lora = LoraRuntime(runner.model, runner.layout, runner.model_config.hidden_size, shape, runner.device,
                        runner.dtype, config.cuda_graph_max_bs if runner.device.type == "cuda" else 0)
+    lora.state.kernels = config.lora_kernels
     if runner.tp_leader is not None:
         lora.mirror = runner.tp_leader.lora_slot
-    logger.info("LoRA: %d slots of rank %d, %.1f MiB", shape.num_slots, shape.max_rank,
-                lora.slots.num_bytes / 2**20)
+    logger.info("LoRA: %d slots of rank %d, %.1f MiB, %s decode kernels", shape.num_slots, shape.max_rank,
+                lora.slots.num_bytes / 2**20, config.lora_kernels)
     return lora
 
 

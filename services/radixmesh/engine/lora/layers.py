@@ -33,6 +33,8 @@ class LoraBatchState:
     """CUDA: the `radixmesh.kernels.lora.LoraBatch` of the pass (per row or per segment)."""
     runs: list[tuple[int, int, int]] = field(default_factory=list)
     """Matmul path: (slot, first row, end row) of the pass's runs of rows with an adapter."""
+    kernels: str = "auto"
+    """CUDA: the decode kernel set (--lora-kernels, `radixmesh.kernels.lora.KERNELS`)."""
 
 
 class LoraProjection:
@@ -46,6 +48,11 @@ class LoraProjection:
         self.state, self.a, self.b, self.slice_sizes = state, a, b, slice_sizes
         self.max_rank = b.shape[2]
 
+    @property
+    def active(self) -> bool:
+        """Some row of the current pass uses an adapter (else the layer runs as without LoRA)."""
+        return self.state.active
+
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the base output of `x`) plus the rows' adapter outputs, in place."""
         state = self.state
@@ -55,7 +62,7 @@ class LoraProjection:
             from radixmesh.kernels.lora import lora_apply
 
             return lora_apply(x.contiguous(), y, self.a, self.b, state.kernel_batch, state.ranks, state.scalings,
-                              self.slice_sizes)
+                              self.slice_sizes, kernels=state.kernels)
         return self._add_matmul(x, y)
 
     def _add_matmul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 MAX_LORA_RANK = 256
 """The kernels' largest slot rank (`radixmesh.kernels.lora.MAX_RANK`)."""
 MAX_LORA_SLOTS = 128
+LORA_KERNELS = ("auto", "grouped", "fused", "rows")
+"""The decode kernel sets (`radixmesh.kernels.lora.KERNELS`; the engine imports no kernels on CPU)."""
 
 
 def check_lora_options(config: EngineConfig) -> None:
@@ -25,6 +27,8 @@ def check_lora_options(config: EngineConfig) -> None:
         raise invalid_argument(f"max_loras_per_batch must be in [1, {MAX_LORA_SLOTS}]", "max_loras_per_batch")
     if config.max_loaded_loras < 1:
         raise invalid_argument("max_loaded_loras must be >= 1", "max_loaded_loras")
+    if config.lora_kernels not in LORA_KERNELS:
+        raise invalid_argument(f"lora_kernels must be one of {', '.join(LORA_KERNELS)}", "lora_kernels")
     unknown = [m for m in config.lora_target_modules if m not in TARGET_MODULES]
     if unknown:
         raise invalid_argument(f"lora_target_modules: {', '.join(unknown)} not among {', '.join(TARGET_MODULES)}",

@@ -168,19 +168,21 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, prologue: Prologue | None = None) -> torch.Tensor:
         """`x @ W.T (+ bias)`; with a `prologue`, of `prologue(x)`: inside the GEMV kernel where one runs, or
-        inside the quantization method's input step (FP8: the prologue's kernel quantizes its own output). With
-        LoRA, plus each row's adapter output (of the normed input: no prologue is fused then)."""
+        inside the quantization method's input step (FP8: the prologue's kernel quantizes its own output). In a
+        pass where some row uses a LoRA adapter, plus each row's adapter output (of the normed input: no prologue
+        is fused then; a pass of base rows only runs as without LoRA)."""
+        lora = self.lora if self.lora is not None and self.lora.active else None  # a pass with adapter rows
         if prologue is not None:
             fused = prologue.fused_gemv(self, x)
             if fused is not None:
                 return fused if self.bias is None else fused.add_(self.bias)
-            if self.quant_method is not None and self.lora is None:  # adapters read the normed input
+            if self.quant_method is not None and lora is None:  # adapters read the normed input
                 after = self.quant_method.apply_after(self, x, prologue)
                 if after is not None:
                     return after
             x = prologue.apply(x)
-        if self.lora is not None:
-            y: torch.Tensor = self.lora.add(x, self._project(x))
+        if lora is not None:
+            y: torch.Tensor = lora.add(x, self._project(x))
             return y
         return self._project(x)
 
@@ -204,7 +206,7 @@ class Linear(nn.Linear):
     def gemv_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(weight, its FP8 row scales or None) when the one-row call `x` runs a GEMV kernel that takes a prologue;
         else None."""
-        if self.lora is not None:  # its adapters read the normed input: no prologue inside the GEMV
+        if self.lora is not None and self.lora.active:  # its adapters read the normed input: no prologue inside
             return None
         if not (self.use_gemv and self.fuse_prologues and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
                 and x.is_contiguous()):
