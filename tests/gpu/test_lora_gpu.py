@@ -1,5 +1,6 @@
-"""The batched LoRA kernels compiled on a GPU at the Llama-3.1-8B projections: against `lora_ref`, and in a
-CUDA graph whose slots change between replays (skipped without CUDA)."""
+"""The batched LoRA kernels compiled on a GPU at the Llama-3.1-8B projections, each decode kernel set (per row,
+grouped by slot, fused): against `lora_ref`, and in a CUDA graph whose slots change between replays (skipped
+without CUDA)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,10 @@ def _adapters(k: int, slices: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
     return a, b, ranks, scalings
 
 
-def _check(x: torch.Tensor, slices: tuple[int, ...], batch: LoraBatch) -> torch.Tensor:
+def _check(x: torch.Tensor, slices: tuple[int, ...], batch: LoraBatch, kernels: str = "auto") -> torch.Tensor:
     a, b, ranks, scalings = _adapters(x.shape[1], slices)
     y = torch.randn(x.shape[0], sum(slices), device=DEVICE, dtype=torch.bfloat16)
-    got = lora_apply(x, y.clone(), a, b, batch, ranks, scalings, slices)
+    got = lora_apply(x, y.clone(), a, b, batch, ranks, scalings, slices, kernels=kernels)
     slots = row_slots(batch.slots.cpu(), None if batch.seg_starts is None else batch.seg_starts.cpu(), x.shape[0])
     want = lora_ref(x, y, a, b, slots, ranks.cpu(), scalings.cpu(), slices)
     base = [row for row, slot in enumerate(slots) if slot < 0]
@@ -49,22 +50,24 @@ def _check(x: torch.Tensor, slices: tuple[int, ...], batch: LoraBatch) -> torch.
     return got
 
 
+@pytest.mark.parametrize("kernels", ["rows", "grouped", "fused"])
 @pytest.mark.parametrize("k,slices", [QKV, GATE_UP, O_PROJ, DOWN])
-@pytest.mark.parametrize("rows", [1, 32, 256])
-def test_decode_rows_over_sixteen_adapters(k: int, slices: tuple[int, ...], rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 4, 32, 256])
+def test_decode_rows_over_sixteen_adapters(k: int, slices: tuple[int, ...], rows: int, kernels: str) -> None:
     slots = torch.arange(rows, dtype=torch.int32) % (NUM_SLOTS + 1)
     slots[slots == NUM_SLOTS] = -1  # slots 0..15, then a base row: a batch of one has an adapter
     x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
-    _check(x, slices, LoraBatch.per_row(slots.to(DEVICE)))
+    _check(x, slices, LoraBatch.per_row(slots.to(DEVICE)), kernels)
 
 
+@pytest.mark.parametrize("kernels", ["rows", "grouped", "fused"])
 @pytest.mark.parametrize("k,slices", [QKV, DOWN])
-def test_a_lone_base_row_is_left_alone(k: int, slices: tuple[int, ...]) -> None:
+def test_a_lone_base_row_is_left_alone(k: int, slices: tuple[int, ...], kernels: str) -> None:
     a, b, ranks, scalings = _adapters(k, slices)
     x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
     y = torch.randn(1, sum(slices), device=DEVICE, dtype=torch.bfloat16)
     got = lora_apply(x, y.clone(), a, b, LoraBatch.per_row(torch.full((1,), -1, dtype=torch.int32, device=DEVICE)),
-                     ranks, scalings, slices)
+                     ranks, scalings, slices, kernels=kernels)
     assert torch.equal(got, y)
 
 
@@ -77,23 +80,25 @@ def test_prefill_segments(k: int, slices: tuple[int, ...]) -> None:
     _check(x, slices, LoraBatch(slots, starts, max(lengths)))
 
 
-def test_decode_replays_in_a_cuda_graph_with_new_slots() -> None:
+@pytest.mark.parametrize("rows,kernels", [(32, "rows"), (32, "grouped"), (100, "grouped"), (3, "fused")])
+def test_decode_replays_in_a_cuda_graph_with_new_slots(rows: int, kernels: str) -> None:
     k, slices = QKV
     a, b, ranks, scalings = _adapters(k, slices)
-    slots = torch.zeros(32, dtype=torch.int32, device=DEVICE)
+    slots = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
     batch = LoraBatch.per_row(slots)
-    x = torch.randn(32, k, device=DEVICE, dtype=torch.bfloat16)
-    y0 = torch.randn(32, sum(slices), device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
+    y0 = torch.randn(rows, sum(slices), device=DEVICE, dtype=torch.bfloat16)
     y = y0.clone()
-    lora_apply(x, y, a, b, batch, ranks, scalings, slices)  # compile outside the capture
+    lora_apply(x, y, a, b, batch, ranks, scalings, slices, kernels=kernels)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        lora_apply(x, y, a, b, batch, ranks, scalings, slices)
+        lora_apply(x, y, a, b, batch, ranks, scalings, slices, kernels=kernels)
     for seed in (1, 2):
         gen = torch.Generator().manual_seed(seed)
-        slots.copy_(torch.randint(-1, NUM_SLOTS, (32,), generator=gen, dtype=torch.int32))
+        slots.copy_(torch.randint(-1, NUM_SLOTS, (rows,), generator=gen, dtype=torch.int32))
         y.copy_(y0)
         graph.replay()
-        eager = lora_apply(x, y0.clone(), a, b, LoraBatch.per_row(slots.clone()), ranks, scalings, slices)
+        eager = lora_apply(x, y0.clone(), a, b, LoraBatch.per_row(slots.clone()), ranks, scalings, slices,
+                           kernels=kernels)
         assert torch.equal(y, eager)

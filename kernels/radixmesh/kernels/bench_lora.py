@@ -1,7 +1,7 @@
 """Batched LoRA at the Llama-3.1-8B projections: the adapters' cost next to the base GEMMs; JSON lines.
 
     python -m radixmesh.kernels.bench_lora [--batch 32] [--adapters 16] [--rank 16] [--max-rank 16] \
-        [--prefill-segments 512 512 512 512] [--check]
+        [--prefill-segments 512 512 512 512] [--kernels rows grouped fused] [--check]
     python -m radixmesh.kernels.bench_lora --table lora.jsonl     # a short table of a result file
 
 Cases: `decode` (one row per request, `--batch` rows over `--adapters` adapters, each adapter's rows spread
@@ -9,6 +9,9 @@ over the batch), `decode-1` (batch 1 with an adapter) and `prefill` (segments of
 each its own adapter). Per projection (q/k/v stacked, o, gate/up stacked, down): the base GEMM in bf16
 (`torch.matmul`, cuBLAS), the LoRA shrink and expand alone and together, and base then LoRA in one graph
 (`with_lora_us`); `base_share` = base / with LoRA, the throughput a step made only of these GEMMs keeps.
+Decode cases run once per kernel set of `--kernels` (`radixmesh.kernels.lora.KERNELS`: the per-row launches
+"rows", "grouped" by adapter, "fused" shrink+expand, or what "auto" picks), so old and new sit in one table;
+a fused launch has no shrink or expand of its own. Prefill segments always take the per-segment launches.
 Base weights and adapter buffers are copied until a graph reads several times the L2 cache, so both come
 from memory as they do in a step through 32 layers; a `summary` line per case sums the four projections.
 """
@@ -26,7 +29,16 @@ import torch
 
 from radixmesh.kernels._bench import print_table, run_info, time_us
 from radixmesh.kernels.bench_gemv import L2_SPAN_BYTES
-from radixmesh.kernels.lora import LoraBatch, LoraConfig, default_config, lora_apply, lora_expand, lora_shrink
+from radixmesh.kernels.lora import (
+    KERNELS,
+    LoraBatch,
+    LoraConfig,
+    choose_kernels,
+    kernel_config,
+    lora_apply,
+    lora_expand,
+    lora_shrink,
+)
 from radixmesh.kernels.lora_ref import lora_ref, row_slots
 
 # (name, in features, output slices) of one Llama-3.1-8B layer
@@ -48,8 +60,8 @@ def make_batch(case: str, args: argparse.Namespace) -> tuple[int, LoraBatch]:
     return sum(lengths), LoraBatch(slots.cuda(), starts.cuda(), max(lengths))
 
 
-def bench_projection(case: str, name: str, k: int, slices: tuple[int, ...], args: argparse.Namespace
-                     ) -> dict[str, object]:
+def bench_projection(case: str, name: str, k: int, slices: tuple[int, ...], args: argparse.Namespace,
+                     kernels: str) -> dict[str, object]:
     rows, batch = make_batch(case, args)
     n = sum(slices)
     base_copies = max(2, math.ceil(L2_SPAN_BYTES / (n * k * 2)))
@@ -63,8 +75,10 @@ def bench_projection(case: str, name: str, k: int, slices: tuple[int, ...], args
     scalings = torch.full((num_slots,), 2.0, dtype=torch.float32, device="cuda")
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     ys = [torch.empty(rows, n, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    cfg = default_config(batch, k, len(slices), x.device)
-    xa = lora_shrink(x, adapters[0][0], batch, ranks, len(slices), config=cfg)
+    kind = choose_kernels(kernels, batch, r)
+    cfg = kernel_config(kind, batch, k, slices, r, num_slots, x.device)
+    split = kind != "fused"  # a shrink and an expand, timed alone too
+    xa = lora_shrink(x, adapters[0][0], batch, ranks, len(slices), config=cfg, kernels=kind) if split else None
     count = max(base_copies, lora_copies)  # calls per graph
 
     def base(i: int) -> Callable[[], object]:
@@ -72,17 +86,19 @@ def bench_projection(case: str, name: str, k: int, slices: tuple[int, ...], args
 
     def lora(i: int) -> Callable[[], object]:
         a, b = adapters[i % lora_copies]
-        return functools.partial(lora_apply, x, ys[i % len(ys)], a, b, batch, ranks, scalings, slices, cfg, xa)
+        return functools.partial(lora_apply, x, ys[i % len(ys)], a, b, batch, ranks, scalings, slices, cfg, xa,
+                                 kind)
 
     pair_us = time_us([call for i in range(count) for call in (base(i), lora(i))])
     row: dict[str, object] = {
-        "bench": "lora", "case": case, "projection": name, "rows": rows, "in": k, "slices": list(slices),
-        "rank": args.rank, "max_rank": r, "adapters": num_slots, "config": vars(cfg),
+        "bench": "lora", "case": case, "projection": name, "kernels": kind, "rows": rows, "in": k,
+        "slices": list(slices), "rank": args.rank, "max_rank": r, "adapters": num_slots, "config": vars(cfg),
         "base_us": time_us([base(i) for i in range(count)]),
         "shrink_us": time_us([functools.partial(lora_shrink, x, adapters[i % lora_copies][0], batch, ranks,
-                                                len(slices), xa, cfg) for i in range(count)]),
+                                                len(slices), xa, cfg, kind) for i in range(count)]) if split else None,
         "expand_us": time_us([functools.partial(lora_expand, xa, adapters[i % lora_copies][1], batch, ranks,
-                                                scalings, ys[i % len(ys)], slices, cfg) for i in range(count)]),
+                                                scalings, ys[i % len(ys)], slices, cfg, kind)
+                              for i in range(count)]) if split else None,
         "lora_us": time_us([lora(i) for i in range(count)]),
         "with_lora_us": None if pair_us is None else round(2 * pair_us, 2),  # time_us counts each call of a pair
     }
@@ -90,17 +106,17 @@ def bench_projection(case: str, name: str, k: int, slices: tuple[int, ...], args
     if isinstance(base_us, float) and isinstance(with_lora_us, float):
         row["base_share"] = round(base_us / with_lora_us, 3)
     if args.check:
-        row["rel_err"] = check(x, weights[0], adapters[0], batch, ranks, scalings, slices, cfg)
+        row["rel_err"] = check(x, weights[0], adapters[0], batch, ranks, scalings, slices, cfg, kind)
     return row
 
 
 def check(x: torch.Tensor, w: torch.Tensor, adapter: tuple[torch.Tensor, torch.Tensor], batch: LoraBatch,
-          ranks: torch.Tensor, scalings: torch.Tensor, slices: tuple[int, ...], cfg: LoraConfig) -> float:
+          ranks: torch.Tensor, scalings: torch.Tensor, slices: tuple[int, ...], cfg: LoraConfig, kind: str) -> float:
     """Relative error of the adapters' contribution against `lora_ref` (float32, on the GPU)."""
     y = x @ w.t()
     slots = row_slots(batch.slots.cpu(), None if batch.seg_starts is None else batch.seg_starts.cpu(), x.shape[0])
     want = lora_ref(x, y, adapter[0], adapter[1], slots, ranks.cpu(), scalings.cpu(), slices)
-    got = lora_apply(x, y.clone(), adapter[0], adapter[1], batch, ranks, scalings, slices, cfg)
+    got = lora_apply(x, y.clone(), adapter[0], adapter[1], batch, ranks, scalings, slices, cfg, kernels=kind)
     return round(float((got.float() - want).norm() / (want - y.float()).norm()), 5)
 
 
@@ -111,12 +127,13 @@ def summary(case: str, rows: list[dict[str, object]]) -> dict[str, object]:
         return round(sum(numbers), 2) if len(numbers) == len(values) else None
 
     base, with_lora = total("base_us"), total("with_lora_us")
-    return {"bench": "lora", "case": case, "projection": "layer", "rows": rows[0]["rows"], "rank": rows[0]["rank"],
+    return {"bench": "lora", "case": case, "projection": "layer", "kernels": rows[0]["kernels"],
+            "rows": rows[0]["rows"], "rank": rows[0]["rank"],
             "adapters": rows[0]["adapters"], "base_us": base, "lora_us": total("lora_us"),
             "with_lora_us": with_lora, "base_share": round(base / with_lora, 3) if base and with_lora else None}
 
 
-COLUMNS = [("case", "case"), ("proj", "projection"), ("rows", "rows"), ("adapters", "adapters"),
+COLUMNS = [("case", "case"), ("proj", "projection"), ("kernels", "kernels"), ("rows", "rows"), ("adapters", "adapters"),
            ("base_us", "base_us"), ("shrink", "shrink_us"), ("expand", "expand_us"), ("lora_us", "lora_us"),
            ("with_lora", "with_lora_us"), ("base_share", "base_share"), ("rel_err", "rel_err")]
 
@@ -130,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--max-rank", type=int, default=None, help="the slot buffers' rank (default: --rank)")
     p.add_argument("--prefill-segments", nargs="+", type=int, default=[512, 512, 512, 512])
+    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=["rows", "grouped", "fused"],
+                   help="decode kernel sets to time, each in turn (prefill: the per-segment launches once)")
     p.add_argument("--check", action="store_true", help="compare each projection with lora_ref")
     p.add_argument("--table", nargs="+", metavar="JSONL", help="print a table of earlier results and exit")
     args = p.parse_args(argv)
@@ -144,12 +163,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     info = run_info("radixmesh.kernels.bench_lora")
     for case in args.cases:
-        rows = []
-        for name, k, slices in PROJECTIONS:
-            rows.append(bench_projection(case, name, k, slices, args))
-            print(json.dumps({**rows[-1], **info}), flush=True)
-            torch.cuda.empty_cache()
-        print(json.dumps({**summary(case, rows), **info}), flush=True)
+        for kernels in args.kernels if case != "prefill" else ["rows"]:
+            rows = []
+            for name, k, slices in PROJECTIONS:
+                rows.append(bench_projection(case, name, k, slices, args, kernels))
+                print(json.dumps({**rows[-1], **info}), flush=True)
+                torch.cuda.empty_cache()
+            print(json.dumps({**summary(case, rows), **info}), flush=True)
     return 0
 
 

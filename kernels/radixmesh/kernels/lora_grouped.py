@@ -38,13 +38,14 @@ FUSED_TILE_ELEMS = 8192
 
 def grouped_tiles(rows: int, num_slots: int, in_features: int, num_slices: int, cpu: bool
                   ) -> tuple[int, int, int, int, int]:
-    """(block_m, block_k, block_n, num_splits, num_warps) of the grouped launches."""
+    """(block_m, block_k, block_n, num_splits, num_warps) of the grouped launches; an expand program's float32
+    `[block_m, block_n]` tile stays at 8192 values (64 registers a thread in 4 warps)."""
     block_m = min(GROUPED_MAX_BLOCK_M, max(16, next_power_of_2(rows)))
     if cpu:
         return block_m, 32, 16, 2 if in_features >= 64 else 1, 1
     programs = min(num_slots, rows) * triton.cdiv(rows, block_m) * num_slices
     splits = max(1, min(16, TARGET_PROGRAMS // max(1, programs), in_features // 256))
-    return block_m, 128, 256, splits, 4
+    return block_m, 128, min(256, 8192 // block_m), splits, 4
 
 
 def fused_tiles(rows: int, max_rank: int, slice_sizes: tuple[int, ...], cpu: bool) -> tuple[int, int, int]:
