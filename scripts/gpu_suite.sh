@@ -32,7 +32,8 @@
 #   STAGES="spec-tests spec-same spec-unrelated spec-unrelated-raw spec-ngram" bash scripts/gpu_suite.sh (speculation)
 #   STAGES=spec-oracle TIMEOUT_spec_oracle=420: issue 47's targets (oracle drafts at a 1B draft's cost, acceptance 1.0 /
 #   0.7; own-weights draft); STAGES=spec-eagle: random 8B-shape EAGLE / EAGLE-3 heads (a cycle's cost, exactness)
-#   STAGES=lora: LoRA adapters in the engine (GPU tests, then `bench lora`: 16 adapters in a batch of 32 vs the base)
+#   STAGES=lora: LoRA adapters in the engine (GPU tests, then `bench lora`: 16 adapters in a batch of 32 vs the base;
+#   LORA_KERNELS="auto rows" TIMEOUT_lora=590: the bench once per decode kernel set)
 #   STAGES="moe-kernels lora-kernels" TIMEOUT_moe_kernels=590: the MoE and batched-LoRA kernels (issues 48, 46): GPU
 #   tests, the CPU kernel tests compiled, the benchmarks (MoE tile sweep at MOE_SWEEP_MS) and a table of each at the end
 #   STAGES=moe TIMEOUT_moe=590 (issue 48, two GPUs, about 6 minutes): Qwen3-30B-A3B batch-1 decode against its bandwidth
@@ -527,12 +528,16 @@ PY
         | tee "$OUT/moe-kernels.jsonl"
       python3 -m radixmesh.kernels.bench_moe --table "$OUT/moe-kernels.jsonl" ;;
     lora)  # issue 46: adapters in the engine (graphs vs eager vs CPU), then 16 rank-16 adapters mixed in a batch of 32
-      # vs the base model, batch 1 with and without an adapter, and a run-time load (8B shape, random weights)
+      # vs the base model, batch 1 with and without an adapter, and a run-time load (8B shape, random weights);
+      # LORA_KERNELS="auto rows": one run per --lora-kernels setting (the new decode kernels vs the per-row ones)
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_engine_gpu.py tests/gpu/test_lora_gpu.py
-      $RM bench lora --model-shape llama-3.1-8b --num-adapters 16 --rank 16 --batch-size 32 --input-len 256 \
-        --output-len 128 --result-file "$OUT/lora.jsonl" ;;
+      for kernels in ${LORA_KERNELS:-auto}; do
+        $RM bench lora --model-shape llama-3.1-8b --num-adapters 16 --rank 16 --batch-size 32 --input-len 256 \
+          --output-len 128 --lora-kernels "$kernels" --result-file "$OUT/lora.jsonl"
+      done ;;
     lora-kernels)  # batched LoRA at the 8B projections: tests, then the adapters' cost next to cuBLAS's base GEMMs
       # (32 decode rows over 16 rank-16 adapters, batch 1, four 512-token prefill segments; then slots sized for rank 64)
+      # for each decode kernel set: per row (the old launches), grouped by adapter, fused shrink+expand
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_gpu.py
       python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_lora_kernels.py
       python3 -m radixmesh.kernels.bench_lora --check | tee "$OUT/lora-kernels.jsonl"

@@ -101,7 +101,7 @@ def cmd_lora(args: argparse.Namespace) -> int:
     timeline = Timeline()
     result: dict[str, Any] = {"bench": "lora", "num_adapters": args.num_adapters, "rank": args.rank,
                               "batch_size": args.batch_size, "input_len": args.input_len,
-                              "output_len": args.output_len}
+                              "output_len": args.output_len, "lora_kernels": args.lora_kernels}
     model_config = _measure_base(args, timeline, result)
     _release_memory()
     with tempfile.TemporaryDirectory(prefix="radixmesh-lora-") as tmp:
