@@ -184,7 +184,8 @@ def test_lora_options_in_bounds_and_their_defaults() -> None:
     assert target_modules(config) == ("q_proj",)
     plain = EngineConfig(load_format="dummy")
     assert not plain.lora_enabled and target_modules(plain) == TARGET_MODULES
-    assert plain.lora_kernels == "auto" and EngineConfig(load_format="dummy", lora_kernels="rows").lora_kernels == "rows"
+    assert plain.lora_kernels == "auto"
+    assert EngineConfig(load_format="dummy", lora_kernels="rows").lora_kernels == "rows"
 
 
 def test_the_lora_kernels_flag_offers_every_kernel_set() -> None:

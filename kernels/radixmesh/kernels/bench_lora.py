@@ -77,8 +77,9 @@ def bench_projection(case: str, name: str, k: int, slices: tuple[int, ...], args
     ys = [torch.empty(rows, n, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     kind = choose_kernels(kernels, batch, r)
     cfg = kernel_config(kind, batch, k, slices, r, num_slots, x.device)
-    split = kind != "fused"  # a shrink and an expand, timed alone too
-    xa = lora_shrink(x, adapters[0][0], batch, ranks, len(slices), config=cfg, kernels=kind) if split else None
+    xa = None  # a shrink and an expand, timed alone too (a fused launch has neither)
+    if kind != "fused":
+        xa = lora_shrink(x, adapters[0][0], batch, ranks, len(slices), config=cfg, kernels=kind)
     count = max(base_copies, lora_copies)  # calls per graph
 
     def base(i: int) -> Callable[[], object]:
@@ -94,14 +95,16 @@ def bench_projection(case: str, name: str, k: int, slices: tuple[int, ...], args
         "bench": "lora", "case": case, "projection": name, "kernels": kind, "rows": rows, "in": k,
         "slices": list(slices), "rank": args.rank, "max_rank": r, "adapters": num_slots, "config": vars(cfg),
         "base_us": time_us([base(i) for i in range(count)]),
-        "shrink_us": time_us([functools.partial(lora_shrink, x, adapters[i % lora_copies][0], batch, ranks,
-                                                len(slices), xa, cfg, kind) for i in range(count)]) if split else None,
-        "expand_us": time_us([functools.partial(lora_expand, xa, adapters[i % lora_copies][1], batch, ranks,
-                                                scalings, ys[i % len(ys)], slices, cfg, kind)
-                              for i in range(count)]) if split else None,
+        "shrink_us": None, "expand_us": None,
         "lora_us": time_us([lora(i) for i in range(count)]),
         "with_lora_us": None if pair_us is None else round(2 * pair_us, 2),  # time_us counts each call of a pair
     }
+    if xa is not None:
+        row["shrink_us"] = time_us([functools.partial(lora_shrink, x, adapters[i % lora_copies][0], batch, ranks,
+                                                      len(slices), xa, cfg, kind) for i in range(count)])
+        row["expand_us"] = time_us([functools.partial(lora_expand, xa, adapters[i % lora_copies][1], batch, ranks,
+                                                      scalings, ys[i % len(ys)], slices, cfg, kind)
+                                    for i in range(count)])
     base_us, with_lora_us = row["base_us"], row["with_lora_us"]
     if isinstance(base_us, float) and isinstance(with_lora_us, float):
         row["base_share"] = round(base_us / with_lora_us, 3)
