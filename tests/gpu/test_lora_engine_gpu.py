@@ -1,10 +1,12 @@
 """LoRA adapters in the engine on a GPU (skipped without CUDA): a decode batch mixing adapters and the base model
 gives the same greedy tokens replayed in CUDA graphs as run eagerly, and as the CPU's matmul path, with adapters
-taking turns on fewer slots than adapters."""
+taking turns on fewer slots than adapters; base requests on a LoRA engine give a plain engine's tokens; at batch 1
+the fused norm GEMVs with the adapter as an addend match the norm, the GEMV and the adapter's launches."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -72,3 +74,53 @@ def test_base_requests_replay_the_graphs_without_lora_launches(tmp_path: Path) -
         finally:
             close_scheduler(sched)
     assert tokens[0] == tokens[1]
+
+
+def _lora_layer(k: int, n: int, slices: tuple[int, ...], kernels: str, slot: int) -> tuple[Any, Any]:
+    """A bf16 Linear `[n, k]` with the GEMV and its prologues on and a LoRA projection of 3 slots of rank <= 16
+    (the batch: one row of `slot`)."""
+    from radixmesh.engine.lora.layers import LoraBatchState, LoraProjection
+    from radixmesh.engine.models.layers import Linear, RMSNorm
+    from radixmesh.kernels.lora import LoraBatch
+
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    layer = Linear(k, n, bias=False).to(dev, bf16)
+    layer.use_gemv = layer.fuse_prologues = True
+    ranks = torch.tensor([16, 8, 0], dtype=torch.int32, device=dev)
+    scalings = torch.tensor([2.0, 0.5, 1.0], device=dev)
+    state = LoraBatchState(ranks, scalings, ranks.tolist(), scalings.tolist(), active=True,
+                           kernel_batch=LoraBatch.per_row(torch.tensor([slot], dtype=torch.int32, device=dev)),
+                           kernels=kernels)
+    a = torch.randn(3, len(slices) * 16, k, device=dev, generator=gen, dtype=bf16) / k**0.5
+    b = torch.randn(3, n, 16, device=dev, generator=gen, dtype=bf16) * 0.1
+    layer.lora = LoraProjection(state, a, b, slices)
+    norm = RMSNorm(k, 1e-5).to(dev, bf16)
+    norm.weight.data = 1 + 0.1 * torch.randn(k, device=dev, generator=gen, dtype=bf16)
+    return layer, norm
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("slot", [0, 1])
+def test_batch_one_fused_norm_gemv_takes_the_adapter_as_an_addend(gated: bool, slot: int) -> None:
+    from radixmesh.engine.models.layers import SILU_AND_MUL, AddRMSNorm
+
+    k, n = 512, 768
+    slices = (n // 2, n // 2) if gated else (512, 128, 128)
+    layer, norm = _lora_layer(k, n, slices, "auto", slot)
+    x, residual = (torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    prologue = AddRMSNorm(norm, residual)
+    assert layer.lora.fuses_prologue(x)
+    fused = prologue.fused_gemv(layer, x, gated=gated) if gated else prologue.fused_gemv(layer, x)
+    assert fused is not None, "the fused GEMV runs with the adapter"
+    layer.lora.state.kernels = "rows"  # the unfused path: norm, GEMV, the adapter's launches (and SiLU-and-mul)
+    assert not layer.lora.fuses_prologue(x) and AddRMSNorm(norm, residual).fused_gemv(layer, x) is None
+    unfused = layer(x, AddRMSNorm(norm, residual))
+    if gated:
+        unfused = SILU_AND_MUL.apply(unfused)
+    plain = layer._project(AddRMSNorm(norm, residual).apply(x))  # no adapter
+    if gated:
+        plain = SILU_AND_MUL.apply(plain)
+    err = float((fused.float() - unfused.float()).norm() / (unfused.float() - plain.float()).norm())
+    assert err < 0.05, f"fused vs unfused differ by {err:.3g} of the adapter's contribution"

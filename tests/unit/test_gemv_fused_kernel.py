@@ -94,3 +94,23 @@ def test_the_fused_gemvs_check_their_inputs() -> None:
     with pytest.raises(AssertionError, match="weight_scale must be"):
         wq, ws = quantize_rows_ref(torch.randn(32, 64))
         gemv_add_rmsnorm(x, x, nw, EPS, wq.to(DEVICE), ws[:3].to(DEVICE))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("n,k,config", CASES[:2])
+def test_an_addend_joins_the_projection_before_the_epilogue(n: int, k: int, config: GemvConfig | None,
+                                                            gated: bool) -> None:
+    x, residual = _rand(1, k, seed=8), _rand(1, k, seed=9)
+    nw = 1.0 + _rand(k, seed=10, scale=0.1)
+    rows = 2 * n if gated else n
+    w, _, _ = _weights(rows, k, torch.float32, False)
+    addend = _rand(1, rows, seed=11)
+    summed = x + residual
+    proj = (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + EPS) * nw) @ w.t() + addend
+    want = torch.nn.functional.silu(proj[:, :n]) * proj[:, n:] if gated else proj
+    got, _ = gemv_add_rmsnorm(x.to(DEVICE), residual.to(DEVICE), nw.to(DEVICE), EPS, w.to(DEVICE), gated=gated,
+                              config=config, addend=addend.to(DEVICE))
+    assert _rel_err(got, want) < 1e-5
+    with pytest.raises(AssertionError, match="addend must be"):
+        gemv_add_rmsnorm(x.to(DEVICE), residual.to(DEVICE), nw.to(DEVICE), EPS, w.to(DEVICE), gated=gated,
+                         addend=addend[:, 1:].to(DEVICE))

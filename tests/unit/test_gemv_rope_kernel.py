@@ -113,3 +113,22 @@ def test_launcher_names_a_head_count_that_does_not_match_the_weight() -> None:
     with pytest.raises(AssertionError, match="positions must hold the one token"):
         two = torch.tensor([0, 1], device=DEVICE)
         gemv_add_rmsnorm_rope(x, residual, nw, EPS, w, ws, RopeStore(two, cos, sin, pool, pool.clone(), one, 2, 1, 16))
+
+
+def test_an_addend_joins_the_projection_before_the_rotation() -> None:
+    hq, hkv, d, k, config = _SHAPES[1]
+    x, residual, nw, (w, ws) = _setup(hq, hkv, d, k, torch.float32, False, seed=7)
+    cos, sin = _caches(d)
+    positions, loc = torch.tensor([11], device=DEVICE), torch.tensor([2], device=DEVICE)
+    addend = _rand(1, (hq + 2 * hkv) * d, seed=12)
+    want_k, want_v = torch.zeros(SLOTS, hkv, d, device=DEVICE), torch.zeros(SLOTS, hkv, d, device=DEVICE)
+    got_k, got_v = want_k.clone(), want_v.clone()
+    qkv, _ = gemv_add_rmsnorm(x, residual, nw, EPS, w, ws, config=config, addend=addend)  # tested on its own
+    q_, k_, v_ = qkv.view(1, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
+    apply_rotary_(q_, k_, positions, cos, sin, KVStoreTarget(v_.contiguous(), want_k, want_v, loc, 1.0, 1.0))
+    rope = RopeStore(positions, cos, sin, got_k, got_v, loc, hq, hkv, d)
+    got, _ = gemv_add_rmsnorm_rope(x, residual, nw, EPS, w, ws, rope, config=config, addend=addend)
+    tol = dict(atol=0.0, rtol=0.0) if DEVICE.type == "cpu" else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, qkv, **tol)
+    torch.testing.assert_close(got_k, want_k, **tol)
+    torch.testing.assert_close(got_v, want_v, **tol)

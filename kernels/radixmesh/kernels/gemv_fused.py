@@ -41,9 +41,21 @@ def _norm_tile(x_ptr, r_ptr, nw_ptr, r_out_ptr, cols, K, store_limit):
 
 
 @triton.jit
-def _gemv_norm_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, eps,
+def _project(acc, rstd, s_ptr, add_ptr, offs_n, N, HAS_SCALE: tl.constexpr, HAS_ADDEND: tl.constexpr):
+    """The rows' dot products (`acc` `[BLOCK_N, BLOCK_K]` partial sums) normed, scaled (FP8 weights: one scale
+    per row) and plus the addend (a float32 term per row, a LoRA adapter's), in float32."""
+    y = tl.sum(acc, axis=1) * rstd
+    if HAS_SCALE:
+        y = y * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
+    if HAS_ADDEND:
+        y += tl.load(add_ptr + offs_n, mask=offs_n < N, other=0.0)
+    return y
+
+
+@triton.jit
+def _gemv_norm_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_ptr, y_ptr, N, K, stride_w, eps,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
-                      HAS_SCALE: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+                      HAS_SCALE: tl.constexpr, HAS_ADDEND: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
     # y = rstd * sum_k W[n, k] * (s[k] * nw[k]) with s = x + r: the norm's scale, a whole-row reduction, is
     # summed along the same loop and applied to the dot products at the end, so the weights stream from the
     # first instruction (a reduction before the loop held every program's first loads back).
@@ -86,13 +98,9 @@ def _gemv_norm_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, y_ptr, N, K
     if PDL:
         gdc_launch_dependents()
     rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
-    y = tl.sum(acc, axis=1) * rstd
-    if HAS_SCALE:  # FP8 weights: one scale per output row
-        y = y * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
+    y = _project(acc, rstd, s_ptr, add_ptr, offs_n, N, HAS_SCALE, HAS_ADDEND)
     if GATED:  # rounded as the unfused path rounds: the projection, SiLU's output, the product
-        up = tl.sum(acc_up, axis=1) * rstd
-        if HAS_SCALE:
-            up = up * tl.load(s_ptr + N + offs_n, mask=offs_n < N, other=0.0)
+        up = _project(acc_up, rstd, s_ptr + N, add_ptr + N, offs_n, N, HAS_SCALE, HAS_ADDEND)
         gate = y.to(act).to(tl.float32)
         y = (gate / (1.0 + tl.exp(-gate))).to(act).to(tl.float32) * up.to(act).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(act), mask=offs_n < N)
@@ -112,6 +120,15 @@ def _check_weight(weight: torch.Tensor, weight_scale: torch.Tensor | None, k: in
         assert weight_scale.dtype == torch.float32 and tuple(weight_scale.shape) == (n,) and \
             weight_scale.is_contiguous(), f"weight_scale must be a contiguous float32 [{n}]"
     return n
+
+
+def check_addend(addend: torch.Tensor | None, n: int, device: torch.device) -> None:
+    """An addend is a contiguous float32 `[1, n]` (one term per weight row) on the device, or None."""
+    if addend is None:
+        return
+    check_device("addend", addend, device)
+    assert addend.dtype == torch.float32 and tuple(addend.shape) == (1, n) and addend.is_contiguous(), (
+        f"addend must be a contiguous float32 [1, {n}], got {addend.dtype} {tuple(addend.shape)}")
 
 
 def _check_row(name: str, t: torch.Tensor, width: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -134,10 +151,13 @@ def _plan(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | No
 
 def gemv_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                      weight: torch.Tensor, weight_scale: torch.Tensor | None = None, gated: bool = False,
-                     config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     config: GemvConfig | None = None, addend: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(y, x + residual)` for `x`, `residual` `[1, K]` (bf16/fp16/fp32) and `weight` `[N, K]` in x's dtype,
     or FP8 with `weight_scale` `[N]` float32: `y = h @ weight.T` with `h = rmsnorm(x + residual) * norm_weight`,
-    `[1, N]`; `gated`: `weight` is `[gate; up]` and `y = silu(h @ gate.T) * (h @ up.T)`, `[1, N / 2]`."""
+    `[1, N]`; `gated`: `weight` is `[gate; up]` and `y = silu(h @ gate.T) * (h @ up.T)`, `[1, N / 2]`.
+    `addend` (float32 `[1, N]`, e.g. a LoRA adapter's output) is added to the projection before rounding and
+    the SiLU."""
     check_float("x", x)
     k = x.shape[-1]
     _check_row("x", x, k, x.dtype, x.device)
@@ -147,16 +167,17 @@ def gemv_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
     assert tuple(norm_weight.shape) == (k,) and norm_weight.is_contiguous(), (
         f"norm_weight must be a contiguous [{k}], got {tuple(norm_weight.shape)}")
     n = _check_weight(weight, weight_scale, k, x.device)
+    check_addend(addend, n, x.device)
     assert not gated or n % 2 == 0, f"a gated weight stacks gate and up rows: {n} rows is odd"
     n_out = n // 2 if gated else n
     out, cfg, even = _plan(x, weight, weight_scale, k, n_out, config, "gated" if gated else "norm")
     summed = torch.empty_like(x)
     if n_out:
         _gemv_norm_kernel[(triton.cdiv(n_out, cfg.block_n),)](
-            x, residual, norm_weight, summed, weight, weight_scale if weight_scale is not None else weight, out,
-            n_out, k, weight.stride(0), eps, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-            EVEN=even, HAS_SCALE=weight_scale is not None, GATED=gated, num_warps=cfg.num_warps,
-            **pdl_args(x.device))
+            x, residual, norm_weight, summed, weight, weight_scale if weight_scale is not None else weight,
+            addend if addend is not None else norm_weight, out, n_out, k, weight.stride(0), eps, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN=even, HAS_SCALE=weight_scale is not None,
+            HAS_ADDEND=addend is not None, GATED=gated, num_warps=cfg.num_warps, **pdl_args(x.device))
     else:
         summed.copy_(x + residual)
     return out, summed

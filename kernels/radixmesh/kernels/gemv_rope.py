@@ -25,7 +25,7 @@ from radixmesh.kernels._fp8_cast import emulate_cast
 from radixmesh.kernels._jit import unspecialized
 from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from radixmesh.kernels.gemv import GemvConfig, fused_config
-from radixmesh.kernels.gemv_fused import _check_row, _check_weight, _norm_tile
+from radixmesh.kernels.gemv_fused import _check_row, _check_weight, _norm_tile, check_addend
 from radixmesh.kernels.kv_store import fp8_store_args, to_pool
 
 
@@ -48,14 +48,14 @@ class RopeStore(NamedTuple):
 
 
 @triton.jit(**unspecialized(pointers=("pos_ptr", "loc_ptr")))  # loc: a slice of the slot free list
-def _gemv_norm_rope_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, y_ptr, K, stride_w, eps,
+def _gemv_norm_rope_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_ptr, y_ptr, K, stride_w, eps,
                            pos_ptr, loc_ptr, cos_ptr, sin_ptr, stride_cache, k_buf_ptr, v_buf_ptr,
                            stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
                            inv_k_scale, inv_v_scale, fp8_max,
                            HEAD_DIM: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                           EVEN: tl.constexpr, HAS_SCALE: tl.constexpr, IS_FP8: tl.constexpr,
-                           EMULATE: tl.constexpr, PDL: tl.constexpr):
+                           EVEN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_ADDEND: tl.constexpr,
+                           IS_FP8: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     head = pid // (HALF // BLOCK_N)
@@ -95,6 +95,9 @@ def _gemv_norm_rope_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, y_ptr,
     if HAS_SCALE:  # FP8 weights: one scale per output row
         lo = lo * tl.load(s_ptr + offs_n)
         hi = hi * tl.load(s_ptr + offs_n + HALF)
+    if HAS_ADDEND:  # a float32 term per weight row (a LoRA adapter's), before the rotation
+        lo += tl.load(add_ptr + offs_n)
+        hi += tl.load(add_ptr + offs_n + HALF)
     lo = lo.to(act).to(tl.float32)  # the projection's output, as the unfused path rounds it
     hi = hi.to(act).to(tl.float32)
     pos = tl.load(pos_ptr).to(tl.int64)
@@ -129,11 +132,13 @@ def rope_block_n(cfg: GemvConfig, head_dim: int) -> int | None:
 
 def gemv_add_rmsnorm_rope(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                           weight: torch.Tensor, weight_scale: torch.Tensor | None, rope: RopeStore,
-                          config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          config: GemvConfig | None = None, addend: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(qkv, x + residual)` for one token: `qkv = rmsnorm(x + residual) * norm_weight @ weight.T` `[1, N]` with
     its q and k heads rotated at `rope.positions[0]`, and the rotated k and the v written to pool slot
     `rope.loc[0]`. `weight` `[N, K]` stacks the q, k and v heads (`N = (q_heads + 2 kv_heads) * head_dim`), in
-    x's dtype or FP8 with row scales `weight_scale` `[N]` float32."""
+    x's dtype or FP8 with row scales `weight_scale` `[N]` float32. `addend` (float32 `[1, N]`, e.g. a LoRA
+    adapter's output) is added to the projection before rounding and the rotation."""
     check_float("x", x)
     k = x.shape[-1]
     device = x.device
@@ -144,6 +149,7 @@ def gemv_add_rmsnorm_rope(x: torch.Tensor, residual: torch.Tensor, norm_weight: 
     assert tuple(norm_weight.shape) == (k,) and norm_weight.is_contiguous(), (
         f"norm_weight must be a contiguous [{k}], got {tuple(norm_weight.shape)}")
     n = _check_weight(weight, weight_scale, k, device)
+    check_addend(addend, n, device)
     if weight_scale is None:
         assert weight.dtype == x.dtype, f"weight is {weight.dtype}, the input is {x.dtype}"
     d, hq, hkv = rope.head_dim, rope.num_q_heads, rope.num_kv_heads
@@ -169,11 +175,13 @@ def gemv_add_rmsnorm_rope(x: torch.Tensor, residual: torch.Tensor, norm_weight: 
     inv_k, inv_v, limit, is_fp8 = fp8_store_args(rope.k_buffer, rope.k_scale, rope.v_scale)
     grid = ((hq + 2 * hkv) * (d // 2 // block_n),)
     _gemv_norm_rope_kernel[grid](
-        x, residual, norm_weight, summed, weight, weight_scale if weight_scale is not None else weight, out,
-        k, weight.stride(0), eps, rope.positions, rope.loc, rope.cos_cache, rope.sin_cache, rope.cos_cache.stride(0),
+        x, residual, norm_weight, summed, weight, weight_scale if weight_scale is not None else weight,
+        addend if addend is not None else norm_weight, out, k, weight.stride(0), eps, rope.positions, rope.loc,
+        rope.cos_cache, rope.sin_cache, rope.cos_cache.stride(0),
         rope.k_buffer, rope.v_buffer, rope.k_buffer.stride(0), rope.k_buffer.stride(1), rope.v_buffer.stride(0),
         rope.v_buffer.stride(1), inv_k, inv_v, limit,
         HEAD_DIM=d, NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-        NUM_STAGES=cfg.num_stages, EVEN=k % cfg.block_k == 0, HAS_SCALE=weight_scale is not None, IS_FP8=is_fp8,
+        NUM_STAGES=cfg.num_stages, EVEN=k % cfg.block_k == 0, HAS_SCALE=weight_scale is not None,
+        HAS_ADDEND=addend is not None, IS_FP8=is_fp8,
         EMULATE=emulate_cast(device), num_warps=cfg.num_warps, **pdl_args(device))
     return out, summed

@@ -53,6 +53,23 @@ class LoraProjection:
         """Some row of the current pass uses an adapter (else the layer runs as without LoRA)."""
         return self.state.active
 
+    def fuses_prologue(self, x: torch.Tensor) -> bool:
+        """Whether a pass with adapters may keep the batch-1 GEMV's fused norm prologue for input `x`: the adapter
+        then comes as an addend (`norm_delta`) computed with the norm (CUDA, one row, not the "rows" kernels)."""
+        state = self.state
+        return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and state.kernels != "rows"
+                and state.kernel_batch is not None and state.kernel_batch.num_segments == 1)
+
+    def norm_delta(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+        """float32 `[1, out]`: the row's adapter output on `rmsnorm(x + residual) * norm_weight`, for the fused
+        GEMV to add before its epilogue (`radixmesh.kernels.lora_prologue`)."""
+        from radixmesh.kernels.lora_prologue import lora_norm_delta
+
+        state = self.state
+        return lora_norm_delta(x, residual, norm_weight, eps, self.a, self.b, state.kernel_batch.slots, state.ranks,
+                               state.scalings, self.slice_sizes)
+
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the base output of `x`) plus the rows' adapter outputs, in place."""
         state = self.state

@@ -206,8 +206,8 @@ class Linear(nn.Linear):
     def gemv_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(weight, its FP8 row scales or None) when the one-row call `x` runs a GEMV kernel that takes a prologue;
         else None."""
-        if self.lora is not None and self.lora.active:  # its adapters read the normed input: no prologue inside
-            return None
+        if self.lora is not None and self.lora.active and not self.lora.fuses_prologue(x):
+            return None  # its adapters read the normed input: no prologue inside the GEMV
         if not (self.use_gemv and self.fuse_prologues and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
                 and x.is_contiguous()):
             return None
@@ -269,8 +269,17 @@ class AddRMSNorm:
             return None
         from radixmesh.kernels.gemv_fused import gemv_add_rmsnorm
 
-        y, self.summed = gemv_add_rmsnorm(x, self.residual, self.norm.weight, self.norm.eps, *weights, gated=gated)
+        y, self.summed = gemv_add_rmsnorm(x, self.residual, self.norm.weight, self.norm.eps, *weights, gated=gated,
+                                          addend=self._lora_addend(layer, x))
         return y
+
+    def _lora_addend(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """The row's LoRA adapter output for the GEMV to add before its epilogue, in a pass with adapters."""
+        lora = layer.lora
+        if lora is None or not lora.active:
+            return None
+        delta: torch.Tensor = lora.norm_delta(x, self.residual, self.norm.weight, self.norm.eps)
+        return delta
 
     def fused_gemv_rope(self, layer: Linear, x: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor | None:
         """The stacked q/k/v projection of one token with the rotary embedding and the KV store in the same kernel
@@ -286,7 +295,7 @@ class AddRMSNorm:
         if rope_block_n(fused_config("rope", n, k, weights[1] is not None), rope["head_dim"]) is None:
             return None
         y, self.summed = gemv_add_rmsnorm_rope(x, self.residual, self.norm.weight, self.norm.eps, *weights,
-                                               RopeStore(**rope))
+                                               RopeStore(**rope), addend=self._lora_addend(layer, x))
         return y
 
     def quantized(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
