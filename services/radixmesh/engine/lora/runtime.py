@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from radixmesh.engine.device_io import copy_to_device
 from radixmesh.engine.distributed.layout import ShardLayout
 from radixmesh.engine.lora.adapter import LoraAdapter
 from radixmesh.engine.lora.layers import row_runs
@@ -86,5 +87,4 @@ class LoraRuntime:
 
     def stage_graph(self, req_slots: list[int], padded_bs: int) -> None:
         """Fill the static slot buffer for a replay of `padded_bs` rows (padding rows use none)."""
-        values = torch.tensor([*req_slots, *([-1] * (padded_bs - len(req_slots)))], dtype=torch.int32)
-        self.graph_slots[:padded_bs].copy_(values, non_blocking=True)
+        copy_to_device(self.graph_slots[:padded_bs], [*req_slots, *([-1] * (padded_bs - len(req_slots)))])
