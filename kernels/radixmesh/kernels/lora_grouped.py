@@ -151,28 +151,30 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, scalings_ptr, y_ptr
     tile = tl.program_id(1) % tiles_per_slice
     size = tl.where(piece == 0, n0, tl.where(piece == 1, n1, n2))
     first_col = tl.where(piece == 0, 0, tl.where(piece == 1, n0, n0 + n1))
+    # slots, ranks and A come from host copies, never from a kernel: the first A tile is loaded before waiting
+    # for the kernel that writes x (radixmesh.kernels._pdl)
+    slot = tl.load(slots_ptr + row)
+    safe_slot = tl.maximum(slot, 0)
+    rank = tl.where(slot >= 0, tl.load(ranks_ptr + safe_slot), 0)
+    skip = (rank <= 0) | (tile * BLOCK_N >= size)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = (r < tl.where(skip, 0, rank)) & (r < R)  # none when skipped
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + safe_slot.to(tl.int64) * stride_as + (piece * R + r).to(tl.int64)[None, :] * stride_ar
+    at = tl.load(a_rows + offs_k[:, None], mask=(offs_k < K)[:, None] & r_ok[None, :], other=0.0)  # A.T
     if PDL:
         gdc_wait()
-    slot = tl.load(slots_ptr + row)
-    if (slot < 0) | (tile * BLOCK_N >= size):
+    if skip:
         return
-    rank = tl.load(ranks_ptr + slot)
-    if rank <= 0:
-        return
-    r = tl.arange(0, BLOCK_R)
-    r_ok = (r < rank) & (r < R)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + row.to(tl.int64) * stride_x + offs_k
-    a_ptrs = (a_ptr + slot.to(tl.int64) * stride_as + (piece * R + r).to(tl.int64)[None, :] * stride_ar
-              + offs_k[:, None])  # [BLOCK_K, BLOCK_R]: A.T
-    acc = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)  # products summed over K once, after the loop
-    for k in range(0, K, BLOCK_K):
-        k_ok = (k + offs_k) < K
-        xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        at = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-        acc += xv[:, None] * at
-        x_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    xv = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    acc = xv[:, None] * at.to(tl.float32)  # [BLOCK_K, BLOCK_R]: products summed over K once, after the loop
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=3):
+        cols = k + offs_k
+        k_ok = cols < K
+        at = tl.load(a_rows + cols[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        xv = tl.load(x_row + cols, mask=k_ok, other=0.0).to(tl.float32)
+        acc += xv[:, None] * at.to(tl.float32)
     xa = tl.sum(acc, axis=0)  # [BLOCK_R]
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < size

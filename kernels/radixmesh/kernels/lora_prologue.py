@@ -27,6 +27,16 @@ from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from radixmesh.kernels.lora_grouped import fused_tiles
 
 
+@triton.jit
+def _normed(x_ptr, r_ptr, nw_ptr, cols, K):
+    """(squares, h) of one K tile: `s = x + r` rounded to x's dtype (the residual stream, as the GEMV rounds
+    it), its squares and `s * nw`, in float32."""
+    k_ok = cols < K
+    summed = (tl.load(x_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
+              + tl.load(r_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return summed * summed, summed * tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
+
+
 @triton.jit(**unspecialized(ints=("K",)))
 def _norm_delta_kernel(x_ptr, r_ptr, nw_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, scalings_ptr, d_ptr, K, eps,
                        n0, n1, n2, tiles_per_slice, stride_as, stride_ar, stride_bs, stride_bn,
@@ -36,31 +46,29 @@ def _norm_delta_kernel(x_ptr, r_ptr, nw_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr,
     tile = tl.program_id(0) % tiles_per_slice
     size = tl.where(piece == 0, n0, tl.where(piece == 1, n1, n2))
     first_col = tl.where(piece == 0, 0, tl.where(piece == 1, n0, n0 + n1))
-    if PDL:
-        gdc_wait()
-    if tile * BLOCK_N >= size:
-        return
+    # slots, ranks and A come from host copies, never from a kernel: the first A tile is loaded before waiting
+    # for the kernels that write x and the residual (radixmesh.kernels._pdl)
     slot = tl.load(slots_ptr)
     safe_slot = tl.maximum(slot, 0)
     rank = tl.where(slot >= 0, tl.load(ranks_ptr + safe_slot), 0)
     r = tl.arange(0, BLOCK_R)
-    r_ok = (r < rank) & (r < R)
+    r_ok = (r < tl.where(tile * BLOCK_N < size, rank, 0)) & (r < R)  # none for a tile past the slice
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = (a_ptr + safe_slot.to(tl.int64) * stride_as + (piece * R + r).to(tl.int64)[None, :] * stride_ar
-              + offs_k[:, None])  # [BLOCK_K, BLOCK_R]: A.T
-    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    a_rows = a_ptr + safe_slot.to(tl.int64) * stride_as + (piece * R + r).to(tl.int64)[None, :] * stride_ar
+    at = tl.load(a_rows + offs_k[:, None], mask=(offs_k < K)[:, None] & r_ok[None, :], other=0.0)  # A.T
+    if PDL:
+        gdc_wait()
+    if tile * BLOCK_N >= size:
+        return
+    sq, h = _normed(x_ptr, r_ptr, nw_ptr, offs_k, K)
+    squares = sq
+    acc = h[:, None] * at.to(tl.float32)  # [BLOCK_K, BLOCK_R]
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=3):
         cols = k + offs_k
-        k_ok = cols < K
-        summed = (tl.load(x_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
-                  + tl.load(r_ptr + cols, mask=k_ok, other=0.0).to(tl.float32))
-        summed = summed.to(x_ptr.dtype.element_ty).to(tl.float32)  # the residual stream, as the GEMV rounds it
-        squares += summed * summed
-        h = summed * tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
-        at = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-        acc += h[:, None] * at
-        a_ptrs += BLOCK_K
+        at = tl.load(a_rows + cols[:, None], mask=(cols < K)[:, None] & r_ok[None, :], other=0.0)
+        sq, h = _normed(x_ptr, r_ptr, nw_ptr, cols, K)
+        squares += sq
+        acc += h[:, None] * at.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     xa = tl.sum(acc, axis=0) * rstd  # [BLOCK_R]
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
