@@ -250,7 +250,7 @@ def test_grouped_and_fused_tiles_on_the_gpu() -> None:
     one = kernel_config("fused", LoraBatch.per_row(torch.zeros(1, dtype=I32)), 4096, (4096, 1024, 1024), 16, 1, gpu)
     assert (one.block_k, one.block_n) == (512, 128)  # 3 slices x 32 tiles: one wave
     wide = kernel_config("fused", LoraBatch.per_row(torch.zeros(1, dtype=I32)), 4096, (14336, 14336), 64, 1, gpu)
-    assert (wide.block_k, wide.block_n) == (128, 256)
+    assert (wide.block_k, wide.block_n) == (128, 128)  # R 64: tiles of 8192 values
 
 
 def test_grouped_launchers_check_their_inputs() -> None:

@@ -49,14 +49,15 @@ def grouped_tiles(rows: int, num_slots: int, in_features: int, num_slices: int, 
 
 
 def fused_tiles(rows: int, max_rank: int, slice_sizes: tuple[int, ...], cpu: bool) -> tuple[int, int, int]:
-    """(block_k, block_n, num_warps) of the fused launch: one wave of programs where the outputs allow."""
+    """(block_k, block_n, num_warps) of the fused launch: one wave of programs where the outputs allow, the A
+    and B tiles of `FUSED_TILE_ELEMS` values at most."""
     block_r = max(16, next_power_of_2(max_rank))
     if cpu:
         return 32, 16, 1
     block_n = 64
     while rows * len(slice_sizes) * triton.cdiv(max(slice_sizes), block_n) > 128 and block_n < 512:
         block_n *= 2
-    return max(32, FUSED_TILE_ELEMS // block_r), block_n, 8
+    return max(32, FUSED_TILE_ELEMS // block_r), max(16, min(block_n, FUSED_TILE_ELEMS // block_r)), 8
 
 
 @triton.jit
