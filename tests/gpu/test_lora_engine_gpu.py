@@ -21,6 +21,14 @@ from ..unit.tp_factory import TINY_SHAPE, close_scheduler, make_tp_scheduler, wr
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [[5, 17, 3, 99, 42, 8, 61], [7, 7, 12, 88, 3], list(range(1, 40)), [50] * 20]
+GPU_SHAPE = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+"""The tiny shape with heads of 16 (the Triton attention kernels' tl.dot needs K >= 16)."""
+
+
+def _tiny(tmp_path: Path, num_adapters: int, seed: int) -> tuple[Path, list[Path]]:
+    model = write_tiny_checkpoint(tmp_path / "tiny", **GPU_SHAPE)
+    config = ModelConfig.from_hf_dict({**TINY_SHAPE, **GPU_SHAPE})
+    return model, write_random_adapters(config, tmp_path / "adapters", num_adapters, 16, seed=seed)
 
 
 def _run(model: Path, adapters: list[Path], slots: int, **overrides: object) -> dict[str, list[int]]:
@@ -42,8 +50,7 @@ def _run(model: Path, adapters: list[Path], slots: int, **overrides: object) -> 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("slots,kernels", [(3, "auto"), (2, "auto"), (3, "rows"), (3, "grouped")])
 def test_graphs_match_eager_and_cpu(tmp_path: Path, slots: int, kernels: str) -> None:
-    model = write_tiny_checkpoint(tmp_path / "tiny")
-    adapters = write_random_adapters(ModelConfig.from_hf_dict(TINY_SHAPE), tmp_path / "adapters", 3, 16, seed=5)
+    model, adapters = _tiny(tmp_path, 3, seed=5)
     cpu = _run(model, adapters, slots)
     gpu = dict(device="cuda", dtype="float32", disable_gemv=True, lora_kernels=kernels)
     graphs = _run(model, adapters, slots, **gpu)
@@ -55,8 +62,7 @@ def test_graphs_match_eager_and_cpu(tmp_path: Path, slots: int, kernels: str) ->
 def test_base_requests_replay_the_graphs_without_lora_launches(tmp_path: Path) -> None:
     """A LoRA engine serving only base requests (bf16, the GEMV and its fused prologues on) gives the tokens of an
     engine without LoRA, through the graphs captured without the adapters' launches."""
-    model = write_tiny_checkpoint(tmp_path / "tiny")
-    adapters = write_random_adapters(ModelConfig.from_hf_dict(TINY_SHAPE), tmp_path / "adapters", 2, 16, seed=6)
+    model, adapters = _tiny(tmp_path, 2, seed=6)
     tokens = []
     for lora in (False, True):
         sched, col = make_tp_scheduler(model, 1, device="cuda", dtype="bfloat16",

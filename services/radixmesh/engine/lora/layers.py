@@ -55,9 +55,9 @@ class LoraProjection:
 
     def fuses_prologue(self, x: torch.Tensor) -> bool:
         """Whether a pass with adapters may keep the batch-1 GEMV's fused norm prologue for input `x`: the adapter
-        then comes as an addend (`norm_delta`) computed with the norm (CUDA, one row, not the "rows" kernels)."""
+        then comes as an addend (`norm_delta`) computed with the norm (CUDA, one row, "grouped" or "fused" kernels)."""
         state = self.state
-        return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and state.kernels != "rows"
+        return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and state.kernels in ("grouped", "fused")
                 and state.kernel_batch is not None and state.kernel_batch.num_segments == 1)
 
     def norm_delta(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
