@@ -173,6 +173,22 @@ def test_decode_more_splits_than_tiles_and_empty_request(num_kv_splits: int) -> 
     torch.testing.assert_close(out[[0, 2]], expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_decode_rows_with_lengths_share_their_requests_slots(num_kv_splits: int) -> None:
+    """`kv_lens`: each new token of a short extend is a query row over a prefix of its request's slots (ranges
+    overlap), as attention over the request's prefix plus the new tokens up to itself."""
+    p = make_problem([6, 40, 0], [3, 1, 4], 8, 2, 64, torch.float32, seed=5)
+    kv_indptr, kv_indices = index_tensors(p)
+    starts, lens = [], []
+    for i, (seq, new) in enumerate(zip(p.seq_lens, p.new_lens)):
+        starts += [int(kv_indptr[i])] * new
+        lens += range(seq - new + 1, seq + 1)
+    out = torch.full_like(p.q, float("nan"))
+    decode_attention_fwd(p.q, p.k_buf, p.v_buf, out, torch.tensor([*starts, 0], device=DEVICE), kv_indices,
+                         64**-0.5, num_kv_splits, kv_lens=torch.tensor(lens, device=DEVICE))
+    assert_close_to_reference(out, p, kv_indptr, kv_indices, 64**-0.5)  # the reference masks causally
+
+
 def test_choose_num_kv_splits() -> None:
     assert choose_num_kv_splits(1, 8, 100, 132) == 1  # short: one split
     assert choose_num_kv_splits(1, 8, 2048, 132) == 8  # 256 tokens per split at least
@@ -314,11 +330,20 @@ def prefixed(context: str) -> Callable[[str], str]:
     return lambda msg: f"{context}: {msg}"
 
 
-def run_layer(backend_cls: type, dtype: torch.dtype,
-              graph_plan: bool = False) -> tuple[list[torch.Tensor], TokenToKVPool]:
-    """Extend (one request with a cached prefix, one without), then two decode steps; layer 1 of 2.
+LONG_STEPS = [(ForwardMode.EXTEND, [40, 0], [9, 17])] + [(ForwardMode.DECODE, [49 + i, 17 + i], [1, 1])
+                                                          for i in range(2)]
+SHORT_STEPS = [(ForwardMode.EXTEND, [40, 0], [9, 17]), (ForwardMode.EXTEND, [49, 17], [3, 3]),
+               (ForwardMode.DECODE, [52, 20], [1, 1]), (ForwardMode.EXTEND, [53, 21], [5, 2])]
+"""A prefill, then extends short enough for the decode kernel's rows (a verify pass's shape), uniform and not."""
 
-    `graph_plan`: plan decode steps as a CUDA-graph replay does (static buffers, no host lengths).
+
+def run_layer(backend_cls: type, dtype: torch.dtype, graph_plan: bool = False,
+              steps: list[tuple[ForwardMode, list[int], list[int]]] = LONG_STEPS,
+              ) -> tuple[list[torch.Tensor], TokenToKVPool]:
+    """Extend (one request with a cached prefix, one without), then two decode steps (`steps`); layer 1 of 2.
+
+    `graph_plan`: plan decode steps, and short extends of one length, as a CUDA-graph replay does (static
+    buffers, no host lengths).
     """
     torch.manual_seed(0)
     heads, kv_heads, head_dim = 6, 2, 64
@@ -338,8 +363,6 @@ def run_layer(backend_cls: type, dtype: torch.dtype,
     if graph_plan:
         backend.init_cuda_graph_state(4, 128, kv_pool, heads)
     outs = []
-    steps = [(ForwardMode.EXTEND, [40, 0], [9, 17])] + [(ForwardMode.DECODE, [49 + i, 17 + i], [1, 1])
-                                                       for i in range(2)]
     for mode, prefix_lens, new_lens in steps:
         fb = make_batch(mode, prefix_lens, new_lens, rows, req_pool, kv_pool, backend)
         n = sum(new_lens)
@@ -348,17 +371,26 @@ def run_layer(backend_cls: type, dtype: torch.dtype,
         v = torch.randn(n, kv_heads, head_dim, device=DEVICE).to(dtype)
         if graph_plan and mode is ForwardMode.DECODE:
             backend.init_forward_metadata_graph(fb, fb.batch_size)
+        elif graph_plan and mode is ForwardMode.EXTEND and len(set(new_lens)) == 1 and new_lens[0] <= 8:
+            indices = torch.zeros(4 * 128, dtype=torch.int32, device=DEVICE)
+            backend.init_extend_metadata_graph(fb, new_lens[0], torch.zeros(5, dtype=torch.int64, device=DEVICE),
+                                               indices)
+            assert backend.metadata.short_rows is not None and backend.metadata.short_graph
         else:
             backend.init_forward_metadata(fb)
+            if isinstance(backend, TritonBackend) and mode is ForwardMode.EXTEND:
+                assert (backend.metadata.short_rows is not None) == (max(new_lens) <= 8), "short extends: decode rows"
         outs.append(backend.forward(q, k, v, layer, fb))
     return outs, kv_pool
 
 
 @pytest.mark.parametrize("dtype,graph_plan", [(torch.float32, False), (torch.bfloat16, False),
                                               (torch.float32, True)], ids=["fp32", "bf16", "fp32-graph-plan"])
-def test_backend_matches_torch_native(dtype: torch.dtype, graph_plan: bool) -> None:
-    got, got_pool = run_layer(TritonBackend, dtype, graph_plan)
-    want, want_pool = run_layer(TorchNativeBackend, dtype)
+@pytest.mark.parametrize("steps", [LONG_STEPS, SHORT_STEPS], ids=["long", "short-extends"])
+def test_backend_matches_torch_native(dtype: torch.dtype, graph_plan: bool,
+                                      steps: list[tuple[ForwardMode, list[int], list[int]]]) -> None:
+    got, got_pool = run_layer(TritonBackend, dtype, graph_plan, steps)
+    want, want_pool = run_layer(TorchNativeBackend, dtype, steps=steps)
     atol, rtol = TOLERANCE[dtype]
     for step, (g, w) in enumerate(zip(got, want)):
         assert g.shape == w.shape, f"step {step}: shape {tuple(g.shape)} != {tuple(w.shape)}"

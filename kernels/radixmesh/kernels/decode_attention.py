@@ -72,7 +72,7 @@ def _widen(x, OP_DTYPE: tl.constexpr, KV_FP8: tl.constexpr, THROUGH_F32: tl.cons
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_buf_ptr, v_buf_ptr, kv_indptr_ptr, kv_indices_ptr, mid_o_ptr, mid_lse_ptr, o_ptr,
+    q_ptr, k_buf_ptr, v_buf_ptr, kv_indptr_ptr, kv_lens_ptr, kv_indices_ptr, mid_o_ptr, mid_lse_ptr, o_ptr,
     qk_scale, v_scale, num_kv_splits,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
@@ -81,6 +81,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
     HEAD_MAJOR: tl.constexpr, DIRECT: tl.constexpr, THROUGH_F32: tl.constexpr, Q_CLAMP: tl.constexpr,
+    HAS_LENS: tl.constexpr,
 ):
     if HEAD_MAJOR:  # grid (kv_heads, batch, splits): a request's KV heads are dispatched side by side
         kv_head = tl.program_id(0)
@@ -93,7 +94,10 @@ def _decode_split_kernel(
         gdc_wait()
 
     kv_start = tl.load(kv_indptr_ptr + req).to(tl.int64)
-    seq_len = tl.load(kv_indptr_ptr + req + 1).to(tl.int64) - kv_start
+    if HAS_LENS:  # ranges given as (start, length): rows may share slots (a verify pass's tokens)
+        seq_len = tl.load(kv_lens_ptr + req).to(tl.int64)
+    else:
+        seq_len = tl.load(kv_indptr_ptr + req + 1).to(tl.int64) - kv_start
     split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
@@ -152,19 +156,22 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    kv_indptr_ptr, mid_o_ptr, mid_lse_ptr, o_ptr,
+    kv_indptr_ptr, kv_lens_ptr, mid_o_ptr, mid_lse_ptr, o_ptr,
     num_kv_splits,
     stride_mo_req, stride_mo_head, stride_mo_split, stride_ml_req, stride_ml_head,
     stride_o_tok, stride_o_head,
     head_dim,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr, HAS_LENS: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    seq_len = tl.load(kv_indptr_ptr + req + 1).to(tl.int64) - tl.load(kv_indptr_ptr + req).to(tl.int64)
+    if HAS_LENS:
+        seq_len = tl.load(kv_lens_ptr + req).to(tl.int64)
+    else:
+        seq_len = tl.load(kv_indptr_ptr + req + 1).to(tl.int64) - tl.load(kv_indptr_ptr + req).to(tl.int64)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N
 
     offs_s = tl.arange(0, BLOCK_S)
@@ -264,7 +271,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float, num_kv_splits: int,
                          scratch: DecodeScratch | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                          tiles: tuple[int, int, int] | None = None, head_major: bool = True,
-                         fp8_widen: str = "f32") -> None:
+                         fp8_widen: str = "f32", kv_lens: torch.Tensor | None = None) -> None:
     """Attention of one query per request over its KV, written to `out`.
 
     q, out: `[batch, num_heads, head_dim]`; k_buffer, v_buffer: `[num_slots, kv_heads, head_dim]`;
@@ -276,8 +283,14 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     through the same scales. `tiles` (BLOCK_N, num_warps, num_stages) and `head_major` (the grid's order)
     are for benchmarks and tuning: the defaults are the measured best. `fp8_widen` (one of FP8_WIDENS) is how
     an FP8 pool's tiles become dot operands; ignored for other pools.
+    `kv_lens` (`[batch]`): query i attends to `kv_indices[kv_indptr[i]:kv_indptr[i] + kv_lens[i]]` instead, so
+    ranges may overlap: the tokens of a short extend (a verify pass) each read a prefix of their request's slots.
     """
     _check_decode_args(q, k_buffer, v_buffer, out, kv_indptr, kv_indices, num_kv_splits)
+    if kv_lens is not None:
+        check_device("kv_lens", kv_lens, q.device)
+        check_index("kv_lens", kv_lens)
+        assert kv_lens.shape[0] >= q.shape[0], f"kv_lens has {kv_lens.shape[0]} entries, need {q.shape[0]}"
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     if batch == 0:
@@ -296,8 +309,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"BLOCK_N must be a power of 2 >= 16, got {block_n}"
     grid = (num_kv_heads, batch, num_kv_splits) if head_major else (batch, num_kv_heads, num_kv_splits)
     _decode_split_kernel[grid](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, mid_o, mid_lse, out,
-        sm_scale * LOG2E * k_scale, v_scale, num_kv_splits,
+        q, k_buffer, v_buffer, kv_indptr, kv_lens if kv_lens is not None else kv_indptr, kv_indices, mid_o, mid_lse,
+        out, sm_scale * LOG2E * k_scale, v_scale, num_kv_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
@@ -305,18 +318,18 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision(operand_dtype), KV_FP8=kv_fp8,
         HEAD_MAJOR=head_major, DIRECT=num_kv_splits == 1, THROUGH_F32=fp8_widen == "f32",
-        Q_CLAMP=operand_dtype == tl.float16 and q.dtype != torch.float16, num_warps=num_warps, num_stages=num_stages,
-        **pdl_args(q.device),
+        Q_CLAMP=operand_dtype == tl.float16 and q.dtype != torch.float16, HAS_LENS=kv_lens is not None,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device),
     )
     if num_kv_splits == 1:
         return
     _decode_merge_kernel[(batch, num_heads)](
-        kv_indptr, mid_o, mid_lse, out,
+        kv_indptr, kv_lens if kv_lens is not None else kv_indptr, mid_o, mid_lse, out,
         num_kv_splits,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         head_dim,
-        BLOCK_S=next_power_of_2(num_kv_splits), BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_S=next_power_of_2(num_kv_splits), BLOCK_D=block_d, BLOCK_N=block_n, HAS_LENS=kv_lens is not None,
         num_warps=4 if block_d >= 128 else 2, **pdl_args(q.device),
     )
 

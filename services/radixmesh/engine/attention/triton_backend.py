@@ -10,6 +10,12 @@ equal what the pool holds: same dtype, no FP8). Runs on CUDA, or on CPU under TR
 Decode over an FP8 pool launches with `RADIXMESH_DECODE_FP8_TILES` / `RADIXMESH_DECODE_FP8_WIDEN` when set
 (`radixmesh.common.env.DecodeFp8Tuning`: tiles and widening a `bench_decode` sweep picked on this GPU).
 
+Short extends (at most SHORT_EXTEND_MAX new tokens per request: a speculative verify pass, a prompt whose
+prefix was cached but for a few tokens) run the split-KV decode kernel with a query row per new token, whose
+range is a prefix of its request's slots (the new tokens' K/V are stored first, as for any pass): the extend
+kernel's grid of requests x KV heads leaves most SMs idle there (8 programs for a batch-1 verify pass of the
+8B shape: 33 us a layer on an H200).
+
 CUDA graphs (DECODE): `init_cuda_graph_state` allocates static index and scratch buffers
 once; `init_forward_metadata_graph` plans into them with device work only, and the split
 count per captured batch size is fixed from the context length (each request then uses
@@ -53,6 +59,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _KERNEL_DEFAULTS = DecodeFp8Tuning()
+SHORT_EXTEND_MAX = 8
+"""Extends of at most this many new tokens per request run the decode kernel, a query row per token."""
 DENSE_POOL_DTYPES = (torch.float16, torch.bfloat16)
 """KV pools whose requests may take the dense prefill path (an FP8 pool's attention must see its rounding)."""
 
@@ -69,6 +77,9 @@ class TritonForwardMetadata:
     scratch: DecodeScratch | None = None  # decode scratch to use; None: the backend's grow-only one
     dense: DensePlan | None = None  # EXTEND: prefix-free long prompts run by cuDNN (dense_prefill.py)
     rest_map: torch.Tensor | None = None  # EXTEND with `dense`: batch rows left to the Triton kernel
+    short_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # short EXTEND: per new token (start, length) in
+    # kv_indices, read by the decode kernel (`num_kv_splits` its splits)
+    short_graph: bool = False  # short_rows planned for a graph (the static scratch)
 
 
 @dataclass
@@ -106,6 +117,7 @@ class TritonBackend(AttentionBackend):
         self._scratch: DecodeScratch | None = None
         self._num_sms: dict[torch.device, int] = {}
         self._graph: _GraphState | None = None
+        self._short_scratch: DecodeScratch | None = None  # short extends in verify graphs (static)
 
     def enable_dense_prefill(self) -> None:
         self.dense_min_tokens = DENSE_PREFILL_MIN_TOKENS
@@ -138,6 +150,33 @@ class TritonBackend(AttentionBackend):
             dense, rest_map = self._plan_dense(fb, device)
             self.metadata = TritonForwardMetadata(kv_indptr, kv_indices, qo_indptr, max_extend_len, 1,
                                                   dense=dense, rest_map=rest_map)
+            if dense is None and self._short(fb, max_extend_len):
+                self._plan_short(fb, device)
+
+    @staticmethod
+    def _short(fb: ForwardBatch, max_extend_len: int) -> bool:
+        """Whether an extend runs as decode rows (no tree mask: its tokens do not see all tokens before them)."""
+        return 0 < max_extend_len <= SHORT_EXTEND_MAX and getattr(fb, "tree_mask", None) is None
+
+    def _plan_short(self, fb: ForwardBatch, device: torch.device) -> None:
+        """Each new token's (start, length) in kv_indices, from the host lengths (one copy, no sync)."""
+        meta = self.metadata
+        assert meta is not None
+        starts: list[int] = []
+        lens: list[int] = []
+        offset = 0
+        for seq_len, new in zip(fb.seq_lens_cpu, fb.extend_seq_lens_cpu):
+            starts += [offset] * new
+            lens += range(seq_len - new + 1, seq_len + 1)
+            offset += seq_len
+        rows = len(lens)
+        packed = to_device([*starts, offset, *lens], torch.int64, device)
+        if device not in self._num_sms:
+            self._num_sms[device] = get_num_sms(device)
+        meta.num_kv_splits = choose_num_kv_splits(rows, fb.token_to_kv_pool.num_kv_heads,
+                                                  max(fb.seq_lens_cpu, default=1), self._num_sms[device],
+                                                  self.max_kv_splits)
+        meta.short_rows = (packed[:rows + 1], packed[rows + 1:])
 
     def _plan_dense(self, fb: ForwardBatch, device: torch.device) -> tuple[DensePlan | None, torch.Tensor | None]:
         if self.dense_min_tokens <= 0 or not self.dense.enabled or fb.token_to_kv_pool.dtype not in DENSE_POOL_DTYPES:
@@ -188,6 +227,36 @@ class TritonBackend(AttentionBackend):
         fill_kv_indices(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr, kv_indices)
         self.metadata = TritonForwardMetadata(kv_indptr, kv_indices, compute_kv_indptr(fb.extend_seq_lens),
                                               extend_len, 1)
+        if self._short(fb, extend_len):  # every request has `extend_len` tokens here: device work only
+            rows = batch * extend_len
+            token = torch.arange(rows, device=kv_indptr.device)
+            req = token // extend_len
+            starts = torch.zeros(rows + 1, dtype=kv_indptr.dtype, device=kv_indptr.device)
+            starts[:rows] = kv_indptr[req]
+            lens = fb.seq_lens[req] - extend_len + token % extend_len + 1
+            self.metadata.short_rows = (starts, lens)
+            self.metadata.num_kv_splits = self._graph_splits(fb, rows)
+            self.metadata.short_graph = True
+
+    def _graph_splits(self, fb: ForwardBatch, rows: int) -> int:
+        """Decode splits of `rows` query rows in a graph: fixed by the context length (as decode graphs)."""
+        device = fb.seq_lens.device
+        if device not in self._num_sms:
+            self._num_sms[device] = get_num_sms(device)
+        return choose_num_kv_splits(rows, fb.token_to_kv_pool.num_kv_heads, fb.req_to_token_pool.req_to_token.shape[1],
+                                    self._num_sms[device], self.max_kv_splits)
+
+    def _short_graph_scratch(self, fb: ForwardBatch, rows: int, layer: AttentionLayerSpec) -> DecodeScratch:
+        """The static scratch of short extends in graphs. Verify graphs run (uncaptured) the largest size first:
+        it is sized then for every row count up to that one, so later captures fit and nothing moves."""
+        scratch = self._short_scratch
+        splits = self._graph_splits(fb, rows)
+        if scratch is None or not scratch.fits(rows, layer.num_heads, layer.head_dim, splits):
+            assert not (fb.seq_lens.is_cuda and torch.cuda.is_current_stream_capturing()), (
+                "the short-extend scratch must grow before capture")
+            need = max(n * layer.num_heads * self._graph_splits(fb, n) for n in range(1, rows + 1))
+            scratch = self._short_scratch = DecodeScratch(need, layer.head_dim, fb.seq_lens.device)
+        return scratch
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
                 forward_batch: ForwardBatch, save_kv: bool = True) -> torch.Tensor:
@@ -204,7 +273,15 @@ class TritonBackend(AttentionBackend):
         if save_kv:
             store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v, k_scale, v_scale)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        if forward_batch.is_decode:
+        if meta.short_rows is not None and not forward_batch.is_decode:
+            starts, lens = meta.short_rows
+            rows_scratch = (self._short_graph_scratch(forward_batch, num_tokens, layer) if meta.short_graph
+                            else self._decode_scratch(num_tokens, layer, meta.num_kv_splits, q.device))
+            tuning = self.fp8_tuning if k_buf.dtype in FP8_DTYPES else _KERNEL_DEFAULTS
+            decode_attention_fwd(q, k_buf, v_buf, out, starts, meta.kv_indices, layer.scaling, meta.num_kv_splits,
+                                 rows_scratch, k_scale, v_scale, tiles=tuning.tiles, fp8_widen=tuning.widen,
+                                 kv_lens=lens)
+        elif forward_batch.is_decode:
             assert num_tokens == forward_batch.batch_size, (
                 f"decode expects one token per request: {num_tokens} tokens, {forward_batch.batch_size} requests")
             scratch = meta.scratch
