@@ -186,9 +186,10 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       for args in "--sets llama-3.1-8b --weights fp8" "--sets llama-3.1-8b-tp2" "--sets llama-3.1-8b --weights bf16"; do
         python3 -m radixmesh.kernels.bench_gemv_fused $args --sweep | tee -a "$OUT/gemv-fused.jsonl"
       done ;;
-    one-batch)  # FUSION_BASELINE=1: also the 8B without the GEMV prologue fusion (--disable-gemv-fusion);
+    one-batch)  # ONE_BATCH_SHAPES (default "llama-3.2-1b llama-3.1-8b"); FUSION_BASELINE=1: also the 8B without the
+      # GEMV prologue fusion (--disable-gemv-fusion);
       # PDL_BASELINE=1: also the 8B without programmatic dependent launch (--disable-pdl)
-      for run in llama-3.2-1b llama-3.1-8b ${FUSION_BASELINE:+llama-3.1-8b:--disable-gemv-fusion} \
+      for run in ${ONE_BATCH_SHAPES:-llama-3.2-1b llama-3.1-8b} ${FUSION_BASELINE:+llama-3.1-8b:--disable-gemv-fusion} \
           ${PDL_BASELINE:+llama-3.1-8b:--disable-pdl}; do
         $RM bench one-batch --model-shape "${run%%:*}" --batch-size 1 --input-len 1024 --output-len 256 \
           --context-length 8192 --cuda-graph-max-bs 8 --profile-graph --result-file "$OUT/one-batch.jsonl" \
@@ -684,8 +685,9 @@ for stage in $STAGES; do
   echo "=== stage $stage: exit $? (log: $stage.log)"; tail -5 "$OUT/$stage.log"
 done
 ls -la "$OUT"
-# the device tool brings back at most 8 files: past 7, pack them all into one (device.txt stays beside it)
-if [ "$(ls "$OUT" | wc -l)" -gt 7 ]; then
+# the device tool brings back at most 8 files: past 7, pack them all into one (device.txt stays beside it;
+# SUITE_PACK=0: never, when a caller packs, as gpu_ab.sh does)
+if [ "${SUITE_PACK:-1}" != 0 ] && [ "$(ls "$OUT" | wc -l)" -gt 7 ]; then
   (cd "$OUT" && tar czf suite.tar.gz --remove-files $(ls | grep -vx -e device.txt -e suite.tar.gz)) \
     && echo "packed into $OUT/suite.tar.gz"
 fi

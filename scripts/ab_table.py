@@ -1,0 +1,54 @@
+"""The headline figures of `scripts/gpu_ab.sh`'s trees side by side: 8B batch-1 decode, offline output
+throughput, and the online workloads' median / p99 TTFT, ITL and TTFT slope per 1k prompt tokens.
+
+    python3 scripts/ab_table.py OUT NAME [NAME ...]     (OUT/<NAME>/ as gpu_ab.sh leaves them)
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+
+
+def figures(root: Path, name: str) -> dict[str, Any]:
+    """The figures one tree's directory holds (missing runs are left out)."""
+    out: dict[str, Any] = {}
+    for row in _jsonl(root / name / "one-batch.jsonl"):
+        out[f"batch-1 {row['model']} tok/s"] = row.get("decode_throughput_tok_s")
+    for row in _jsonl(root / name / "offline.jsonl"):
+        out["offline out tok/s"] = row.get("output_throughput_tok_s")
+    for path in sorted(glob.glob(str(root / name / f"online-{name}-*.json"))):
+        workload = Path(path).stem.removeprefix(f"online-{name}-")
+        summary = json.loads(Path(path).read_text())["runs"][0]["summary"]
+        out[f"online {workload} requests"] = summary["num_completed"]
+        out[f"online {workload} TTFT median ms"] = round(summary["ttft"]["median_ms"], 1)
+        out[f"online {workload} TTFT p99 ms"] = round(summary["ttft"]["p99_ms"], 1)
+        out[f"online {workload} ITL median ms"] = round(summary["itl"]["median_ms"], 2)
+        fit = summary.get("ttft_fit") or {}
+        if fit.get("per_1k_ms") is not None:
+            out[f"online {workload} TTFT ms per 1k tokens"] = round(fit["per_1k_ms"], 1)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    root, names = Path(argv[1]), argv[2:]
+    table = {name: figures(root, name) for name in names}
+    keys = list(dict.fromkeys(k for figs in table.values() for k in figs))
+    print(f"{'figure':<40}" + "".join(f"{n:>14}" for n in names))
+    for key in keys:
+        print(f"{key:<40}" + "".join(f"{table[n].get(key, '-')!s:>14}" for n in names))
+    (root / "ab.json").write_text(json.dumps(table, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
