@@ -5,7 +5,7 @@ tokenizer pool, engine client and ZMQ channel; the stub notes when each request'
 it prompts one at a time: random token ids decoded to text (the `random` workload's prompts) as
 /v1/completions text, the same kind of text as a chat message, and random token ids as they are
 (`random-ids`), at each `--lengths`, interleaved round by round so drift in the machine's speed falls on
-all alike. Each request asks for one token.
+all alike, each after a pause (`--gap-ms`) that leaves the server idle. Each request asks for one token.
 
 Per request, the front-end time is the stub's arrival time of the token ids minus the time the client
 started sending (`time.monotonic_ns()`, one clock for every process on the machine): HTTP, JSON and request
@@ -60,6 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--num-prompts", type=int, default=30, help="requests per kind and length")
     parser.add_argument("--warmup-requests", type=int, default=3)
+    parser.add_argument("--gap-ms", type=float, default=30.0,
+                        help="pause between requests, so each finds the server idle (as at 1 req/s)")
     parser.add_argument("--tokenizer-workers", type=int, default=None, help="serve's --tokenizer-workers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-file", default=None, help="JSON with the summary and every request")
@@ -87,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         port = _free_port()
         server = _start_server(args, port, record)
         try:
-            samples = _measure(port, cells, bodies, record, args.warmup_requests)
+            samples = _measure(port, cells, bodies, record, args.warmup_requests, args.gap_ms / 1e3)
         finally:
             server.terminate()
             server.wait(30)
@@ -141,7 +143,7 @@ def _start_server(args: argparse.Namespace, port: int, record: Path) -> subproce
 
 
 def _measure(port: int, cells: list[tuple[str, int]], bodies: dict[tuple[str, int], list[tuple[str, bytes]]],
-             record: Path, num_warmup: int) -> list[Sample]:
+             record: Path, num_warmup: int, gap_s: float = 0.0) -> list[Sample]:
     """Send every cell's i-th request in turn (one open request at a time) and match the stub's records."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     sent: list[tuple[str, int, int, float, float | None]] = []
@@ -149,6 +151,7 @@ def _measure(port: int, cells: list[tuple[str, int]], bodies: dict[tuple[str, in
     for i in range(num_rounds):
         for cell in cells:
             path, body = bodies[cell][i]
+            time.sleep(gap_s)
             start_ns = time.monotonic_ns()
             conn.request("POST", path, body, {"Content-Type": "application/json"})
             response = conn.getresponse()
