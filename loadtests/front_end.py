@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from radixmesh.engine.hf_tokenizer import load_tokenizer
     from radixmesh.engine.loader import prepare_model
 
-    prepared = prepare_model(args.model, "auto")
+    prepared = prepare_model(args.model, "dummy")  # its config and tokenizer: no weights are read
     assert prepared.tokenizer_path is not None, "the model has no tokenizer"
     tokenizer = load_tokenizer(prepared.tokenizer_path)
     rng = random.Random(args.seed)

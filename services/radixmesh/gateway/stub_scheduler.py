@@ -84,7 +84,7 @@ class StubSchedulerClient(EngineClient):
     @classmethod
     async def start_stub(cls, model: str | None, record_path: str) -> StubSchedulerClient:
         """The model's config and tokenizer (no weights are read), and a started stub process."""
-        config = EngineConfig(model=model, device="cpu").resolve()
+        config = EngineConfig(model=model, device="cpu", load_format="dummy").resolve()
         prepared = await asyncio.to_thread(prepare_model, config.model, config.load_format, tokenizer=config.tokenizer)
         assert prepared.tokenizer_path is not None, f"{model or 'the default model'} has no tokenizer"
         client = cls(config, prepared, await asyncio.to_thread(load_tokenizer, prepared.tokenizer_path), record_path)
