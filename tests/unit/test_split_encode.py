@@ -132,6 +132,29 @@ def test_cut_points_sit_after_visible_characters_and_keep_pieces_long() -> None:
     assert cut_points("a\u00a0 " * 5000, 4, 1000) == []  # only after whitespace-like characters
 
 
+class CountingExecutor(ThreadPoolExecutor):
+    """Counts the pieces submitted to it."""
+
+    num_submitted = 0
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        self.num_submitted += 1
+        return super().submit(*args, **kwargs)
+
+
+def test_pieces_only_go_to_spare_threads(tokenizer: Any) -> None:
+    text = prompts(tokenizer, 2, seed=4)[1] * 4
+    with CountingExecutor(3) as executor:
+        spare = [3]
+        encode = SplitEncoder(tokenizer._tokenizer, executor, 4, min_piece_chars=64, spare_threads=lambda: spare[0])
+        whole = encode_text(tokenizer, text)
+        assert encode([text], True) == [whole] and executor.num_submitted == 3  # idle pool: four pieces
+        spare[0] = 1
+        assert encode([text], True) == [whole] and executor.num_submitted == 4  # one idle worker: two pieces
+        spare[0] = 0
+        assert encode([text], True) == [whole] and executor.num_submitted == 4  # every worker busy: whole
+
+
 def test_the_pool_encodes_long_prompts_in_pieces_with_the_same_ids(tokenizer: Any) -> None:
     texts = [t * 8 for t in prompts(tokenizer, 6, seed=2)]
 
@@ -139,7 +162,10 @@ def test_the_pool_encodes_long_prompts_in_pieces_with_the_same_ids(tokenizer: An
         pool = TokenizerPool(tokenizer, num_workers=4)
         try:
             assert isinstance(pool._encode, SplitEncoder)
-            return [e.ids for e in await asyncio.gather(*(pool.encode(t) for t in texts))]
+            first = await pool.encode(texts[0])  # alone on an idle pool: in pieces
+            assert pool._piece_executor is not None and len(pool._piece_executor._threads) >= 1
+            rest = await asyncio.gather(*(pool.encode(t) for t in texts[1:]))
+            return [first.ids, *(e.ids for e in rest)]
         finally:
             pool.close()
 

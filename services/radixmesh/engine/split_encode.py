@@ -109,22 +109,26 @@ def cut_points(text: str, max_pieces: int, min_piece_chars: int = MIN_PIECE_CHAR
 class SplitEncoder:
     """`encode(texts, add_special_tokens) -> ids per text`: long texts in pieces, their later pieces on `executor`.
 
-    Call it from a thread that is not one of `executor`'s (the pool's own workers): it waits for the pieces.
+    A text gets at most `max_pieces` pieces, and at most one more than `spare_threads()` (the pool's workers
+    that are idle now): under load every prompt is encoded whole, no more threads than workers compete for the
+    cores. Call it from a thread that is not one of `executor`'s (the pool's own workers): it waits for the pieces.
     """
 
-    def __init__(self, backend: Any, executor: Executor, max_pieces: int,
-                 min_piece_chars: int = MIN_PIECE_CHARS) -> None:
+    def __init__(self, backend: Any, executor: Executor, max_pieces: int, min_piece_chars: int = MIN_PIECE_CHARS,
+                 spare_threads: Callable[[], int] | None = None) -> None:
         from tokenizers import Encoding
 
         self.backend = backend
         self.executor = executor
         self.max_pieces = max_pieces
         self.min_piece_chars = min_piece_chars
+        self.spare_threads = spare_threads
         self._merge: Callable[..., Any] = Encoding.merge
         self._encode_batch: Callable[..., list[Any]] = getattr(backend, "encode_batch_fast", backend.encode_batch)
 
     def __call__(self, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
-        cuts = [cut_points(t, self.max_pieces, self.min_piece_chars) for t in texts]
+        max_pieces = self.max_pieces if self.spare_threads is None else min(self.max_pieces, 1 + self.spare_threads())
+        cuts = [cut_points(t, max_pieces, self.min_piece_chars) for t in texts] if max_pieces > 1 else []
         if not any(cuts):
             return [e.ids for e in self._encode_batch(list(texts), add_special_tokens=add_special_tokens)]
         heads: list[str] = []

@@ -41,15 +41,15 @@ def check_num_workers(num_workers: int, param: str = "tokenizer_workers") -> Non
         raise invalid_argument(f"{param} must be in [1, {MAX_TOKENIZER_WORKERS}] (got {num_workers})", param)
 
 
-def batch_encoder(tokenizer: Any, piece_executor: Executor | None = None,
-                  max_pieces: int = 1) -> Callable[[Sequence[str], bool], list[list[int]]]:
+def batch_encoder(tokenizer: Any, piece_executor: Executor | None = None, max_pieces: int = 1,
+                  spare_threads: Callable[[], int] | None = None) -> Callable[[Sequence[str], bool], list[list[int]]]:
     """`encode(texts, add_special_tokens) -> ids per text`, the same ids as `tokenizer.encode(text, ...)`.
 
     A transformers fast tokenizer is encoded through its Rust tokenizer's `encode_batch` (which releases
     the GIL), with the settings transformers would apply first: no truncation, no padding, its
     `split_special_tokens`; a long text in up to `max_pieces` pieces, the later ones on `piece_executor`, when
-    the tokenizer gives the same ids that way (`split_encode.can_split`). Other tokenizers go through their
-    own `encode`, one text at a time.
+    the tokenizer gives the same ids that way (`split_encode.can_split`), and no more pieces than one plus
+    `spare_threads()`. Other tokenizers go through their own `encode`, one text at a time.
     """
     backend: Any = getattr(tokenizer, "_tokenizer", None)
     if not getattr(tokenizer, "is_fast", False) or not hasattr(backend, "encode_batch"):
@@ -67,7 +67,7 @@ def batch_encoder(tokenizer: Any, piece_executor: Executor | None = None,
     if hasattr(backend, "encode_special_tokens") and backend.encode_special_tokens != split_special:
         backend.encode_special_tokens = split_special
     if piece_executor is not None and max_pieces > 1 and can_split(backend):
-        return SplitEncoder(backend, piece_executor, max_pieces)
+        return SplitEncoder(backend, piece_executor, max_pieces, spare_threads=spare_threads)
 
     encode_fast = getattr(backend, "encode_batch_fast", backend.encode_batch)  # fast: no character offsets
 
@@ -115,13 +115,17 @@ class TokenizerPool:
         self._piece_executor = ThreadPoolExecutor(num_workers - 1, thread_name_prefix="tokenize-piece") \
             if num_workers > 1 else None
         """Encodes the later pieces of long texts while a worker encodes their first (`split_encode`)."""
-        self._encode = batch_encoder(tokenizer, self._piece_executor, num_workers)
+        self._encode = batch_encoder(tokenizer, self._piece_executor, num_workers, self._num_idle)
         self._waiting: list[_Job] = []
         self._num_busy = 0
         self.num_texts = 0
         """Texts encoded so far (each prompt's text counts once)."""
         self.num_batches = 0
         """`encode_batch` calls so far (a batch holds the texts that waited together)."""
+
+    def _num_idle(self) -> int:
+        """Workers without a batch now (read on a worker: an int the loop thread writes)."""
+        return max(0, self.num_workers - self._num_busy)
 
     async def encode(self, text: str, add_special_tokens: bool = True,
                      after: Callable[[list[int]], T] | None = None) -> Encoded[T]:
