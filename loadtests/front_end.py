@@ -11,7 +11,8 @@ Per request, the front-end time is the stub's arrival time of the token ids minu
 started sending (`time.monotonic_ns()`, one clock for every process on the machine): HTTP, JSON and request
 validation, the chat template, tokenization, admission and the message to the scheduler. Reported per kind
 and length: its median (and p10 / p90), the server's own tokenization time (`Server-Timing: tokenize`), and
-the cost per 1,000 prompt tokens between the shortest and the longest length.
+the cost per 1,000 prompt tokens between the shortest and the longest length. The response time (to the whole
+response, or with `--stream` to its first event) shows what the way back adds.
 
     radixmesh bench front-end --lengths 1024 4096 --num-prompts 30 --output-file front-end.json
 """
@@ -48,6 +49,7 @@ class Sample:
     length: int
     front_end_ms: float
     response_ms: float
+    """To the whole response (a streamed one: to its first event)."""
     tokenize_ms: float | None
     num_input_ids: int
 
@@ -64,6 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="pause between requests, so each finds the server idle (as at 1 req/s)")
     parser.add_argument("--tokenizer-workers", type=int, default=None, help="serve's --tokenizer-workers")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stream", action="store_true",
+                        help="streamed requests (SSE): the response time is then the time to the first event")
     parser.add_argument("--output-file", default=None, help="JSON with the summary and every request")
     parser.set_defaults(func=run)
 
@@ -81,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     cells = [(kind, length) for length in args.lengths for kind in args.kinds]
     bodies: dict[tuple[str, int], list[tuple[str, bytes]]] = {}
     for kind, length in cells:
-        bodies[(kind, length)] = [_request(kind, random_token_ids(rng, vocab, length), tokenizer)
+        bodies[(kind, length)] = [_request(kind, random_token_ids(rng, vocab, length), tokenizer, args.stream)
                                   for _ in range(args.num_prompts + args.warmup_requests)]
     with tempfile.TemporaryDirectory(prefix="radixmesh-front-end-") as tmp:
         record = Path(tmp) / "arrivals"
@@ -102,14 +106,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _request(kind: str, ids: list[int], tokenizer: Any) -> tuple[str, bytes]:
+def _request(kind: str, ids: list[int], tokenizer: Any, stream: bool = False) -> tuple[str, bytes]:
+    params = {"max_tokens": 1, "temperature": 0, "stream": stream}
     if kind == "ids":
-        return "/v1/completions", json.dumps({"prompt": ids, "max_tokens": 1, "temperature": 0}).encode()
+        return "/v1/completions", json.dumps({"prompt": ids, **params}).encode()
     text = tokenizer.decode(ids, skip_special_tokens=True)
     if kind == "chat":
-        body = {"messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0}
-        return "/v1/chat/completions", json.dumps(body).encode()
-    return "/v1/completions", json.dumps({"prompt": text, "max_tokens": 1, "temperature": 0}).encode()
+        return "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": text}], **params}).encode()
+    return "/v1/completions", json.dumps({"prompt": text, **params}).encode()
 
 
 def _free_port() -> int:
@@ -155,8 +159,10 @@ def _measure(port: int, cells: list[tuple[str, int]], bodies: dict[tuple[str, in
             start_ns = time.monotonic_ns()
             conn.request("POST", path, body, {"Content-Type": "application/json"})
             response = conn.getresponse()
-            payload = response.read()
+            if response.status == 200 and response.getheader("Content-Type", "").startswith("text/event-stream"):
+                _read_first_event(response)
             response_ms = (time.monotonic_ns() - start_ns) / 1e6
+            payload = response.read()
             if response.status != 200:
                 raise SystemExit(f"{path} answered {response.status}: {payload[:300]!r}")
             timing = _TOKENIZE.search(response.getheader("Server-Timing") or "")
@@ -170,6 +176,13 @@ def _measure(port: int, cells: list[tuple[str, int]], bodies: dict[tuple[str, in
             samples.append(Sample(kind, length, (int(arrival[1]) - start_ns) / 1e6, response_ms, tokenize_ms,
                                   int(arrival[2])))
     return samples
+
+
+def _read_first_event(response: http.client.HTTPResponse) -> None:
+    while True:
+        line = response.readline()
+        if not line or line.startswith(b"data:"):
+            return
 
 
 def _quantile(values: list[float], q: float) -> float:
