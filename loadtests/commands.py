@@ -17,6 +17,7 @@ BENCH_COMMANDS: LazyRegistry[Callable[[argparse._SubParsersAction], None]] = Laz
     "grpc-vs-http": "loadtests.api_overhead:register",
     "paired": "loadtests.paired:register",
     "tool-calls": "loadtests.tool_calls:register",
+    "front-end": "loadtests.front_end:register",
     # the engine in-process
     "one-batch": "radixmesh.engine.bench.throughput:register_one_batch",
     "offline": "radixmesh.engine.bench.throughput:register_offline",
@@ -39,7 +40,7 @@ BENCH_COMMANDS: LazyRegistry[Callable[[argparse._SubParsersAction], None]] = Laz
 """`radixmesh bench` subcommand -> "module:function" adding it to the `bench` subparsers object."""
 
 GROUPS = {
-    "serving endpoint": ("serving", "goodput", "grpc-vs-http", "paired", "tool-calls"),
+    "serving endpoint": ("serving", "goodput", "grpc-vs-http", "paired", "tool-calls", "front-end"),
     "engine (in-process)": ("one-batch", "offline", "structured", "fp8-accuracy", "kv-capacity", "images",
                             "hicache", "speculative", "kv-transfer", "lora"),
     "local cluster": ("routing", "epp", "peer-fetch", "faults", "soak", "lora-routing"),

@@ -21,6 +21,8 @@
 #   serve and the services on the other):
 #     STAGES=pair PAIR0="fp8-decode-sweep" PAIR1="online services fp8-fused-tests" ONLINE_PROMPTS=80 \
 #       TIMEOUT_pair=595 TIMEOUT_fp8_decode_sweep=590 TIMEOUT_online=330 TIMEOUT_services=200 bash scripts/gpu_suite.sh
+#   STAGES=front-end (issue 50, CPU only, ~1 minute): serve's front end per prompt over a stub scheduler, 1 and 4
+#   tokenizer threads (`radixmesh bench front-end`); then STAGES=online for the TTFT of both workloads
 #   STAGES="mm-tests images" bash scripts/gpu_suite.sh     (multimodal: LLaVA / Qwen2-VL)
 #   STAGES="pd-tests pd-transfer pd-goodput" (two GPUs: P/D); a stage's own time limit: TIMEOUT_<stage>=S (- as _)
 #   KV over NIXL (issue 49; the NIXL wheel in .whl: bash scripts/nixl_gpu_wheel.sh, 12.5 MiB):
@@ -225,6 +227,16 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       done
       spy_collect online
       kill -INT $server; wait $server ;;
+    front-end)  # issue 50: serve's front-end time per prompt (request -> the scheduler holds its token ids) on this
+      # host's CPU, over a stub scheduler (no GPU): text, chat and ids at 1k and 4k tokens, the tokenizer pool at one
+      # thread (every prompt encoded whole) and at FRONT_END_WORKERS (default 4: long prompts in pieces on 4 threads)
+      model=$(python3 scripts/gpu_tokenizer_model.py ${ONLINE_SHAPE:-llama-3.1-8b} "${TOKENIZER_DIR:-.gpu-model}" \
+        /tmp/smol-vocab-${ONLINE_SHAPE:-llama-3.1-8b})
+      for workers in 1 ${FRONT_END_WORKERS:-4}; do
+        echo "front end, --tokenizer-workers $workers"
+        $RM bench front-end --model "$model" --num-prompts ${FRONT_END_PROMPTS:-40} --tokenizer-workers $workers \
+          --output-file "$OUT/front-end-w$workers.json"
+      done ;;
     services|trace-split)
       # services: the online workload through gateway -> tokenizer -> router -> worker (Redis), SERVICES_WORKLOADS
       # (default: random, the text the tokenizer service tokenizes) into services-WORKLOAD.json.

@@ -14,7 +14,7 @@ from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.engine.grammar.compile_pool import GrammarCompilePool
 from radixmesh.engine.grammar.jump_forward import advance_matcher, retokenize_jump
 from radixmesh.engine.grammar.registry import check_grammar_syntax
-from radixmesh.engine.grammar.spec import ANY_JSON, GrammarSpec, grammar_spec
+from radixmesh.engine.grammar.spec import ANY_JSON, GrammarSpec, grammar_spec, json_depth
 from radixmesh.engine.grammar.vocab_mask import VocabMask, apply_vocab_mask, apply_vocab_mask_reference, unpack_mask
 from radixmesh.engine.grammar.xgrammar_backend import XGrammarBackend
 from radixmesh.engine.sampling.validation import validate_params
@@ -273,3 +273,13 @@ def test_store_memory_lru_is_bounded_in_bytes():
         await store.close()
 
     asyncio.run(scenario())
+
+
+def test_json_depth_counts_levels_of_flat_and_nested_values() -> None:
+    assert json_depth(7) == 0 and json_depth("text") == 0
+    assert json_depth(list(range(5000))) == 1  # a prompt's token ids
+    assert json_depth([1, "a", None, True, 2.5]) == 1
+    assert json_depth([1, 2, [3, [4]]]) == 3
+    assert json_depth([[1, 2], [3]]) == 2
+    assert json_depth({"a": [1, {"b": [2]}]}) == 4
+    assert json_depth([{}]) == 2

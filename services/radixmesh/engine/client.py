@@ -118,9 +118,7 @@ class EngineClient:
         from_sched = f"ipc://{self._ipc_dir}/from-scheduler"
         self._send.bind(to_sched)
         self._recv.bind(from_sched)
-        ctx = mp.get_context("spawn")
-        self._proc = ctx.Process(target=run_scheduler_process, name="radixmesh-scheduler",
-                                 args=(self.config, self.prepared, to_sched, from_sched), daemon=True)
+        self._proc = self._scheduler_process(to_sched, from_sched)
         with spawn_env(self.config.device):
             self._proc.start()
         first = await self._wait_ready()
@@ -129,6 +127,11 @@ class EngineClient:
             raise RadixMeshError(ErrorCode.UNAVAILABLE, first.message)
         self.server_info = first.info
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watch_process())]
+
+    def _scheduler_process(self, to_sched: str, from_sched: str) -> Any:
+        """The (not yet started) scheduler process, which connects to the two addresses."""
+        return mp.get_context("spawn").Process(target=run_scheduler_process, name="radixmesh-scheduler",
+                                               args=(self.config, self.prepared, to_sched, from_sched), daemon=True)
 
     async def _wait_ready(self) -> ReadyMsg | FatalMsg:
         deadline = asyncio.get_running_loop().time() + STARTUP_TIMEOUT_S

@@ -5,7 +5,8 @@ to a worker thread, so the loop keeps streaming other requests' tokens while a l
 Hugging Face's Rust tokenizer releases the GIL inside `encode_batch` (not inside `encode`), so the
 workers run in parallel with the loop and with each other. Texts that arrive while every worker is busy
 wait together and are encoded in one `encode_batch` call by the next free worker: no timer, no added
-latency when a worker is idle.
+latency when a worker is idle. A long text is cut into pieces that the other threads encode at the same
+time, where the tokenizer gives the same ids that way (`split_encode`).
 
 Each text is encoded exactly once, through the Rust tokenizer itself: transformers' `tokenizer.encode`
 wraps the same `encode_batch` call in Python-side conversions (attention masks, type ids, a
@@ -18,12 +19,13 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.hf_tokenizer import render_chat
+from radixmesh.engine.split_encode import SplitEncoder, can_split
 
 DEFAULT_TOKENIZER_WORKERS = 4
 """Threads of a front end's tokenizer pool."""
@@ -39,12 +41,15 @@ def check_num_workers(num_workers: int, param: str = "tokenizer_workers") -> Non
         raise invalid_argument(f"{param} must be in [1, {MAX_TOKENIZER_WORKERS}] (got {num_workers})", param)
 
 
-def batch_encoder(tokenizer: Any) -> Callable[[Sequence[str], bool], list[list[int]]]:
+def batch_encoder(tokenizer: Any, piece_executor: Executor | None = None, max_pieces: int = 1,
+                  spare_threads: Callable[[], int] | None = None) -> Callable[[Sequence[str], bool], list[list[int]]]:
     """`encode(texts, add_special_tokens) -> ids per text`, the same ids as `tokenizer.encode(text, ...)`.
 
     A transformers fast tokenizer is encoded through its Rust tokenizer's `encode_batch` (which releases
     the GIL), with the settings transformers would apply first: no truncation, no padding, its
-    `split_special_tokens`. Other tokenizers go through their own `encode`, one text at a time.
+    `split_special_tokens`; a long text in up to `max_pieces` pieces, the later ones on `piece_executor`, when
+    the tokenizer gives the same ids that way (`split_encode.can_split`), and no more pieces than one plus
+    `spare_threads()`. Other tokenizers go through their own `encode`, one text at a time.
     """
     backend: Any = getattr(tokenizer, "_tokenizer", None)
     if not getattr(tokenizer, "is_fast", False) or not hasattr(backend, "encode_batch"):
@@ -61,9 +66,13 @@ def batch_encoder(tokenizer: Any) -> Callable[[Sequence[str], bool], list[list[i
     split_special = bool(getattr(tokenizer, "split_special_tokens", False))
     if hasattr(backend, "encode_special_tokens") and backend.encode_special_tokens != split_special:
         backend.encode_special_tokens = split_special
+    if piece_executor is not None and max_pieces > 1 and can_split(backend):
+        return SplitEncoder(backend, piece_executor, max_pieces, spare_threads=spare_threads)
+
+    encode_fast = getattr(backend, "encode_batch_fast", backend.encode_batch)  # fast: no character offsets
 
     def encode_batch(texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
-        return [e.ids for e in backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+        return [e.ids for e in encode_fast(list(texts), add_special_tokens=add_special_tokens)]
 
     return encode_batch
 
@@ -102,14 +111,21 @@ class TokenizerPool:
         check_num_workers(num_workers)
         self.tokenizer = tokenizer
         self.num_workers = num_workers
-        self._encode = batch_encoder(tokenizer)
         self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="tokenize")
+        self._piece_executor = ThreadPoolExecutor(num_workers - 1, thread_name_prefix="tokenize-piece") \
+            if num_workers > 1 else None
+        """Encodes the later pieces of long texts while a worker encodes their first (`split_encode`)."""
+        self._encode = batch_encoder(tokenizer, self._piece_executor, num_workers, self._num_idle)
         self._waiting: list[_Job] = []
         self._num_busy = 0
         self.num_texts = 0
         """Texts encoded so far (each prompt's text counts once)."""
         self.num_batches = 0
         """`encode_batch` calls so far (a batch holds the texts that waited together)."""
+
+    def _num_idle(self) -> int:
+        """Workers without a batch now (read on a worker: an int the loop thread writes)."""
+        return max(0, self.num_workers - self._num_busy)
 
     async def encode(self, text: str, add_special_tokens: bool = True,
                      after: Callable[[list[int]], T] | None = None) -> Encoded[T]:
@@ -192,3 +208,5 @@ class TokenizerPool:
     def close(self) -> None:
         """Stop the workers (a batch being encoded finishes first)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._piece_executor is not None:
+            self._piece_executor.shutdown(wait=False, cancel_futures=True)

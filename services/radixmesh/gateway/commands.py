@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_http_args(serve)
     serve.add_argument("--tokenizer-workers", type=int, default=DEFAULT_TOKENIZER_WORKERS,
                        help="threads that tokenize prompts off the event loop; prompts that arrive while all are "
-                            "busy are encoded together (default: %(default)s)")
+                            "busy are encoded together, a long prompt in pieces on several (default: %(default)s)")
     add_engine_args(serve)
     add_image_args(serve)
     serve.set_defaults(func=cmd_serve)

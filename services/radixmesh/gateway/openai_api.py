@@ -6,7 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter
 from starlette.requests import Request
@@ -127,7 +127,8 @@ async def _respond(request: Request, run: CompletionRun | ChatRun, stream: bool)
 
 
 def _has_text(prompt: Any) -> bool:
-    return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
+    """Whether a prompt is text (the request model keeps a list homogeneous: its first item tells)."""
+    return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str))
 
 
 async def _completion_prompts(state: GatewayState, req: CompletionRequest) -> list[list[int]]:
@@ -137,9 +138,8 @@ async def _completion_prompts(state: GatewayState, req: CompletionRequest) -> li
         return [await state.backend.encode(prompt)]
     if not prompt:
         raise invalid_argument("prompt must not be empty", "prompt")
-    token_ids = [p for p in prompt if isinstance(p, int)]
-    if len(token_ids) == len(prompt):  # one prompt of token ids (the request model keeps the list homogeneous)
-        return [token_ids]
+    if isinstance(prompt[0], int):  # one prompt of token ids (the request model keeps the list homogeneous)
+        return [cast(list[int], prompt)]
 
     async def ids_of(p: str | list[int]) -> list[int]:
         return await state.backend.encode(p) if isinstance(p, str) else list(p)

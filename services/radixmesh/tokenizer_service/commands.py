@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--block-size", type=int, default=16, help="tokens per block of the prompt's block hashes")
     cmd.add_argument("--tokenizer-workers", type=int, default=DEFAULT_TOKENIZER_WORKERS,
                      help="threads that tokenize prompts off the event loop; prompts that arrive while all are busy "
-                          "are encoded together (default: %(default)s)")
+                          "are encoded together, a long prompt in pieces on several (default: %(default)s)")
     add_image_args(cmd)
     add_server_args(cmd, DEFAULT_PORT)
     cmd.set_defaults(func=cmd_tokenizer)

@@ -146,6 +146,8 @@ def _compact_structural_tag(source: str) -> str:
 
 
 _CONTAINERS = (dict, list)
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+"""The types of JSON's scalars as `json.loads` makes them."""
 
 
 def json_depth(value: object) -> int:
@@ -161,6 +163,8 @@ def json_depth(value: object) -> int:
         else:
             continue
         depth = max(depth, level + 1)
+        if _SCALARS.issuperset(map(type, children)):  # a flat list (a prompt's token ids): no loop in Python
+            continue
         stack.extend((child, level + 1) for child in children if isinstance(child, _CONTAINERS))
     return depth
 
