@@ -548,6 +548,8 @@ PY
         $RM bench lora --model-shape llama-3.1-8b --num-adapters 16 --rank 16 --batch-size 32 --input-len 256 \
           --output-len 128 --lora-kernels "$kernels" --result-file "$OUT/lora.jsonl"
       done ;;
+    lora-tests)  # the LoRA GPU tests alone (engine: graphs vs eager vs CPU per kernel set; kernels)
+      python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_lora_engine_gpu.py tests/gpu/test_lora_gpu.py ;;
     lora-kernels)  # batched LoRA at the 8B projections: tests, then the adapters' cost next to cuBLAS's base GEMMs
       # (32 decode rows over 16 rank-16 adapters, batch 1, four 512-token prefill segments; then slots sized for rank 64)
       # for each decode kernel set: per row (the old launches), grouped by adapter, fused shrink+expand
