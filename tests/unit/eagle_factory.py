@@ -46,15 +46,21 @@ def _attention_and_mlp(prefix: str, in_dim: int, gen: torch.Generator, identity:
     return out
 
 
-def write_eagle(path: Path, seed: int = 0, identity: bool = False, heads: tuple[int, int, int] = HEADS) -> Path:
+def write_eagle(path: Path, seed: int = 0, identity: bool = False, heads: tuple[int, int, int] = HEADS,
+                bigram: bool = False) -> Path:
     """An EAGLE (1/2) head as published: config.json saying LlamaForCausalLM, `fc` with a bias over
     cat(embedding, feature), `layers.0` without an input norm, no embedding and no LM head (the target's).
     `identity`: fc passes the feature through and the layer adds nothing, so the head's logits are the target's
-    at the same position (its first draft is then the request's last token, under greedy decoding)."""
+    at the same position (its first draft is then the request's last token, under greedy decoding).
+    `bigram`: fc passes the embedding through and the layer adds nothing, so the head's logits at a token are the
+    LM head over that token's embedding (a target whose layers add little then mostly agrees: `make_bigram_like`)."""
     gen = torch.Generator().manual_seed(seed)
     fc = torch.randn(HIDDEN, 2 * HIDDEN, generator=gen) * 0.2
     if identity:
         fc = torch.cat([torch.zeros(HIDDEN, HIDDEN), torch.eye(HIDDEN)], dim=1)
+    if bigram:
+        fc = torch.cat([torch.eye(HIDDEN), torch.zeros(HIDDEN, HIDDEN)], dim=1)
+        identity = True
     tensors = {"fc.weight": fc, "fc.bias": torch.zeros(HIDDEN),
                **_attention_and_mlp("layers.0", HIDDEN, gen, identity, heads)}
     return _write(path, {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "bias": True,
@@ -96,3 +102,13 @@ def _write(path: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor])
     (path / "config.json").write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
     return path
+
+
+def make_bigram_like(model: Any, scale: float) -> None:
+    """Shrink a tiny target's attention and MLP outputs by `scale` and make its final norm plain: its greedy token then
+    mostly follows the last token's embedding, as a `bigram` head predicts (often its top-1, else among its top few)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.mul_(scale)
+        model.model.norm.weight.fill_(1.0)

@@ -15,6 +15,9 @@ K/V tile is loaded once per group and feeds one `tl.dot` of BLOCK_M rows. Three 
 the new tokens before the block's first query (whole tiles every row sees: no mask), then the tiles up to
 the block's last query (causal mask).
 FP8 pools: tiles widen in registers, `k_scale` folds into the softmax scale, `v_scale` into the output.
+Tree masks (verifying a draft tree): a request's new tokens see its whole prefix and, among themselves, only what its
+`[ext_len, ext_len]` row-major mask in `custom_mask` allows (from `mask_indptr[i]`); every new-token tile then runs
+the masked loop (no open tiles), and the mask must keep within the causal triangle (a node's ancestors come first).
 """
 
 from __future__ import annotations
@@ -42,13 +45,15 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, hi, rows_t, new_start,
-                 stride_k_row, stride_v_row, offs_d, mask_d, qk_scale,
+                 stride_k_row, stride_v_row, offs_d, mask_d, qk_scale, mask_ptr, mask_start, ext_len,
                  CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FROM_SLOTS: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FROM_SLOTS: tl.constexpr,
+                 HAS_MASK: tl.constexpr):
     """One online-softmax step over keys [n, n + BLOCK_N) ∩ [.., hi).
 
     FROM_SLOTS: key j's row is the pool slot `kv_indices[kv_start + j]`; else row `kv_start + j` of a
     contiguous tensor (the new tokens' own K/V, `kv_start` then being their first row less `new_start`).
+    CAUSAL with HAS_MASK: new token t sees new token j where `mask[mask_start + t * ext_len + j]` is set.
     """
     offs_n = n + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hi
@@ -61,7 +66,13 @@ def _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, 
     k = tl.load(k_base + rows[:, None] * stride_k_row + offs_d[None, :], mask=mask_kv, other=0.0)
     # [BLOCK_M, BLOCK_N], log2 units
     s = tl.dot(q, tl.trans(from_pool(k, DOT_DTYPE, KV_FP8)), input_precision=DOT_PRECISION) * qk_scale
-    if CAUSAL:
+    if CAUSAL and HAS_MASK:
+        cols = offs_n - new_start
+        in_tree = (rows_t < ext_len)[:, None] & mask_n[None, :]
+        bits = tl.load(mask_ptr + mask_start + rows_t[:, None] * ext_len + cols[None, :], mask=in_tree, other=0)
+        visible = in_tree & (bits != 0)
+        s = tl.where(visible, s, float("-inf"))
+    elif CAUSAL:
         visible = mask_n[None, :] & ((offs_n - new_start)[None, :] <= rows_t[:, None])
         s = tl.where(visible, s, float("-inf"))
     else:
@@ -79,7 +90,7 @@ def _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, 
 @triton.jit
 def _extend_kernel(
     q_ptr, k_buf_ptr, v_buf_ptr, k_new_ptr, v_new_ptr, o_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
-    req_map_ptr, qk_scale, v_scale,
+    req_map_ptr, mask_ptr, mask_indptr_ptr, qk_scale, v_scale,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
     stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
@@ -87,6 +98,7 @@ def _extend_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr, HAS_MAP: tl.constexpr, HEAVY_FIRST: tl.constexpr, NEW_FROM_SLOTS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):
     req = tl.program_id(0)
     if HAS_MAP:  # only the requests listed run here (the others' attention is computed elsewhere)
@@ -106,6 +118,10 @@ def _extend_kernel(
     prefix_hi = tl.where(is_live, prefix_len, 0)
     # new tokens before the block's first query (whole tiles) are seen by every row: no mask there
     open_hi = tl.where(is_live, prefix_len + (t0 // BLOCK_N) * BLOCK_N, prefix_len)
+    mask_start = 0
+    if HAS_MASK:  # a tree: every new-token tile is masked
+        open_hi = prefix_len
+        mask_start = tl.load(mask_indptr_ptr + req).to(tl.int64)
     new_hi = tl.where(is_live, prefix_len + tl.minimum(ext_len, t0 + BLOCK_T), prefix_len)
 
     offs_r = tl.arange(0, BLOCK_M)
@@ -128,7 +144,8 @@ def _extend_kernel(
     for n in range(0, prefix_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, prefix_hi,
                                      rows_t, prefix_len, stride_kb_slot, stride_vb_slot, offs_d, mask_d, qk_scale,
-                                     False, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_FP8, True)
+                                     mask_ptr, mask_start, ext_len,
+                                     False, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_FP8, True, False)
     if NEW_FROM_SLOTS:
         new_k = k_base
         new_v = v_base
@@ -144,11 +161,13 @@ def _extend_kernel(
     for n in range(prefix_len, open_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, new_k, new_v, kv_indices_ptr, new_base, n, open_hi,
                                      rows_t, prefix_len, stride_k_row, stride_v_row, offs_d, mask_d, qk_scale,
-                                     False, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_FP8, NEW_FROM_SLOTS)
+                                     mask_ptr, mask_start, ext_len,
+                                     False, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_FP8, NEW_FROM_SLOTS, False)
     for n in range(open_hi, new_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, new_k, new_v, kv_indices_ptr, new_base, n, new_hi,
                                      rows_t, prefix_len, stride_k_row, stride_v_row, offs_d, mask_d, qk_scale,
-                                     True, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_FP8, NEW_FROM_SLOTS)
+                                     mask_ptr, mask_start, ext_len,
+                                     True, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_FP8, NEW_FROM_SLOTS, HAS_MASK)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     o_rows = (q_start + rows_t) * stride_o_tok + heads * stride_o_head
@@ -181,7 +200,8 @@ def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          max_extend_len: int, sm_scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
                          blocks: tuple[int, int, int, int] | None = None, req_map: torch.Tensor | None = None,
                          heavy_first: bool = True, k_new: torch.Tensor | None = None,
-                         v_new: torch.Tensor | None = None) -> None:
+                         v_new: torch.Tensor | None = None, custom_mask: torch.Tensor | None = None,
+                         mask_indptr: torch.Tensor | None = None) -> None:
     """Causal attention of packed new tokens over their requests' prefix plus themselves.
 
     q, out: `[num_tokens, num_heads, head_dim]`, request i's new tokens at rows
@@ -196,8 +216,15 @@ def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     so the longest programs do not start last; False keeps the natural order (benchmarks compare the two).
     `k_new`, `v_new`: `[num_tokens, kv_heads, head_dim]`, the new tokens' K/V as stored in the pool (the
     pool's dtype, not FP8), row t for q's row t; attention reads them there instead of through the slots.
+    `custom_mask` (bool or uint8, flat) with `mask_indptr` (int, `[batch + 1]`): tree attention among the new tokens;
+    request i's new token t sees new token j iff `custom_mask[mask_indptr[i] + t * ext_len_i + j]` (its prefix
+    always); the mask must allow no j > t.
     """
     _check_extend_args(q, k_buffer, v_buffer, out, qo_indptr, kv_indptr, kv_indices, max_extend_len)
+    assert (custom_mask is None) == (mask_indptr is None), "custom_mask and mask_indptr come together"
+    if custom_mask is not None and mask_indptr is not None:
+        _check_mask(q, qo_indptr, custom_mask, mask_indptr)
+        custom_mask = custom_mask.view(torch.uint8)  # (bool bytes, read as integers)
     assert (k_new is None) == (v_new is None), "k_new and v_new come together"
     if k_new is not None and v_new is not None:
         _check_new_kv(q, k_buffer, k_new, v_new)
@@ -225,6 +252,7 @@ def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     _extend_kernel[grid](
         q, k_buffer, v_buffer, k_rows, v_rows, out, qo_indptr, kv_indptr, kv_indices,
         req_map if req_map is not None else qo_indptr,
+        custom_mask if custom_mask is not None else qo_indptr, mask_indptr if mask_indptr is not None else qo_indptr,
         sm_scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
@@ -234,6 +262,7 @@ def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         BLOCK_D=next_power_of_2(head_dim), BLOCK_N=block_n,
         DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision(operand_dtype), KV_FP8=k_buffer.dtype in FP8_DTYPES,
         HAS_MAP=req_map is not None, HEAVY_FIRST=heavy_first, NEW_FROM_SLOTS=from_slots,
+        HAS_MASK=custom_mask is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -274,3 +303,14 @@ def _check_new_kv(q: torch.Tensor, k_buffer: torch.Tensor, k_new: torch.Tensor, 
         check_last_dim_contiguous(name, t)
         assert t.dtype == k_buffer.dtype and t.dtype not in FP8_DTYPES, (
             f"{name} is {t.dtype}: the new tokens' rows must be in the pool's dtype ({k_buffer.dtype}), not FP8")
+
+
+def _check_mask(q: torch.Tensor, qo_indptr: torch.Tensor, custom_mask: torch.Tensor, mask_indptr: torch.Tensor) -> None:
+    check_device("custom_mask", custom_mask, q.device)
+    check_device("mask_indptr", mask_indptr, q.device)
+    assert custom_mask.dim() == 1 and custom_mask.dtype in (torch.bool, torch.uint8), (
+        f"custom_mask must be a flat bool or uint8 tensor, got {custom_mask.dtype} {tuple(custom_mask.shape)}")
+    assert custom_mask.is_contiguous(), "custom_mask must be contiguous"
+    check_index("mask_indptr", mask_indptr)
+    assert mask_indptr.dim() == 1 and mask_indptr.shape[0] == qo_indptr.shape[0], (
+        f"mask_indptr must have batch + 1 = {qo_indptr.shape[0]} entries, got {tuple(mask_indptr.shape)}")

@@ -160,7 +160,8 @@ class EngineConfig:
     reading the target's hidden states) | oracle (benchmarks only: bench speculative --oracle); unset: off."""
     speculative_num_draft_tokens: int = 4
     """Most draft tokens verified per request and step (the back-off may propose fewer), 1 to 16; eagle/eagle3 with
-    --speculative-eagle-topk > 1: the draft tree's nodes kept for verification."""
+    --speculative-eagle-topk > 1: the tokens of a verified tree, its root (the last sampled token) included, so
+    the tree keeps that many less one of its best draft nodes (2 to 16)."""
     speculative_num_steps: int | None = None
     """eagle/eagle3: draft steps per cycle (the depth of the chain or tree); unset: --speculative-num-draft-tokens
     (a chain)."""
@@ -292,6 +293,9 @@ class EngineConfig:
                 "eagle", "eagle3"):
             raise invalid_argument("--speculative-num-steps and --speculative-eagle-topk go with "
                                    "--speculative-algorithm eagle or eagle3", "speculative_eagle_topk")
+        if self.speculative_eagle_topk > 1 and self.speculative_num_draft_tokens < 2:
+            raise invalid_argument("--speculative-eagle-topk > 1 needs --speculative-num-draft-tokens >= 2 (the tree's "
+                                   "root and at least one draft)", "speculative_num_draft_tokens")
         if self.speculative_draft_model is not None and algorithm not in DRAFT_MODEL_ALGORITHMS:
             raise invalid_argument(f"--speculative-draft-model goes with --speculative-algorithm "
                                    f"{' or '.join(DRAFT_MODEL_ALGORITHMS)} (and only with those)",
@@ -306,10 +310,21 @@ class EngineConfig:
 
     @property
     def speculative_max_drafts(self) -> int:
-        """Most drafts per request and step: an EAGLE chain's steps, else --speculative-num-draft-tokens."""
-        if self.speculative_num_steps is not None and self.speculative_eagle_topk == 1:
+        """Most drafts per request and step: an EAGLE chain's steps, an EAGLE tree's nodes (the draft tokens less
+        the root, at most what its steps can draft), else --speculative-num-draft-tokens."""
+        if self.speculative_eagle_topk > 1:
+            k, steps = self.speculative_eagle_topk, self.speculative_tree_steps
+            return max(1, min(self.speculative_num_draft_tokens - 1, k + (steps - 1) * k * k))
+        if self.speculative_num_steps is not None:
             return self.speculative_num_steps
         return self.speculative_num_draft_tokens
+
+    @property
+    def speculative_tree_steps(self) -> int:
+        """EAGLE trees: draft steps (the tree's depth); unset: --speculative-num-draft-tokens less the root."""
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        return max(1, self.speculative_num_draft_tokens - 1)
 
     @property
     def prefill_token_budget(self) -> int:

@@ -28,6 +28,19 @@ class ForwardMode(enum.Enum):
     DECODE = "decode"
 
 
+@dataclass(frozen=True)
+class TreeMask:
+    """EXTEND of draft trees: which new tokens of a request each of its new tokens sees (beside the whole prefix)."""
+
+    mask: torch.Tensor
+    """[sum(n_i * n_i)] bool on the device: request i's `[n_i, n_i]` mask, row-major, from `indptr[i]`
+    (row t, column j: new token t sees new token j; only ancestors-or-self, so never j > t)."""
+    indptr: torch.Tensor
+    """[batch + 1] int64 on the device."""
+    masks_cpu: list[torch.Tensor]
+    """Request i's `[n_i, n_i]` bool mask on the host (the reference backend's)."""
+
+
 @dataclass
 class ForwardBatch:
     """Everything one forward pass needs; tensors live on the model's device.
@@ -56,6 +69,8 @@ class ForwardBatch:
     """Host copy of `req_pool_indices` (None: backends that need it read the device tensor, a sync)."""
     mm: MultimodalForward | None = None
     """EXTEND of a multimodal model: image features and M-RoPE positions (`radixmesh.engine.mm.runtime`)."""
+    tree_mask: TreeMask | None = None
+    """EXTEND verifying draft trees: the new tokens' mask over each other (None: causal)."""
 
     @property
     def batch_size(self) -> int:
@@ -86,8 +101,9 @@ class AttentionBackend(abc.ABC):
     k/v into `forward_batch.token_to_kv_pool` at `out_cache_loc`, and returns
     the attention output `[num_tokens, num_heads * head_dim]`. Each new token
     attends causally to its own request's tokens only: the cached prefix, the
-    earlier new tokens and itself. With `save_kv=False` the caller has already
-    written k/v to `out_cache_loc` and the backend only reads the pool; k and v are
+    earlier new tokens and itself (with `forward_batch.tree_mask`: the prefix and the
+    new tokens its mask row allows; backends without `supports_tree_mask` refuse it).
+    With `save_kv=False` the caller has already written k/v to `out_cache_loc` and the backend only reads the pool; k and v are
     then still the values written (rotated), which a backend may read instead of the pool.
     """
 
@@ -105,6 +121,9 @@ class AttentionBackend(abc.ABC):
     def init_forward_metadata_graph(self, forward_batch: ForwardBatch, batch_size: int) -> None:
         """Plan a DECODE pass into the static buffers, with device work only (it is captured)."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    supports_tree_mask: bool = False
+    """Whether EXTEND passes take `ForwardBatch.tree_mask` (verifying EAGLE draft trees)."""
 
     supports_extend_graph: bool = False
     """Whether `init_extend_metadata_graph` is implemented (verify passes of speculative decoding)."""

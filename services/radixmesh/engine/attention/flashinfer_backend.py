@@ -43,6 +43,7 @@ class FlashInferBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
+        assert fb.tree_mask is None, "the flashinfer backend does not take tree masks (supports_tree_mask)"
         device = fb.seq_lens.device
         self._wrappers(device)
         _, kv_indices = build_kv_indices(fb.req_to_token_pool.req_to_token, fb.req_pool_indices,

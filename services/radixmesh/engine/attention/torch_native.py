@@ -19,6 +19,8 @@ DECODE_GATHER_BYTES = 64 << 20
 
 
 class TorchNativeBackend(AttentionBackend):
+    supports_tree_mask = True
+
     def __init__(self) -> None:
         self._req_rows: list[int] = []
         self._masks: list[torch.Tensor | None] = []
@@ -33,14 +35,17 @@ class TorchNativeBackend(AttentionBackend):
         self._req_rows = rows if rows is not None else forward_batch.req_pool_indices.tolist()
         self._masks = []
         device = forward_batch.input_ids.device
-        for prefix_len, new_len in zip(forward_batch.extend_prefix_lens_cpu,
-                                       forward_batch.extend_seq_lens_cpu):
+        tree = forward_batch.tree_mask
+        for i, (prefix_len, new_len) in enumerate(zip(forward_batch.extend_prefix_lens_cpu,
+                                                      forward_batch.extend_seq_lens_cpu)):
             if new_len == 1:
                 self._masks.append(None)  # one query sees every key: no mask needed
                 continue
             # new token j sits at position prefix_len + j and sees keys 0..prefix_len + j
-            mask = torch.ones(new_len, prefix_len + new_len, dtype=torch.bool, device=device)
-            self._masks.append(mask.tril(diagonal=prefix_len))
+            mask = torch.ones(new_len, prefix_len + new_len, dtype=torch.bool, device=device).tril(diagonal=prefix_len)
+            if tree is not None:  # (a draft tree: its ancestors instead of every earlier new token)
+                mask[:, prefix_len:] = tree.masks_cpu[i].to(device)
+            self._masks.append(mask)
         self._decode_batched = len(self._req_rows) > 1 and all(m is None for m in self._masks)
         self._decode_slots = []
 

@@ -97,6 +97,7 @@ class TritonBackend(AttentionBackend):
 
     supports_cuda_graph = True
     supports_extend_graph = True
+    supports_tree_mask = True
     # graph-mode kv_indices capacity, as a multiple of the pool's slots (shared prefixes repeat slots)
     GRAPH_INDICES_PER_SLOT = 4
 
@@ -296,11 +297,14 @@ class TritonBackend(AttentionBackend):
             # k/v hold what the pool now holds for the new tokens when the dtypes agree (no FP8 rounding):
             # the kernel reads them as rows rather than gathering their slots
             k_new, v_new = (k, v) if k.dtype == k_buf.dtype else (None, None)
-            dense = meta.dense if q.dtype == k_buf.dtype else None
+            dense = meta.dense if q.dtype == k_buf.dtype and forward_batch.tree_mask is None else None
             dense_out = self.dense.run(q, k, v, out, dense, layer.scaling) if dense is not None else None
             if dense_out is None:  # the Triton kernel computes every request
+                tree = forward_batch.tree_mask
                 extend_attention_fwd(q, k_buf, v_buf, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
-                                     meta.max_extend_len, layer.scaling, k_scale, v_scale, k_new=k_new, v_new=v_new)
+                                     meta.max_extend_len, layer.scaling, k_scale, v_scale, k_new=k_new, v_new=v_new,
+                                     custom_mask=tree.mask if tree is not None else None,
+                                     mask_indptr=tree.indptr if tree is not None else None)
             else:
                 out = dense_out  # (`out` itself unless one request was the whole pass)
                 if meta.rest_map is not None:  # and the requests the dense plan left to it

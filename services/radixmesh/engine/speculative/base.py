@@ -40,6 +40,10 @@ class Proposal:
     device_drafts: torch.Tensor | None = None
     """[drafts] int64 on the target's device, laid out as `prob_rows` says: the drafts' values when they never
     went to the host (`drafts` then holds placeholders of the right lengths; see `device_drafts_ok`)."""
+    parents: list[list[int]] | None = None
+    """Draft trees (EAGLE with --speculative-eagle-topk > 1): per request, each draft's parent draft (-1: the
+    request's last token), parents before children, so that any leading part of a list is a tree too. None: each
+    request's drafts are a chain. Only greedy requests get trees (their verification is exact argmax matching)."""
 
     snap_ids: list[list[int]] | None = None
     """Benchmarks only (the oracle): per request, the token expected at each of its verify rows (-1: none). A greedy

@@ -25,8 +25,9 @@ from radixmesh.engine.scheduler.hooks import SchedulerHook
 from radixmesh.engine.speculative.adaptive import AdaptivePolicy
 from radixmesh.engine.speculative.base import BaseProposer, Proposal, ProposerContext
 from radixmesh.engine.speculative.registry import create_proposer
+from radixmesh.engine.speculative.tree import depths
 from radixmesh.engine.speculative.verifier import Verifier, VerifyHostSample, VerifyOutput
-from radixmesh.engine.speculative.verify_batch import VerifyBatch, build_verify_batch, settle_kv
+from radixmesh.engine.speculative.verify_batch import VerifyBatch, build_verify_batch, settle_kv, settle_tree_kv
 from radixmesh.engine.speculative.verify_graphs import make_verify_graphs
 
 if TYPE_CHECKING:
@@ -39,11 +40,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Pending:
-    """A request's verification in flight: KV `slots` reserved from position `start`, `num_drafts` drafts fed."""
+    """A request's verification in flight: KV `slots` reserved from position `start`, `num_drafts` drafts fed
+    (`depth`: the longest chain of them, fewer than `num_drafts` in a draft tree)."""
 
     start: int
     num_drafts: int
     slots: torch.Tensor
+    depth: int
 
 
 @dataclass
@@ -149,13 +152,15 @@ class SpecDecoder(SchedulerHook):
                 self.proposer.on_verified(req, 0)
                 drafts.clear()
             return None
-        for req, drafts, row in zip(reqs, proposal.drafts, batch.row_starts):
+        for i, (req, drafts, row) in enumerate(zip(reqs, proposal.drafts, batch.row_starts)):
             slots = batch.out_cache_loc[row:row + len(drafts) + 1]
-            self.pending[req.rid] = _Pending(req.kv_len, len(drafts), slots)
+            depth = max(depths(batch.trees[i])) if batch.trees is not None else len(drafts)
+            self.pending[req.rid] = _Pending(req.kv_len, len(drafts), slots, depth)
         return batch
 
     def _fit_memory(self, proposal: Proposal) -> None:
-        """Shorten the longest draft lists until every request's tokens fit in free KV slots."""
+        """Shorten the longest draft lists until every request's tokens fit in free KV slots (a tree's last nodes
+        go first: what is left is still a tree)."""
         available = self.sched.kv.available_tokens()
         need = sum(len(d) + 1 for d in proposal.drafts)
         while need > available:
@@ -183,9 +188,16 @@ class SpecDecoder(SchedulerHook):
         if pending is not None:
             assert isinstance(host, VerifyHostSample) and host.num_accepted is not None, "a verify row without results"
             accepted = host.num_accepted[row]
-            settle_kv(req, pending.start, pending.num_drafts + 1, accepted, self.sched.kv)
+            if host.emit_rows is not None:  # a tree batch: the accepted path's rows, root first
+                assert host.row_starts is not None
+                first = host.row_starts[row]
+                path = [host.emit_rows[first + d] - first for d in range(accepted + 1)]
+                settle_tree_kv(req, pending.start, pending.num_drafts + 1, path, self.sched.kv)
+            else:
+                settle_kv(req, pending.start, pending.num_drafts + 1, accepted, self.sched.kv)
             self.proposer.on_verified(req, accepted)
-            self.policy.observe_request(req.rid, pending.num_drafts, accepted)
+            # (a tree's acceptance is counted along its depth: at most that many drafts can be accepted)
+            self.policy.observe_request(req.rid, pending.depth, accepted)
             if pending.num_drafts:
                 self.num_proposed += pending.num_drafts
                 self.num_accepted += accepted

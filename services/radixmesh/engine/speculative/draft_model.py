@@ -85,7 +85,8 @@ class DraftModelProposer(BaseProposer):
                          getattr(ctx.tokenizer, "name_or_path", None), prepared)
         draft_config = dataclasses.replace(
             config, model=config.speculative_draft_model, load_format=prepared.load_format, tokenizer=None,
-            max_total_tokens=target.plan.max_total_tokens, max_running_requests=target.plan.max_running_requests,
+            max_total_tokens=target.plan.max_total_tokens,
+            max_running_requests=target.plan.max_running_requests * self._rows_per_request(config),
             context_length=target.context_len, speculative_algorithm=None, speculative_draft_model=None,
             speculative_num_steps=None, speculative_eagle_topk=1)
         self.runner = ModelRunner(draft_config, prepared)
@@ -94,7 +95,7 @@ class DraftModelProposer(BaseProposer):
         self.kv = KVCacheManager(self.runner.req_pool, self.runner.kv_pool, self.runner.allocator, tree)
         self.device = target.device
         self.prefill_budget = config.prefill_token_budget
-        self.loop: DraftLoop | None = make_draft_loop(self.runner, config.speculative_max_drafts - 1,
+        self.loop: DraftLoop | None = make_draft_loop(self.runner, self._loop_steps(config),
                                                       config.cuda_graph_max_bs, self._to_target, self._between_steps)
         """Greedy chains' decode steps in one pass (one CUDA graph replay), when the draft replays graphs."""
         self.catch_up_graphs: VerifyGraphRunner | None = (
@@ -278,6 +279,14 @@ class DraftModelProposer(BaseProposer):
     def _catch_up_graph_tokens(self, config: EngineConfig) -> int:
         """Most tokens per request of a catch-up replayed from a graph: 2 after a verification."""
         return 2
+
+    def _rows_per_request(self, config: EngineConfig) -> int:
+        """Request rows of the draft's pool per target request (its shadow's, and an EAGLE tree's beams')."""
+        return 1
+
+    def _loop_steps(self, config: EngineConfig) -> int:
+        """Decode steps of the captured draft loop (0: none)."""
+        return config.speculative_max_drafts - 1
 
     def _before_eager_catch_up(self) -> None:
         """Before a catch-up pass runs eagerly."""

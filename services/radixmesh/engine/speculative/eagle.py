@@ -9,7 +9,8 @@ Its last row's logits give draft 1; each further draft step is one DECODE pass o
 token and the head's own output features (static buffers: they replay the head's CUDA graphs). After
 verification only the catch-up KV stays (drafted positions were computed from the head's guesses, not the
 target's features; the next catch-up recomputes the accepted ones from the real ones).
-EAGLE-3's draft vocabulary maps to the target's through `d2t`.
+EAGLE-3's draft vocabulary maps to the target's through `d2t`. With `--speculative-eagle-topk` > 1 the head drafts
+trees instead (eagle_tree.py), verified with a tree mask.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.device_io import to_device
 from radixmesh.engine.models.eagle import EagleDraft
 from radixmesh.engine.request import Req
-from radixmesh.engine.speculative.base import ProposerContext
+from radixmesh.engine.speculative.base import Proposal, ProposerContext
 from radixmesh.engine.speculative.draft_model import DraftModelProposer, _Shadow
+from radixmesh.engine.speculative.eagle_tree import TreeDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +35,19 @@ TARGET_WEIGHTS = {"embed_tokens.weight": "model.embed_tokens.weight", "lm_head.w
 
 
 class EagleProposer(DraftModelProposer):
-    """Drafts from an EAGLE or EAGLE-3 head (`--speculative-algorithm eagle|eagle3`); chains (top-1)."""
+    """Drafts from an EAGLE or EAGLE-3 head (`--speculative-algorithm eagle|eagle3`): chains (top-1) or trees."""
 
     id = "eagle"
     shares_prefixes = False
 
     def __init__(self, ctx: ProposerContext) -> None:
-        if ctx.config.speculative_eagle_topk > 1:
-            raise invalid_argument("--speculative-eagle-topk > 1 (tree drafts) is not implemented yet: EAGLE heads "
-                                   "draft chains (topk 1)", "speculative_eagle_topk")
+        config = ctx.config
+        self.topk = config.speculative_eagle_topk
+        if self.topk > 1 and not ctx.target.attn_backend.supports_tree_mask:
+            raise invalid_argument(f"--speculative-eagle-topk > 1 verifies draft trees with a tree mask, which the "
+                                   f"{type(ctx.target.attn_backend).__name__} attention backend does not take: use "
+                                   "--attention-backend triton or torch_native", "speculative_eagle_topk")
+        self.tree: TreeDrafter | None = None
         self._catch_up_slots: torch.Tensor | None = None
         """The target KV slots of the catch-up's tokens, in packed order (their features' rows)."""
         self._graph_rows: list[int] | None = None
@@ -51,8 +57,23 @@ class EagleProposer(DraftModelProposer):
         self._prev: torch.Tensor | None = None
         """The previous pass's output features of the drafting chains, in chain order."""
         self._draft_ids = torch.arange(head.draft_vocab, device=self.device)
-        logger.info("EAGLE%s head: %d-token draft vocabulary, features %d wide", "-3" if head.eagle3 else "",
-                    head.draft_vocab, head.feature_dim)
+        if self.topk > 1:
+            self.tree = TreeDrafter(self, self.topk, config.speculative_tree_steps, config.speculative_max_drafts)
+        logger.info("EAGLE%s head: %d-token draft vocabulary, features %d wide, %s", "-3" if head.eagle3 else "",
+                    head.draft_vocab, head.feature_dim,
+                    f"trees (top-{self.topk}, {config.speculative_tree_steps} steps, up to "
+                    f"{config.speculative_max_drafts} nodes)" if self.tree else "chains")
+
+    def propose(self, reqs: list[Req], max_drafts: list[int]) -> Proposal:
+        if self.tree is not None:
+            return self.tree.propose(reqs, max_drafts)
+        return super().propose(reqs, max_drafts)
+
+    def _rows_per_request(self, config: EngineConfig) -> int:
+        return 1 + (config.speculative_eagle_topk if config.speculative_eagle_topk > 1 else 0)  # a tree's beams
+
+    def _loop_steps(self, config: EngineConfig) -> int:
+        return 0 if config.speculative_eagle_topk > 1 else super()._loop_steps(config)  # (trees step pass by pass)
 
     def _setup_runner(self, ctx: ProposerContext) -> None:
         """The target's feature pool and, where the checkpoint has none, its embedding and LM head."""
@@ -73,7 +94,8 @@ class EagleProposer(DraftModelProposer):
                 head_params[name].copy_(source)
 
     def _catch_up_graph_tokens(self, config: EngineConfig) -> int:
-        return config.speculative_max_drafts + 1  # the accepted drafts and the token after them
+        depth = config.speculative_tree_steps if config.speculative_eagle_topk > 1 else config.speculative_max_drafts
+        return depth + 1  # the accepted drafts and the token after them
 
     @property
     def head(self) -> EagleDraft:

@@ -31,10 +31,12 @@ from radixmesh.engine.speculative.rejection import (
     accepted_lengths,
     chain_tokens,
     greedy_accept,
+    inverse_cdf,
     residual_sample,
     sampled_accept,
     target_probs,
 )
+from radixmesh.engine.speculative.tree import build_tree_mask, depths, tree_accept, tree_rows
 from radixmesh.engine.speculative.verify_batch import VerifyBatch
 from radixmesh.engine.speculative.verify_graphs import VerifyGraphRunner
 
@@ -49,6 +51,9 @@ class VerifyHostSample(HostSample):
     num_accepted: list[int] | None = None
     """Accepted drafts per request."""
     row_starts: list[int] | None = None
+    emit_rows: list[int] | None = None
+    """Draft trees: packed row `row_starts[i] + d` holds the token emitted after the accepted path's row
+    `emit_rows[row_starts[i] + d]` (d <= accepted; the path's rows, root first). None: chains."""
 
     def token_rows(self, row: int) -> range:
         assert self.num_accepted is not None and self.row_starts is not None
@@ -63,20 +68,22 @@ class VerifyOutput(SampleOutput):
     num_accepted: torch.Tensor | None = None
     """[batch] int64."""
     row_starts: list[int] | None = None
+    emit_rows: torch.Tensor | None = None
+    """[rows] int64, draft trees only (see `VerifyHostSample.emit_rows`)."""
 
     def start_copy(self) -> None:
         self.host_copy = HostCopy([self.next_token_ids, self.logprobs, self.top_logprob_ids,
-                                   self.top_logprob_values, self.num_accepted])
+                                   self.top_logprob_values, self.num_accepted, self.emit_rows])
 
     def to_host(self) -> VerifyHostSample:
         if self.host_copy is None:
             self.start_copy()
         assert self.host_copy is not None
-        ids, logprobs, top_ids, top_values, accepted = self.host_copy.wait()
+        ids, logprobs, top_ids, top_values, accepted, emit = self.host_copy.wait()
         assert ids is not None and accepted is not None
         return VerifyHostSample(token_ids=ids.tolist(), logprobs=logprobs.tolist() if logprobs is not None else None,
                                 top_logprobs=top_pairs(top_ids, top_values), num_accepted=accepted.tolist(),
-                                row_starts=self.row_starts)
+                                row_starts=self.row_starts, emit_rows=emit.tolist() if emit is not None else None)
 
 
 class Verifier:
@@ -92,7 +99,7 @@ class Verifier:
 
     def forward(self, batch: VerifyBatch) -> torch.Tensor:
         """Float32 logits `[rows, vocab]` at every fed token, in packed order."""
-        key = self.graphs.key(batch) if self.graphs is not None else None
+        key = self.graphs.key(batch) if self.graphs is not None and batch.trees is None else None
         if self.graphs is not None and key is not None:
             return self.graphs.replay(batch, key)
         return self._forward_eager(batch)
@@ -116,7 +123,8 @@ class Verifier:
             req_to_token_pool=r.req_pool, token_to_kv_pool=r.kv_pool, attn_backend=r.attn_backend,
             seq_lens_cpu=batch.seq_lens, extend_prefix_lens_cpu=batch.prefix_lens,
             extend_seq_lens_cpu=batch.extend_lens, extra_logit_rows=extra_t if extra else None,
-            req_pool_indices_cpu=batch.req_pool_indices)
+            req_pool_indices_cpu=batch.req_pool_indices,
+            tree_mask=build_tree_mask(batch.trees, device) if batch.trees is not None else None)
         batch.put_device_drafts(input_ids)
         r.attn_backend.init_forward_metadata(fb)
         logits: torch.Tensor = r.model(fb.input_ids, fb.positions, fb)
@@ -126,9 +134,12 @@ class Verifier:
         """The `Sampler`'s per-row info for every packed row: row i of a request sees its output plus
         its first i drafts (penalties, min_new_tokens and seeds follow)."""
         params, prompts, outputs, output_lens = [], [], [], []
-        for req, drafts in zip(batch.reqs, batch.drafts):
+        for r, (req, drafts) in enumerate(zip(batch.reqs, batch.drafts)):
             penalised = req.params.has_penalties
-            for i in range(len(drafts) + 1):
+            # a tree's row sits at its node's depth (tree requests have no penalties: the output alone)
+            levels = depths(batch.trees[r]) if batch.trees is not None else range(len(drafts) + 1)
+            assert batch.trees is None or not penalised or not drafts, f"request {req.rid}: a draft tree with penalties"
+            for i in levels:
                 params.append(req.params)
                 prompts.append(req.origin_input_ids)
                 outputs.append(req.output_ids + drafts[:i] if penalised else req.output_ids)
@@ -143,6 +154,8 @@ class Verifier:
         device = logits.device
         info.vocab_mask = vocab_mask
         processed = process_logits(logits, info)
+        if batch.trees is not None:
+            return self._verify_tree(batch, processed, info)
         rows = self._chain_rows(batch, device)
         greedy_ids = argmax(processed)
         if batch.proposal is not None and batch.proposal.snap_ids is not None:
@@ -162,15 +175,26 @@ class Verifier:
             final = torch.where(info.is_greedy, greedy_ids, residual_sample(p, q, rows, u_resample))
         tokens = chain_tokens(rows, num_accepted, final)
         out = VerifyOutput(next_token_ids=tokens, num_accepted=num_accepted, row_starts=batch.row_starts)
-        if info.return_logprobs or info.top_logprobs_num > 0:
-            logprobs_all = torch.log_softmax(processed, dim=-1)
-            if info.return_logprobs:
-                out.logprobs = logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1)
-            if info.top_logprobs_num > 0:
-                out.top_logprob_values, out.top_logprob_ids = torch.topk(
-                    logprobs_all, min(info.top_logprobs_num, logprobs_all.shape[-1]), dim=-1, sorted=True)
-        out.start_copy()
-        return out
+        return _finish(out, processed, info)
+
+    def _verify_tree(self, batch: VerifyBatch, processed: torch.Tensor, info: SamplingBatchInfo) -> VerifyOutput:
+        """Greedy acceptance along draft trees (tree.py); requests that sample have no drafts (their root row
+        draws from the target's distribution, as a chain without drafts does)."""
+        assert batch.trees is not None
+        device = processed.device
+        for req, drafts in zip(batch.reqs, batch.drafts):
+            assert req.params.is_greedy or not drafts, f"request {req.rid}: a draft tree for a sampled request"
+        final = argmax(processed)
+        if not info.all_greedy:
+            assert info.is_greedy is not None
+            u_resample = tensor_to_device(self._uniforms(info, RESAMPLE_SALT), device)
+            final = torch.where(info.is_greedy, final, inverse_cdf(target_probs(processed, info), u_resample))
+        fed = to_device(batch.input_ids, torch.int64, device)
+        batch.put_device_drafts(fed)
+        num_accepted, emit = tree_accept(fed, final, tree_rows(batch.trees, device))
+        out = VerifyOutput(next_token_ids=final.index_select(0, emit), num_accepted=num_accepted,
+                           row_starts=batch.row_starts, emit_rows=emit)
+        return _finish(out, processed.index_select(0, emit), info)
 
     @staticmethod
     def _chain_rows(batch: VerifyBatch, device: torch.device) -> ChainRows:
@@ -222,3 +246,17 @@ class Verifier:
                 self._seeded.manual_seed(seeded_step_key(seed, step) ^ salt)
                 uniforms[row] = torch.rand(1, generator=self._seeded, dtype=torch.float32)[0]
         return uniforms
+
+
+def _finish(out: VerifyOutput, processed: torch.Tensor, info: SamplingBatchInfo) -> VerifyOutput:
+    """Log-probs of each emitted token from `processed` (its rows in the emitted tokens' order); start the copy."""
+    tokens = out.next_token_ids
+    if info.return_logprobs or info.top_logprobs_num > 0:
+        logprobs_all = torch.log_softmax(processed, dim=-1)
+        if info.return_logprobs:
+            out.logprobs = logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        if info.top_logprobs_num > 0:
+            out.top_logprob_values, out.top_logprob_ids = torch.topk(
+                logprobs_all, min(info.top_logprobs_num, logprobs_all.shape[-1]), dim=-1, sorted=True)
+    out.start_copy()
+    return out
