@@ -103,8 +103,9 @@ class AttentionBackend(abc.ABC):
     attends causally to its own request's tokens only: the cached prefix, the
     earlier new tokens and itself (with `forward_batch.tree_mask`: the prefix and the
     new tokens its mask row allows; backends without `supports_tree_mask` refuse it).
-    With `save_kv=False` the caller has already written k/v to `out_cache_loc` and the backend only reads the pool; k and v are
-    then still the values written (rotated), which a backend may read instead of the pool.
+    With `save_kv=False` the caller has already written k/v to `out_cache_loc` and the
+    backend only reads the pool; k and v are then still the values written (rotated),
+    which a backend may read instead of the pool.
     """
 
     supports_cuda_graph: bool = False
