@@ -33,7 +33,8 @@
 #   STAGES="hicache" (one GPU); STAGES="peer-fetch" needs two GPUs (it says "skipped" with one)
 #   STAGES="spec-tests spec-same spec-unrelated spec-unrelated-raw spec-ngram" bash scripts/gpu_suite.sh (speculation)
 #   STAGES=spec-oracle TIMEOUT_spec_oracle=420: issue 47's targets (oracle drafts at a 1B draft's cost, acceptance 1.0 /
-#   0.7; own-weights draft); STAGES=spec-eagle: random 8B-shape EAGLE / EAGLE-3 heads (a cycle's cost, exactness)
+#   0.7; own-weights draft); STAGES=spec-eagle: random 8B-shape EAGLE / EAGLE-3 heads (a cycle's cost, exactness), as
+#   chains (3 steps) and as trees (top-4, 3 steps, 8 draft tokens), then the tree-mask kernel tests on the GPU
 #   STAGES=lora: LoRA adapters in the engine (GPU tests, then `bench lora`: 16 adapters in a batch of 32 vs the base;
 #   LORA_KERNELS="auto rows" TIMEOUT_lora=590: the bench once per decode kernel set)
 #   STAGES="moe-kernels lora-kernels" TIMEOUT_moe_kernels=590: the MoE and batched-LoRA kernels (issues 48, 46): GPU
@@ -688,7 +689,15 @@ PY
           --output-len 256 --context-length 4096 --max-total-tokens 32768 --cuda-graph-max-bs 32 \
           --speculative-algorithm $alg --speculative-draft-model /tmp/$alg-8b --speculative-draft-load-format dummy \
           --speculative-num-steps 3 --disable-speculative-backoff --result-file $OUT/spec-eagle.jsonl ${SPEC_ARGS:-}
-      done ;;
+        # tree drafts: top-4 branches, 3 steps, 8 tokens verified per tree (its root and 7 nodes) with a tree mask
+        $RM bench speculative --model-shape llama-3.1-8b --workload random --batch-sizes 1,8 --input-len 512 \
+          --output-len 256 --context-length 4096 --max-total-tokens 32768 --cuda-graph-max-bs 32 \
+          --speculative-algorithm $alg --speculative-draft-model /tmp/$alg-8b --speculative-draft-load-format dummy \
+          --speculative-eagle-topk 4 --speculative-num-steps 3 --speculative-num-draft-tokens 8 \
+          --disable-speculative-backoff --result-file $OUT/spec-eagle.jsonl ${SPEC_ARGS:-}
+      done
+      # the tree mask in the extend kernel at real shapes, and the tree tests on the GPU (the Triton kernel compiled)
+      python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/unit/test_tree_attention.py 2>&1 | tail -5 ;;
     *) echo "unknown stage $stage" ;;
   esac
 }

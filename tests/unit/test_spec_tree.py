@@ -245,6 +245,32 @@ def test_tree_verification_through_the_triton_kernel(tmp_path: Path, monkeypatch
     _assert_clean(sched, proposer)
 
 
+def test_bench_speculative_takes_tree_flags(tmp_path: Path) -> None:
+    import json
+
+    from radixmesh.cli import build_parser
+
+    from .spec_factory import write_model_dir
+
+    model = write_model_dir(tmp_path / "tiny", vocab_size=512)  # (the random workload draws ids from 100 up)
+    head = write_eagle(tmp_path / "head", seed=3)  # no embedding and LM head of its own: the target's
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, "vocab_size": 512}))
+    result = tmp_path / "spec.jsonl"
+    args = build_parser().parse_args([
+        "bench", "speculative", "--model", str(model), "--load-format", "dummy", "--device", "cpu", "--dtype",
+        "float32", "--workload", "random", "--input-len", "12", "--output-len", "12", "--batch-sizes", "1,2",
+        "--speculative-algorithm", "eagle", "--speculative-draft-model", str(head), "--speculative-eagle-topk", "4",
+        "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8", "--disable-speculative-backoff",
+        "--result-file", str(result)])
+    assert args.func(args) == 0
+    rows = [json.loads(line) for line in result.read_text().splitlines()]
+    assert [r["batch_size"] for r in rows] == [1, 2]
+    for row in rows:
+        assert (row["speculative_eagle_topk"], row["speculative_num_steps"]) == (4, 3)
+        assert row["identical_outputs"] == f"{row['num_requests']}/{row['num_requests']}"
+
+
 def test_tree_options_are_checked() -> None:
     with pytest.raises(RadixMeshError, match="num-draft-tokens >= 2"):
         make_scheduler(speculative_algorithm="eagle", speculative_draft_model="x", speculative_eagle_topk=2,

@@ -237,6 +237,7 @@ def cmd_speculative(args: argparse.Namespace) -> int:
               "speculative_algorithm": cfg.speculative_algorithm,
               "speculative_draft_model": cfg.speculative_draft_model,
               "speculative_num_draft_tokens": cfg.speculative_num_draft_tokens,
+              "speculative_num_steps": cfg.speculative_num_steps, "speculative_eagle_topk": cfg.speculative_eagle_topk,
               "backoff": not cfg.disable_speculative_backoff, "output_len": args.output_len}
     cpu = spec.runner.device.type == "cpu"
     for acceptance in acceptances if args.oracle else [None]:
