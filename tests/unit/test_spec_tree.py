@@ -286,3 +286,37 @@ def test_tree_options_are_checked() -> None:
 
 
 assert VOCAB > 8  # (the hand-made trees' tokens are real ids)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the scheduler factory runs on CPU: triton needs the interpreter")
+def test_tree_verify_through_the_graph_pass_matches_eager(tmp_path: Path) -> None:
+    """The static-buffer pass the tree verify graphs capture, run eagerly: trees padded to 2/3/5/7 rows per request,
+    dummy requests, the staged masks and depth positions give the eager pass's logits, and output stays plain."""
+    from radixmesh.engine.speculative.verify_graphs import VerifyGraphRunner
+
+    model = tiny_model_config(head_dim=16)
+    reqs = make_requests(3, seed=35, shared_prefix_len=4, max_new_tokens=9)
+    plain, col = make_scheduler(model, attention_backend="torch-native")
+    make_bigram_like(plain.runner.model, BIGRAM_SCALE)
+    expected = _run(plain, col, reqs)
+    head = write_eagle(tmp_path / "h", seed=3, heads=(2, 1, 16), bigram=True)
+    sched, col, _ = _tree_scheduler(head, "eagle", 3, 3, 7, model, attention_backend="triton")
+    make_bigram_like(sched.runner.model, BIGRAM_SCALE)
+    spec = sched.hooks.get(SpecDecoder)
+    assert spec is not None
+    verifier = spec.verifier
+    graphs = verifier.tree_graphs = VerifyGraphRunner(sched.runner, 6, 4, capture=False, tree=True)
+    graph_forward = verifier.forward
+    compared: list[int] = []
+
+    def both(batch: Any) -> torch.Tensor:
+        eager = verifier._forward_eager(batch)  # the same KV written again: idempotent
+        logits = graph_forward(batch)
+        torch.testing.assert_close(logits, eager, atol=1e-4, rtol=1e-4)
+        compared.append(len(batch.reqs))
+        return logits
+
+    verifier.forward = both  # type: ignore[method-assign]
+    assert _run(sched, col, reqs) == expected
+    assert sched.stats()["spec_num_accepted_tokens"] > 0
+    assert graphs.num_replays > 0 and 3 in compared

@@ -68,8 +68,11 @@ class SpecDecoder(SchedulerHook):
         self.sched = sched
         self.proposer = proposer
         self.max_drafts = config.speculative_max_drafts
+        trees = config.speculative_eagle_topk > 1
         self.verifier = Verifier(sched.runner, config.random_seed,
-                                 make_verify_graphs(sched.runner, self.max_drafts, config.cuda_graph_max_bs))
+                                 make_verify_graphs(sched.runner, self.max_drafts, config.cuda_graph_max_bs),
+                                 make_verify_graphs(sched.runner, self.max_drafts, config.cuda_graph_max_bs, tree=True)
+                                 if trees else None)
         self.policy = AdaptivePolicy(self.max_drafts, proposer.relative_cost,
                                      enabled=not config.disable_speculative_backoff)
         self.pending: dict[str, _Pending] = {}

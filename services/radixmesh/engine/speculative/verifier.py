@@ -90,18 +90,22 @@ class Verifier:
     """Runs verify passes on the target runner (replaying `graphs` where one holds the batch);
     `seed` drives rows of requests without their own."""
 
-    def __init__(self, runner: ModelRunner, seed: int, graphs: VerifyGraphRunner | None = None) -> None:
+    def __init__(self, runner: ModelRunner, seed: int, graphs: VerifyGraphRunner | None = None,
+                 tree_graphs: VerifyGraphRunner | None = None) -> None:
         self.runner = runner
         self.graphs = graphs
+        self.tree_graphs = tree_graphs
+        """Graphs of draft-tree passes (with a tree mask), beside the chains' `graphs`."""
         self._shared = torch.Generator(device="cpu")
         self._shared.manual_seed((seed ^ ACCEPT_SALT) & SEED_MASK)
         self._seeded = torch.Generator(device="cpu")
 
     def forward(self, batch: VerifyBatch) -> torch.Tensor:
         """Float32 logits `[rows, vocab]` at every fed token, in packed order."""
-        key = self.graphs.key(batch) if self.graphs is not None and batch.trees is None else None
-        if self.graphs is not None and key is not None:
-            return self.graphs.replay(batch, key)
+        graphs = self.graphs if batch.trees is None else self.tree_graphs
+        key = graphs.key(batch) if graphs is not None else None
+        if graphs is not None and key is not None:
+            return graphs.replay(batch, key)
         return self._forward_eager(batch)
 
     def _forward_eager(self, batch: VerifyBatch) -> torch.Tensor:

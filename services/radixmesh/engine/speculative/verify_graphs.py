@@ -12,6 +12,11 @@ request), so their logits are those of the eager pass.
 Per replay: one host-to-device copy of the inputs (ids, positions, request rows, lengths), a
 scatter of the real tokens' KV slots into the static `out_cache_loc`, the replay, and a gather of
 the real tokens' logits. With `capture=False` the same static-buffer pass runs eagerly (CPU tests).
+
+Draft trees (`tree=True`, a second set of graphs beside the chains', which keep their unmasked kernel): each
+graph also reads a static `[bs, E, E]` tree mask, staged per replay: a request's rows hold its ancestor mask,
+padding and dummy rows the causal triangle (so no real row sees padding, and padding rows see real keys only
+of their own request); positions are the batch's own (a node's depth), padding continuing after them.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radixmesh.engine.attention.base import ForwardBatch, ForwardMode
+from radixmesh.engine.attention.base import ForwardBatch, ForwardMode, TreeMask
 from radixmesh.engine.cuda_graph_runner import graph_batch_sizes
 from radixmesh.engine.device_io import copy_to_device, rows_to_device
+from radixmesh.engine.speculative.tree import ancestor_mask
 
 if TYPE_CHECKING:
     from radixmesh.engine.batch import ScheduleBatch
@@ -57,15 +63,20 @@ class _Graph:
     graph: torch.cuda.CUDAGraph | None
     order: list[int]
     """Packed graph row -> its row in the model's output (each request's last token first, then the rest)."""
+    mask_indptr: torch.Tensor | None = None
+    """Tree graphs: `[bs + 1]` offsets of each request's `[E, E]` mask in the static mask (kept alive here)."""
 
 
 class VerifyGraphRunner:
     """Replays verify passes; `key(batch)` says whether (and in which graph) a batch can run."""
 
-    def __init__(self, runner: ModelRunner, max_drafts: int, max_bs: int, capture: bool = True) -> None:
+    def __init__(self, runner: ModelRunner, max_drafts: int, max_bs: int, capture: bool = True,
+                 tree: bool = False) -> None:
         backend = runner.attn_backend
         assert backend.supports_extend_graph, f"{type(backend).__name__} cannot capture extend passes"
+        assert not tree or backend.supports_tree_mask, f"{type(backend).__name__} takes no tree mask"
         self.runner = runner
+        self.tree = tree
         self.lens = graph_lengths(max_drafts)
         self.sizes = graph_batch_sizes(max_bs)
         self.keys = [(bs, e) for bs in self.sizes for e in self.lens if bs * e <= MAX_GRAPH_TOKENS]
@@ -80,13 +91,17 @@ class VerifyGraphRunner:
         self.kv_indices = torch.zeros(max_bs * self.max_seq_len, dtype=torch.int32, device=device)
         width = int(getattr(runner.model, "draft_vocab", runner.model_config.vocab_size))  # (an EAGLE-3 head's own)
         self.logits = torch.zeros(max_tokens, width, dtype=torch.float32, device=device)
+        self.mask = torch.zeros(max((bs * e * e for bs, e in self.keys), default=0) if tree else 0, dtype=torch.uint8,
+                                device=device)
+        """Tree graphs: each request's `[E, E]` mask, request after request."""
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.num_replays = 0
         start = time.perf_counter()
         self._build_all(capture)
         if capture:
-            logger.info("captured %d verify CUDA graphs (batch sizes up to %d, %s tokens per request) in %.1f s",
-                        len(self.graphs), max_bs, self.lens, time.perf_counter() - start)
+            logger.info("captured %d verify CUDA graphs%s (batch sizes up to %d, %s tokens per request) in %.1f s",
+                        len(self.graphs), " for draft trees" if tree else "", max_bs, self.lens,
+                        time.perf_counter() - start)
 
     def _views(self, bs: int, e: int) -> tuple[torch.Tensor, ...]:
         """ids `[bs * e]`, positions `[bs * e]`, request rows `[bs]`, lengths `[bs]`, and all four (one copy)."""
@@ -115,12 +130,18 @@ class VerifyGraphRunner:
             extend_prefix_lens_cpu=[0] * bs, extend_seq_lens_cpu=[e] * bs,
             extra_logit_rows=torch.tensor(extras, dtype=torch.int64, device=device))
         out = self.logits[:bs * e]
+        mask_indptr = None
+        if self.tree:
+            mask_indptr = torch.arange(bs + 1, dtype=torch.int64, device=device) * (e * e)
+            mask = self.mask[:bs * e * e]
+            mask.copy_(_causal(e).repeat(bs, 1, 1).reshape(-1))
+            fb.tree_mask = TreeMask(mask, mask_indptr, [])
 
         def run() -> torch.Tensor:
             r.attn_backend.init_extend_metadata_graph(fb, e, self.kv_indptr, self.kv_indices)
             return out.copy_(r.model(fb.input_ids, fb.positions, fb))
 
-        return _Graph(run, None, [place[g] for g in range(bs * e)])
+        return _Graph(run, None, [place[g] for g in range(bs * e)], mask_indptr)
 
     def _build_all(self, capture: bool) -> None:
         if not capture:
@@ -175,7 +196,7 @@ class VerifyGraphRunner:
         offset = 0
         for i, (prefix, n) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
             ids += batch.input_ids[offset:offset + n] + [0] * (e - n)
-            positions += range(prefix, prefix + e)
+            positions += batch.positions[offset:offset + n] + list(range(prefix + n, prefix + e))
             graph_rows += range(i * e, i * e + n)
             offset += n
         dummy = size - len(batch.reqs)
@@ -193,6 +214,8 @@ class VerifyGraphRunner:
         out_cache_loc = self.out_cache_loc[:size * e]
         out_cache_loc.zero_()  # padding writes its K/V to the dummy slot 0
         out_cache_loc.index_copy_(0, scatter, batch.out_cache_loc)
+        if self.tree:
+            self._stage_mask(batch, size, e)
         if stage is not None:
             stage(graph_rows)
         if item.graph is not None:
@@ -204,13 +227,31 @@ class VerifyGraphRunner:
         return logits.index_select(0, gather)
 
 
-def make_verify_graphs(runner: ModelRunner, max_drafts: int, max_bs: int) -> VerifyGraphRunner | None:
-    """Verify graphs when the target replays decode graphs and its backend can capture extend passes;
-    None (verify eagerly) otherwise, or when capturing fails (logged)."""
-    if runner.graph_runner is None or not runner.attn_backend.supports_extend_graph:
+    def _stage_mask(self, batch: ScheduleBatch, size: int, e: int) -> None:
+        """Each request's ancestor mask into its `[E, E]` block (the rest of the block stays causal)."""
+        trees = getattr(batch, "trees", None)
+        assert trees is not None, "a chain batch replays the chain graphs"
+        host = _causal(e).repeat(size, 1, 1)
+        for i, parents in enumerate(trees):
+            n = len(parents)
+            host[i, :n, :n] = ancestor_mask(parents)
+        mask = self.mask[:size * e * e]
+        mask.copy_(host.reshape(-1).pin_memory() if mask.is_cuda else host.reshape(-1), non_blocking=mask.is_cuda)
+
+
+def _causal(e: int) -> torch.Tensor:
+    return torch.ones(e, e, dtype=torch.uint8).tril()
+
+
+def make_verify_graphs(runner: ModelRunner, max_drafts: int, max_bs: int,
+                       tree: bool = False) -> VerifyGraphRunner | None:
+    """Verify graphs (of draft trees with `tree`) when the target replays decode graphs and its backend can capture
+    extend passes (and take tree masks); None (verify eagerly) otherwise, or when capturing fails (logged)."""
+    backend = runner.attn_backend
+    if runner.graph_runner is None or not backend.supports_extend_graph or (tree and not backend.supports_tree_mask):
         return None
     try:
-        return VerifyGraphRunner(runner, max_drafts, min(max_bs, MAX_GRAPH_BATCH))
+        return VerifyGraphRunner(runner, max_drafts, min(max_bs, MAX_GRAPH_BATCH), tree=tree)
     except Exception as exc:  # the engine still serves, verifying eagerly
         logger.warning("verify passes run eagerly: capturing their CUDA graphs failed (%s: %s)",
                        type(exc).__name__, exc)
