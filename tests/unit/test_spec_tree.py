@@ -320,3 +320,41 @@ def test_tree_verify_through_the_graph_pass_matches_eager(tmp_path: Path) -> Non
     assert _run(sched, col, reqs) == expected
     assert sched.stats()["spec_num_accepted_tokens"] > 0
     assert graphs.num_replays > 0 and 3 in compared
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the scheduler factory runs on CPU: triton needs the interpreter")
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
+def test_tree_loop_drafts_what_pass_by_pass_drafts(tmp_path: Path, algorithm: str) -> None:
+    """The tree loop's static-buffer pass (one CUDA graph on a GPU) run eagerly through the Triton backend: the same
+    trees as stepping pass by pass, padding requests (3 in the loop's 4) included, and plain decoding's output."""
+    from radixmesh.engine.speculative.tree_loop import TreeLoop
+
+    model = tiny_model_config(head_dim=16)
+    reqs = make_requests(3, seed=36, shared_prefix_len=4, max_new_tokens=8)
+    plain, col = make_scheduler(model, attention_backend="torch-native")
+    make_bigram_like(plain.runner.model, BIGRAM_SCALE)
+    expected = _run(plain, col, reqs)
+    head = (write_eagle(tmp_path / "h", seed=3, heads=(2, 1, 16), bigram=True) if algorithm == "eagle"
+            else write_eagle3(tmp_path / "h3", seed=4, heads=(2, 1, 16)))
+    drafted: dict[bool, list[Any]] = {}
+    for loop in (False, True):
+        sched, col, proposer = _tree_scheduler(head, algorithm, 2, 3, 6, model, attention_backend="triton")
+        make_bigram_like(sched.runner.model, BIGRAM_SCALE)
+        tree = proposer.tree
+        assert tree is not None and tree.loop is None  # (no CUDA graphs on the CPU)
+        if loop:
+            tree.loop = TreeLoop(proposer.runner, proposer.head, 2, 2, 4, proposer._to_target, capture=False)
+        propose = proposer.propose
+        seen: list[Any] = drafted.setdefault(loop, [])
+
+        def spy(batch: list[Req], limits: list[int], propose: Any = propose, seen: list[Any] = seen) -> Proposal:
+            proposal = propose(batch, limits)
+            seen.append((proposal.drafts, proposal.parents))
+            return proposal
+
+        proposer.propose = spy  # type: ignore[method-assign]
+        assert _run(sched, col, reqs) == expected
+        if loop:
+            assert tree.loop is not None and tree.loop.num_runs > 0
+        _assert_clean(sched, proposer)
+    assert drafted[True] == drafted[False] and any(parents for _, parents in drafted[True])

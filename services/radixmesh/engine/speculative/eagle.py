@@ -27,6 +27,7 @@ from radixmesh.engine.request import Req
 from radixmesh.engine.speculative.base import Proposal, ProposerContext
 from radixmesh.engine.speculative.draft_model import DraftModelProposer, _Shadow
 from radixmesh.engine.speculative.eagle_tree import TreeDrafter
+from radixmesh.engine.speculative.tree_loop import make_tree_loop
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class EagleProposer(DraftModelProposer):
         self._draft_ids = torch.arange(head.draft_vocab, device=self.device)
         if self.topk > 1:
             self.tree = TreeDrafter(self, self.topk, config.speculative_tree_steps, config.speculative_max_drafts)
+            self.tree.loop = make_tree_loop(self.runner, head, self.topk, config.speculative_tree_steps - 1,
+                                            config.cuda_graph_max_bs, self._to_target)
         logger.info("EAGLE%s head: %d-token draft vocabulary, features %d wide, %s", "-3" if head.eagle3 else "",
                     head.draft_vocab, head.feature_dim,
                     f"trees (top-{self.topk}, {config.speculative_tree_steps} steps, up to "

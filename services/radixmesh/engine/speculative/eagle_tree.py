@@ -7,7 +7,9 @@ path), takes the top-K children of every beam (K * K candidates, scored by cumul
 best as the next beams. Of all candidates (K + (S - 1) * K * K), the N - 1 best by score form the tree
 (`--speculative-num-draft-tokens` N counts the root): a child never scores above its parent and comes after it, so a
 stable sort keeps every kept node's ancestors. Everything stays on the device until the tree is read back once; the
-beams' head KV is freed at once (after verification a head keeps only its catch-up KV).
+beams' head KV is freed at once (after verification a head keeps only its catch-up KV). Where the head replays CUDA
+graphs, steps 2..S run as one captured pass (tree_loop.py); otherwise pass by pass (each pass replaying the head's
+decode graphs where they hold it).
 
 Only greedy requests without a grammar or penalties draft trees (their verification is exact argmax matching along
 the tree); the others decode without drafts.
@@ -15,6 +17,7 @@ the tree); the others decode without drafts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +32,7 @@ from radixmesh.engine.speculative.base import Proposal
 if TYPE_CHECKING:
     from radixmesh.engine.speculative.draft_model import _Chain
     from radixmesh.engine.speculative.eagle import EagleProposer
+    from radixmesh.engine.speculative.tree_loop import TreeLoop
 
 
 def may_draft_tree(req: Req) -> bool:
@@ -59,6 +63,46 @@ class _Beams:
     features: torch.Tensor
 
 
+@dataclass
+class Grown:
+    """One tree step's result, per request: its `K * K` scored children and the K best of them as the next beams."""
+
+    scores: torch.Tensor
+    """[chains, K * K] cumulative log-probabilities; child j of beam b at column `b * K + j`."""
+    tokens: torch.Tensor
+    """[chains, K * K] target ids."""
+    parents: torch.Tensor
+    """[chains, K * K] the candidate index of each child's parent beam."""
+    best_scores: torch.Tensor
+    """[chains, K] the next beams'."""
+    best_tokens: torch.Tensor
+    best_cand: torch.Tensor
+    """[chains, K] their candidate indices (from `offset`)."""
+    parent_beams: torch.Tensor
+    """[chains * K] each next beam's parent, as a flat beam index."""
+
+
+def expand_beams(logits: torch.Tensor, beam_scores: torch.Tensor, beam_cand: torch.Tensor, k: int,
+                 to_target: Callable[[torch.Tensor], torch.Tensor], offset: int) -> Grown:
+    """The top-K children of each beam (`logits` `[chains * K, draft vocab]`, the beams' head outputs) scored by
+    cumulative log-probability, and the K best children of each request; `offset`: candidates before these."""
+    num_chains = beam_scores.shape[0]
+    child_logp, child_ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)  # [chains * K, K]
+    scores = (beam_scores.reshape(-1, 1) + child_logp).reshape(num_chains, k * k)
+    tokens = to_target(child_ids).reshape(num_chains, k * k)
+    best_scores, best = scores.topk(k, dim=-1)  # [chains, K]
+    parent = (torch.arange(num_chains, device=best.device) * k).unsqueeze(1) + best // k
+    return Grown(scores, tokens, beam_cand.repeat_interleave(k, dim=1), best_scores, tokens.gather(1, best),
+                 offset + best, parent.reshape(-1))
+
+
+def copy_paths(req_to_token: torch.Tensor, rows: torch.Tensor, parent_beams: torch.Tensor, starts: torch.Tensor,
+               step: int) -> None:
+    """Each new beam's row takes its parent beam's path: the `step` slots from its start position."""
+    cols = starts.unsqueeze(1) + torch.arange(step, device=starts.device)  # [beams, step]
+    req_to_token[rows.unsqueeze(1), cols] = req_to_token[rows.index_select(0, parent_beams).unsqueeze(1), cols]
+
+
 class TreeDrafter:
     """Drafts trees of `steps` levels, `topk` branches, up to `max_nodes` nodes for an `EagleProposer`."""
 
@@ -68,6 +112,8 @@ class TreeDrafter:
         self.steps = steps
         self.max_nodes = max_nodes
         self.num_trees = 0
+        self.loop: TreeLoop | None = None
+        """Steps 2..S in one pass (one CUDA graph replay) when the head replays graphs (tree_loop.py)."""
 
     def propose(self, reqs: list[Req], max_drafts: list[int]) -> Proposal:
         p = self.proposer
@@ -120,6 +166,13 @@ class TreeDrafter:
         starts_t = to_device(kv_lens, torch.int64, p.device)
         beam_reqs = [c.shadow.req for c in chains for _ in range(k)]
         try:
+            loop = self.loop
+            if loop is not None and loop.fits(len(chains), steps - 1, kv_lens):
+                scores, tokens, parents = loop.run((beams.scores, beams.tokens, beams.features), kv_lens, rows,
+                                                   slots.view(steps - 1, n), steps - 1)
+                cands.scores, cands.tokens, cands.parents = [scores], [tokens], [parents]
+                p.num_draft_passes += steps - 1
+                return
             for step in range(1, steps):
                 positions = [kv + step - 1 for kv in kv_lens]
                 logits = self._pass(beam_reqs, beams, positions, rows, slots[(step - 1) * n:step * n])
@@ -143,24 +196,14 @@ class TreeDrafter:
     def _grow(self, cands: _Candidates, beams: _Beams, logits: torch.Tensor, rows: torch.Tensor,
               starts: torch.Tensor, step: int) -> None:
         """Score the beams' children, keep the K best as the next beams (their rows take their parents' paths)."""
-        p, k = self.proposer, self.topk
-        num_chains = beams.scores.shape[0]
-        child_logp, child_ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)  # [chains * K, K]
-        scores = (beams.scores.reshape(-1, 1) + child_logp).reshape(num_chains, k * k)
-        tokens = p._to_target(child_ids).reshape(num_chains, k * k)
-        offset = cands.count
-        cands.scores.append(scores)
-        cands.tokens.append(tokens)
-        cands.parents.append(beams.cand.repeat_interleave(k, dim=1))
-        best_scores, best = scores.topk(k, dim=-1)  # [chains, K]
-        parent = (torch.arange(num_chains, device=best.device) * k).unsqueeze(1) + best // k  # old beam, flat
-        parent = parent.reshape(-1)
-        beams.features = p.head.hidden_out[:rows.shape[0]].index_select(0, parent)
-        beams.scores, beams.tokens, beams.cand = best_scores, tokens.gather(1, best), offset + best
-        # [chains * K, step]: the path's head KV slots, parent's row -> the new beam's row
-        cols = starts.unsqueeze(1) + torch.arange(step, device=starts.device)
-        req_to_token = p.kv.req_pool.req_to_token
-        req_to_token[rows.unsqueeze(1), cols] = req_to_token[rows.index_select(0, parent).unsqueeze(1), cols]
+        p = self.proposer
+        grown = expand_beams(logits, beams.scores, beams.cand, self.topk, p._to_target, cands.count)
+        cands.scores.append(grown.scores)
+        cands.tokens.append(grown.tokens)
+        cands.parents.append(grown.parents)
+        beams.features = p.head.hidden_out[:rows.shape[0]].index_select(0, grown.parent_beams)
+        beams.scores, beams.tokens, beams.cand = grown.best_scores, grown.best_tokens, grown.best_cand
+        copy_paths(p.kv.req_pool.req_to_token, rows, grown.parent_beams, starts, step)
 
     def _select(self, cands: _Candidates, nodes: int) -> tuple[list[list[int]], list[list[int]]]:
         """The `nodes` best candidates per request in candidate order (parents first): tokens and parent nodes."""
