@@ -128,25 +128,32 @@ def test_identity_heads_read_the_features_the_target_graphs_store(tmp_path: Path
 
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
 def test_tree_drafts_on_the_gpu_are_plain_decoding(tmp_path: Path, algorithm: str) -> None:
-    """EAGLE trees (top-4, 3 steps, 8 tokens) on CUDA: the head's beam passes replay its decode graphs, its catch-ups
-    its extend graphs, the target verifies each tree eagerly with the kernel's tree mask; a head that mostly agrees
-    with the target (EAGLE) gets drafts accepted along the trees."""
+    """EAGLE trees (top-4, 3 steps, 8 tokens) on CUDA: steps 2..3 replay the tree loop's graphs, catch-ups the head's
+    extend graphs, verification the tree verify graphs (a staged tree mask); a head that mostly agrees with the
+    target (EAGLE) gets drafts accepted along the trees; greedy output is plain decoding's (float32)."""
     from tests.unit.eagle_factory import make_bigram_like
 
     scale = 0.003 if algorithm == "eagle" else 1.0
     head = (write_eagle(tmp_path / "eagle", seed=7, heads=HEADS, bigram=True) if algorithm == "eagle"
             else _head(tmp_path, algorithm))
-    reqs = _requests()
-    plain, col = make_scheduler(tiny_model_config(**TARGET), **{k: v for k, v in GPU.items() if "spec" not in k})
+    reqs = _requests()[:6]
+    settings = {**GPU, "cuda_graph_max_bs": 32}
+    plain, col = make_scheduler(tiny_model_config(**TARGET), **{k: v for k, v in settings.items() if "spec" not in k})
     make_bigram_like(plain.runner.model, scale)
     expected = _finish(plain, col, reqs)
-    sched, col = make_scheduler(tiny_model_config(**TARGET), **{**GPU, "speculative_algorithm": algorithm,
+    sched, col = make_scheduler(tiny_model_config(**TARGET), **{**settings, "speculative_algorithm": algorithm,
                                                               "speculative_draft_model": str(head),
                                                               "speculative_eagle_topk": 4, "speculative_num_steps": 3,
                                                               "speculative_num_draft_tokens": 8})
     make_bigram_like(sched.runner.model, scale)
+    spec = sched.hooks.get(SpecDecoder)
+    assert spec is not None and isinstance(spec.proposer, DraftModelProposer)
+    tree = spec.proposer.tree  # type: ignore[attr-defined]
+    assert tree is not None and tree.loop is not None and tree.loop.graphs, "no tree-loop graphs were captured"
+    assert spec.verifier.tree_graphs is not None
     assert _finish(sched, col, reqs) == expected
     stats = sched.stats()
     assert stats["spec_num_verified_requests"] > 0
+    assert tree.loop.num_runs > 0 and spec.verifier.tree_graphs.num_replays > 0
     if algorithm == "eagle":
         assert stats["spec_num_accepted_tokens"] > 0

@@ -288,6 +288,7 @@ def test_tree_options_are_checked() -> None:
 assert VOCAB > 8  # (the hand-made trees' tokens are real ids)
 
 
+@pytest.mark.slow  # the Triton interpreter: about a minute
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the scheduler factory runs on CPU: triton needs the interpreter")
 def test_tree_verify_through_the_graph_pass_matches_eager(tmp_path: Path) -> None:
     """The static-buffer pass the tree verify graphs capture, run eagerly: trees padded to 2/3/5/7 rows per request,
@@ -322,6 +323,7 @@ def test_tree_verify_through_the_graph_pass_matches_eager(tmp_path: Path) -> Non
     assert graphs.num_replays > 0 and 3 in compared
 
 
+@pytest.mark.slow  # the Triton interpreter: about a minute
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the scheduler factory runs on CPU: triton needs the interpreter")
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
 def test_tree_loop_drafts_what_pass_by_pass_drafts(tmp_path: Path, algorithm: str) -> None:
