@@ -86,7 +86,7 @@ class DraftModelProposer(BaseProposer):
         draft_config = dataclasses.replace(
             config, model=config.speculative_draft_model, load_format=prepared.load_format, tokenizer=None,
             max_total_tokens=target.plan.max_total_tokens,
-            max_running_requests=target.plan.max_running_requests * self._rows_per_request(config),
+            max_running_requests=self._draft_rows(config, target.plan.max_running_requests),
             context_length=target.context_len, speculative_algorithm=None, speculative_draft_model=None,
             speculative_num_steps=None, speculative_eagle_topk=1)
         self.runner = ModelRunner(draft_config, prepared)
@@ -280,9 +280,9 @@ class DraftModelProposer(BaseProposer):
         """Most tokens per request of a catch-up replayed from a graph: 2 after a verification."""
         return 2
 
-    def _rows_per_request(self, config: EngineConfig) -> int:
-        """Request rows of the draft's pool per target request (its shadow's, and an EAGLE tree's beams')."""
-        return 1
+    def _draft_rows(self, config: EngineConfig, num_requests: int) -> int:
+        """Request rows of the draft's pool for `num_requests` target requests (shadows; an EAGLE tree's beams)."""
+        return num_requests
 
     def _loop_steps(self, config: EngineConfig) -> int:
         """Decode steps of the captured draft loop (0: none)."""

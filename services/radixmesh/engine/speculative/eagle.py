@@ -31,6 +31,8 @@ from radixmesh.engine.speculative.tree_loop import make_tree_loop
 
 logger = logging.getLogger(__name__)
 
+MAX_TREE_BATCH = 64
+"""Most requests drafting trees of several levels in one step (their beams' rows); more draft one level."""
 TARGET_WEIGHTS = {"embed_tokens.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight"}
 """Head weights a checkpoint may leave out -> the target's parameter they come from."""
 
@@ -72,8 +74,9 @@ class EagleProposer(DraftModelProposer):
             return self.tree.propose(reqs, max_drafts)
         return super().propose(reqs, max_drafts)
 
-    def _rows_per_request(self, config: EngineConfig) -> int:
-        return 1 + (config.speculative_eagle_topk if config.speculative_eagle_topk > 1 else 0)  # a tree's beams
+    def _draft_rows(self, config: EngineConfig, num_requests: int) -> int:
+        topk = config.speculative_eagle_topk  # trees: a row per beam of up to MAX_TREE_BATCH requests drafting at once
+        return num_requests + (topk * min(num_requests, MAX_TREE_BATCH) if topk > 1 else 0)
 
     def _loop_steps(self, config: EngineConfig) -> int:
         return 0 if config.speculative_eagle_topk > 1 else super()._loop_steps(config)  # (trees step pass by pass)
