@@ -4,6 +4,7 @@ Each row is sampled exactly as the plain `Sampler` would sample that position (b
 min_new_tokens, grammar mask, then greedy argmax or the truncated temperature distribution), so
 greedy output equals non-speculative output and log-probs are the same numbers. Only the choice
 of the emitted tokens differs for sampled rows: rejection sampling, which keeps the distribution.
+Draft trees (tree.py) are accepted greedily along the tree; their passes carry a tree mask.
 """
 
 from __future__ import annotations
