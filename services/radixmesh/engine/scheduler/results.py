@@ -65,7 +65,7 @@ class ResultProcessor:
             if req.finished:
                 req.futures.clear()
                 self.kv.release(req)
-                self.running.remove(req)
+                _remove_identical(self.running, req)
             outputs.append(self.token_out(req))
         if outputs:
             self.emit(outputs)
@@ -177,3 +177,14 @@ class ResultProcessor:
         req.error_code = code
         req.finish_reason = FinishReason.ERROR
         self.emit([self.token_out(req)])
+
+
+def _remove_identical(reqs: list[Req], req: Req) -> None:
+    """`reqs.remove(req)` by identity. Req's dataclass `==` compares every field, so `list.remove` made each
+    finished request cost a field-by-field comparison with every request before it: 3,000 requests of a tiny
+    model finishing in one step spent 18 s there."""
+    for i, other in enumerate(reqs):
+        if other is req:
+            del reqs[i]
+            return
+    raise ValueError(f"request {req.rid} is not running")
