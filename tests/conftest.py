@@ -19,6 +19,16 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+IN_PROCESS_TORCH_THREADS = 1
+"""Intra-op threads of the models tests run in the pytest process (tiny models, whose ops gain little from a
+second thread), unless OMP_NUM_THREADS says otherwise. With two threads on a 2-core machine, any other busy
+process (a service the test started, another job) makes each op wait for a descheduled thread: the same unit
+tests took 125 s instead of 35 s at a load of 7. Processes the tests start keep their own settings."""
+if "OMP_NUM_THREADS" not in os.environ:
+    import torch
+
+    torch.set_num_threads(IN_PROCESS_TORCH_THREADS)
+
 
 # gRPC's asyncio stack shares one completion queue and poller thread per process, created with the first
 # grpc.aio object and shut down when the last one is freed. Tests run many event loops one after another,
