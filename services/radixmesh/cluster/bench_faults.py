@@ -77,6 +77,7 @@ def fault_spec(args: argparse.Namespace, state_dir: Path) -> Any:
 def run_faults(args: argparse.Namespace) -> dict[str, Any]:
     from radixmesh.cluster.bench import _device
     from radixmesh.cluster.faults.harness import FaultCluster
+    from radixmesh.cluster.faults.integrity import MAX_REFERENCE_REQUESTS, SHORT_REFERENCE_REQUESTS
     from radixmesh.cluster.faults.runner import LoadShape, run_scenario
     from radixmesh.cluster.faults.scenarios import SCENARIOS, Pace
 
@@ -86,7 +87,8 @@ def run_faults(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
     shape = LoadShape(concurrency=args.concurrency or (4 if args.short else 6), max_requests=args.max_requests,
                       max_tokens=args.max_tokens or (12 if args.short else 24), timeout_s=args.timeout_s,
-                      after_recovery_s=2.0 if args.short else 5.0)
+                      after_recovery_s=2.0 if args.short else 5.0,
+                      reference_requests=SHORT_REFERENCE_REQUESTS if args.short else MAX_REFERENCE_REQUESTS)
     runs = []
     work = Path(tempfile.mkdtemp(prefix="radixmesh-bench-faults-"))
     with FaultCluster(fault_spec(args, work)) as cluster:
@@ -174,7 +176,8 @@ def markdown(result: dict[str, Any]) -> str:
     for r in result["runs"]:
         for error, n in r["errors"].items():
             lines.append(f"- {r['scenario']}: {n} x `{error[:160]}`")
-    lines += ["", _NOTES, ""]
+    reference = load.get("reference_requests", 24)  # (results written before the field existed: 24)
+    lines += ["", _NOTES.replace("{reference_requests}", str(reference)), ""]
     return "\n".join(lines)
 
 
@@ -193,11 +196,11 @@ _NOTES = (
     "run through an extra router (round-robin) and gateway whose router reaches one worker through the proxy. "
     "Streams through the fault: tokens lost or duplicated count, over completed streams, the log-prob entries the "
     "client got against max_tokens; usage mismatches, streams whose usage.completion_tokens differs from them. Texts "
-    "differing: requests streaming at a fault (and others, up to 24 in all) sent again one at a time once the "
-    "cluster is healthy, greedy, compared with what the client got. Streams at the fault: streaming when a fault "
-    "step began (each SIGTERM of a rolling restart). Stall: the longest gap between frames of those streams (the "
-    "migration's pause as the client sees it), against the median gap between frames of the other streams (ITL). "
-    "TTFT after the fault: requests sent within 10 s of a fault step. Router migrations: "
+    "differing: requests streaming at a fault (and others, up to {reference_requests} in all) sent again one at a "
+    "time once the cluster is healthy, greedy, compared with what the client got. Streams at the fault: streaming "
+    "when a fault step began (each SIGTERM of a rolling restart). Stall: the longest gap between frames of those "
+    "streams (the migration's pause as the client sees it), against the median gap between frames of the other "
+    "streams (ITL). TTFT after the fault: requests sent within 10 s of a fault step. Router migrations: "
     "radixmesh_router_migrations_total by reason over the routers (a router killed in its scenario loses its count). "
     "The workers run with --drain-timeout-s of the cluster line (--worker-drain-s): a rolling restart's drained "
     "worker hands what still runs after that to the others.")

@@ -33,6 +33,8 @@ class LoadShape:
     """A request with no end by then counts as hung."""
     after_recovery_s: float = 5.0
     """Load kept up once the cluster has recovered."""
+    reference_requests: int = integrity.MAX_REFERENCE_REQUESTS
+    """Most completed requests sent again, one at a time, to compare their texts (the affected ones first)."""
 
 
 async def run_scenario(scenario: Scenario, shape: LoadShape) -> dict[str, Any]:
@@ -57,7 +59,8 @@ async def run_scenario(scenario: Scenario, shape: LoadShape) -> dict[str, Any]:
         load.stop()
         records = await running
         probe_s = await detect
-        texts = await integrity.text_mismatches(url, make_spec, records, scenario.fault_times, shape.timeout_s)
+        texts = await integrity.text_mismatches(url, make_spec, records, scenario.fault_times, shape.timeout_s,
+                                                 shape.reference_requests)
         migrations = _delta(await asyncio.to_thread(cluster.router_migrations), migrations_before)
     finally:
         await scenario.teardown()
