@@ -10,6 +10,13 @@ import pytest
 from grpc.experimental import aio as _grpc_aio
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+TEST_TORCH_THREADS = "1"
+"""PyTorch's intra-op threads in the pytest process and in every service the tests start (they inherit the
+environment), unless OMP_NUM_THREADS is set. The tests' models are small, and with two threads per process on
+a 2-core machine any other busy process makes each op wait for a descheduled thread: at a load of 7 the same
+unit tests took 125 s instead of 35 s, and at 9 the tool-calling test's `serve` generated 3x fewer tokens per
+second. Set before the first import of torch, which reads it once."""
+os.environ.setdefault("OMP_NUM_THREADS", TEST_TORCH_THREADS)
 # Without CUDA, Triton kernels run under the interpreter. The mode of a kernel is fixed when its
 # module is first imported, by whichever test module imports radixmesh first: set it here, before
 # any of them, so that no test depends on the order in which files are collected.
@@ -18,16 +25,6 @@ if "TRITON_INTERPRET" not in os.environ:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
-
-IN_PROCESS_TORCH_THREADS = 1
-"""Intra-op threads of the models tests run in the pytest process (tiny models, whose ops gain little from a
-second thread), unless OMP_NUM_THREADS says otherwise. With two threads on a 2-core machine, any other busy
-process (a service the test started, another job) makes each op wait for a descheduled thread: the same unit
-tests took 125 s instead of 35 s at a load of 7. Processes the tests start keep their own settings."""
-if "OMP_NUM_THREADS" not in os.environ:
-    import torch
-
-    torch.set_num_threads(IN_PROCESS_TORCH_THREADS)
 
 
 # gRPC's asyncio stack shares one completion queue and poller thread per process, created with the first
