@@ -128,8 +128,8 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int, ep_size: int = 1, d
     from radixmesh.engine.models.moe_spec import check_experts, moe_spec
 
     ShardLayout.of(config, 0, tp_size, dp_attention)
-    check_experts(config, tp_size, ep_size)
     if dp_attention and moe_spec(config) is None:
         raise invalid_argument(f"--enable-dp-attention runs mixture-of-experts models (with --ep-size {tp_size}); "
                                f"{config.architecture} has no experts: use tensor parallelism alone",
                                "enable_dp_attention")
+    check_experts(config, tp_size, ep_size)
