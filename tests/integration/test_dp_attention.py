@@ -10,6 +10,7 @@ prompts, shared prefixes, prompt log-probs: extra LM-head rows from both ranks).
 from __future__ import annotations
 
 from pathlib import Path
+
 import pytest
 
 from radixmesh.engine.distributed.dp_attention import DpPass
