@@ -4,7 +4,8 @@ greedy tokens, and each rank's KV pool accounts for every slot.
 Tiny Qwen3-MoE (a dense layer between sparse ones) and Mixtral checkpoints saved by transformers. The scenario:
 one request alone (rank 1 idle in its passes), then five of different lengths and output lengths (the ranks'
 shares differ in size, and the last decode steps run on one rank), then test_tensor_parallel's waves (chunked
-prompts, shared prefixes, prompt log-probs: extra LM-head rows from both ranks).
+prompts, shared prefixes, prompt log-probs: extra LM-head rows from both ranks); with overlap scheduling too (each
+rank's share of a decode step reads its inputs from the previous step's sampled tokens).
 """
 
 from __future__ import annotations
@@ -87,11 +88,11 @@ def record_passes(sched: Scheduler) -> list[DpPass]:
     return passes
 
 
-@pytest.mark.parametrize("dispatch", ["all-reduce", "all-to-all"])
-def test_dp_attention_matches_one_rank(model: tuple[Path, LogprobCollector], dispatch: str) -> None:
+@pytest.mark.parametrize(("dispatch", "overlap"), [("all-reduce", "off"), ("all-to-all", "on")])
+def test_dp_attention_matches_one_rank(model: tuple[Path, LogprobCollector], dispatch: str, overlap: str) -> None:
     path, reference = model
     sched, _ = make_tp_scheduler(path, 2, chunked_prefill_size=32, ep_size=2, moe_dispatch=dispatch,
-                                 enable_dp_attention=True, max_total_tokens=1024)
+                                 enable_dp_attention=True, max_total_tokens=1024, overlap_schedule=overlap)
     passes = record_passes(sched)
     try:
         out = run_scenario(sched)
