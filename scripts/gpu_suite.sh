@@ -43,7 +43,9 @@
 #   floor (active experts + attention + embeddings over the measured copy bandwidth), the 500-prompt offline run of
 #   Qwen3-30B-A3B (with --profile: the MoE kernels' share) beside the dense Qwen3-8B's on the other GPU at the same
 #   time, then Mixtral-8x7B on both GPUs at EP 2 and at TP 2 (experts sliced), batches 1 and 64; a table at the end
-#   (MOE_PROMPTS: offline prompts, default 500). STAGES=moe-tests: the MoE model GPU tests (two GPUs for EP 2)
+#   (MOE_PROMPTS: offline prompts, default 500), and Mixtral at EP 2 with --enable-dp-attention (eager).
+#   STAGES=moe-tests: the MoE model GPU tests (two GPUs for EP 2). STAGES=moe-dp TIMEOUT_moe_dp=590 (two GPUs): EP 2 with
+#   and without data-parallel attention, both eager, Qwen3-30B-A3B and Mixtral-8x7B at batches 1, 16 and 64
 #   STAGES=decode-sweep: decode attention's split counts, tiles and grid orders at the offline run's batch sizes
 #   STAGES=extend-rows: the extend kernel's new-token K/V read from their own rows vs their slots, both block orders,
 #   and its tiles
@@ -532,6 +534,20 @@ PY
         $RM bench one-batch --model-shape mixtral-8x7b --tp-size 2 --ep-size $ep --batch-size 1 64 --input-len 1024 \
           --output-len 128 --context-length 4096 --cuda-graph-max-bs 64 --result-file "$OUT/moe-mixtral.jsonl" \
           > /tmp/moe-mixtral-ep$ep.log 2>&1 || tail -n 20 /tmp/moe-mixtral-ep$ep.log
+      done
+      # EP 2 with data-parallel attention (each GPU attends over its own half of the batch; eager passes only)
+      $RM bench one-batch --model-shape mixtral-8x7b --tp-size 2 --ep-size 2 --enable-dp-attention --disable-cuda-graph \
+        --batch-size 1 64 --input-len 1024 --output-len 128 --context-length 4096 \
+        --result-file "$OUT/moe-mixtral.jsonl" > /tmp/moe-mixtral-dp.log 2>&1 || tail -n 20 /tmp/moe-mixtral-dp.log
+      python3 scripts/moe_table.py "$OUT" ;;
+    moe-dp)  # data-parallel attention on two GPUs: Qwen3-30B-A3B and Mixtral-8x7B at EP 2, eager, with and without it
+      # (batches 1, 16 and 64; the same --disable-cuda-graph on both sides), then the table
+      for shape in qwen3-30b-a3b mixtral-8x7b; do
+        for dp in "" --enable-dp-attention; do
+          $RM bench one-batch --model-shape $shape --tp-size 2 --ep-size 2 $dp --disable-cuda-graph \
+            --batch-size 1 16 64 --input-len 1024 --output-len 64 --context-length 4096 \
+            --result-file "$OUT/moe-dp.jsonl" > /tmp/moe-dp-$shape$dp.log 2>&1 || tail -n 20 /tmp/moe-dp-$shape$dp.log
+        done
       done
       python3 scripts/moe_table.py "$OUT" ;;
     moe-kernels)  # fused MoE at the Qwen3-30B-A3B and Mixtral-8x7B shapes: tests, then per M = 1..256 the layer and

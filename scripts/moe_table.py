@@ -52,6 +52,7 @@ def summarize(out: Path) -> dict[str, Any]:
     mixtral: dict[str, float] = {}
     for r in _lines(out / "moe-mixtral.jsonl"):
         mode = "ep2" if r.get("moe_ep_size") == 2 else "tp2"
+        mode += "_dp" if r.get("dp_attention") else ""
         mixtral[f"{mode}_batch{r['batch_size']}_decode_tok_s"] = r["decode_throughput_tok_s"]
     if mixtral:
         summary["mixtral_8x7b_two_gpus"] = mixtral
@@ -59,7 +60,22 @@ def summarize(out: Path) -> dict[str, Any]:
             ep, tp = mixtral.get(f"ep2_batch{batch}_decode_tok_s"), mixtral.get(f"tp2_batch{batch}_decode_tok_s")
             if ep and tp:
                 summary["mixtral_8x7b_two_gpus"][f"batch{batch}_faster"] = "ep2" if ep > tp else "tp2"
+    dp = dp_attention_table(_lines(out / "moe-dp.jsonl"))
+    if dp:
+        summary["dp_attention_two_gpus"] = dp
     return summary
+
+
+def dp_attention_table(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Decode tok/s at EP 2 (eager) with and without data-parallel attention, per model and batch (stage moe-dp)."""
+    table: dict[str, Any] = {}
+    for r in rows:
+        key = f"{r['model']}_batch{r['batch_size']}"
+        table.setdefault(key, {})["dp" if r.get("dp_attention") else "ep2"] = r["decode_throughput_tok_s"]
+    for cell in table.values():
+        if cell.get("dp") and cell.get("ep2"):
+            cell["dp_over_ep2"] = round(cell["dp"] / cell["ep2"], 3)
+    return table
 
 
 def main() -> int:

@@ -1,5 +1,6 @@
 """Qwen3-MoE and Mixtral on a GPU: the fused MoE kernels in the model, in CUDA graphs and eagerly, against
-transformers' greedy tokens (fp32), the PyTorch reference layer (bf16), FP8 experts, and EP 2 vs EP 1 on two GPUs.
+transformers' greedy tokens (fp32), the PyTorch reference layer (bf16), FP8 experts, and EP 2 (with and without
+data-parallel attention) vs EP 1 on two GPUs.
 
 fp32 runs the kernels' exact fp32 products, so greedy tokens equal transformers'; bf16 rounds where the kernels
 round (the reference stores the same intermediates), so the layer is compared by relative error.
@@ -144,3 +145,14 @@ def test_two_gpus_equal_one_fp32(model: tuple[Path, list, list], ep_size: int, d
     got, replays = _greedy(path, prompts, 2, dtype="float32", ep_size=ep_size, moe_dispatch=dispatch,
                            chunked_prefill_size=128)
     assert replays > 0 and got == want
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("dispatch", ["all-reduce", "all-to-all"])
+def test_two_gpus_with_data_parallel_attention_equal_transformers(model: tuple[Path, list, list],
+                                                                    dispatch: str) -> None:
+    """EP 2 with each GPU attending over its own requests (eager, overlap on): transformers' greedy tokens."""
+    path, prompts, want = model
+    got, _ = _greedy(path, prompts, 2, dtype="float32", ep_size=2, moe_dispatch=dispatch, chunked_prefill_size=128,
+                     enable_dp_attention=True, disable_cuda_graph=True, overlap_schedule="on")
+    assert got == want

@@ -100,7 +100,7 @@ def build_extend_batch(reqs: list[Req], kv: KVCacheManager) -> ScheduleBatch | N
     for req in reqs:
         if not kv.assign_row(req):
             return None
-    slots = kv.alloc_slots(sum(r.extend_len for r in reqs))
+    slots = kv.alloc_for(reqs, [r.extend_len for r in reqs])
     if slots is None:
         return None
     input_ids: list[int] = []
@@ -123,7 +123,7 @@ def build_decode_batch(reqs: list[Req], kv: KVCacheManager) -> ScheduleBatch | N
 
     The slots reach `req_to_token` when the runner copies the batch's inputs (no copy here).
     """
-    slots = kv.alloc_slots(len(reqs))
+    slots = kv.alloc_for(reqs, [1] * len(reqs))
     if slots is None:
         return None
     kv_lens = [r.kv_len for r in reqs]

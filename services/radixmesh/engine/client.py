@@ -106,7 +106,7 @@ class EngineClient:
         prepared = await asyncio.to_thread(prepare_model, config.model, config.load_format,
                                              tokenizer=config.tokenizer)
         # a clear error before any process starts
-        check_tensor_parallel(prepared.config, config.tp_size, config.ep_size)
+        check_tensor_parallel(prepared.config, config.tp_size, config.ep_size, config.enable_dp_attention)
         tokenizer = await asyncio.to_thread(load_tokenizer, prepared.tokenizer_path) \
             if prepared.tokenizer_path else None
         client = cls(config, prepared, tokenizer)

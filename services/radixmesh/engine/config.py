@@ -145,7 +145,11 @@ class EngineConfig:
     """TP on CUDA: small all-reduces by a one-shot kernel over CUDA-IPC buffers instead of NCCL (needs GPU P2P)."""
     ep_size: int = 1
     """MoE models: spread the experts over this many ranks of the tensor-parallel group (1, or --tp-size; attention
-    stays tensor-parallel). 1: every rank holds a slice of every expert (docs/moe.md)."""
+    stays tensor-parallel unless --enable-dp-attention). 1: every rank holds a slice of every expert (docs/moe.md)."""
+    enable_dp_attention: bool = False
+    """MoE models with --ep-size = --tp-size > 1: data-parallel attention. Each rank holds the whole attention and
+    runs only its own share of the requests, whose KV lives in its pool alone; the ranks' tokens are gathered for
+    the MLP layers. Eager passes only (give --disable-cuda-graph on CUDA): docs/moe.md."""
     moe_dispatch: str = "auto"
     """Expert parallelism: how tokens reach the ranks holding their experts. all-reduce: every rank runs its experts
     on all tokens and one all-reduce sums the ranks' parts (the reduce-scatter + all-gather pair; in CUDA graphs, and
@@ -253,6 +257,27 @@ class EngineConfig:
         _in(self.moe_dispatch, MOE_DISPATCHES, "moe_dispatch")
         if self.moe_a2a_min_tokens < 1:
             raise invalid_argument("moe_a2a_min_tokens must be >= 1", "moe_a2a_min_tokens")
+        if self.enable_dp_attention:
+            self._check_dp_attention()
+
+    def _check_dp_attention(self) -> None:
+        """What data-parallel attention does not run (yet) fails here, naming the flag to change."""
+        flag = "enable_dp_attention"
+        if self.tp_size < 2 or self.ep_size != self.tp_size:
+            raise invalid_argument(f"--enable-dp-attention needs --tp-size N > 1 with --ep-size N (the experts spread "
+                                   f"over the ranks whose attention runs data-parallel); got --tp-size {self.tp_size} "
+                                   f"--ep-size {self.ep_size}", flag)
+        refused = {"--speculative-algorithm": self.speculative_algorithm is not None,
+                   "--enable-lora / --lora-paths": self.lora_enabled,
+                   "--enable-hierarchical-cache": self.enable_hierarchical_cache,
+                   "--enable-custom-all-reduce": self.enable_custom_all_reduce,
+                   "--quantization": self.quantization is not None}
+        for name, given in refused.items():
+            if given:
+                raise invalid_argument(f"--enable-dp-attention does not run with {name} yet", flag)
+        if self.device == "cuda" and not self.disable_cuda_graph:
+            raise invalid_argument("--enable-dp-attention runs eager passes only: CUDA graphs do not capture its "
+                                   "variable-length token gathers yet; add --disable-cuda-graph", flag)
 
     def _check_quant_options(self) -> None:
         from radixmesh.engine.quant.registry import FP8_GEMM_BACKENDS, KV_CACHE_DTYPES, QUANT_METHODS

@@ -23,9 +23,27 @@ class KVCacheManager:
         self.capacity = kv_pool.size
 
     # ---- accounting -------------------------------------------------------------------------
-    def available_tokens(self) -> int:
-        """Slots a new allocation can get: free now plus evictable from the tree."""
+    def available_tokens(self, rank: int | None = None) -> int:
+        """Slots a new allocation can get: free now plus evictable from the tree (`rank`: of that data-parallel
+        attention rank's pool; one pool here)."""
         return self.allocator.available_size() + self.tree.evictable_size()
+
+    @property
+    def rank_capacity(self) -> int:
+        """Slots of the pool one request's KV lives in (all of them here)."""
+        return self.capacity
+
+    def rank_of(self, req: Req) -> int:
+        """The pool (data-parallel attention rank) `req`'s KV lives in: 0, the only one here."""
+        return 0
+
+    def short_rank(self, reqs: list[Req]) -> int | None:
+        """A pool that cannot give each of `reqs` in it one slot (decode), or None."""
+        return 0 if reqs and self.available_tokens() < len(reqs) else None
+
+    def extra_stats(self) -> dict[str, object]:
+        """Figures of this manager beyond the scheduler's own (none here)."""
+        return {}
 
     def used_tokens(self) -> int:
         """Slots held by live requests or locked in the tree (not free, not evictable)."""
@@ -61,6 +79,10 @@ class KVCacheManager:
         if short > 0:
             self.tree.evict(short)
         return self.allocator.alloc(num_tokens)
+
+    def alloc_for(self, reqs: list[Req], counts: list[int]) -> torch.Tensor | None:
+        """`counts[i]` slots for each of `reqs`, concatenated in order; None (nothing taken) if impossible."""
+        return self.alloc_slots(sum(counts))
 
     def assign_row(self, req: Req) -> bool:
         """Give the request a row in req_to_token holding its locked prefix."""

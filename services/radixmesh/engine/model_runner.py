@@ -29,6 +29,7 @@ from radixmesh.engine.sampling.prompt_logprobs import score_prompt_tokens
 from radixmesh.engine.sampling.sampler import SampleOutput, Sampler
 
 if TYPE_CHECKING:
+    from radixmesh.engine.distributed.dp_attention import DpAttention
     from radixmesh.engine.distributed.leader import TpLeader
     from radixmesh.engine.lora.runtime import LoraRuntime
 
@@ -57,6 +58,8 @@ class ModelRunner:
     graph_runner: CudaGraphRunner | None
     lora: LoraRuntime | None = None
     """Adapter slots and the per-pass slot choice (LoRA on)."""
+    dp: DpAttention | None = None
+    """Data-parallel attention's token exchange (`--enable-dp-attention`): each pass runs this rank's share."""
 
     def __init__(self, config: EngineConfig, prepared: PreparedModel, rank_link: RankLink | None = None) -> None:
         """`rank_link`: a tensor-parallel rank other than 0 (`follower.FollowerLink`); without one,
@@ -70,7 +73,7 @@ class ModelRunner:
             rank_link = self.tp_leader = TpLeader.start(config, prepared)
         self.rank_link = rank_link
         self.tp = rank_link.tp if rank_link is not None else TP_NONE
-        self.layout = ShardLayout.of(prepared.config, self.tp.rank, self.tp.size)
+        self.layout = ShardLayout.of(prepared.config, self.tp.rank, self.tp.size, self.tp.dp_attention)
         """This rank's heads, MLP width and vocabulary rows (the whole model without TP)."""
         try:
             build_runner(self, config, prepared)
@@ -121,6 +124,8 @@ class ModelRunner:
         tokens that score prompt log-probs `[num_scored, vocab]` (EXTEND only)."""
         if self.tp_leader is not None:  # the same pass on every rank
             self.tp_leader.publish_forward(batch, self.req_pool.drain_journal(), self.lora is not None)
+        if self.dp is not None:
+            return self._forward_share(batch)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch, self.last_tokens)
         fb = self._forward_batch(batch)
@@ -129,6 +134,23 @@ class ModelRunner:
         if self.mm is not None:
             fb.mm = self.mm.prepare(batch)
         self.attn_backend.init_forward_metadata(fb)
+        logits: torch.Tensor = self.model(fb.input_ids, fb.positions, fb)
+        return logits
+
+    def _forward_share(self, batch: ScheduleBatch) -> torch.Tensor:
+        """Data-parallel attention: the pass over this rank's requests of `batch` (every rank's MLP tokens meet
+        inside the model); the whole batch's logits on rank 0, none elsewhere."""
+        assert self.dp is not None
+        from radixmesh.engine.distributed.dp_batch import split_batch
+
+        share, plan = split_batch(batch, self.tp.size, self.tp.rank)
+        if batch.is_decode and self.tp_leader is not None:  # the scheduler's table holds every request's slots
+            rows, positions = rows_to_device([batch.req_pool_indices, batch.positions], self.device)
+            self.req_pool.req_to_token[rows, positions] = batch.out_cache_loc
+        self.dp.begin(plan)
+        fb = self._forward_batch(share)
+        if share.reqs:
+            self.attn_backend.init_forward_metadata(fb)
         logits: torch.Tensor = self.model(fb.input_ids, fb.positions, fb)
         return logits
 

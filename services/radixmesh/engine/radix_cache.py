@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -230,13 +231,18 @@ class RadixCache:
         Whole leaves are evicted, so the result may exceed `num_tokens`; it is less
         only when nothing evictable is left. Returns the number of tokens freed.
         """
+        return self._evict_where(num_tokens, None)
+
+    def _evict_where(self, num_tokens: int, where: Callable[[TreeNode], bool] | None) -> int:
+        """`evict` among the subtrees whose leaves `where` accepts (None: all); a parent left a leaf by an eviction
+        is in its child's subtree."""
         if self.disable or num_tokens <= 0:
             return 0
         tie = itertools.count()
         heap = [
             (node.last_access_time, next(tie), node)
             for node in self._all_nodes()
-            if node.is_leaf and node.lock_ref == 0 and node is not self.root
+            if node.is_leaf and node.lock_ref == 0 and node is not self.root and (where is None or where(node))
         ]
         heapq.heapify(heap)
         freed = 0

@@ -83,6 +83,8 @@ class Req:
     """The device slot holding its adapter while it is admitted (-1: none)."""
     cache_namespace: int = 0
     """Its prefix-cache namespace (`radixmesh.wire.lora.adapter_namespace`; 0: the base model's)."""
+    dp_rank: int = -1
+    """Data-parallel attention: the rank whose pool holds its KV, from its first admission on (-1: none yet)."""
 
     def __post_init__(self) -> None:
         start = self.params.logprob_start_len

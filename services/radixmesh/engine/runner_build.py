@@ -66,6 +66,7 @@ def build_runner(runner: ModelRunner, config: EngineConfig, prepared: PreparedMo
     runner.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, runner.dtype, runner.device, config.attention_backend)
     check_tp_support(runner)
     runner.model = load_model(runner, prepared)
+    runner.dp = getattr(getattr(runner.model, "model", None), "dp", None)
     runner.lora = build_lora(runner)
     if runner.rank_link is not None:
         runner.rank_link.stage("loaded")  # rank 0 waits here until every rank holds its shard
@@ -94,6 +95,9 @@ def check_tp_support(runner: ModelRunner) -> None:
     if runner.tp.enabled:
         check_tp_combination(runner.model_config.family, runner.tp.size, runner.quant is not None,
                              runner.kv_dtype != runner.dtype)
+    if runner.tp.dp_attention and runner.device.type == "cuda" and not runner.config.disable_cuda_graph:
+        raise invalid_argument("--enable-dp-attention runs eager passes only: add --disable-cuda-graph",
+                               "enable_dp_attention")
 
 
 def check_tp_combination(family: str, tp_size: int, fp8_weights: bool, other_kv_dtype: bool) -> None:
@@ -233,6 +237,12 @@ def build_pools(runner: ModelRunner) -> None:
     runner.kv_pool = TokenToKVPool(plan.max_total_tokens, mc.num_layers, runner.layout.num_kv_heads, mc.head_dim,
                                    runner.kv_dtype, runner.device)
     runner.kv_transfer_pool = runner.kv_pool
+    if runner.tp_leader is not None and runner.tp.dp_attention:  # rank 0 numbers every rank's slots (dp_kv)
+        from radixmesh.engine.dp_kv import DpSlotAllocator
+
+        runner.req_pool.journal = []
+        runner.allocator = DpSlotAllocator(plan.max_total_tokens, runner.tp.size, runner.device)
+        return
     if runner.tp_leader is not None:
         from radixmesh.engine.distributed.kv_pool import ShardedKVPool
 

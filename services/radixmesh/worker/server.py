@@ -24,6 +24,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from radixmesh.common import aio
+from radixmesh.common.errors import invalid_argument
 from radixmesh.common.grpc_server import GrpcServer, GrpcServerConfig
 from radixmesh.common.lane import LaneMethod
 from radixmesh.engine.client import EngineClient
@@ -47,6 +48,10 @@ async def serve_worker(server_config: GrpcServerConfig, config: WorkerConfig, en
     print(f"radixmesh worker: loading {engine_config.model or 'the default model'} ...", file=sys.stderr, flush=True)
     if config.redis_url is not None:
         engine_config = dataclasses.replace(engine_config, kv_events_block_size=config.block_size)
+    if config.role != "unified" and engine_config.enable_dp_attention:
+        raise invalid_argument(f"a {config.role} worker does not run with --enable-dp-attention yet (KV transports "
+                               "read one pool; data-parallel attention keeps one per rank): use role unified",
+                               "enable_dp_attention")
     if config.role != "unified":
         check_transport_device(config.kv_transport, engine_config.resolve().device)
         chosen = f"auto: {describe_auto()}" if config.kv_transport == AUTO else config.kv_transport

@@ -35,6 +35,8 @@ class FetchCommitter:
         from radixmesh.engine.hicache.tree import HiRadixCache
 
         tree = self.sched.kv.tree
+        if self.sched.config.enable_dp_attention:  # its KV is spread over per-rank pools no transport reads yet
+            return {"device_len": 0, "host_len": 0}
         if isinstance(tree, HiRadixCache):
             match = tree.match_host(list(msg.input_ids))
             return {"device_len": len(match.device.indices), "host_len": match.host_len}

@@ -127,6 +127,8 @@ class ReservationManager:
 
     def _refusal(self, msg: ReserveReqMsg) -> str | None:
         prompt_len, sched = len(msg.input_ids), self.sched
+        if sched.config.enable_dp_attention:
+            return "prefill/decode disaggregation does not run with --enable-dp-attention yet"
         if prompt_len < 1 or prompt_len >= sched.context_len or prompt_len + 1 > sched.kv.capacity:
             return f"a prompt of {prompt_len} tokens cannot be reserved here"
         if msg.reservation_id in self.active or any(p.msg.reservation_id == msg.reservation_id for p in self.pending):

@@ -78,6 +78,16 @@ class TorchCommunicator:
         dist.all_to_all_single(out, x.contiguous(), recv_rows, send_rows)
         return out
 
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        assert x.shape[0] % self.size == 0, f"reduce_scatter of {x.shape[0]} rows over {self.size} ranks"
+        rows = x.shape[0] // self.size
+        if self.device.type != "cuda":  # gloo has no reduce-scatter of one tensor: the sum, then this rank's block
+            dist.all_reduce(x)
+            return x[self.rank * rows:(self.rank + 1) * rows]
+        out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x.contiguous())
+        return out
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         dist.broadcast(x, src)
         return x

@@ -9,6 +9,7 @@ rank 0's process is gone.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -51,6 +52,12 @@ def _placeholder(lora_slot: int) -> Req:
     return Req(rid="", origin_input_ids=[0], params=_PLACEHOLDER.params, lora_slot=lora_slot)
 
 
+@functools.cache
+def _rank_placeholder(dp_rank: int) -> Req:
+    """A stand-in request that carries its data-parallel attention rank (the pass runs its own rank's)."""
+    return Req(rid="", origin_input_ids=[0], params=_PLACEHOLDER.params, dp_rank=dp_rank)
+
+
 class FollowerLink:
     """A rank's end of the startup handshake: `ModelRunner` reports its stages through it."""
 
@@ -64,7 +71,7 @@ class FollowerLink:
 class FollowerLoop:
     def __init__(self, runner: ModelRunner, comm: TorchCommunicator, recv: zmq.Socket) -> None:
         self.runner, self.comm, self.recv = runner, comm, recv
-        self.layout = ShardLayout.of(runner.model_config, comm.rank, comm.size)
+        self.layout = ShardLayout.of(runner.model_config, comm.rank, comm.size, runner.tp.dp_attention)
         self.num_steps = 0
 
     def run(self) -> None:
@@ -101,6 +108,8 @@ class FollowerLoop:
         """The pass rank 0 runs now: apply its `req_to_token` writes, rebuild its batch, run the model."""
         runner = self.runner
         payload = self._receive(msg.num_slots + sum(n for _, _, n in msg.journal), torch.int64)
+        if msg.dp_ranks is not None:  # rank 0 numbers every rank's pool in one space: this pool's slots (dp_kv)
+            payload = payload % (runner.kv_pool.size + 1)
         offset = msg.num_slots
         for row, start, n in msg.journal:
             runner.req_pool.req_to_token[row, start:start + n] = payload[offset:offset + n]
@@ -109,6 +118,8 @@ class FollowerLoop:
         reqs = [_PLACEHOLDER] * len(msg.req_pool_indices)
         if msg.lora_slots is not None:
             reqs = [_placeholder(slot) for slot in msg.lora_slots]
+        if msg.dp_ranks is not None:
+            reqs = [_rank_placeholder(rank) for rank in msg.dp_ranks]
         batch = ScheduleBatch(ForwardMode(msg.mode), reqs, msg.input_ids,
                               msg.positions, payload[:msg.num_slots], msg.prefix_lens, msg.extend_lens,
                               msg.req_pool_indices, msg.future_rows, plan)
@@ -146,7 +157,8 @@ def run_rank(spec: RankSpec) -> int:
         device = rank_device(spec.config.device, spec.rank)
         comm = TorchCommunicator.init(spec.rank, spec.config.tp_size, spec.init_method, device,
                                       spec.config.enable_custom_all_reduce)
-        link = FollowerLink(TensorParallel(spec.rank, spec.config.tp_size, comm, spec.config.ep_size), status)
+        tp = TensorParallel(spec.rank, spec.config.tp_size, comm, spec.config.ep_size, spec.config.enable_dp_attention)
+        link = FollowerLink(tp, status)
         runner = ModelRunner(spec.config, spec.prepared, link)
         FollowerLoop(runner, comm, recv).run()
     except Exception as exc:

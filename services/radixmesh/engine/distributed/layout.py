@@ -6,6 +6,7 @@ Apart from the sharded layers (radixmesh.engine.distributed.sharding) so that fr
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from radixmesh.common.errors import invalid_argument
@@ -43,10 +44,21 @@ class ShardLayout:
     """Vocabulary rows of this rank's embedding and LM head (padded: the same on every rank)."""
     vocab_valid: int
     """Rows of `vocab_rows` that are real tokens (the rest are zero padding)."""
+    dp_attention: bool = False
+    """Data-parallel attention: attention, embedding and LM head whole on every rank; only the MLP width split."""
 
     @classmethod
-    def of(cls, config: ModelConfig, rank: int = 0, size: int = 1) -> ShardLayout:
-        """The layout of `rank` of `size`; INVALID_ARGUMENT naming the numbers when the model cannot be split."""
+    def of(cls, config: ModelConfig, rank: int = 0, size: int = 1, dp_attention: bool = False) -> ShardLayout:
+        """The layout of `rank` of `size`; INVALID_ARGUMENT naming the numbers when the model cannot be split.
+        `dp_attention`: the layout of data-parallel attention (whole heads and vocabulary, the MLP width split)."""
+        if dp_attention:
+            whole = cls.of(config)
+            if config.intermediate_size % size:
+                raise invalid_argument(
+                    f"data-parallel attention: --tp-size {size} does not divide the model's dense MLP width "
+                    f"{config.intermediate_size}", "tp_size")
+            return dataclasses.replace(whole, rank=rank, size=size, intermediate_size=config.intermediate_size // size,
+                                       dp_attention=True)
         heads, kv_heads = config.num_heads, config.num_kv_heads
         if heads % size:
             raise invalid_argument(
@@ -76,7 +88,7 @@ class ShardLayout:
     @property
     def kv_replicated(self) -> bool:
         """Each KV head lives on several ranks (fewer KV heads than ranks)."""
-        return self.total_kv_heads < self.size
+        return not self.dp_attention and self.total_kv_heads < self.size
 
     def kv_source_ranks(self) -> list[int]:
         """One rank per KV head, in head order: the ranks whose shards tile the whole model's KV heads."""
@@ -93,6 +105,8 @@ class ShardLayout:
         module_path, _, leaf = name.rpartition(".")
         module = module_path.rpartition(".")[2]
         d, inter = self.head_dim, self.intermediate_size
+        if self.dp_attention and module not in ("gate_proj", "up_proj", "down_proj"):
+            return None  # attention, norms, embedding and LM head are whole on every rank
         if module == "q_proj":
             return 0, self.q_head_begin * d, self.num_heads * d
         if module in ("k_proj", "v_proj"):
@@ -108,9 +122,14 @@ class ShardLayout:
         return None
 
 
-def check_tensor_parallel(config: ModelConfig, tp_size: int, ep_size: int = 1) -> None:
-    """INVALID_ARGUMENT, naming the numbers, when `config` cannot run at `tp_size` (its experts at `ep_size`)."""
-    from radixmesh.engine.models.moe_spec import check_experts
+def check_tensor_parallel(config: ModelConfig, tp_size: int, ep_size: int = 1, dp_attention: bool = False) -> None:
+    """INVALID_ARGUMENT, naming the numbers, when `config` cannot run at `tp_size` (its experts at `ep_size`, its
+    attention data-parallel with `dp_attention`)."""
+    from radixmesh.engine.models.moe_spec import check_experts, moe_spec
 
-    ShardLayout.of(config, 0, tp_size)
+    ShardLayout.of(config, 0, tp_size, dp_attention)
+    if dp_attention and moe_spec(config) is None:
+        raise invalid_argument(f"--enable-dp-attention runs mixture-of-experts models (with --ep-size {tp_size}); "
+                               f"{config.architecture} has no experts: use tensor parallelism alone",
+                               "enable_dp_attention")
     check_experts(config, tp_size, ep_size)

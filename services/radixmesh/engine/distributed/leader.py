@@ -82,7 +82,7 @@ class TpLeader:
         self.config, self.prepared = config, prepared
         self.size = config.tp_size
         self.device = rank_device(config.device, 0)
-        self.layout = ShardLayout.of(prepared.config, 0, self.size)
+        self.layout = ShardLayout.of(prepared.config, 0, self.size, config.enable_dp_attention)
         self._dir = tempfile.mkdtemp(prefix="radixmesh-tp-")
         self._ctx = zmq.Context()
         self._status = self._ctx.socket(zmq.PULL)
@@ -91,13 +91,13 @@ class TpLeader:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._errors: dict[int, str] = {}
         self.comm: TorchCommunicator | None = None
-        self.tp = TensorParallel(0, self.size, ep_size=config.ep_size)
+        self.tp = TensorParallel(0, self.size, ep_size=config.ep_size, dp_attention=config.enable_dp_attention)
         self._closed = False
 
     @classmethod
     def start(cls, config: EngineConfig, prepared: PreparedModel) -> TpLeader:
         """Check the model splits, start ranks 1..N-1 and join the group with them (as rank 0)."""
-        check_tensor_parallel(prepared.config, config.tp_size, config.ep_size)
+        check_tensor_parallel(prepared.config, config.tp_size, config.ep_size, config.enable_dp_attention)
         if config.enable_custom_all_reduce and config.device != "cuda":
             raise invalid_argument("--enable-custom-all-reduce needs CUDA devices (CPU ranks all-reduce with gloo)",
                                    "enable_custom_all_reduce")
@@ -131,7 +131,7 @@ class TpLeader:
         self.stage("started")
         self.comm = TorchCommunicator.init(0, self.size, init_method, self.device,
                                            self.config.enable_custom_all_reduce)
-        self.tp = TensorParallel(0, self.size, self.comm, self.config.ep_size)
+        self.tp = TensorParallel(0, self.size, self.comm, self.config.ep_size, self.config.enable_dp_attention)
 
     # ---- startup --------------------------------------------------------------------------------
     def stage(self, stage: str) -> None:
@@ -180,7 +180,8 @@ class TpLeader:
             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens, req_pool_indices=batch.req_pool_indices,
             future_rows=batch.future_rows, logit_rows=plan.rows if plan is not None and plan.rows else None,
             num_slots=int(batch.out_cache_loc.shape[0]), journal=entries,
-            lora_slots=[r.lora_slot for r in batch.reqs] if lora else None))
+            lora_slots=[r.lora_slot for r in batch.reqs] if lora else None,
+            dp_ranks=[r.dp_rank for r in batch.reqs] if self.tp.dp_attention else None))
         parts = [batch.out_cache_loc] + [values.to(self.device) for _, _, values in journal]
         payload = torch.cat(parts) if len(parts) > 1 else parts[0]
         if payload.numel():

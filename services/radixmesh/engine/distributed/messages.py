@@ -33,6 +33,9 @@ class StepMsg(msgspec.Struct, tag="step", frozen=True):
     """`(row, start, length)`: `req_to_token[row, start:start + length]` takes the next `length` values."""
     lora_slots: list[int] | None = None
     """Each request's LoRA adapter slot (-1: none); None when LoRA is off."""
+    dp_ranks: list[int] | None = None
+    """Data-parallel attention: each request's rank (each rank runs its own; the slots that follow are rank 0's
+    numbering of every rank's pool, `engine.dp_kv`); None without it."""
 
 
 class TokensMsg(msgspec.Struct, tag="tokens", frozen=True):

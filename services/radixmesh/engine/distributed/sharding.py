@@ -41,6 +41,10 @@ class Communicator(Protocol):
         (`sum(recv_rows)` of them: `recv_rows[i]` from rank i)."""
         ...
 
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` `[size * m, ...]` summed over the ranks; rank r gets block r `[m, ...]` of the sum."""
+        ...
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -54,10 +58,19 @@ class TensorParallel:
     """The group's collectives; None without TP (or for building a rank's weights offline)."""
     ep_size: int = 1
     """Ranks the experts of MoE layers are spread over (`--ep-size`: 1, or all ranks of the group)."""
+    dp_attention: bool = False
+    """Data-parallel attention (`--enable-dp-attention`): each rank holds whole attention weights and runs only its
+    own requests; the MLPs run over every rank's tokens (`distributed.dp_attention`)."""
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.size, f"rank {self.rank} outside a group of {self.size}"
         assert self.ep_size in (1, self.size), f"ep_size {self.ep_size}: 1 or the group's size {self.size}"
+        assert not self.dp_attention or self.ep_size == self.size > 1, "data-parallel attention needs EP = TP > 1"
+
+    @property
+    def attention_tp(self) -> TensorParallel:
+        """The group attention, the embedding and the LM head are split over: none under data-parallel attention."""
+        return TP_NONE if self.dp_attention else self
 
     @property
     def enabled(self) -> bool:
@@ -80,6 +93,12 @@ class TensorParallel:
             return x
         assert self.comm is not None, "a sharded layer ran without a communicator"
         return self.comm.all_to_all(x, send_rows, recv_rows)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        assert self.comm is not None, "a sharded layer ran without a communicator"
+        return self.comm.reduce_scatter(x)
 
 
 TP_NONE = TensorParallel()

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from radixmesh.engine.attention.base import AttentionLayerSpec, ForwardBatch
+from radixmesh.engine.distributed.dp_attention import DpAttention
 from radixmesh.engine.distributed.layout import ShardLayout
 from radixmesh.engine.distributed.sharding import TP_NONE, TensorParallel, WeightSource, take_shard
 from radixmesh.engine.model_config import ModelConfig
@@ -28,6 +29,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
                  tp: TensorParallel = TP_NONE) -> None:
         super().__init__()
+        tp = tp.attention_tp  # (whole on every rank under data-parallel attention)
         layout = ShardLayout.of(config, tp.rank, tp.size)
         h, d = layout.num_heads, config.head_dim  # this rank's heads (all of them without TP)
         kvh = layout.num_kv_heads
@@ -43,6 +45,10 @@ class Attention(nn.Module):
                 prologue: AddRMSNorm | None = None) -> torch.Tensor:
         """Attention over `x` (over `prologue(x)` with one: the input norm, fused into the q/k/v GEMV at batch 1)."""
         n = x.shape[0]
+        if n == 0:  # a data-parallel attention rank without requests this pass (its MLPs still join the others')
+            if prologue is not None:
+                prologue.apply(x)
+            return x.new_zeros(0, x.shape[-1])
         spec = self.spec
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         qkv = self._qkv_rope_store(positions, x, batch, prologue) if prologue is not None and n == 1 else None
@@ -92,9 +98,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_id, rotary, tp)
         inter = config.intermediate_size // tp.size  # this rank's MLP width
-        self.mlp: nn.Module = GatedMLP(config.hidden_size, inter, row_parallel_linear(inter, config.hidden_size, tp))
+        # under data-parallel attention the ranks' partial sums are reduce-scattered by `dp`, not all-reduced here
+        down = row_parallel_linear(inter, config.hidden_size, tp if not tp.dp_attention else TP_NONE)
+        self.mlp: nn.Module = GatedMLP(config.hidden_size, inter, down)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.dp: DpAttention | None = None
+        """Data-parallel attention's token exchange around the MLP (set by the model; None: the MLP runs here)."""
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +119,7 @@ class DecoderLayer(nn.Module):
             assert norm.summed is not None
             residual = norm.summed
         norm = AddRMSNorm(self.post_attention_layernorm, residual)
-        out = self.mlp(h, norm)
+        out = self.mlp(h, norm) if self.dp is None else self.dp.mlp(self.mlp, norm.apply(h))
         assert norm.summed is not None
         return out, norm.summed
 
@@ -139,10 +149,16 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
+        vocab_tp = tp.attention_tp
         self.embed_tokens: VocabParallelEmbedding | nn.Embedding = (
-            VocabParallelEmbedding(ShardLayout.of(config, tp.rank, tp.size), config.hidden_size, tp) if tp.enabled
-            else _embedding(config.vocab_size, config.hidden_size))
+            VocabParallelEmbedding(ShardLayout.of(config, vocab_tp.rank, vocab_tp.size), config.hidden_size, vocab_tp)
+            if vocab_tp.enabled else _embedding(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(make_layer(config, i, self.rotary, tp) for i in range(config.num_layers))
+        self.dp = DpAttention(tp) if tp.dp_attention else None
+        """The token exchange of data-parallel attention (None without it)."""
+        for layer in self.layers:
+            if isinstance(layer, DecoderLayer):
+                layer.dp = self.dp
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.capture: HiddenCapture | None = None
         """Set (before CUDA graphs are captured) when an EAGLE head drafts for this model."""
@@ -178,11 +194,11 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel = TP_NONE) -> None:
         super().__init__()
         self.config = config
-        self.layout = ShardLayout.of(config, tp.rank, tp.size)
+        self.layout = ShardLayout.of(config, tp.rank, tp.size, tp.dp_attention)
         """This rank's share of the model (all of it without TP)."""
         self.model = DecoderModel(config, tp, self.make_layer)
-        self.lm_head = (ParallelLMHead(self.layout, config.hidden_size, config.vocab_size, tp) if tp.enabled
-                        else Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.lm_head = (ParallelLMHead(self.layout, config.hidden_size, config.vocab_size, tp)
+                        if tp.attention_tp.enabled else Linear(config.hidden_size, config.vocab_size, bias=False))
         self.init_buffers()
 
     def make_layer(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
@@ -205,6 +221,11 @@ class CausalLM(nn.Module):
             if batch.extra_logit_rows is not None:
                 rows = torch.cat([rows, batch.extra_logit_rows])  # [batch + num_extra]
             hidden = hidden[rows]
+        dp = self.model.dp
+        if dp is not None:  # every rank's rows, in the whole batch's order; rank 0 alone samples
+            hidden = dp.logit_rows(hidden)
+            if dp.tp.rank != 0:
+                return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:

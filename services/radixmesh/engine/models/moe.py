@@ -151,11 +151,23 @@ class SparseMoeBlock(nn.Module):
         if prologue is not None:
             x = prologue.apply(x)
         logits = self.gate(x)  # [tokens, E]
+        if self.tp.dp_attention:  # `x`: every rank's tokens; the caller reduce-scatters the ranks' partial sums
+            return self.local_experts(x, logits)
         if self.runtime.use_all_to_all(self.layout, x):
             from radixmesh.engine.models.moe_dispatch import all_to_all_moe
 
             return all_to_all_moe(self, x, logits)
         return self.tp.all_reduce(self.local_experts(x, logits))
+
+    def dispatch_own(self, x: torch.Tensor, num_tokens_all: int) -> torch.Tensor | None:
+        """Data-parallel attention: the layer's output for this rank's own tokens `x` by all-to-all (each token to
+        its experts' ranks and back), or None when this pass gathers every rank's tokens instead (the same choice
+        on every rank: `num_tokens_all` is the pass's tokens over all ranks)."""
+        if not self.runtime.use_all_to_all(self.layout, x, num_tokens_all):
+            return None
+        from radixmesh.engine.models.moe_dispatch import exchange
+
+        return exchange(self, x, self.gate(x))
 
     def local_experts(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """This rank's part of the layer's output for all of `x`: its experts' weighted outputs (the others' are 0)."""

@@ -20,13 +20,25 @@ if TYPE_CHECKING:
 
 def all_to_all_moe(block: SparseMoeBlock, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """The layer's output `[tokens, hidden]` for all of `x`, on every rank (see the module docstring)."""
-    from radixmesh.kernels.moe_ref import route_ref
-
-    tp, lay = block.tp, block.layout
+    lay = block.layout
     num_tokens, size = x.shape[0], lay.ep_size
     share = -(-num_tokens // size)
     begin, end = min(lay.ep_rank * share, num_tokens), min((lay.ep_rank + 1) * share, num_tokens)
-    weights, ids = route_ref(logits[begin:end], block.router.top_k, renormalize=block.router.renormalize)
+    mine = torch.zeros(share, x.shape[1], dtype=x.dtype, device=x.device)
+    mine[:end - begin] = exchange(block, x[begin:end], logits[begin:end])
+    whole = block.tp.all_gather(mine)  # [ranks, share, hidden]
+    return whole.reshape(size * share, x.shape[1])[:num_tokens]
+
+
+def exchange(block: SparseMoeBlock, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The layer's output `[n, hidden]` for this rank's tokens `x` `[n, hidden]` (router `logits` `[n, E]`): each
+    (token, expert) assignment to the expert's rank and back. Every rank calls it, with its own tokens (maybe none).
+    Data-parallel attention calls it on each rank's own requests' tokens directly."""
+    from radixmesh.kernels.moe_ref import route_ref
+
+    tp, lay = block.tp, block.layout
+    size = lay.ep_size
+    weights, ids = route_ref(logits, block.router.top_k, renormalize=block.router.renormalize)
     flat_ids = ids.reshape(-1).long()  # [mine * top_k], assignment i is token i // top_k
     owner = flat_ids // lay.num_local  # the rank holding each assignment's expert
     order = torch.sort(owner, stable=True).indices  # assignments grouped by destination rank
@@ -37,15 +49,14 @@ def all_to_all_moe(block: SparseMoeBlock, x: torch.Tensor, logits: torch.Tensor)
     per_rank = all_counts.view(size, size, lay.num_local).sum(-1).tolist()  # [from rank][to rank] (host sync)
     send, recv = per_rank[lay.ep_rank], [row[lay.ep_rank] for row in per_rank]
     token = order // block.router.top_k  # [sent] the token of each sent assignment
-    recv_x = tp.all_to_all(x[begin:end][token], send, recv)  # [received, hidden]
+    recv_x = tp.all_to_all(x[token], send, recv)  # [received, hidden]
     recv_ids = tp.all_to_all(flat_ids[order].to(torch.int32), send, recv)
     recv_w = tp.all_to_all(weights.reshape(-1)[order].float(), send, recv)
     y = _run_received(block, recv_x, recv_ids, recv_w)  # [received, hidden], weighted
     back = tp.all_to_all(y, recv, send)  # [sent, hidden] in the order sent
-    mine = torch.zeros(share, x.shape[1], dtype=torch.float32, device=x.device)
+    mine = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     mine.index_add_(0, token, back.float())
-    whole = tp.all_gather(mine.to(x.dtype))  # [ranks, share, hidden]
-    return whole.reshape(size * share, x.shape[1])[:num_tokens]
+    return mine.to(x.dtype)
 
 
 def _run_received(block: SparseMoeBlock, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

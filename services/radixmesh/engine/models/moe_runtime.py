@@ -48,14 +48,15 @@ class MoeRuntime:
         self.dispatch, self.a2a_min_tokens = dispatch, a2a_min_tokens
         self.graph_max_tokens = max(graph_max_tokens, 1)
 
-    def use_all_to_all(self, layout: ExpertLayout, x: torch.Tensor) -> bool:
-        """Whether this pass dispatches by all-to-all: expert-parallel, asked for (or auto at this size), and not
-        inside a CUDA-graph capture (its split sizes come from the host)."""
+    def use_all_to_all(self, layout: ExpertLayout, x: torch.Tensor, num_tokens: int | None = None) -> bool:
+        """Whether this pass dispatches by all-to-all: expert-parallel, asked for (or auto at this size: `num_tokens`,
+        else the rows of `x`), and not inside a CUDA-graph capture (its split sizes come from the host)."""
         if not layout.expert_parallel or self.dispatch == "all-reduce":
             return False
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
-        return self.dispatch == "all-to-all" or x.shape[0] >= self.a2a_min_tokens
+        return self.dispatch == "all-to-all" or (x.shape[0] if num_tokens is None else num_tokens) >= \
+            self.a2a_min_tokens
 
     def kernels_for(self, x: torch.Tensor) -> bool:
         """Whether the layers run the Triton kernels on `x` (see `use_kernels`)."""

@@ -46,8 +46,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.emit = emit
         """Where outputs go; may be replaced (the warm-up mutes it, disaggregation filters it)."""
-        self.kv = KVCacheManager(runner.req_pool, runner.kv_pool, runner.allocator,
-                                 build_tree(config, runner.allocator, runner.kv_pool))
+        self.kv = build_kv_manager(config, runner)
         self.context_len = runner.context_len
         self.eos_ids = set(runner.model_config.eos_token_ids)
         self.counters = SchedulerCounters()
@@ -168,8 +167,8 @@ class Scheduler:
             return "the prompt is empty"
         if prompt_len >= self.context_len:
             return f"the prompt has {prompt_len} tokens; the context length is {self.context_len}"
-        if prompt_len + 1 > self.kv.capacity:
-            return f"the prompt has {prompt_len} tokens; the KV cache holds {self.kv.capacity}"
+        if prompt_len + 1 > self.kv.rank_capacity:
+            return f"the prompt has {prompt_len} tokens; the KV cache holds {self.kv.rank_capacity}"
         return None
 
     def enqueue(self, req: Req) -> None:
@@ -229,8 +228,19 @@ class Scheduler:
             "num_cached_tokens": counters.num_cached_tokens,
             "num_forward_passes": counters.num_forward_passes,
             **self.hooks.stats(),
+            **kv.extra_stats(),
             "cache_hit_rate": counters.num_cached_tokens / max(counters.num_prompt_tokens, 1),
             "context_len": self.context_len,
             "max_running_requests": self.runner.plan.max_running_requests,
             **self.runner.memory_info(),
         }
+
+
+def build_kv_manager(config: EngineConfig, runner: ModelRunner) -> KVCacheManager:
+    """The KV manager over the runner's pools: one pool, or one per rank under data-parallel attention."""
+    if config.enable_dp_attention:
+        from radixmesh.engine.dp_kv import DpKVCacheManager
+
+        return DpKVCacheManager.over(runner.req_pool, runner.kv_pool, runner.allocator, config.disable_radix_cache)
+    return KVCacheManager(runner.req_pool, runner.kv_pool, runner.allocator,
+                          build_tree(config, runner.allocator, runner.kv_pool))

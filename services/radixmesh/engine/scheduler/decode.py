@@ -82,14 +82,16 @@ class DecodeManager:
     def retract_until_fits(self) -> None:
         """Send requests back to the queue (KV cached, evictable) until every survivor gets a slot."""
         retracted = False
-        while self.running and self.kv.available_tokens() < len(self.running):
-            if len(self.running) == 1:
-                req = self.running.pop()
+        while (rank := self.kv.short_rank(self.running)) is not None:
+            group = [r for r in self.running if self.kv.rank_of(r) == rank]  # the requests of the pool short of KV
+            if len(group) == 1:
+                req = group[0]
+                self.running.remove(req)
                 logger.warning("request %s stopped early: the KV cache cannot hold it", req.rid)
                 self.finish(req, FinishReason.LENGTH)
-                break
+                continue
             # Retract the request with the least output (and then the longest prompt): least lost work.
-            victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+            victim = min(group, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
             self.running.remove(victim)
             victim.futures.clear()  # its in-flight token is dropped and sampled again on re-admission
             self.kv.release(victim)

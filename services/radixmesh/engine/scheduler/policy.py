@@ -12,6 +12,7 @@ decoding goes well and jumps back up when decode runs out of KV and retracts.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -77,21 +78,26 @@ class PrefillAdder:
         self.token_budget = config.prefill_token_budget
         self.num_slots_left = config.max_running_requests - len(running)
         self.chunking = config.chunking_enabled
-        self.reserved = sum(self.decode_need(r) for r in running)
-        self.planned = 0
+        self.reserved: Counter[int] = Counter()
+        """Decode reserve of the running requests, per KV pool (data-parallel attention rank; one pool: 0)."""
+        for req in running:
+            self.reserved[kv.rank_of(req)] += self.decode_need(req)
+        self.planned: Counter[int] = Counter()
+        """Slots this pass has planned, per KV pool."""
         self.can_run: list[Req] = []
         self.chunked: Req | None = None
 
     def decode_need(self, req: Req) -> int:
         return math.ceil(self.ratio * req.remaining_new_tokens)
 
-    def kv_budget(self) -> int:
-        return self.kv.available_tokens() - self.reserved - self.planned
+    def kv_budget(self, rank: int = 0) -> int:
+        """Slots still free for this pass in pool `rank`."""
+        return self.kv.available_tokens(rank) - self.reserved[rank] - self.planned[rank]
 
     def add_chunked(self, req: Req) -> None:
         """Continue a request whose prompt is being prefilled in chunks (its prefix is locked)."""
         remaining = req.fill_len - req.kv_len
-        req.extend_len = min(remaining, self.token_budget, max(self.kv_budget(), 0))
+        req.extend_len = min(remaining, self.token_budget, max(self.kv_budget(self.kv.rank_of(req)), 0))
         if req.extend_len == 0:
             self.chunked = req  # no room this round; decode frees or retracts first
             return
@@ -114,7 +120,7 @@ class PrefillAdder:
             return False
         self.kv.lock(req)
         extend_len = req.fill_len - len(req.prefix_indices)
-        budget = self.kv_budget()
+        budget = self.kv_budget(self.kv.rank_of(req))
         fits_whole = extend_len + self.decode_need(req) <= budget
         if not fits_whole and (self.can_run or extend_len > budget):
             self.kv.unlock(req)
@@ -133,5 +139,5 @@ class PrefillAdder:
 
     def _take(self, req: Req, decode_need: int) -> None:
         self.token_budget -= req.extend_len
-        self.planned += req.extend_len + decode_need
+        self.planned[self.kv.rank_of(req)] += req.extend_len + decode_need
         self.can_run.append(req)

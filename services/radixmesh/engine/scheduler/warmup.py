@@ -98,7 +98,7 @@ def warm_up_prefill(scheduler: Scheduler) -> float:
     """Run the prefills and the decode batches, then leave the scheduler as it was (empty cache, counters at
     zero); seconds taken."""
     start = time.perf_counter()
-    cfg, capacity = scheduler.config, scheduler.kv.capacity
+    cfg, capacity = scheduler.config, scheduler.kv.rank_capacity  # (one rank's pool under data-parallel attention)
     lengths = warmup_lengths(cfg.chunked_prefill_size, scheduler.context_len, capacity)
     batches = decode_batches(scheduler.runner.plan.max_running_requests, capacity)
     emit, scheduler.emit = scheduler.emit, lambda outputs: None  # nobody asked for these tokens
