@@ -114,7 +114,7 @@ def test_batch_one_fused_norm_gemv_takes_the_adapter_as_an_addend(gated: bool, s
 
     k, n = 512, 768
     slices = (n // 2, n // 2) if gated else (512, 128, 128)
-    layer, norm = _lora_layer(k, n, slices, "auto", slot)
+    layer, norm = _lora_layer(k, n, slices, "fused", slot)  # (auto takes the per-row kernels, unfused)
     x, residual = (torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     prologue = AddRMSNorm(norm, residual)
     assert layer.lora.fuses_prologue(x)
