@@ -32,7 +32,7 @@ def test_the_decode_reserve_counts_running_requests_and_those_admitted() -> None
     adder = PrefillAdder(make_config(init_new_token_ratio=0.5), kv, running, 0.5)
     assert adder.reserved[0] == 6 and adder.kv_budget() == 34  # (one pool: rank 0)
     a = matched(kv, req("a", prompt_len=10, max_new_tokens=9))[0]
-    assert adder.try_add(a) and adder.planned == 10 + 5 and adder.kv_budget() == 19
+    assert adder.try_add(a) and adder.planned[0] == 10 + 5 and adder.kv_budget() == 19
     b = matched(kv, req("b", prompt_len=16, first_id=30, max_new_tokens=9))[0]
     assert not adder.try_add(b)  # 16 + 5 does not fit the 19 left once another request is in the pass
 
