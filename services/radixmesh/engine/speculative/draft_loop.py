@@ -125,26 +125,7 @@ class DraftLoop:
 
     def _capture_all(self) -> None:
         start = time.perf_counter()
-        pool: Any = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        gc.collect()
-        gc_was_enabled = gc.isenabled()
-        gc.disable()  # a collected CUDA object would invalidate the capture (see cuda_graph_runner)
-        try:
-            for bs in reversed(self.sizes):
-                for steps in range(self.max_steps, 0, -1):
-                    with torch.cuda.stream(stream):
-                        for _ in range(2):  # warm up: Triton compiles, the allocator settles
-                            self._steps(bs, steps)
-                        torch.cuda.synchronize()
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                            self._steps(bs, steps)
-                    self.graphs[(bs, steps)] = graph
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        torch.cuda.synchronize()
+        self.graphs = capture_step_graphs(self._steps, self.sizes, self.max_steps)
         logger.info("captured %d draft-loop CUDA graphs (batch sizes up to %d, up to %d steps) in %.1f s",
                     len(self.graphs), self.max_bs, self.max_steps, time.perf_counter() - start)
 
@@ -161,3 +142,31 @@ def make_draft_loop(runner: ModelRunner, max_steps: int, max_bs: int, to_target:
         logger.warning("draft steps run pass by pass: capturing the draft loop failed (%s: %s)",
                        type(exc).__name__, exc)
         return None
+
+
+def capture_step_graphs(run: Callable[[int, int], None], sizes: list[int],
+                        max_steps: int) -> dict[tuple[int, int], torch.cuda.CUDAGraph]:
+    """A CUDA graph of `run(bs, steps)` for every batch size and step count (largest first, one memory pool),
+    each after two uncaptured warm-up runs; the draft loop's and the tree loop's passes."""
+    graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+    pool: Any = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream()
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # a collected CUDA object would invalidate the capture (see cuda_graph_runner)
+    try:
+        for bs in reversed(sizes):
+            for steps in range(max_steps, 0, -1):
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # warm up: Triton compiles, the allocator settles
+                        run(bs, steps)
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                        run(bs, steps)
+                graphs[(bs, steps)] = graph
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    torch.cuda.synchronize()
+    return graphs

@@ -12,18 +12,17 @@ as the chain loop's padding does. With `capture=False` the same pass runs eagerl
 from __future__ import annotations
 
 import bisect
-import gc
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixmesh.engine.attention.base import ForwardBatch, ForwardMode
 from radixmesh.engine.cuda_graph_runner import graph_batch_sizes
 from radixmesh.engine.device_io import copy_to_device
-from radixmesh.engine.speculative.draft_loop import MAX_LOOP_BATCH
+from radixmesh.engine.speculative.draft_loop import MAX_LOOP_BATCH, capture_step_graphs
 from radixmesh.engine.speculative.eagle_tree import copy_paths, expand_beams
 
 if TYPE_CHECKING:
@@ -142,26 +141,7 @@ class TreeLoop:
 
     def _capture_all(self) -> None:
         start = time.perf_counter()
-        pool: Any = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        gc.collect()
-        gc_was_enabled = gc.isenabled()
-        gc.disable()  # a collected CUDA object would invalidate the capture (see cuda_graph_runner)
-        try:
-            for bs in reversed(self.sizes):
-                for steps in range(self.max_steps, 0, -1):
-                    with torch.cuda.stream(stream):
-                        for _ in range(2):  # warm up: Triton compiles, the allocator settles
-                            self._steps(bs, steps)
-                        torch.cuda.synchronize()
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                            self._steps(bs, steps)
-                    self.graphs[(bs, steps)] = graph
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        torch.cuda.synchronize()
+        self.graphs = capture_step_graphs(self._steps, self.sizes, self.max_steps)
         logger.info("captured %d tree-loop CUDA graphs (up to %d requests of %d beams, up to %d steps) in %.1f s",
                     len(self.graphs), self.max_bs, self.topk, self.max_steps, time.perf_counter() - start)
 
