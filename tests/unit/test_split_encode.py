@@ -173,3 +173,20 @@ def test_the_pool_encodes_long_prompts_in_pieces_with_the_same_ids(tokenizer: An
     single = TokenizerPool(tokenizer, num_workers=1)
     assert not isinstance(single._encode, SplitEncoder)  # no other thread to give pieces to
     single.close()
+
+
+def test_a_many_core_host_cuts_shorter_pieces_on_more_threads(tokenizer: Any, monkeypatch: Any) -> None:
+    from radixmesh.engine import split_encode, tokenize_pool
+
+    assert split_encode.default_min_piece_chars(2) == split_encode.MIN_PIECE_CHARS
+    assert split_encode.default_min_piece_chars(16) == split_encode.MIN_PIECE_CHARS_MANY_CORES
+    assert split_encode.MIN_PIECE_CHARS_MANY_CORES < split_encode.MIN_PIECE_CHARS
+    text = (prompts(tokenizer, 2, seed=3)[1] * 8)[:12000]
+    assert len(cut_points(text, 8, split_encode.MIN_PIECE_CHARS_MANY_CORES)) > len(
+        cut_points(text, 8, split_encode.MIN_PIECE_CHARS))
+    monkeypatch.setattr(tokenize_pool, "usable_cores", lambda: 16)
+    with ThreadPoolExecutor(7) as pool:
+        encode = tokenize_pool.batch_encoder(tokenizer, pool, max_pieces=8)
+        assert isinstance(encode, SplitEncoder)
+        assert encode.min_piece_chars == split_encode.MIN_PIECE_CHARS_MANY_CORES
+        assert encode([text], True) == [encode_text(tokenizer, text)]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -25,10 +26,20 @@ from typing import Any, Generic, TypeVar
 
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.hf_tokenizer import render_chat
-from radixmesh.engine.split_encode import SplitEncoder, can_split
+from radixmesh.engine.split_encode import SplitEncoder, can_split, default_min_piece_chars
 
-DEFAULT_TOKENIZER_WORKERS = 4
-"""Threads of a front end's tokenizer pool."""
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, which a container's cpuset narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+DEFAULT_TOKENIZER_WORKERS = max(4, min(8, usable_cores() // 2))
+"""Threads of a front end's tokenizer pool: 4, up to 8 on hosts of 10+ cores (a long prompt's pieces spread over
+idle workers)."""
 MAX_TOKENIZER_WORKERS = 64
 MAX_BATCH_TEXTS = 64
 """Most waiting texts one worker takes at once."""
@@ -67,7 +78,8 @@ def batch_encoder(tokenizer: Any, piece_executor: Executor | None = None, max_pi
     if hasattr(backend, "encode_special_tokens") and backend.encode_special_tokens != split_special:
         backend.encode_special_tokens = split_special
     if piece_executor is not None and max_pieces > 1 and can_split(backend):
-        return SplitEncoder(backend, piece_executor, max_pieces, spare_threads=spare_threads)
+        return SplitEncoder(backend, piece_executor, max_pieces, default_min_piece_chars(usable_cores()),
+                            spare_threads=spare_threads)
 
     encode_fast = getattr(backend, "encode_batch_fast", backend.encode_batch)  # fast: no character offsets
 
