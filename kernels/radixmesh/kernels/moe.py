@@ -5,8 +5,10 @@
 Launches, all sized from host ints (the token count, the config's block rows), none syncing with the host,
 so a decode step captures in a CUDA graph over a `MoeWorkspace` allocated for its largest batch: the
 routing (one launch up to `route_rows(E)` tokens, two above), the gate/up GEMM, the down GEMM and the
-combine; FP8 weights with quantized activations (W8A8) add the two per-token quantizations. The reference
-is `moe_ref.moe_ref`; `bench_moe` times the layer at the Qwen3-30B-A3B and Mixtral-8x7B shapes.
+combine; FP8 weights with quantized activations (W8A8) add the two per-token quantizations. Up to
+`SMALL_MAX_TOKENS` tokens the layer takes the small-batch path instead (`moe_small`: top-k, gate/up and down,
+three launches, nothing sorted); `path` forces either. The reference is `moe_ref.moe_ref`; `bench_moe` times
+the layer (and both paths) at the Qwen3-30B-A3B and Mixtral-8x7B shapes.
 """
 
 from __future__ import annotations
@@ -17,13 +19,19 @@ import torch
 
 from radixmesh.kernels._checks import check_device, check_float, check_last_dim_contiguous
 from radixmesh.kernels.fp8_quant import quantize_rows
-from radixmesh.kernels.moe_config import MoeConfig, default_config, dtype_key
+from radixmesh.kernels.moe_config import MoeConfig, SmallMoeConfig, default_config, dtype_key, small_default_config
 from radixmesh.kernels.moe_gemm import moe_combine, moe_down, moe_gate_up
 from radixmesh.kernels.moe_routing import RouterSpec, RoutingBuffers, route_align
+from radixmesh.kernels.moe_small import small_down, small_gate_up, small_topk
 
 W8A16_MAX_TOKENS = 32
 """Up to this many tokens FP8 experts run with unquantized activations (W8A16) unless told otherwise: the
 batch is memory-bound there and the two quantization launches would only add time."""
+MOE_PATHS = ("auto", "small", "sorted")
+"""How `fused_moe` runs: `small` (per-assignment GEMVs, `moe_small`), `sorted` (placement by expert and grouped
+GEMMs), or `auto`: small up to `SMALL_MAX_TOKENS` tokens (W8A8 layers always sorted)."""
+SMALL_MAX_TOKENS = 4
+"""Tokens up to which `auto` takes the small-batch path (provisional: `bench_moe` times both paths per M)."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,8 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
               correction_bias: torch.Tensor | None = None, expert_start: int = 0,
               fp8_activations: bool | None = None, config: MoeConfig | None = None,
               workspace: MoeWorkspace | None = None, out: torch.Tensor | None = None,
-              expert_load: torch.Tensor | None = None) -> torch.Tensor:
+              expert_load: torch.Tensor | None = None, path: str = "auto",
+              small_config: SmallMoeConfig | None = None) -> torch.Tensor:
     """The MoE layer's output `[M, H]` (x's dtype) for tokens `x` `[M, H]` and `router_logits` `[M, E]`.
 
     `w13` `[E_local, 2I, H]` holds each expert's gate rows then up rows, `w2` `[E_local, H, I]`; both in `x`'s
@@ -68,7 +77,8 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     The local experts are `expert_start .. expert_start + E_local - 1` of E: under expert parallelism each rank
     passes its own and the ranks' outputs sum to the layer's. `fp8_activations` picks W8A8 (True) or W8A16
     (False) for FP8 experts; None: W8A16 up to `W8A16_MAX_TOKENS` tokens. `config` overrides the tiles.
-    `expert_load` `[E]` (int64) gets each expert's assignments added (see `route_align`).
+    `expert_load` `[E]` (int64) gets each expert's assignments added (see `route_align`). `path` is one of
+    `MOE_PATHS`; `small_config` overrides the small-batch path's tiles.
     """
     assert x.dim() == 2, f"x must be [M, H], got {tuple(x.shape)}"
     check_float("x", x)
@@ -81,8 +91,11 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     check_device("router_logits", router_logits, x.device)
     assert (w13_scale is None) == (w2_scale is None), "FP8 experts need both w13_scale and w2_scale"
     fp8 = w13_scale is not None
-    a8 = fp8 and (fp8_activations if fp8_activations is not None else m > W8A16_MAX_TOKENS)
+    a8 = fp8 and (fp8_activations if fp8_activations is not None else m > W8A16_MAX_TOKENS and path != "small")
     num_experts = router_logits.shape[1]
+    if takes_small_path(m, a8, path):
+        return _small_path(x, router_logits, w13, w2, spec, w13_scale, w2_scale, correction_bias, expert_start,
+                           small_config, workspace, out, expert_load)
     cfg = config or default_config(num_local, inter, hidden, dtype_key(x.dtype, fp8, a8), m, spec.top_k, x.device)
     if workspace is None:
         workspace = MoeWorkspace.allocate(max(m, 1), spec.top_k, num_experts, num_local, hidden, inter, x.dtype,
@@ -103,6 +116,43 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
         moe_gate_up(x, al, w13, cfg.up, workspace.inter[:rows], w13_scale=w13_scale)
         moe_down(workspace.inter[:rows], al, w2, cfg.down, y, w2_scale=w2_scale)
     return moe_combine(y, al, out)
+
+
+def takes_small_path(num_tokens: int, fp8_activations: bool, path: str = "auto") -> bool:
+    """Whether `fused_moe` runs `num_tokens` tokens on the small-batch path (see `MOE_PATHS`)."""
+    assert path in MOE_PATHS, f"path must be one of {MOE_PATHS}, got {path!r}"
+    if path == "small":
+        assert not fp8_activations, "the small-batch path runs FP8 experts as W8A16 only (fp8_activations=False)"
+        return True
+    return path == "auto" and num_tokens <= SMALL_MAX_TOKENS and not fp8_activations
+
+
+def _small_path(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, spec: RouterSpec,
+                w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, correction_bias: torch.Tensor | None,
+                expert_start: int, cfg: SmallMoeConfig | None, workspace: MoeWorkspace | None,
+                out: torch.Tensor | None, expert_load: torch.Tensor | None) -> torch.Tensor:
+    """The layer on the small-batch path, over the workspace's top-k and intermediate buffers."""
+    m, hidden = x.shape
+    num_local, inter, num_experts = w13.shape[0], w13.shape[1] // 2, logits.shape[1]
+    assert expert_start >= 0 and expert_start + num_local <= num_experts, (
+        f"local experts [{expert_start}, {expert_start + num_local}) outside the {num_experts} experts")
+    cfg = cfg or small_default_config(num_local, inter, hidden, spec.top_k,
+                                      dtype_key(x.dtype, w13_scale is not None, False), x.device)
+    if workspace is None:
+        workspace = MoeWorkspace.allocate(max(m, 1), spec.top_k, num_experts, num_local, hidden, inter, x.dtype,
+                                          x.device, 1)
+    _check_workspace(workspace, x, inter, False)
+    routing = workspace.routing
+    assert routing.topk_ids.shape[0] >= m and routing.topk_ids.shape[1] == spec.top_k, (
+        f"buffers hold {tuple(routing.topk_ids.shape)} top-k ids, the batch needs [{m}, {spec.top_k}]")
+    assert workspace.inter.shape[0] >= m * spec.top_k, "workspace.inter holds too few rows"
+    if out is None:
+        out = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
+    ids, weights = routing.topk_ids[:m], routing.topk_weights[:m]
+    small_topk(logits, spec, ids, weights, correction_bias=correction_bias, expert_load=expert_load)
+    act = workspace.inter[:m * spec.top_k]
+    small_gate_up(x, ids, w13, cfg.up, act, w13_scale=w13_scale, expert_start=expert_start)
+    return small_down(act, ids, weights, w2, cfg.down, out, w2_scale=w2_scale, expert_start=expert_start)
 
 
 def _check_workspace(ws: MoeWorkspace, x: torch.Tensor, inter: int, a8: bool) -> None:

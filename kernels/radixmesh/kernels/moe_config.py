@@ -104,3 +104,58 @@ def default_config(num_experts: int, inter: int, hidden: int, key: str, m: int, 
         return MoeConfig(32 if rows <= 32 else 64, tiles, tiles)
     tiles = MoeGemmConfig(128, 32 if key == "fp32" else 64, 8, 8, 3)
     return MoeConfig(128 if rows >= 256 else 64, tiles, tiles)
+
+
+# ---- the small-batch path (moe_small) ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SmallTiles:
+    """Tiles of one kernel of the small-batch path (register GEMVs, one program per assignment or token)."""
+
+    block_n: int
+    """Output features per program (gate/up: intermediate features, each with its gate and up row; down: hidden)."""
+    block_k: int
+    """Reduction step (contiguous weight elements per row per step)."""
+    num_warps: int = 4
+    """Warps per program."""
+    num_stages: int = 3
+    """Loads in flight in the K loop."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            assert value >= 1 and value & (value - 1) == 0, f"{name} must be a power of 2, got {value}"
+        assert self.block_k >= 16, f"block_k must be >= 16: {self}"
+        assert self.num_warps in (1, 2, 4, 8, 16) and 1 <= self.num_stages <= 8, f"bad warps/stages: {self}"
+
+
+@dataclass(frozen=True)
+class SmallMoeConfig:
+    """Tiles of the small-batch path's two GEMV kernels."""
+
+    up: SmallTiles
+    """The gate/up kernel's (grid: assignments x intermediate tiles)."""
+    down: SmallTiles
+    """The down kernel's (grid: tokens x hidden tiles; each program holds all top-k experts' tiles)."""
+
+
+SMALL_TUNED: dict[tuple[int, int, int, int, str], SmallMoeConfig] = {
+    # (E, N, K, top_k, dtype) -> the best of `bench_moe --small-sweep` (empty until a GPU run fills it)
+}
+
+
+def small_default_config(num_experts: int, inter: int, hidden: int, top_k: int, key: str,
+                         device: torch.device) -> SmallMoeConfig:
+    """The tuned tiles of this layer's small-batch path, else GEMV-like ones: few rows per program (many
+    programs streaming weights), K tiles of 512 bytes per row (twice the elements for FP8); the down kernel's
+    3-D tile `[top_k, block_n, block_k]` keeps about as many elements as the gate/up one's `[2, block_n,
+    block_k]`."""
+    assert key in ("bf16", "fp16", "fp32", "fp8-w8a16"), f"the small-batch path does not run {key!r} layers"
+    tuned = SMALL_TUNED.get((num_experts, inter, hidden, top_k, key))
+    if tuned is not None:
+        return tuned
+    if device.type == "cpu":  # the interpreter: small tiles, few ops per program
+        return SmallMoeConfig(SmallTiles(4, 32, 1, 1), SmallTiles(4, 32, 1, 1))
+    block_k = {"fp8-w8a16": 512, "fp32": 128}.get(key, 256)
+    tk = 1 << (top_k - 1).bit_length()
+    return SmallMoeConfig(SmallTiles(8, block_k, 4, 3), SmallTiles(max(1, 16 // tk), block_k, 4, 3))
