@@ -157,7 +157,7 @@ def test_fused_moe_matches_reference(dtype: torch.dtype, tol: float, m: int, blo
     x, logits = _rand(m, 64, seed=m).to(dtype), _rand(m, 8, seed=m + 1)
     w13, w2 = _experts(8, 64, 32, dtype)
     got = fused_moe(x.to(DEVICE), logits.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), RouterSpec(2),
-                    config=MoeConfig(block_m, SMALL, SMALL))
+                    config=MoeConfig(block_m, SMALL, SMALL), path="sorted")
     weights, ids = route_ref(logits, 2)
     assert got.shape == (m, 64) and got.dtype == dtype
     assert _rel_err(got, moe_ref(x, w13, w2, weights, ids)) < tol
@@ -204,7 +204,7 @@ def test_workspace_is_reused_across_batch_sizes() -> None:
     for m in (9, 3, 0):
         x, logits = _rand(m, 32, seed=m), _rand(m, 8, seed=m + 20)
         got = fused_moe(x.to(DEVICE), logits.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), RouterSpec(2),
-                        config=MoeConfig(16, SMALL, SMALL), workspace=ws, out=out[:m])
+                        config=MoeConfig(16, SMALL, SMALL), workspace=ws, out=out[:m], path="sorted")
         if m:
             weights, ids = route_ref(logits, 2)
             assert _rel_err(got, moe_ref(x, w13, w2, weights, ids)) < 1e-5
@@ -215,20 +215,20 @@ def test_fused_moe_checks_its_inputs() -> None:
     w13, w2 = (w.to(DEVICE) for w in _experts(8, 32, 16, torch.float32))
     spec, cfg = RouterSpec(2), MoeConfig(16, SMALL, SMALL)
     with pytest.raises(AssertionError, match="router_logits must be"):
-        fused_moe(x, logits[:2], w13, w2, spec, config=cfg)
+        fused_moe(x, logits[:2], w13, w2, spec, config=cfg, path="sorted")
     with pytest.raises(AssertionError, match="weights must be"):
-        fused_moe(x, logits, w13, w2[:, :, :8], spec, config=cfg)
+        fused_moe(x, logits, w13, w2[:, :, :8], spec, config=cfg, path="sorted")
     with pytest.raises(AssertionError, match="activations are"):
-        fused_moe(x, logits, w13.bfloat16(), w2.bfloat16(), spec, config=cfg)
+        fused_moe(x, logits, w13.bfloat16(), w2.bfloat16(), spec, config=cfg, path="sorted")
     with pytest.raises(AssertionError, match="both w13_scale and w2_scale"):
-        fused_moe(x, logits, w13, w2, spec, w13_scale=torch.ones(8, 32, device=DEVICE), config=cfg)
+        fused_moe(x, logits, w13, w2, spec, w13_scale=torch.ones(8, 32, device=DEVICE), config=cfg, path="sorted")
     with pytest.raises(AssertionError, match="top_k 9 exceeds"):
-        fused_moe(x, logits, w13, w2, RouterSpec(9), config=cfg)
+        fused_moe(x, logits, w13, w2, RouterSpec(9), config=cfg, path="sorted")
     with pytest.raises(AssertionError, match="local experts"):
-        fused_moe(x, logits, w13, w2, spec, expert_start=4, config=cfg)
+        fused_moe(x, logits, w13, w2, spec, expert_start=4, config=cfg, path="sorted")
     small = MoeWorkspace.allocate(2, 2, 8, 8, 32, 16, torch.float32, DEVICE, max_block_m=16)
     with pytest.raises(AssertionError, match="buffers hold"):
-        fused_moe(x, logits, w13, w2, spec, config=cfg, workspace=small)
+        fused_moe(x, logits, w13, w2, spec, config=cfg, workspace=small, path="sorted")
     with pytest.raises(AssertionError, match="scoring must be"):
         RouterSpec(2, scoring="relu")
 

@@ -197,5 +197,25 @@ def test_small_defaults_and_launcher_checks() -> None:
         small_down(inter, ids, weights, w2[:, :, :8], tiles, torch.empty(2, 32, device=DEVICE))
     with pytest.raises(AssertionError, match=r"out must be a torch.float32 \[2, 16\]"):
         small_down(inter, ids, weights, w2[:, :16], tiles, torch.empty(2, 32, device=DEVICE))
+    with pytest.raises(AssertionError, match="w2 must be"):
+        fused_moe(x, torch.randn(2, 8, device=DEVICE), w13, w2[:, :, :8], RouterSpec(2), path="small")
     with pytest.raises(AssertionError, match="local experts"):
         fused_moe(x, torch.randn(2, 8, device=DEVICE), w13, w2, RouterSpec(2), expert_start=4, path="small")
+
+
+def test_radixmesh_moe_path_sets_the_models_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixmesh.common.env import MOE_PATHS as ENV_PATHS
+    from radixmesh.common.env import moe_path
+    from radixmesh.common.errors import RadixMeshError
+    from radixmesh.engine.models.moe_runtime import MoeRuntime
+    from radixmesh.kernels.moe import MOE_PATHS
+
+    assert ENV_PATHS == MOE_PATHS
+    monkeypatch.delenv("RADIXMESH_MOE_PATH", raising=False)
+    assert moe_path() == "auto" and MoeRuntime(8).path == "auto"
+    monkeypatch.setenv("RADIXMESH_MOE_PATH", " Sorted ")
+    assert MoeRuntime(8).path == "sorted"
+    monkeypatch.setenv("RADIXMESH_MOE_PATH", "fast")
+    with pytest.raises(RadixMeshError) as info:
+        moe_path()
+    assert info.value.param == "RADIXMESH_MOE_PATH"

@@ -13,6 +13,7 @@ active bytes of a call are the weights (and FP8 scales) of the distinct experts 
 Parts are timed alone over the same calls: routing and placement (`route_us`; `route_torch_us` is
 PyTorch's softmax + top-k + renormalization alone, for comparison), the two GEMMs, the combine, and
 under W8A8 the two activation quantizations. `--sweep` times tile configurations per M (bench_moe_sweep).
+Every figure here is the sorted path's; `bench_moe_small` times the small-batch path against it.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class Bench:
     def layer_calls(self, cfg: MoeConfig) -> list[Callable[[], object]]:
         return [functools.partial(fused_moe, x, lg, self.layer(i).w13, self.layer(i).w2, self.spec,
                                   w13_scale=self.layer(i).s13, w2_scale=self.layer(i).s2, fp8_activations=self.a8,
-                                  config=cfg, workspace=ws, out=out)
+                                  config=cfg, workspace=ws, out=out, path="sorted")
                 for i, (x, lg, ws, out) in enumerate(zip(self.xs, self.logits, self.workspaces, self.outs))]
 
     def align(self, block_m: int) -> list[MoeAlignment]:

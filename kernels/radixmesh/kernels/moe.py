@@ -136,6 +136,8 @@ def _small_path(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: to
     num_local, inter, num_experts = w13.shape[0], w13.shape[1] // 2, logits.shape[1]
     assert expert_start >= 0 and expert_start + num_local <= num_experts, (
         f"local experts [{expert_start}, {expert_start + num_local}) outside the {num_experts} experts")
+    assert w2.dim() == 3 and tuple(w2.shape) == (num_local, hidden, inter), (
+        f"w2 must be [{num_local}, {hidden}, {inter}] (local experts, H, I), got {tuple(w2.shape)}")
     cfg = cfg or small_default_config(num_local, inter, hidden, spec.top_k,
                                       dtype_key(x.dtype, w13_scale is not None, False), x.device)
     if workspace is None:

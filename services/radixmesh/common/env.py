@@ -22,6 +22,20 @@ def cache_dir() -> Path:
     return Path(env_str("CACHE_DIR") or Path.home() / ".cache" / "radixmesh")
 
 
+MOE_PATHS = ("auto", "small", "sorted")
+"""Values of RADIXMESH_MOE_PATH (radixmesh.kernels.moe.MOE_PATHS)."""
+
+
+def moe_path() -> str:
+    """RADIXMESH_MOE_PATH: how the MoE layers run on CUDA, checked (INVALID_ARGUMENT when not one of `MOE_PATHS`):
+    `auto` (the small-batch path up to its token threshold), `small` or `sorted` always (A/B runs)."""
+    value = (env_str("MOE_PATH") or "auto").strip().lower()
+    if value not in MOE_PATHS:
+        raise invalid_argument(f"RADIXMESH_MOE_PATH must be one of {', '.join(MOE_PATHS)} (got {value!r})",
+                               "RADIXMESH_MOE_PATH")
+    return value
+
+
 DECODE_FP8_WIDENS = ("f32", "direct", "f16")
 """Values of RADIXMESH_DECODE_FP8_WIDEN (radixmesh.kernels.decode_attention.FP8_WIDENS)."""
 

@@ -1,8 +1,9 @@
 """The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router, this rank's experts, and their sum over ranks.
 
 On CUDA the layer is the fused Triton MoE (`radixmesh.kernels.moe.fused_moe`: routing and placement, one grouped
-gate/up GEMM with SiLU-and-mul, one down GEMM, the weighted top-k sum), sized from host ints and free of host
-syncs, so decode steps capture into CUDA graphs; elsewhere the PyTorch reference (`kernels.moe_ref`). FP8 experts
+gate/up GEMM with SiLU-and-mul, one down GEMM, the weighted top-k sum; at a few tokens the small-batch path of
+`kernels.moe_small`, as RADIXMESH_MOE_PATH allows), sized from host ints and free of host syncs, so decode steps
+capture into CUDA graphs; elsewhere the PyTorch reference (`kernels.moe_ref`). FP8 experts
 (`--quantization fp8`) hold e4m3 weights with one scale per output channel and expert.
 
 Across the ranks of a tensor-parallel group each rank holds whole experts (expert parallelism) or a slice of every
@@ -179,7 +180,7 @@ class SparseMoeBlock(nn.Module):
                                         ex.w13.dtype if ex.is_fp8 else None, x.device)
             return fused_moe(x, logits, ex.w13, ex.w2, self.router, w13_scale=ex.w13_scale, w2_scale=ex.w2_scale,
                              expert_start=lay.expert_start, workspace=ws,
-                             expert_load=self.runtime.load_counter(x.device))
+                             expert_load=self.runtime.load_counter(x.device), path=self.runtime.path)
         weights, ids = route_ref(logits, self.router.top_k, renormalize=self.router.renormalize)
         self.runtime.count(ids)
         return self.expert_outputs(x, weights, ids)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixmesh.common.env import moe_path
+
 if TYPE_CHECKING:
     from radixmesh.engine.models.moe_spec import ExpertLayout
     from radixmesh.kernels.moe import MoeWorkspace
@@ -35,6 +37,8 @@ class MoeRuntime:
         self.a2a_min_tokens = 1024
         self.graph_max_tokens = 512
         """Batches up to this many tokens use the workspace graphs may capture."""
+        self.path = moe_path()
+        """How the Triton layer runs (`kernels.moe.MOE_PATHS`): auto | small | sorted (RADIXMESH_MOE_PATH)."""
         self.use_kernels: bool | None = None
         """None: the Triton kernels on CUDA, the PyTorch reference elsewhere; True: the kernels everywhere (on the
         CPU under TRITON_INTERPRET=1: tests); False: the reference everywhere."""
