@@ -163,6 +163,33 @@ def test_small_path_reuses_a_workspace_and_writes_into_out() -> None:
     assert int(load.sum()) == 2 * (3 + 1)
 
 
+FUSED = SmallMoeConfig(SmallTiles(4, 32, 1, 1), SmallTiles(4, 32, 1, 1), fuse_topk=True)
+
+
+@pytest.mark.parametrize("spec,bias,expert_start,num_local", [
+    (RouterSpec(2), False, 0, 8),
+    (RouterSpec(8, renormalize=False), False, 0, 8),
+    (RouterSpec(3, scoring="sigmoid", routed_scaling_factor=2.5), True, 2, 4),
+    (RouterSpec(1), False, 5, 3),
+])
+def test_top_k_fused_into_gate_up_equals_its_own_launch(spec: RouterSpec, bias: bool, expert_start: int,
+                                                        num_local: int) -> None:
+    x, logits = _rand(3, 32, seed=41), _rand(3, 8, seed=42)
+    correction = _rand(8, seed=43, scale=0.5).to(DEVICE) if bias else None
+    w13, w2 = _experts(8, 32, 16, torch.float32)
+    lo, hi = expert_start, expert_start + num_local
+    args = (x.to(DEVICE), logits.to(DEVICE), w13[lo:hi].to(DEVICE), w2[lo:hi].to(DEVICE), spec)
+    loads = [torch.zeros(8, dtype=torch.int64, device=DEVICE) for _ in range(2)]
+    ws = [MoeWorkspace.allocate(3, spec.top_k, 8, num_local, 32, 16, torch.float32, DEVICE, 1) for _ in range(2)]
+    fused, apart = (fused_moe(*args, correction_bias=correction, expert_start=lo, path="small", small_config=cfg,
+                              workspace=w, expert_load=load)
+                    for cfg, w, load in ((FUSED, ws[0], loads[0]), (None, ws[1], loads[1])))
+    assert torch.equal(fused, apart)
+    assert torch.equal(ws[0].routing.topk_ids[:3], ws[1].routing.topk_ids[:3])
+    assert torch.equal(ws[0].routing.topk_weights[:3], ws[1].routing.topk_weights[:3])
+    assert torch.equal(loads[0], loads[1]) and int(loads[0].sum()) == 3 * spec.top_k
+
+
 def test_path_choice() -> None:
     assert takes_small_path(1, False) and takes_small_path(SMALL_MAX_TOKENS, False)
     assert not takes_small_path(SMALL_MAX_TOKENS + 1, False) and not takes_small_path(1, True)

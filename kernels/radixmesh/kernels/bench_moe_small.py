@@ -7,11 +7,12 @@ at real shapes: one JSON line per (shape, weights, M), the figures to pick `moe.
 
 The calls are `bench_moe`'s (each its own tokens and router logits, alternating between two copies of the
 weights: every call's experts come from memory). `small_us` / `sorted_us` time each path's whole layer in
-one CUDA graph, with PDL as the model runs it; `topk_us`, `up_us`, `down_us` the small path's launches
-alone; `of_copy` is each path's share of the bandwidth floor (active expert bytes / time / copy bandwidth).
-`--check`: each path's relative error against `moe_ref`, and the largest difference between the two.
-`--sweep` times the small path's tiles (`block_n`, `block_k`, warps) per kernel and prints the best as a
-`moe_config.SMALL_TUNED` entry.
+one CUDA graph, with PDL as the model runs it (`small_fused_us`: the top-k inside the gate/up kernel, no
+launch of its own); `topk_us`, `up_us`, `down_us` the small path's launches alone; `of_copy` is each path's
+share of the bandwidth floor (active expert bytes / time / copy bandwidth). `--check`: each path's relative
+error against `moe_ref`, the largest difference between the two, and whether the fused top-k gives the same
+bits. `--sweep` times the small path's tiles (`block_n`, `block_k`, warps) per kernel, then the layer with
+the best of each, top-k fused and not, and prints the winner as a `moe_config.SMALL_TUNED` entry.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import functools
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -89,7 +90,8 @@ def down_calls(b: Bench, tiles: SmallTiles) -> list[Callable[[], object]]:
 
 def measure(b: Bench, copy_tb_s: float, check: bool) -> dict[str, object]:
     cfg = small_config(b)
-    row: dict[str, object] = {"small_us": time_us(layer_calls(b, "small")),
+    row: dict[str, object] = {"small_us": time_us(layer_calls(b, "small", cfg)),
+                              "small_fused_us": time_us(layer_calls(b, "small", replace(cfg, fuse_topk=True))),
                               "sorted_us": time_us(layer_calls(b, "sorted"))}
     _route(b)
     row |= {"topk_us": time_us([functools.partial(small_topk, lg, b.spec, ws.routing.topk_ids[:b.m],
@@ -115,13 +117,17 @@ def check_paths(b: Bench) -> dict[str, object]:
     lay = b.layer(0)
     weights, ids = route_ref(b.logits[0], b.spec.top_k)
     want = moe_ref(b.xs[0], lay.w13, lay.w2, weights, ids, lay.s13, lay.s2).float()
-    got = {path: layer_calls(b, path)[0]() for path in ("small", "sorted")}
+    cfg = small_config(b)
+    got = {path: layer_calls(b, path, cfg)[0]() for path in ("small", "sorted")}
+    fused = layer_calls(b, "small", replace(cfg, fuse_topk=not cfg.fuse_topk))[0]()
     out: dict[str, object] = {}
     for path, t in got.items():
         assert isinstance(t, torch.Tensor)
         got[path] = t = t.float().clone()
         out[f"{path}_rel_err"] = round(float((t - want).norm() / want.norm()), 5)
     out["max_abs_diff"] = float((got["small"] - got["sorted"]).abs().max())  # type: ignore[operator]
+    assert isinstance(fused, torch.Tensor)
+    out["fuse_topk_equal"] = bool(torch.equal(fused.float(), got["small"]))  # type: ignore[arg-type]
     return out
 
 
@@ -149,10 +155,16 @@ def sweep(b: Bench) -> dict[str, object]:
     down = _best(functools.partial(down_calls, b), grid)
     if down is None:
         return {"error": "no down tiles ran"}
-    cfg = SmallMoeConfig(up[1], down[1])
+    layers = {fuse: (time_us(layer_calls(b, "small", SmallMoeConfig(up[1], down[1], fuse))), fuse)
+              for fuse in (False, True)}
+    us, fuse = min((v for v in layers.values() if v[0] is not None), default=(None, False),
+                   key=lambda v: v[0] or 0.0)
+    cfg = SmallMoeConfig(up[1], down[1], fuse)
     key = (b.shape.experts, b.shape.inter, b.shape.hidden, b.shape.top_k, _key(b))
-    return {"best_up_us": up[0], "best_down_us": down[0], "best_small_us": time_us(layer_calls(b, "small", cfg)),
-            "best": f"up {short(cfg.up)} / down {short(cfg.down)}", "table_entry": f"{key!r}: {cfg!r},"}
+    return {"best_up_us": up[0], "best_down_us": down[0], "best_small_us": us,
+            "unfused_us": layers[False][0], "fused_us": layers[True][0],
+            "best": f"up {short(cfg.up)} / down {short(cfg.down)}{' / fused top-k' if fuse else ''}",
+            "table_entry": f"{key!r}: {cfg!r},"}
 
 
 def short(t: SmallTiles) -> str:
@@ -160,8 +172,8 @@ def short(t: SmallTiles) -> str:
 
 
 COLUMNS = [("shape", "shape"), ("weights", "weights"), ("M", "m"), ("small_us", "small_us"),
-           ("sorted_us", "sorted_us"), ("speedup", "speedup"), ("topk", "topk_us"), ("up", "up_us"),
-           ("down", "down_us"), ("active_MB", "active_mb"), ("small_of_copy", "small_of_copy"),
+           ("fused_us", "small_fused_us"), ("sorted_us", "sorted_us"), ("speedup", "speedup"), ("topk", "topk_us"),
+           ("up", "up_us"), ("down", "down_us"), ("active_MB", "active_mb"), ("small_of_copy", "small_of_copy"),
            ("sorted_of_copy", "sorted_of_copy"), ("small_err", "small_rel_err"), ("max_diff", "max_abs_diff")]
 SWEEP_COLUMNS = [("shape", "shape"), ("weights", "weights"), ("M", "m"), ("default_us", "default_small_us"),
                  ("best_us", "best_small_us"), ("best tiles", "best")]

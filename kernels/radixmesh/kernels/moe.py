@@ -22,7 +22,7 @@ from radixmesh.kernels.fp8_quant import quantize_rows
 from radixmesh.kernels.moe_config import MoeConfig, SmallMoeConfig, default_config, dtype_key, small_default_config
 from radixmesh.kernels.moe_gemm import moe_combine, moe_down, moe_gate_up
 from radixmesh.kernels.moe_routing import RouterSpec, RoutingBuffers, route_align
-from radixmesh.kernels.moe_small import small_down, small_gate_up, small_topk
+from radixmesh.kernels.moe_small import RouteInputs, small_down, small_gate_up, small_topk
 
 W8A16_MAX_TOKENS = 32
 """Up to this many tokens FP8 experts run with unquantized activations (W8A16) unless told otherwise: the
@@ -151,9 +151,12 @@ def _small_path(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: to
     if out is None:
         out = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     ids, weights = routing.topk_ids[:m], routing.topk_weights[:m]
-    small_topk(logits, spec, ids, weights, correction_bias=correction_bias, expert_load=expert_load)
+    route = RouteInputs(logits, spec, weights, correction_bias, expert_load)
+    if not cfg.fuse_topk:
+        small_topk(logits, spec, ids, weights, correction_bias=correction_bias, expert_load=expert_load)
     act = workspace.inter[:m * spec.top_k]
-    small_gate_up(x, ids, w13, cfg.up, act, w13_scale=w13_scale, expert_start=expert_start)
+    small_gate_up(x, ids, w13, cfg.up, act, w13_scale=w13_scale, expert_start=expert_start,
+                  route=route if cfg.fuse_topk else None)
     return small_down(act, ids, weights, w2, cfg.down, out, w2_scale=w2_scale, expert_start=expert_start)
 
 

@@ -137,6 +137,8 @@ class SmallMoeConfig:
     """The gate/up kernel's (grid: assignments x intermediate tiles)."""
     down: SmallTiles
     """The down kernel's (grid: tokens x hidden tiles; each program holds all top-k experts' tiles)."""
+    fuse_topk: bool = False
+    """Route in the gate/up kernel (each program computes its token's top-k) instead of a top-k launch before it."""
 
 
 SMALL_TUNED: dict[tuple[int, int, int, int, str], SmallMoeConfig] = {
