@@ -40,7 +40,8 @@
 #   STAGES="moe-kernels lora-kernels" TIMEOUT_moe_kernels=590: the MoE and batched-LoRA kernels (issues 48, 46): GPU
 #   tests, the CPU kernel tests compiled, the benchmarks (MoE tile sweep at MOE_SWEEP_MS) and a table of each at the end
 #   STAGES=moe-small TIMEOUT_moe_small=590 (issue 48, one GPU): the MoE small-batch path vs the sorted one per M and
-#   its tile sweep (bench_moe_small), then Qwen3-30B-A3B batch-1 decode with each path (RADIXMESH_MOE_PATH)
+#   its tile sweep (bench_moe_small); STAGES=moe-small-decode: Qwen3-30B-A3B batch-1 decode with each path
+#   (RADIXMESH_MOE_PATH=sorted, then auto)
 #   STAGES=moe TIMEOUT_moe=590 (issue 48, two GPUs, about 6 minutes): Qwen3-30B-A3B batch-1 decode against its bandwidth
 #   floor (active experts + attention + embeddings over the measured copy bandwidth), the 500-prompt offline run of
 #   Qwen3-30B-A3B (with --profile: the MoE kernels' share) beside the dense Qwen3-8B's on the other GPU at the same
@@ -561,18 +562,20 @@ PY
       python3 -m radixmesh.kernels.bench_moe --table "$OUT/moe-kernels.jsonl" ;;
     moe-small)  # the MoE small-batch path (issue 48): GPU tests, the CPU tests compiled, then per M = 1..16 the
       # small path vs the sorted path (Qwen3-30B-A3B, Mixtral-8x7B; bf16, FP8 W8A16; checked against moe_ref) with
-      # its tile sweep at M 1 and 4, then Qwen3-30B-A3B batch-1 decode with RADIXMESH_MOE_PATH=sorted and =auto
+      # its tile sweep at MOE_SWEEP_MS (default 1 4) for MOE_SMALL_SWEEP_WEIGHTS (default bf16)
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_moe_small_gpu.py
       python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_moe_small.py
       python3 -m radixmesh.kernels.bench_moe_small --check --sweep --sweep-ms ${MOE_SWEEP_MS:-1 4} \
-        | tee "$OUT/moe-small.jsonl"
-      python3 -m radixmesh.kernels.bench_moe_small --table "$OUT/moe-small.jsonl"
+        --sweep-weights ${MOE_SMALL_SWEEP_WEIGHTS:-bf16} | tee "$OUT/moe-small.jsonl"
+      python3 -m radixmesh.kernels.bench_moe_small --table "$OUT/moe-small.jsonl" ;;
+    moe-small-decode)  # Qwen3-30B-A3B batch-1 decode against its bandwidth floor, the MoE layer on each path
+      # (RADIXMESH_MOE_PATH=sorted, then auto: the small-batch path at batch 1), with the graph's kernel profile
       for path in sorted auto; do
         RADIXMESH_MOE_PATH=$path $RM bench one-batch --model-shape qwen3-30b-a3b --batch-size 1 --input-len 1024 \
           --output-len 256 --context-length 8192 --cuda-graph-max-bs 8 --bandwidth-floor --profile-graph \
-          --result-file "$OUT/moe-small-one-batch-$path.jsonl" > /tmp/moe-small-one-batch-$path.log 2>&1 \
-          || tail -n 20 /tmp/moe-small-one-batch-$path.log
-        tail -n 3 /tmp/moe-small-one-batch-$path.log
+          --result-file "$OUT/moe-small-decode-$path.jsonl" > /tmp/moe-small-decode-$path.log 2>&1 \
+          || tail -n 20 /tmp/moe-small-decode-$path.log
+        tail -n 3 /tmp/moe-small-decode-$path.log
       done ;;
     lora)  # issue 46: adapters in the engine (graphs vs eager vs CPU), then 16 rank-16 adapters mixed in a batch of 32
       # vs the base model, batch 1 with and without an adapter, and a run-time load (8B shape, random weights);
