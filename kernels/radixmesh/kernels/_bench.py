@@ -52,6 +52,8 @@ def print_table(paths: Sequence[str], bench: str, columns: Sequence[tuple[str, s
     for path in paths:
         with open(path) as f:
             rows += [r for line in f if line.startswith("{") and (r := json.loads(line)).get("bench") == bench]
+    if not rows:  # (a run without that part, e.g. no sweep)
+        return
     widths = [max(len(head), *(len(_cell(r.get(key))) for r in rows)) for head, key in columns]
     print("  ".join(head.rjust(w) for (head, _), w in zip(columns, widths)))
     for r in rows:
