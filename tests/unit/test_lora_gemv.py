@@ -65,7 +65,8 @@ def _rel(got: torch.Tensor, want: torch.Tensor, base: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("slot", [0, 1, 2])
 @pytest.mark.parametrize("k,slices,tiles,config", [
-    (100, (40, 16, 16), (3, 32, 1), GemvConfig(4, 32)),  # ragged K over 3 splits; rows of a tile in two slices
+    (100, (40, 16, 16), (3, 32, 1), GemvConfig(4, 32)),  # ragged K over 2 splits; rows of a tile in two slices
+    (160, (40, 16, 16), (5, 32, 1), GemvConfig(8, 64)),  # 5 splits: the epilogue's tile of 8 masks 3
     (64, (48,), (1, 64, 1), GemvConfig(8, 64)),
     (96, (24, 24), None, GemvConfig(2, 32))])
 def test_plain_gemv_adds_the_row_adapter(slot: int, k: int, slices: tuple[int, ...],
@@ -145,8 +146,9 @@ def test_qkv_rope_gemv_adds_the_adapter_before_the_rotation_and_the_store(slot: 
 
 
 def test_shrink_tiles_and_checks() -> None:
-    assert shrink_tiles(4096, cpu=False) == (16, 128, 4) and shrink_tiles(14336, cpu=False)[0] == 16
-    assert shrink_tiles(128, cpu=False)[0] == 1
+    assert shrink_tiles(4096, 16, cpu=False) == (16, 128, 4) and shrink_tiles(14336, 16, cpu=False)[0] == 16
+    assert shrink_tiles(4096, 64, cpu=False)[0] == 4 and shrink_tiles(4096, 256, cpu=False)[0] == 1
+    assert shrink_tiles(128, 16, cpu=False)[0] == 1
     x = _rand(1, 32, seed=0).to(DEVICE)
     a, b = _slots(32, (8,), max_rank=4)
     with pytest.raises(AssertionError, match="a must be"):

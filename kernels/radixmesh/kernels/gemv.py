@@ -44,7 +44,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w,
                  xa_ptr, lb_ptr, lslots_ptr, lranks_ptr, lscalings_ptr, ln0, ln1, lsplits, lstride_split, lstride_bs,
                  lstride_bn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                  EVEN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, R: tl.constexpr,
-                 BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -73,7 +73,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w,
         y = y * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
     if HAS_LORA:  # the row's adapter (radixmesh.kernels.lora_gemv), before rounding
         y += lora_epilogue(xa_ptr, lb_ptr, lslots_ptr, lranks_ptr, lscalings_ptr, offs_n, offs_n < N, ln0, ln1,
-                           lsplits, lstride_split, lstride_bs, lstride_bn, R, BLOCK_R)
+                           lsplits, lstride_split, lstride_bs, lstride_bn, R, BLOCK_R, BLOCK_S)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
 
 

@@ -59,7 +59,7 @@ def _gemv_norm_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_ptr, y_
                       lstride_bs, lstride_bn,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
                       HAS_SCALE: tl.constexpr, HAS_ADDEND: tl.constexpr, GATED: tl.constexpr, HAS_LORA: tl.constexpr,
-                      R: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+                      R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     # y = rstd * sum_k W[n, k] * (s[k] * nw[k]) with s = x + r: the norm's scale, a whole-row reduction, is
     # summed along the same loop and applied to the dot products at the end, so the weights stream from the
     # first instruction (a reduction before the loop held every program's first loads back).
@@ -105,12 +105,12 @@ def _gemv_norm_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_ptr, y_
     y = _project(acc, rstd, s_ptr, add_ptr, offs_n, N, HAS_SCALE, HAS_ADDEND)
     if HAS_LORA:  # the row's adapter on the normed input (radixmesh.kernels.lora_gemv): its sums scaled by rstd
         y += rstd * lora_epilogue(xa_ptr, lb_ptr, lslots_ptr, lranks_ptr, lscalings_ptr, offs_n, offs_n < N, ln0,
-                                  ln1, lsplits, lstride_split, lstride_bs, lstride_bn, R, BLOCK_R)
+                                  ln1, lsplits, lstride_split, lstride_bs, lstride_bn, R, BLOCK_R, BLOCK_S)
     if GATED:  # rounded as the unfused path rounds: the projection, SiLU's output, the product
         up = _project(acc_up, rstd, s_ptr + N, add_ptr + N, offs_n, N, HAS_SCALE, HAS_ADDEND)
         if HAS_LORA:  # up rows are rows N.. of the stacked weight (B's second slice)
             up += rstd * lora_epilogue(xa_ptr, lb_ptr, lslots_ptr, lranks_ptr, lscalings_ptr, offs_n + N, offs_n < N,
-                                       ln0, ln1, lsplits, lstride_split, lstride_bs, lstride_bn, R, BLOCK_R)
+                                       ln0, ln1, lsplits, lstride_split, lstride_bs, lstride_bn, R, BLOCK_R, BLOCK_S)
         gate = y.to(act).to(tl.float32)
         y = (gate / (1.0 + tl.exp(-gate))).to(act).to(tl.float32) * up.to(act).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(act), mask=offs_n < N)

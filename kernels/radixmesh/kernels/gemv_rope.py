@@ -58,7 +58,7 @@ def _gemv_norm_rope_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_pt
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                            EVEN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_ADDEND: tl.constexpr,
                            IS_FP8: tl.constexpr, EMULATE: tl.constexpr, HAS_LORA: tl.constexpr, R: tl.constexpr,
-                           BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     head = pid // (HALF // BLOCK_N)
@@ -104,9 +104,9 @@ def _gemv_norm_rope_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_pt
     if HAS_LORA:  # the row's adapter on the normed input (radixmesh.kernels.lora_gemv), before the rotation
         n_ok = offs_n >= 0
         lo += rstd * lora_epilogue(xa_ptr, lb_ptr, lslots_ptr, lranks_ptr, lscalings_ptr, offs_n, n_ok, ln0, ln1,
-                                   lsplits, lstride_split, lstride_bs, lstride_bn, R, BLOCK_R)
+                                   lsplits, lstride_split, lstride_bs, lstride_bn, R, BLOCK_R, BLOCK_S)
         hi += rstd * lora_epilogue(xa_ptr, lb_ptr, lslots_ptr, lranks_ptr, lscalings_ptr, offs_n + HALF, n_ok, ln0,
-                                   ln1, lsplits, lstride_split, lstride_bs, lstride_bn, R, BLOCK_R)
+                                   ln1, lsplits, lstride_split, lstride_bs, lstride_bn, R, BLOCK_R, BLOCK_S)
     lo = lo.to(act).to(tl.float32)  # the projection's output, as the unfused path rounds it
     hi = hi.to(act).to(tl.float32)
     pos = tl.load(pos_ptr).to(tl.int64)

@@ -12,8 +12,10 @@ where `h` is the projection's input: x itself, or `(x + residual) * norm_weight`
 rounds it) for a projection whose GEMV runs the RMSNorm, whose scale `rstd` that GEMV computes anyway and
 applies to the adapter's term too (so the shrink needs no whole-row reduction before its loop). `i(n)` is the
 slice of output row n (q/k/v stacked: three; gate/up: two). The shrink splits K over programs and leaves its
-partial sums for the epilogue to add (a few hundred bytes per program, from L2). A row's B values are R
-contiguous numbers next to its K weights: the epilogue reads ~R/K more bytes than the GEMV.
+partial sums for the epilogue to add: each GEMV program loads its rows' partials of every split in one tile
+(`[BLOCK_N, splits * R]`, from L2, all loads in flight at once rather than a loop of dependent ones), so splits
+times R is kept to 256. A row's B values are R contiguous numbers next to its K weights: the epilogue reads
+~R/K more bytes than the GEMV.
 
 Rows of slot -1 and empty slots (rank 0) read nothing and add 0; ranks below R read their ranks only. The slot,
 ranks and A come from host copies, never from a kernel, so the shrink loads its first A tile before waiting
@@ -34,6 +36,8 @@ from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
 
 MAX_SPLITS = 16
 """Most programs sharing one slice's K range (the epilogue adds this many partial sums per row)."""
+EPILOGUE_WIDTH = 256
+"""Most partial sums per row an epilogue loads at once (splits times the rank's power of 2), by default."""
 
 
 class LoraEpilogue(NamedTuple):
@@ -55,20 +59,20 @@ class LoraEpilogue(NamedTuple):
 
 @triton.jit
 def lora_epilogue(xa_ptr, b_ptr, slots_ptr, ranks_ptr, scalings_ptr, offs_n, n_ok, n0, n1, num_splits,
-                  stride_split, stride_bs, stride_bn, R: tl.constexpr, BLOCK_R: tl.constexpr):
+                  stride_split, stride_bs, stride_bn, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """float32 `[BLOCK_N]`: `scaling * xa_i(n) . B[slot, n, :rank]` of output rows `offs_n` (0 where `n_ok` is
-    false, for slot -1 and for an empty slot)."""
+    false, for slot -1 and for an empty slot); `xa` the sum of `num_splits <= BLOCK_S` partials."""
     slot = tl.load(slots_ptr)
     safe = tl.maximum(slot, 0)
     rank = tl.where(slot >= 0, tl.load(ranks_ptr + safe), 0)
-    r = tl.arange(0, BLOCK_R)
-    mask = n_ok[:, None] & ((r < rank) & (r < R))[None, :]
+    j = tl.arange(0, BLOCK_S * BLOCK_R)  # (split, r) pairs: every partial of a row in one load
+    split = j // BLOCK_R
+    r = j % BLOCK_R
+    mask = n_ok[:, None] & ((split < num_splits) & (r < rank) & (r < R))[None, :]
     piece = (offs_n >= n0).to(tl.int32) + (offs_n >= n0 + n1).to(tl.int32)
-    xa_ptrs = xa_ptr + (piece * R)[:, None] + r[None, :]  # [BLOCK_N, BLOCK_R]
-    xa = tl.load(xa_ptrs, mask=mask, other=0.0)
-    for split in range(1, num_splits):
-        xa += tl.load(xa_ptrs + split * stride_split, mask=mask, other=0.0)
+    xa = tl.load(xa_ptr + split[None, :] * stride_split + (piece * R)[:, None] + r[None, :], mask=mask, other=0.0)
     rows = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    # [BLOCK_N, BLOCK_S * BLOCK_R]: B's row repeated for each split (the same addresses: L1)
     b = tl.load(b_ptr + safe.to(tl.int64) * stride_bs + rows[:, None] * stride_bn + r[None, :], mask=mask, other=0.0)
     scaling = tl.where(slot >= 0, tl.load(scalings_ptr + safe), 0.0)
     return scaling * tl.sum(xa * b.to(tl.float32), axis=1)
@@ -76,16 +80,19 @@ def lora_epilogue(xa_ptr, b_ptr, slots_ptr, ranks_ptr, scalings_ptr, offs_n, n_o
 
 def epilogue_args(lora: LoraEpilogue | None, n: int, device: torch.device, dummy: torch.Tensor
                   ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """(positional arguments from `xa_ptr` to `stride_bn`, constexprs `HAS_LORA`, `R`, `BLOCK_R`) of a GEMV launch
-    over `n` output rows (`n`: the rows of the stacked weight, B's rows); `dummy`: any tensor, for no adapter."""
+    """(positional arguments from `xa_ptr` to `stride_bn`, constexprs `HAS_LORA`, `R`, `BLOCK_R`, `BLOCK_S`) of a
+    GEMV launch over `n` output rows (`n`: the rows of the stacked weight, B's rows); `dummy`: any tensor, for no
+    adapter."""
     if lora is None:
-        return (dummy, dummy, dummy, dummy, dummy, 0, 0, 1, 0, 0, 0), {"HAS_LORA": False, "R": 1, "BLOCK_R": 1}
+        return ((dummy, dummy, dummy, dummy, dummy, 0, 0, 1, 0, 0, 0),
+                {"HAS_LORA": False, "R": 1, "BLOCK_R": 1, "BLOCK_S": 1})
     check_lora_epilogue(lora, n, device)
     sizes = (*lora.slice_sizes, 0, 0)
     max_rank = lora.b.shape[2]
     return ((lora.xa, lora.b, lora.slots, lora.ranks, lora.scalings, sizes[0], sizes[1], lora.xa.shape[0],
              lora.xa.stride(0), lora.b.stride(0), lora.b.stride(1)),
-            {"HAS_LORA": True, "R": max_rank, "BLOCK_R": next_power_of_2(max_rank)})
+            {"HAS_LORA": True, "R": max_rank, "BLOCK_R": next_power_of_2(max_rank),
+             "BLOCK_S": next_power_of_2(lora.xa.shape[0])})
 
 
 def check_lora_epilogue(lora: LoraEpilogue, n: int, device: torch.device) -> None:
@@ -97,6 +104,7 @@ def check_lora_epilogue(lora: LoraEpilogue, n: int, device: torch.device) -> Non
     width = len(sizes) * b.shape[2]
     assert xa.dtype == torch.float32 and xa.dim() == 3 and tuple(xa.shape[1:]) == (1, width) and xa.is_contiguous(), (
         f"xa must be a contiguous float32 [splits, 1, {width}], got {xa.dtype} {tuple(xa.shape)}")
+    assert 1 <= xa.shape[0] <= 64, f"1..64 splits, got {xa.shape[0]}"
     for name, t, dtype in (("slots", lora.slots, torch.int32), ("ranks", lora.ranks, torch.int32),
                            ("scalings", lora.scalings, torch.float32)):
         assert t.dtype == dtype and t.dim() == 1 and t.is_contiguous(), f"{name} must be a contiguous {dtype} 1-D"
@@ -148,11 +156,13 @@ def _shrink_kernel(x_ptr, r_ptr, nw_ptr, a_ptr, slots_ptr, ranks_ptr, xa_ptr, K,
     tl.store(xa_ptr + split * stride_split + piece * R + r, tl.sum(acc, axis=0), mask=r < R)
 
 
-def shrink_tiles(k: int, cpu: bool) -> tuple[int, int, int]:
-    """(num_splits, block_k, num_warps) of the shrink: K in up to MAX_SPLITS pieces of >= 256 (GPU)."""
+def shrink_tiles(k: int, max_rank: int, cpu: bool) -> tuple[int, int, int]:
+    """(num_splits, block_k, num_warps) of the shrink: K in up to MAX_SPLITS pieces of >= 256 (GPU), splits times
+    R's power of 2 at most EPILOGUE_WIDTH."""
+    width = max(1, EPILOGUE_WIDTH // next_power_of_2(max_rank))
     if cpu:
-        return max(1, min(4, k // 32)), 32, 1
-    return max(1, min(MAX_SPLITS, k // 256)), 128, 4
+        return max(1, min(4, width, k // 32)), 32, 1
+    return max(1, min(MAX_SPLITS, width, k // 256)), 128, 4
 
 
 def lora_gemv_shrink(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, ranks: torch.Tensor,
@@ -180,7 +190,7 @@ def lora_gemv_shrink(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: t
     assert a.stride(2) == 1 and a.shape[0] == b.shape[0] and b.dtype == x.dtype, (
         f"a (last dim contiguous) and b ({b.dtype}) must be x's dtype with as many slots")
     check_device("a", a, x.device)
-    num_splits, block_k, num_warps = tiles or shrink_tiles(k, x.device.type == "cpu")
+    num_splits, block_k, num_warps = tiles or shrink_tiles(k, max_rank, x.device.type == "cpu")
     assert 1 <= num_splits <= 64 and block_k >= 16 and block_k & (block_k - 1) == 0, (
         f"num_splits 1..64 and block_k a power of 2 >= 16, got {num_splits}, {block_k}")
     k_per_split = triton.cdiv(triton.cdiv(k, num_splits), block_k) * block_k
