@@ -579,7 +579,8 @@ PY
       done ;;
     lora)  # issue 46: adapters in the engine (graphs vs eager vs CPU), then 16 rank-16 adapters mixed in a batch of 32
       # vs the base model, batch 1 with and without an adapter, and a run-time load (8B shape, random weights);
-      # LORA_KERNELS="auto rows": one run per --lora-kernels setting (the new decode kernels vs the per-row ones)
+      # LORA_KERNELS="auto rows": one run per --lora-kernels setting (auto: the adapter in the batch-1 GEMVs'
+      # epilogues, the per-row launches above one row; rows: the per-row launches at every batch, unfused at batch 1)
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_engine_gpu.py tests/gpu/test_lora_gpu.py
       for kernels in ${LORA_KERNELS:-auto}; do
         $RM bench lora --model-shape llama-3.1-8b --num-adapters 16 --rank 16 --batch-size 32 --input-len 256 \
@@ -589,11 +590,13 @@ PY
       python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_lora_engine_gpu.py tests/gpu/test_lora_gpu.py ;;
     lora-kernels)  # batched LoRA at the 8B projections: tests, then the adapters' cost next to cuBLAS's base GEMMs
       # (32 decode rows over 16 rank-16 adapters, batch 1, four 512-token prefill segments; then slots sized for rank 64)
-      # for each decode kernel set: per row (the old launches), grouped by adapter, fused shrink+expand
+      # for each decode kernel set: per row (the old launches), grouped by adapter, fused shrink+expand; then
+      # layer-1: batch 1 against the fused GEMVs a step runs, with the adapter in their epilogue (epilogue) or not
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_gpu.py
-      python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_lora_kernels.py
+      python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_lora_kernels.py tests/unit/test_lora_gemv.py \
+        tests/unit/test_bench_lora_gemv.py
       python3 -m radixmesh.kernels.bench_lora --check | tee "$OUT/lora-kernels.jsonl"
-      python3 -m radixmesh.kernels.bench_lora --cases decode --max-rank 64 | tee -a "$OUT/lora-kernels.jsonl"
+      python3 -m radixmesh.kernels.bench_lora --cases decode layer-1 --max-rank 64 | tee -a "$OUT/lora-kernels.jsonl"
       python3 -m radixmesh.kernels.bench_lora --table "$OUT/lora-kernels.jsonl" ;;
     mm-tests)  # tiny LLaVA and Qwen2-VL on CUDA (triton, graphs, overlap, chunked) vs transformers' greedy tokens
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_mm_gpu.py ;;

@@ -59,6 +59,31 @@ def test_graphs_match_eager_and_cpu(tmp_path: Path, slots: int, kernels: str) ->
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernels", ["epilogue", "auto", "rows"])
+def test_batch_one_with_the_gemv_matches_eager_and_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       kernels: str) -> None:
+    """One request at a time (every decode step of one row) in float32 with the batch-1 GEMVs and their fused
+    norms on: the adapter in the GEMVs' epilogues (epilogue, auto) or in its own launches (rows) gives the CPU's
+    greedy tokens, in CUDA graphs and eagerly."""
+    from radixmesh.engine import runner_build
+
+    monkeypatch.setattr(runner_build, "GEMV_DTYPES", (*runner_build.GEMV_DTYPES, torch.float32))
+    model, adapters = _tiny(tmp_path, 2, seed=7)
+    from radixmesh.engine.lora.layers import LoraProjection
+
+    shrinks = []
+    epilogue = LoraProjection.epilogue
+    monkeypatch.setattr(LoraProjection, "epilogue", lambda self, *a: shrinks.append(1) or epilogue(self, *a))
+    cpu = _run(model, adapters, 2, max_running_requests=1)
+    gpu = dict(device="cuda", dtype="float32", lora_kernels=kernels, max_running_requests=1)
+    graphs = _run(model, adapters, 2, **gpu)
+    shrinks.clear()
+    eager = _run(model, adapters, 2, disable_cuda_graph=True, **gpu)
+    assert graphs == eager == cpu
+    assert (len(shrinks) > 0) == (kernels != "rows"), f"{len(shrinks)} epilogue shrinks under {kernels}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_base_requests_replay_the_graphs_without_lora_launches(tmp_path: Path) -> None:
     """A LoRA engine serving only base requests (bf16, the GEMV and its fused prologues on) gives the tokens of an
     engine without LoRA, through the graphs captured without the adapters' launches."""
@@ -114,7 +139,7 @@ def test_batch_one_fused_norm_gemv_takes_the_adapter_as_an_addend(gated: bool, s
 
     k, n = 512, 768
     slices = (n // 2, n // 2) if gated else (512, 128, 128)
-    layer, norm = _lora_layer(k, n, slices, "fused", slot)  # (auto takes the per-row kernels, unfused)
+    layer, norm = _lora_layer(k, n, slices, "fused", slot)
     x, residual = (torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     prologue = AddRMSNorm(norm, residual)
     assert layer.lora.fuses_prologue(x)
@@ -130,3 +155,39 @@ def test_batch_one_fused_norm_gemv_takes_the_adapter_as_an_addend(gated: bool, s
         plain = SILU_AND_MUL.apply(plain)
     err = float((fused.float() - unfused.float()).norm() / (unfused.float() - plain.float()).norm())
     assert err < 0.05, f"fused vs unfused differ by {err:.3g} of the adapter's contribution"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["plain", "norm", "gated"])
+@pytest.mark.parametrize("slot", [0, 1, 2])
+def test_batch_one_gemv_epilogue_matches_the_adapters_own_launches(kind: str, slot: int) -> None:
+    """bf16, one row: the adapter in the GEMV's epilogue (plain GEMV; fused norm GEMV; gated) against the unfused
+    path (norm, GEMV, the per-row shrink and expand, SiLU-and-mul); slot 2 is empty (rank 0)."""
+    from radixmesh.engine.models.layers import SILU_AND_MUL, AddRMSNorm
+
+    k, n = 512, 768
+    slices = (n // 2, n // 2) if kind == "gated" else (512, 128, 128)
+    layer, norm = _lora_layer(k, n, slices, "epilogue", slot)
+    x, residual = (torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def run(kernels: str) -> torch.Tensor:
+        layer.lora.state.kernels = kernels
+        if kind == "plain":
+            return layer(x)
+        if kind == "gated":
+            fused = AddRMSNorm(norm, residual).fused_gemv(layer, x, gated=True)
+            return fused if fused is not None else SILU_AND_MUL.apply(layer(x, AddRMSNorm(norm, residual)))
+        return layer(x, AddRMSNorm(norm, residual))
+
+    assert layer.lora.takes_epilogue(x) and layer.lora.fuses_prologue(x)
+    got = run("epilogue")
+    want = run("rows")
+    layer.lora.state.active = False
+    plain = run("rows")
+    layer.lora.state.active = True
+    scale = (want.float() - plain.float()).norm()
+    if slot == 2:
+        assert torch.equal(got, plain), "an empty slot adds nothing"
+        return
+    err = float((got.float() - want.float()).norm() / scale)
+    assert err < 0.05, f"epilogue vs the adapter's own launches differ by {err:.3g} of its contribution"

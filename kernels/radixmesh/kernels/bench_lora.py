@@ -1,14 +1,16 @@
 """Batched LoRA at the Llama-3.1-8B projections: the adapters' cost next to the base GEMMs; JSON lines.
 
     python -m radixmesh.kernels.bench_lora [--batch 32] [--adapters 16] [--rank 16] [--max-rank 16] \
-        [--prefill-segments 512 512 512 512] [--kernels rows grouped fused] [--check]
+        [--prefill-segments 512 512 512 512] [--kernels rows grouped fused epilogue] [--check]
     python -m radixmesh.kernels.bench_lora --table lora.jsonl     # a short table of a result file
 
 Cases: `decode` (one row per request, `--batch` rows over `--adapters` adapters, each adapter's rows spread
-over the batch), `decode-1` (batch 1 with an adapter) and `prefill` (segments of `--prefill-segments` rows,
-each its own adapter). Per projection (q/k/v stacked, o, gate/up stacked, down): the base GEMM in bf16
-(`torch.matmul`, cuBLAS), the LoRA shrink and expand alone and together, and base then LoRA in one graph
-(`with_lora_us`); `base_share` = base / with LoRA, the throughput a step made only of these GEMMs keeps.
+over the batch), `decode-1` (batch 1 with an adapter), `prefill` (segments of `--prefill-segments` rows,
+each its own adapter) and `layer-1` (batch 1 against the fused GEMVs a step runs, `bench_lora_gemv`: the only
+case of the "epilogue" set, which has no `lora_apply` of its own; the others skip it). Per projection (q/k/v
+stacked, o, gate/up stacked, down): the base GEMM in bf16 (`torch.matmul`, cuBLAS; layer-1: the fused GEMVs), the
+LoRA shrink and expand alone and together, and base then LoRA in one graph (`with_lora_us`); `base_share` = base /
+with LoRA, the throughput a step made only of these GEMMs keeps.
 Decode cases run once per kernel set of `--kernels` (`radixmesh.kernels.lora.KERNELS`: the per-row launches
 "rows", "grouped" by adapter, "fused" shrink+expand, or what "auto" picks), so old and new sit in one table;
 a fused launch has no shrink or expand of its own. Prefill segments always take the per-segment launches.
@@ -29,6 +31,7 @@ import torch
 
 from radixmesh.kernels._bench import print_table, run_info, time_us
 from radixmesh.kernels.bench_gemv import L2_SPAN_BYTES
+from radixmesh.kernels.bench_lora_gemv import LAYER, bench_layer_one
 from radixmesh.kernels.lora import (
     KERNELS,
     LoraBatch,
@@ -143,14 +146,14 @@ COLUMNS = [("case", "case"), ("proj", "projection"), ("kernels", "kernels"), ("r
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", nargs="+", choices=("decode", "decode-1", "prefill"),
-                   default=["decode", "decode-1", "prefill"])
+    p.add_argument("--cases", nargs="+", choices=("decode", "decode-1", "prefill", "layer-1"),
+                   default=["decode", "decode-1", "prefill", "layer-1"])
     p.add_argument("--batch", type=int, default=32, help="decode rows")
     p.add_argument("--adapters", type=int, default=16, help="distinct adapters (slots)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--max-rank", type=int, default=None, help="the slot buffers' rank (default: --rank)")
     p.add_argument("--prefill-segments", nargs="+", type=int, default=[512, 512, 512, 512])
-    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=["rows", "grouped", "fused"],
+    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=["rows", "grouped", "fused", "epilogue"],
                    help="decode kernel sets to time, each in turn (prefill: the per-segment launches once)")
     p.add_argument("--check", action="store_true", help="compare each projection with lora_ref")
     p.add_argument("--table", nargs="+", metavar="JSONL", help="print a table of earlier results and exit")
@@ -166,14 +169,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     info = run_info("radixmesh.kernels.bench_lora")
     for case in args.cases:
-        for kernels in args.kernels if case != "prefill" else ["rows"]:
+        for kernels in case_kernels(case, args.kernels):
             rows = []
-            for name, k, slices in PROJECTIONS:
-                rows.append(bench_projection(case, name, k, slices, args, kernels))
+            for name, k, slices, kind in LAYER if case == "layer-1" else [(*p, "") for p in PROJECTIONS]:
+                rows.append(bench_layer_one(name, k, slices, kind, kernels, args.rank, args.max_rank, args.check)
+                            if case == "layer-1" else bench_projection(case, name, k, slices, args, kernels))
                 print(json.dumps({**rows[-1], **info}), flush=True)
                 torch.cuda.empty_cache()
             print(json.dumps({**summary(case, rows), **info}), flush=True)
     return 0
+
+
+def case_kernels(case: str, kernels: list[str]) -> list[str]:
+    """The kernel sets a case times: prefill the per-segment launches once; epilogue only in layer-1."""
+    if case == "prefill":
+        return ["rows"]
+    return kernels if case == "layer-1" else [k for k in kernels if k != "epilogue"]
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from radixmesh.kernels._checks import (
     next_power_of_2,
 )
 from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
+from radixmesh.kernels.lora_gemv import LoraEpilogue, epilogue_args, lora_epilogue
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,10 @@ class GemvConfig:
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, PDL: tl.constexpr):
+                 xa_ptr, lb_ptr, lslots_ptr, lranks_ptr, lscalings_ptr, ln0, ln1, lsplits, lstride_split, lstride_bs,
+                 lstride_bn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 EVEN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, R: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -68,6 +71,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w,
     y = tl.sum(acc, axis=1)
     if HAS_SCALE:  # FP8 weights: one scale per output row
         y = y * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
+    if HAS_LORA:  # the row's adapter (radixmesh.kernels.lora_gemv), before rounding
+        y += lora_epilogue(xa_ptr, lb_ptr, lslots_ptr, lranks_ptr, lscalings_ptr, offs_n, offs_n < N, ln0, ln1,
+                           lsplits, lstride_split, lstride_bs, lstride_bn, R, BLOCK_R, BLOCK_S)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
 
 
@@ -91,8 +97,9 @@ def default_config(n: int, k: int) -> GemvConfig:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """`x @ weight.T` for `x` of shape `[1, K]` or `[K]` and `weight` `[N, K]`; returns `[1, N]` or `[N]`."""
+         config: GemvConfig | None = None, lora: LoraEpilogue | None = None) -> torch.Tensor:
+    """`x @ weight.T` for `x` of shape `[1, K]` or `[K]` and `weight` `[N, K]`; returns `[1, N]` or `[N]`; with
+    `lora` (from `lora_gemv_shrink` of x), plus the row's adapter output."""
     assert x.dim() in (1, 2) and (x.dim() == 1 or x.shape[0] == 1), f"x must be [K] or [1, K], got {tuple(x.shape)}"
     assert weight.dim() == 2, f"weight must be [N, K], got {tuple(weight.shape)}"
     n, k = weight.shape
@@ -113,10 +120,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
         return out
     cfg = config or fused_config("plain", n, k, fp8=False)
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
+    lora_args, lora_consts = epilogue_args(lora, n, x.device, weight)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, weight, out, n, k, weight.stride(0),
+        x, weight, weight, out, n, k, weight.stride(0), *lora_args,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN=even, HAS_SCALE=False,
-        num_warps=cfg.num_warps, **pdl_args(x.device),
+        num_warps=cfg.num_warps, **lora_consts, **pdl_args(x.device),
     )
     return out
 
@@ -186,9 +194,10 @@ def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         return out
     cfg = config or fused_config("plain", n, k, fp8=True)
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
+    lora_args, lora_consts = epilogue_args(None, n, x.device, weight_scale)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, weight_scale, out, n, k, weight.stride(0),
+        x, weight, weight_scale, out, n, k, weight.stride(0), *lora_args,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN=even, HAS_SCALE=True,
-        num_warps=cfg.num_warps, **pdl_args(x.device),
+        num_warps=cfg.num_warps, **lora_consts, **pdl_args(x.device),
     )
     return out

@@ -26,6 +26,7 @@ import triton.language as tl
 from radixmesh.kernels._checks import check_device, check_float, check_fp8, check_last_dim_contiguous
 from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from radixmesh.kernels.gemv import GemvConfig, fused_config
+from radixmesh.kernels.lora_gemv import LoraEpilogue, epilogue_args, lora_epilogue
 
 
 @triton.jit
@@ -54,8 +55,11 @@ def _project(acc, rstd, s_ptr, add_ptr, offs_n, N, HAS_SCALE: tl.constexpr, HAS_
 
 @triton.jit
 def _gemv_norm_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_ptr, y_ptr, N, K, stride_w, eps,
+                      xa_ptr, lb_ptr, lslots_ptr, lranks_ptr, lscalings_ptr, ln0, ln1, lsplits, lstride_split,
+                      lstride_bs, lstride_bn,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
-                      HAS_SCALE: tl.constexpr, HAS_ADDEND: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+                      HAS_SCALE: tl.constexpr, HAS_ADDEND: tl.constexpr, GATED: tl.constexpr, HAS_LORA: tl.constexpr,
+                      R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     # y = rstd * sum_k W[n, k] * (s[k] * nw[k]) with s = x + r: the norm's scale, a whole-row reduction, is
     # summed along the same loop and applied to the dot products at the end, so the weights stream from the
     # first instruction (a reduction before the loop held every program's first loads back).
@@ -99,8 +103,14 @@ def _gemv_norm_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_ptr, y_
         gdc_launch_dependents()
     rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     y = _project(acc, rstd, s_ptr, add_ptr, offs_n, N, HAS_SCALE, HAS_ADDEND)
+    if HAS_LORA:  # the row's adapter on the normed input (radixmesh.kernels.lora_gemv): its sums scaled by rstd
+        y += rstd * lora_epilogue(xa_ptr, lb_ptr, lslots_ptr, lranks_ptr, lscalings_ptr, offs_n, offs_n < N, ln0,
+                                  ln1, lsplits, lstride_split, lstride_bs, lstride_bn, R, BLOCK_R, BLOCK_S)
     if GATED:  # rounded as the unfused path rounds: the projection, SiLU's output, the product
         up = _project(acc_up, rstd, s_ptr + N, add_ptr + N, offs_n, N, HAS_SCALE, HAS_ADDEND)
+        if HAS_LORA:  # up rows are rows N.. of the stacked weight (B's second slice)
+            up += rstd * lora_epilogue(xa_ptr, lb_ptr, lslots_ptr, lranks_ptr, lscalings_ptr, offs_n + N, offs_n < N,
+                                       ln0, ln1, lsplits, lstride_split, lstride_bs, lstride_bn, R, BLOCK_R, BLOCK_S)
         gate = y.to(act).to(tl.float32)
         y = (gate / (1.0 + tl.exp(-gate))).to(act).to(tl.float32) * up.to(act).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(act), mask=offs_n < N)
@@ -151,13 +161,13 @@ def _plan(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | No
 
 def gemv_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                      weight: torch.Tensor, weight_scale: torch.Tensor | None = None, gated: bool = False,
-                     config: GemvConfig | None = None, addend: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     config: GemvConfig | None = None, addend: torch.Tensor | None = None,
+                     lora: LoraEpilogue | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(y, x + residual)` for `x`, `residual` `[1, K]` (bf16/fp16/fp32) and `weight` `[N, K]` in x's dtype,
     or FP8 with `weight_scale` `[N]` float32: `y = h @ weight.T` with `h = rmsnorm(x + residual) * norm_weight`,
     `[1, N]`; `gated`: `weight` is `[gate; up]` and `y = silu(h @ gate.T) * (h @ up.T)`, `[1, N / 2]`.
     `addend` (float32 `[1, N]`, e.g. a LoRA adapter's output) is added to the projection before rounding and
-    the SiLU."""
+    the SiLU, as is the adapter of `lora` (`lora_gemv_shrink` of the same x, residual and norm_weight)."""
     check_float("x", x)
     k = x.shape[-1]
     _check_row("x", x, k, x.dtype, x.device)
@@ -168,6 +178,7 @@ def gemv_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
         f"norm_weight must be a contiguous [{k}], got {tuple(norm_weight.shape)}")
     n = _check_weight(weight, weight_scale, k, x.device)
     check_addend(addend, n, x.device)
+    lora_args, lora_consts = epilogue_args(lora, n, x.device, weight)
     assert not gated or n % 2 == 0, f"a gated weight stacks gate and up rows: {n} rows is odd"
     n_out = n // 2 if gated else n
     out, cfg, even = _plan(x, weight, weight_scale, k, n_out, config, "gated" if gated else "norm")
@@ -175,9 +186,10 @@ def gemv_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
     if n_out:
         _gemv_norm_kernel[(triton.cdiv(n_out, cfg.block_n),)](
             x, residual, norm_weight, summed, weight, weight_scale if weight_scale is not None else weight,
-            addend if addend is not None else norm_weight, out, n_out, k, weight.stride(0), eps, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN=even, HAS_SCALE=weight_scale is not None,
-            HAS_ADDEND=addend is not None, GATED=gated, num_warps=cfg.num_warps, **pdl_args(x.device))
+            addend if addend is not None else norm_weight, out, n_out, k, weight.stride(0), eps, *lora_args,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN=even,
+            HAS_SCALE=weight_scale is not None, HAS_ADDEND=addend is not None, GATED=gated, num_warps=cfg.num_warps,
+            **lora_consts, **pdl_args(x.device))
     else:
         summed.copy_(x + residual)
     return out, summed

@@ -27,6 +27,7 @@ from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from radixmesh.kernels.gemv import GemvConfig, fused_config
 from radixmesh.kernels.gemv_fused import _check_row, _check_weight, _norm_tile, check_addend
 from radixmesh.kernels.kv_store import fp8_store_args, to_pool
+from radixmesh.kernels.lora_gemv import LoraEpilogue, epilogue_args, lora_epilogue
 
 
 class RopeStore(NamedTuple):
@@ -51,11 +52,13 @@ class RopeStore(NamedTuple):
 def _gemv_norm_rope_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_ptr, y_ptr, K, stride_w, eps,
                            pos_ptr, loc_ptr, cos_ptr, sin_ptr, stride_cache, k_buf_ptr, v_buf_ptr,
                            stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
-                           inv_k_scale, inv_v_scale, fp8_max,
+                           inv_k_scale, inv_v_scale, fp8_max, xa_ptr, lb_ptr, lslots_ptr, lranks_ptr,
+                           lscalings_ptr, ln0, ln1, lsplits, lstride_split, lstride_bs, lstride_bn,
                            HEAD_DIM: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                            EVEN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_ADDEND: tl.constexpr,
-                           IS_FP8: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+                           IS_FP8: tl.constexpr, EMULATE: tl.constexpr, HAS_LORA: tl.constexpr, R: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     head = pid // (HALF // BLOCK_N)
@@ -98,6 +101,12 @@ def _gemv_norm_rope_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_pt
     if HAS_ADDEND:  # a float32 term per weight row (a LoRA adapter's), before the rotation
         lo += tl.load(add_ptr + offs_n)
         hi += tl.load(add_ptr + offs_n + HALF)
+    if HAS_LORA:  # the row's adapter on the normed input (radixmesh.kernels.lora_gemv), before the rotation
+        n_ok = offs_n >= 0
+        lo += rstd * lora_epilogue(xa_ptr, lb_ptr, lslots_ptr, lranks_ptr, lscalings_ptr, offs_n, n_ok, ln0, ln1,
+                                   lsplits, lstride_split, lstride_bs, lstride_bn, R, BLOCK_R, BLOCK_S)
+        hi += rstd * lora_epilogue(xa_ptr, lb_ptr, lslots_ptr, lranks_ptr, lscalings_ptr, offs_n + HALF, n_ok, ln0,
+                                   ln1, lsplits, lstride_split, lstride_bs, lstride_bn, R, BLOCK_R, BLOCK_S)
     lo = lo.to(act).to(tl.float32)  # the projection's output, as the unfused path rounds it
     hi = hi.to(act).to(tl.float32)
     pos = tl.load(pos_ptr).to(tl.int64)
@@ -132,13 +141,14 @@ def rope_block_n(cfg: GemvConfig, head_dim: int) -> int | None:
 
 def gemv_add_rmsnorm_rope(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                           weight: torch.Tensor, weight_scale: torch.Tensor | None, rope: RopeStore,
-                          config: GemvConfig | None = None, addend: torch.Tensor | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          config: GemvConfig | None = None, addend: torch.Tensor | None = None,
+                          lora: LoraEpilogue | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(qkv, x + residual)` for one token: `qkv = rmsnorm(x + residual) * norm_weight @ weight.T` `[1, N]` with
     its q and k heads rotated at `rope.positions[0]`, and the rotated k and the v written to pool slot
     `rope.loc[0]`. `weight` `[N, K]` stacks the q, k and v heads (`N = (q_heads + 2 kv_heads) * head_dim`), in
     x's dtype or FP8 with row scales `weight_scale` `[N]` float32. `addend` (float32 `[1, N]`, e.g. a LoRA
-    adapter's output) is added to the projection before rounding and the rotation."""
+    adapter's output) is added to the projection before rounding and the rotation, as is the adapter of `lora`
+    (`lora_gemv_shrink` of the same x, residual and norm_weight)."""
     check_float("x", x)
     k = x.shape[-1]
     device = x.device
@@ -150,6 +160,7 @@ def gemv_add_rmsnorm_rope(x: torch.Tensor, residual: torch.Tensor, norm_weight: 
         f"norm_weight must be a contiguous [{k}], got {tuple(norm_weight.shape)}")
     n = _check_weight(weight, weight_scale, k, device)
     check_addend(addend, n, device)
+    lora_args, lora_consts = epilogue_args(lora, n, device, weight)
     if weight_scale is None:
         assert weight.dtype == x.dtype, f"weight is {weight.dtype}, the input is {x.dtype}"
     d, hq, hkv = rope.head_dim, rope.num_q_heads, rope.num_kv_heads
@@ -179,9 +190,9 @@ def gemv_add_rmsnorm_rope(x: torch.Tensor, residual: torch.Tensor, norm_weight: 
         addend if addend is not None else norm_weight, out, k, weight.stride(0), eps, rope.positions, rope.loc,
         rope.cos_cache, rope.sin_cache, rope.cos_cache.stride(0),
         rope.k_buffer, rope.v_buffer, rope.k_buffer.stride(0), rope.k_buffer.stride(1), rope.v_buffer.stride(0),
-        rope.v_buffer.stride(1), inv_k, inv_v, limit,
+        rope.v_buffer.stride(1), inv_k, inv_v, limit, *lora_args,
         HEAD_DIM=d, NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages, EVEN=k % cfg.block_k == 0, HAS_SCALE=weight_scale is not None,
         HAS_ADDEND=addend is not None, IS_FP8=is_fp8,
-        EMULATE=emulate_cast(device), num_warps=cfg.num_warps, **pdl_args(device))
+        EMULATE=emulate_cast(device), num_warps=cfg.num_warps, **lora_consts, **pdl_args(device))
     return out, summed

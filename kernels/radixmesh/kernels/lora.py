@@ -19,12 +19,16 @@ Rows of slot -1 are skipped; ranks below R read only their rows of A and B. Laun
 ints (rows, segments, the longest segment, R, the slices), the slots being a device tensor, so a decode
 step captures in a CUDA graph. Reference: `lora_ref`; benchmark: `bench_lora`.
 
-These per-row launches ("rows") are one of three kernel sets for a decode batch (`KERNELS`); the others, in
+These per-row launches ("rows") are one of four kernel sets for a decode batch (`KERNELS`); two others, in
 `radixmesh.kernels.lora_grouped`, read each adapter once for all its rows ("grouped") or run shrink and expand
 as one launch for a few rows ("fused"). `lora_apply(kernels="auto")` picks the per-row launches, the fastest
 of the three measured on an H200 (8B shape, rank 16: per layer 61 us at 32 rows over 16 adapters against 102
 grouped and 167 fused; 26 us at one row against 35 grouped); prefill segments always take the per-segment
-launches here.
+launches here. The fourth, "epilogue" (`radixmesh.kernels.lora_gemv`), is not a call of `lora_apply`: at one
+row the base projection's GEMV adds the adapter in its epilogue after one shrink launch per layer input, and
+keeps its fused norm, rotary and SiLU (4 LoRA launches a layer instead of 8 plus the 4 the fusions save).
+The model's projections take it at one row under "auto" and "epilogue" where the GEMV runs; a `lora_apply`
+call with either runs the per-row launches.
 """
 
 from __future__ import annotations
@@ -52,9 +56,9 @@ MAX_SLICES = 3
 """Most B's writing column slices of one output (q/k/v)."""
 MAX_RANK = 256
 """Largest slot rank R (a program holds a row's R values of a slice)."""
-KERNELS = ("auto", "rows", "grouped", "fused")
-"""Kernel sets of a decode batch: auto (the per-row launches: the fastest measured), or one of them; "rows" is
-the per-row shrink and expand of this module."""
+KERNELS = ("auto", "rows", "grouped", "fused", "epilogue")
+"""Kernel sets of a decode batch: auto (one row with the GEMV: epilogue, else the per-row launches), or one of
+them; "rows" is the per-row shrink and expand of this module, "epilogue" the GEMV epilogue of `lora_gemv`."""
 FUSED_MAX_ROWS = 4
 """The fused launch is meant for decode batches of at most this many rows (each program recomputes its row's xa)."""
 
@@ -118,11 +122,12 @@ def default_config(batch: LoraBatch, in_features: int, num_slices: int, device: 
 
 
 def choose_kernels(kernels: str, batch: LoraBatch, max_rank: int) -> str:
-    """The kernel set a batch runs: "rows", "grouped" or "fused" (segments: always "rows")."""
+    """The kernel set a `lora_apply` of a batch runs: "rows", "grouped" or "fused" (segments, "auto" and
+    "epilogue", whose GEMV epilogue is the projection's: "rows")."""
     assert kernels in KERNELS, f"kernels must be one of {KERNELS}, got {kernels!r}"
     if batch.seg_starts is not None:
         return "rows"
-    return "rows" if kernels == "auto" else kernels
+    return "rows" if kernels in ("auto", "epilogue") else kernels
 
 
 def kernel_config(kind: str, batch: LoraBatch, in_features: int, slice_sizes: tuple[int, ...], max_rank: int,

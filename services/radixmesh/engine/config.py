@@ -194,8 +194,9 @@ class EngineConfig:
     max_lora_rank: int = 64
     """Largest adapter rank served (the slots' size), up to 256; adapters of a larger rank are refused at load."""
     lora_kernels: str = "auto"
-    """Decode LoRA kernels on CUDA: auto (one fused launch per projection for a few rows, else launches grouped by
-    adapter) | grouped | fused | rows (a shrink and an expand program per row); prefill takes per-request ones."""
+    """Decode LoRA kernels on CUDA: auto (epilogue at one row where the GEMV runs, else rows) | epilogue (one
+    shrink launch per layer input, the expand in the batch-1 GEMV's epilogue) | rows (a shrink and an expand
+    program per row) | grouped (by adapter) | fused (one launch per projection); prefill takes per-request ones."""
     lora_target_modules: tuple[str, ...] = ()
     """Projections with adapter slots (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; empty: all);
     an adapter targeting another one is refused at load."""

@@ -161,6 +161,10 @@ def _fill_weights(runner: ModelRunner, model: torch.nn.Module, prepared: Prepare
         loader.load_weights(quant.adapt_weights(model, weights) if quant is not None else weights)
 
 
+GEMV_DTYPES = (torch.bfloat16, torch.float16)
+"""Model dtypes whose one-row projections run the GEMV kernels (float32 gains nothing; GPU tests add it)."""
+
+
 def _enable_fast_paths(runner: ModelRunner, model: torch.nn.Module) -> None:
     """CUDA: programmatic dependent launch, and the batch-1 GEMV kernels in half precision."""
     if runner.device.type != "cuda":
@@ -170,7 +174,7 @@ def _enable_fast_paths(runner: ModelRunner, model: torch.nn.Module) -> None:
     config = runner.config
     set_pdl(not config.disable_pdl)
     logger.info("programmatic dependent launch %s", "on" if pdl_enabled(runner.device) else "off")
-    if runner.dtype in (torch.bfloat16, torch.float16) and not config.disable_gemv:
+    if runner.dtype in GEMV_DTYPES and not config.disable_gemv:
         layers = enable_gemv(model, fuse_prologues=not config.disable_gemv_fusion)
         logger.info("batch-1 GEMV kernel on for %d linear layers", layers)
 

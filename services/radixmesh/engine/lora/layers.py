@@ -4,7 +4,9 @@ A `Linear` with a `LoraProjection` (its `lora` attribute) computes `y = x @ W.T`
 x @ A_s.T @ B_s.T` for every row whose request uses the adapter in slot s. On CUDA that is the batched
 shrink/expand kernels of `radixmesh.kernels.lora` (Punica/S-LoRA style, CUDA-graph capturable); elsewhere
 plain matmuls over the batch's runs of rows sharing a slot. Which slot each row uses is the one
-`LoraBatchState` of the model, set by the runner before every pass.
+`LoraBatchState` of the model, set by the runner before every pass. At one row where the GEMV kernels run,
+"auto" and "epilogue" give the GEMV the adapter instead (`epilogue`): one shrink launch, the expand in the
+GEMV's epilogue (`radixmesh.kernels.lora_gemv`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ class LoraBatchState:
     kernels: str = "auto"
     """CUDA: the decode kernel set (--lora-kernels, `radixmesh.kernels.lora.KERNELS`)."""
 
+    def one_row(self, x: torch.Tensor) -> bool:
+        """A pass of one row on CUDA whose slot is `kernel_batch.slots[0]`."""
+        return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and self.kernel_batch is not None
+                and self.kernel_batch.num_segments == 1)
+
 
 class LoraProjection:
     """The adapter slots of one (possibly stacked) projection: `a` [num_slots, num_slices * R, in_local] and
@@ -55,10 +62,23 @@ class LoraProjection:
 
     def fuses_prologue(self, x: torch.Tensor) -> bool:
         """Whether a pass with adapters may keep the batch-1 GEMV's fused norm prologue for input `x`: the adapter
-        then comes as an addend (`norm_delta`) computed with the norm (CUDA, one row, "grouped" or "fused" kernels)."""
+        then comes in the GEMV's epilogue (`takes_epilogue`), or as an addend (`norm_delta`) computed with the norm
+        ("grouped" or "fused" kernels)."""
+        return self.state.one_row(x) and self.state.kernels in ("grouped", "fused", "auto", "epilogue")
+
+    def takes_epilogue(self, x: torch.Tensor) -> bool:
+        """Whether a GEMV of one row `x` adds the adapter in its epilogue ("auto" and "epilogue" kernels)."""
+        return self.state.one_row(x) and self.state.kernels in ("auto", "epilogue")
+
+    def epilogue(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                 norm_weight: torch.Tensor | None = None) -> Any:
+        """The shrink of one row `x` (of `(x + residual) * norm_weight` with a norm) for the GEMV's epilogue: a
+        `radixmesh.kernels.lora_gemv.LoraEpilogue`."""
+        from radixmesh.kernels.lora_gemv import lora_gemv_shrink
+
         state = self.state
-        return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and state.kernels in ("grouped", "fused")
-                and state.kernel_batch is not None and state.kernel_batch.num_segments == 1)
+        return lora_gemv_shrink(x, self.a, self.b, state.kernel_batch.slots, state.ranks, state.scalings,
+                                self.slice_sizes, residual, norm_weight)
 
     def norm_delta(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                    eps: float) -> torch.Tensor:

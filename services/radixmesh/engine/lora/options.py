@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 MAX_LORA_RANK = 256
 """The kernels' largest slot rank (`radixmesh.kernels.lora.MAX_RANK`)."""
 MAX_LORA_SLOTS = 128
-LORA_KERNELS = ("auto", "grouped", "fused", "rows")
+LORA_KERNELS = ("auto", "grouped", "fused", "rows", "epilogue")
 """The decode kernel sets (`radixmesh.kernels.lora.KERNELS`; the engine imports no kernels on CPU)."""
 
 

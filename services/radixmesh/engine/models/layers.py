@@ -182,19 +182,27 @@ class Linear(nn.Linear):
                     return after
             x = prologue.apply(x)
         if lora is not None:
+            if self._runs_gemv(x) and self.quant_method is None and lora.takes_epilogue(x):
+                return self._project(x, lora.epilogue(x))  # the adapter in the GEMV's epilogue
             y: torch.Tensor = lora.add(x, self._project(x))
             return y
         return self._project(x)
 
-    def _project(self, x: torch.Tensor) -> torch.Tensor:
+    def _runs_gemv(self, x: torch.Tensor) -> bool:
+        return self.use_gemv and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
+
+    def _project(self, x: torch.Tensor, lora_epilogue: Any = None) -> torch.Tensor:
+        """`x @ W.T (+ bias)`; `lora_epilogue` (one row, the GEMV): plus the row's adapter."""
         if self.quant_method is not None:
+            assert lora_epilogue is None, "a quantized projection takes no LoRA epilogue"
             y: torch.Tensor = self.quant_method.apply(self, x)
             return y
-        if self.use_gemv and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous():
+        if self._runs_gemv(x):
             from radixmesh.kernels.gemv import gemv
 
-            y = gemv(x, self.weight)
+            y = gemv(x, self.weight, lora=lora_epilogue)
             return y if self.bias is None else y.add_(self.bias)
+        assert lora_epilogue is None, "a LoRA epilogue needs the one-row GEMV"
         if _weight_major_faster(x):
             # [out, in] @ [in, rows] streams the weight once; MKL's `x @ W^T` path re-reads it per
             # row for a few rows (the LM head of a batch-3 decode step: 61 ms vs 14 ms on 2 EPYC cores)
@@ -270,16 +278,18 @@ class AddRMSNorm:
         from radixmesh.kernels.gemv_fused import gemv_add_rmsnorm
 
         y, self.summed = gemv_add_rmsnorm(x, self.residual, self.norm.weight, self.norm.eps, *weights, gated=gated,
-                                          addend=self._lora_addend(layer, x))
+                                          **self._lora_terms(layer, x))
         return y
 
-    def _lora_addend(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
-        """The row's LoRA adapter output for the GEMV to add before its epilogue, in a pass with adapters."""
+    def _lora_terms(self, layer: Linear, x: torch.Tensor) -> dict[str, Any]:
+        """The row's LoRA adapter for the fused GEMV, in a pass with adapters: `lora` (the shrink of the normed row,
+        expanded in the GEMV's epilogue) or `addend` (the adapter's output, added before the epilogue)."""
         lora = layer.lora
         if lora is None or not lora.active:
-            return None
-        delta: torch.Tensor = lora.norm_delta(x, self.residual, self.norm.weight, self.norm.eps)
-        return delta
+            return {}
+        if lora.takes_epilogue(x):
+            return {"lora": lora.epilogue(x, self.residual, self.norm.weight)}
+        return {"addend": lora.norm_delta(x, self.residual, self.norm.weight, self.norm.eps)}
 
     def fused_gemv_rope(self, layer: Linear, x: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor | None:
         """The stacked q/k/v projection of one token with the rotary embedding and the KV store in the same kernel
@@ -295,7 +305,7 @@ class AddRMSNorm:
         if rope_block_n(fused_config("rope", n, k, weights[1] is not None), rope["head_dim"]) is None:
             return None
         y, self.summed = gemv_add_rmsnorm_rope(x, self.residual, self.norm.weight, self.norm.eps, *weights,
-                                               RopeStore(**rope), addend=self._lora_addend(layer, x))
+                                               RopeStore(**rope), **self._lora_terms(layer, x))
         return y
 
     def quantized(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
