@@ -1,7 +1,7 @@
 """The batch-1 q/k/v GEMV with the norm before it and the rotary embedding and KV store after it
 (`radixmesh.kernels.gemv_rope`) against the two launches it replaces (`gemv_add_rmsnorm` with the same tiles,
-then `apply_rotary_` with a KV store), under the Triton interpreter without CUDA: the same outputs, the same
-pool rows (bf16 and FP8 pools), every other slot untouched; bf16/fp32 and FP8 weights."""
+then `apply_rotary_` with a KV store, and with Qwen3's q/k norms), under the Triton interpreter without CUDA: the
+same outputs, the same pool rows (bf16 and FP8 pools), every other slot untouched; bf16/fp32 and FP8 weights."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ if not torch.cuda.is_available():
 import pytest
 
 from radixmesh.kernels.fp8_ref import quantize_rows as quantize_rows_ref
-from radixmesh.kernels.fused import KVStoreTarget, apply_rotary_
+from radixmesh.kernels.fused import KVStoreTarget, QKNorm, apply_rotary_
 from radixmesh.kernels.gemv import GemvConfig
 from radixmesh.kernels.gemv_fused import gemv_add_rmsnorm
-from radixmesh.kernels.gemv_rope import RopeStore, gemv_add_rmsnorm_rope, rope_block_n
+from radixmesh.kernels.gemv_rope import RopeStore, gemv_add_rmsnorm_rope, rope_block_n, rope_config
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-5
@@ -132,3 +132,64 @@ def test_an_addend_joins_the_projection_before_the_rotation() -> None:
     torch.testing.assert_close(got, qkv, **tol)
     torch.testing.assert_close(got_k, want_k, **tol)
     torch.testing.assert_close(got_v, want_v, **tol)
+
+
+def _qk_norm(d: int, dtype: torch.dtype, seed: int) -> QKNorm:
+    return QKNorm((1.0 + _rand(d, seed=seed, scale=0.2)).to(dtype), (1.0 + _rand(d, seed=seed + 1, scale=0.2)).to(dtype),
+                  1e-6)
+
+
+# (q heads, kv heads, head_dim, K, tiles: head_dim rows a program); the same weight kinds and pools as above
+_NORM_SHAPES = [(4, 2, 16, 64, GemvConfig(16, 32)), (3, 1, 32, 70, GemvConfig(32, 16, 2)),
+                (2, 2, 8, 48, GemvConfig(8, 64))]
+NORM_CASES = [(*_NORM_SHAPES[0], *w, None) for w in (_FP32, _BF16, _BF16_FP8)] + [
+    (*_NORM_SHAPES[1], *_BF16, _FP8_POOL), (*_NORM_SHAPES[1], *_FP32, None), (*_NORM_SHAPES[2], *_BF16_FP8, _FP8_POOL)]
+
+
+@pytest.mark.parametrize("hq,hkv,d,k,config,dtype,fp8,pool_dtype", NORM_CASES)
+def test_qk_norms_in_the_fused_kernel_equal_the_rotary_kernel_with_them(hq: int, hkv: int, d: int, k: int,
+                                                                       config: GemvConfig, dtype: torch.dtype,
+                                                                       fp8: bool, pool_dtype: torch.dtype | None) -> None:
+    x, residual, nw, (w, ws) = _setup(hq, hkv, d, k, dtype, fp8, seed=3)
+    norm = _qk_norm(d, dtype, seed=21)
+    cos, sin = _caches(d)
+    positions, loc, slot = torch.tensor([29], device=DEVICE), torch.tensor([4], device=DEVICE), 4
+    pool_dtype = pool_dtype or dtype
+    k_scale, v_scale = (0.5, 0.25) if pool_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    fill = torch.full((SLOTS, hkv, d), -2.0, device=DEVICE).to(pool_dtype)
+    want_k, want_v, got_k, got_v = fill.clone(), fill.clone(), fill.clone(), fill.clone()
+
+    # the launches it replaces: the q/k/v GEMV with the norm before it, then the q/k norms + rotary + store
+    qkv, want_summed = gemv_add_rmsnorm(x, residual, nw, EPS, w, ws, config=config)
+    q_, k_, v_ = qkv.view(1, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
+    apply_rotary_(q_, k_, positions, cos, sin, KVStoreTarget(v_.contiguous(), want_k, want_v, loc, k_scale, v_scale),
+                  norm)
+
+    rope = RopeStore(positions, cos, sin, got_k, got_v, loc, hq, hkv, d, k_scale, v_scale, qk_norm=norm)
+    got, summed = gemv_add_rmsnorm_rope(x, residual, nw, EPS, w, ws, rope, config=config)
+    assert torch.equal(summed, want_summed)
+    tol = dict(atol=0.0, rtol=0.0) if DEVICE.type == "cpu" else dict(atol=1e-2, rtol=1.6e-2)
+    torch.testing.assert_close(got.float(), qkv.float(), **tol)
+    fp8_tol = tol if pool_dtype != torch.float8_e4m3fn or DEVICE.type == "cpu" else dict(atol=1e-2, rtol=0.13)
+    torch.testing.assert_close(got_k.float(), want_k.float(), **fp8_tol)
+    torch.testing.assert_close(got_v.float(), want_v.float(), **fp8_tol)
+    others = [s for s in range(SLOTS) if s != slot]
+    assert torch.equal(got_k[others].float(), fill[others].float()) and torch.equal(got_v[others].float(),
+                                                                                    fill[others].float())
+
+
+def test_qk_norm_tiles_hold_whole_heads() -> None:
+    assert rope_block_n(GemvConfig(16, 64), 16, qk_norm=True) == 8
+    assert rope_block_n(GemvConfig(8, 64), 16, qk_norm=True) is None  # a quarter of the head: no norm over it
+    cfg = rope_config(5120, 2048, 128, fp8=False, qk_norm=True)
+    assert cfg.block_n == 128 and rope_block_n(cfg, 128, qk_norm=True) == 64
+    x, residual, nw, (w, ws) = _setup(2, 1, 16, 32, torch.float32, False)
+    cos, sin = _caches(16)
+    one = torch.tensor([0], device=DEVICE)
+    pool = torch.zeros(SLOTS, 1, 16, device=DEVICE)
+    rope = RopeStore(one, cos, sin, pool, pool.clone(), one, 2, 1, 16, qk_norm=_qk_norm(16, torch.float32, 1))
+    with pytest.raises(AssertionError, match="whole heads"):
+        gemv_add_rmsnorm_rope(x, residual, nw, EPS, w, ws, rope, config=GemvConfig(8, 32))
+    bad = rope._replace(qk_norm=QKNorm(torch.ones(8, device=DEVICE), torch.ones(16, device=DEVICE), 1e-6))
+    with pytest.raises(AssertionError, match="q_norm weight must be a contiguous"):
+        gemv_add_rmsnorm_rope(x, residual, nw, EPS, w, ws, bad, config=GemvConfig(16, 32))

@@ -9,6 +9,10 @@ halves in registers and rotates them without another pass. Heads are laid out q,
 as the stacked projection stores them; v rows are stored unrotated. Values are rounded as the
 unfused path rounds them: the projection to the activation dtype, then the rotation.
 
+With Qwen3's per-head RMSNorm of q and k (`RopeStore.qk_norm`) a program holds whole heads (`BLOCK_N` is half
+a head: the head's rows of both halves), so the head's norm is a reduction in registers before the rotation, rounded
+as `fused.apply_rotary_` rounds it (the projection, the normed head, its product with the weight, then the rotation).
+
 Saves one launch per layer (the rotary kernel: ~3 us of an 8B batch-1 step's 32 layers each).
 """
 
@@ -24,7 +28,8 @@ from radixmesh.kernels._checks import check_device, check_float, check_index, ne
 from radixmesh.kernels._fp8_cast import emulate_cast
 from radixmesh.kernels._jit import unspecialized
 from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
-from radixmesh.kernels.gemv import GemvConfig, fused_config
+from radixmesh.kernels.fused import QKNorm
+from radixmesh.kernels.gemv import TUNED_FUSED, GemvConfig, fused_config
 from radixmesh.kernels.gemv_fused import _check_row, _check_weight, _norm_tile, check_addend
 from radixmesh.kernels.kv_store import fp8_store_args, to_pool
 from radixmesh.kernels.lora_gemv import LoraEpilogue, epilogue_args, lora_epilogue
@@ -46,18 +51,36 @@ class RopeStore(NamedTuple):
     head_dim: int
     k_scale: float = 1.0
     v_scale: float = 1.0
+    qk_norm: QKNorm | None = None
+    """Qwen3: every q and k head RMSNorm-ed (weights `[head_dim]`) before the rotation."""
+
+
+@triton.jit
+def _head_norm(lo, hi, is_q, is_qk, qw_ptr, kw_ptr, eps, offs_d, y_ptr, HEAD_DIM: tl.constexpr):
+    """One head's halves `[HEAD_DIM / 2]` (float32 of the projection rounded to y's dtype) RMSNorm-ed with the q or
+    the k weight where `is_qk` (else as they are), rounded as `fused._head_rms_norm` rounds: the normed head, then
+    its product with the weight."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    act = y_ptr.dtype.element_ty
+    rstd = 1.0 / tl.sqrt((tl.sum(lo * lo, axis=0) + tl.sum(hi * hi, axis=0)) / HEAD_DIM + eps)
+    w_lo = tl.where(is_q, tl.load(qw_ptr + offs_d), tl.load(kw_ptr + offs_d)).to(tl.float32)
+    w_hi = tl.where(is_q, tl.load(qw_ptr + HALF + offs_d), tl.load(kw_ptr + HALF + offs_d)).to(tl.float32)
+    n_lo = (w_lo * (lo * rstd).to(act).to(tl.float32)).to(act).to(tl.float32)
+    n_hi = (w_hi * (hi * rstd).to(act).to(tl.float32)).to(act).to(tl.float32)
+    return tl.where(is_qk, n_lo, lo), tl.where(is_qk, n_hi, hi)
 
 
 @triton.jit(**unspecialized(pointers=("pos_ptr", "loc_ptr")))  # loc: a slice of the slot free list
 def _gemv_norm_rope_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_ptr, y_ptr, K, stride_w, eps,
                            pos_ptr, loc_ptr, cos_ptr, sin_ptr, stride_cache, k_buf_ptr, v_buf_ptr,
                            stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
-                           inv_k_scale, inv_v_scale, fp8_max, xa_ptr, lb_ptr, lslots_ptr, lranks_ptr,
+                           inv_k_scale, inv_v_scale, fp8_max, qw_ptr, kw_ptr, qk_eps, xa_ptr, lb_ptr, lslots_ptr, lranks_ptr,
                            lscalings_ptr, ln0, ln1, lsplits, lstride_split, lstride_bs, lstride_bn,
                            HEAD_DIM: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                            EVEN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_ADDEND: tl.constexpr,
-                           IS_FP8: tl.constexpr, EMULATE: tl.constexpr, HAS_LORA: tl.constexpr, R: tl.constexpr,
+                           IS_FP8: tl.constexpr, EMULATE: tl.constexpr, QK_NORM: tl.constexpr,
+                           HAS_LORA: tl.constexpr, R: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
@@ -109,10 +132,12 @@ def _gemv_norm_rope_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_pt
                                    ln1, lsplits, lstride_split, lstride_bs, lstride_bn, R, BLOCK_R, BLOCK_S)
     lo = lo.to(act).to(tl.float32)  # the projection's output, as the unfused path rounds it
     hi = hi.to(act).to(tl.float32)
+    rotate = head < NUM_Q_HEADS + NUM_KV_HEADS  # q and k heads; v heads pass through
+    if QK_NORM:  # BLOCK_N == HALF: the whole head is in lo and hi
+        lo, hi = _head_norm(lo, hi, head < NUM_Q_HEADS, rotate, qw_ptr, kw_ptr, qk_eps, offs_d, y_ptr, HEAD_DIM)
     pos = tl.load(pos_ptr).to(tl.int64)
     cos = tl.load(cos_ptr + pos * stride_cache + offs_d)
     sin = tl.load(sin_ptr + pos * stride_cache + offs_d)
-    rotate = head < NUM_Q_HEADS + NUM_KV_HEADS  # q and k heads; v heads pass through
     out_lo = tl.where(rotate, lo * cos - hi * sin, lo).to(act)
     out_hi = tl.where(rotate, hi * cos + lo * sin, hi).to(act)
     tl.store(y_ptr + offs_n, out_lo)
@@ -131,12 +156,24 @@ def _gemv_norm_rope_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_pt
     tl.store(v_dst + HALF, to_pool(out_hi, v_buf_ptr, inv_v_scale, fp8_max, IS_FP8, EMULATE), mask=mask_v)
 
 
-def rope_block_n(cfg: GemvConfig, head_dim: int) -> int | None:
+def rope_block_n(cfg: GemvConfig, head_dim: int, qk_norm: bool = False) -> int | None:
     """Rows of each half a program takes (half the configuration's rows), or None when they do not tile
-    a half head."""
+    a half head (with `qk_norm`: when they are not the whole half, a power of two)."""
     half = head_dim // 2
     block = max(1, cfg.block_n // 2)
-    return block if head_dim % 2 == 0 and half % block == 0 and next_power_of_2(block) == block else None
+    fits = half % block == 0 and (block == half or not qk_norm)
+    return block if head_dim % 2 == 0 and fits and next_power_of_2(block) == block else None
+
+
+def rope_config(n: int, k: int, head_dim: int, fp8: bool, qk_norm: bool) -> GemvConfig:
+    """The tiles of `gemv_add_rmsnorm_rope` over an `[n, k]` weight: `fused_config`'s, and with `qk_norm` one head a
+    program (tuned as kind `rope-norm` where measured, else `head_dim` rows in K tiles of ~8K elements)."""
+    if not qk_norm:
+        return fused_config("rope", n, k, fp8)
+    tuned = TUNED_FUSED.get(("rope-norm", "fp8" if fp8 else "bf16", n, k))
+    if tuned is not None and tuned.block_n == head_dim:
+        return tuned
+    return GemvConfig(head_dim, max(16, min(128, 8192 // max(1, head_dim))), 8 if head_dim >= 128 else 4, 3)
 
 
 def gemv_add_rmsnorm_rope(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -144,7 +181,7 @@ def gemv_add_rmsnorm_rope(x: torch.Tensor, residual: torch.Tensor, norm_weight: 
                           config: GemvConfig | None = None, addend: torch.Tensor | None = None,
                           lora: LoraEpilogue | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(qkv, x + residual)` for one token: `qkv = rmsnorm(x + residual) * norm_weight @ weight.T` `[1, N]` with
-    its q and k heads rotated at `rope.positions[0]`, and the rotated k and the v written to pool slot
+    its q and k heads (RMSNorm-ed first with `rope.qk_norm`) rotated at `rope.positions[0]`, and the rotated k and the v written to pool slot
     `rope.loc[0]`. `weight` `[N, K]` stacks the q, k and v heads (`N = (q_heads + 2 kv_heads) * head_dim`), in
     x's dtype or FP8 with row scales `weight_scale` `[N]` float32. `addend` (float32 `[1, N]`, e.g. a LoRA
     adapter's output) is added to the projection before rounding and the rotation, as is the adapter of `lora`
@@ -178,9 +215,16 @@ def gemv_add_rmsnorm_rope(x: torch.Tensor, residual: torch.Tensor, norm_weight: 
         check_device(name, t, device)
         assert t.dim() == 3 and tuple(t.shape[1:]) == (hkv, d) and t.stride(2) == 1, (
             f"{name} must be [slots, {hkv}, {d}] with a contiguous last dim, got {tuple(t.shape)}")
-    cfg = config or fused_config("rope", n, k, weight_scale is not None)
-    block_n = rope_block_n(cfg, d)
-    assert block_n is not None, f"{cfg.block_n} rows a program do not tile head_dim {d} in halves"
+    norm = rope.qk_norm
+    if norm is not None:
+        for name, w in (("q_norm weight", norm.q_weight), ("k_norm weight", norm.k_weight)):
+            check_device(name, w, device)
+            check_float(name, w)
+            assert tuple(w.shape) == (d,) and w.is_contiguous(), f"{name} must be a contiguous [{d}], got {tuple(w.shape)}"
+    cfg = config or rope_config(n, k, d, weight_scale is not None, norm is not None)
+    block_n = rope_block_n(cfg, d, norm is not None)
+    assert block_n is not None, (f"{cfg.block_n} rows a program do not tile head_dim {d} in halves"
+                                 + (" (q/k norms: whole heads)" if norm is not None else ""))
     out = torch.empty((1, n), dtype=x.dtype, device=device)
     summed = torch.empty_like(x)
     inv_k, inv_v, limit, is_fp8 = fp8_store_args(rope.k_buffer, rope.k_scale, rope.v_scale)
@@ -190,9 +234,10 @@ def gemv_add_rmsnorm_rope(x: torch.Tensor, residual: torch.Tensor, norm_weight: 
         addend if addend is not None else norm_weight, out, k, weight.stride(0), eps, rope.positions, rope.loc,
         rope.cos_cache, rope.sin_cache, rope.cos_cache.stride(0),
         rope.k_buffer, rope.v_buffer, rope.k_buffer.stride(0), rope.k_buffer.stride(1), rope.v_buffer.stride(0),
-        rope.v_buffer.stride(1), inv_k, inv_v, limit, *lora_args,
+        rope.v_buffer.stride(1), inv_k, inv_v, limit, *(norm if norm is not None else (norm_weight, norm_weight, 0.0)),
+        *lora_args,
         HEAD_DIM=d, NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages, EVEN=k % cfg.block_k == 0, HAS_SCALE=weight_scale is not None,
-        HAS_ADDEND=addend is not None, IS_FP8=is_fp8,
+        HAS_ADDEND=addend is not None, IS_FP8=is_fp8, QK_NORM=norm is not None,
         EMULATE=emulate_cast(device), num_warps=cfg.num_warps, **lora_consts, **pdl_args(device))
     return out, summed
