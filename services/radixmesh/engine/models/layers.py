@@ -291,21 +291,26 @@ class AddRMSNorm:
             return {"lora": lora.epilogue(x, self.residual, self.norm.weight)}
         return {"addend": lora.norm_delta(x, self.residual, self.norm.weight, self.norm.eps)}
 
-    def fused_gemv_rope(self, layer: Linear, x: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor | None:
+    def fused_gemv_rope(self, layer: Linear, x: torch.Tensor, rope: dict[str, Any],
+                        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor | None:
         """The stacked q/k/v projection of one token with the rotary embedding and the KV store in the same kernel
-        (`radixmesh.kernels.gemv_rope`; `rope`: the fields of its `RopeStore`), or None where it does not run."""
+        (`radixmesh.kernels.gemv_rope`; `rope`: the fields of its `RopeStore`; `qk_norm`: Qwen3's q and k norm
+        weights and epsilon, applied per head before the rotation), or None where it does not run."""
         weights = layer.gemv_weights(x)
         if weights is None or layer.bias is not None or not self.residual.is_contiguous() or \
                 self.residual.shape != x.shape:
             return None
-        from radixmesh.kernels.gemv import fused_config
-        from radixmesh.kernels.gemv_rope import RopeStore, gemv_add_rmsnorm_rope, rope_block_n
+        from radixmesh.kernels.fused import QKNorm
+        from radixmesh.kernels.gemv_rope import RopeStore, gemv_add_rmsnorm_rope, rope_block_n, rope_config
 
         n, k = weights[0].shape
-        if rope_block_n(fused_config("rope", n, k, weights[1] is not None), rope["head_dim"]) is None:
+        d = rope["head_dim"]
+        if rope_block_n(rope_config(n, k, d, weights[1] is not None, qk_norm is not None), d, qk_norm is not None) \
+                is None:
             return None
-        y, self.summed = gemv_add_rmsnorm_rope(x, self.residual, self.norm.weight, self.norm.eps, *weights,
-                                               RopeStore(**rope), **self._lora_terms(layer, x))
+        store = RopeStore(**rope, qk_norm=QKNorm(*qk_norm) if qk_norm is not None else None)
+        y, self.summed = gemv_add_rmsnorm_rope(x, self.residual, self.norm.weight, self.norm.eps, *weights, store,
+                                               **self._lora_terms(layer, x))
         return y
 
     def quantized(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -79,17 +79,23 @@ class Attention(nn.Module):
 
     def _qkv_rope_store(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
                         prologue: AddRMSNorm) -> torch.Tensor | None:
-        """One token's norm, q/k/v projection, rotary and KV store in one kernel (CUDA, batch 1), else None."""
+        """One token's norm, q/k/v projection, (Qwen3: q/k norms,) rotary and KV store in one kernel (CUDA, batch 1),
+        else None."""
         rotary = self.rotary[0]
-        if self.q_norm is not None or not rotary.can_store_kv(x):
+        if not rotary.can_store_kv(x):
             return None
         spec, pool = self.spec, batch.token_to_kv_pool
         k_buf, v_buf = pool.get_kv(spec.layer_id)
         k_scale, v_scale = pool.scales(spec.layer_id)
+        qk_norm = None
+        if self.q_norm is not None and self.k_norm is not None:
+            if self.q_norm.eps != self.k_norm.eps:
+                return None
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         return prologue.fused_gemv_rope(self.qkv_proj, x, dict(
             positions=positions, cos_cache=rotary.cos_cache, sin_cache=rotary.sin_cache, k_buffer=k_buf,
             v_buffer=v_buf, loc=batch.out_cache_loc, num_q_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim, k_scale=k_scale, v_scale=v_scale))
+            head_dim=spec.head_dim, k_scale=k_scale, v_scale=v_scale), qk_norm)
 
 
 class DecoderLayer(nn.Module):
