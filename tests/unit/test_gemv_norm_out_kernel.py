@@ -53,7 +53,7 @@ def test_launcher_names_what_it_refuses() -> None:
         gemv_add_rmsnorm_out(x, residual, nw, EPS, _rand(8, 32, seed=3))
     with pytest.raises(AssertionError, match=r"residual must be \[1, 64\]"):
         gemv_add_rmsnorm_out(x, _rand(2, 64, seed=4), nw, EPS, _rand(8, 64, seed=3))
-    with pytest.raises(AssertionError, match="weight is torch.bfloat16, the input is torch.float32"):
+    with pytest.raises(AssertionError, match=r"weight is torch\.bfloat16, the input is torch\.float32"):
         gemv_add_rmsnorm_out(x, residual, nw, EPS, _rand(8, 64, seed=3).to(torch.bfloat16))
     wide = MAX_ROW + 2
     with pytest.raises(AssertionError, match="wider than"):

@@ -135,8 +135,8 @@ def test_an_addend_joins_the_projection_before_the_rotation() -> None:
 
 
 def _qk_norm(d: int, dtype: torch.dtype, seed: int) -> QKNorm:
-    return QKNorm((1.0 + _rand(d, seed=seed, scale=0.2)).to(dtype), (1.0 + _rand(d, seed=seed + 1, scale=0.2)).to(dtype),
-                  1e-6)
+    q_weight, k_weight = (1.0 + _rand(d, seed=seed, scale=0.2)), (1.0 + _rand(d, seed=seed + 1, scale=0.2))
+    return QKNorm(q_weight.to(dtype), k_weight.to(dtype), 1e-6)
 
 
 # (q heads, kv heads, head_dim, K, tiles: head_dim rows a program); the same weight kinds and pools as above
@@ -147,9 +147,9 @@ NORM_CASES = [(*_NORM_SHAPES[0], *w, None) for w in (_FP32, _BF16, _BF16_FP8)] +
 
 
 @pytest.mark.parametrize("hq,hkv,d,k,config,dtype,fp8,pool_dtype", NORM_CASES)
-def test_qk_norms_in_the_fused_kernel_equal_the_rotary_kernel_with_them(hq: int, hkv: int, d: int, k: int,
-                                                                       config: GemvConfig, dtype: torch.dtype,
-                                                                       fp8: bool, pool_dtype: torch.dtype | None) -> None:
+def test_qk_norms_in_the_fused_kernel_equal_the_rotary_kernel_with_them(
+        hq: int, hkv: int, d: int, k: int, config: GemvConfig, dtype: torch.dtype, fp8: bool,
+        pool_dtype: torch.dtype | None) -> None:
     x, residual, nw, (w, ws) = _setup(hq, hkv, d, k, dtype, fp8, seed=3)
     norm = _qk_norm(d, dtype, seed=21)
     cos, sin = _caches(d)

@@ -74,8 +74,8 @@ def _head_norm(lo, hi, is_q, is_qk, qw_ptr, kw_ptr, eps, offs_d, y_ptr, HEAD_DIM
 def _gemv_norm_rope_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_ptr, y_ptr, K, stride_w, eps,
                            pos_ptr, loc_ptr, cos_ptr, sin_ptr, stride_cache, k_buf_ptr, v_buf_ptr,
                            stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
-                           inv_k_scale, inv_v_scale, fp8_max, qw_ptr, kw_ptr, qk_eps, xa_ptr, lb_ptr, lslots_ptr, lranks_ptr,
-                           lscalings_ptr, ln0, ln1, lsplits, lstride_split, lstride_bs, lstride_bn,
+                           inv_k_scale, inv_v_scale, fp8_max, qw_ptr, kw_ptr, qk_eps, xa_ptr, lb_ptr, lslots_ptr,
+                           lranks_ptr, lscalings_ptr, ln0, ln1, lsplits, lstride_split, lstride_bs, lstride_bn,
                            HEAD_DIM: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                            EVEN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_ADDEND: tl.constexpr,
@@ -181,11 +181,11 @@ def gemv_add_rmsnorm_rope(x: torch.Tensor, residual: torch.Tensor, norm_weight: 
                           config: GemvConfig | None = None, addend: torch.Tensor | None = None,
                           lora: LoraEpilogue | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(qkv, x + residual)` for one token: `qkv = rmsnorm(x + residual) * norm_weight @ weight.T` `[1, N]` with
-    its q and k heads (RMSNorm-ed first with `rope.qk_norm`) rotated at `rope.positions[0]`, and the rotated k and the v written to pool slot
-    `rope.loc[0]`. `weight` `[N, K]` stacks the q, k and v heads (`N = (q_heads + 2 kv_heads) * head_dim`), in
-    x's dtype or FP8 with row scales `weight_scale` `[N]` float32. `addend` (float32 `[1, N]`, e.g. a LoRA
-    adapter's output) is added to the projection before rounding and the rotation, as is the adapter of `lora`
-    (`lora_gemv_shrink` of the same x, residual and norm_weight)."""
+    its q and k heads (RMSNorm-ed first with `rope.qk_norm`) rotated at `rope.positions[0]`, and the rotated k and
+    the v written to pool slot `rope.loc[0]`. `weight` `[N, K]` stacks the q, k and v heads
+    (`N = (q_heads + 2 kv_heads) * head_dim`), in x's dtype or FP8 with row scales `weight_scale` `[N]` float32.
+    `addend` (float32 `[1, N]`, e.g. a LoRA adapter's output) is added to the projection before rounding and the
+    rotation, as is the adapter of `lora` (`lora_gemv_shrink` of the same x, residual and norm_weight)."""
     check_float("x", x)
     k = x.shape[-1]
     device = x.device
@@ -220,7 +220,8 @@ def gemv_add_rmsnorm_rope(x: torch.Tensor, residual: torch.Tensor, norm_weight: 
         for name, w in (("q_norm weight", norm.q_weight), ("k_norm weight", norm.k_weight)):
             check_device(name, w, device)
             check_float(name, w)
-            assert tuple(w.shape) == (d,) and w.is_contiguous(), f"{name} must be a contiguous [{d}], got {tuple(w.shape)}"
+            assert tuple(w.shape) == (d,) and w.is_contiguous(), (
+                f"{name} must be a contiguous [{d}], got {tuple(w.shape)}")
     cfg = config or rope_config(n, k, d, weight_scale is not None, norm is not None)
     block_n = rope_block_n(cfg, d, norm is not None)
     assert block_n is not None, (f"{cfg.block_n} rows a program do not tile head_dim {d} in halves"

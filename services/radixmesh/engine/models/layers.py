@@ -150,7 +150,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
 
 
-class Linear(nn.Linear):
+class GemvSwitch:
+    """The batch-1 GEMV switches of a module whose one-row calls may run the GEMV kernels (set by `enable_gemv`)."""
+
+    use_gemv = False
+    """One-row calls on CUDA run the GEMV kernel."""
+    fuse_prologues = False
+    """One-row calls run an `AddRMSNorm` prologue inside the GEMV kernel."""
+
+
+class Linear(GemvSwitch, nn.Linear):
     """`nn.Linear` whose one-row calls on CUDA (a batch-1 decode step) run the GEMV kernel.
 
     cuBLAS treats one row as a skinny GEMM and leaves bandwidth unused on small projections;
@@ -158,9 +167,6 @@ class Linear(nn.Linear):
     turns it on (`use_gemv`) for half-precision weights on CUDA unless `--disable-gemv`.
     """
 
-    use_gemv = False
-    fuse_prologues = False
-    """One-row calls run an `AddRMSNorm` prologue inside the GEMV kernel (`enable_gemv`)."""
     quant_method: Any = None
     """A `radixmesh.engine.quant.base.LinearMethod` owning this layer's weights (set by its `prepare`)."""
     lora: Any = None
@@ -216,7 +222,7 @@ class Linear(nn.Linear):
         else None."""
         if self.lora is not None and self.lora.active and not self.lora.fuses_prologue(x):
             return None  # its adapters read the normed input: no prologue inside the GEMV
-        if not (self.use_gemv and self.fuse_prologues and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+        if not (self.use_gemv and self.fuse_prologues and _fused(x) and x.dim() == 2 and x.shape[0] == 1
                 and x.is_contiguous()):
             return None
         if self.quant_method is None:
@@ -313,6 +319,19 @@ class AddRMSNorm:
                                                **self._lora_terms(layer, x))
         return y
 
+    def fused_router(self, weight: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(prologue(x), prologue(x) @ weight.T)` for one row in one kernel (`radixmesh.kernels.gemv_norm_out`: an
+        MoE router `[E, hidden]` after the post-attention norm), or None where it does not run."""
+        if not (_fused(x) and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and x.dtype == weight.dtype
+                and self.residual.is_contiguous() and self.residual.shape == x.shape):
+            return None
+        from radixmesh.kernels.gemv_norm_out import MAX_ROW, gemv_add_rmsnorm_out
+
+        if x.shape[-1] > MAX_ROW:
+            return None
+        logits, h, self.summed = gemv_add_rmsnorm_out(x, self.residual, self.norm.weight, self.norm.eps, weight)
+        return h, logits
+
     def quantized(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not (_fused(x) and x.dim() == 2 and _kernels_fp8().can_fuse(x.shape[-1])):
             return None
@@ -335,9 +354,9 @@ def _weight_major_faster(x: torch.Tensor) -> bool:
 
 
 def enable_gemv(model: nn.Module, fuse_prologues: bool = True) -> int:
-    """Route the model's one-row linear calls to the GEMV kernel (with their prologues inside it unless
-    `fuse_prologues` is False); how many layers now do."""
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    """Route the model's one-row linear calls (and MoE routers') to the GEMV kernel (with their prologues inside it
+    unless `fuse_prologues` is False); how many layers now do."""
+    layers = [m for m in model.modules() if isinstance(m, GemvSwitch)]
     for layer in layers:
         layer.use_gemv = True
         layer.fuse_prologues = fuse_prologues

@@ -13,29 +13,26 @@ to their experts' ranks by all-to-all (`models.moe_dispatch`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from radixmesh.engine.distributed.sharding import TP_NONE, TensorParallel, WeightSource
+from radixmesh.engine.models.layers import AddRMSNorm, GemvSwitch
 from radixmesh.engine.models.moe_runtime import MoeRuntime
 from radixmesh.engine.models.moe_spec import ExpertLayout, MoeSpec
 from radixmesh.kernels.fp8_ref import quantize_rows
 from radixmesh.kernels.moe_ref import moe_ref, route_ref
 from radixmesh.kernels.moe_routing import RouterSpec
 
-if TYPE_CHECKING:
-    from radixmesh.engine.models.layers import AddRMSNorm
-
 W8A16_MAX_TOKENS = 32
 """FP8 experts take unquantized activations up to this many tokens (as `kernels.moe.fused_moe` does)."""
 PROJECTIONS = ("gate", "up", "down")
 
 
-class RouterGate(nn.Module):
+class RouterGate(GemvSwitch, nn.Module):
     """The router's logits `[tokens, E]` in the activations' dtype. Not a `Linear`: FP8 leaves it unquantized, as
-    published FP8 checkpoints do."""
+    published FP8 checkpoints do. At batch 1 with the prologue fusion on (`enable_gemv`), the post-attention norm
+    before it runs inside its GEMV (`forward_normed`)."""
 
     def __init__(self, hidden_size: int, num_experts: int) -> None:
         super().__init__()
@@ -49,6 +46,15 @@ class RouterGate(nn.Module):
 
             return gemv(x, w)
         return nn.functional.linear(x, w)
+
+    def forward_normed(self, x: torch.Tensor, prologue: AddRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(prologue(x), its logits)`: one kernel for one row where the prologue fusion is on, else the norm's
+        launch and the router's."""
+        fused = prologue.fused_router(self.weight, x) if self.use_gemv and self.fuse_prologues else None
+        if fused is not None:
+            return fused
+        h = prologue.apply(x)
+        return h, self(h)
 
 
 class FusedExperts(nn.Module):
@@ -149,9 +155,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, prologue: AddRMSNorm | None = None) -> torch.Tensor:
         """The layer's output `[tokens, hidden]` for `x` (for `prologue(x)` with one: the post-attention norm)."""
-        if prologue is not None:
-            x = prologue.apply(x)
-        logits = self.gate(x)  # [tokens, E]
+        if prologue is not None:  # the norm, with the router at batch 1 (one kernel)
+            x, logits = self.gate.forward_normed(x, prologue)
+        else:
+            logits = self.gate(x)  # [tokens, E]
         if self.tp.dp_attention:  # `x`: every rank's tokens; the caller reduce-scatters the ranks' partial sums
             return self.local_experts(x, logits)
         if self.runtime.use_all_to_all(self.layout, x):

@@ -1,0 +1,64 @@
+"""Qwen3 and Qwen3-MoE decoding one row at a time through the fused batch-1 kernels on the CPU: the Triton
+interpreter runs them once the CUDA-only switch (`models.layers._fused`) is forced open and the GEMVs are on
+(`enable_gemv`). Greedy tokens equal transformers', with the q/k norms inside the q/k/v + rotary + KV-store kernel
+and the MoE router with the post-attention norm counted as they run; `fuse_prologues=False` runs neither."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from radixmesh.engine.models import layers
+from radixmesh.engine.request import Req
+from radixmesh.kernels import gemv_norm_out, gemv_rope
+from radixmesh.wire.sampling import SamplingParams
+
+from .moe_factory import PROMPTS, hf_greedy, write_hf_checkpoint
+from .scheduler_factory import run_until_idle
+from .tp_factory import close_scheduler, make_tp_scheduler
+
+MAX_NEW = 4
+
+
+def _counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    counts = {"rope_qk_norm": 0, "router": 0}
+    rope, router = gemv_rope.gemv_add_rmsnorm_rope, gemv_norm_out.gemv_add_rmsnorm_out
+
+    def counted_rope(*args: Any, **kwargs: Any) -> Any:
+        counts["rope_qk_norm"] += args[6].qk_norm is not None  # (x, residual, norm weight, eps, weight, scale, rope)
+        return rope(*args, **kwargs)
+
+    def counted_router(*args: Any, **kwargs: Any) -> Any:
+        counts["router"] += 1
+        return router(*args, **kwargs)
+
+    monkeypatch.setattr(gemv_rope, "gemv_add_rmsnorm_rope", counted_rope)
+    monkeypatch.setattr(gemv_norm_out, "gemv_add_rmsnorm_out", counted_router)
+    return counts
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_batch_one_kernels_give_transformers_greedy_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           kind: str, fuse: bool) -> None:
+    path, hf = write_hf_checkpoint(kind, tmp_path / kind)
+    want = hf_greedy(hf, PROMPTS, MAX_NEW)
+    monkeypatch.setattr(layers, "_fused", lambda x: True)
+    counts = _counted(monkeypatch)
+    sched, col = make_tp_scheduler(path, 1, max_running_requests=1)  # one request at a time: one-row decode steps
+    try:
+        assert layers.enable_gemv(sched.runner.model, fuse_prologues=fuse) > 0
+        for i, ids in enumerate(PROMPTS):
+            params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+            sched.add_request(Req(rid=f"r{i}", origin_input_ids=list(ids), params=params))
+        run_until_idle(sched)
+        assert not col.errors, col.errors
+        assert [col.tokens[f"r{i}"] for i in range(len(PROMPTS))] == want
+    finally:
+        close_scheduler(sched)
+    decode_steps = len(PROMPTS) * (MAX_NEW - 1)
+    # moe_factory: 3 layers (the first one's attention without a residual add before it), qwen3_moe's 0 and 2 sparse
+    assert counts["rope_qk_norm"] == (decode_steps * 2 if fuse else 0), counts
+    assert counts["router"] == (decode_steps * 2 if fuse and kind == "qwen3_moe" else 0), counts
