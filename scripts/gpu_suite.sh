@@ -47,6 +47,9 @@
 #   Qwen3-30B-A3B (with --profile: the MoE kernels' share) beside the dense Qwen3-8B's on the other GPU at the same
 #   time, then Mixtral-8x7B on both GPUs at EP 2 and at TP 2 (experts sliced), batches 1 and 64; a table at the end
 #   (MOE_PROMPTS: offline prompts, default 500), and Mixtral at EP 2 with --enable-dp-attention (eager).
+#   STAGES="qwen3-fusion-tests qwen3-gemv qwen3-fusion" TIMEOUT_qwen3_gemv=590 (issue 48, one GPU): Qwen3's batch-1
+#   fusions (q/k norms in the q/k/v GEMV, the router with its norm): GPU tests, the GEMV sets with a sweep
+#   (QWEN3_GEMV_SETS="qwen3-30b-a3b qwen3-8b"), Qwen3-30B-A3B batch-1 decode with and without --disable-gemv-fusion
 #   STAGES=moe-tests: the MoE model GPU tests (two GPUs for EP 2). STAGES=moe-dp TIMEOUT_moe_dp=590 (two GPUs): EP 2 with
 #   and without data-parallel attention, both eager, Qwen3-30B-A3B and Mixtral-8x7B at batches 1, 16 and 64
 #   STAGES=decode-sweep: decode attention's split counts, tiles and grid orders at the offline run's batch sizes
@@ -568,6 +571,24 @@ PY
       python3 -m radixmesh.kernels.bench_moe_small --check --sweep --sweep-ms ${MOE_SWEEP_MS:-1 4} \
         --sweep-weights ${MOE_SMALL_SWEEP_WEIGHTS:-bf16} | tee "$OUT/moe-small.jsonl"
       python3 -m radixmesh.kernels.bench_moe_small --table "$OUT/moe-small.jsonl" ;;
+    qwen3-fusion-tests)  # Qwen3's batch-1 fusions (issue 48): the q/k norms inside the q/k/v + rotary + KV-store GEMV,
+      # the MoE router with the post-attention norm; engine vs transformers, fused vs unfused, the kernels at real shapes,
+      # then the CPU kernel tests compiled
+      python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_qwen3_fusion_gpu.py
+      python3 -m pytest -q -p no:cacheprovider -rfE tests/unit/test_gemv_rope_kernel.py tests/unit/test_gemv_norm_out_kernel.py ;;
+    qwen3-gemv)  # the batch-1 GEMVs of QWEN3_GEMV_SETS (default qwen3-30b-a3b; also qwen3-8b) in bf16, default tiles and a
+      # sweep (the tiles at K=2048), the fused q/k/v and router next to the launches they replace (*-split)
+      python3 -m radixmesh.kernels.bench_gemv_fused --sets ${QWEN3_GEMV_SETS:-qwen3-30b-a3b} --weights bf16 --sweep \
+        | tee -a "$OUT/qwen3-gemv.jsonl" ;;
+    qwen3-fusion)  # Qwen3-30B-A3B batch-1 decode against its bandwidth floor with the GEMV prologue fusion (the default),
+      # then without it (--disable-gemv-fusion), each with the graph's kernel profile
+      for extra in "" --disable-gemv-fusion; do
+        $RM bench one-batch --model-shape qwen3-30b-a3b --batch-size 1 --input-len 1024 --output-len 256 \
+          --context-length 8192 --cuda-graph-max-bs 8 --bandwidth-floor --profile-graph \
+          --result-file "$OUT/qwen3-fusion-one-batch.jsonl" $extra > /tmp/qwen3-fusion$extra.log 2>&1 \
+          || tail -n 20 /tmp/qwen3-fusion$extra.log
+        tail -n 3 /tmp/qwen3-fusion$extra.log
+      done ;;
     moe-small-decode)  # Qwen3-30B-A3B batch-1 decode against its bandwidth floor, the MoE layer on each path
       # (RADIXMESH_MOE_PATH=sorted, then auto: the small-batch path at batch 1), with the graph's kernel profile
       for path in sorted auto; do

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from radixmesh.engine.models import layers
 from radixmesh.engine.request import Req
@@ -20,6 +21,8 @@ from .scheduler_factory import run_until_idle
 from .tp_factory import close_scheduler, make_tp_scheduler
 
 MAX_NEW = 4
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter only: with CUDA the kernels run "
+                                "compiled in tests/gpu/test_qwen3_fusion_gpu.py")
 
 
 def _counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
