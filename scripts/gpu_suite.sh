@@ -580,14 +580,15 @@ PY
       # sweep (the tiles at K=2048), the fused q/k/v and router next to the launches they replace (*-split)
       python3 -m radixmesh.kernels.bench_gemv_fused --sets ${QWEN3_GEMV_SETS:-qwen3-30b-a3b} --weights bf16 --sweep \
         | tee -a "$OUT/qwen3-gemv.jsonl" ;;
-    qwen3-fusion)  # Qwen3-30B-A3B batch-1 decode against its bandwidth floor with the GEMV prologue fusion (the default),
-      # then without it (--disable-gemv-fusion), each with the graph's kernel profile
-      for extra in "" --disable-gemv-fusion; do
-        $RM bench one-batch --model-shape qwen3-30b-a3b --batch-size 1 --input-len 1024 --output-len 256 \
-          --context-length 8192 --cuda-graph-max-bs 8 --bandwidth-floor --profile-graph \
-          --result-file "$OUT/qwen3-fusion-one-batch.jsonl" $extra > /tmp/qwen3-fusion$extra.log 2>&1 \
-          || tail -n 20 /tmp/qwen3-fusion$extra.log
-        tail -n 3 /tmp/qwen3-fusion$extra.log
+    qwen3-fusion)  # Qwen3-30B-A3B batch-1 decode against its bandwidth floor with the Qwen3 fusions (RADIXMESH_QWEN3_FUSION=1:
+      # q/k norms in the q/k/v + rotary kernel, the router with its norm), then as by default (without them), each with
+      # the graph's kernel profile
+      for fusion in 1 0; do
+        RADIXMESH_QWEN3_FUSION=$fusion $RM bench one-batch --model-shape qwen3-30b-a3b --batch-size 1 --input-len 1024 \
+          --output-len 256 --context-length 8192 --cuda-graph-max-bs 8 --bandwidth-floor --profile-graph \
+          --result-file "$OUT/qwen3-fusion-one-batch.jsonl" > /tmp/qwen3-fusion$fusion.log 2>&1 \
+          || tail -n 20 /tmp/qwen3-fusion$fusion.log
+        tail -n 3 /tmp/qwen3-fusion$fusion.log
       done ;;
     moe-small-decode)  # Qwen3-30B-A3B batch-1 decode against its bandwidth floor, the MoE layer on each path
       # (RADIXMESH_MOE_PATH=sorted, then auto: the small-batch path at batch 1), with the graph's kernel profile

@@ -2,8 +2,8 @@
 kernel (`kernels.gemv_rope`) and the MoE router with the post-attention norm (`kernels.gemv_norm_out`).
 
 The engine in float32 (the GEMV kernels forced on for it) gives transformers' greedy tokens with the fused kernels
-counted as they run, and without them under `disable_gemv_fusion`; in bf16 fused and unfused agree; the kernels at
-the Qwen3-30B-A3B and Qwen3-8B shapes match the launches they replace.
+counted as they run (RADIXMESH_QWEN3_FUSION=1), and without them under `disable_gemv_fusion`; in bf16 fused and
+unfused agree; the kernels at the Qwen3-30B-A3B and Qwen3-8B shapes match the launches they replace.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 GPU = dict(device="cuda", max_total_tokens=4096, cuda_graph_max_bs=4, mem_fraction_static=0.2,
            max_running_requests=1)  # one request at a time: every decode step is one row
 MAX_NEW = 10
+
+
+@pytest.fixture(autouse=True)
+def qwen3_fusion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Qwen3 fusions are opt-in (RADIXMESH_QWEN3_FUSION=1): on for every engine these tests build."""
+    monkeypatch.setenv("RADIXMESH_QWEN3_FUSION", "1")
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])

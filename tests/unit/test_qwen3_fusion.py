@@ -1,7 +1,8 @@
 """Qwen3 and Qwen3-MoE decoding one row at a time through the fused batch-1 kernels on the CPU: the Triton
 interpreter runs them once the CUDA-only switch (`models.layers._fused`) is forced open and the GEMVs are on
-(`enable_gemv`). Greedy tokens equal transformers', with the q/k norms inside the q/k/v + rotary + KV-store kernel
-and the MoE router with the post-attention norm counted as they run; `fuse_prologues=False` runs neither."""
+(`enable_gemv`, RADIXMESH_QWEN3_FUSION=1). Greedy tokens equal transformers', with the q/k norms inside the q/k/v +
+rotary + KV-store kernel and the MoE router with the post-attention norm counted as they run; `fuse_prologues=False`
+runs neither, and without RADIXMESH_QWEN3_FUSION neither runs."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def test_batch_one_kernels_give_transformers_greedy_tokens(tmp_path: Path, monke
     path, hf = write_hf_checkpoint(kind, tmp_path / kind)
     want = hf_greedy(hf, PROMPTS, MAX_NEW)
     monkeypatch.setattr(layers, "_fused", lambda x: True)
+    monkeypatch.setenv("RADIXMESH_QWEN3_FUSION", "1")
     counts = _counted(monkeypatch)
     sched, col = make_tp_scheduler(path, 1, max_running_requests=1)  # one request at a time: one-row decode steps
     try:
@@ -65,3 +67,15 @@ def test_batch_one_kernels_give_transformers_greedy_tokens(tmp_path: Path, monke
     # moe_factory: 3 layers (the first one's attention without a residual add before it), qwen3_moe's 0 and 2 sparse
     assert counts["rope_qk_norm"] == (decode_steps * 2 if fuse else 0), counts
     assert counts["router"] == (decode_steps * 2 if fuse and kind == "qwen3_moe" else 0), counts
+
+
+def test_the_qwen3_fusions_are_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = torch.nn.Sequential(layers.Linear(8, 8, bias=False))
+    monkeypatch.delenv("RADIXMESH_QWEN3_FUSION", raising=False)
+    layers.enable_gemv(model)
+    assert model[0].fuse_prologues and not model[0].fuse_qwen3
+    monkeypatch.setenv("RADIXMESH_QWEN3_FUSION", "1")
+    layers.enable_gemv(model)
+    assert model[0].fuse_qwen3
+    layers.enable_gemv(model, fuse_prologues=False)
+    assert not model[0].fuse_qwen3

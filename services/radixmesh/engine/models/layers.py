@@ -157,6 +157,9 @@ class GemvSwitch:
     """One-row calls on CUDA run the GEMV kernel."""
     fuse_prologues = False
     """One-row calls run an `AddRMSNorm` prologue inside the GEMV kernel."""
+    fuse_qwen3 = False
+    """With `fuse_prologues`: Qwen3's q/k norms inside the q/k/v + rotary kernel and an MoE router with the norm
+    before it (RADIXMESH_QWEN3_FUSION=1; off until measured on a GPU)."""
 
 
 class Linear(GemvSwitch, nn.Linear):
@@ -356,10 +359,14 @@ def _weight_major_faster(x: torch.Tensor) -> bool:
 def enable_gemv(model: nn.Module, fuse_prologues: bool = True) -> int:
     """Route the model's one-row linear calls (and MoE routers') to the GEMV kernel (with their prologues inside it
     unless `fuse_prologues` is False); how many layers now do."""
+    from radixmesh.common.env import env_flag
+
     layers = [m for m in model.modules() if isinstance(m, GemvSwitch)]
+    qwen3 = fuse_prologues and env_flag("QWEN3_FUSION")
     for layer in layers:
         layer.use_gemv = True
         layer.fuse_prologues = fuse_prologues
+        layer.fuse_qwen3 = qwen3
     return len(layers)
 
 

@@ -88,8 +88,9 @@ class Attention(nn.Module):
         k_buf, v_buf = pool.get_kv(spec.layer_id)
         k_scale, v_scale = pool.scales(spec.layer_id)
         qk_norm = None
-        if self.q_norm is not None and self.k_norm is not None:
-            if self.q_norm.eps != self.k_norm.eps:
+        if self.q_norm is not None or self.k_norm is not None:
+            if self.q_norm is None or self.k_norm is None or self.q_norm.eps != self.k_norm.eps \
+                    or not self.qkv_proj.fuse_qwen3:
                 return None
             qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         return prologue.fused_gemv_rope(self.qkv_proj, x, dict(
