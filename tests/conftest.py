@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 from grpc.experimental import aio as _grpc_aio
 
+from tests.xdist_scheduling import K8S_TIMINGS, make_scheduler, order_for_workers
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TEST_TORCH_THREADS = "1"
 """PyTorch's intra-op threads in the pytest process and in every service the tests start (they inherit the
@@ -47,6 +49,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: long units of work first
+        order_for_workers(items)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`-n N` without `--dist`: whole modules (and the k8s tests together) per worker, the long ones first."""
+    return make_scheduler(config, log) if config.getvalue("dist") == "load" else None
 
 
 TEST_TIMES = os.environ.get("RADIXMESH_TEST_TIMES", "")
@@ -54,11 +64,24 @@ TEST_TIMES = os.environ.get("RADIXMESH_TEST_TIMES", "")
 long run shows where its time goes even when it is stopped early."""
 
 
+_k8s_timings: dict[str, float] = {}
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if TEST_TIMES:
         with open(TEST_TIMES, "a") as out:
             out.write(json.dumps({"test": report.nodeid, "when": report.when, "s": round(report.duration, 2),
                                   "outcome": report.outcome}) + "\n")
+    for name, value in report.user_properties:
+        if name == K8S_TIMINGS and isinstance(value, dict):
+            _k8s_timings.update(value)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _k8s_timings:
+        terminalreporter.write_sep("-", K8S_TIMINGS)
+        for name, seconds in _k8s_timings.items():
+            terminalreporter.write_line(f"{seconds:8.2f} s  {name}")
 
 
 @pytest.fixture(autouse=True)

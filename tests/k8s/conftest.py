@@ -14,6 +14,7 @@ from tests.helm.chart import find_helm
 from tests.k8s.binaries import MissingBinary, find_binaries
 from tests.k8s.control_plane import ControlPlane
 from tests.k8s.kube import wait_for
+from tests.xdist_scheduling import K8S_TIMINGS
 
 _TIMINGS: dict[str, float] = {}
 
@@ -34,11 +35,12 @@ def control_plane() -> Iterator[ControlPlane]:
 
 
 @pytest.fixture
-def k8s(control_plane: ControlPlane) -> Iterator[ControlPlane]:
+def k8s(control_plane: ControlPlane, request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
     """The session's control plane, checked to be still running before and after the test."""
     control_plane.check_running()
     yield control_plane
     control_plane.check_running()
+    request.node.user_properties.append((K8S_TIMINGS, dict(_TIMINGS)))  # printed by tests/conftest.py
 
 
 @pytest.fixture
@@ -78,9 +80,3 @@ def k8s_timings() -> dict[str, float]:
     """Seconds of the steps the k8s tests time (printed at the end of the run)."""
     return _TIMINGS
 
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _TIMINGS:
-        terminalreporter.write_sep("-", "k8s timings")
-        for name, seconds in _TIMINGS.items():
-            terminalreporter.write_line(f"{seconds:8.2f} s  {name}")
