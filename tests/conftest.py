@@ -59,9 +59,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return make_scheduler(config, log) if config.getvalue("dist") == "load" else None
 
 
-TEST_TIMES = os.environ.get("RADIXMESH_TEST_TIMES", "")
+TEST_TIMES = "" if os.environ.get("PYTEST_XDIST_WORKER") else os.environ.get("RADIXMESH_TEST_TIMES", "")
 """A file to append each test phase's duration to as it ends (one JSON line: test, when, s, outcome), so a
-long run shows where its time goes even when it is stopped early."""
+long run shows where its time goes even when it is stopped early. With pytest-xdist the main process writes
+it (it gets every worker's reports), not the workers too."""
 
 
 _k8s_timings: dict[str, float] = {}
