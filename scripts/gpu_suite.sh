@@ -57,6 +57,7 @@
 #   and its tiles
 #   STAGES="extend-kernel prefill-profile": where a prefill's time goes (the extend kernel's tiles against torch SDPA,
 #   one 8B prefill's kernels and host phases, with and without --enable-dense-prefill)
+#   STEP_TRACE=1 STAGES=online: also the scheduler's step timeline, summed up per request (scripts/step_trace_summary.py)
 #   ONLINE_TAG=x SERVE_ARGS=--disable-launch-pacing STAGES=online: the online results land in online-x-WORKLOAD.json (a
 #   second call's online-WORKLOAD.json would replace the first one's while $OUT holds too few files to be packed); compare
 #   two such runs request by request with `radixmesh bench paired online-random.json online-x-random.json`
@@ -222,8 +223,10 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       model=$(python3 scripts/gpu_tokenizer_model.py ${ONLINE_SHAPE:-llama-3.1-8b} "${TOKENIZER_DIR:-.gpu-model}" \
         /tmp/smol-vocab-${ONLINE_SHAPE:-llama-3.1-8b})
       port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-      $RM serve --model "$model" --load-format dummy --context-length 8192 --port "$port" ${SERVE_ARGS:-} \
-        > "$OUT/online${ONLINE_TAG:+-$ONLINE_TAG}-server.log" 2>&1 &
+      trace=""  # STEP_TRACE=1: the scheduler's per-step timeline (RADIXMESH_STEP_TRACE), summed up below
+      [ -n "${STEP_TRACE:-}" ] && trace="$OUT/step-trace${ONLINE_TAG:+-$ONLINE_TAG}-{pid}.jsonl"
+      RADIXMESH_STEP_TRACE="$trace" $RM serve --model "$model" --load-format dummy --context-length 8192 --port "$port" \
+        ${SERVE_ARGS:-} > "$OUT/online${ONLINE_TAG:+-$ONLINE_TAG}-server.log" 2>&1 &
       server=$!
       for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null || ! kill -0 $server 2>/dev/null && break; sleep 1; done
       spy online "front=$server" $(for p in $(pgrep -P $server); do echo "child-$p=$p"; done)
@@ -235,7 +238,10 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
           --output-file "$OUT/online${ONLINE_TAG:+-$ONLINE_TAG}-$w.json"
       done
       spy_collect online
-      kill -INT $server; wait $server ;;
+      kill -INT $server; wait $server
+      for f in $(ls "$OUT"/step-trace${ONLINE_TAG:+-$ONLINE_TAG}-*.jsonl 2>/dev/null); do
+        python3 scripts/step_trace_summary.py "$f" --json "${f%.jsonl}-summary.json"
+      done ;;
     front-end)  # issue 50: serve's front-end time per prompt (request -> the scheduler holds its token ids) on this
       # host's CPU, over a stub scheduler (no GPU): text, chat and ids at 1k and 4k tokens, the tokenizer pool at one
       # thread (every prompt encoded whole) and at FRONT_END_WORKERS (default 4: long prompts in pieces on 4 threads)

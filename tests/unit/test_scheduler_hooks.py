@@ -197,7 +197,7 @@ def test_a_step_calls_the_hooks_at_their_points_and_changes_no_output(overlap: s
 
 
 def test_every_registered_hook_factory_imports_and_only_the_needed_ones_are_on() -> None:
-    assert SCHEDULER_HOOKS.ids == ("launch-pacing", "grammar", "host-tier", "speculative", "lora")
+    assert SCHEDULER_HOOKS.ids == ("step-trace", "launch-pacing", "grammar", "host-tier", "speculative", "lora")
     for hook_id in SCHEDULER_HOOKS.ids:
         assert callable(SCHEDULER_HOOKS.load(hook_id))
     sched, _ = make_scheduler()  # CPU, no host tier, no speculation, no LoRA: the grammar hook alone

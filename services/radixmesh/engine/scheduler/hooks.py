@@ -113,6 +113,7 @@ class SchedulerHook:
 
 HookFactory = Callable[["Scheduler"], "SchedulerHook | None"]
 SCHEDULER_HOOKS: LazyRegistry[HookFactory] = LazyRegistry("scheduler hook", {
+    "step-trace": "radixmesh.engine.scheduler.step_trace:create_hook",
     "launch-pacing": "radixmesh.engine.scheduler.pacing:create_hook",
     "grammar": "radixmesh.engine.grammar.hook:create_hook",
     "host-tier": "radixmesh.engine.hicache.hook:create_hook",
@@ -120,7 +121,7 @@ SCHEDULER_HOOKS: LazyRegistry[HookFactory] = LazyRegistry("scheduler hook", {
     "lora": "radixmesh.engine.lora.hook:create_hook",
 })
 """Hook id -> factory taking the scheduler, returning the hook (None where the feature is off). The order is
-the order of calls (launch pacing times the step from its very start; a grammar's requests join the queue before
+the order of calls (the step trace, on with RADIXMESH_STEP_TRACE, sees a step before the others; launch pacing times the step from its very start; a grammar's requests join the queue before
 the host tier looks at it; speculation settles a request's KV before a grammar jumps it forward)."""
 
 _METHODS = tuple(name for name, value in vars(SchedulerHook).items()
