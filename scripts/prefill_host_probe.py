@@ -52,6 +52,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 512, 1615, 2499, 3626])
     ap.add_argument("--out")
+    ap.add_argument("--warm-ladder", action="store_true",
+                    help="first run the four projections at the serving warm-up's row counts (gemm_warmup.gemm_rows)")
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     w = {"qkv": torch.randn(Q + 2 * KV, HIDDEN, device=dev, dtype=dt),
@@ -62,6 +64,16 @@ def main() -> None:
     from radixmesh.kernels.fused import rms_norm, silu_and_mul
 
     results: list[dict] = []
+    if args.warm_ladder:
+        from radixmesh.engine.scheduler.gemm_warmup import gemm_rows
+
+        t0 = time.perf_counter()
+        x = torch.randn(4096, INTER, device=dev, dtype=dt)
+        for n in gemm_rows(4096):
+            for k in w:
+                F.linear(x[:n, :ins[k]], w[k])
+        torch.cuda.synchronize()
+        print(json.dumps({"case": "ladder", "seconds": round(time.perf_counter() - t0, 3)}), flush=True)
     for n in args.tokens:
         xs = {k: torch.randn(n + CALLS, ins[k], device=dev, dtype=dt) for k in w}
         outs = {k: torch.empty(n + CALLS, w[k].shape[0], device=dev, dtype=dt) for k in w}

@@ -1,4 +1,4 @@
-"""Prefills of many lengths and decode batches of many sizes before a CUDA server reports ready, so its first
+"""Projections at every row count (gemm_warmup.py), prefills of many lengths and decode batches of many sizes before a CUDA server reports ready, so its first
 requests run at full speed.
 
 A prefill's GEMMs pick a library kernel by row count, and each kernel is loaded on its first use (CUDA loads
@@ -28,6 +28,7 @@ import time
 from typing import TYPE_CHECKING
 
 from radixmesh.engine.request import Req
+from radixmesh.engine.scheduler.gemm_warmup import warm_up_gemms
 from radixmesh.wire.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -101,6 +102,9 @@ def warm_up_prefill(scheduler: Scheduler) -> float:
     cfg, capacity = scheduler.config, scheduler.kv.rank_capacity  # (one rank's pool under data-parallel attention)
     lengths = warmup_lengths(cfg.chunked_prefill_size, scheduler.context_len, capacity)
     batches = decode_batches(scheduler.runner.plan.max_running_requests, capacity)
+    runner = scheduler.runner
+    warm_up_gemms(runner.model, _longest_prompt(cfg.chunked_prefill_size, scheduler.context_len, capacity),
+                  runner.dtype, runner.device)  # every row count's GEMM kernels first (gemm_warmup.py)
     emit, scheduler.emit = scheduler.emit, lambda outputs: None  # nobody asked for these tokens
     try:
         for n in lengths:  # the seed is the length: every prompt starts differently
