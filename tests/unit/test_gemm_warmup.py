@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -17,9 +18,9 @@ from .scheduler_factory import make_scheduler
 def test_the_ladder_is_fine_below_256_coarser_above_and_ends_at_the_top() -> None:
     rows = gemm_rows(4096)
     assert rows[:3] == [2, 3, 4] and rows[-1] == 4096 and rows == sorted(set(rows))
-    assert all(b - a == 1 for a, b in zip(rows, rows[1:]) if b <= 256)
-    assert all(b - a == 4 for a, b in zip(rows, rows[1:]) if 256 < a and b <= 1024)
-    assert all(b - a <= 8 for a, b in zip(rows, rows[1:]))
+    assert all(b - a == 1 for a, b in pairwise(rows) if b <= 256)
+    assert all(b - a == 4 for a, b in pairwise(rows) if a > 256 and b <= 1024)
+    assert all(b - a <= 8 for a, b in pairwise(rows))
     assert len(rows) == 255 + 192 + 384
     assert gemm_rows(1) == [] and gemm_rows(2) == [2] and gemm_rows(300)[-1] == 300
     assert gemm_rows(263)[-3:] == [256, 260, 263]

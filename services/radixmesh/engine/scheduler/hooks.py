@@ -121,8 +121,9 @@ SCHEDULER_HOOKS: LazyRegistry[HookFactory] = LazyRegistry("scheduler hook", {
     "lora": "radixmesh.engine.lora.hook:create_hook",
 })
 """Hook id -> factory taking the scheduler, returning the hook (None where the feature is off). The order is
-the order of calls (the step trace, on with RADIXMESH_STEP_TRACE, sees a step before the others; launch pacing times the step from its very start; a grammar's requests join the queue before
-the host tier looks at it; speculation settles a request's KV before a grammar jumps it forward)."""
+the order of calls (the step trace, on with RADIXMESH_STEP_TRACE, sees a step before the others; launch pacing
+times the step from its very start; a grammar's requests join the queue before the host tier looks at it;
+speculation settles a request's KV before a grammar jumps it forward)."""
 
 _METHODS = tuple(name for name, value in vars(SchedulerHook).items()
                  if callable(value) and not name.startswith("_"))

@@ -1,5 +1,5 @@
-"""Projections at every row count (gemm_warmup.py), prefills of many lengths and decode batches of many sizes before a CUDA server reports ready, so its first
-requests run at full speed.
+"""Projections at every row count (gemm_warmup.py), prefills of many lengths and decode batches of many sizes
+before a CUDA server reports ready, so its first requests run at full speed.
 
 A prefill's GEMMs pick a library kernel by row count, and each kernel is loaded on its first use (CUDA loads
 modules lazily, from library files a fresh machine has not read yet); the eager layers' Triton kernels get a
