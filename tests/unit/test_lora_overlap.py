@@ -138,15 +138,18 @@ def test_the_shrink_runs_on_the_side_while_the_base_runs_and_joins_before_the_ex
     from radixmesh.kernels import lora
 
     streams = RecordingStreams()
-    for name, side in (("lora_shrink", True), ("lora_expand", False)):
-        def launch(*args: Any, _name: str = name, _side: bool = side, _call: Any = getattr(lora, name),
-                   **kwargs: Any) -> Any:
-            assert streams.on_side_now is _side, f"{_name} on the {'side' if _side else 'main'} stream"
-            assert kwargs.get("pdl", True) is False, f"{_name} launched without PDL"
-            streams.events.append(_name)
-            return _call(*args, **kwargs)
 
-        monkeypatch.setattr(lora, name, launch)
+    def recorded(name: str, call: Any, side: bool) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            assert streams.on_side_now is side, f"{name} on the {'side' if side else 'main'} stream"
+            assert kwargs.get("pdl", True) is False, f"{name} launched without PDL"
+            streams.events.append(name)
+            return call(*args, **kwargs)
+
+        return launch
+
+    monkeypatch.setattr(lora, "lora_shrink", recorded("lora_shrink", lora.lora_shrink, True))
+    monkeypatch.setattr(lora, "lora_expand", recorded("lora_expand", lora.lora_expand, False))
     gen = torch.Generator().manual_seed(3)
     x, w = torch.randn(4, IN_FEATURES, generator=gen), torch.randn(sum(SLICES), IN_FEATURES, generator=gen)
 
