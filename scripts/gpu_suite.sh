@@ -624,10 +624,11 @@ PY
     lora-kernels)  # batched LoRA at the 8B projections: tests, then the adapters' cost next to cuBLAS's base GEMMs
       # (32 decode rows over 16 rank-16 adapters, batch 1, four 512-token prefill segments; then slots sized for rank 64)
       # for each decode kernel set: per row (the old launches), grouped by adapter, fused shrink+expand; then
-      # layer-1: batch 1 against the fused GEMVs a step runs, with the adapter in their epilogue (epilogue) or not
-      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_gpu.py
+      # layer-1: batch 1 against the fused GEMVs a step runs, with the adapter in their epilogue (epilogue) or not;
+      # overlap_us: base and LoRA with the shrink on a side stream beside the GEMM, the expand after both
+      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_gpu.py tests/gpu/test_lora_overlap_gpu.py
       python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_lora_kernels.py tests/unit/test_lora_gemv.py \
-        tests/unit/test_bench_lora_gemv.py
+        tests/unit/test_bench_lora_gemv.py tests/unit/test_lora_overlap.py
       python3 -m radixmesh.kernels.bench_lora --check | tee "$OUT/lora-kernels.jsonl"
       python3 -m radixmesh.kernels.bench_lora --cases decode layer-1 --max-rank 64 | tee -a "$OUT/lora-kernels.jsonl"
       python3 -m radixmesh.kernels.bench_lora --table "$OUT/lora-kernels.jsonl" ;;

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 
-from radixmesh.engine.lora.overlap import project_overlapped as OVERLAPPED
 from radixmesh.engine.request import Req
 from radixmesh.wire.sampling import SamplingParams
 
@@ -92,10 +91,11 @@ def _run(model: Path, adapters: list[Path], monkeypatch: pytest.MonkeyPatch, **o
          ) -> tuple[dict[str, list[int]], int]:
     """Greedy tokens of 8 requests decoded together (base, then each adapter in turn), and how many projections took
     the side stream (a graph counts its capture)."""
-    from radixmesh.engine.lora import overlap
+    from radixmesh.kernels import lora_overlap
 
     calls = []
-    monkeypatch.setattr(overlap, "project_overlapped", lambda *a, **k: calls.append(1) or OVERLAPPED(*a, **k))
+    overlapped = lora_overlap.lora_overlapped  # each run patches it anew (monkeypatch restores it at the end)
+    monkeypatch.setattr(lora_overlap, "lora_overlapped", lambda *a, **k: calls.append(1) or overlapped(*a, **k))
     sched, col = make_tp_scheduler(model, 1, lora_paths=tuple(f"a{i}={p}" for i, p in enumerate(adapters)),
                                    max_lora_rank=16, max_loras_per_batch=len(adapters), device="cuda",
                                    dtype="float32", disable_gemv=True, **overrides)

@@ -1,6 +1,7 @@
-"""The LoRA shrink beside the base GEMM (`radixmesh.engine.lora.overlap`) on the CPU: when it applies, the split
+"""The LoRA shrink beside the base GEMM on the CPU: when it applies (`radixmesh.engine.lora.overlap`), the split
 shrink and expand calls into a buffer allocated up front (Triton interpreter) against `lora_ref`, and the fork /
-side / join order around the base projection with a recording stand-in for the two CUDA streams."""
+side / join order around the base projection (`radixmesh.kernels.lora_overlap`) with a recording stand-in for the
+two CUDA streams."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ if not torch.cuda.is_available():
 import pytest
 
 from radixmesh.engine.lora.layers import LoraBatchState, LoraProjection, row_runs
-from radixmesh.engine.lora.overlap import StreamPair, may_overlap, project_overlapped
-from radixmesh.kernels import _pdl
+from radixmesh.engine.lora.overlap import may_overlap
+from radixmesh.kernels import _pdl, lora_overlap
 from radixmesh.kernels.lora import LoraBatch, kernel_config, lora_expand, lora_shrink, shrink_shape
+from radixmesh.kernels.lora_overlap import StreamPair, lora_overlapped
 from radixmesh.kernels.lora_ref import lora_ref, row_slots
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -128,15 +130,12 @@ class RecordingStreams(StreamPair):
 def _overlapped(x: torch.Tensor, project: Any, streams: StreamPair, kind: str = "rows") -> torch.Tensor:
     a, b, ranks, scalings = (t.to(DEVICE) for t in _adapters())
     batch = LoraBatch.per_row(torch.tensor([0, 1, 2, -1][:x.shape[0]], dtype=torch.int32, device=DEVICE))
-    return project_overlapped(x.to(DEVICE), project, a, b, batch, ranks, scalings, SLICES, kind,
-                              streams)
+    return lora_overlapped(x.to(DEVICE), project, a, b, batch, ranks, scalings, SLICES, kind, streams)
 
 
 @pytest.mark.parametrize("kind", ["rows", "grouped"])
 def test_the_shrink_runs_on_the_side_while_the_base_runs_and_joins_before_the_expand(
         monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
-    from radixmesh.kernels import lora
-
     streams = RecordingStreams()
 
     def recorded(name: str, call: Any, side: bool) -> Any:
@@ -148,8 +147,8 @@ def test_the_shrink_runs_on_the_side_while_the_base_runs_and_joins_before_the_ex
 
         return launch
 
-    monkeypatch.setattr(lora, "lora_shrink", recorded("lora_shrink", lora.lora_shrink, True))
-    monkeypatch.setattr(lora, "lora_expand", recorded("lora_expand", lora.lora_expand, False))
+    monkeypatch.setattr(lora_overlap, "lora_shrink", recorded("lora_shrink", lora_shrink, True))
+    monkeypatch.setattr(lora_overlap, "lora_expand", recorded("lora_expand", lora_expand, False))
     gen = torch.Generator().manual_seed(3)
     x, w = torch.randn(4, IN_FEATURES, generator=gen), torch.randn(sum(SLICES), IN_FEATURES, generator=gen)
 

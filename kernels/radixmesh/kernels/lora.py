@@ -32,7 +32,7 @@ call with either runs the per-row launches.
 
 Shrink and expand are separate calls (`lora_shrink` into a buffer of `shrink_shape`, then `lora_expand`) so that
 the engine can run the shrink on a side CUDA stream while the base projection's GEMM runs on the main one, the
-expand after both (`radixmesh.engine.lora.overlap`); `pdl=False` launches them without PDL there, so that neither
+expand after both (`radixmesh.kernels.lora_overlap`); `pdl=False` launches them without PDL there, so that neither
 relies on PDL ordering across the streams' fork and join.
 """
 

@@ -7,7 +7,7 @@ plain matmuls over the batch's runs of rows sharing a slot. Which slot each row 
 `LoraBatchState` of the model, set by the runner before every pass. At one row where the GEMV kernels run,
 "auto" and "epilogue" give the GEMV the adapter instead (`epilogue`): one shrink launch, the expand in the
 GEMV's epilogue (`radixmesh.kernels.lora_gemv`). At more rows on CUDA the shrink may run on a side stream while
-the base GEMM runs, the expand after both (`project`, --lora-overlap: `radixmesh.engine.lora.overlap`).
+the base GEMM runs, the expand after both (`project`, --lora-overlap: `radixmesh.kernels.lora_overlap`).
 """
 
 from __future__ import annotations
@@ -100,10 +100,10 @@ class LoraProjection:
         kind = self.overlap_kind(x)
         if kind is None:
             return self.add(x, base(x))
-        from radixmesh.engine.lora.overlap import project_overlapped
+        from radixmesh.kernels.lora_overlap import lora_overlapped
 
         state = self.state
-        return project_overlapped(x.contiguous(), base, self.a, self.b, state.kernel_batch, state.ranks,
+        return lora_overlapped(x.contiguous(), base, self.a, self.b, state.kernel_batch, state.ranks,
                                   state.scalings, self.slice_sizes, kind)
 
     def overlap_kind(self, x: torch.Tensor) -> str | None:

@@ -47,7 +47,7 @@ class LoraRuntime:
         any graph is captured."""
         self.state.overlap = mode
         if self.device.type == "cuda" and mode != "off":
-            from radixmesh.engine.lora.overlap import side_stream
+            from radixmesh.kernels.lora_overlap import side_stream
 
             side_stream(self.device)
 
