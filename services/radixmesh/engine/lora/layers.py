@@ -103,8 +103,8 @@ class LoraProjection:
         from radixmesh.kernels.lora_overlap import lora_overlapped
 
         state = self.state
-        return lora_overlapped(x.contiguous(), base, self.a, self.b, state.kernel_batch, state.ranks,
-                                  state.scalings, self.slice_sizes, kind)
+        return lora_overlapped(x.contiguous(), base, self.a, self.b, state.kernel_batch, state.ranks, state.scalings,
+                               self.slice_sizes, kind)
 
     def overlap_kind(self, x: torch.Tensor) -> str | None:
         """The kernel set ("rows" or "grouped") whose shrink runs beside the base GEMM for input `x` of a pass with
