@@ -36,7 +36,8 @@
 #   0.7; own-weights draft); STAGES=spec-eagle: random 8B-shape EAGLE / EAGLE-3 heads (a cycle's cost, exactness), as
 #   chains (3 steps) and as trees (top-4, 3 steps, 8 draft tokens), then the tree-mask kernel tests on the GPU
 #   STAGES=lora: LoRA adapters in the engine (GPU tests, then `bench lora`: 16 adapters in a batch of 32 vs the base;
-#   LORA_KERNELS="auto rows" TIMEOUT_lora=590: the bench once per decode kernel set)
+#   LORA_KERNELS="auto rows" TIMEOUT_lora=590: the bench once per decode kernel set; LORA_OVERLAP="on off": the mixed
+#   batch once per --lora-overlap setting in each bench run, against the same base figures)
 #   STAGES="moe-kernels lora-kernels" TIMEOUT_moe_kernels=590: the MoE and batched-LoRA kernels (issues 48, 46): GPU
 #   tests, the CPU kernel tests compiled, the benchmarks (MoE tile sweep at MOE_SWEEP_MS) and a table of each at the end
 #   STAGES=moe-small TIMEOUT_moe_small=590 (issue 48, one GPU): the MoE small-batch path vs the sorted one per M and
@@ -139,7 +140,7 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
         tests/gpu/test_custom_all_reduce_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_hot_path_gpu.py \
         tests/gpu/test_triton_kernels_gpu.py tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_kv_transfer_gpu.py \
         tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_lora_gpu.py \
-        tests/gpu/test_lora_engine_gpu.py ;;
+        tests/gpu/test_lora_engine_gpu.py tests/gpu/test_lora_overlap_gpu.py ;;
     pdl-tests)  # programmatic dependent launch: decode kernel chains in graphs vs without PDL, engine vs transformers
       python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/gpu/test_pdl_gpu.py tests/gpu/test_engine_gpu.py
       python3 -m pytest -q -p no:cacheprovider -rfE tests/unit/test_gemv_rope_kernel.py tests/unit/test_gemv_fused_kernel.py ;;
@@ -608,21 +609,26 @@ PY
     lora)  # issue 46: adapters in the engine (graphs vs eager vs CPU), then 16 rank-16 adapters mixed in a batch of 32
       # vs the base model, batch 1 with and without an adapter, and a run-time load (8B shape, random weights);
       # LORA_KERNELS="auto rows": one run per --lora-kernels setting (auto: the adapter in the batch-1 GEMVs'
-      # epilogues, the per-row launches above one row; rows: the per-row launches at every batch, unfused at batch 1)
-      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_engine_gpu.py tests/gpu/test_lora_gpu.py
+      # epilogues, the per-row launches above one row; rows: the per-row launches at every batch, unfused at batch 1);
+      # LORA_OVERLAP="on off": the mixed batch on one LoRA engine per --lora-overlap setting (on: the shrink on a side
+      # stream beside the base GEMM; auto: on at decode batches above one row with the per-row launches)
+      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_engine_gpu.py tests/gpu/test_lora_gpu.py \
+        tests/gpu/test_lora_overlap_gpu.py
       for kernels in ${LORA_KERNELS:-auto}; do
         $RM bench lora --model-shape llama-3.1-8b --num-adapters 16 --rank 16 --batch-size 32 --input-len 256 \
-          --output-len 128 --lora-kernels "$kernels" --result-file "$OUT/lora.jsonl"
+          --output-len 128 --lora-kernels "$kernels" --lora-overlap ${LORA_OVERLAP:-auto} --result-file "$OUT/lora.jsonl"
       done ;;
     lora-tests)  # the LoRA GPU tests alone (engine: graphs vs eager vs CPU per kernel set; kernels)
-      python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_lora_engine_gpu.py tests/gpu/test_lora_gpu.py ;;
+      python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_lora_engine_gpu.py tests/gpu/test_lora_gpu.py \
+        tests/gpu/test_lora_overlap_gpu.py ;;
     lora-kernels)  # batched LoRA at the 8B projections: tests, then the adapters' cost next to cuBLAS's base GEMMs
       # (32 decode rows over 16 rank-16 adapters, batch 1, four 512-token prefill segments; then slots sized for rank 64)
       # for each decode kernel set: per row (the old launches), grouped by adapter, fused shrink+expand; then
-      # layer-1: batch 1 against the fused GEMVs a step runs, with the adapter in their epilogue (epilogue) or not
-      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_gpu.py
+      # layer-1: batch 1 against the fused GEMVs a step runs, with the adapter in their epilogue (epilogue) or not;
+      # overlap_us: base and LoRA with the shrink on a side stream beside the GEMM, the expand after both
+      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_gpu.py tests/gpu/test_lora_overlap_gpu.py
       python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_lora_kernels.py tests/unit/test_lora_gemv.py \
-        tests/unit/test_bench_lora_gemv.py
+        tests/unit/test_bench_lora_gemv.py tests/unit/test_lora_overlap.py
       python3 -m radixmesh.kernels.bench_lora --check | tee "$OUT/lora-kernels.jsonl"
       python3 -m radixmesh.kernels.bench_lora --cases decode layer-1 --max-rank 64 | tee -a "$OUT/lora-kernels.jsonl"
       python3 -m radixmesh.kernels.bench_lora --table "$OUT/lora-kernels.jsonl" ;;

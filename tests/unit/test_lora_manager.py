@@ -169,6 +169,7 @@ def test_info_lists_most_recently_used_first_with_sizes(tmp_path: Path) -> None:
     ({"lora_paths": ("sql=/a", "/b/sql")}, "lora_paths"),
     ({"lora_paths": ("a=/a", "b=/b"), "max_loaded_loras": 1}, "lora_paths"),
     ({"lora_kernels": "punica"}, "lora_kernels"),
+    ({"lora_overlap": "always"}, "lora_overlap"),
 ])
 def test_lora_options_out_of_bounds_are_refused(settings: dict[str, Any], field: str) -> None:
     with pytest.raises(RadixMeshError) as err:
@@ -186,6 +187,22 @@ def test_lora_options_in_bounds_and_their_defaults() -> None:
     assert not plain.lora_enabled and target_modules(plain) == TARGET_MODULES
     assert plain.lora_kernels == "auto"
     assert EngineConfig(load_format="dummy", lora_kernels="rows").lora_kernels == "rows"
+    assert plain.lora_overlap == "auto"
+    assert EngineConfig(load_format="dummy", lora_overlap="off").lora_overlap == "off"
+
+
+@pytest.mark.parametrize("value", ["auto", "on", "off"])
+def test_the_lora_overlap_flag_reaches_the_engine_config(value: str) -> None:
+    import argparse
+
+    from radixmesh.engine.args import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args([]).lora_overlap == "auto"
+    args = parser.parse_args(["--lora-overlap", value])
+    kwargs = {**engine_kwargs(args), "load_format": "dummy"}
+    assert EngineConfig(**kwargs).lora_overlap == value
 
 
 def test_the_lora_kernels_flag_offers_every_kernel_set() -> None:

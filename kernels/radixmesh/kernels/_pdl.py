@@ -51,8 +51,9 @@ def pdl_enabled(device: torch.device) -> bool:
     return _supports(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pdl_args(device: torch.device) -> dict[str, Any]:
-    """Keyword arguments for a launch of a kernel with a `PDL: tl.constexpr` parameter."""
-    if pdl_enabled(device):
+def pdl_args(device: torch.device, allowed: bool = True) -> dict[str, Any]:
+    """Keyword arguments for a launch of a kernel with a `PDL: tl.constexpr` parameter (`allowed=False`: without
+    PDL whatever the switch says, e.g. a launch right after a join of two streams)."""
+    if allowed and pdl_enabled(device):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}

@@ -10,7 +10,8 @@ each its own adapter) and `layer-1` (batch 1 against the fused GEMVs a step runs
 case of the "epilogue" set, which has no `lora_apply` of its own; the others skip it). Per projection (q/k/v
 stacked, o, gate/up stacked, down): the base GEMM in bf16 (`torch.matmul`, cuBLAS; layer-1: the fused GEMVs), the
 LoRA shrink and expand alone and together, and base then LoRA in one graph (`with_lora_us`); `base_share` = base /
-with LoRA, the throughput a step made only of these GEMMs keeps.
+with LoRA, the throughput a step made only of these GEMMs keeps. `overlap_us`: base and LoRA with the shrink on a
+side stream beside the GEMM (`radixmesh.kernels.lora_overlap`; not for "fused"), `overlap_share` its base share.
 Decode cases run once per kernel set of `--kernels` (`radixmesh.kernels.lora.KERNELS`: the per-row launches
 "rows", "grouped" by adapter, "fused" shrink+expand, or what "auto" picks), so old and new sit in one table;
 a fused launch has no shrink or expand of its own. Prefill segments always take the per-segment launches.
@@ -42,6 +43,7 @@ from radixmesh.kernels.lora import (
     lora_expand,
     lora_shrink,
 )
+from radixmesh.kernels.lora_overlap import lora_overlapped
 from radixmesh.kernels.lora_ref import lora_ref, row_slots
 
 # (name, in features, output slices) of one Llama-3.1-8B layer
@@ -93,6 +95,12 @@ def bench_projection(case: str, name: str, k: int, slices: tuple[int, ...], args
         return functools.partial(lora_apply, x, ys[i % len(ys)], a, b, batch, ranks, scalings, slices, cfg, xa,
                                  kind)
 
+    def overlapped(i: int) -> Callable[[], object]:  # the shrink on the side stream beside the GEMM
+        a, b = adapters[i % lora_copies]
+        w, y = weights[i % base_copies], ys[i % len(ys)]
+        return functools.partial(lora_overlapped, x, lambda inp: torch.matmul(inp, w.t(), out=y), a, b, batch,
+                                 ranks, scalings, slices, kind)
+
     pair_us = time_us([call for i in range(count) for call in (base(i), lora(i))])
     row: dict[str, object] = {
         "bench": "lora", "case": case, "projection": name, "kernels": kind, "rows": rows, "in": k,
@@ -101,16 +109,20 @@ def bench_projection(case: str, name: str, k: int, slices: tuple[int, ...], args
         "shrink_us": None, "expand_us": None,
         "lora_us": time_us([lora(i) for i in range(count)]),
         "with_lora_us": None if pair_us is None else round(2 * pair_us, 2),  # time_us counts each call of a pair
+        "overlap_us": None,
     }
     if xa is not None:
+        row["overlap_us"] = time_us([overlapped(i) for i in range(count)])
         row["shrink_us"] = time_us([functools.partial(lora_shrink, x, adapters[i % lora_copies][0], batch, ranks,
                                                       len(slices), xa, cfg, kind) for i in range(count)])
         row["expand_us"] = time_us([functools.partial(lora_expand, xa, adapters[i % lora_copies][1], batch, ranks,
                                                       scalings, ys[i % len(ys)], slices, cfg, kind)
                                     for i in range(count)])
-    base_us, with_lora_us = row["base_us"], row["with_lora_us"]
-    if isinstance(base_us, float) and isinstance(with_lora_us, float):
-        row["base_share"] = round(base_us / with_lora_us, 3)
+    base_us = row["base_us"]
+    for key, share in (("with_lora_us", "base_share"), ("overlap_us", "overlap_share")):
+        value = row[key]
+        if isinstance(base_us, float) and isinstance(value, float):
+            row[share] = round(base_us / value, 3)
     if args.check:
         row["rel_err"] = check(x, weights[0], adapters[0], batch, ranks, scalings, slices, cfg, kind)
     return row
@@ -132,16 +144,18 @@ def summary(case: str, rows: list[dict[str, object]]) -> dict[str, object]:
         numbers = [v for v in values if isinstance(v, float)]
         return round(sum(numbers), 2) if len(numbers) == len(values) else None
 
-    base, with_lora = total("base_us"), total("with_lora_us")
+    base, with_lora, overlap = total("base_us"), total("with_lora_us"), total("overlap_us")
     return {"bench": "lora", "case": case, "projection": "layer", "kernels": rows[0]["kernels"],
             "rows": rows[0]["rows"], "rank": rows[0]["rank"],
             "adapters": rows[0]["adapters"], "base_us": base, "lora_us": total("lora_us"),
-            "with_lora_us": with_lora, "base_share": round(base / with_lora, 3) if base and with_lora else None}
+            "with_lora_us": with_lora, "base_share": round(base / with_lora, 3) if base and with_lora else None,
+            "overlap_us": overlap, "overlap_share": round(base / overlap, 3) if base and overlap else None}
 
 
 COLUMNS = [("case", "case"), ("proj", "projection"), ("kernels", "kernels"), ("rows", "rows"), ("adapters", "adapters"),
            ("base_us", "base_us"), ("shrink", "shrink_us"), ("expand", "expand_us"), ("lora_us", "lora_us"),
-           ("with_lora", "with_lora_us"), ("base_share", "base_share"), ("rel_err", "rel_err")]
+           ("with_lora", "with_lora_us"), ("base_share", "base_share"), ("overlap", "overlap_us"),
+           ("overlap_share", "overlap_share"), ("rel_err", "rel_err")]
 
 
 def main(argv: list[str] | None = None) -> int:

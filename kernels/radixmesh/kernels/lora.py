@@ -29,6 +29,11 @@ row the base projection's GEMV adds the adapter in its epilogue after one shrink
 keeps its fused norm, rotary and SiLU (4 LoRA launches a layer instead of 8 plus the 4 the fusions save).
 The model's projections take it at one row under "auto" and "epilogue" where the GEMV runs; a `lora_apply`
 call with either runs the per-row launches.
+
+Shrink and expand are separate calls (`lora_shrink` into a buffer of `shrink_shape`, then `lora_expand`) so that
+the engine can run the shrink on a side CUDA stream while the base projection's GEMM runs on the main one, the
+expand after both (`radixmesh.kernels.lora_overlap`); `pdl=False` launches them without PDL there, so that neither
+relies on PDL ordering across the streams' fork and join.
 """
 
 from __future__ import annotations
@@ -271,17 +276,17 @@ def _check_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch, ranks: tor
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch, ranks: torch.Tensor, num_slices: int = 1,
                 out: torch.Tensor | None = None, config: LoraConfig | None = None,
-                kernels: str = "rows") -> torch.Tensor:
+                kernels: str = "rows", pdl: bool = True) -> torch.Tensor:
     """`x @ A.T` of every row's adapter, per slice: float32 `[num_splits, M, num_slices * R]` partial sums
     (rows of slot -1 are not written). `x` `[M, in]`, `a` `[num_slots, num_slices * R, in]`; `kernels`: "rows"
-    (per row or segment) or "grouped" (per slot, decode only)."""
+    (per row or segment) or "grouped" (per slot, decode only); `pdl`: the launch may take PDL."""
     _check_shrink(x, a, batch, ranks, num_slices)
     rows, k = x.shape
     max_rank = a.shape[1] // num_slices
     grouped = _is_grouped(kernels, batch)
     cfg = config or kernel_config("grouped" if grouped else "rows", batch, k, (1,) * num_slices, max_rank,
                                   ranks.shape[0], x.device)
-    shape = (cfg.num_splits, rows, num_slices * max_rank)
+    shape = shrink_shape(cfg, rows, num_slices, max_rank)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=x.device)
     check_device("out", out, x.device)
@@ -293,7 +298,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch, ranks: torch
     if grouped:
         assert cfg.block_m >= 16, f"grouped programs take 16+ rows on the tensor cores, block_m {cfg.block_m}"
         grouped_shrink(x, a, batch.slots, ranks, num_slices, out, cfg.block_m, cfg.block_k, cfg.num_splits,
-                       cfg.num_warps, op, precision)
+                       cfg.num_warps, op, precision, pdl)
         return out
     use_dot = cfg.block_m >= 16
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.num_splits), cfg.block_k) * cfg.block_k
@@ -303,8 +308,15 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch, ranks: torch
         k_per_split, cfg.num_splits, x.stride(0), a.stride(0), a.stride(1), out.stride(0), out.stride(1),
         R=max_rank, SEGMENTED=batch.seg_starts is not None, BLOCK_M=cfg.block_m,
         BLOCK_R=max(16 if use_dot else 1, next_power_of_2(max_rank)), BLOCK_K=cfg.block_k, USE_DOT=use_dot,
-        DOT_DTYPE=op, PRECISION=precision, num_warps=cfg.num_warps, **pdl_args(x.device))
+        DOT_DTYPE=op, PRECISION=precision, num_warps=cfg.num_warps, **pdl_args(x.device, pdl))
     return out
+
+
+def shrink_shape(config: LoraConfig, rows: int, num_slices: int, max_rank: int) -> tuple[int, int, int]:
+    """Shape of the float32 buffer `lora_shrink` writes with `config` (one partial sum per K split)."""
+    return config.num_splits, rows, num_slices * max_rank
+
+
 
 
 def _is_grouped(kernels: str, batch: LoraBatch) -> bool:
@@ -332,11 +344,11 @@ def _check_outputs(b: torch.Tensor, batch: LoraBatch, ranks: torch.Tensor, scali
 
 def lora_expand(xa: torch.Tensor, b: torch.Tensor, batch: LoraBatch, ranks: torch.Tensor, scalings: torch.Tensor,
                 y: torch.Tensor, slice_sizes: tuple[int, ...], config: LoraConfig | None = None,
-                kernels: str = "rows") -> torch.Tensor:
+                kernels: str = "rows", pdl: bool = True) -> torch.Tensor:
     """`y[:, cols_i] += scaling * xa_i @ B_i.T` in place for every row with an adapter; returns `y`.
 
     `xa` from `lora_shrink` (of the same `kernels`); `b` `[num_slots, sum(slice_sizes), R]`; `y`
-    `[M, sum(slice_sizes)]` (b's dtype)."""
+    `[M, sum(slice_sizes)]` (b's dtype); `pdl`: the launch may take PDL."""
     _check_outputs(b, batch, ranks, scalings, y, slice_sizes)
     rows, max_rank = y.shape[0], b.shape[2]
     assert xa.dim() == 3 and tuple(xa.shape[1:]) == (rows, len(slice_sizes) * max_rank) and (
@@ -351,7 +363,8 @@ def lora_expand(xa: torch.Tensor, b: torch.Tensor, batch: LoraBatch, ranks: torc
         return y
     if grouped:
         assert cfg.block_m >= 16, f"grouped programs take 16+ rows on the tensor cores, block_m {cfg.block_m}"
-        grouped_expand(xa, b, batch.slots, ranks, scalings, y, slice_sizes, cfg.block_m, cfg.block_n, cfg.num_warps)
+        grouped_expand(xa, b, batch.slots, ranks, scalings, y, slice_sizes, cfg.block_m, cfg.block_n, cfg.num_warps,
+                       pdl)
         return y
     use_dot = cfg.block_m >= 16
     op, precision = _operand(y)
@@ -363,7 +376,7 @@ def lora_expand(xa: torch.Tensor, b: torch.Tensor, batch: LoraBatch, ranks: torc
         *sizes, xa.shape[0], tiles, xa.stride(0), xa.stride(1), b.stride(0), b.stride(1), y.stride(0),
         R=max_rank, SEGMENTED=batch.seg_starts is not None, BLOCK_M=cfg.block_m,
         BLOCK_R=max(16 if use_dot else 1, next_power_of_2(max_rank)), BLOCK_N=cfg.block_n, USE_DOT=use_dot,
-        DOT_DTYPE=op, PRECISION=precision, num_warps=cfg.num_warps, **pdl_args(y.device))
+        DOT_DTYPE=op, PRECISION=precision, num_warps=cfg.num_warps, **pdl_args(y.device, pdl))
     return y
 
 

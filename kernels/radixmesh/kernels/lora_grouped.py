@@ -192,8 +192,9 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, scalings_ptr, y_ptr
 
 def grouped_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, ranks: torch.Tensor, num_slices: int,
                    out: torch.Tensor, block_m: int, block_k: int, num_splits: int, num_warps: int,
-                   dot_dtype: tl.dtype, precision: str) -> None:
-    """Grouped `x @ A.T` partial sums into `out` `[num_splits, M, num_slices * R]` (inputs checked by the caller)."""
+                   dot_dtype: tl.dtype, precision: str, pdl: bool = True) -> None:
+    """Grouped `x @ A.T` partial sums into `out` `[num_splits, M, num_slices * R]` (inputs checked by the caller;
+    `pdl`: the launch may take PDL)."""
     rows, k = x.shape
     max_rank = a.shape[1] // num_slices
     k_per_split = triton.cdiv(triton.cdiv(k, num_splits), block_k) * block_k
@@ -201,13 +202,14 @@ def grouped_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, ranks:
     _grouped_shrink_kernel[grid](
         x, a, slots, ranks, out, rows, k, k_per_split, num_splits, x.stride(0), a.stride(0), a.stride(1),
         out.stride(0), out.stride(1), R=max_rank, BLOCK_M=block_m, BLOCK_R=max(16, next_power_of_2(max_rank)),
-        BLOCK_K=block_k, DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=num_warps, **pdl_args(x.device))
+        BLOCK_K=block_k, DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=num_warps, **pdl_args(x.device, pdl))
 
 
 def grouped_expand(xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, ranks: torch.Tensor,
                    scalings: torch.Tensor, y: torch.Tensor, slice_sizes: tuple[int, ...], block_m: int,
-                   block_n: int, num_warps: int) -> None:
-    """Grouped `y[:, cols_i] += scaling * xa_i @ B_i.T` in place (inputs checked by the caller)."""
+                   block_n: int, num_warps: int, pdl: bool = True) -> None:
+    """Grouped `y[:, cols_i] += scaling * xa_i @ B_i.T` in place (inputs checked by the caller; `pdl`: the launch
+    may take PDL)."""
     rows = y.shape[0]
     max_rank = b.shape[2]
     sizes = (*slice_sizes, 0, 0)[:3]
@@ -218,7 +220,7 @@ def grouped_expand(xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, ranks
         b.stride(0), b.stride(1), y.stride(0), R=max_rank, BLOCK_M=block_m,
         BLOCK_R=max(16, next_power_of_2(max_rank)), BLOCK_N=block_n,
         PRECISION="ieee" if y.device.type == "cpu" or y.dtype == torch.float32 else "tf32", num_warps=num_warps,
-        **pdl_args(y.device))
+        **pdl_args(y.device, pdl))
 
 
 def fused_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,

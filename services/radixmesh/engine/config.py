@@ -197,6 +197,10 @@ class EngineConfig:
     """Decode LoRA kernels on CUDA: auto (epilogue at one row where the GEMV runs, else rows) | epilogue (one
     shrink launch per layer input, the expand in the batch-1 GEMV's epilogue) | rows (a shrink and an expand
     program per row) | grouped (by adapter) | fused (one launch per projection); prefill takes per-request ones."""
+    lora_overlap: str = "auto"
+    """CUDA: run the adapters' shrink on a side stream beside the base GEMM, the expand after both: auto (decode
+    batches of more than one row with the per-row kernels) | on (every pass whose adapters run as a separate
+    shrink and expand) | off."""
     lora_target_modules: tuple[str, ...] = ()
     """Projections with adapter slots (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; empty: all);
     an adapter targeting another one is refused at load."""

@@ -196,10 +196,11 @@ def build_lora(runner: ModelRunner) -> LoraRuntime | None:
     lora = LoraRuntime(runner.model, runner.layout, runner.model_config.hidden_size, shape, runner.device,
                        runner.dtype, config.cuda_graph_max_bs if runner.device.type == "cuda" else 0)
     lora.state.kernels = config.lora_kernels
+    lora.set_overlap(config.lora_overlap)
     if runner.tp_leader is not None:
         lora.mirror = runner.tp_leader.lora_slot
-    logger.info("LoRA: %d slots of rank %d, %.1f MiB, %s decode kernels", shape.num_slots, shape.max_rank,
-                lora.slots.num_bytes / 2**20, config.lora_kernels)
+    logger.info("LoRA: %d slots of rank %d, %.1f MiB, %s decode kernels, overlap %s", shape.num_slots,
+                shape.max_rank, lora.slots.num_bytes / 2**20, config.lora_kernels, config.lora_overlap)
     return lora
 
 

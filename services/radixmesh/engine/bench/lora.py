@@ -4,7 +4,9 @@ Random PEFT adapters of the model's shape (rank `--rank`, every projection targe
 directory. On one model without LoRA, then one with `--num-adapters` slots: decode throughput of a batch of
 `--batch-size` where request i uses adapter i mod N, against the same batch of base requests on the model without
 LoRA; batch-1 decode with and without an adapter; and the time to load one more adapter at run time (files read
-and checked, then written into a device slot). Prints each figure and ends with one JSON line.
+and checked, then written into a device slot). With several `--lora-overlap` settings the mixed batch runs on one
+LoRA engine per setting (`lora_batch_tok_s_by_overlap`), the other figures on the first. Prints each figure and
+ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from radixmesh.engine.bench.throughput import (
     run_all,
     settings,
 )
+from radixmesh.engine.lora.options import LORA_OVERLAP
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -99,30 +102,52 @@ def _measure_base(args: argparse.Namespace, timeline: Timeline, result: dict[str
 
 def cmd_lora(args: argparse.Namespace) -> int:
     timeline = Timeline()
+    overlaps: list[str] = list(args.lora_overlap)
+    args.lora_overlap = overlaps[0]  # the base engine's (it has no adapters)
     result: dict[str, Any] = {"bench": "lora", "num_adapters": args.num_adapters, "rank": args.rank,
                               "batch_size": args.batch_size, "input_len": args.input_len,
-                              "output_len": args.output_len, "lora_kernels": args.lora_kernels}
+                              "output_len": args.output_len, "lora_kernels": args.lora_kernels,
+                              "lora_overlap": overlaps[0]}
     model_config = _measure_base(args, timeline, result)
     _release_memory()
     with tempfile.TemporaryDirectory(prefix="radixmesh-lora-") as tmp:
         paths = write_random_adapters(model_config, Path(tmp), args.num_adapters + 1, args.rank)
         args.enable_lora, args.max_loras_per_batch, args.max_lora_rank = True, args.num_adapters, args.rank
         args.lora_paths = [f"a{i}={p}" for i, p in enumerate(paths[:-1])]
-        sched = build_scheduler(args, timeline)
-        names: list[str | None] = [f"a{i}" for i in range(args.num_adapters)]
-        lora_tok_s = _decode_tok_s(sched, timeline, args, args.batch_size, names, 1)
-        result["lora_batch_tok_s"] = round(lora_tok_s, 1)
-        result["lora_batch_vs_base"] = round(lora_tok_s / result["base_batch_tok_s"], 4)
-        result["lora_engine_base_batch_tok_s"] = round(_decode_tok_s(sched, timeline, args, args.batch_size,
-                                                                     [None], 5), 1)
-        bs1 = _decode_tok_s(sched, timeline, args, 1, ["a0"], 7)
-        result["lora_bs1_tok_s"] = round(bs1, 1)
-        result["lora_bs1_vs_base_bs1"] = round(bs1 / result["base_bs1_tok_s"], 4)
-        result["load_adapter_s"] = round(_time_load(sched, f"a{args.num_adapters}", str(paths[-1])), 4)
-        result.update(settings(sched, args))
-        sched.runner.close()
+        by_overlap: dict[str, float] = {}
+        for i, overlap in enumerate(overlaps):  # the first setting also gives the other figures
+            args.lora_overlap = overlap
+            sched = build_scheduler(args, timeline)
+            by_overlap[overlap] = _measure_lora(sched, timeline, args, result, str(paths[-1]) if i == 0 else None)
+            if i == 0:
+                result.update(settings(sched, args))
+            sched.runner.close()
+            del sched
+            _release_memory()
+        result["lora_batch_tok_s_by_overlap"] = by_overlap
+        result["lora_batch_vs_base_by_overlap"] = {k: round(v / result["base_batch_tok_s"], 4)
+                                                   for k, v in by_overlap.items()}
     _report(result, args)
     return 0
+
+
+def _measure_lora(sched: Any, timeline: Timeline, args: argparse.Namespace, result: dict[str, Any],
+                  load_path: str | None) -> float:
+    """The batch of mixed adapters on a LoRA engine; with `load_path` (the first engine) also its figures for base
+    requests, batch 1 and a run-time load, into `result`. Returns the mixed batch's tokens/s."""
+    names: list[str | None] = [f"a{i}" for i in range(args.num_adapters)]
+    lora_tok_s = _decode_tok_s(sched, timeline, args, args.batch_size, names, 1)
+    if load_path is None:
+        return round(lora_tok_s, 1)
+    result["lora_batch_tok_s"] = round(lora_tok_s, 1)
+    result["lora_batch_vs_base"] = round(lora_tok_s / result["base_batch_tok_s"], 4)
+    result["lora_engine_base_batch_tok_s"] = round(_decode_tok_s(sched, timeline, args, args.batch_size,
+                                                                 [None], 5), 1)
+    bs1 = _decode_tok_s(sched, timeline, args, 1, ["a0"], 7)
+    result["lora_bs1_tok_s"] = round(bs1, 1)
+    result["lora_bs1_vs_base_bs1"] = round(bs1 / result["base_bs1_tok_s"], 4)
+    result["load_adapter_s"] = round(_time_load(sched, f"a{args.num_adapters}", load_path), 4)
+    return round(lora_tok_s, 1)
 
 
 def _time_load(sched: Any, name: str, path: str) -> float:
@@ -142,7 +167,8 @@ def _time_load(sched: Any, name: str, path: str) -> float:
 
 
 def register_lora(bench: argparse._SubParsersAction) -> None:
-    parser = bench.add_parser("lora", help="many LoRA adapters in one batch vs the base model; adapter load time")
+    parser = bench.add_parser("lora", help="many LoRA adapters in one batch vs the base model; adapter load time",
+                              conflict_handler="resolve")  # --lora-overlap below takes several settings
     _common(parser)
     parser.set_defaults(model_shape="llama-3.1-8b", cuda_graph_max_bs=64)
     parser.add_argument("--num-adapters", type=int, default=16, help="adapters mixed in the batch")
@@ -150,4 +176,7 @@ def register_lora(bench: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--lora-overlap", nargs="+", default=["auto"], choices=LORA_OVERLAP,
+                        help="the shrink beside the base GEMM (auto | on | off); several: the mixed batch on one "
+                             "LoRA engine per setting, against the same base figures (the first gives the others)")
     parser.set_defaults(func=cmd_lora)

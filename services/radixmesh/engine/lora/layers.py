@@ -6,11 +6,13 @@ shrink/expand kernels of `radixmesh.kernels.lora` (Punica/S-LoRA style, CUDA-gra
 plain matmuls over the batch's runs of rows sharing a slot. Which slot each row uses is the one
 `LoraBatchState` of the model, set by the runner before every pass. At one row where the GEMV kernels run,
 "auto" and "epilogue" give the GEMV the adapter instead (`epilogue`): one shrink launch, the expand in the
-GEMV's epilogue (`radixmesh.kernels.lora_gemv`).
+GEMV's epilogue (`radixmesh.kernels.lora_gemv`). At more rows on CUDA the shrink may run on a side stream while
+the base GEMM runs, the expand after both (`project`, --lora-overlap: `radixmesh.kernels.lora_overlap`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,8 @@ class LoraBatchState:
     """Matmul path: (slot, first row, end row) of the pass's runs of rows with an adapter."""
     kernels: str = "auto"
     """CUDA: the decode kernel set (--lora-kernels, `radixmesh.kernels.lora.KERNELS`)."""
+    overlap: str = "auto"
+    """CUDA: when the shrink runs beside the base GEMM (--lora-overlap, `radixmesh.engine.lora.overlap`)."""
 
     def one_row(self, x: torch.Tensor) -> bool:
         """A pass of one row on CUDA whose slot is `kernel_batch.slots[0]`."""
@@ -89,6 +93,31 @@ class LoraProjection:
         state = self.state
         return lora_norm_delta(x, residual, norm_weight, eps, self.a, self.b, state.kernel_batch.slots, state.ranks,
                                state.scalings, self.slice_sizes)
+
+    def project(self, x: torch.Tensor, base: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`base(x)` (the base layer's output) plus the rows' adapter outputs: on CUDA where `overlap_kind` says so,
+        the shrink on the side stream while `base` runs; else `add` after it."""
+        kind = self.overlap_kind(x)
+        if kind is None:
+            return self.add(x, base(x))
+        from radixmesh.kernels.lora_overlap import lora_overlapped
+
+        state = self.state
+        return lora_overlapped(x.contiguous(), base, self.a, self.b, state.kernel_batch, state.ranks, state.scalings,
+                               self.slice_sizes, kind)
+
+    def overlap_kind(self, x: torch.Tensor) -> str | None:
+        """The kernel set ("rows" or "grouped") whose shrink runs beside the base GEMM for input `x` of a pass with
+        adapters (`radixmesh.engine.lora.overlap.may_overlap`), or None where the adapters run after it."""
+        state = self.state
+        if not (state.active and x.is_cuda and state.overlap != "off" and state.kernel_batch is not None):
+            return None
+        from radixmesh.engine.lora.overlap import may_overlap
+        from radixmesh.kernels.lora import choose_kernels
+
+        batch = state.kernel_batch
+        kind = choose_kernels(state.kernels, batch, self.max_rank)
+        return kind if may_overlap(state.overlap, kind, batch.seg_starts is not None, x.shape[0], True) else None
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the base output of `x`) plus the rows' adapter outputs, in place."""

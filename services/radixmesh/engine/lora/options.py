@@ -15,6 +15,9 @@ MAX_LORA_RANK = 256
 MAX_LORA_SLOTS = 128
 LORA_KERNELS = ("auto", "grouped", "fused", "rows", "epilogue")
 """The decode kernel sets (`radixmesh.kernels.lora.KERNELS`; the engine imports no kernels on CPU)."""
+LORA_OVERLAP = ("auto", "on", "off")
+"""--lora-overlap: auto (CUDA decode passes of more than one row with the per-row kernels) | on (every CUDA pass
+whose adapters run as a separate shrink and expand) | off (`radixmesh.engine.lora.overlap`)."""
 
 
 def check_lora_options(config: EngineConfig) -> None:
@@ -29,6 +32,8 @@ def check_lora_options(config: EngineConfig) -> None:
         raise invalid_argument("max_loaded_loras must be >= 1", "max_loaded_loras")
     if config.lora_kernels not in LORA_KERNELS:
         raise invalid_argument(f"lora_kernels must be one of {', '.join(LORA_KERNELS)}", "lora_kernels")
+    if config.lora_overlap not in LORA_OVERLAP:
+        raise invalid_argument(f"lora_overlap must be one of {', '.join(LORA_OVERLAP)}", "lora_overlap")
     unknown = [m for m in config.lora_target_modules if m not in TARGET_MODULES]
     if unknown:
         raise invalid_argument(f"lora_target_modules: {', '.join(unknown)} not among {', '.join(TARGET_MODULES)}",

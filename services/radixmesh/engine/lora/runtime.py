@@ -42,6 +42,15 @@ class LoraRuntime:
     def state(self):
         return self.slots.state
 
+    def set_overlap(self, mode: str) -> None:
+        """When the shrink runs beside the base GEMM (--lora-overlap); on CUDA the side stream is made now, before
+        any graph is captured."""
+        self.state.overlap = mode
+        if self.device.type == "cuda" and mode != "off":
+            from radixmesh.kernels.lora_overlap import side_stream
+
+            side_stream(self.device)
+
     def write(self, slot: int, adapter: LoraAdapter) -> None:
         """Load `adapter` into `slot` on every rank (the scheduler keeps running requests off slots it rewrites)."""
         if self.mirror is not None:

@@ -193,7 +193,7 @@ class Linear(GemvSwitch, nn.Linear):
         if lora is not None:
             if self._runs_gemv(x) and self.quant_method is None and lora.takes_epilogue(x):
                 return self._project(x, lora.epilogue(x))  # the adapter in the GEMV's epilogue
-            y: torch.Tensor = lora.add(x, self._project(x))
+            y: torch.Tensor = lora.project(x, self._project)  # the shrink may run beside the base GEMM
             return y
         return self._project(x)
 
