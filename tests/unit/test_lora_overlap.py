@@ -58,6 +58,10 @@ def _want(x: torch.Tensor, y: torch.Tensor, slots: list[int]) -> torch.Tensor:
     ("on", "rows", False, 0, True, False),
     ("on", "rows", False, 32, False, False),  # the CPU's matmuls
     ("off", "rows", False, 32, True, False),
+    ("side", "rows", False, 32, True, True),  # as "on", the expand beside the GEMM too
+    ("side", "grouped", False, 32, True, True),
+    ("side", "fused", False, 4, True, False),
+    ("side", "rows", False, 32, False, False),
 ])
 def test_may_overlap(mode: str, kind: str, segmented: bool, rows: int, on_cuda: bool, want: bool) -> None:
     assert may_overlap(mode, kind, segmented, rows, on_cuda) is want
@@ -127,10 +131,12 @@ class RecordingStreams(StreamPair):
         self.events.append("join")
 
 
-def _overlapped(x: torch.Tensor, project: Any, streams: StreamPair, kind: str = "rows") -> torch.Tensor:
+def _overlapped(x: torch.Tensor, project: Any, streams: StreamPair, kind: str = "rows",
+                expand_on_side: bool = False) -> torch.Tensor:
     a, b, ranks, scalings = (t.to(DEVICE) for t in _adapters())
     batch = LoraBatch.per_row(torch.tensor([0, 1, 2, -1][:x.shape[0]], dtype=torch.int32, device=DEVICE))
-    return lora_overlapped(x.to(DEVICE), project, a, b, batch, ranks, scalings, SLICES, kind, streams)
+    return lora_overlapped(x.to(DEVICE), project, a, b, batch, ranks, scalings, SLICES, kind, streams,
+                           expand_on_side=expand_on_side)
 
 
 @pytest.mark.parametrize("kind", ["rows", "grouped"])
@@ -162,6 +168,35 @@ def test_the_shrink_runs_on_the_side_while_the_base_runs_and_joins_before_the_ex
     torch.testing.assert_close(got.cpu(), _want(x, x @ w.t(), [0, 1, 2, -1]), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["rows", "grouped"])
+def test_with_the_expand_on_the_side_too_one_add_follows_the_join(monkeypatch: pytest.MonkeyPatch,
+                                                                   kind: str) -> None:
+    streams = RecordingStreams()
+
+    def recorded(name: str, call: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            assert streams.on_side_now, f"{name} on the side stream"
+            assert kwargs.get("pdl", True) is False, f"{name} launched without PDL"
+            streams.events.append(name)
+            return call(*args, **kwargs)
+
+        return launch
+
+    monkeypatch.setattr(lora_overlap, "lora_shrink", recorded("lora_shrink", lora_shrink))
+    monkeypatch.setattr(lora_overlap, "lora_expand", recorded("lora_expand", lora_expand))
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(4, IN_FEATURES, generator=gen), torch.randn(sum(SLICES), IN_FEATURES, generator=gen)
+
+    def base(inp: torch.Tensor) -> torch.Tensor:
+        assert not streams.on_side_now, "the base GEMM runs on the main stream"
+        streams.events.append("base")
+        return inp @ w.to(inp.device).t()
+
+    got = _overlapped(x, base, streams, kind, expand_on_side=True)
+    assert streams.events == ["fork", "side", "lora_shrink", "lora_expand", "main", "base", "join"]
+    torch.testing.assert_close(got.cpu(), _want(x, x @ w.t(), [0, 1, 2, -1]), rtol=1e-4, atol=1e-4)
+
+
 def test_the_side_stream_joins_when_the_base_projection_fails() -> None:
     streams = RecordingStreams()
 
@@ -174,7 +209,7 @@ def test_the_side_stream_joins_when_the_base_projection_fails() -> None:
 
 
 # ---- the projection -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("overlap", ["auto", "on", "off"])
+@pytest.mark.parametrize("overlap", ["auto", "on", "side", "off"])
 def test_the_cpu_projection_only_validates_the_option(overlap: str) -> None:
     """On the CPU every setting runs the matmul path after the base projection."""
     a, b, ranks, scalings = _adapters()

@@ -8,6 +8,9 @@ for both:
     main:  fork -> y = x @ W.T -------------------> join -> expand (y += scaling * xa @ B_s.T)
     side:  wait(fork) -> shrink xa = x @ A_s.T -> done
 
+With `expand_on_side` (--lora-overlap side) the expand runs on the side stream as well, into a zeroed buffer, and
+the main stream adds that buffer after the join: one elementwise add on the critical path instead of the expand.
+
 Every projection reuses one side stream per device, made before any CUDA graph is captured (`side_stream`). The
 shrink's buffer is allocated on the main stream before the fork, so nothing is allocated on the side stream (a
 capture keeps it in the graph's pool), and the side stream joins the main one before the projection returns,
@@ -60,21 +63,30 @@ class StreamPair:
 
 def lora_overlapped(x: torch.Tensor, project: Callable[[torch.Tensor], torch.Tensor], a: torch.Tensor,
                     b: torch.Tensor, batch: LoraBatch, ranks: torch.Tensor, scalings: torch.Tensor,
-                    slice_sizes: tuple[int, ...], kind: str, streams: StreamPair | None = None) -> torch.Tensor:
+                    slice_sizes: tuple[int, ...], kind: str, streams: StreamPair | None = None,
+                    expand_on_side: bool = False) -> torch.Tensor:
     """`project(x)` (the base output, on the main stream) plus every row's adapter output, the shrink on the side
     stream meanwhile (`streams`: the current stream and `side_stream` unless given). `x` contiguous `[M, in]`;
-    `kind` "rows" or "grouped" (`radixmesh.kernels.lora.choose_kernels`)."""
+    `kind` "rows" or "grouped" (`radixmesh.kernels.lora.choose_kernels`). `expand_on_side`: the expand too, into a
+    zeroed buffer in the output's dtype that one add puts into the base output after the join (the adapter's sum
+    is rounded to that dtype once more than with the expand on the main stream)."""
     max_rank = b.shape[2]
     cfg = kernel_config(kind, batch, x.shape[1], slice_sizes, max_rank, ranks.shape[0], x.device)
-    # [splits, rows, slices * R], on the main stream before the fork
+    # [splits, rows, slices * R] (and the adapters' sum), on the main stream before the fork
     xa = torch.empty(shrink_shape(cfg, x.shape[0], len(slice_sizes), max_rank), dtype=torch.float32,
                      device=x.device)
+    delta = torch.empty(x.shape[0], b.shape[1], dtype=b.dtype, device=x.device) if expand_on_side else None
     pair = streams if streams is not None else StreamPair(x.device)
     pair.fork()
     try:
         with pair.on_side():
             lora_shrink(x, a, batch, ranks, len(slice_sizes), xa, cfg, kind, pdl=False)
+            if delta is not None:
+                delta.zero_()
+                lora_expand(xa, b, batch, ranks, scalings, delta, slice_sizes, cfg, kind, pdl=False)
         y = project(x)
     finally:
         pair.join()
+    if delta is not None:
+        return y.add_(delta)
     return lora_expand(xa, b, batch, ranks, scalings, y, slice_sizes, cfg, kind, pdl=False)

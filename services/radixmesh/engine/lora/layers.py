@@ -104,7 +104,7 @@ class LoraProjection:
 
         state = self.state
         return lora_overlapped(x.contiguous(), base, self.a, self.b, state.kernel_batch, state.ranks, state.scalings,
-                               self.slice_sizes, kind)
+                               self.slice_sizes, kind, expand_on_side=state.overlap == "side")
 
     def overlap_kind(self, x: torch.Tensor) -> str | None:
         """The kernel set ("rows" or "grouped") whose shrink runs beside the base GEMM for input `x` of a pass with

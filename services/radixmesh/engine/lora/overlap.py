@@ -14,4 +14,4 @@ def may_overlap(mode: str, kind: str, segmented: bool, rows: int, on_cuda: bool)
     assert mode in LORA_OVERLAP, f"lora overlap must be one of {LORA_OVERLAP}, got {mode!r}"
     if mode == "off" or not on_cuda or rows == 0 or kind == "fused":  # fused: no shrink of its own
         return False
-    return mode == "on" or (kind == "rows" and not segmented and rows > 1)
+    return mode in ("on", "side") or (kind == "rows" and not segmented and rows > 1)
