@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 import pytest
 
 from radixmesh.engine.lora.layers import LoraBatchState, LoraProjection, row_runs
-from radixmesh.engine.lora.overlap import may_overlap
+from radixmesh.engine.lora.overlap import expands_on_side, may_overlap
 from radixmesh.kernels import _pdl, lora_overlap
 from radixmesh.kernels.lora import LoraBatch, kernel_config, lora_expand, lora_shrink, shrink_shape
 from radixmesh.kernels.lora_overlap import StreamPair, lora_overlapped
@@ -65,6 +65,11 @@ def _want(x: torch.Tensor, y: torch.Tensor, slots: list[int]) -> torch.Tensor:
 ])
 def test_may_overlap(mode: str, kind: str, segmented: bool, rows: int, on_cuda: bool, want: bool) -> None:
     assert may_overlap(mode, kind, segmented, rows, on_cuda) is want
+
+
+def test_auto_and_side_put_the_expand_on_the_side_stream_on_does_not() -> None:
+    assert expands_on_side("auto") and expands_on_side("side")
+    assert not expands_on_side("on") and not expands_on_side("off")
 
 
 def test_an_unknown_mode_is_an_error() -> None:

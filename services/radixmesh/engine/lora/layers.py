@@ -103,8 +103,10 @@ class LoraProjection:
         from radixmesh.kernels.lora_overlap import lora_overlapped
 
         state = self.state
+        from radixmesh.engine.lora.overlap import expands_on_side
+
         return lora_overlapped(x.contiguous(), base, self.a, self.b, state.kernel_batch, state.ranks, state.scalings,
-                               self.slice_sizes, kind, expand_on_side=state.overlap == "side")
+                               self.slice_sizes, kind, expand_on_side=expands_on_side(state.overlap))
 
     def overlap_kind(self, x: torch.Tensor) -> str | None:
         """The kernel set ("rows" or "grouped") whose shrink runs beside the base GEMM for input `x` of a pass with

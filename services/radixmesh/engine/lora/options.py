@@ -16,9 +16,9 @@ MAX_LORA_SLOTS = 128
 LORA_KERNELS = ("auto", "grouped", "fused", "rows", "epilogue")
 """The decode kernel sets (`radixmesh.kernels.lora.KERNELS`; the engine imports no kernels on CPU)."""
 LORA_OVERLAP = ("auto", "on", "side", "off")
-"""--lora-overlap: auto (CUDA decode passes of more than one row with the per-row kernels) | on (every CUDA pass
-whose adapters run as a separate shrink and expand) | side (as on, the expand on the side stream too, added after
-the join) | off (`radixmesh.engine.lora.overlap`)."""
+"""--lora-overlap: auto (CUDA decode passes of more than one row with the per-row kernels, the expand on the side
+stream too) | on (every CUDA pass whose adapters run as a separate shrink and expand; the expand after the join) |
+side (as on, the expand on the side stream too, added after the join) | off (`radixmesh.engine.lora.overlap`)."""
 
 
 def check_lora_options(config: EngineConfig) -> None:
