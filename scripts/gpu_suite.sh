@@ -590,7 +590,7 @@ PY
     qwen3-fusion)  # Qwen3-30B-A3B batch-1 decode against its bandwidth floor with the Qwen3 fusions (RADIXMESH_QWEN3_FUSION=1:
       # q/k norms in the q/k/v + rotary kernel, the router with its norm), then as by default (without them), each with
       # the graph's kernel profile
-      for fusion in 1 0; do
+      for fusion in ${QWEN3_FUSION_SETTINGS:-router 1 0}; do  # RADIXMESH_QWEN3_FUSION values (router: that one alone)
         RADIXMESH_QWEN3_FUSION=$fusion $RM bench one-batch --model-shape qwen3-30b-a3b --batch-size 1 --input-len 1024 \
           --output-len 256 --context-length 8192 --cuda-graph-max-bs 8 --bandwidth-floor --profile-graph \
           --result-file "$OUT/qwen3-fusion-one-batch.jsonl" > /tmp/qwen3-fusion$fusion.log 2>&1 \

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from radixmesh.common.errors import RadixMeshError
 from radixmesh.engine.models import layers
 from radixmesh.engine.request import Req
 from radixmesh.kernels import gemv_norm_out, gemv_rope
@@ -73,9 +74,15 @@ def test_the_qwen3_fusions_are_off_unless_asked(monkeypatch: pytest.MonkeyPatch)
     model = torch.nn.Sequential(layers.Linear(8, 8, bias=False))
     monkeypatch.delenv("RADIXMESH_QWEN3_FUSION", raising=False)
     layers.enable_gemv(model)
-    assert model[0].fuse_prologues and not model[0].fuse_qwen3
+    assert model[0].fuse_prologues and not model[0].fuse_qwen3_qk_norm and not model[0].fuse_qwen3_router
+    for value, want in (("1", (True, True)), ("all", (True, True)), ("router", (False, True)),
+                        ("qk-norm", (True, False)), ("0", (False, False))):
+        monkeypatch.setenv("RADIXMESH_QWEN3_FUSION", value)
+        layers.enable_gemv(model)
+        assert (model[0].fuse_qwen3_qk_norm, model[0].fuse_qwen3_router) == want, value
     monkeypatch.setenv("RADIXMESH_QWEN3_FUSION", "1")
-    layers.enable_gemv(model)
-    assert model[0].fuse_qwen3
     layers.enable_gemv(model, fuse_prologues=False)
-    assert not model[0].fuse_qwen3
+    assert not model[0].fuse_qwen3_qk_norm and not model[0].fuse_qwen3_router
+    monkeypatch.setenv("RADIXMESH_QWEN3_FUSION", "bogus")
+    with pytest.raises(RadixMeshError, match="RADIXMESH_QWEN3_FUSION"):
+        layers.enable_gemv(model)

@@ -157,9 +157,10 @@ class GemvSwitch:
     """One-row calls on CUDA run the GEMV kernel."""
     fuse_prologues = False
     """One-row calls run an `AddRMSNorm` prologue inside the GEMV kernel."""
-    fuse_qwen3 = False
-    """With `fuse_prologues`: Qwen3's q/k norms inside the q/k/v + rotary kernel and an MoE router with the norm
-    before it (RADIXMESH_QWEN3_FUSION=1; off until measured on a GPU)."""
+    fuse_qwen3_qk_norm = False
+    """With `fuse_prologues`: Qwen3's q/k norms inside the q/k/v + rotary kernel (`qwen3_fusions`)."""
+    fuse_qwen3_router = False
+    """With `fuse_prologues`: an MoE router with the norm before it in one kernel (`qwen3_fusions`)."""
 
 
 class Linear(GemvSwitch, nn.Linear):
@@ -359,15 +360,33 @@ def _weight_major_faster(x: torch.Tensor) -> bool:
 def enable_gemv(model: nn.Module, fuse_prologues: bool = True) -> int:
     """Route the model's one-row linear calls (and MoE routers') to the GEMV kernel (with their prologues inside it
     unless `fuse_prologues` is False); how many layers now do."""
-    from radixmesh.common.env import env_flag
-
     layers = [m for m in model.modules() if isinstance(m, GemvSwitch)]
-    qwen3 = fuse_prologues and env_flag("QWEN3_FUSION")
+    qk_norm, router = qwen3_fusions() if fuse_prologues else (False, False)
     for layer in layers:
         layer.use_gemv = True
         layer.fuse_prologues = fuse_prologues
-        layer.fuse_qwen3 = qwen3
+        layer.fuse_qwen3_qk_norm, layer.fuse_qwen3_router = qk_norm, router
     return len(layers)
+
+
+QWEN3_FUSIONS = {"": (False, False), "0": (False, False), "off": (False, False), "1": (True, True),
+                 "on": (True, True), "all": (True, True), "qk-norm": (True, False), "router": (False, True)}
+"""RADIXMESH_QWEN3_FUSION -> (q/k norms in the q/k/v + rotary kernel, router with its norm). Off by default: on an
+H200 (Qwen3-30B-A3B, batch 1) both together ran 288.5 tok/s against 346.8 without (the whole-head q/k/v programs:
+27.3 us a layer against 12.9 for the launches they replace), while the router kernel alone took 3.4 us against
+5.1 (docs/benchmarks/README.md); `router` turns on that one alone."""
+
+
+def qwen3_fusions() -> tuple[bool, bool]:
+    """(q/k norm fusion, router fusion) as RADIXMESH_QWEN3_FUSION asks; an unknown value is an error."""
+    from radixmesh.common.env import env_str
+    from radixmesh.common.errors import invalid_argument
+
+    value = (env_str("QWEN3_FUSION") or "").strip().lower()
+    if value not in QWEN3_FUSIONS:
+        raise invalid_argument(f"RADIXMESH_QWEN3_FUSION={value!r}: expected one of "
+                               f"{', '.join(k for k in QWEN3_FUSIONS if k)}", "RADIXMESH_QWEN3_FUSION")
+    return QWEN3_FUSIONS[value]
 
 
 class GatedMLP(nn.Module):

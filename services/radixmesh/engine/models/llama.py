@@ -90,7 +90,7 @@ class Attention(nn.Module):
         qk_norm = None
         if self.q_norm is not None or self.k_norm is not None:
             if self.q_norm is None or self.k_norm is None or self.q_norm.eps != self.k_norm.eps \
-                    or not self.qkv_proj.fuse_qwen3:
+                    or not self.qkv_proj.fuse_qwen3_qk_norm:
                 return None
             qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         return prologue.fused_gemv_rope(self.qkv_proj, x, dict(

@@ -31,7 +31,7 @@ PROJECTIONS = ("gate", "up", "down")
 
 class RouterGate(GemvSwitch, nn.Module):
     """The router's logits `[tokens, E]` in the activations' dtype. Not a `Linear`: FP8 leaves it unquantized, as
-    published FP8 checkpoints do. At batch 1 with the prologue fusion and `fuse_qwen3` on (`enable_gemv`), the
+    published FP8 checkpoints do. At batch 1 with the prologue fusion and `fuse_qwen3_router` on (`enable_gemv`), the
     post-attention norm before it runs inside its GEMV (`forward_normed`)."""
 
     def __init__(self, hidden_size: int, num_experts: int) -> None:
@@ -50,7 +50,7 @@ class RouterGate(GemvSwitch, nn.Module):
     def forward_normed(self, x: torch.Tensor, prologue: AddRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """`(prologue(x), its logits)`: one kernel for one row where the prologue fusion is on, else the norm's
         launch and the router's."""
-        fused = prologue.fused_router(self.weight, x) if self.use_gemv and self.fuse_qwen3 else None
+        fused = prologue.fused_router(self.weight, x) if self.use_gemv and self.fuse_qwen3_router else None
         if fused is not None:
             return fused
         h = prologue.apply(x)
