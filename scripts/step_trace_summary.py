@@ -3,7 +3,7 @@ went, from its arrival at the scheduler to its first token's results on the host
 
     python scripts/step_trace_summary.py TRACE.jsonl [--json OUT.json]
 
-Per request (medians by prompt length, milliseconds): `queue` arrival -> the start of the step that admits it;
+Per request (the server's warm-up requests left out unless --with-warmup; medians by prompt length, milliseconds): `queue` arrival -> the start of the step that admits it;
 `schedule` that step's host scheduling; `launch` its prefill's launch on the host; `device_wait` the device still busy
 with earlier work after scheduling; `device` the prefill's device time (first chunk's start to last chunk's end);
 `results` device end -> results read on the host; `total` arrival -> results. Decode steps: median device and
@@ -38,7 +38,12 @@ def load(path: str) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     return arrivals, batches
 
 
-def per_request(arrivals: dict[str, dict[str, Any]], batches: list[dict[str, Any]]) -> list[dict[str, float]]:
+WARMUP_PREFIX = "warmup-"
+"""Request ids of the server's own warm-up (scheduler/warmup.py), left out unless --with-warmup."""
+
+
+def per_request(arrivals: dict[str, dict[str, Any]], batches: list[dict[str, Any]],
+                with_warmup: bool = False) -> list[dict[str, float]]:
     firsts: dict[str, dict[str, Any]] = {}
     starts: dict[str, dict[str, Any]] = {}
     for b in batches:
@@ -48,6 +53,8 @@ def per_request(arrivals: dict[str, dict[str, Any]], batches: list[dict[str, Any
             firsts.setdefault(rid, b)
     rows = []
     for rid, arrive in arrivals.items():
+        if rid.startswith(WARMUP_PREFIX) and not with_warmup:
+            continue
         first, start = firsts.get(rid), starts.get(rid)
         if first is None or start is None or "t_results" not in first or "t_launched" not in start:
             continue
@@ -91,9 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
     ap.add_argument("--json", help="also write the summary here")
+    ap.add_argument("--with-warmup", action="store_true", help="count the server's warm-up requests too")
     args = ap.parse_args(argv)
     arrivals, batches = load(args.trace)
-    rows = per_request(arrivals, batches)
+    rows = per_request(arrivals, batches, args.with_warmup)
     if not rows:
         print("no request with a complete record in the trace", file=sys.stderr)
         return 1

@@ -58,3 +58,16 @@ def test_every_batch_and_request_is_recorded_and_summarised(tmp_path: Path, monk
     per_req = summary["requests"]
     assert max(r["chunks"] for r in per_req) == -(-len(long_prompt.origin_input_ids) // 16)
     assert all(r["total"] >= r["queue"] >= 0 and "device" not in r for r in per_req)
+
+
+def test_the_summary_leaves_out_the_servers_warm_up(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import step_trace_summary as summary
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    arrivals = {rid: {"ev": "arrive", "rid": rid, "t": 1.0, "prompt": 10} for rid in ("warmup-1", "r1")}
+    batch = {"ev": "batch", "id": 1, "kind": "extend", "rows": 2, "tokens": 20, "t_step": 1.1, "t_sched": 1.2,
+             "t_launched": 1.3, "t_results": 1.5, "rids": ["warmup-1", "r1"], "first": ["warmup-1", "r1"]}
+    assert len(summary.per_request(arrivals, [batch])) == 1
+    assert len(summary.per_request(arrivals, [batch], with_warmup=True)) == 2
