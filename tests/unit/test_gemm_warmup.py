@@ -50,3 +50,20 @@ def test_every_kind_runs_at_every_row_count(monkeypatch: pytest.MonkeyPatch) -> 
     calls, seconds = warm_up_gemms(sched.runner.model, 20, torch.float32, torch.device("cpu"))
     assert calls == len(seen) == 5 * 19 and seconds >= 0
     assert {n for _, _, n in seen} == set(range(2, 21))
+
+
+def test_the_lm_head_stops_at_head_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    sched, _ = make_scheduler()
+    model = sched.runner.model
+    seen: list[tuple[bool, int]] = []
+    real = Linear._project
+
+    def record(layer: Linear, x: torch.Tensor, lora_epilogue: Any = None) -> torch.Tensor:
+        seen.append((layer is model.lm_head, x.shape[0]))
+        return real(layer, x, lora_epilogue)
+
+    monkeypatch.setattr(gemm_warmup.Linear, "_project", record)
+    monkeypatch.setattr(gemm_warmup, "HEAD_ROWS", 8)
+    calls, _ = warm_up_gemms(model, 20, torch.float32, torch.device("cpu"))
+    assert max(n for is_head, n in seen if is_head) == 8 and max(n for is_head, n in seen if not is_head) == 20
+    assert calls == 4 * 19 + 7
