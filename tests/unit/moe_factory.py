@@ -27,11 +27,12 @@ KINDS: dict[str, dict[str, Any]] = {
 PROMPTS = [[5, 9, 13, 2, 77, 41], [3, 3, 8], list(range(10, 30))]
 
 
-def hf_model(kind: str, seed: int = 0) -> Any:
-    """A random transformers model of `kind` (a key of KINDS), float32, eval mode."""
+def hf_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
+    """A random transformers model of `kind` (a key of KINDS; config fields replaced by `overrides`), float32, eval
+    mode."""
     import transformers
 
-    fields = {**COMMON, **KINDS[kind]}
+    fields = {**COMMON, **KINDS[kind], **overrides}
     if kind == "qwen3":
         config, cls = transformers.Qwen3Config(**fields), transformers.Qwen3ForCausalLM
     elif kind.startswith("qwen3_moe"):
@@ -47,9 +48,9 @@ def hf_model(kind: str, seed: int = 0) -> Any:
     return model
 
 
-def write_hf_checkpoint(kind: str, path: Path, seed: int = 0) -> tuple[Path, Any]:
-    """`save_pretrained` of `hf_model(kind)` into `path`; returns the directory and the model."""
-    model = hf_model(kind, seed)
+def write_hf_checkpoint(kind: str, path: Path, seed: int = 0, **overrides: Any) -> tuple[Path, Any]:
+    """`save_pretrained` of `hf_model(kind, seed, **overrides)` into `path`; returns the directory and the model."""
+    model = hf_model(kind, seed, **overrides)
     model.save_pretrained(str(path))
     return path, model
 
