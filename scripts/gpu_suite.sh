@@ -36,7 +36,7 @@
 #   0.7; own-weights draft); STAGES=spec-eagle: random 8B-shape EAGLE / EAGLE-3 heads (a cycle's cost, exactness), as
 #   chains (3 steps) and as trees (top-4, 3 steps, 8 draft tokens), then the tree-mask kernel tests on the GPU
 #   STAGES=lora: LoRA adapters in the engine (GPU tests, then `bench lora`: 16 adapters in a batch of 32 vs the base;
-#   LORA_KERNELS="auto rows" TIMEOUT_lora=590: the bench once per decode kernel set; LORA_OVERLAP="on off": the mixed
+#   LORA_KERNELS="auto rows" TIMEOUT_lora=590: the bench once per decode kernel set; LORA_OVERLAP="side on off": the mixed
 #   batch once per --lora-overlap setting in each bench run, against the same base figures)
 #   STAGES="moe-kernels lora-kernels" TIMEOUT_moe_kernels=590: the MoE and batched-LoRA kernels (issues 48, 46): GPU
 #   tests, the CPU kernel tests compiled, the benchmarks (MoE tile sweep at MOE_SWEEP_MS) and a table of each at the end
@@ -587,9 +587,9 @@ PY
       # sweep (the tiles at K=2048), the fused q/k/v and router next to the launches they replace (*-split)
       python3 -m radixmesh.kernels.bench_gemv_fused --sets ${QWEN3_GEMV_SETS:-qwen3-30b-a3b} --weights bf16 --sweep \
         | tee -a "$OUT/qwen3-gemv.jsonl" ;;
-    qwen3-fusion)  # Qwen3-30B-A3B batch-1 decode against its bandwidth floor with the Qwen3 fusions (RADIXMESH_QWEN3_FUSION=1:
-      # q/k norms in the q/k/v + rotary kernel, the router with its norm), then as by default (without them), each with
-      # the graph's kernel profile
+    qwen3-fusion)  # Qwen3-30B-A3B batch-1 decode against its bandwidth floor per RADIXMESH_QWEN3_FUSION setting
+      # (QWEN3_FUSION_SETTINGS, default "router 1 0": the router with its norm alone, both fusions, neither as by
+      # default), each with the graph's kernel profile
       for fusion in ${QWEN3_FUSION_SETTINGS:-router 1 0}; do  # RADIXMESH_QWEN3_FUSION values (router: that one alone)
         RADIXMESH_QWEN3_FUSION=$fusion $RM bench one-batch --model-shape qwen3-30b-a3b --batch-size 1 --input-len 1024 \
           --output-len 256 --context-length 8192 --cuda-graph-max-bs 8 --bandwidth-floor --profile-graph \
@@ -610,8 +610,8 @@ PY
       # vs the base model, batch 1 with and without an adapter, and a run-time load (8B shape, random weights);
       # LORA_KERNELS="auto rows": one run per --lora-kernels setting (auto: the adapter in the batch-1 GEMVs'
       # epilogues, the per-row launches above one row; rows: the per-row launches at every batch, unfused at batch 1);
-      # LORA_OVERLAP="on off": the mixed batch on one LoRA engine per --lora-overlap setting (on: the shrink on a side
-      # stream beside the base GEMM; auto: on at decode batches above one row with the per-row launches)
+      # LORA_OVERLAP="side on off": the mixed batch on one LoRA engine per --lora-overlap setting (on: the shrink on a
+      # side stream beside the base GEMM; side: the expand there too; auto: side at decode batches above one row)
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_engine_gpu.py tests/gpu/test_lora_gpu.py \
         tests/gpu/test_lora_overlap_gpu.py
       for kernels in ${LORA_KERNELS:-auto}; do

@@ -31,7 +31,6 @@ def test_every_batch_and_request_is_recorded_and_summarised(tmp_path: Path, monk
     for req in reqs:
         sched.add_request(req)
     run_until_idle(sched)
-    sched.stats()  # flushes the file
     files = list(tmp_path.glob("trace-*.jsonl"))
     assert len(files) == 1 and "{pid}" not in files[0].name
     records = [json.loads(line) for line in files[0].read_text().splitlines()]

@@ -317,8 +317,6 @@ def shrink_shape(config: LoraConfig, rows: int, num_slices: int, max_rank: int) 
     return config.num_splits, rows, num_slices * max_rank
 
 
-
-
 def _is_grouped(kernels: str, batch: LoraBatch) -> bool:
     assert kernels in ("rows", "grouped"), f"shrink and expand run the rows or grouped kernels, not {kernels!r}"
     assert kernels == "rows" or batch.seg_starts is None, "the grouped kernels take one slot per row (decode)"

@@ -198,9 +198,10 @@ class EngineConfig:
     shrink launch per layer input, the expand in the batch-1 GEMV's epilogue) | rows (a shrink and an expand
     program per row) | grouped (by adapter) | fused (one launch per projection); prefill takes per-request ones."""
     lora_overlap: str = "auto"
-    """CUDA: run the adapters' shrink on a side stream beside the base GEMM, the expand after both: auto (decode
-    batches of more than one row with the per-row kernels) | on (every pass whose adapters run as a separate
-    shrink and expand) | off."""
+    """CUDA: run the adapters' shrink on a side stream beside the base GEMM: auto (decode batches of more than one
+    row with the per-row kernels; the expand on the side stream too, its sum added after the join) | on (every pass
+    whose adapters run as a separate shrink and expand; the expand after the join) | side (as on, the expand on the
+    side stream too) | off."""
     lora_target_modules: tuple[str, ...] = ()
     """Projections with adapter slots (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; empty: all);
     an adapter targeting another one is refused at load."""

@@ -177,6 +177,7 @@ def register_lora(bench: argparse._SubParsersAction) -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--lora-overlap", nargs="+", default=["auto"], choices=LORA_OVERLAP,
-                        help="the shrink beside the base GEMM (auto | on | off); several: the mixed batch on one "
-                             "LoRA engine per setting, against the same base figures (the first gives the others)")
+                        help="the adapters beside the base GEMM (auto | on | side | off); several: the mixed batch "
+                             "on one LoRA engine per setting, against the same base figures (the first gives the "
+                             "others)")
     parser.set_defaults(func=cmd_lora)

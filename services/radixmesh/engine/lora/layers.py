@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from radixmesh.engine.lora.overlap import expands_on_side, may_overlap
+
 
 @dataclass
 class LoraBatchState:
@@ -103,8 +105,6 @@ class LoraProjection:
         from radixmesh.kernels.lora_overlap import lora_overlapped
 
         state = self.state
-        from radixmesh.engine.lora.overlap import expands_on_side
-
         return lora_overlapped(x.contiguous(), base, self.a, self.b, state.kernel_batch, state.ranks, state.scalings,
                                self.slice_sizes, kind, expand_on_side=expands_on_side(state.overlap))
 
@@ -114,12 +114,11 @@ class LoraProjection:
         state = self.state
         if not (state.active and x.is_cuda and state.overlap != "off" and state.kernel_batch is not None):
             return None
-        from radixmesh.engine.lora.overlap import may_overlap
         from radixmesh.kernels.lora import choose_kernels
 
         batch = state.kernel_batch
         kind = choose_kernels(state.kernels, batch, self.max_rank)
-        return kind if may_overlap(state.overlap, kind, batch.seg_starts is not None, x.shape[0], True) else None
+        return kind if may_overlap(state.overlap, kind, batch.seg_starts is not None, x.shape[0]) else None
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the base output of `x`) plus the rows' adapter outputs, in place."""

@@ -77,7 +77,7 @@ class StepTraceHook(SchedulerHook):
 
     def on_step_start(self) -> None:
         self.step_start = time.perf_counter()
-        self._drain_device_times(block=False)
+        self._drain_device_times()
 
     def launch(self, batch: ScheduleBatch, launch_id: int) -> SampleOutput | None:
         record = {"ev": "batch", "id": launch_id, "kind": "decode" if batch.is_decode else "extend",
@@ -108,21 +108,17 @@ class StepTraceHook(SchedulerHook):
             self._write(record)
         else:
             record["_done"] = True
-            self._drain_device_times(block=False)
+            self._drain_device_times()
 
-    def _drain_device_times(self, block: bool) -> None:
-        """Write the records whose results were read and whose events completed, in launch order."""
-        assert self.clock is not None or not self.pending
-        while self.pending:
+    def _drain_device_times(self) -> None:
+        """Write the records whose results were read and whose events completed, in launch order (the file is
+        line-buffered: each record is on disk once written)."""
+        clock = self.clock
+        while clock is not None and self.pending:
             record, start, end = self.pending[0]
-            if not record.get("_done") or not (block or end.query()):
+            if not record.get("_done") or not end.query():
                 return
             self.pending.popleft()
             del record["_done"]
-            record["t_dev_start"] = self.clock.host_time(start) if self.clock else None
-            record["t_dev_end"] = self.clock.host_time(end) if self.clock else None
+            record["t_dev_start"], record["t_dev_end"] = clock.host_time(start), clock.host_time(end)
             self._write(record)
-
-    def stats(self) -> dict[str, Any]:
-        self.out.flush()
-        return {}
