@@ -23,6 +23,20 @@ DEFAULT_MEM_FRACTION = 0.85
 LARGE_GPU_MEM_FRACTION = 0.9
 LARGE_GPU_BYTES = 60 << 30
 """GPUs with at least this much memory default to LARGE_GPU_MEM_FRACTION (`EngineConfig.mem_fraction`)."""
+DEFAULT_CHUNKED_PREFILL = 4096
+"""The chunk size on the CPU, and wherever the device's memory is not known yet."""
+CHUNK_SIZE_BY_GPU_MEMORY = ((35 << 30, 2048), (60 << 30, 4096), (160 << 30, 8192))
+"""(GPU memory below, chunk size) in order; larger GPUs: 16,384. SGLang's own tiers: on an H100 or H200 it prefills
+8,192 tokens a pass, so a prompt of 4,097-8,192 tokens (the `random` text workload re-tokenizes 7-8% of its
+<= 4,096-id prompts to more) takes one pass, not two."""
+LARGEST_GPU_CHUNK = 16384
+
+
+def chunk_size_for(device_bytes: int | None) -> int:
+    """The default `chunked_prefill_size` for a GPU of `device_bytes` (None: the CPU)."""
+    if device_bytes is None:
+        return DEFAULT_CHUNKED_PREFILL
+    return next((size for below, size in CHUNK_SIZE_BY_GPU_MEMORY if device_bytes < below), LARGEST_GPU_CHUNK)
 
 
 @dataclass(frozen=True)
@@ -48,8 +62,10 @@ class EngineConfig:
     """KV pool capacity in tokens; overrides mem_fraction_static."""
     max_running_requests: int = 256
     """Most requests decoding at once."""
-    chunked_prefill_size: int = 4096
-    """Most prompt tokens per prefill pass; longer prompts are split; -1 disables chunking."""
+    chunked_prefill_size: int | None = None
+    """Most prompt tokens per prefill pass; longer prompts are split; -1 disables chunking. None: by the device's
+    memory (`chunk_size_for`: 8,192 on an H100 or H200, 4,096 on the CPU), filled in by the model runner
+    (`with_device_memory`)."""
     max_prefill_tokens: int = 16384
     """Most prompt tokens per prefill pass when chunking is disabled."""
     schedule_policy: str = "lpm"
@@ -220,7 +236,7 @@ class EngineConfig:
             raise invalid_argument("max_total_tokens must be >= 2", "max_total_tokens")
         if self.max_running_requests < 1:
             raise invalid_argument("max_running_requests must be >= 1", "max_running_requests")
-        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+        if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
             raise invalid_argument("chunked_prefill_size must be -1 (off) or >= 1", "chunked_prefill_size")
         if self.schedule_policy_window < 1:
             raise invalid_argument("schedule_policy_window must be >= 1", "schedule_policy_window")
@@ -358,8 +374,13 @@ class EngineConfig:
         return max(1, self.speculative_num_draft_tokens - 1)
 
     @property
+    def chunk_size(self) -> int:
+        """`chunked_prefill_size`, the CPU's default while it is unset (-1: chunking off)."""
+        return DEFAULT_CHUNKED_PREFILL if self.chunked_prefill_size is None else self.chunked_prefill_size
+
+    @property
     def prefill_token_budget(self) -> int:
-        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else self.max_prefill_tokens
+        return self.chunk_size if self.chunk_size > 0 else self.max_prefill_tokens
 
     @property
     def lora_enabled(self) -> bool:
@@ -368,7 +389,7 @@ class EngineConfig:
 
     @property
     def chunking_enabled(self) -> bool:
-        return self.chunked_prefill_size > 0
+        return self.chunk_size > 0
 
     def resolve(self) -> EngineConfig:
         """A copy with `device` and `dtype` made concrete."""
@@ -399,6 +420,12 @@ class EngineConfig:
             # 8B on an H100: 455,762 KV tokens vs 423,330 at 0.85; offline 4,017.6 vs 3,955.5 out tok/s
             return LARGE_GPU_MEM_FRACTION
         return DEFAULT_MEM_FRACTION
+
+    def with_device_memory(self, device_bytes: int | None) -> EngineConfig:
+        """A copy with the defaults that depend on the device's memory made concrete (None: the CPU)."""
+        if self.chunked_prefill_size is not None:
+            return self
+        return dataclasses.replace(self, chunked_prefill_size=chunk_size_for(device_bytes))
 
     @classmethod
     def field_names(cls) -> set[str]:

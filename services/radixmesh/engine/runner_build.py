@@ -59,6 +59,7 @@ class MemoryPlan:
 def build_runner(runner: ModelRunner, config: EngineConfig, prepared: PreparedModel) -> None:
     """Every build step, in order (see the module docstring)."""
     runner.device = pick_device(config, runner)
+    runner.config = config = config.with_device_memory(device_memory(runner.device))
     runner.dtype = DTYPES[config.dtype]
     runner.context_len = config.context_length or prepared.config.context_len
     runner.quant = build_linear_method(config.quantization, prepared.config, runner.device, runner.dtype,
@@ -88,6 +89,11 @@ def pick_device(config: EngineConfig, runner: ModelRunner) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise invalid_argument("--device cuda was asked for but no CUDA device is available", "device")
     return device
+
+
+def device_memory(device: torch.device) -> int | None:
+    """The GPU's total memory in bytes (None on the CPU)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 def check_tp_support(runner: ModelRunner) -> None:

@@ -8,6 +8,7 @@ named here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -41,6 +42,8 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: object,
                  emit: Callable[[list[TokenOut]], None]) -> None:
+        if config.chunked_prefill_size is None:  # the runner sized it by the device's memory
+            config = dataclasses.replace(config, chunked_prefill_size=runner.config.chunk_size)
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
@@ -232,6 +235,7 @@ class Scheduler:
             "cache_hit_rate": counters.num_cached_tokens / max(counters.num_prompt_tokens, 1),
             "context_len": self.context_len,
             "max_running_requests": self.runner.plan.max_running_requests,
+            "chunked_prefill_size": self.config.chunk_size,
             **self.runner.memory_info(),
         }
 

@@ -100,16 +100,16 @@ def warm_up_prefill(scheduler: Scheduler) -> float:
     zero); seconds taken."""
     start = time.perf_counter()
     cfg, capacity = scheduler.config, scheduler.kv.rank_capacity  # (one rank's pool under data-parallel attention)
-    lengths = warmup_lengths(cfg.chunked_prefill_size, scheduler.context_len, capacity)
+    lengths = warmup_lengths(cfg.chunk_size, scheduler.context_len, capacity)
     batches = decode_batches(scheduler.runner.plan.max_running_requests, capacity)
     runner = scheduler.runner
-    warm_up_gemms(runner.model, _longest_prompt(cfg.chunked_prefill_size, scheduler.context_len, capacity),
+    warm_up_gemms(runner.model, _longest_prompt(cfg.chunk_size, scheduler.context_len, capacity),
                   runner.dtype, runner.device)  # every row count's GEMM kernels first (gemm_warmup.py)
     emit, scheduler.emit = scheduler.emit, lambda outputs: None  # nobody asked for these tokens
     try:
         for n in lengths:  # the seed is the length: every prompt starts differently
             _run_together(scheduler, [(n, n)], 1)
-        if sum(MIXED_PAIR) <= _longest_prompt(cfg.chunked_prefill_size, scheduler.context_len, capacity):
+        if sum(MIXED_PAIR) <= _longest_prompt(cfg.chunk_size, scheduler.context_len, capacity):
             _run_together(scheduler, [(n + 1, n) for n in MIXED_PAIR], 1)
         for size in batches:
             _run_together(scheduler, [(10_000 + size * 1000 + i, DECODE_PROMPT_LEN) for i in range(size)],
