@@ -588,8 +588,8 @@ PY
       python3 -m radixmesh.kernels.bench_gemv_fused --sets ${QWEN3_GEMV_SETS:-qwen3-30b-a3b} --weights bf16 --sweep \
         | tee -a "$OUT/qwen3-gemv.jsonl" ;;
     qwen3-fusion)  # Qwen3-30B-A3B batch-1 decode against its bandwidth floor per RADIXMESH_QWEN3_FUSION setting
-      # (QWEN3_FUSION_SETTINGS, default "router 1 0": the router with its norm alone, both fusions, neither as by
-      # default), each with the graph's kernel profile
+      # (QWEN3_FUSION_SETTINGS, default "router 1 0": the router with its norm alone as by default, both fusions,
+      # neither), each with the graph's kernel profile
       for fusion in ${QWEN3_FUSION_SETTINGS:-router 1 0}; do  # RADIXMESH_QWEN3_FUSION values (router: that one alone)
         RADIXMESH_QWEN3_FUSION=$fusion $RM bench one-batch --model-shape qwen3-30b-a3b --batch-size 1 --input-len 1024 \
           --output-len 256 --context-length 8192 --cuda-graph-max-bs 8 --bandwidth-floor --profile-graph \

@@ -2,7 +2,7 @@
 interpreter runs them once the CUDA-only switch (`models.layers._fused`) is forced open and the GEMVs are on
 (`enable_gemv`, RADIXMESH_QWEN3_FUSION=1). Greedy tokens equal transformers', with the q/k norms inside the q/k/v +
 rotary + KV-store kernel and the MoE router with the post-attention norm counted as they run; `fuse_prologues=False`
-runs neither, and without RADIXMESH_QWEN3_FUSION neither runs."""
+runs neither, and without RADIXMESH_QWEN3_FUSION only the router's runs."""
 
 from __future__ import annotations
 
@@ -70,13 +70,13 @@ def test_batch_one_kernels_give_transformers_greedy_tokens(tmp_path: Path, monke
     assert counts["router"] == (decode_steps * 2 if fuse and kind == "qwen3_moe" else 0), counts
 
 
-def test_the_qwen3_fusions_are_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_qwen3_router_fusion_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     model = torch.nn.Sequential(layers.Linear(8, 8, bias=False))
     monkeypatch.delenv("RADIXMESH_QWEN3_FUSION", raising=False)
     layers.enable_gemv(model)
-    assert model[0].fuse_prologues and not model[0].fuse_qwen3_qk_norm and not model[0].fuse_qwen3_router
+    assert model[0].fuse_prologues and not model[0].fuse_qwen3_qk_norm and model[0].fuse_qwen3_router
     for value, want in (("1", (True, True)), ("all", (True, True)), ("router", (False, True)),
-                        ("qk-norm", (True, False)), ("0", (False, False))):
+                        ("qk-norm", (True, False)), ("0", (False, False)), ("off", (False, False))):
         monkeypatch.setenv("RADIXMESH_QWEN3_FUSION", value)
         layers.enable_gemv(model)
         assert (model[0].fuse_qwen3_qk_norm, model[0].fuse_qwen3_router) == want, value

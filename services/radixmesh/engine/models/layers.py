@@ -369,12 +369,13 @@ def enable_gemv(model: nn.Module, fuse_prologues: bool = True) -> int:
     return len(layers)
 
 
-QWEN3_FUSIONS = {"": (False, False), "0": (False, False), "off": (False, False), "1": (True, True),
-                 "on": (True, True), "all": (True, True), "qk-norm": (True, False), "router": (False, True)}
-"""RADIXMESH_QWEN3_FUSION -> (q/k norms in the q/k/v + rotary kernel, router with its norm). Off by default: on an
-H200 (Qwen3-30B-A3B, batch 1) both together ran 288.5 tok/s against 346.8 without (the whole-head q/k/v programs:
-27.3 us a layer against 12.9 for the launches they replace), while the router kernel alone took 3.4 us against
-5.1 (docs/benchmarks/README.md); `router` turns on that one alone."""
+QWEN3_FUSIONS = {"": (False, True), "router": (False, True), "0": (False, False), "off": (False, False),
+                 "1": (True, True), "on": (True, True), "all": (True, True), "qk-norm": (True, False)}
+"""RADIXMESH_QWEN3_FUSION -> (q/k norms in the q/k/v + rotary kernel, router with its norm). Unset: the router
+alone. On an H200 (Qwen3-30B-A3B, batch 1, one machine, one after the other): the router with its norm in one kernel
+351.3 tok/s against 347.8 without (its kernel 3.4 us against 5.1 for the two launches it replaces); both fusions
+288.5 against 346.8 (the whole-head q/k/v programs: 27.3 us a layer against 12.9), so the q/k-norm fusion stays
+opt-in (`1`, `qk-norm`) and `0` turns both off (docs/benchmarks/README.md)."""
 
 
 def qwen3_fusions() -> tuple[bool, bool]:
