@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ab_table.py"
-
-
-def _load() -> Any:
-    spec = importlib.util.spec_from_file_location("ab_table", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from .script_loader import load_script
 
 
 def _online(path: Path, ttfts_ms: list[float | None], median_ms: float) -> None:
@@ -28,7 +19,7 @@ def _online(path: Path, ttfts_ms: list[float | None], median_ms: float) -> None:
 
 
 def test_paired_differences_per_run(tmp_path: Path, capsys: Any) -> None:
-    ab = _load()
+    ab = load_script("ab_table")
     _online(tmp_path / "base" / "online-base-random.json", [50.0, 60.0, 70.0, 80.0], 65.0)
     _online(tmp_path / "new" / "online-new-random.json", [49.0, 58.0, 67.0, None], 58.0)
     # a repeated stage (gpu_ab.sh tags it -r2); the new tree's repeat is missing: no pair for it

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "moe_table.py"
-
-
-def _load() -> Any:
-    spec = importlib.util.spec_from_file_location("moe_table", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from .script_loader import load_script
 
 
 def _write(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -34,7 +25,7 @@ def test_summary_of_the_stage(tmp_path: Path) -> None:
         {"moe_ep_size": 2, "batch_size": 64, "decode_throughput_tok_s": 2000.0},
         {"moe_ep_size": 1, "batch_size": 1, "decode_throughput_tok_s": 90.0},
         {"moe_ep_size": 1, "batch_size": 64, "decode_throughput_tok_s": 1900.0}])
-    summary = _load().summarize(tmp_path)
+    summary = load_script("moe_table").summarize(tmp_path)
     assert summary["qwen3_30b_a3b_batch1"]["meets_80pct"] is True
     assert summary["offline_moe_over_dense"] == 1.25 and summary["offline_moe_kernel_share"] == 0.3
     assert summary["mixtral_8x7b_two_gpus"]["batch1_faster"] == "tp2"
@@ -42,4 +33,4 @@ def test_summary_of_the_stage(tmp_path: Path) -> None:
 
 
 def test_missing_files_give_what_there_is(tmp_path: Path) -> None:
-    assert _load().summarize(tmp_path) == {"bench": "moe-summary"}
+    assert load_script("moe_table").summarize(tmp_path) == {"bench": "moe-summary"}
