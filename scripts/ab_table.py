@@ -1,8 +1,8 @@
 """The headline figures of `scripts/gpu_ab.sh`'s trees side by side: 8B batch-1 decode, offline output
 throughput, and the online workloads' median / p99 TTFT, ITL and TTFT slope per 1k prompt tokens; then, per online
-run, each tree's TTFT against the first tree's on the same prompts (the runs share a seed, so request i of one is
-request i of the other): the median and mean of the per-request differences, steadier than the medians' difference
-when the machine drifts between the servers.
+run, each tree against the first tree on the same prompts (`radixmesh bench paired`'s comparison: the runs share a
+seed, so each request has a twin): the per-request differences of TTFT and ITL, steadier than the medians'
+difference when the machine drifts between the servers.
 
     python3 scripts/ab_table.py OUT NAME [NAME ...]     (OUT/<NAME>/ as gpu_ab.sh leaves them)
 """
@@ -14,6 +14,9 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from loadtests.paired import compare, format_result, load_run, pair_requests
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -42,31 +45,19 @@ def figures(root: Path, name: str) -> dict[str, Any]:
     return out
 
 
-def _ttfts(path: Path) -> dict[tuple[str, int], float]:
-    """(session, prompt length) -> TTFT in ms of one online result file's successful requests."""
-    requests = json.loads(path.read_text())["runs"][0]["requests"]
-    return {(str(r["session_id"]), int(r["prompt_len"])): r["ttft_s"] * 1000 for r in requests
-            if r.get("success") and r.get("ttft_s") is not None}
-
-
 def paired(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     """Per online run of the first tree (`online-<first>-<run>.json`) and each other tree's run of the same name:
-    {"<run> <other> - <first>": {"requests", "median_ms", "mean_ms"}} over the requests both completed."""
+    {"<run> <other> - <first>": `bench paired`'s comparison} (loadtests/paired.py: per-request differences of TTFT
+    and mean ITL, overall, by prompt length, first requests apart)."""
     first, out = names[0], {}
     for path in sorted(glob.glob(str(root / first / f"online-{first}-*.json"))):
         run = Path(path).stem.removeprefix(f"online-{first}-")
-        base = _ttfts(Path(path))
         for other in names[1:]:
             other_path = root / other / f"online-{other}-{run}.json"
-            if not other_path.exists():
-                continue
-            theirs = _ttfts(other_path)
-            diffs = sorted(theirs[key] - ttft for key, ttft in base.items() if key in theirs)
-            if diffs:
-                mid = len(diffs) // 2
-                median = diffs[mid] if len(diffs) % 2 else (diffs[mid - 1] + diffs[mid]) / 2
-                out[f"{run} {other} - {first}"] = {"requests": len(diffs), "median_ms": round(median, 2),
-                                                   "mean_ms": round(sum(diffs) / len(diffs), 2)}
+            if other_path.exists():
+                twins, _ = pair_requests(load_run(Path(path), None)[1], load_run(other_path, None)[1])
+                if twins:
+                    out[f"{run} {other} - {first}"] = compare(twins)
     return out
 
 
@@ -78,9 +69,9 @@ def main(argv: list[str]) -> int:
     for key in keys:
         print(f"{key:<40}" + "".join(f"{table[n].get(key, '-')!s:>14}" for n in names))
     pairs = paired(root, names)
-    for label, stats in pairs.items():
-        print(f"TTFT per request, {label}: median {stats['median_ms']:+.2f} ms, mean {stats['mean_ms']:+.2f} ms "
-              f"({stats['requests']} requests)")
+    for label, result in pairs.items():
+        run, other, _, first = label.split(" ")
+        print(f"\nonline {run}, per request:\n" + format_result(result, first, other))
     (root / "ab.json").write_text(json.dumps({**table, "paired_ttft": pairs}, indent=1))
     return 0
 

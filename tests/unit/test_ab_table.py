@@ -1,4 +1,4 @@
-"""scripts/ab_table.py: gpu_ab.sh's table and each online run's per-request TTFT differences (files made up here)."""
+"""scripts/ab_table.py: gpu_ab.sh's table and each online run's per-request differences (files made up here)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from .script_loader import load_script
 
 
 def _online(path: Path, ttfts_ms: list[float | None], median_ms: float) -> None:
-    requests = [{"session_id": i, "prompt_len": 100 + i, "success": t is not None,
-                 "ttft_s": None if t is None else t / 1000} for i, t in enumerate(ttfts_ms)]
+    requests = [{"session_id": i, "turn_index": 0, "prompt_len": 100 + i, "start_s": float(i), "itl_s": [0.005],
+                 "success": t is not None, "ttft_s": None if t is None else t / 1000} for i, t in enumerate(ttfts_ms)]
     summary = {"num_completed": sum(t is not None for t in ttfts_ms), "ttft": {"median_ms": median_ms, "p99_ms": 90.0},
                "itl": {"median_ms": 5.0}, "ttft_fit": {"per_1k_ms": 17.0}}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -26,10 +26,12 @@ def test_paired_differences_per_run(tmp_path: Path, capsys: Any) -> None:
     _online(tmp_path / "base" / "online-base-r2-random.json", [55.0, 65.0], 60.0)
     pairs = ab.paired(tmp_path, ["base", "new"])
     # request 3 failed on the new tree: the pairs are (-1, -2, -3)
-    assert pairs == {"random new - base": {"requests": 3, "median_ms": -2.0, "mean_ms": -2.0}}
+    assert list(pairs) == ["random new - base"]
+    assert pairs["random new - base"]["requests"] == 3
+    assert pairs["random new - base"]["ttft_diff"] == {"n": 3, "median_ms": -2.0, "mean_ms": -2.0}
     assert ab.main(["ab_table.py", str(tmp_path), "base", "new"]) == 0
     out = capsys.readouterr().out
-    assert "TTFT per request, random new - base: median -2.00 ms, mean -2.00 ms (3 requests)" in out
+    assert "online random, per request:" in out and "(A: base; B: new)" in out
     saved = json.loads((tmp_path / "ab.json").read_text())
     assert saved["paired_ttft"] == pairs
     assert saved["base"]["online random TTFT median ms"] == 65.0
