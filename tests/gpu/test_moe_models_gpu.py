@@ -110,11 +110,15 @@ def test_bf16_graphs_agree_with_eager(model: tuple[Path, list, list]) -> None:
     assert sum(g[:4] == e[:4] for g, e in zip(graphs, eager)) >= len(prompts) - 1
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
-def test_bf16_layer_matches_the_torch_reference(model: tuple[Path, list, list], num_tokens: int) -> None:
+def test_layer_matches_the_torch_reference(model: tuple[Path, list, list], num_tokens: int,
+                                           quantization: str | None) -> None:
+    """The fused kernels against the PyTorch reference on the same weights (FP8 experts: the same e4m3 weights and
+    scales, activations quantized per token above W8A16_MAX_TOKENS rows as the kernels do)."""
     path = model[0]
     runner = make_runner(str(path), device="cuda", dtype="bfloat16", disable_cuda_graph=True,
-                         mem_fraction_static=0.3)
+                         mem_fraction_static=0.3, quantization=quantization)
     block = next(m for m in runner.model.modules() if isinstance(m, SparseMoeBlock))
     x = torch.randn(num_tokens, 512, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(
         device="cuda").manual_seed(num_tokens))
@@ -128,12 +132,15 @@ def test_bf16_layer_matches_the_torch_reference(model: tuple[Path, list, list], 
     assert err < 2e-2, err
 
 
-def test_fp8_experts_track_bf16(model: tuple[Path, list, list]) -> None:
+@pytest.mark.parametrize(("num_prompts", "max_len"), [(4, 8), (32, 200)], ids=["w8a16", "w8a8"])
+def test_fp8_experts_track_bf16(model: tuple[Path, list, list], num_prompts: int, max_len: int) -> None:
+    """Prefill logits with FP8 weights against bf16, all prompts in one pass: 4 prompts of <= 8 tokens keep the
+    experts' activations in bf16 (<= W8A16_MAX_TOKENS rows), 32 of <= 200 quantize them."""
     path = model[0]
     ref = make_runner(str(path), device="cuda", dtype="bfloat16", mem_fraction_static=0.2)
     fp8 = make_runner(str(path), device="cuda", dtype="bfloat16", mem_fraction_static=0.2, quantization="fp8")
     assert fp8.memory_info()["fp8_expert_layers"] >= 3
-    result = compare_fp8(ref, fp8, random_prompts(32, 4000, 4, 200, seed=2))
+    result = compare_fp8(ref, fp8, random_prompts(num_prompts, 4000, 4, max_len, seed=2))
     assert result["cosine_mean"] >= 0.99, result
 
 
