@@ -134,14 +134,23 @@ def test_layer_matches_the_torch_reference(model: tuple[Path, list, list], num_t
 
 @pytest.mark.parametrize(("num_prompts", "max_len"), [(4, 8), (32, 200)], ids=["w8a16", "w8a8"])
 def test_fp8_experts_track_bf16(model: tuple[Path, list, list], num_prompts: int, max_len: int) -> None:
-    """Prefill logits with FP8 weights against bf16, all prompts in one pass: 4 prompts of <= 8 tokens keep the
-    experts' activations in bf16 (<= W8A16_MAX_TOKENS rows), 32 of <= 200 quantize them."""
+    """Prefill logits with FP8 weights against bf16 on the GPU lose no more than the same FP8 recipe loses against
+    float32 on the CPU (the PyTorch reference path), on the same checkpoint and prompts, all prompts in one pass:
+    4 prompts of <= 8 tokens keep the experts' activations in bf16 (<= W8A16_MAX_TOKENS rows), 32 of <= 200
+    quantize them. (These tiny random models are ill-conditioned for FP8: on the CPU the recipe itself gives a mean
+    cosine of 0.91 for Qwen3-MoE and 0.78 for Mixtral on the long prompts, 0.98 / 0.92 on the short ones; the H200
+    gave 0.925 / 0.788 on the long ones.)"""
     path = model[0]
+    prompts = random_prompts(num_prompts, 4000, 4, max_len, seed=2)
     ref = make_runner(str(path), device="cuda", dtype="bfloat16", mem_fraction_static=0.2)
     fp8 = make_runner(str(path), device="cuda", dtype="bfloat16", mem_fraction_static=0.2, quantization="fp8")
     assert fp8.memory_info()["fp8_expert_layers"] >= 3
-    result = compare_fp8(ref, fp8, random_prompts(num_prompts, 4000, 4, max_len, seed=2))
-    assert result["cosine_mean"] >= 0.99, result
+    got = compare_fp8(ref, fp8, prompts)
+    del ref, fp8
+    want = compare_fp8(make_runner(str(path), device="cpu", dtype="float32"),
+                       make_runner(str(path), device="cpu", dtype="float32", quantization="fp8"), prompts)
+    assert got["cosine_mean"] >= want["cosine_mean"] - 0.03, (got, want)
+    assert got["cosine_min"] >= want["cosine_min"] - 0.1, (got, want)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
