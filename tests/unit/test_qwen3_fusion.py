@@ -1,4 +1,4 @@
-"""Qwen3 and Qwen3-MoE decoding one row at a time through the fused batch-1 kernels on the CPU: the Triton
+"""Qwen3, Qwen3-MoE and Mixtral decoding one row at a time through the fused batch-1 kernels on the CPU: the Triton
 interpreter runs them once the CUDA-only switch (`models.layers._fused`) is forced open and the GEMVs are on
 (`enable_gemv`, RADIXMESH_QWEN3_FUSION=1). Greedy tokens equal transformers', with the q/k norms inside the q/k/v +
 rotary + KV-store kernel and the MoE router with the post-attention norm counted as they run; `fuse_prologues=False`
@@ -45,7 +45,7 @@ def _counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "mixtral"])
 def test_batch_one_kernels_give_transformers_greedy_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            kind: str, fuse: bool) -> None:
     path, hf = write_hf_checkpoint(kind, tmp_path / kind)
@@ -65,9 +65,11 @@ def test_batch_one_kernels_give_transformers_greedy_tokens(tmp_path: Path, monke
     finally:
         close_scheduler(sched)
     decode_steps = len(PROMPTS) * (MAX_NEW - 1)
-    # moe_factory: 3 layers (the first one's attention without a residual add before it), qwen3_moe's 0 and 2 sparse
-    assert counts["rope_qk_norm"] == (decode_steps * 2 if fuse else 0), counts
-    assert counts["router"] == (decode_steps * 2 if fuse and kind == "qwen3_moe" else 0), counts
+    # moe_factory: 3 layers (the first one's attention without a residual add before it), qwen3_moe's 0 and 2 sparse,
+    # mixtral's all three (its attention has no q/k norms); the router takes the fusion in every sparse layer
+    assert counts["rope_qk_norm"] == (decode_steps * 2 if fuse and kind != "mixtral" else 0), counts
+    routers = {"qwen3": 0, "qwen3_moe": 2, "mixtral": 3}[kind]
+    assert counts["router"] == (decode_steps * routers if fuse else 0), counts
 
 
 def test_the_qwen3_router_fusion_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
