@@ -45,11 +45,11 @@ def figures(root: Path, name: str) -> dict[str, Any]:
     return out
 
 
-def paired(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """Per online run of the first tree (`online-<first>-<run>.json`) and each other tree's run of the same name:
-    {"<run> <other> - <first>": `bench paired`'s comparison} (loadtests/paired.py: per-request differences of TTFT
-    and mean ITL, overall, by prompt length, first requests apart)."""
-    first, out = names[0], {}
+def paired(root: Path, names: list[str]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(run, other tree, `bench paired`'s comparison) per online run of the first tree (`online-<first>-<run>.json`)
+    and each other tree's run of the same name (loadtests/paired.py: per-request differences of TTFT and mean ITL,
+    overall, by prompt length, first requests apart)."""
+    first, out = names[0], []
     for path in sorted(glob.glob(str(root / first / f"online-{first}-*.json"))):
         run = Path(path).stem.removeprefix(f"online-{first}-")
         for other in names[1:]:
@@ -57,7 +57,7 @@ def paired(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
             if other_path.exists():
                 twins, _ = pair_requests(load_run(Path(path), None)[1], load_run(other_path, None)[1])
                 if twins:
-                    out[f"{run} {other} - {first}"] = compare(twins)
+                    out.append((run, other, compare(twins)))
     return out
 
 
@@ -69,10 +69,10 @@ def main(argv: list[str]) -> int:
     for key in keys:
         print(f"{key:<40}" + "".join(f"{table[n].get(key, '-')!s:>14}" for n in names))
     pairs = paired(root, names)
-    for label, result in pairs.items():
-        run, other, _, first = label.split(" ")
-        print(f"\nonline {run}, per request:\n" + format_result(result, first, other))
-    (root / "ab.json").write_text(json.dumps({**table, "paired_ttft": pairs}, indent=1))
+    for run, other, result in pairs:
+        print(f"\nonline {run}, per request:\n" + format_result(result, names[0], other))
+    saved = {f"{run} {other} - {names[0]}": result for run, other, result in pairs}
+    (root / "ab.json").write_text(json.dumps({**table, "paired_ttft": saved}, indent=1))
     return 0
 
 

@@ -26,14 +26,14 @@ def test_paired_differences_per_run(tmp_path: Path, capsys: Any) -> None:
     _online(tmp_path / "base" / "online-base-r2-random.json", [55.0, 65.0], 60.0)
     pairs = ab.paired(tmp_path, ["base", "new"])
     # request 3 failed on the new tree: the pairs are (-1, -2, -3)
-    assert list(pairs) == ["random new - base"]
-    assert pairs["random new - base"]["requests"] == 3
-    assert pairs["random new - base"]["ttft_diff"] == {"n": 3, "median_ms": -2.0, "mean_ms": -2.0}
+    assert [(run, other) for run, other, _ in pairs] == [("random", "new")]
+    result = pairs[0][2]
+    assert result["requests"] == 3 and result["ttft_diff"] == {"n": 3, "median_ms": -2.0, "mean_ms": -2.0}
     assert ab.main(["ab_table.py", str(tmp_path), "base", "new"]) == 0
     out = capsys.readouterr().out
     assert "online random, per request:" in out and "(A: base; B: new)" in out
     saved = json.loads((tmp_path / "ab.json").read_text())
-    assert saved["paired_ttft"] == pairs
+    assert saved["paired_ttft"] == {"random new - base": result}
     assert saved["base"]["online random TTFT median ms"] == 65.0
     assert saved["new"]["online random requests"] == 3
     assert saved["base"]["online r2-random TTFT median ms"] == 60.0

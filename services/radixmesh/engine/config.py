@@ -27,7 +27,7 @@ DEFAULT_CHUNKED_PREFILL = 4096
 """The chunk size on the CPU, and wherever the device's memory is not known yet."""
 CHUNK_SIZE_BY_GPU_MEMORY = ((35 << 30, 2048), (60 << 30, 4096), (160 << 30, 8192))
 """(GPU memory below, chunk size) in order; larger GPUs: 16,384. SGLang's own tiers: on an H100 or H200 it prefills
-8,192 tokens a pass, so a prompt of 4,097-8,192 tokens (the `random` text workload re-tokenizes 7-8% of its
+8,192 tokens a pass, so a prompt of 4,097-8,192 tokens (the `random` text workload re-tokenizes 6-8% of its
 <= 4,096-id prompts to more) takes one pass, not two."""
 LARGEST_GPU_CHUNK = 16384
 
