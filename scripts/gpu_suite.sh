@@ -248,10 +248,18 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       # thread (every prompt encoded whole) and at FRONT_END_WORKERS (default 4: long prompts in pieces on 4 threads)
       model=$(python3 scripts/gpu_tokenizer_model.py ${ONLINE_SHAPE:-llama-3.1-8b} "${TOKENIZER_DIR:-.gpu-model}" \
         /tmp/smol-vocab-${ONLINE_SHAPE:-llama-3.1-8b})
+      # FRONT_END_PIECES="1536 768": the 4k prompts again at each shortest piece (RADIXMESH_TOKENIZE_MIN_PIECE_CHARS)
+      # on FRONT_END_WORKERS threads, into front-end-w<workers>-p<chars>.json
       for workers in 1 ${FRONT_END_WORKERS:-4}; do
         echo "front end, --tokenizer-workers $workers"
         $RM bench front-end --model "$model" --num-prompts ${FRONT_END_PROMPTS:-40} --tokenizer-workers $workers \
           --output-file "$OUT/front-end-w$workers.json"
+      done
+      for chars in ${FRONT_END_PIECES:-}; do
+        echo "front end, --tokenizer-workers ${FRONT_END_WORKERS:-4}, pieces of >= $chars characters"
+        RADIXMESH_TOKENIZE_MIN_PIECE_CHARS=$chars $RM bench front-end --model "$model" \
+          --num-prompts ${FRONT_END_PROMPTS:-40} --tokenizer-workers ${FRONT_END_WORKERS:-4} \
+          --output-file "$OUT/front-end-w${FRONT_END_WORKERS:-4}-p$chars.json"
       done ;;
     services|trace-split)
       # services: the online workload through gateway -> tokenizer -> router -> worker (Redis), SERVICES_WORKLOADS

@@ -190,3 +190,24 @@ def test_a_many_core_host_cuts_shorter_pieces_on_more_threads(tokenizer: Any, mo
         assert isinstance(encode, SplitEncoder)
         assert encode.min_piece_chars == split_encode.MIN_PIECE_CHARS_MANY_CORES
         assert encode([text], True) == [encode_text(tokenizer, text)]
+
+
+def test_the_shortest_piece_can_be_set_for_ab_runs(tokenizer: Any, monkeypatch: Any) -> None:
+    from radixmesh.common.errors import RadixMeshError
+    from radixmesh.engine import split_encode, tokenize_pool
+
+    monkeypatch.setenv("RADIXMESH_TOKENIZE_MIN_PIECE_CHARS", "768")
+    assert split_encode.default_min_piece_chars(2) == 768
+    assert split_encode.default_min_piece_chars(16) == 768
+    monkeypatch.setattr(tokenize_pool, "usable_cores", lambda: 16)
+    with ThreadPoolExecutor(7) as pool:
+        encode = tokenize_pool.batch_encoder(tokenizer, pool, max_pieces=8)
+        assert isinstance(encode, SplitEncoder) and encode.min_piece_chars == 768
+        text = (prompts(tokenizer, 2, seed=5)[1] * 8)[:12000]
+        assert encode([text], True) == [encode_text(tokenizer, text)]
+    for bad in ("12", "abc", "-5"):
+        monkeypatch.setenv("RADIXMESH_TOKENIZE_MIN_PIECE_CHARS", bad)
+        with pytest.raises(RadixMeshError, match="RADIXMESH_TOKENIZE_MIN_PIECE_CHARS"):
+            split_encode.default_min_piece_chars(16)
+    monkeypatch.delenv("RADIXMESH_TOKENIZE_MIN_PIECE_CHARS")
+    assert split_encode.default_min_piece_chars(16) == split_encode.MIN_PIECE_CHARS_MANY_CORES

@@ -22,6 +22,29 @@ def cache_dir() -> Path:
     return Path(env_str("CACHE_DIR") or Path.home() / ".cache" / "radixmesh")
 
 
+TOKENIZE_MIN_PIECE_CHARS_RANGE = (256, 1 << 20)
+"""Bounds of RADIXMESH_TOKENIZE_MIN_PIECE_CHARS (a piece shorter than ~60 tokens costs more in hand-offs than it
+saves; the upper bound keeps every prompt whole)."""
+
+
+def tokenize_min_piece_chars() -> int | None:
+    """RADIXMESH_TOKENIZE_MIN_PIECE_CHARS: the shortest piece a long prompt is cut into for the tokenizer pool's
+    threads (`radixmesh.engine.split_encode`), checked (INVALID_ARGUMENT when not an integer in range); None: the
+    default for the host's cores."""
+    raw = (env_str("TOKENIZE_MIN_PIECE_CHARS") or "").strip()
+    if not raw:
+        return None
+    low, high = TOKENIZE_MIN_PIECE_CHARS_RANGE
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not low <= value <= high:
+        raise invalid_argument(f"RADIXMESH_TOKENIZE_MIN_PIECE_CHARS must be an integer in [{low}, {high}] "
+                               f"(got {raw!r})", "RADIXMESH_TOKENIZE_MIN_PIECE_CHARS")
+    return value
+
+
 MOE_PATHS = ("auto", "small", "sorted")
 """Values of RADIXMESH_MOE_PATH (radixmesh.kernels.moe.MOE_PATHS)."""
 

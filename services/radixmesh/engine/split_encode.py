@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
+from radixmesh.common.env import tokenize_min_piece_chars
+
 MIN_PIECE_CHARS = 4096
 """Shortest piece worth its own thread on a small host (about 600-1,000 tokens: on a busy 2-core machine, pieces of
 a 1k-token prompt cost more in hand-offs than they saved)."""
@@ -34,7 +36,11 @@ MANY_CORES = 8
 
 
 def default_min_piece_chars(cores: int) -> int:
-    """The shortest piece for a host whose process may run on `cores` cores."""
+    """The shortest piece for a host whose process may run on `cores` cores (RADIXMESH_TOKENIZE_MIN_PIECE_CHARS
+    when set: for A/B runs on a GPU host)."""
+    chosen = tokenize_min_piece_chars()
+    if chosen is not None:
+        return chosen
     return MIN_PIECE_CHARS_MANY_CORES if cores >= MANY_CORES else MIN_PIECE_CHARS
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
