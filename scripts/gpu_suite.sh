@@ -37,7 +37,8 @@
 #   chains (3 steps) and as trees (top-4, 3 steps, 8 draft tokens), then the tree-mask kernel tests on the GPU
 #   STAGES=lora: LoRA adapters in the engine (GPU tests, then `bench lora`: 16 adapters in a batch of 32 vs the base;
 #   LORA_KERNELS="auto rows" TIMEOUT_lora=590: the bench once per decode kernel set; LORA_OVERLAP="side on off": the mixed
-#   batch once per --lora-overlap setting in each bench run, against the same base figures)
+#   batch once per --lora-overlap setting in each bench run, against the same base figures; LORA_PROFILE=1: also the
+#   kernel tables of batch-1 decode steps without and with an adapter, --profile-bs1)
 #   STAGES="moe-kernels lora-kernels" TIMEOUT_moe_kernels=590: the MoE and batched-LoRA kernels (issues 48, 46): GPU
 #   tests, the CPU kernel tests compiled, the benchmarks (MoE tile sweep at MOE_SWEEP_MS) and a table of each at the end
 #   STAGES=moe-small TIMEOUT_moe_small=590 (issue 48, one GPU): the MoE small-batch path vs the sorted one per M and
@@ -619,12 +620,15 @@ PY
       # LORA_KERNELS="auto rows": one run per --lora-kernels setting (auto: the adapter in the batch-1 GEMVs'
       # epilogues, the per-row launches above one row; rows: the per-row launches at every batch, unfused at batch 1);
       # LORA_OVERLAP="side on off": the mixed batch on one LoRA engine per --lora-overlap setting (on: the shrink on a
-      # side stream beside the base GEMM; side: the expand there too; auto: side at decode batches above one row)
+      # side stream beside the base GEMM; side: the expand there too; auto: side at decode batches above one row);
+      # LORA_PROFILE=1: --profile-bs1, the kernels of batch-1 decode steps on the base engine and on the LoRA engine
+      # with one adapter (torch.profiler, top 40 per step; base_bs1_profile and lora_bs1_profile in lora.jsonl)
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_engine_gpu.py tests/gpu/test_lora_gpu.py \
         tests/gpu/test_lora_overlap_gpu.py
       for kernels in ${LORA_KERNELS:-auto}; do
         $RM bench lora --model-shape llama-3.1-8b --num-adapters 16 --rank 16 --batch-size 32 --input-len 256 \
-          --output-len 128 --lora-kernels "$kernels" --lora-overlap ${LORA_OVERLAP:-auto} --result-file "$OUT/lora.jsonl"
+          --output-len 128 --lora-kernels "$kernels" --lora-overlap ${LORA_OVERLAP:-auto} --result-file "$OUT/lora.jsonl" \
+          $([ "${LORA_PROFILE:-}" = 1 ] && echo --profile-bs1)
       done ;;
     lora-tests)  # the LoRA GPU tests alone (engine: graphs vs eager vs CPU per kernel set; kernels)
       python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_lora_engine_gpu.py tests/gpu/test_lora_gpu.py \

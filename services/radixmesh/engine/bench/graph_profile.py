@@ -9,9 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 
-def profile_decode_steps(sched: Any, reqs: list[Any], skip: int = 4, steps: int = 16) -> dict[str, Any]:
+def profile_decode_steps(sched: Any, reqs: list[Any], skip: int = 4, steps: int = 16,
+                         top: int = 25) -> dict[str, Any]:
     """Device work of whole decode steps (graph replay plus everything around it: input staging,
-    sampling, copies), listed per step: what a step costs beyond the captured forward."""
+    sampling, copies), listed per step: what a step costs beyond the captured forward (the `top` kernels by
+    device time)."""
     import torch
 
     for req in reqs:
@@ -23,7 +25,7 @@ def profile_decode_steps(sched: Any, reqs: list[Any], skip: int = 4, steps: int 
             for _ in range(steps):
                 sched.step()
             torch.cuda.synchronize()
-        summary = _kernel_summary(prof.key_averages(), runs=steps, top=25)
+        summary = _kernel_summary(prof.key_averages(), runs=steps, top=top)
     except Exception as exc:
         summary = {"graph_profile_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     while sched.has_work:

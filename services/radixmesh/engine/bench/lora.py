@@ -5,19 +5,22 @@ directory. On one model without LoRA, then one with `--num-adapters` slots: deco
 `--batch-size` where request i uses adapter i mod N, against the same batch of base requests on the model without
 LoRA; batch-1 decode with and without an adapter; and the time to load one more adapter at run time (files read
 and checked, then written into a device slot). With several `--lora-overlap` settings the mixed batch runs on one
-LoRA engine per setting (`lora_batch_tok_s_by_overlap`), the other figures on the first. Prints each figure and
-ends with one JSON line.
+LoRA engine per setting (`lora_batch_tok_s_by_overlap`), the other figures on the first. With `--profile-bs1`
+(CUDA) also a kernel table of batch-1 decode steps on the base engine and on the first LoRA engine with one adapter
+(`base_bs1_profile`, `lora_bs1_profile`). Prints each figure and ends with one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from radixmesh.engine.bench.graph_profile import profile_decode_steps
 from radixmesh.engine.bench.throughput import (
     Timeline,
     _common,
@@ -31,6 +34,7 @@ from radixmesh.engine.bench.throughput import (
 from radixmesh.engine.lora.options import LORA_OVERLAP
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROFILE_SKIP, PROFILE_STEPS, PROFILE_TOP = 4, 16, 40  # --profile-bs1: steps before, steps traced, kernels listed
 
 
 def write_random_adapters(config: Any, root: Path, num: int, rank: int, seed: int = 0) -> list[Path]:
@@ -81,6 +85,21 @@ def _decode_tok_s(sched: Any, timeline: Timeline, args: argparse.Namespace, batc
     return batch * max(args.output_len - 1, 1) / decode_s
 
 
+def _profile_bs1(sched: Any, args: argparse.Namespace, lora: str | None, result: dict[str, Any], key: str) -> None:
+    """--profile-bs1: the kernels of whole batch-1 decode steps (one request, adapter `lora`) under a heading,
+    their summary into `result[key]`; off CUDA a line saying it is skipped."""
+    device = sched.runner.device.type
+    if device != "cuda":
+        print(f"--profile-bs1: needs CUDA; skipped ({key}, device {device})", file=sys.stderr)
+        return
+    vocab = sched.runner.model_config.vocab_size
+    req = make_reqs([(args.input_len, PROFILE_SKIP + PROFILE_STEPS + 8)], vocab, 11, f"prof-{key}-")[0]
+    req.lora_name = lora
+    print(f"{key}: batch-1 decode step kernels{f' with adapter {lora}' if lora else ''}, {args.input_len} input "
+          f"tokens, {PROFILE_STEPS} steps after {PROFILE_SKIP} (device us and calls per step, top {PROFILE_TOP})")
+    result[key] = profile_decode_steps(sched, [req], skip=PROFILE_SKIP, steps=PROFILE_STEPS, top=PROFILE_TOP)
+
+
 def _release_memory() -> None:
     """Free the device memory of a scheduler no longer referenced (its pools and graphs)."""
     import torch
@@ -91,11 +110,14 @@ def _release_memory() -> None:
 
 
 def _measure_base(args: argparse.Namespace, timeline: Timeline, result: dict[str, Any]) -> Any:
-    """The model without LoRA: the batch and batch-1 figures; returns its model config (the scheduler is dropped)."""
+    """The model without LoRA: the batch and batch-1 figures (and the batch-1 kernels with --profile-bs1); returns
+    its model config (the scheduler is dropped)."""
     base = build_scheduler(args, timeline)
     result.update(device_info(base))
     result["base_batch_tok_s"] = round(_decode_tok_s(base, timeline, args, args.batch_size, [None], 1), 1)
     result["base_bs1_tok_s"] = round(_decode_tok_s(base, timeline, args, 1, [None], 3), 1)
+    if args.profile_bs1:
+        _profile_bs1(base, args, None, result, "base_bs1_profile")
     base.runner.close()
     return base.runner.model_config
 
@@ -134,7 +156,8 @@ def cmd_lora(args: argparse.Namespace) -> int:
 def _measure_lora(sched: Any, timeline: Timeline, args: argparse.Namespace, result: dict[str, Any],
                   load_path: str | None) -> float:
     """The batch of mixed adapters on a LoRA engine; with `load_path` (the first engine) also its figures for base
-    requests, batch 1 and a run-time load, into `result`. Returns the mixed batch's tokens/s."""
+    requests, batch 1 (and its kernels with --profile-bs1) and a run-time load, into `result`. Returns the mixed
+    batch's tokens/s."""
     names: list[str | None] = [f"a{i}" for i in range(args.num_adapters)]
     lora_tok_s = _decode_tok_s(sched, timeline, args, args.batch_size, names, 1)
     if load_path is None:
@@ -146,6 +169,8 @@ def _measure_lora(sched: Any, timeline: Timeline, args: argparse.Namespace, resu
     bs1 = _decode_tok_s(sched, timeline, args, 1, ["a0"], 7)
     result["lora_bs1_tok_s"] = round(bs1, 1)
     result["lora_bs1_vs_base_bs1"] = round(bs1 / result["base_bs1_tok_s"], 4)
+    if args.profile_bs1:
+        _profile_bs1(sched, args, "a0", result, "lora_bs1_profile")
     result["load_adapter_s"] = round(_time_load(sched, f"a{args.num_adapters}", load_path), 4)
     return round(lora_tok_s, 1)
 
@@ -180,4 +205,8 @@ def register_lora(bench: argparse._SubParsersAction) -> None:
                         help="the adapters beside the base GEMM (auto | on | side | off); several: the mixed batch "
                              "on one LoRA engine per setting, against the same base figures (the first gives the "
                              "others)")
+    parser.add_argument("--profile-bs1", action="store_true",
+                        help="CUDA only: also record the kernels of batch-1 decode steps (torch.profiler, "
+                             f"{PROFILE_STEPS} whole steps, the top {PROFILE_TOP} by device time) on the base engine "
+                             "and on the LoRA engine with one adapter (base_bs1_profile, lora_bs1_profile)")
     parser.set_defaults(func=cmd_lora)
