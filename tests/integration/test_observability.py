@@ -75,9 +75,9 @@ def observed(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         spec = ClusterSpec(num_workers=1, redis_url="", policy="cache-aware", state_dir=state_dir,
                            worker_args="--max-total-tokens 2048", router_args="--health-interval-s 0.5",
                            log_level="info", timeout_s=300, otlp_endpoint=receiver.endpoint, metrics=True,
-                           grammar=True, gateway_args="--detokenize service")
-        # The gateway detokenizes through the tokenizer service here (its default is a local copy): the trace
-        # then has both ends of every hop, and every documented metric moves.
+                           grammar=True, gateway_args="--detokenize service --tokenize service")
+        # The gateway tokenizes and detokenizes through the tokenizer service here (its default is a local copy):
+        # the trace then has both ends of every hop, and every documented metric moves.
         state = cluster_up(spec)
         try:
             yield ObservedCluster(state, receiver, scrape_all(state))

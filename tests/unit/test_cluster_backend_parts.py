@@ -140,9 +140,9 @@ def card_reader(fail_first: bool = False) -> tuple[ModelCardReader, Readiness, A
                                       target_kind="router", target_address="r:1")
     tokenizer_part = SimpleNamespace(address="t:1", stub=SimpleNamespace(GetTokenizerInfo=tokenizer_info),
                                      group=SimpleNamespace(up=True, description="the tokenizer at t:1"),
-                                     block_size=16, local_tokenizer=None)
+                                     block_size=16, local_tokenizer=None, pool=None, wants_copy=False)
     readiness = Readiness("gateway")
-    reader = ModelCardReader(tokenizer_part, generation_part, readiness, None, "service")  # type: ignore[arg-type]
+    reader = ModelCardReader(tokenizer_part, generation_part, readiness, None)  # type: ignore[arg-type]
     return reader, readiness, tokenizer_part
 
 

@@ -1,6 +1,6 @@
-"""The cluster gateway's backend: tokenizes through the tokenizer service, generates through a router (or straight
-through one worker), and detokenizes the stream with a copy of the service's tokenizer (or, with `--detokenize
-service`, through the service).
+"""The cluster gateway's backend: tokenizes and detokenizes with a copy of the tokenizer service's tokenizer (or, with
+`--tokenize service` / `--detokenize service`, through the service), generates through a router (or straight
+through one worker).
 
 It composes three parts: the tokenizer upstream (tokenizer_upstream.py: text <-> tokens, the prompts' block
 hashes), the Generate upstream (generate_upstream.py: replicas, failover, aborts, control calls) and the model card
@@ -20,8 +20,9 @@ from radixmesh.common.errors import invalid_argument
 from radixmesh.common.readiness import Readiness
 from radixmesh.engine.mm.prompt import MultimodalPrompt, PromptWithImages
 from radixmesh.engine.sampling.validation import validate_params
+from radixmesh.engine.tokenize_pool import DEFAULT_TOKENIZER_WORKERS
 from radixmesh.gateway.backend import GatewayBackend, GenerationChunk, ModelCard, SamplingParams
-from radixmesh.gateway.config import DETOKENIZE_MODES
+from radixmesh.gateway.config import DETOKENIZE_MODES, TOKENIZE_MODES
 from radixmesh.gateway.generate_upstream import GenerateUpstream
 from radixmesh.gateway.model_card import ModelCardReader
 from radixmesh.gateway.tokenizer_upstream import TokenizerUpstream
@@ -43,16 +44,22 @@ class ClusterBackend(GatewayBackend):
 
     def __init__(self, tokenizer_address: str, target_address: str, target_kind: str = "router",
                  served_model_name: str | None = None, watch: WatchConfig | None = None,
-                 detokenize: str = "local", target: Upstream | None = None, transport: str = "lane") -> None:
+                 detokenize: str = "local", target: Upstream | None = None, transport: str = "lane",
+                 tokenize: str = "local", tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS) -> None:
         """`target`: a target built elsewhere (the router in this process) instead of `target_address`'s;
-        `transport`: how Generate reaches the targets (lane | grpc, see `radixmesh.common.lane`)."""
-        if detokenize not in DETOKENIZE_MODES:
-            raise invalid_argument(f"detokenize must be one of {', '.join(DETOKENIZE_MODES)} (got {detokenize!r})",
-                                   "detokenize")
+        `transport`: how Generate reaches the targets (lane | grpc, see `radixmesh.common.lane`); `tokenize` /
+        `detokenize`: "local" (a copy of the service's tokenizer, `tokenizer_workers` threads encoding prompts) or
+        "service"."""
+        for param, value, modes in (("detokenize", detokenize, DETOKENIZE_MODES),
+                                    ("tokenize", tokenize, TOKENIZE_MODES)):
+            if value not in modes:
+                raise invalid_argument(f"{param} must be one of {', '.join(modes)} (got {value!r})", param)
         self.generation = GenerateUpstream(target_address, target_kind, self.not_ready_reason, target, transport)
-        self.tokenizer = TokenizerUpstream(tokenizer_address)
+        self.tokenizer = TokenizerUpstream(tokenizer_address, tokenize_locally=tokenize == "local",
+                                           detokenize_locally=detokenize == "local",
+                                           tokenizer_workers=tokenizer_workers)
         self.readiness = Readiness("gateway")
-        self.model = ModelCardReader(self.tokenizer, self.generation, self.readiness, served_model_name, detokenize)
+        self.model = ModelCardReader(self.tokenizer, self.generation, self.readiness, served_model_name)
         self.watcher = UpstreamWatcher([self.tokenizer.group, self.generation.group], self.readiness,
                                        watch or WatchConfig(), on_change=self.model.on_upstream_change)
         self.tokenizer.watcher = self.generation.watcher = self.watcher
@@ -61,10 +68,11 @@ class ClusterBackend(GatewayBackend):
     async def start(cls, tokenizer_address: str, target_address: str, target_kind: str = "router",
                     served_model_name: str | None = None, watch: WatchConfig | None = None,
                     detokenize: str = "local", target: Upstream | None = None,
-                    transport: str = "lane") -> ClusterBackend:
+                    transport: str = "lane", tokenize: str = "local",
+                    tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS) -> ClusterBackend:
         """Start watching the dependencies; returns at once, ready or not (see `not_ready_reason`)."""
         backend = cls(tokenizer_address, target_address, target_kind, served_model_name, watch, detokenize, target,
-                      transport)
+                      transport, tokenize, tokenizer_workers)
         backend.watcher.start()
         return backend
 
@@ -111,6 +119,7 @@ class ClusterBackend(GatewayBackend):
         deps: dict[str, Any] = {u.address if len(g.upstreams) > 1 else g.name: {"kind": u.kind, "address": u.address,
                                 "up": u.up, "detail": u.detail} for g in groups for u in g.upstreams}
         return {"ready": not self.not_ready_reason(), "reason": self.not_ready_reason(), "dependencies": deps,
+                "tokenize": "local" if self.tokenizer.pool is not None else "service",
                 "detokenize": "local" if self.tokenizer.local_tokenizer is not None else "service"}
 
     def metric_views(self) -> list[tuple[Any, str]]:

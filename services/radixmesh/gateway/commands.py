@@ -9,7 +9,7 @@ from radixmesh.common.env import env_str
 from radixmesh.common.tls import add_tls_args
 from radixmesh.common.tracing import add_tracing_args
 from radixmesh.engine.tokenize_pool import DEFAULT_TOKENIZER_WORKERS
-from radixmesh.gateway.config import DETOKENIZE_MODES
+from radixmesh.gateway.config import DETOKENIZE_MODES, TOKENIZE_MODES
 
 if TYPE_CHECKING:
     from radixmesh.gateway.config import GatewayConfig
@@ -131,6 +131,15 @@ def _register_gateway(sub: argparse._SubParsersAction) -> None:
                               "into the gateway once (fingerprint-checked) and saves a round trip per streamed "
                               "message; 'service' sends every message through the service's Detokenize stream "
                               "(default: %(default)s; local falls back to service if the copy fails)")
+    gateway.add_argument("--tokenize", choices=TOKENIZE_MODES, default="local",
+                         help="where text and chat prompts become token ids and block hashes: 'local' encodes them "
+                              "in the gateway with the same copy of the service's tokenizer (a thread pool of "
+                              "--tokenizer-workers; saves the Tokenize round trip before each prompt's first token); "
+                              "'service' calls the tokenizer service for each prompt (default: %(default)s; prompts "
+                              "with images, and all prompts while the copy is not loaded, go to the service)")
+    gateway.add_argument("--tokenizer-workers", type=int, default=DEFAULT_TOKENIZER_WORKERS,
+                         help="threads of the gateway's own tokenizer pool with --tokenize local (default: "
+                              "%(default)s)")
     gateway.add_argument("--generate-transport", default="lane", choices=GENERATE_TRANSPORTS,
                          help=TRANSPORT_HELP + " (with --embedded-router, its own flag of that name sets the "
                                                "transport to the workers)")
@@ -155,10 +164,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
         return asyncio.run(serve_backend(
             config, lambda: start_embedded(args.tokenizer, args.embedded_router, config.served_model_name,
-                                           args.detokenize),
+                                           args.detokenize, args.tokenize, config.tokenizer_workers),
             f"routing in this process ({args.embedded_router}); the tokenizer at {args.tokenizer}"))
     kind, address = ("router", args.router) if args.router else ("worker", args.worker)
     return asyncio.run(serve_backend(
         config, lambda: ClusterBackend.start(args.tokenizer, address, kind, config.served_model_name,
-                                          detokenize=args.detokenize, transport=args.generate_transport),
+                                          detokenize=args.detokenize, transport=args.generate_transport,
+                                          tokenize=args.tokenize, tokenizer_workers=config.tokenizer_workers),
         f"connecting to the {kind} at {address} and the tokenizer at {args.tokenizer}"))

@@ -14,6 +14,9 @@ from radixmesh.gateway.tools.registry import check_tool_parser
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DETOKENIZE_MODES = ("local", "service")
 """Where a cluster gateway turns output tokens into text: a copy of the tokenizer here, or the tokenizer service."""
+TOKENIZE_MODES = ("local", "service")
+"""Where a cluster gateway turns text and chat prompts into token ids (and block hashes): a copy of the tokenizer
+here, or the tokenizer service (prompts with images always go to the service)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class GatewayConfig:
     reasoning_parser: str | None = None
     """Split a thinking model's reasoning from its answer (deepseek-r1 | qwen3); None: no splitting."""
     tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS
-    """Threads that tokenize `serve`'s prompts off the event loop (a gateway asks the tokenizer service)."""
+    """Threads that tokenize `serve`'s prompts off the event loop (a gateway's with `--tokenize local`)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -21,6 +21,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.metrics_core import Metric
 
 from radixmesh.common.grpc_server import NOT_READY_METADATA_KEY
+from radixmesh.engine.tokenize_pool import DEFAULT_TOKENIZER_WORKERS
 from radixmesh.gateway.cluster_backend import ClusterBackend
 from radixmesh.gateway.upstreams import Upstream
 from radixmesh.protocol import worker_pb2
@@ -151,9 +152,11 @@ class EmbeddedRouter(Upstream):
 
 
 async def start_embedded(tokenizer_address: str, router_flags: str, served_model_name: str | None = None,
-                         detokenize: str = "local") -> ClusterBackend:
+                         detokenize: str = "local", tokenize: str = "local",
+                         tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS) -> ClusterBackend:
     """A gateway backend that routes in this process with `radixmesh router`'s flags (`router_flags`)."""
     app = RouterApp(None, *embedded_router_flags(router_flags))
     await app.start()
     return await ClusterBackend.start(tokenizer_address, ADDRESS, "router", served_model_name,
-                                   detokenize=detokenize, target=EmbeddedRouter(app))
+                                   detokenize=detokenize, target=EmbeddedRouter(app), tokenize=tokenize,
+                                   tokenizer_workers=tokenizer_workers)

@@ -27,15 +27,15 @@ RETRY_S = 1.0
 
 
 class ModelCardReader:
-    """Reads the `ModelCard` once both sides are up (and, detokenizing locally, copies the tokenizer first)."""
+    """Reads the `ModelCard` once both sides are up (and, tokenizing or detokenizing locally, copies the tokenizer
+    first)."""
 
     def __init__(self, tokenizer: TokenizerUpstream, generation: GenerateUpstream, readiness: Readiness,
-                 served_model_name: str | None, detokenize: str) -> None:
+                 served_model_name: str | None) -> None:
         self.tokenizer = tokenizer
         self.generation = generation
         self.readiness = readiness
         self.served_model_name = served_model_name
-        self.detokenize = detokenize
         self.card: ModelCard | None = None
         self._task: asyncio.Task[None] | None = None
         self._callbacks: list[Callable[[ModelCard], None]] = []
@@ -67,7 +67,7 @@ class ModelCardReader:
                 self.readiness.set("model", False, exc.message)
                 continue
             self.tokenizer.block_size = tok.block_size or DEFAULT_BLOCK_SIZE
-            if self.detokenize == "local" and self.tokenizer.local_tokenizer is None:
+            if self.tokenizer.wants_copy and self.tokenizer.local_tokenizer is None and self.tokenizer.pool is None:
                 # Before ready: loading it holds the GIL for seconds (a large vocabulary), which would
                 # stall the first requests' streams if they were already being served.
                 self.readiness.set("model", False, "copying the tokenizer service's tokenizer")
