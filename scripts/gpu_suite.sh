@@ -264,7 +264,9 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       done ;;
     services|trace-split)
       # services: the online workload through gateway -> tokenizer -> router -> worker (Redis), SERVICES_WORKLOADS
-      # (default: random, the text the tokenizer service tokenizes) into services-WORKLOAD.json.
+      # (default: random: text, which the gateway tokenizes with its copy of the tokenizer) into services-WORKLOAD.json;
+      # SERVICES_GATEWAY_ARGS: the gateway's flags (e.g. "--tokenize service": every prompt through the tokenizer
+      # service), SERVICES_TAG=x: into services-x-WORKLOAD.json.
       # trace-split: traced runs of the services and of serve (20 prompts each), their spans summed up by
       # scripts/trace_split.py: where the time to first token goes on each path.
       model=$(python3 scripts/gpu_tokenizer_model.py ${ONLINE_SHAPE:-llama-3.1-8b} "${TOKENIZER_DIR:-.gpu-model}" \
@@ -276,7 +278,7 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
         --random-range-ratio 0.0 --request-rate ${ONLINE_RATE:-1} --warmup-requests 2 --disable-tqdm --tokenizer $model"
       up="--workers 1 --model $model --load-format dummy --worker-args=--context-length=8192 --timeout-s 400"
       if [ "$stage" = services ]; then
-        url=$($RM cluster up $up --state-dir /tmp/cluster-plain | tail -1)
+        url=$($RM cluster up $up --gateway-args="${SERVICES_GATEWAY_ARGS:-}" --state-dir /tmp/cluster-plain | tail -1)
         spy services $(python3 -c 'import json; s = json.load(open("/tmp/cluster-plain/state.json"))
 print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
           $(w=$(python3 -c 'import json; print(json.load(open("/tmp/cluster-plain/state.json"))["pids"]["worker-0"])'); \
@@ -284,7 +286,7 @@ print(" ".join(f"{n}={p}" for n, p in s["pids"].items() if n != "redis"))') \
         for w in ${SERVICES_WORKLOADS:-random}; do
           echo "services workload $w"
           $RM bench serving --base-url "$url" $bench --workload "$w" --num-prompts ${ONLINE_PROMPTS:-100} --flush-cache \
-            --output-file "$OUT/services-$w.json"
+            --output-file "$OUT/services${SERVICES_TAG:+-$SERVICES_TAG}-$w.json"
         done
         spy_collect services
         $RM cluster down --state-dir /tmp/cluster-plain
