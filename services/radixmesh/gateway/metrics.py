@@ -65,7 +65,8 @@ class GatewayMetrics:
             buckets=OVERHEAD_BUCKETS_S, registry=reg)
         self.tokenize = Histogram(
             p + "tokenize_seconds", "Time a request's prompt text took to become token ids (waiting for a tokenizer "
-            "thread included; in a cluster the tokenizer service call)", buckets=OVERHEAD_BUCKETS_S, registry=reg)
+            "thread included; a gateway's own pool, or its tokenizer service call with --tokenize service)",
+            buckets=OVERHEAD_BUCKETS_S, registry=reg)
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between output tokens of a sequence",
                              buckets=ITL_BUCKETS_S, registry=reg)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from arrival to the last output token",
