@@ -48,7 +48,8 @@ def services() -> Iterator[dict[str, ServiceProc]]:
     procs = {"tokenizer": tokenizer, "worker": worker,
              "serve": start_service("serve", SMALL_ENGINE, http=True, wait_ready=False),
              "gateway": start_service("gateway", upstreams, http=True, wait_ready=False),
-             "gateway-service-detok": start_service("gateway", [*upstreams, "--detokenize", "service"], http=True,
+             "gateway-service-detok": start_service("gateway", [*upstreams, "--detokenize", "service",
+                                                               "--tokenize", "service"], http=True,
                                                     wait_ready=False)}
     wait_all_ready(list(procs.values()))
     yield procs
@@ -325,20 +326,23 @@ def _sse_text(url: str, path: str, body: dict[str, Any]) -> str:
     return text
 
 
-def _detokenize_mode(gateway: ServiceProc, expected: str) -> str:
-    """Where the gateway detokenizes; a local copy of the tokenizer is given 60 s to load."""
+def _text_modes(gateway: ServiceProc, expected: str) -> tuple[str, str]:
+    """Where the gateway tokenizes and detokenizes; a local copy of the tokenizer is given 60 s to load."""
     deadline = time.monotonic() + (60 if expected == "local" else 0)
     while True:
-        mode = str(httpx.get(gateway.address + "/ready", timeout=30).json()["detokenize"])
-        if mode == expected or time.monotonic() > deadline:
-            return mode
+        ready = httpx.get(gateway.address + "/ready", timeout=30).json()
+        modes = (str(ready["tokenize"]), str(ready["detokenize"]))
+        if modes == (expected, expected) or time.monotonic() > deadline:
+            return modes
         time.sleep(0.2)
 
 
 @pytest.mark.parametrize("detokenize", ["local", "service"])
 def test_gateway_answers_like_serve(services: dict[str, ServiceProc], serve_svc: ServiceProc, detokenize: str) -> None:
+    """The default gateway (its own copy of the tokenizer both ways) and one with `--tokenize service --detokenize
+    service` answer as `serve` does."""
     gateway_svc = services["gateway" if detokenize == "local" else "gateway-service-detok"]
-    assert _detokenize_mode(gateway_svc, detokenize) == detokenize
+    assert _text_modes(gateway_svc, detokenize) == (detokenize, detokenize)
     ours, ref = _chat(gateway_svc.address), _chat(serve_svc.address)
     assert ours["choices"][0]["message"] == ref["choices"][0]["message"]
     assert ours["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
