@@ -34,7 +34,7 @@ if [ ! -f "$stamp" ]; then
   echo "radixmesh: installing Python packages into .venv (first time: torch is large, several minutes)" >&2
   # torch and its CUDA libraries: ~6.5 GB installed plus ~3.2 GB of downloaded wheels unpacked in the temporary
   # folder until pip finishes (measured: 9.3 GB at the peak). Unpack beside .venv when the temporary folder's disk
-  # has less room than the checkout's; say what is missing before pip runs out of room halfway.
+  # has under 4 GiB free and the checkout's more; say what is missing before pip runs out of room halfway.
   tmp=${TMPDIR:-/tmp}
   here=$(free_gib .); there=$(free_gib "$tmp")
   if [ -n "$here" ] && [ -n "$there" ] && [ "$there" -lt 4 ] && [ "$here" -gt "$there" ]; then

@@ -1,8 +1,8 @@
-"""Tokenization through two HTTP front ends on the same prompts, paired: `/tokenize` of the `random` workload's text
-(random token ids decoded), each prompt to both in alternating order, and the per-prompt difference of the
+"""Tokenization through two HTTP front ends on the same prompts, paired: `/tokenize` of the `random` workload's own
+prompts (random token ids decoded), each prompt to both in alternating order, and the per-prompt difference of the
 response times. Made for a gateway with `--tokenize local` against one with `--tokenize service` over the same
 tokenizer service (or `serve` against a gateway); prints the medians, p90s and the paired difference, and writes
-them as JSON with `--out`.
+them as JSON with `--out`. Run it from the repository root (it imports `loadtests`).
 
     python3 scripts/tokenize_paired.py --a http://127.0.0.1:8001 --b http://127.0.0.1:8002 \\
         [--tokenizer DIR] [--prompts 60] [--tokens 2400] [--out tokenize-paired.json]
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
 from typing import Any
@@ -21,13 +20,15 @@ import httpx
 
 
 def random_texts(tokenizer_dir: str | None, count: int, tokens: int, seed: int) -> list[str]:
-    """`count` texts of `tokens` random token ids each, decoded (the `random` workload's prompts)."""
+    """`count` prompts of the `random` workload (`bench serving --workload random`: `tokens` random ids, decoded)."""
+    from loadtests.workloads.random_prompts import RANDOM
     from radixmesh.engine.hf_tokenizer import load_tokenizer
     from radixmesh.engine.loader.default_model import resolve_model_path
 
     tokenizer = load_tokenizer(tokenizer_dir or str(resolve_model_path(None)[1]))
-    rng = random.Random(seed)
-    return [str(tokenizer.decode([rng.randrange(len(tokenizer)) for _ in range(tokens)])) for _ in range(count)]
+    lengths = argparse.Namespace(random_input_len=tokens, random_output_len=1, random_range_ratio=1.0)
+    workload = RANDOM.build(lengths, tokenizer, count, seed)
+    return [str(session.turns[0].prompt) for session in workload.sessions]
 
 
 def time_tokenize(client: httpx.Client, url: str, text: str) -> float:

@@ -35,11 +35,8 @@ def tokenize_min_piece_chars() -> int | None:
     if not raw:
         return None
     low, high = TOKENIZE_MIN_PIECE_CHARS_RANGE
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if not low <= value <= high:
+    value = int(raw) if raw.lstrip("-").isdigit() else None
+    if value is None or not low <= value <= high:
         raise invalid_argument(f"RADIXMESH_TOKENIZE_MIN_PIECE_CHARS must be an integer in [{low}, {high}] "
                                f"(got {raw!r})", "RADIXMESH_TOKENIZE_MIN_PIECE_CHARS")
     return value
