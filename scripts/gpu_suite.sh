@@ -141,7 +141,7 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
         tests/gpu/test_custom_all_reduce_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_hot_path_gpu.py \
         tests/gpu/test_triton_kernels_gpu.py tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_kv_transfer_gpu.py \
         tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_lora_gpu.py \
-        tests/gpu/test_lora_engine_gpu.py tests/gpu/test_lora_overlap_gpu.py ;;
+        tests/gpu/test_lora_engine_gpu.py tests/gpu/test_lora_overlap_gpu.py tests/gpu/test_lora_gemv_pdl_gpu.py ;;
     pdl-tests)  # programmatic dependent launch: decode kernel chains in graphs vs without PDL, engine vs transformers
       python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/gpu/test_pdl_gpu.py tests/gpu/test_engine_gpu.py
       python3 -m pytest -q -p no:cacheprovider -rfE tests/unit/test_gemv_rope_kernel.py tests/unit/test_gemv_fused_kernel.py ;;
@@ -539,6 +539,19 @@ PY
         $RM bench fp8-accuracy --model-shape $shape --load-format dummy --kv-cache-dtype fp8_e4m3 \
           --context-length 8192 --result-file "$OUT/fp8-accuracy.jsonl"
       done ;;
+    moe-mixtral)  # issue 48's two-GPU target alone: Mixtral-8x7B at EP 2 and at TP 2, batches 1 and 64 (moe's last part;
+      # MIXTRAL_DP=1: also EP 2 with --enable-dp-attention, eager), and the table
+      for ep in 2 1; do
+        $RM bench one-batch --model-shape mixtral-8x7b --tp-size 2 --ep-size $ep --batch-size 1 64 --input-len 1024 \
+          --output-len 128 --context-length 4096 --cuda-graph-max-bs 64 --result-file "$OUT/moe-mixtral.jsonl" \
+          > "$OUT/moe-mixtral-ep$ep.log" 2>&1 || tail -n 20 "$OUT/moe-mixtral-ep$ep.log"
+      done
+      if [ -n "${MIXTRAL_DP:-}" ]; then
+        $RM bench one-batch --model-shape mixtral-8x7b --tp-size 2 --ep-size 2 --enable-dp-attention \
+          --disable-cuda-graph --batch-size 1 64 --input-len 1024 --output-len 128 --context-length 4096 \
+          --result-file "$OUT/moe-mixtral.jsonl" > "$OUT/moe-mixtral-dp.log" 2>&1 || tail -n 20 "$OUT/moe-mixtral-dp.log"
+      fi
+      python3 scripts/moe_table.py "$OUT" ;;
     moe-tests)  # Qwen3-MoE and Mixtral in CUDA graphs vs eager vs transformers, the layer vs the torch reference, FP8
       # experts, EP 2 / TP 2 vs one GPU (two GPUs)
       python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/gpu/test_moe_models_gpu.py ;;
@@ -626,21 +639,53 @@ PY
       # LORA_PROFILE=1: --profile-bs1, the kernels of batch-1 decode steps on the base engine and on the LoRA engine
       # with one adapter (torch.profiler, top 40 per step; base_bs1_profile and lora_bs1_profile in lora.jsonl)
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_engine_gpu.py tests/gpu/test_lora_gpu.py \
-        tests/gpu/test_lora_overlap_gpu.py
+        tests/gpu/test_lora_overlap_gpu.py tests/gpu/test_lora_gemv_pdl_gpu.py
       for kernels in ${LORA_KERNELS:-auto}; do
         $RM bench lora --model-shape llama-3.1-8b --num-adapters 16 --rank 16 --batch-size 32 --input-len 256 \
           --output-len 128 --lora-kernels "$kernels" --lora-overlap ${LORA_OVERLAP:-auto} --result-file "$OUT/lora.jsonl" \
           $([ "${LORA_PROFILE:-}" = 1 ] && echo --profile-bs1)
       done ;;
+    lora-layer1)  # layer-1 of bench_lora: one 8B layer's projections at batch 1 with the adapter in the GEMVs'
+      # epilogues against the fused GEMVs alone, checked against float32; LORA_WIDTHS="64 256": once per epilogue width
+      python3 -m radixmesh.kernels.bench_lora --cases layer-1 --kernels epilogue --check \
+        $([ -n "${LORA_WIDTHS:-}" ] && echo --epilogue-widths $LORA_WIDTHS) | tee "$OUT/lora-layer1.jsonl" ;;
+    lora-bs1)  # `bench lora` (issue 46's figures) with the kernel tables of batch-1 steps (--profile-bs1), no tests
+      $RM bench lora --model-shape llama-3.1-8b --num-adapters 16 --rank 16 --batch-size 32 --input-len 256 \
+        --output-len 128 --result-file "$OUT/lora.jsonl" --profile-bs1 ;;
+    lora-pdl-mutants)  # the PDL test of the LoRA GEMVs must fail on each of two broken copies of the kernels: a
+      # GEMV that never waits for its shrink, a shrink that lets its GEMV start before the kernel before it ended
+      for mutant in gemv-no-wait shrink-early; do
+        rm -rf /tmp/mutant && cp -r "$TREE/kernels" /tmp/mutant
+        python3 - "$mutant" <<'PY' || { echo "mutant $mutant: could not be made (see above)"; continue; }
+import sys
+name = sys.argv[1]
+path, old, new = {
+    "gemv-no-wait": ("gemv.py", "        if HAS_LORA:\n            gdc_wait()\n", ""),
+    "shrink-early": ("lora_gemv.py", "        gdc_wait()  # everything", "        gdc_launch_dependents()\n        gdc_wait()  #"),
+}[name]
+f = "/tmp/mutant/radixmesh/kernels/" + path
+text = open(f).read()
+assert old in text, (name, "the code to break is not there")
+open(f, "w").write(text.replace(old, new, 1))
+PY
+        if PYTHONPATH=/tmp/mutant:$PYTHONPATH python3 -m pytest -q -x -p no:cacheprovider -m gpu \
+            tests/gpu/test_lora_gemv_pdl_gpu.py -k "plain and slow" > "$OUT/mutant-$mutant.log" 2>&1; then
+          grep -q " passed" "$OUT/mutant-$mutant.log" && echo "mutant $mutant: NOT caught (the test passed)" \
+            || echo "mutant $mutant: not tried (the test was skipped)"
+        else
+          echo "mutant $mutant: caught"; grep -E "^E |passed|failed" "$OUT/mutant-$mutant.log" | head -4
+        fi
+      done ;;
     lora-tests)  # the LoRA GPU tests alone (engine: graphs vs eager vs CPU per kernel set; kernels)
       python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_lora_engine_gpu.py tests/gpu/test_lora_gpu.py \
-        tests/gpu/test_lora_overlap_gpu.py ;;
+        tests/gpu/test_lora_overlap_gpu.py tests/gpu/test_lora_gemv_pdl_gpu.py ;;
     lora-kernels)  # batched LoRA at the 8B projections: tests, then the adapters' cost next to cuBLAS's base GEMMs
       # (32 decode rows over 16 rank-16 adapters, batch 1, four 512-token prefill segments; then slots sized for rank 64)
       # for each decode kernel set: per row (the old launches), grouped by adapter, fused shrink+expand; then
       # layer-1: batch 1 against the fused GEMVs a step runs, with the adapter in their epilogue (epilogue) or not;
       # overlap_us: base and LoRA with the shrink on a side stream beside the GEMM, the expand after both
-      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_gpu.py tests/gpu/test_lora_overlap_gpu.py
+      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_lora_gpu.py tests/gpu/test_lora_overlap_gpu.py \
+        tests/gpu/test_lora_gemv_pdl_gpu.py
       python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_lora_kernels.py tests/unit/test_lora_gemv.py \
         tests/unit/test_bench_lora_gemv.py tests/unit/test_lora_overlap.py
       python3 -m radixmesh.kernels.bench_lora --check | tee "$OUT/lora-kernels.jsonl"
@@ -790,7 +835,7 @@ PY
 }
 for stage in $STAGES; do
   limit=$(eval echo "\${TIMEOUT_${stage//-/_}:-$STAGE_TIMEOUT_S}")  # TIMEOUT_pd_goodput=500: one stage's own limit
-  timeout "$limit" bash -c "$(declare -f run_stage spy spy_collect nixl_env); RM='$RM' OUT='$OUT' run_stage $stage" \
+  timeout "$limit" bash -c "$(declare -f run_stage spy spy_collect nixl_env); RM='$RM' OUT='$OUT' TREE='$TREE' run_stage $stage" \
     > "$OUT/$stage.log" 2>&1
   echo "=== stage $stage: exit $? (log: $stage.log)"; tail -5 "$OUT/$stage.log"
 done

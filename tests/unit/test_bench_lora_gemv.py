@@ -32,6 +32,16 @@ def test_each_kernel_set_gives_the_reference(k: int, slices: tuple[int, ...], ki
     assert float((launches(p, kernels)().float() - base).norm()) > 0, "the adapter changes the output"
 
 
+@pytest.mark.parametrize("width", [16, 64])
+def test_the_epilogue_at_each_width_gives_the_reference(width: int) -> None:
+    """--epilogue-widths: the shrink split for `width` partial sums a row (1 and 2 splits here on the CPU) still
+    adds the adapter."""
+    torch.manual_seed(0)
+    p = make_projection(64, (64,), "plain", 8, 16, DEVICE, HEADS, span_bytes=0)
+    p.adapters = [(a * 5, b * 5) for a, b in p.adapters]
+    assert check(p, "epilogue", width) < 0.05
+
+
 def test_the_cases_kernel_sets() -> None:
     sets = ["rows", "fused", "epilogue"]
     assert case_kernels("layer-1", sets) == sets

@@ -146,9 +146,13 @@ def test_qkv_rope_gemv_adds_the_adapter_before_the_rotation_and_the_store(slot: 
 
 
 def test_shrink_tiles_and_checks() -> None:
-    assert shrink_tiles(4096, 16, cpu=False) == (16, 128, 4) and shrink_tiles(14336, 16, cpu=False)[0] == 16
-    assert shrink_tiles(4096, 64, cpu=False)[0] == 4 and shrink_tiles(4096, 256, cpu=False)[0] == 1
-    assert shrink_tiles(128, 16, cpu=False)[0] == 1
+    # the default width (64 partial sums a row): rank 16 in 4 splits of >= 1,024 features, 256 a loop step
+    assert shrink_tiles(4096, 16, cpu=False) == (4, 256, 4) and shrink_tiles(14336, 16, cpu=False)[0] == 4
+    assert shrink_tiles(4096, 64, cpu=False) == (1, 64, 4) and shrink_tiles(4096, 256, cpu=False)[0] == 1
+    assert shrink_tiles(128, 16, cpu=False)[0] == 1 and shrink_tiles(2048, 8, cpu=False) == (2, 512, 4)
+    assert shrink_tiles(4096, 16, cpu=False, width=256)[0] == 4
+    assert shrink_tiles(16384, 16, cpu=False, width=256)[0] == 16
+    assert shrink_tiles(4096, 16, cpu=True) == (4, 32, 1) and shrink_tiles(4096, 16, cpu=True, width=32)[0] == 2
     x = _rand(1, 32, seed=0).to(DEVICE)
     a, b = _slots(32, (8,), max_rank=4)
     with pytest.raises(AssertionError, match="a must be"):

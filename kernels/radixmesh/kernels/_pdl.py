@@ -11,6 +11,11 @@ nothing it writes, comes before its `gdc_wait`, which every program runs. Then a
 after the one before it ended, so ordering stays transitive down the stream. Kernels launched
 without PDL (PyTorch's, cuBLAS) keep the stream's ordinary ordering on both sides.
 
+One pair bends the rule on purpose: a LoRA shrink (`radixmesh.kernels.lora_gemv`) lets the next kernel start
+right after its own `gdc_wait`, when every kernel before it has ended, and the GEMV launched next with the
+shrink's epilogue reads x (written before the shrink) at once and waits only before its epilogue, which reads
+what the shrink wrote. The GEMV still ends after the shrink, so the ordering down the stream holds.
+
 The switch is process-wide (`set_pdl`); the model runner sets it from `--disable-pdl`. Off the GPU
 (the Triton interpreter) and below compute capability 9.0 the kernels launch as before.
 """

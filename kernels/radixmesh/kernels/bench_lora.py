@@ -43,6 +43,7 @@ from radixmesh.kernels.lora import (
     lora_expand,
     lora_shrink,
 )
+from radixmesh.kernels.lora_gemv import EPILOGUE_WIDTH
 from radixmesh.kernels.lora_overlap import lora_overlapped
 from radixmesh.kernels.lora_ref import lora_ref, row_slots
 
@@ -145,15 +146,17 @@ def summary(case: str, rows: list[dict[str, object]]) -> dict[str, object]:
         return round(sum(numbers), 2) if len(numbers) == len(values) else None
 
     base, with_lora, overlap = total("base_us"), total("with_lora_us"), total("overlap_us")
-    return {"bench": "lora", "case": case, "projection": "layer", "kernels": rows[0]["kernels"],
+    width = {"epilogue_width": rows[0]["epilogue_width"]} if "epilogue_width" in rows[0] else {}
+    return {"bench": "lora", "case": case, "projection": "layer", "kernels": rows[0]["kernels"], **width,
             "rows": rows[0]["rows"], "rank": rows[0]["rank"],
             "adapters": rows[0]["adapters"], "base_us": base, "lora_us": total("lora_us"),
             "with_lora_us": with_lora, "base_share": round(base / with_lora, 3) if base and with_lora else None,
             "overlap_us": overlap, "overlap_share": round(base / overlap, 3) if base and overlap else None}
 
 
-COLUMNS = [("case", "case"), ("proj", "projection"), ("kernels", "kernels"), ("rows", "rows"), ("adapters", "adapters"),
-           ("base_us", "base_us"), ("shrink", "shrink_us"), ("expand", "expand_us"), ("lora_us", "lora_us"),
+COLUMNS = [("case", "case"), ("proj", "projection"), ("kernels", "kernels"), ("width", "epilogue_width"),
+           ("rows", "rows"), ("adapters", "adapters"), ("base_us", "base_us"), ("shrink", "shrink_us"),
+           ("expand", "expand_us"), ("lora_us", "lora_us"),
            ("with_lora", "with_lora_us"), ("base_share", "base_share"), ("overlap", "overlap_us"),
            ("overlap_share", "overlap_share"), ("rel_err", "rel_err")]
 
@@ -169,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-segments", nargs="+", type=int, default=[512, 512, 512, 512])
     p.add_argument("--kernels", nargs="+", choices=KERNELS, default=["rows", "grouped", "fused", "epilogue"],
                    help="decode kernel sets to time, each in turn (prefill: the per-segment launches once)")
+    p.add_argument("--epilogue-widths", nargs="+", type=int, default=[EPILOGUE_WIDTH], metavar="W",
+                   help="layer-1's epilogue kernel set once per width: partial sums a row (the shrink's splits "
+                        "times the rank's power of 2; default %(default)s)")
     p.add_argument("--check", action="store_true", help="compare each projection with lora_ref")
     p.add_argument("--table", nargs="+", metavar="JSONL", help="print a table of earlier results and exit")
     args = p.parse_args(argv)
@@ -184,13 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     info = run_info("radixmesh.kernels.bench_lora")
     for case in args.cases:
         for kernels in case_kernels(case, args.kernels):
-            rows = []
-            for name, k, slices, kind in LAYER if case == "layer-1" else [(*p, "") for p in PROJECTIONS]:
-                rows.append(bench_layer_one(name, k, slices, kind, kernels, args.rank, args.max_rank, args.check)
-                            if case == "layer-1" else bench_projection(case, name, k, slices, args, kernels))
-                print(json.dumps({**rows[-1], **info}), flush=True)
-                torch.cuda.empty_cache()
-            print(json.dumps({**summary(case, rows), **info}), flush=True)
+            widths = args.epilogue_widths if case == "layer-1" and kernels in ("epilogue", "auto") else [None]
+            for width in widths:
+                rows = []
+                for name, k, slices, kind in LAYER if case == "layer-1" else [(*p, "") for p in PROJECTIONS]:
+                    rows.append(bench_layer_one(name, k, slices, kind, kernels, args.rank, args.max_rank, args.check,
+                                                width or EPILOGUE_WIDTH)
+                                if case == "layer-1" else bench_projection(case, name, k, slices, args, kernels))
+                    print(json.dumps({**rows[-1], **info}), flush=True)
+                    torch.cuda.empty_cache()
+                print(json.dumps({**summary(case, rows), **info}), flush=True)
     return 0
 
 

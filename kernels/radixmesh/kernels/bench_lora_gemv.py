@@ -29,7 +29,7 @@ from radixmesh.kernels.gemv import gemv
 from radixmesh.kernels.gemv_fused import gemv_add_rmsnorm
 from radixmesh.kernels.gemv_rope import RopeStore, gemv_add_rmsnorm_rope
 from radixmesh.kernels.lora import LoraBatch, lora_apply
-from radixmesh.kernels.lora_gemv import lora_gemv_shrink
+from radixmesh.kernels.lora_gemv import EPILOGUE_WIDTH, lora_gemv_shrink, shrink_tiles
 from radixmesh.kernels.lora_prologue import lora_norm_delta
 from radixmesh.kernels.lora_ref import lora_ref
 
@@ -86,8 +86,9 @@ def make_projection(k: int, slices: tuple[int, ...], kind: str, rank: int, max_r
                       torch.full((1,), 2.0, dtype=torch.float32, device=device), rope)
 
 
-def launches(p: Projection, kernels: str | None, i: int = 0) -> Callable[[], torch.Tensor]:
-    """The launches of copy `i` as a step runs them: the base kernels (`kernels` None) or with the adapter."""
+def launches(p: Projection, kernels: str | None, i: int = 0, width: int = EPILOGUE_WIDTH) -> Callable[[], torch.Tensor]:
+    """The launches of copy `i` as a step runs them: the base kernels (`kernels` None) or with the adapter (the
+    epilogue's shrink split for `width` partial sums a row)."""
     w = p.weights[i % len(p.weights)]
     a, b = p.adapters[i % len(p.adapters)]
     lora = (a, b, p.batch, p.ranks, p.scalings, p.slices)
@@ -105,8 +106,11 @@ def launches(p: Projection, kernels: str | None, i: int = 0) -> Callable[[], tor
         if kernels is None:
             return fused()
         if kernels == "epilogue":
-            extra = (p.residual, p.norm_weight) if p.kind != "plain" else (None, None)
-            return fused(lora=lora_gemv_shrink(p.x, a, b, p.batch.slots, p.ranks, p.scalings, p.slices, *extra))
+            normed = p.kind != "plain"
+            tiles = shrink_tiles(p.x.shape[-1], b.shape[2], cpu=p.x.device.type == "cpu", width=width)
+            return fused(lora=lora_gemv_shrink(p.x, a, b, p.batch.slots, p.ranks, p.scalings, p.slices,
+                                               residual=p.residual if normed else None,
+                                               norm_weight=p.norm_weight if normed else None, tiles=tiles))
         if kernels in ("grouped", "fused") and p.kind != "plain":
             return fused(addend=lora_norm_delta(*norm, a, b, p.batch.slots, p.ranks, p.scalings, p.slices))
         return _unfused(p, w, lora, kernels)
@@ -156,13 +160,14 @@ def reference(p: Projection, with_lora: bool) -> torch.Tensor:
 
 
 def bench_layer_one(name: str, k: int, slices: tuple[int, ...], kind: str, kernels: str, rank: int, max_rank: int,
-                    with_check: bool) -> dict[str, object]:
-    """One projection's row of case `layer-1` for a kernel set ("auto": what a step takes at one row, epilogue)."""
+                    with_check: bool, width: int = EPILOGUE_WIDTH) -> dict[str, object]:
+    """One projection's row of case `layer-1` for a kernel set ("auto": what a step takes at one row, epilogue;
+    `width`: the epilogue's partial sums a row, reported as `epilogue_width`)."""
     resolved = "epilogue" if kernels == "auto" else kernels
     p = make_projection(k, slices, kind, rank, max_rank)
     count = max(len(p.weights), len(p.adapters))
     base_us = time_us([launches(p, None, i) for i in range(count)])
-    with_us = time_us([launches(p, resolved, i) for i in range(count)])
+    with_us = time_us([launches(p, resolved, i, width) for i in range(count)])
     row: dict[str, object] = {
         "bench": "lora", "case": "layer-1", "projection": name, "kernels": resolved, "rows": 1, "in": k,
         "slices": list(slices), "rank": rank, "max_rank": max_rank, "adapters": 1, "base_us": base_us,
@@ -170,13 +175,15 @@ def bench_layer_one(name: str, k: int, slices: tuple[int, ...], kind: str, kerne
         "lora_us": round(with_us - base_us, 2) if base_us is not None and with_us is not None else None}
     if base_us and with_us:
         row["base_share"] = round(base_us / with_us, 3)
+    if resolved == "epilogue":
+        row["epilogue_width"] = width
     if with_check:
-        row["rel_err"] = check(p, resolved)
+        row["rel_err"] = check(p, resolved, width)
     return row
 
 
-def check(p: Projection, kernels: str) -> float:
+def check(p: Projection, kernels: str, width: int = EPILOGUE_WIDTH) -> float:
     """Error of the output with the adapter against the float32 reference, over the adapter's contribution."""
     want, plain = reference(p, True), reference(p, False)
-    got = launches(p, kernels)().float()
+    got = launches(p, kernels, 0, width)().float()
     return round(float((got - want).norm() / (want - plain).norm()), 5)

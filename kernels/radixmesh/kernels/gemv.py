@@ -40,6 +40,17 @@ class GemvConfig:
 
 
 @triton.jit
+def _x_tile(x_ptr, cols, K, EVEN: tl.constexpr, EARLY: tl.constexpr):
+    """x at `cols` (0 past K; `EVEN`: no column is); `EARLY` (read before the kernel's PDL wait, which the kernel
+    before allows): from L2, past the SM's L1."""
+    if EARLY:
+        return tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")
+    if EVEN:
+        return tl.load(x_ptr + cols)
+    return tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w,
                  xa_ptr, lb_ptr, lslots_ptr, lranks_ptr, lscalings_ptr, ln0, ln1, lsplits, lstride_split, lstride_bs,
                  lstride_bn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -49,25 +60,28 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w,
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    # the first weight tile is loaded before waiting for the kernel that writes x (see radixmesh.kernels._pdl)
+    # the first weight tile is loaded before waiting for the kernel that writes x (see radixmesh.kernels._pdl);
+    # with an adapter the kernel before is its shrink, which lets this one read x at once: the wait comes before
+    # the epilogue that reads the shrink's sums (radixmesh.kernels.lora_gemv)
     w = tl.load(rows + offs_k[None, :], mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0,
                 eviction_policy="evict_first")
-    if PDL:
+    if PDL and not HAS_LORA:
         gdc_wait()
-    x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
+    x = _x_tile(x_ptr, offs_k, K, False, HAS_LORA)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
         cols = k + offs_k
         if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks in the loop
             w = tl.load(rows + cols[None, :], eviction_policy="evict_first")
-            x = tl.load(x_ptr + cols)
         else:
             w = tl.load(rows + cols[None, :], mask=(offs_n[:, None] < N) & (cols[None, :] < K), other=0.0,
                         eviction_policy="evict_first")
-            x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+        x = _x_tile(x_ptr, cols, K, EVEN, HAS_LORA)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     if PDL:
         gdc_launch_dependents()
+        if HAS_LORA:
+            gdc_wait()
     y = tl.sum(acc, axis=1)
     if HAS_SCALE:  # FP8 weights: one scale per output row
         y = y * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)

@@ -30,12 +30,18 @@ from radixmesh.kernels.lora_gemv import LoraEpilogue, epilogue_args, lora_epilog
 
 
 @triton.jit
-def _norm_tile(x_ptr, r_ptr, nw_ptr, r_out_ptr, cols, K, store_limit):
+def _norm_tile(x_ptr, r_ptr, nw_ptr, r_out_ptr, cols, K, store_limit, EARLY: tl.constexpr = False):
     """(squares, h) of one K tile: `s = x + r` rounded to the activation dtype (written out where
-    `cols < store_limit`), its squares and `s * nw`, in float32."""
+    `cols < store_limit`), its squares and `s * nw`, in float32. `EARLY`: x and r are read before the kernel's PDL
+    wait (after a LoRA shrink, radixmesh.kernels.lora_gemv), from L2 past the SM's L1."""
     mask_k = cols < K
-    summed = (tl.load(x_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
-              + tl.load(r_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)).to(r_out_ptr.dtype.element_ty)
+    if EARLY:
+        x = tl.load(x_ptr + cols, mask=mask_k, other=0.0, cache_modifier=".cg")
+        r = tl.load(r_ptr + cols, mask=mask_k, other=0.0, cache_modifier=".cg")
+    else:
+        x = tl.load(x_ptr + cols, mask=mask_k, other=0.0)
+        r = tl.load(r_ptr + cols, mask=mask_k, other=0.0)
+    summed = (x.to(tl.float32) + r.to(tl.float32)).to(r_out_ptr.dtype.element_ty)
     tl.store(r_out_ptr + cols, summed, mask=cols < store_limit)
     part = summed.to(tl.float32)
     return part * part, part * tl.load(nw_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
@@ -77,9 +83,9 @@ def _gemv_norm_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_ptr, y_
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if GATED:
         w_up = tl.load(up_rows + offs_k[None, :], mask=first_mask, other=0.0, eviction_policy="evict_first")
-    if PDL:
+    if PDL and not HAS_LORA:  # with an adapter: before the epilogue (see radixmesh.kernels.gemv)
         gdc_wait()
-    squares, h = _norm_tile(x_ptr, r_ptr, nw_ptr, r_out_ptr, offs_k, K, store_limit)
+    squares, h = _norm_tile(x_ptr, r_ptr, nw_ptr, r_out_ptr, offs_k, K, store_limit, HAS_LORA)
     acc = w.to(tl.float32) * h[None, :]
     if GATED:
         acc_up = w_up.to(tl.float32) * h[None, :]
@@ -94,13 +100,15 @@ def _gemv_norm_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_ptr, y_
             w = tl.load(rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
             if GATED:
                 w_up = tl.load(up_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-        sq, h = _norm_tile(x_ptr, r_ptr, nw_ptr, r_out_ptr, cols, K, store_limit)
+        sq, h = _norm_tile(x_ptr, r_ptr, nw_ptr, r_out_ptr, cols, K, store_limit, HAS_LORA)
         squares += sq
         acc += w.to(tl.float32) * h[None, :]
         if GATED:
             acc_up += w_up.to(tl.float32) * h[None, :]
     if PDL:
         gdc_launch_dependents()
+        if HAS_LORA:
+            gdc_wait()
     rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     y = _project(acc, rstd, s_ptr, add_ptr, offs_n, N, HAS_SCALE, HAS_ADDEND)
     if HAS_LORA:  # the row's adapter on the normed input (radixmesh.kernels.lora_gemv): its sums scaled by rstd

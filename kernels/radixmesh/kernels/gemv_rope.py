@@ -95,9 +95,9 @@ def _gemv_norm_rope_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_pt
     first_mask = offs_k[None, :] < K
     w = tl.load(rows + offs_k[None, :], mask=first_mask, other=0.0, eviction_policy="evict_first")
     w_hi = tl.load(rows_hi + offs_k[None, :], mask=first_mask, other=0.0, eviction_policy="evict_first")
-    if PDL:
+    if PDL and not HAS_LORA:  # with an adapter: before the epilogue (see radixmesh.kernels.gemv)
         gdc_wait()
-    squares, h = _norm_tile(x_ptr, r_ptr, nw_ptr, r_out_ptr, offs_k, K, store_limit)
+    squares, h = _norm_tile(x_ptr, r_ptr, nw_ptr, r_out_ptr, offs_k, K, store_limit, HAS_LORA)
     acc = w.to(tl.float32) * h[None, :]
     acc_hi = w_hi.to(tl.float32) * h[None, :]
     for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -108,12 +108,14 @@ def _gemv_norm_rope_kernel(x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, add_pt
         else:
             w = tl.load(rows + cols[None, :], mask=cols[None, :] < K, other=0.0, eviction_policy="evict_first")
             w_hi = tl.load(rows_hi + cols[None, :], mask=cols[None, :] < K, other=0.0, eviction_policy="evict_first")
-        sq, h = _norm_tile(x_ptr, r_ptr, nw_ptr, r_out_ptr, cols, K, store_limit)
+        sq, h = _norm_tile(x_ptr, r_ptr, nw_ptr, r_out_ptr, cols, K, store_limit, HAS_LORA)
         squares += sq
         acc += w.to(tl.float32) * h[None, :]
         acc_hi += w_hi.to(tl.float32) * h[None, :]
     if PDL:
         gdc_launch_dependents()
+        if HAS_LORA:
+            gdc_wait()
     act = y_ptr.dtype.element_ty
     rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     lo = tl.sum(acc, axis=1) * rstd

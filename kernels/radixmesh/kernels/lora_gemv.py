@@ -19,7 +19,13 @@ times R is kept to 256. A row's B values are R contiguous numbers next to its K 
 
 Rows of slot -1 and empty slots (rank 0) read nothing and add 0; ranks below R read their ranks only. The slot,
 ranks and A come from host copies, never from a kernel, so the shrink loads its first A tile before waiting
-for the kernel that writes x (radixmesh.kernels._pdl). Reference: `lora_ref` on the projection's input.
+for the kernel that writes x (radixmesh.kernels._pdl).
+
+With PDL the shrink does not hold its GEMV back: it lets the next kernel start as soon as its own wait returns
+(everything before it has ended then), and a GEMV with an epilogue reads x and streams its weights at once,
+waiting for the shrink only before the epilogue. The shrink runs beside the GEMV's main loop instead of before
+it, so fewer, longer splits cost nothing and make the epilogue's load smaller (`EPILOGUE_WIDTH`). A GEMV given
+an epilogue must be the next launch after its shrink. Reference: `lora_ref` on the projection's input.
 """
 
 from __future__ import annotations
@@ -36,8 +42,13 @@ from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
 
 MAX_SPLITS = 16
 """Most programs sharing one slice's K range (the epilogue adds this many partial sums per row)."""
-EPILOGUE_WIDTH = 256
-"""Most partial sums per row an epilogue loads at once (splits times the rank's power of 2), by default."""
+EPILOGUE_WIDTH = 64
+"""Most partial sums per row an epilogue loads at once (splits times the rank's power of 2), by default: every
+GEMV program loads its rows' partials, so the width is paid once per program (`bench_lora --epilogue-widths`)."""
+MIN_SPLIT_K = 1024
+"""Fewest input features a split of the shrink takes on a GPU."""
+SHRINK_TILE = 4096
+"""Elements of A one program loads per step of its loop on a GPU (`BLOCK_K` times the rank's power of 2)."""
 
 
 class LoraEpilogue(NamedTuple):
@@ -144,25 +155,25 @@ def _shrink_kernel(x_ptr, r_ptr, nw_ptr, a_ptr, slots_ptr, ranks_ptr, xa_ptr, K,
     cols = k0 + offs_k
     at = tl.load(a_rows + cols[:, None], mask=(cols < k_end)[:, None] & r_ok[None, :], other=0.0)  # A.T tile
     if PDL:
-        gdc_wait()
+        gdc_wait()  # everything before this kernel has ended: the GEMV after it may read x from now on
+        gdc_launch_dependents()
     acc = _input_tile(x_ptr, r_ptr, nw_ptr, tl.where(cols < k_end, cols, K), K, NORM)[:, None] * at.to(tl.float32)
     for k in range(k0 + BLOCK_K, k_end, BLOCK_K):
         cols = k + offs_k
         at = tl.load(a_rows + cols[:, None], mask=(cols < k_end)[:, None] & r_ok[None, :], other=0.0)
         acc += _input_tile(x_ptr, r_ptr, nw_ptr, tl.where(cols < k_end, cols, K), K, NORM)[:, None] * at.to(
             tl.float32)
-    if PDL:
-        gdc_launch_dependents()
     tl.store(xa_ptr + split * stride_split + piece * R + r, tl.sum(acc, axis=0), mask=r < R)
 
 
-def shrink_tiles(k: int, max_rank: int, cpu: bool) -> tuple[int, int, int]:
-    """(num_splits, block_k, num_warps) of the shrink: K in up to MAX_SPLITS pieces of >= 256 (GPU), splits times
-    R's power of 2 at most EPILOGUE_WIDTH."""
-    width = max(1, EPILOGUE_WIDTH // next_power_of_2(max_rank))
+def shrink_tiles(k: int, max_rank: int, cpu: bool, width: int = EPILOGUE_WIDTH) -> tuple[int, int, int]:
+    """(num_splits, block_k, num_warps) of the shrink: K in up to MAX_SPLITS pieces of >= MIN_SPLIT_K (GPU), splits
+    times R's power of 2 at most `width`; on a GPU `SHRINK_TILE` elements of A a loop step."""
+    splits = max(1, width // next_power_of_2(max_rank))
     if cpu:
-        return max(1, min(4, width, k // 32)), 32, 1
-    return max(1, min(MAX_SPLITS, width, k // 256)), 128, 4
+        return max(1, min(4, splits, k // 32)), 32, 1
+    block_k = max(16, min(512, SHRINK_TILE // next_power_of_2(max_rank)))
+    return max(1, min(MAX_SPLITS, splits, k // MIN_SPLIT_K)), block_k, 4
 
 
 def lora_gemv_shrink(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, ranks: torch.Tensor,
