@@ -149,6 +149,7 @@ def test_shrink_tiles_and_checks() -> None:
     # the default width (64 partial sums a row): rank 16 in 4 splits of >= 1,024 features, 256 a loop step
     assert shrink_tiles(4096, 16, cpu=False) == (4, 256, 4) and shrink_tiles(14336, 16, cpu=False)[0] == 4
     assert shrink_tiles(4096, 64, cpu=False) == (1, 64, 4) and shrink_tiles(4096, 256, cpu=False)[0] == 1
+    assert shrink_tiles(14336, 64, cpu=False)[0] == 4  # a long K at a high rank: splits of <= 4,096 features
     assert shrink_tiles(128, 16, cpu=False)[0] == 1 and shrink_tiles(2048, 8, cpu=False) == (2, 512, 4)
     assert shrink_tiles(4096, 16, cpu=False, width=256)[0] == 4
     assert shrink_tiles(16384, 16, cpu=False, width=256)[0] == 16
