@@ -39,6 +39,9 @@
 #   LORA_KERNELS="auto rows" TIMEOUT_lora=590: the bench once per decode kernel set; LORA_OVERLAP="side on off": the mixed
 #   batch once per --lora-overlap setting in each bench run, against the same base figures; LORA_PROFILE=1: also the
 #   kernel tables of batch-1 decode steps without and with an adapter, --profile-bs1)
+#   STAGES="lora-tests lora-pdl-mutants lora-layer1 lora-bs1" LORA_WIDTHS="32 64 128 256": issue 46's batch 1 alone (the
+#   PDL test of the epilogue GEMVs and two broken kernel copies it must catch; one layer per epilogue width; `bench lora
+#   --profile-bs1`); STAGES=moe-mixtral (two GPUs): Mixtral-8x7B EP 2 vs TP 2 at batches 1 and 64 alone
 #   STAGES="moe-kernels lora-kernels" TIMEOUT_moe_kernels=590: the MoE and batched-LoRA kernels (issues 48, 46): GPU
 #   tests, the CPU kernel tests compiled, the benchmarks (MoE tile sweep at MOE_SWEEP_MS) and a table of each at the end
 #   STAGES=moe-small TIMEOUT_moe_small=590 (issue 48, one GPU): the MoE small-batch path vs the sorted one per M and
