@@ -104,8 +104,7 @@ from radixmesh.gateway.app import create_app
 from radixmesh.gateway.config import GatewayConfig
 from radixmesh.router.dispatch import RequestRouter
 from radixmesh.router.policies import create_policy
-from radixmesh.engine.tokenize_pool import Encoded
-from radixmesh.gateway.local_backend import _tokenize
+from radixmesh.engine.tokenize_pool import Encoded, traced
 from radixmesh.worker.timeline import RequestTimeline, record_kv_transfer, record_kv_transfer_span
 from tests.unit.router_factory import make_config, make_registry, make_request
 from tests.unit.test_gateway_api import FakeBackend
@@ -136,7 +135,7 @@ record_kv_transfer("grpc", "send", 1024, 1.0, 1.5)
 record_kv_transfer_span("worker.kv_reserve", 1.0, 1.1, "grpc", 0)
 async def _encoded():
     return Encoded([1, 2], "hi", 0.0, 0.0, None)
-assert asyncio.run(_tokenize("text", _encoded())) == [1, 2]
+assert asyncio.run(traced("serve.tokenize", "text", _encoded())).ids == [1, 2]
 # redis-py imports opentelemetry.sdk.metrics on its own; no tracer SDK, exporter or instrumentation is loaded
 loaded = sorted(m for m in sys.modules if m.startswith(("opentelemetry.sdk.trace", "opentelemetry.exporter",
                                                           "opentelemetry.instrumentation")))
@@ -175,6 +174,11 @@ with tracing.span("outer", {"a": 1}) as outer:
     tracing.set_attributes({"c": 2})
     now = time.time()
     record_kv_transfer("grpc", "receive", 4096, now - 0.25, now, attributes={"radixmesh.request_id": "r1"})
+    import asyncio
+    from radixmesh.engine.tokenize_pool import Encoded, traced
+    async def _encoded():
+        return Encoded([1, 2, 3], "hi", 0.0015, 0.002, [7, 8])
+    assert asyncio.run(traced("gateway.tokenize", "chat", _encoded(), {"tokenize.block_size": 2})).extra == [7, 8]
 tracing.shutdown()
 print("ON-OK")
 """
@@ -188,8 +192,12 @@ def test_on_exports_over_otlp(service_name: str | None) -> None:
             env["OTEL_SERVICE_NAME"] = service_name
         result = _run(ON_SCRIPT, env)
         assert "ON-OK" in result.stdout, result.stdout + result.stderr
-        spans = {s.name: s for s in receiver.wait_for(lambda spans: len(spans) >= 3, 10)}
-    assert set(spans) == {"outer", "inner", "worker.kv_transfer"}
+        spans = {s.name: s for s in receiver.wait_for(lambda spans: len(spans) >= 4, 10)}
+    assert set(spans) == {"outer", "inner", "worker.kv_transfer", "gateway.tokenize"}
+    assert spans["gateway.tokenize"].attributes == {  # a pool encode's span (tokenize_pool.traced)
+        "tokenize.input": "chat", "tokenize.block_size": 2, "tokenize.prompt_tokens": 3, "tokenize.num_blocks": 2,
+        "tokenize.queued_ms": 1.5, "tokenize.encode_ms": 2.0}
+    assert spans["gateway.tokenize"].parent_span_id == spans["outer"].span_id
     outer, inner, transfer = spans["outer"], spans["inner"], spans["worker.kv_transfer"]
     assert inner.trace_id == outer.trace_id and inner.parent_span_id == outer.span_id
     assert transfer.trace_id == outer.trace_id and transfer.parent_span_id == outer.span_id

@@ -19,11 +19,12 @@ import asyncio
 import functools
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from radixmesh.common import tracing
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.hf_tokenizer import render_chat
 from radixmesh.engine.split_encode import SplitEncoder, can_split, default_min_piece_chars
@@ -102,6 +103,23 @@ class Encoded(Generic[T]):
     """The worker's time for the batch that held it (rendering and `after` included)."""
     extra: T
     """What `after(ids)` returned on the worker (None without `after`)."""
+
+
+async def traced(span_name: str, kind: str, encoding: Awaitable[Encoded[T]],
+                 attributes: dict[str, Any] | None = None) -> Encoded[T]:
+    """A pool encode awaited in a `span_name` span when tracing is on (`tokenize.input` = `kind` and `attributes`,
+    then the prompt's tokens, blocks where `after` hashed them, and the queue and encode times)."""
+    if not tracing.enabled():
+        return await encoding
+    with tracing.span(span_name, {"tokenize.input": kind, **(attributes or {})}) as span:
+        encoded = await encoding
+        if span is not None:
+            span.set_attributes({"tokenize.prompt_tokens": len(encoded.ids),
+                                 **({"tokenize.num_blocks": len(encoded.extra)} if isinstance(encoded.extra, list)
+                                    else {}),
+                                 "tokenize.queued_ms": round(encoded.queued_s * 1e3, 3),
+                                 "tokenize.encode_ms": round(encoded.encode_s * 1e3, 3)})
+    return encoded
 
 
 @dataclass

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from radixmesh.engine.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT
 from radixmesh.engine.mm.config import ImageLimits
 from radixmesh.engine.mm.prompt import MultimodalProcessor, MultimodalPrompt, PromptWithImages, text_only_error
 from radixmesh.engine.output import TextAssembler
-from radixmesh.engine.tokenize_pool import DEFAULT_TOKENIZER_WORKERS, Encoded, TokenizerPool
+from radixmesh.engine.tokenize_pool import DEFAULT_TOKENIZER_WORKERS, TokenizerPool, traced
 from radixmesh.gateway.backend import GatewayBackend, GenerationChunk, ModelCard, SamplingParams
 from radixmesh.wire.images import MultimodalInputs
 from radixmesh.worker.timeline import RequestTimeline
@@ -80,11 +80,12 @@ class LocalEngineBackend(GatewayBackend):
         return self.tokenize_pool
 
     async def encode(self, text: str) -> list[int]:
-        return await _tokenize("text", self._pool("prompt").encode(text))
+        return (await traced("serve.tokenize", "text", self._pool("prompt").encode(text))).ids
 
     async def apply_chat_template(self, messages: list[dict[str, Any]],
                                   tools: list[dict[str, Any]] | None = None) -> list[int]:
-        return await _tokenize("chat", self._pool("messages").encode_chat(messages, tools=tools))
+        return (await traced("serve.tokenize", "chat",
+                              self._pool("messages").encode_chat(messages, tools=tools))).ids
 
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         return render_chat(self._tokenizer("messages"), messages, add_generation_prompt)
@@ -177,19 +178,6 @@ class LocalEngineBackend(GatewayBackend):
         _one_server(worker_id)
         await self.client.unload_lora_adapter(name)
         return {}
-
-
-async def _tokenize(kind: str, encoding: Awaitable[Encoded[None]]) -> list[int]:
-    """The ids of a pool encode, in a `serve.tokenize` span when tracing is on."""
-    if not tracing.enabled():
-        return (await encoding).ids
-    with tracing.span("serve.tokenize", {"tokenize.input": kind}) as span:
-        encoded = await encoding
-        if span is not None:
-            span.set_attributes({"tokenize.prompt_tokens": len(encoded.ids),
-                                 "tokenize.queued_ms": round(encoded.queued_s * 1e3, 3),
-                                 "tokenize.encode_ms": round(encoded.encode_s * 1e3, 3)})
-    return encoded.ids
 
 
 def _make_card(client: EngineClient, served_model_name: str | None, has_images: bool) -> ModelCard:

@@ -24,7 +24,7 @@ from radixmesh.common.errors import RadixMeshError
 from radixmesh.common.grpc_errors import from_rpc_error
 from radixmesh.engine import hf_tokenizer as hf_text
 from radixmesh.engine.mm.prompt import MultimodalPrompt, PromptWithImages
-from radixmesh.engine.tokenize_pool import DEFAULT_TOKENIZER_WORKERS, Encoded, TokenizerPool
+from radixmesh.engine.tokenize_pool import DEFAULT_TOKENIZER_WORKERS, Encoded, TokenizerPool, traced
 from radixmesh.gateway.detokenizers import LocalText, ServiceText, StreamText, fetch_tokenizer
 from radixmesh.gateway.generate_upstream import unreachable
 from radixmesh.gateway.images import tokenize_request, tokenized_prompt
@@ -115,17 +115,7 @@ class TokenizerUpstream:
     async def _local(self, kind: str, encoding: Awaitable[Encoded[list[int]]]) -> Encoded[list[int]]:
         """A prompt encoded on this process's pool, its hashes kept; in a `gateway.tokenize` span when tracing is
         on (the attributes of the service's Tokenize span)."""
-        if not tracing.enabled():
-            encoded = await encoding
-        else:
-            with tracing.span("gateway.tokenize", {"tokenize.input": kind, "tokenize.block_size": self.block_size}) \
-                    as span:
-                encoded = await encoding
-                if span is not None:
-                    span.set_attributes({"tokenize.prompt_tokens": len(encoded.ids),
-                                         "tokenize.num_blocks": len(encoded.extra),
-                                         "tokenize.queued_ms": round(encoded.queued_s * 1e3, 3),
-                                         "tokenize.encode_ms": round(encoded.encode_s * 1e3, 3)})
+        encoded = await traced("gateway.tokenize", kind, encoding, {"tokenize.block_size": self.block_size})
         self._remember_hashes(encoded.ids, encoded.extra)
         return encoded
 
