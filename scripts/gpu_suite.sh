@@ -599,11 +599,13 @@ PY
       python3 -m radixmesh.kernels.bench_moe --table "$OUT/moe-kernels.jsonl" ;;
     moe-small)  # the MoE small-batch path (issue 48): GPU tests, the CPU tests compiled, then per M = 1..16 the
       # small path vs the sorted path (Qwen3-30B-A3B, Mixtral-8x7B; bf16, FP8 W8A16; checked against moe_ref) with
-      # its tile sweep at MOE_SWEEP_MS (default 1 4) for MOE_SMALL_SWEEP_WEIGHTS (default bf16)
+      # its tile sweep at MOE_SWEEP_MS (default 1 4) for MOE_SMALL_SWEEP_WEIGHTS (default bf16); MOE_SMALL_SWEEP=0: no
+      # sweep; MOE_SMALL_ARGS: more arguments of the bench (e.g. "--shapes qwen3-30b-a3b --ms 1 2 4 8")
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_moe_small_gpu.py
       python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_moe_small.py
-      python3 -m radixmesh.kernels.bench_moe_small --check --sweep --sweep-ms ${MOE_SWEEP_MS:-1 4} \
-        --sweep-weights ${MOE_SMALL_SWEEP_WEIGHTS:-bf16} | tee "$OUT/moe-small.jsonl"
+      python3 -m radixmesh.kernels.bench_moe_small --check ${MOE_SMALL_ARGS:-} \
+        $([ "${MOE_SMALL_SWEEP:-1}" = 1 ] && echo --sweep --sweep-ms ${MOE_SWEEP_MS:-1 4} \
+          --sweep-weights ${MOE_SMALL_SWEEP_WEIGHTS:-bf16}) | tee "$OUT/moe-small.jsonl"
       python3 -m radixmesh.kernels.bench_moe_small --table "$OUT/moe-small.jsonl" ;;
     qwen3-fusion-tests)  # Qwen3's batch-1 fusions (issue 48): the q/k norms inside the q/k/v + rotary + KV-store GEMV,
       # the MoE router with the post-attention norm; engine vs transformers, fused vs unfused, the kernels at real shapes,

@@ -2,11 +2,13 @@
 
     python -m radixmesh.kernels.bench_gemv_fused [--sets llama-3.1-8b qwen3-30b-a3b ...] [--sweep]
 
-Kinds: `plain` (`gemv` / `gemv_fp8`: o, down, lm_head), `gated` (`gemv_add_rmsnorm(gated=True)`: norm + gate/up +
-SiLU-and-mul), `rope` (`gemv_add_rmsnorm_rope`: norm + q/k/v + rotary + KV store), `rope-norm` (the same with
-Qwen3's q/k norms: one head a program) and `router` (`gemv_add_rmsnorm_out`: an MoE block's norm + router, bf16
-only), in bf16 and with FP8 weights; `rope-norm-split` and `router-split` time the launches the last two replace
-(`gemv_add_rmsnorm` then `apply_rotary_` with the norms and the store; `rms_norm` then `gemv`), default tiles only.
+Kinds: `plain` (`gemv` / `gemv_fp8`: o, down, lm_head), `norm` (`gemv_add_rmsnorm`: the input norm + a
+projection, Qwen3's q/k/v as a step launches it by default, before the rotary launch), `gated`
+(`gemv_add_rmsnorm(gated=True)`: norm + gate/up + SiLU-and-mul), `rope` (`gemv_add_rmsnorm_rope`: norm + q/k/v +
+rotary + KV store), `rope-norm` (the same with Qwen3's q/k norms: one head a program) and `router`
+(`gemv_add_rmsnorm_out`: an MoE block's norm + router, bf16 only), in bf16 and with FP8 weights;
+`rope-norm-split` and `router-split` time the launches the last two replace (`gemv_add_rmsnorm` then
+`apply_rotary_` with the norms and the store; `rms_norm` then `gemv`), default tiles only.
 As `bench_gemv`: weights copied past the L2 cache, one CUDA graph calling each copy in turn (with PDL on, as in
 a step, so each call overlaps the tail of the one before), median replay / calls. JSON lines with the default
 tiles' time and, with `--sweep`, the best configuration (candidates for `gemv.TUNED_FUSED`).
@@ -40,13 +42,16 @@ SETS: dict[str, list[tuple[str, str, int, int, tuple[int, int, int] | None]]] = 
                          ("lm_head", "plain", 64128, 4096, None)],
     # Qwen3-30B-A3B's dense projections (the experts: bench_moe_small); its q/k/v and router fused and split
     "qwen3-30b-a3b": [("qkv", "rope-norm", 5120, 2048, (32, 4, 128)),
-                      ("qkv", "rope-norm-split", 5120, 2048, (32, 4, 128)), ("o", "plain", 2048, 4096, None),
+                      ("qkv", "rope-norm-split", 5120, 2048, (32, 4, 128)), ("qkv", "norm", 5120, 2048, None),
+                      ("o", "plain", 2048, 4096, None),
                       ("router", "router", 128, 2048, None), ("router", "router-split", 128, 2048, None),
                       ("lm_head", "plain", 151936, 2048, None)],
     "qwen3-8b": [("qkv", "rope-norm", 6144, 4096, (32, 8, 128)), ("qkv", "rope-norm-split", 6144, 4096, (32, 8, 128)),
+                 ("qkv", "norm", 6144, 4096, None),
                  ("o", "plain", 4096, 4096, None), ("gate_up", "gated", 24576, 4096, None),
                  ("down", "plain", 4096, 12288, None), ("lm_head", "plain", 151936, 4096, None)],
 }
+KINDS = ("plain", "norm", "gated", "rope", "rope-norm", "rope-norm-split", "router", "router-split")
 SPLIT_KINDS = ("rope-norm-split", "router-split")
 """The launches a fused kind replaces, timed with their default tiles (no sweep)."""
 BF16_KINDS = ("router", "router-split")
@@ -113,8 +118,8 @@ def _calls(kind: str, n: int, k: int, fp8: bool, heads: tuple[int, int, int] | N
     if kind == "plain":
         return [functools.partial(gemv_fp8, x, w, s, config=cfg) if s is not None
                 else functools.partial(gemv, x, w, config=cfg) for w, s in weights]
-    if kind == "gated":
-        return [functools.partial(gemv_add_rmsnorm, x, r, nw, 1e-5, w, s, gated=True, config=cfg)
+    if kind in ("norm", "gated"):
+        return [functools.partial(gemv_add_rmsnorm, x, r, nw, 1e-5, w, s, gated=kind == "gated", config=cfg)
                 for w, s in weights]
     if kind == "router":
         return [functools.partial(gemv_add_rmsnorm_out, x, r, nw, 1e-5, w, config=cfg) for w, _ in weights]
@@ -158,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sets", nargs="+", choices=sorted(SETS), default=sorted(SETS))
     p.add_argument("--weights", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
     p.add_argument("--sweep", action="store_true", help="also time a grid of tile configurations")
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="only these kinds of layer")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gemv_fused needs a CUDA device", file=sys.stderr)
@@ -167,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             if label.endswith("tp2") and weights == "fp8":
                 continue  # TP is measured in bf16
             for layer, kind, n, k, heads in SETS[label]:
+                if kind not in args.kinds:
+                    continue
                 if weights == "fp8" and kind in BF16_KINDS:
                     continue  # the router is bf16 in an FP8 model: timed in the bf16 pass
                 print(json.dumps(bench(label, layer, kind, n, k, heads, weights == "fp8", args.sweep)), flush=True)
