@@ -166,6 +166,34 @@ def test_rotary_with_qk_norm_normalizes_each_head_first(dtype):
                       qk_norm=QKNorm(q_norm.weight.detach()[:64].to(DEVICE), k_norm.weight.detach().to(DEVICE), 1e-6))
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (32, 4)])
+def test_rotary_gives_the_same_bits_at_any_q_heads_per_program(heads, kv_heads):
+    """q heads in blocks of 1, 2, 8 or all of them a program (the k heads and the store in one more): the same
+    q, k and pool rows, with the Qwen3 norms and without."""
+    from radixmesh.kernels.fused import QKNorm
+
+    tokens, head_dim = 3, 64
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0, None)
+    gen = torch.Generator().manual_seed(heads)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(torch.bfloat16)
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    positions, loc = torch.tensor([5, 0, 63], device=DEVICE), torch.tensor([2, 0, 1], device=DEVICE)
+    norm = QKNorm(*(torch.rand(head_dim, generator=gen).add(0.5).to(torch.bfloat16).to(DEVICE) for _ in range(2)),
+                  1e-6)
+    for qk_norm in (None, norm):
+        results = []
+        for per_program in (1, 2, 8, 64):
+            q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.to(DEVICE, copy=True).split(sizes, -1))
+            bufs = [torch.zeros((4, kv_heads, head_dim), dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+            apply_rotary_(q, k, positions, rotary.cos_cache.to(DEVICE), rotary.sin_cache.to(DEVICE),
+                          KVStoreTarget(v, bufs[0], bufs[1], loc), qk_norm, q_heads_per_program=per_program)
+            results.append([q.cpu(), k.cpu(), bufs[0].cpu(), bufs[1].cpu()])
+        for other in results[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    with pytest.raises(AssertionError, match="must be a power of 2"):
+        apply_rotary_(q, k, positions, rotary.cos_cache.to(DEVICE), rotary.sin_cache.to(DEVICE), q_heads_per_program=3)
+
+
 def test_rotary_checks_its_inputs():
     q = torch.randn(2, 4, 64, device=DEVICE)
     k = torch.randn(2, 2, 64, device=DEVICE)

@@ -173,7 +173,10 @@ def _rotary_kernel(
     STORE_KV: tl.constexpr, NORM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_D: tl.constexpr, IS_FP8: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
 ):
+    # grid (tokens, q parts + 1): a token's q heads in blocks of BLOCK_HQ, then its k heads (and the KV store)
     tok = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    q_parts = tl.num_programs(1) - 1
     if PDL:  # q and k come from the kernel before (radixmesh.kernels._pdl)
         gdc_wait()
         gdc_launch_dependents()
@@ -182,27 +185,35 @@ def _rotary_kernel(
     d_mask = offs_d < half
     cos = tl.load(cos_ptr + pos * stride_cache + offs_d, mask=d_mask, other=0.0)[None, :]
     sin = tl.load(sin_ptr + pos * stride_cache + offs_d, mask=d_mask, other=0.0)[None, :]
-    _rotate_rows(q_ptr, tok, stride_q_tok, stride_q_head, num_q_heads, cos, sin, half, qw_ptr, eps, NORM,
-                 BLOCK_HQ, BLOCK_D)
-    k1, k2, mask_k = _rotate_rows(k_ptr, tok, stride_k_tok, stride_k_head, num_k_heads, cos, sin, half, kw_ptr, eps,
-                                  NORM, BLOCK_HK, BLOCK_D)
-    if STORE_KV:  # the new token's k (rotated) and v go straight into its pool slot
-        slot = tl.load(loc_ptr + tok).to(tl.int64)
-        offs_h = tl.arange(0, BLOCK_HK)
-        kb = k_buf_ptr + slot * stride_kb_slot + offs_h[:, None] * stride_kb_head + offs_d[None, :]
-        tl.store(kb, to_pool(k1, k_buf_ptr, inv_k_scale, fp8_max, IS_FP8, EMULATE), mask=mask_k)
-        tl.store(kb + half, to_pool(k2, k_buf_ptr, inv_k_scale, fp8_max, IS_FP8, EMULATE), mask=mask_k)
-        v_src = v_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :]
-        vb = v_buf_ptr + slot * stride_vb_slot + offs_h[:, None] * stride_vb_head + offs_d[None, :]
-        v1 = tl.load(v_src, mask=mask_k)
-        v2 = tl.load(v_src + half, mask=mask_k)
-        tl.store(vb, to_pool(v1, v_buf_ptr, inv_v_scale, fp8_max, IS_FP8, EMULATE), mask=mask_k)
-        tl.store(vb + half, to_pool(v2, v_buf_ptr, inv_v_scale, fp8_max, IS_FP8, EMULATE), mask=mask_k)
+    if part < q_parts:
+        first = part * BLOCK_HQ
+        _rotate_rows(q_ptr + first * stride_q_head, tok, stride_q_tok, stride_q_head, num_q_heads - first, cos, sin,
+                     half, qw_ptr, eps, NORM, BLOCK_HQ, BLOCK_D)
+    else:
+        k1, k2, mask_k = _rotate_rows(k_ptr, tok, stride_k_tok, stride_k_head, num_k_heads, cos, sin, half, kw_ptr,
+                                      eps, NORM, BLOCK_HK, BLOCK_D)
+        if STORE_KV:  # the new token's k (rotated) and v go straight into its pool slot
+            slot = tl.load(loc_ptr + tok).to(tl.int64)
+            offs_h = tl.arange(0, BLOCK_HK)
+            kb = k_buf_ptr + slot * stride_kb_slot + offs_h[:, None] * stride_kb_head + offs_d[None, :]
+            tl.store(kb, to_pool(k1, k_buf_ptr, inv_k_scale, fp8_max, IS_FP8, EMULATE), mask=mask_k)
+            tl.store(kb + half, to_pool(k2, k_buf_ptr, inv_k_scale, fp8_max, IS_FP8, EMULATE), mask=mask_k)
+            v_src = v_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :]
+            vb = v_buf_ptr + slot * stride_vb_slot + offs_h[:, None] * stride_vb_head + offs_d[None, :]
+            v1 = tl.load(v_src, mask=mask_k)
+            v2 = tl.load(v_src + half, mask=mask_k)
+            tl.store(vb, to_pool(v1, v_buf_ptr, inv_v_scale, fp8_max, IS_FP8, EMULATE), mask=mask_k)
+            tl.store(vb + half, to_pool(v2, v_buf_ptr, inv_v_scale, fp8_max, IS_FP8, EMULATE), mask=mask_k)
+
+
+ROTARY_Q_HEADS = 8
+"""q heads per program of `apply_rotary_` (a token's k heads take one more program): a batch-1 step's launch
+spreads over several SMs instead of one program doing all 32 q heads."""
 
 
 def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
                   sin_cache: torch.Tensor, kv_store: KVStoreTarget | None = None,
-                  qk_norm: QKNorm | None = None) -> None:
+                  qk_norm: QKNorm | None = None, q_heads_per_program: int = ROTARY_Q_HEADS) -> None:
     """Rotate `q` `[tokens, heads, head_dim]` and `k` `[tokens, kv_heads, head_dim]` in place.
 
     Neox (rotate-half) style; `cos_cache`/`sin_cache` are fp32 `[max_positions, head_dim // 2]`
@@ -211,6 +222,7 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
     With `kv_store`, the same launch also writes the rotated k and `kv_store.v` into the KV
     pool rows `kv_store.loc` (cast to the pool's dtype; FP8 pools through their scales), as
     `store_kv` would. With `qk_norm`, every head of q and k is RMSNorm-ed first (Qwen3), in place too.
+    Each program takes `q_heads_per_program` of a token's q heads (a power of 2; the same bits at any value).
     """
     device = q.device
     for name, t in (("q", q), ("k", k), ("positions", positions), ("cos_cache", cos_cache),
@@ -246,12 +258,15 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
     v, k_buf, v_buf, loc, k_scale, v_scale = kv_store if kv_store is not None else (k, k, k, positions, 1.0, 1.0)
     inv_k, inv_v, limit, is_fp8 = fp8_store_args(k_buf, k_scale, v_scale)
     qw, kw, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
-    _rotary_kernel[(tokens,)](
+    assert q_heads_per_program >= 1 and q_heads_per_program & (q_heads_per_program - 1) == 0, (
+        f"q_heads_per_program must be a power of 2, got {q_heads_per_program}")
+    block_hq = min(q_heads_per_program, next_power_of_2(num_q_heads))
+    _rotary_kernel[(tokens, triton.cdiv(num_q_heads, block_hq) + 1)](
         q, k, v, positions, cos_cache, sin_cache, k_buf, v_buf, loc, qw, kw,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_cache.stride(0),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         num_q_heads, num_k_heads, half, inv_k, inv_v, limit, eps,
-        STORE_KV=kv_store is not None, NORM=qk_norm is not None, BLOCK_HQ=next_power_of_2(num_q_heads),
+        STORE_KV=kv_store is not None, NORM=qk_norm is not None, BLOCK_HQ=block_hq,
         BLOCK_HK=next_power_of_2(num_k_heads), BLOCK_D=next_power_of_2(half), IS_FP8=is_fp8,
         EMULATE=emulate_cast(device), **pdl_args(device),
     )
