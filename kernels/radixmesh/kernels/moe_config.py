@@ -143,7 +143,8 @@ class SmallMoeConfig:
 
 SMALL_TUNED: dict[tuple[int, int, int, int, str], SmallMoeConfig] = {
     # (E, N, K, top_k, dtype) -> the best of `bench_moe_small --sweep` at M = 1 (batch-1 decode). Qwen3-30B-A3B on an
-    # H200 (docs/benchmarks/h200-moe-small-2026-11-29.jsonl): 25.95 us a layer against 26.98 at the default tiles
+    # H200 (docs/benchmarks/h200-moe-small-2026-11-29.jsonl): 25.95 us a layer against 26.98 at the default tiles;
+    # M = 2, 4 and 8 are not slower with it (h200-moe-small-tuned-2026-11-29m.jsonl)
     (128, 768, 2048, 8, "bf16"): SmallMoeConfig(SmallTiles(8, 256, 4, 3), SmallTiles(4, 128, 4, 3)),
 }
 
