@@ -40,9 +40,10 @@ class GemvConfig:
 
 
 @triton.jit
-def _x_tile(x_ptr, cols, K, EVEN: tl.constexpr, EARLY: tl.constexpr):
-    """x at `cols` (0 past K; `EVEN`: no column is); `EARLY` (read before the kernel's PDL wait, which the kernel
-    before allows): from L2, past the SM's L1."""
+def load_x_tile(x_ptr, cols, K, EVEN: tl.constexpr, EARLY: tl.constexpr):
+    """A batch-1 GEMV's input row at `cols` (0 past K; `EVEN`: no column is); `EARLY` (read before the kernel's PDL
+    wait, which the kernel before allows): from L2, past the SM's L1. The fused norm GEMVs read x and the residual
+    with it too."""
     if EARLY:
         return tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")
     if EVEN:
@@ -67,7 +68,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w,
                 eviction_policy="evict_first")
     if PDL and not HAS_LORA:
         gdc_wait()
-    x = _x_tile(x_ptr, offs_k, K, False, HAS_LORA)
+    x = load_x_tile(x_ptr, offs_k, K, False, HAS_LORA)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
         cols = k + offs_k
@@ -76,7 +77,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w,
         else:
             w = tl.load(rows + cols[None, :], mask=(offs_n[:, None] < N) & (cols[None, :] < K), other=0.0,
                         eviction_policy="evict_first")
-        x = _x_tile(x_ptr, cols, K, EVEN, HAS_LORA)
+        x = load_x_tile(x_ptr, cols, K, EVEN, HAS_LORA)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     if PDL:
         gdc_launch_dependents()

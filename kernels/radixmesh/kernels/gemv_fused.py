@@ -25,7 +25,7 @@ import triton.language as tl
 
 from radixmesh.kernels._checks import check_device, check_float, check_fp8, check_last_dim_contiguous
 from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
-from radixmesh.kernels.gemv import GemvConfig, fused_config
+from radixmesh.kernels.gemv import GemvConfig, fused_config, load_x_tile
 from radixmesh.kernels.lora_gemv import LoraEpilogue, epilogue_args, lora_epilogue
 
 
@@ -35,12 +35,7 @@ def _norm_tile(x_ptr, r_ptr, nw_ptr, r_out_ptr, cols, K, store_limit, EARLY: tl.
     `cols < store_limit`), its squares and `s * nw`, in float32. `EARLY`: x and r are read before the kernel's PDL
     wait (after a LoRA shrink, radixmesh.kernels.lora_gemv), from L2 past the SM's L1."""
     mask_k = cols < K
-    if EARLY:
-        x = tl.load(x_ptr + cols, mask=mask_k, other=0.0, cache_modifier=".cg")
-        r = tl.load(r_ptr + cols, mask=mask_k, other=0.0, cache_modifier=".cg")
-    else:
-        x = tl.load(x_ptr + cols, mask=mask_k, other=0.0)
-        r = tl.load(r_ptr + cols, mask=mask_k, other=0.0)
+    x, r = load_x_tile(x_ptr, cols, K, False, EARLY), load_x_tile(r_ptr, cols, K, False, EARLY)
     summed = (x.to(tl.float32) + r.to(tl.float32)).to(r_out_ptr.dtype.element_ty)
     tl.store(r_out_ptr + cols, summed, mask=cols < store_limit)
     part = summed.to(tl.float32)
