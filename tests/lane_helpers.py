@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -72,9 +71,3 @@ async def open_blocked(client: LaneClient, started: asyncio.Event) -> LaneStream
     assert await within(stream.read()) is not None
     await within(started.wait())
     return stream
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -37,13 +36,6 @@ class Server:
         assert response.status_code == 200, response.text
         info: dict[str, Any] = response.json()
         return info
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:

@@ -20,8 +20,8 @@ from radixmesh.router.commands import embedded_router_flags
 from radixmesh.router.server import make_reader
 from radixmesh.wire.sampling import SamplingParams
 from tests.fake_worker import FakeWorker
-from tests.integration.service_procs import free_port
 from tests.integration.test_start_order import generate_text, start_tokenizer, wait_until
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 

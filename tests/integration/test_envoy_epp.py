@@ -17,12 +17,12 @@ from radixmesh.cluster.envoy import UPSTREAM_HEADER, EnvoyProxy, find_envoy
 from radixmesh.index.redis_server import LocalRedis
 from tests.integration.service_procs import (
     ServiceProc,
-    free_port,
     grpc_serving,
     start_service,
     stop_all,
     wait_all_ready,
 )
+from tests.ports import free_port
 from tests.redis_helpers import local_redis  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

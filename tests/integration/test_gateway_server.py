@@ -26,7 +26,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .serve_process import API_KEY, Server, free_port, wait_healthy
+from tests.ports import free_port
+
+from .serve_process import API_KEY, Server, wait_healthy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -25,7 +25,8 @@ from radixmesh.index.redis_server import LocalRedis
 from radixmesh.protocol import grammar_pb2, grammar_pb2_grpc
 from radixmesh.wire.fingerprint import tokenizer_fingerprint
 from radixmesh.wire.sampling import SamplingParams
-from tests.integration.service_procs import ServiceProc, free_port, start_service, stop_all, wait_all_ready
+from tests.integration.service_procs import ServiceProc, start_service, stop_all, wait_all_ready
+from tests.ports import free_port
 from tests.redis_helpers import local_redis  # noqa: F401  (fixture)
 from tests.unit.scheduler_factory import assert_no_leak, make_scheduler, run_until_idle, tiny_model_config
 

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from radixmesh.protocol import common_pb2, inference_pb2_grpc
 from radixmesh.protocol import inference_pb2 as pb
 from tests.certs import make_ca
-from tests.integration.service_procs import free_port
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -23,8 +23,9 @@ import pytest
 
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.lang import ProgramState, RuntimeEndpoint, assistant, function, gen, select, system, user
+from tests.ports import free_port
 
-from .serve_process import API_KEY, Server, free_port, wait_healthy
+from .serve_process import API_KEY, Server, wait_healthy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -10,7 +10,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from typing import Any
 import pytest
 
 from loadtests.__main__ import main as bench_main
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -43,13 +43,6 @@ SHAREGPT = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _is_healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as resp:
@@ -60,7 +53,7 @@ def _is_healthy(url: str) -> bool:
 
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix="radixmesh-bench-test-")) / "serve.log"
     cmd = [sys.executable, "-m", "radixmesh.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--device", "cpu", "--graceful-shutdown-s", "1"]

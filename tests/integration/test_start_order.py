@@ -36,7 +36,8 @@ from radixmesh.router.discovery.static import StaticDiscovery
 from radixmesh.router.server import RouterApp
 from radixmesh.wire.sampling import SamplingParams
 from tests.fake_worker import FakeWorker
-from tests.integration.service_procs import ServiceProc, free_port, grpc_serving
+from tests.integration.service_procs import ServiceProc, grpc_serving
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -103,7 +103,7 @@ def services(pki: Pki) -> Iterator[dict[str, ServiceProc]]:
 
 
 def _start_gateway(pki: Pki, procs: dict[str, ServiceProc]) -> ServiceProc:
-    from tests.integration.service_procs import free_port
+    from tests.ports import free_port
 
     grpc_port = free_port()
     args = ["--router", procs["router"].address, "--tokenizer", procs["tokenizer"].address, "--grpc-port",

@@ -23,7 +23,8 @@ import pytest
 from loadtests.tool_calls import TOOLS, call_problem, run
 from radixmesh.engine.hf_tokenizer import load_tokenizer, render_chat
 from radixmesh.protocol import inference_pb2, inference_pb2_grpc
-from tests.integration.service_procs import ServiceProc, free_port, start_service, stop_all, wait_all_ready
+from tests.integration.service_procs import ServiceProc, start_service, stop_all, wait_all_ready
+from tests.ports import free_port
 from tests.tool_template import tool_template_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -25,7 +25,8 @@ from typing import Any
 from tests.k8s import nodes
 from tests.k8s.binaries import Binaries, find_binaries
 from tests.k8s.pki import SERVICE_CIDR, Pki, kubeconfig_text, make_pki
-from tests.k8s.processes import Child, free_port, start
+from tests.k8s.processes import Child, start
+from tests.ports import free_port
 
 POD_CIDR = "10.244.0.0/24"
 """Pod IPs kwok hands out. They are names only: nothing in the tests sends a packet to them."""

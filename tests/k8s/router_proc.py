@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,9 @@ import grpc
 from radixmesh.protocol import router_pb2, router_pb2_grpc
 from radixmesh.router.discovery.loopback_map import PodLoopbackMap
 from tests.k8s.kube import wait_for
-from tests.k8s.processes import Child, free_port, start
+from tests.k8s.processes import Child, start
 from tests.k8s.worker_proc import REPO
+from tests.ports import free_port, port_free
 
 LISTEN_FLAGS = ("--host", "--port", "--metrics-port", "--lane-port", "--log-level", "--drain-timeout-s")
 """Flags of the chart's container that say where it listens: replaced by loopback ones here."""
@@ -46,18 +46,9 @@ def service_account_token(api_client: Any, namespace: str, name: str) -> str:
 def free_port_block(size: int = 256, low: int = 20000, high: int = 32000) -> int:
     """A base port whose next `size` ports (below Linux's ephemeral range) nothing listens on now."""
     for base in range(low + (os.getpid() % 40) * size, high - size, size):
-        if all(_port_free(base + i) for i in range(size)):
+        if all(port_free(base + i) for i in range(size)):
             return base
     raise RuntimeError(f"no block of {size} free ports in [{low}, {high})")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 @dataclass

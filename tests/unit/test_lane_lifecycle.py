@@ -18,7 +18,6 @@ from tests.lane_helpers import (
     Request,
     Response,
     blocking,
-    free_port,
     generate,
     lane,
     open_blocked,
@@ -26,6 +25,7 @@ from tests.lane_helpers import (
     three,
     within,
 )
+from tests.ports import free_port
 
 
 # ---- cancel and disconnects --------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ def test_health_follows_readiness_with_the_reason_and_liveness_stays_serving() -
 
 def test_an_address_where_nothing_listens_is_not_reachable() -> None:
     async def run() -> None:
-        from tests.integration.service_procs import free_port
+        from tests.ports import free_port
 
         async with grpc.aio.insecure_channel(f"127.0.0.1:{free_port()}") as channel:
             up, detail = await check_peer_health(health_pb2_grpc.HealthStub(channel), 5)
@@ -135,7 +135,7 @@ def test_router_replicas_parse_and_rotate() -> None:
 
 def test_grammar_cache_without_redis_is_a_miss_logged_once_and_probed_again(caplog: pytest.LogCaptureFixture) -> None:
     from radixmesh.grammar_service.store import GrammarStore, StoreConfig
-    from tests.integration.service_procs import free_port
+    from tests.ports import free_port
 
     async def run() -> None:
         store = GrammarStore(StoreConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_timeout_s=1))
@@ -155,7 +155,7 @@ def test_worker_reports_a_missing_index_and_grammar_service_as_degraded_not_unre
     from types import SimpleNamespace
 
     from radixmesh.worker.server import _watch_optional
-    from tests.integration.service_procs import free_port
+    from tests.ports import free_port
 
     class DeadRedis:
         async def ping(self) -> None:
