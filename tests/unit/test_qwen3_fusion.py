@@ -72,6 +72,42 @@ def test_batch_one_kernels_give_transformers_greedy_tokens(tmp_path: Path, monke
     assert counts["router"] == (decode_steps * routers if fuse else 0), counts
 
 
+@pytest.mark.parametrize("kind,qk_norm_fusion", [("qwen3", ""), ("qwen3", "1"), ("qwen3_moe", ""), ("mixtral", "")])
+def test_decode_attention_with_the_rotary_inside_gives_transformers_greedy_tokens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, qk_norm_fusion: str) -> None:
+    """The Triton backend's decode kernel norms and rotates q and stores the new k/v itself
+    (`forward_decode_rope`) in every decode pass of a layer with q/k norms whose q/k/v GEMV did not already
+    (RADIXMESH_QWEN3_FUSION=1: all but the first layer's); Mixtral's attention has no q/k norms and keeps the
+    rotary launch."""
+    from radixmesh.engine.attention.triton_backend import TritonBackend
+
+    path, hf = write_hf_checkpoint(kind, tmp_path / kind, head_dim=16)  # (the decode kernel's smallest)
+    want = hf_greedy(hf, PROMPTS, MAX_NEW)
+    monkeypatch.setattr(layers, "_fused", lambda x: True)
+    monkeypatch.setenv("RADIXMESH_QWEN3_FUSION", qk_norm_fusion)
+    calls = {"decode_rope": 0}
+    fused_decode = TritonBackend.forward_decode_rope
+
+    def counted(self: TritonBackend, *args: Any, **kwargs: Any) -> Any:
+        calls["decode_rope"] += 1
+        return fused_decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(TritonBackend, "forward_decode_rope", counted)
+    sched, col = make_tp_scheduler(path, 1, max_running_requests=1, attention_backend="triton")
+    try:
+        layers.enable_gemv(sched.runner.model)
+        for i, ids in enumerate(PROMPTS):
+            params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+            sched.add_request(Req(rid=f"r{i}", origin_input_ids=list(ids), params=params))
+        run_until_idle(sched)
+        assert not col.errors, col.errors
+        assert [col.tokens[f"r{i}"] for i in range(len(PROMPTS))] == want
+    finally:
+        close_scheduler(sched)
+    fused_layers = 0 if kind == "mixtral" else 1 if qk_norm_fusion else 3
+    assert calls["decode_rope"] == len(PROMPTS) * (MAX_NEW - 1) * fused_layers, calls
+
+
 def test_the_qwen3_router_fusion_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     model = torch.nn.Sequential(layers.Linear(8, 8, bias=False))
     monkeypatch.delenv("RADIXMESH_QWEN3_FUSION", raising=False)

@@ -20,6 +20,14 @@ The chunk length is decided on the device from the request's own length
 uses a few of the launched splits and the launch shape depends on host ints alone:
 fixed `num_kv_splits` and scratch buffers make the pair CUDA-graph capturable.
 
+Qwen3 decode steps (`rope`, the `ROPE` path): a batch-1 step is bound by launch latency (~3 us per dependent
+launch under PDL), so the split kernel also does the rotary launch's work, one launch fewer per layer. q is read
+raw from the q/k/v projection; every program RMSNorms its GQA group's q heads and rotates them in registers, rounding
+as `fused.apply_rotary_` does (`radixmesh.kernels.decode_rope`), and q is not written back. The one program per
+(request, KV head) whose split holds position seq_len - 1 (the new token, at slot `loc`, the request's last slot)
+norms and rotates the new k head and stores it and the raw v head into the pool, then passes a CTA barrier so
+its own K/V loop reads that row; no other program reads it. All of it comes after the PDL wait.
+
 FP8 pools: tiles are widened in registers; `k_scale` is folded into the softmax scale and `v_scale`
 multiplies each split's output, so the loop does no extra work per element. How a tile is widened is
 `fp8_widen`: `f32` (e4m3 -> float32 -> the dot dtype, exact for every q dtype), `direct` (e4m3 -> the dot
@@ -48,7 +56,16 @@ from radixmesh.kernels._checks import (
     dot_precision,
     next_power_of_2,
 )
+from radixmesh.kernels._fp8_cast import emulate_cast
+from radixmesh.kernels._jit import unspecialized
 from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
+from radixmesh.kernels.decode_rope import (
+    DecodeRope,
+    rope_cos_sin,
+    rope_group_q,
+    rope_store_new_kv,
+    split_kernel_args,
+)
 
 LOG2E = 1.4426950408889634
 DEFAULT_MAX_KV_SPLITS = 64
@@ -70,7 +87,7 @@ def _widen(x, OP_DTYPE: tl.constexpr, KV_FP8: tl.constexpr, THROUGH_F32: tl.cons
     return x.to(OP_DTYPE)
 
 
-@triton.jit
+@triton.jit(**unspecialized(pointers=("pos_ptr", "loc_ptr")))  # loc: a slice of the slot free list
 def _decode_split_kernel(
     q_ptr, k_buf_ptr, v_buf_ptr, kv_indptr_ptr, kv_lens_ptr, kv_indices_ptr, mid_o_ptr, mid_lse_ptr, o_ptr,
     qk_scale, v_scale, num_kv_splits,
@@ -78,10 +95,14 @@ def _decode_split_kernel(
     stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
     stride_mo_req, stride_mo_head, stride_mo_split, stride_ml_req, stride_ml_head,
     head_dim,
+    # ROPE only: the new tokens' raw k/v, q/k norm weights, rotary tables, positions and slots
+    k_new_ptr, v_new_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, loc_ptr,
+    stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head, stride_cache,
+    eps, inv_k_scale, inv_v_scale, fp8_max,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
     HEAD_MAJOR: tl.constexpr, DIRECT: tl.constexpr, THROUGH_F32: tl.constexpr, Q_CLAMP: tl.constexpr,
-    HAS_LENS: tl.constexpr,
+    HAS_LENS: tl.constexpr, ROPE: tl.constexpr, EMULATE: tl.constexpr,
 ):
     if HEAD_MAJOR:  # grid (kv_heads, batch, splits): a request's KV heads are dispatched side by side
         kv_head = tl.program_id(0)
@@ -107,9 +128,23 @@ def _decode_split_kernel(
     mask_h = offs_g < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
-    # [BLOCK_H, BLOCK_D]: the group's query heads; padded rows are zero
-    q = tl.load(q_ptr + req.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    if ROPE:  # q arrives raw: norm and rotate it here; the new token's K/V is stored by its split's program
+        half = head_dim // 2
+        cos, sin = rope_cos_sin(cos_ptr, sin_ptr, pos_ptr, req, stride_cache, BLOCK_D // 2)
+        # [BLOCK_H, BLOCK_D]: the group's query heads, as `apply_rotary_` would have left them; padded rows are zero
+        q = rope_group_q(q_ptr, req, heads, mask_h, stride_q_tok, stride_q_head, qw_ptr, eps, cos, sin, half,
+                         BLOCK_D // 2)
+        if (lo < hi) & (hi == seq_len):  # this split holds position seq_len - 1, the new token
+            slot = tl.load(loc_ptr + req).to(tl.int64)
+            rope_store_new_kv(k_new_ptr, v_new_ptr, req, kv_head, stride_kn_tok, stride_kn_head, stride_vn_tok,
+                              stride_vn_head, kw_ptr, eps, cos, sin, half, slot, k_buf_ptr, v_buf_ptr,
+                              stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, inv_k_scale,
+                              inv_v_scale, fp8_max, KV_FP8, EMULATE, BLOCK_D // 2)
+            tl.debug_barrier()  # the program's own K/V loop reads that row next
+    else:
+        # [BLOCK_H, BLOCK_D]: the group's query heads; padded rows are zero
+        q = tl.load(q_ptr + req.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)
     if Q_CLAMP:  # float16 dots over a wider q: saturate instead of overflowing to inf
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
     q = q.to(DOT_DTYPE)
@@ -275,7 +310,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float, num_kv_splits: int,
                          scratch: DecodeScratch | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                          tiles: tuple[int, int, int] | None = None, head_major: bool = True,
-                         fp8_widen: str = "f32", kv_lens: torch.Tensor | None = None) -> None:
+                         fp8_widen: str = "f32", kv_lens: torch.Tensor | None = None,
+                         rope: DecodeRope | None = None) -> None:
     """Attention of one query per request over its KV, written to `out`.
 
     q, out: `[batch, num_heads, head_dim]`; k_buffer, v_buffer: `[num_slots, kv_heads, head_dim]`;
@@ -289,8 +325,14 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     an FP8 pool's tiles become dot operands; ignored for other pools.
     `kv_lens` (`[batch]`): query i attends to `kv_indices[kv_indptr[i]:kv_indptr[i] + kv_lens[i]]` instead, so
     ranges may overlap: the tokens of a short extend (a verify pass) each read a prefix of their request's slots.
+    `rope` (decode passes only, not with `kv_lens`): q is the raw q of the q/k/v projection, and the kernel does
+    `apply_rotary_`'s work with its KV store and q/k norms itself (the same bits); the new token's slot `rope.loc[i]`
+    must be request i's last slot. q is not written back.
     """
     _check_decode_args(q, k_buffer, v_buffer, out, kv_indptr, kv_indices, num_kv_splits)
+    if rope is not None:
+        assert kv_lens is None, "rope is for decode passes (one new token per request), not with kv_lens"
+        rope.check(q, k_buffer.shape[1])
     if kv_lens is not None:
         check_device("kv_lens", kv_lens, q.device)
         check_index("kv_lens", kv_lens)
@@ -318,11 +360,12 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        head_dim,
+        head_dim, *split_kernel_args(rope, k_buffer, k_scale, v_scale),
         GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision(operand_dtype), KV_FP8=kv_fp8,
         HEAD_MAJOR=head_major, DIRECT=num_kv_splits == 1, THROUGH_F32=fp8_widen == "f32",
         Q_CLAMP=operand_dtype == tl.float16 and q.dtype != torch.float16, HAS_LENS=kv_lens is not None,
+        ROPE=rope is not None, EMULATE=rope is not None and kv_fp8 and emulate_cast(q.device),
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device),
     )
     if num_kv_splits == 1:

@@ -2,8 +2,10 @@
 
 Each attention layer hands q/k/v to the backend, which writes k/v into the KV pool at
 `out_cache_loc` and attends over the request's whole sequence as listed in `req_to_token`.
-The one exception: on CUDA the model's rotary kernel writes the rotated k and v into the
-pool itself (one launch instead of two) and tells the backend so with `save_kv=False`.
+The exceptions: on CUDA the model's rotary kernel writes the rotated k and v into the
+pool itself (one launch instead of two) and tells the backend so with `save_kv=False`; and a
+backend that `can_fuse_decode_rope` does a decode pass's rotary (with Qwen3's q/k norms) and
+that store inside its attention kernel (`forward_decode_rope`), one launch fewer again.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import abc
 import enum
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -93,6 +95,19 @@ class AttentionLayerSpec:
         self.scaling = scaling
 
 
+class DecodeRopeWork(NamedTuple):
+    """A decode layer's rotary work that `AttentionBackend.forward_decode_rope` does itself: Qwen3's per-head
+    RMSNorm of q and k (weights `[head_dim]`, one eps), then neox rotary from float32 tables
+    `[max_positions, head_dim // 2]` at `positions` `[batch]`."""
+
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    eps: float
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    positions: torch.Tensor
+
+
 class AttentionBackend(abc.ABC):
     """Computes attention for packed tokens and stores their k/v in the KV pool.
 
@@ -148,3 +163,14 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
                 forward_batch: ForwardBatch, save_kv: bool = True) -> torch.Tensor: ...
+
+    def can_fuse_decode_rope(self, layer: AttentionLayerSpec, forward_batch: ForwardBatch) -> bool:
+        """Whether `forward_decode_rope` runs this pass of `layer` (default: no backend can)."""
+        return False
+
+    def forward_decode_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+                            forward_batch: ForwardBatch, rope: DecodeRopeWork) -> torch.Tensor:
+        """`forward` of a DECODE pass whose q, k and v are raw (not normed, not rotated): the backend does `rope`
+        and the new k/v's store at `out_cache_loc` itself, and returns what `forward` would after the model's
+        rotary. Only where `can_fuse_decode_rope`; q and k are left as they were."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse the rotary into decode attention")

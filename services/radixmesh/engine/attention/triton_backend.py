@@ -16,6 +16,9 @@ range is a prefix of its request's slots (the new tokens' K/V are stored first, 
 kernel's grid of requests x KV heads leaves most SMs idle there (8 programs for a batch-1 verify pass of the
 8B shape: 33 us a layer on an H200).
 
+Qwen3 decode passes may come raw (`forward_decode_rope`): the split kernel norms and rotates q itself and its
+program holding a request's last position stores the new token's k/v, so the model launches no rotary kernel.
+
 CUDA graphs (DECODE): `init_cuda_graph_state` allocates static index and scratch buffers
 once; `init_forward_metadata_graph` plans into them with device work only, and the split
 count per captured batch size is fixed from the context length (each request then uses
@@ -32,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixmesh.common.env import DecodeFp8Tuning, decode_fp8_tuning
-from radixmesh.engine.attention.base import AttentionBackend, AttentionLayerSpec, ForwardBatch
+from radixmesh.engine.attention.base import AttentionBackend, AttentionLayerSpec, DecodeRopeWork, ForwardBatch
 from radixmesh.engine.attention.dense_prefill import DENSE_PREFILL_MIN_TOKENS, DenseAttention, DensePlan, plan_dense
 from radixmesh.engine.device_io import to_device
 from radixmesh.kernels._checks import FP8_DTYPES
@@ -43,6 +46,7 @@ from radixmesh.kernels.decode_attention import (
     decode_attention_fwd,
     get_num_sms,
 )
+from radixmesh.kernels.decode_rope import DecodeRope
 from radixmesh.kernels.extend_attention import extend_attention_fwd
 from radixmesh.kernels.kv_store import (
     MAX_INDPTR_BATCH,
@@ -283,15 +287,7 @@ class TritonBackend(AttentionBackend):
                                  rows_scratch, k_scale, v_scale, tiles=tuning.tiles, fp8_widen=tuning.widen,
                                  kv_lens=lens)
         elif forward_batch.is_decode:
-            assert num_tokens == forward_batch.batch_size, (
-                f"decode expects one token per request: {num_tokens} tokens, {forward_batch.batch_size} requests")
-            scratch = meta.scratch
-            if scratch is None:
-                scratch = self._decode_scratch(num_tokens, layer, meta.num_kv_splits, q.device)
-            tuning = self.fp8_tuning if k_buf.dtype in FP8_DTYPES else _KERNEL_DEFAULTS
-            decode_attention_fwd(q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, layer.scaling,
-                                 meta.num_kv_splits, scratch, k_scale, v_scale, tiles=tuning.tiles,
-                                 fp8_widen=tuning.widen)
+            self._decode(q, out, layer, forward_batch)
         else:
             assert meta.qo_indptr is not None, "extend pass planned without qo_indptr"
             # k/v hold what the pool now holds for the new tokens when the dtypes agree (no FP8 rounding):
@@ -313,6 +309,45 @@ class TritonBackend(AttentionBackend):
                                          dense.rest_max_extend_len, layer.scaling, k_scale, v_scale,
                                          req_map=meta.rest_map, k_new=k_new, v_new=v_new)
         return out.view(num_tokens, layer.num_heads * layer.head_dim)
+
+    def can_fuse_decode_rope(self, layer: AttentionLayerSpec, forward_batch: ForwardBatch) -> bool:
+        """DECODE passes of a power-of-2 head_dim: the split kernel's `ROPE` path (`radixmesh.kernels.decode_rope`)."""
+        return forward_batch.is_decode and layer.head_dim & (layer.head_dim - 1) == 0
+
+    def forward_decode_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+                            forward_batch: ForwardBatch, rope: DecodeRopeWork) -> torch.Tensor:
+        assert self.can_fuse_decode_rope(layer, forward_batch), (
+            f"the fused decode rotary needs a DECODE pass and a power-of-2 head_dim, got {forward_batch.mode} "
+            f"and {layer.head_dim}")
+        num_tokens = q.shape[0]
+        # [num_tokens, heads, head_dim]: raw views of the q/k/v projection
+        q = q.view(num_tokens, layer.num_heads, layer.head_dim)
+        k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
+        v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        fused = DecodeRope(k, v, rope.q_norm, rope.k_norm, rope.eps, rope.cos_cache, rope.sin_cache, rope.positions,
+                           forward_batch.out_cache_loc)
+        self._decode(q, out, layer, forward_batch, fused)
+        return out.view(num_tokens, layer.num_heads * layer.head_dim)
+
+    def _decode(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch,
+                rope: DecodeRope | None = None) -> None:
+        """The split-KV decode kernel over the pass's plan (with `rope`: q raw, its rotary and store fused in)."""
+        meta = self.metadata
+        assert meta is not None, "TritonBackend decode called before init_forward_metadata"
+        num_tokens = q.shape[0]
+        assert num_tokens == forward_batch.batch_size, (
+            f"decode expects one token per request: {num_tokens} tokens, {forward_batch.batch_size} requests")
+        pool = forward_batch.token_to_kv_pool
+        k_buf, v_buf = pool.get_kv(layer.layer_id)
+        k_scale, v_scale = pool.scales(layer.layer_id)
+        scratch = meta.scratch
+        if scratch is None:
+            scratch = self._decode_scratch(num_tokens, layer, meta.num_kv_splits, q.device)
+        tuning = self.fp8_tuning if k_buf.dtype in FP8_DTYPES else _KERNEL_DEFAULTS
+        decode_attention_fwd(q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, layer.scaling,
+                             meta.num_kv_splits, scratch, k_scale, v_scale, tiles=tuning.tiles,
+                             fp8_widen=tuning.widen, rope=rope)
 
     def _decode_scratch(self, batch: int, layer: AttentionLayerSpec, num_kv_splits: int,
                         device: torch.device) -> DecodeScratch:

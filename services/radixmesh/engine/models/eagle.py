@@ -92,6 +92,9 @@ class EagleDraft(nn.Module):
         self.fc = Linear(self.feature_dim + (0 if self.eagle3 else h), h,
                          bias=bool(config.raw.get("bias", False)) and not self.eagle3)
         self._build_layer(config)
+        for module in self.modules():  # its tree passes' padding beams read slots other rows write: keep the
+            if isinstance(module, Attention):  # rotary's separate store (no fused decode rotary)
+                module.fuse_decode_rope = False
         self.lm_head = Linear(h, self.draft_vocab, bias=False)
         self.features: torch.Tensor | None = None
         """EXTEND passes: `[tokens, feature_dim]` target features of the fed tokens (set before the pass)."""

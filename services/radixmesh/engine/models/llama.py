@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radixmesh.engine.attention.base import AttentionLayerSpec, ForwardBatch
+from radixmesh.engine.attention.base import AttentionLayerSpec, DecodeRopeWork, ForwardBatch
 from radixmesh.engine.distributed.dp_attention import DpAttention
 from radixmesh.engine.distributed.layout import ShardLayout
 from radixmesh.engine.distributed.sharding import TP_NONE, TensorParallel, WeightSource, take_shard
@@ -40,6 +40,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = [rotary]  # shared; kept in a list so it is not registered once per layer
         self.spec = AttentionLayerSpec(layer_id, h, kvh, d, d**-0.5)
+        self.fuse_decode_rope = True
+        """Decode passes may hand raw q/k/v to `forward_decode_rope` (draft heads whose passes are not plain
+        decode steps turn it off)."""
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
                 prologue: AddRMSNorm | None = None) -> torch.Tensor:
@@ -61,20 +64,37 @@ class Attention(nn.Module):
         v = v.view(n, spec.num_kv_heads, spec.head_dim)
         if stored:
             return self.o_proj(batch.attn_backend.forward(q, k, v, spec, batch, save_kv=False))
+        return self.o_proj(self._rope_attend(positions, q, k, v, batch))  # [n, hidden]
+
+    def _rope_attend(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     batch: ForwardBatch) -> torch.Tensor:
+        """(Qwen3: the q/k norms,) rotary, the KV store and attention over raw q, k, v `[n, heads, head_dim]`;
+        returns `[n, heads * head_dim]`."""
+        spec = self.spec
         norms = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
         rotary = self.rotary[0]
-        if rotary.can_store_kv(q):  # the q/k norms (Qwen3), rotary and the KV store in one launch
-            pool = batch.token_to_kv_pool
-            k_buf, v_buf = pool.get_kv(spec.layer_id)
-            rotary.forward_store(positions, q, k, v, k_buf, v_buf, batch.out_cache_loc, *pool.scales(spec.layer_id),
-                                 qk_norm=norms)
-            out = batch.attn_backend.forward(q, k, v, spec, batch, save_kv=False)
-        else:
+        if not rotary.can_store_kv(q):
             if norms is not None:
                 q, k = norms[0](q), norms[1](k)
             q, k = rotary(positions, q, k)
-            out = batch.attn_backend.forward(q, k, v, spec, batch)  # [n, heads * head_dim]
-        return self.o_proj(out)
+            return batch.attn_backend.forward(q, k, v, spec, batch)
+        if norms is not None and self._may_fuse_decode_rope(batch):  # all of it in the attention kernel
+            work = DecodeRopeWork(norms[0].weight, norms[1].weight, norms[0].eps, rotary.cos_cache, rotary.sin_cache,
+                                  positions)
+            return batch.attn_backend.forward_decode_rope(q, k, v, spec, batch, work)
+        # the q/k norms (Qwen3), rotary and the KV store in one launch
+        pool = batch.token_to_kv_pool
+        k_buf, v_buf = pool.get_kv(spec.layer_id)
+        rotary.forward_store(positions, q, k, v, k_buf, v_buf, batch.out_cache_loc, *pool.scales(spec.layer_id),
+                             qk_norm=norms)
+        return batch.attn_backend.forward(q, k, v, spec, batch, save_kv=False)
+
+    def _may_fuse_decode_rope(self, batch: ForwardBatch) -> bool:
+        """Whether a pass's rotary and KV store go into the decode attention kernel: plain DECODE passes of a
+        layer with one eps for its q/k norms and the plain rotary (not M-RoPE), when the backend can."""
+        return (self.fuse_decode_rope and batch.is_decode and type(self.rotary[0]) is RotaryEmbedding
+                and self.q_norm is not None and self.k_norm is not None and self.q_norm.eps == self.k_norm.eps
+                and batch.attn_backend.can_fuse_decode_rope(self.spec, batch))
 
 
     def _qkv_rope_store(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
