@@ -16,7 +16,7 @@ from radixmesh.kernels.moe import SMALL_MAX_TOKENS, MoeWorkspace, fused_moe, tak
 from radixmesh.kernels.moe_config import SmallMoeConfig, SmallTiles, small_default_config
 from radixmesh.kernels.moe_ref import moe_ref, route_ref
 from radixmesh.kernels.moe_routing import RouterSpec, route_align
-from radixmesh.kernels.moe_small import RouteInputs, can_rank, small_down, small_gate_up, small_topk
+from radixmesh.kernels.moe_small import small_down, small_gate_up, small_topk
 
 from .test_moe_kernels import DEVICE, _experts, _fp8, _rand, _rel_err
 
@@ -189,103 +189,6 @@ def test_top_k_fused_into_gate_up_equals_its_own_launch(spec: RouterSpec, bias: 
     torch.testing.assert_close(ws[0].routing.topk_weights[:3], ws[1].routing.topk_weights[:3], rtol=1e-6, atol=0)
     torch.testing.assert_close(fused, apart, rtol=1e-5, atol=1e-6)
     assert torch.equal(loads[0], loads[1]) and int(loads[0].sum()) == 3 * spec.top_k
-
-
-RANKED = SmallTiles(8, 32, 4, 1)  # 4 warps: up to 128 experts route by `_topk_ranks` (`can_rank`)
-ROUNDS = SmallTiles(8, 32, 1, 1)  # 1 warp: 128 experts route by `_topk_of`'s argmax rounds
-
-
-def _gate_up_routed(x: torch.Tensor, logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None,
-                    expert_start: int, num_local: int, tiles: SmallTiles, fuse: bool,
-                    count_load: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`(inter, ids, weights, load)` of the gate/up launch routing itself (`fuse`) or after `small_topk`."""
-    m, num_experts = logits.shape
-    ids = torch.full((m, spec.top_k), -1, dtype=torch.int32, device=DEVICE)
-    weights = torch.full((m, spec.top_k), -1.0, device=DEVICE)
-    load = torch.full((num_experts,), 3, dtype=torch.int64, device=DEVICE) if count_load else None
-    inter = torch.zeros(m * spec.top_k, 8, device=DEVICE)  # rows of other ranks' experts stay 0
-    w13 = _experts(num_local, x.shape[1], 8, torch.float32, seed=num_experts)[0].to(DEVICE)
-    route = RouteInputs(logits.to(DEVICE), spec, weights, None if bias is None else bias.to(DEVICE), load)
-    if not fuse:
-        small_topk(route.logits, spec, ids, weights, correction_bias=route.correction_bias, expert_load=load)
-    small_gate_up(x.to(DEVICE), ids, w13, tiles, inter, expert_start=expert_start, route=route if fuse else None)
-    return inter.cpu(), ids.cpu(), weights.cpu(), None if load is None else load.cpu()
-
-
-def _assert_fused_route_is_the_launchs(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None,
-                                       expert_start: int, num_local: int, tiles: SmallTiles,
-                                       count_load: bool = True) -> torch.Tensor:
-    """The fused route's gate/up rows, ids, weights and expert load equal those of `small_topk` and a gate/up
-    launch bit for bit, and its ids and weights `route_ref`'s; returns the ids."""
-    x = _rand(logits.shape[0], 32, seed=logits.shape[1])
-    (inter, ids, weights, load), apart = (
-        _gate_up_routed(x, logits, spec, bias, expert_start, num_local, tiles, fuse, count_load)
-        for fuse in (True, False))
-    assert torch.equal(ids, apart[1]) and torch.equal(inter, apart[0])
-    if DEVICE.type == "cpu":
-        assert torch.equal(weights, apart[2])
-    else:  # compiled, the two kernels' softmax sums may round an ulp apart (other warps, other order)
-        torch.testing.assert_close(weights, apart[2], rtol=1e-6, atol=0)
-    want_weights, want_ids = route_ref(logits, spec.top_k, spec.scoring, spec.renormalize,
-                                       spec.routed_scaling_factor, bias)
-    assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
-    if load is not None:
-        assert apart[3] is not None and torch.equal(load, apart[3])
-        assert torch.equal(load, 3 + torch.bincount(want_ids.view(-1).long(), minlength=logits.shape[1]))
-    return ids
-
-
-@pytest.mark.parametrize("num_experts,spec,bias,m,expert_start,num_local,tiles", [
-    (128, RouterSpec(8), False, 1, 0, 128, RANKED),
-    (128, RouterSpec(8, scoring="sigmoid", routed_scaling_factor=2.5), True, 3, 32, 64, RANKED),
-    (128, RouterSpec(8, renormalize=False), True, 2, 96, 32, ROUNDS),
-    (8, RouterSpec(2), False, 3, 0, 8, RANKED),
-    (8, RouterSpec(2, scoring="sigmoid", renormalize=False), False, 1, 5, 3, RANKED),
-    (60, RouterSpec(4), True, 2, 0, 60, RANKED),
-    (60, RouterSpec(4, scoring="sigmoid", renormalize=False), True, 3, 20, 20, RANKED),
-    (60, RouterSpec(3, scoring="sigmoid", routed_scaling_factor=2.5), False, 1, 40, 20, RANKED),
-    (6, RouterSpec(6), True, 2, 0, 6, RANKED),  # every expert: the padded columns and slots never chosen
-])
-def test_fused_route_equals_the_top_k_launch_bit_for_bit(num_experts: int, spec: RouterSpec, bias: bool, m: int,
-                                                         expert_start: int, num_local: int,
-                                                         tiles: SmallTiles) -> None:
-    assert can_rank(num_experts, tiles.num_warps) == (tiles is RANKED)
-    logits = _rand(m, num_experts, seed=num_experts + m).to(torch.bfloat16)
-    correction = _rand(num_experts, seed=num_experts, scale=0.5) if bias else None
-    _assert_fused_route_is_the_launchs(logits, spec, correction, expert_start, num_local, tiles,
-                                       count_load=m != 1)
-
-
-TIES = torch.tensor([[0.0, 3.0, 1.0, 3.0, 3.0, 3.0, 0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 1.0, 0.0],  # five 3s for four slots
-                     [2.0] * 14,
-                     [0.0, 0.0, 1.5, 0.0, 0.0, 0.0, 0.0, 1.5, 0.0, 0.0, 0.0, 0.0, 1.5, 4.0]])  # the 1.5s straddle
-
-
-@pytest.mark.parametrize("num_experts,spec,expert_start,num_local,tiles", [
-    (14, RouterSpec(4), 0, 14, RANKED),
-    (14, RouterSpec(4, scoring="sigmoid", renormalize=False), 4, 6, RANKED),
-    (14, RouterSpec(3), 0, 14, RANKED),
-    (128, RouterSpec(3), 2, 8, RANKED),
-    (128, RouterSpec(4), 0, 128, ROUNDS),
-])
-def test_fused_route_gives_ties_to_the_lower_expert(num_experts: int, spec: RouterSpec, expert_start: int,
-                                                    num_local: int, tiles: SmallTiles) -> None:
-    assert can_rank(num_experts, tiles.num_warps) == (tiles is RANKED)
-    logits = torch.cat([TIES, torch.full((3, num_experts - 14), -1.0)], dim=1)  # the extra experts lose
-    ids = _assert_fused_route_is_the_launchs(logits, spec, None, expert_start, num_local, tiles)
-    want = [[1, 3, 4, 5], [0, 1, 2, 3], [13, 2, 7, 12]]
-    assert ids.tolist() == [row[:spec.top_k] for row in want]
-
-
-def test_fused_route_gives_ties_of_score_and_bias_to_the_lower_expert() -> None:
-    bias = torch.tensor([0.25, 0.5, 0.0, 0.5, 0.25, 0.5, 0.0, 0.5])  # all scores 0.5: selects tie at 1.0 and 0.75
-    spec = RouterSpec(4, scoring="sigmoid")
-    ids = _assert_fused_route_is_the_launchs(torch.zeros(2, 8), spec, bias, 2, 4, RANKED)
-    assert ids.tolist() == [[1, 3, 5, 7]] * 2
-    spec = RouterSpec(6, scoring="sigmoid")
-    assert _assert_fused_route_is_the_launchs(torch.zeros(1, 8), spec, bias, 0, 8, RANKED).tolist() == [
-        [1, 3, 5, 7, 0, 4]]
 
 
 def test_path_choice() -> None:

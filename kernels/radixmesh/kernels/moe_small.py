@@ -16,13 +16,8 @@ mostly padding. Here nothing is sorted. Three launches, each a register GEMV lik
    the activations' dtype (as `moe_ref` does), and writes the router-weighted sum, taken in float32 in slot
    order, straight to the layer's output: no combine launch, no atomics, the same bits every run.
 
-With `SmallMoeConfig.fuse_topk` the first launch goes: each gate/up program chooses its own expert from its
-token's E logits and one program per token stores the token's top-k for the down kernel. That choice comes
-before the program's first weight load, which is what a decode step waits on, so it is one parallel step and
-not `_topk_of`'s TOP_K dependent argmax rounds (each a block-wide reduction): `_topk_ranks` compares all pairs
-of experts at once and one sum gives each expert's rank; the program's expert is the one ranked at its slot.
-The scores and the tie rule (the lower expert) are `_topk_of`'s, and so are the chosen experts and weights.
-Programs too narrow for the pairs (`RANK_PAIRS_PER_THREAD`: past 128 experts at 4 warps) take the rounds.
+With `SmallMoeConfig.fuse_topk` the first launch goes: each gate/up program computes its token's top-k itself
+(a row of E logits: cheap next to its weight tiles) and one program per token stores it for the down kernel.
 
 Expert parallelism: assignments to experts outside `expert_start .. expert_start + num_local - 1` are skipped
 by the gate/up programs and add 0 in the down sum. FP8 experts run W8A16 (e4m3 weights widened in registers,
@@ -49,15 +44,11 @@ from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from radixmesh.kernels.moe_config import SmallTiles
 from radixmesh.kernels.moe_routing import MAX_EXPERTS, RouterSpec
 
-RANK_PAIRS_PER_THREAD = 128
-"""The most expert pairs one thread of a routing gate/up program compares (`_topk_ranks`: BLOCK_E^2 over the
-program's threads); past it (over 128 experts at 4 warps) the program takes `_topk_of`'s TOP_K argmax rounds."""
-
 
 @triton.jit
-def _router_select(x, bias, col_ok, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """`(scores, select)` `[BLOCK_E]` float32 of one row of logits `x`: the weights' scores and the values the
-    experts are chosen by (scores plus the correction bias; -inf past the E experts)."""
+def _topk_of(x, bias, cols, col_ok, scaling, TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, SIGMOID: tl.constexpr,
+             RENORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """`(ids [BLOCK_TK] int32, weights [BLOCK_TK] float32)` of one row of float32 logits `x` `[BLOCK_E]`."""
     if SIGMOID:
         scores = tl.sigmoid(x)
     else:
@@ -67,14 +58,7 @@ def _router_select(x, bias, col_ok, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexp
     select = scores
     if HAS_BIAS:
         select += bias
-    return scores, tl.where(col_ok, select, float("-inf"))
-
-
-@triton.jit
-def _topk_of(x, bias, cols, col_ok, scaling, TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, SIGMOID: tl.constexpr,
-             RENORM: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """`(ids [BLOCK_TK] int32, weights [BLOCK_TK] float32)` of one row of float32 logits `x` `[BLOCK_E]`."""
-    scores, select = _router_select(x, bias, col_ok, SIGMOID, HAS_BIAS)
+    select = tl.where(col_ok, select, float("-inf"))
     kcol = tl.arange(0, BLOCK_TK)
     ids = tl.zeros((BLOCK_TK,), dtype=tl.int32)
     weights = tl.zeros((BLOCK_TK,), dtype=tl.float32)
@@ -84,34 +68,6 @@ def _topk_of(x, bias, cols, col_ok, scaling, TOP_K: tl.constexpr, BLOCK_TK: tl.c
         ids = tl.where(kcol == i, best, ids)
         weights = tl.where(kcol == i, tl.sum(tl.where(hit, scores, 0.0), axis=0), weights)
         select = tl.where(hit, float("-inf"), select)
-    if RENORM:
-        weights = weights / tl.sum(weights, axis=0)
-    return ids, weights * scaling
-
-
-@triton.jit
-def _topk_ranks(select, cols):
-    """Each column's place `[BLOCK_E]` int32 in the order the router chooses: how many columns beat it, by a higher
-    `select` or the same at a lower index (ties to the lower expert, as `_topk_of`'s argmax). Columns past E,
-    -inf at the highest indices, rank after every expert."""
-    # [BLOCK_E (j), BLOCK_E (i)]: does column j beat column i. All pairs at once and one sum, where `_topk_of`
-    # takes TOP_K dependent argmax rounds. At 128 experts and 4 warps a thread compares 128 pairs and adds them
-    # in registers before one cross-warp sum; compiled (Triton 3.9, sm_90) at Qwen3's gate/up tiles it takes 120
-    # registers (96 with the rounds), no spills, 512 B of shared memory. Comparing j in chunks would need each
-    # chunk's values, which registers cannot be sliced into (only reloaded and recomputed), so the tile is whole
-    lower = cols[:, None] < cols[None, :]
-    beats = tl.where(lower, select[:, None] >= select[None, :], select[:, None] > select[None, :])
-    return tl.sum(beats.to(tl.int32), axis=0)
-
-
-@triton.jit
-def _ranked_topk(rank, scores, cols, scaling, TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, RENORM: tl.constexpr):
-    """`_topk_of`'s `(ids, weights)` from the columns' ranks: slot s holds the column of rank s and its score
-    (slots past TOP_K hold 0), so the renormalizing sum adds the same values in the same slots."""
-    kcol = tl.arange(0, BLOCK_TK)
-    hit = (rank[:, None] == kcol[None, :]) & (kcol < TOP_K)[None, :]  # [BLOCK_E, BLOCK_TK]: one hit a slot
-    ids = tl.sum(tl.where(hit, cols[:, None], 0), axis=0)
-    weights = tl.sum(tl.where(hit, scores[:, None], 0.0), axis=0)
     if RENORM:
         weights = weights / tl.sum(weights, axis=0)
     return ids, weights * scaling
@@ -148,46 +104,12 @@ def _topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, load_ptr, E, stride
 
 
 @triton.jit
-def _routed_expert(logits_ptr, bias_ptr, ids_ptr, weights_ptr, load_ptr, a, pid_n, E, stride_logits, scaling,
-                   TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
-                   RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, COUNT_LOAD: tl.constexpr, RANKS: tl.constexpr,
-                   PDL: tl.constexpr):
-    """The global expert of assignment `a` (token `a // TOP_K`, slot `a % TOP_K`), chosen from the token's logits
-    (by `_topk_ranks` with `RANKS`, else by `_topk_of`); the token's first program (`pid_n == 0`, slot 0) also
-    stores the token's ids and weights (and expert load) for the down kernel, as `_topk_kernel` does."""
-    cols = tl.arange(0, BLOCK_E)
-    col_ok = cols < E
-    bias = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    if PDL:
-        gdc_wait()
-    m = a // TOP_K
-    slot = a % TOP_K
-    logits = tl.load(logits_ptr + m * stride_logits + cols, mask=col_ok, other=0.0).to(tl.float32)
-    stores = (pid_n == 0) & (slot == 0)
-    if RANKS:
-        scores, select = _router_select(logits, bias, col_ok, SIGMOID, HAS_BIAS)
-        rank = _topk_ranks(select, cols)
-        if stores:
-            ids, weights = _ranked_topk(rank, scores, cols, scaling, TOP_K, BLOCK_TK, RENORM)
-            _store_topk(ids, weights, ids_ptr, weights_ptr, load_ptr, m, TOP_K, BLOCK_TK, COUNT_LOAD)
-        expert = tl.sum(tl.where(rank == slot, cols, 0), axis=0)
-    else:
-        ids, weights = _topk_of(logits, bias, cols, col_ok, scaling, TOP_K, BLOCK_TK, SIGMOID, RENORM, HAS_BIAS)
-        if stores:
-            _store_topk(ids, weights, ids_ptr, weights_ptr, load_ptr, m, TOP_K, BLOCK_TK, COUNT_LOAD)
-        expert = tl.sum(tl.where(tl.arange(0, BLOCK_TK) == slot, ids, 0), axis=0)
-    return expert
-
-
-@triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, logits_ptr, bias_ptr, weights_ptr, load_ptr, N, K,
                     expert_start, num_local, stride_x, stride_we, stride_wn, stride_se, stride_out, E, stride_logits,
                     scaling, TOP_K: tl.constexpr, W_FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, ROUTE: tl.constexpr, BLOCK_TK: tl.constexpr,
                     BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    COUNT_LOAD: tl.constexpr, RANKS: tl.constexpr, PDL: tl.constexpr):
+                    COUNT_LOAD: tl.constexpr, PDL: tl.constexpr):
     a = tl.program_id(0).to(tl.int64)  # the assignment m * TOP_K + k
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -196,9 +118,19 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, logits_ptr, bias_ptr,
     rows = half[:, None] * N + tl.where(offs_n < N, offs_n, N - 1)[None, :]
     offs_k = tl.arange(0, BLOCK_K)
     if ROUTE:  # the token's top-k here (every program of the token: no launch of its own), one program stores it
-        local = _routed_expert(logits_ptr, bias_ptr, ids_ptr, weights_ptr, load_ptr, a, pid_n, E, stride_logits,
-                               scaling, TOP_K, BLOCK_TK, BLOCK_E, SIGMOID, RENORM, HAS_BIAS, COUNT_LOAD, RANKS,
-                               PDL) - expert_start
+        cols = tl.arange(0, BLOCK_E)
+        col_ok = cols < E
+        bias = tl.zeros((BLOCK_E,), dtype=tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if PDL:
+            gdc_wait()
+        m = a // TOP_K
+        logits = tl.load(logits_ptr + m * stride_logits + cols, mask=col_ok, other=0.0).to(tl.float32)
+        ids, weights = _topk_of(logits, bias, cols, col_ok, scaling, TOP_K, BLOCK_TK, SIGMOID, RENORM, HAS_BIAS)
+        if (pid_n == 0) & (a % TOP_K == 0):
+            _store_topk(ids, weights, ids_ptr, weights_ptr, load_ptr, m, TOP_K, BLOCK_TK, COUNT_LOAD)
+        local = tl.sum(tl.where(tl.arange(0, BLOCK_TK) == a % TOP_K, ids, 0), axis=0) - expert_start
     else:
         if PDL:
             gdc_wait()
@@ -337,13 +269,6 @@ def _route_args(r: RouteInputs | None, topk_ids: torch.Tensor) -> _RouteArgs:
             "COUNT_LOAD": load is not None})
 
 
-def can_rank(num_experts: int, num_warps: int) -> bool:
-    """Whether a routing gate/up program of `num_warps` warps chooses by `_topk_ranks` (all expert pairs at once)
-    rather than by TOP_K argmax rounds: its pairs fit `RANK_PAIRS_PER_THREAD`."""
-    block_e = next_power_of_2(num_experts)
-    return block_e * block_e <= RANK_PAIRS_PER_THREAD * 32 * num_warps
-
-
 def small_topk(logits: torch.Tensor, spec: RouterSpec, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                correction_bias: torch.Tensor | None = None, expert_load: torch.Tensor | None = None) -> None:
     """The router's choice for each row of `logits` `[M, E]` into `topk_ids` `[M, top_k]` (int32, global ids)
@@ -414,8 +339,7 @@ def small_gate_up(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, ti
         hidden, expert_start, num_local, x.stride(0), w13.stride(0), w13.stride(1),
         w13_scale.stride(0) if w13_scale is not None else 0, out.stride(0), r.num_experts, r.stride, r.scaling,
         TOP_K=top_k, W_FP8=w13_scale is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        NUM_STAGES=tiles.num_stages, EVEN_K=hidden % tiles.block_k == 0, **r.meta,
-        RANKS=route is not None and can_rank(r.num_experts, tiles.num_warps), num_warps=tiles.num_warps,
+        NUM_STAGES=tiles.num_stages, EVEN_K=hidden % tiles.block_k == 0, **r.meta, num_warps=tiles.num_warps,
         **pdl_args(x.device))
     return out
 
