@@ -608,10 +608,11 @@ PY
           --sweep-weights ${MOE_SMALL_SWEEP_WEIGHTS:-bf16}) | tee "$OUT/moe-small.jsonl"
       python3 -m radixmesh.kernels.bench_moe_small --table "$OUT/moe-small.jsonl" ;;
     qwen3-fusion-tests)  # Qwen3's batch-1 fusions (issue 48): the q/k norms inside the q/k/v + rotary + KV-store GEMV,
-      # the MoE router with the post-attention norm; engine vs transformers, fused vs unfused, the kernels at real shapes,
-      # then the CPU kernel tests compiled
-      python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_qwen3_fusion_gpu.py
-      python3 -m pytest -q -p no:cacheprovider -rfE tests/unit/test_gemv_rope_kernel.py tests/unit/test_gemv_norm_out_kernel.py ;;
+      # the MoE router with the post-attention norm, the q/k norms + rotary + KV store inside the decode attention;
+      # engine vs transformers, fused vs unfused, the kernels at real shapes, then the CPU kernel tests compiled
+      python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_qwen3_fusion_gpu.py tests/gpu/test_decode_rope_gpu.py
+      python3 -m pytest -q -p no:cacheprovider -rfE tests/unit/test_gemv_rope_kernel.py tests/unit/test_gemv_norm_out_kernel.py \
+        tests/unit/test_decode_rope.py ;;
     qwen3-gemv)  # the batch-1 GEMVs of QWEN3_GEMV_SETS (default qwen3-30b-a3b; also qwen3-8b) in bf16, default tiles and a
       # sweep (the tiles at K=2048), the fused q/k/v and router next to the launches they replace (*-split)
       python3 -m radixmesh.kernels.bench_gemv_fused --sets ${QWEN3_GEMV_SETS:-qwen3-30b-a3b} --weights bf16 --sweep \
