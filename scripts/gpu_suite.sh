@@ -212,8 +212,8 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
           --context-length 8192 --cuda-graph-max-bs 8 --profile-graph --result-file "$OUT/one-batch.jsonl" \
           $([ "${run#*:}" != "$run" ] && echo "${run#*:}")
       done ;;
-    offline)
-      $RM bench offline --model-shape llama-3.1-8b --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 --random-output-len 2048 \
+    offline)  # the 500-prompt offline workload (OFFLINE_SHAPE: another model shape, OFFLINE_PROMPTS, OFFLINE_ARGS)
+      $RM bench offline --model-shape ${OFFLINE_SHAPE:-llama-3.1-8b} --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 --random-output-len 2048 \
         --random-range-ratio 0.0 --context-length 8192 --result-file "$OUT/offline.jsonl" ${OFFLINE_ARGS:-} ;;
     online)  # SGLang's online-latency workload through `serve`: 100 prompts at 1 req/s, in <= 4,096, out <= 2,048.
       # ONLINE_WORKLOADS (default "random random-ids") run one after the other on one server, each with 2 warm-up
@@ -408,7 +408,7 @@ print(s["tokenizer_address"], s["worker_addresses"][0], s["redis_url"] or "")')"
         --output-len 64 --chat --output-file "$OUT/grpc-vs-http-chat.json"
       kill -INT $server; wait $server ;;
     profile-offline)  # the offline workload with every batch timed on the device and kernel windows traced
-      $RM bench offline --model-shape llama-3.1-8b --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 \
+      $RM bench offline --model-shape ${OFFLINE_SHAPE:-llama-3.1-8b} --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 \
         --random-output-len 2048 --random-range-ratio 0.0 --context-length 8192 --profile \
         --result-file "$OUT/offline-profile.jsonl" ${OFFLINE_ARGS:-} ;;
     compare)
@@ -480,7 +480,7 @@ print(s["tokenizer_address"], s["worker_addresses"][0], s["redis_url"] or "")')"
           --result-file "$OUT/fp8-one-batch.jsonl" $([ "${run#*:}" != "$run" ] && echo "${run#*:}")
       done ;;
     fp8-offline)  # the offline workload with FP8 weights + FP8 KV (target >= 4,300 output tok/s)
-      $RM bench offline --model-shape llama-3.1-8b --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 \
+      $RM bench offline --model-shape ${OFFLINE_SHAPE:-llama-3.1-8b} --num-prompts ${OFFLINE_PROMPTS:-500} --random-input-len 4096 \
         --random-output-len 2048 --random-range-ratio 0.0 --context-length 8192 --quantization fp8 \
         --kv-cache-dtype fp8_e4m3 --result-file "$OUT/fp8-offline.jsonl" ${OFFLINE_ARGS:-} ;;
     fp8-fused-tests)  # issue 50: the FP8 quantizing norm/SiLU kernels and the FP8 decode widenings and tiles, compiled
