@@ -73,4 +73,5 @@ def test_the_backend_launches_fp8_decode_with_the_settings(monkeypatch: pytest.M
     backend.forward(q, q, q, Layer(), Batch(), save_kv=False)  # type: ignore[arg-type]
     expected = {"tiles": (128, 8, 3), "fp8_widen": "direct"} if pool_dtype.startswith("float8") else \
         {"tiles": None, "fp8_widen": "f32"}
+    expected["rope"] = None  # (a plain decode pass: the rotary was done before the attention)
     assert calls == [expected]
