@@ -72,13 +72,15 @@ def test_batch_one_kernels_give_transformers_greedy_tokens(tmp_path: Path, monke
     assert counts["router"] == (decode_steps * routers if fuse else 0), counts
 
 
-@pytest.mark.parametrize("kind,qk_norm_fusion", [("qwen3", ""), ("qwen3", "1"), ("qwen3_moe", ""), ("mixtral", "")])
+@pytest.mark.parametrize("kind,qk_norm_fusion,disabled", [("qwen3", "", False), ("qwen3", "1", False),
+                                                       ("qwen3_moe", "", False), ("mixtral", "", False),
+                                                       ("qwen3", "", True)])
 def test_decode_attention_with_the_rotary_inside_gives_transformers_greedy_tokens(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, qk_norm_fusion: str) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, qk_norm_fusion: str, disabled: bool) -> None:
     """The Triton backend's decode kernel norms and rotates q and stores the new k/v itself
     (`forward_decode_rope`) in every decode pass of a layer with q/k norms whose q/k/v GEMV did not already
     (RADIXMESH_QWEN3_FUSION=1: all but the first layer's); Mixtral's attention has no q/k norms and keeps the
-    rotary launch."""
+    rotary launch; `--disable-decode-rope-fusion` keeps it everywhere."""
     from radixmesh.engine.attention.triton_backend import TritonBackend
 
     path, hf = write_hf_checkpoint(kind, tmp_path / kind, head_dim=16)  # (the decode kernel's smallest)
@@ -93,7 +95,8 @@ def test_decode_attention_with_the_rotary_inside_gives_transformers_greedy_token
         return fused_decode(self, *args, **kwargs)
 
     monkeypatch.setattr(TritonBackend, "forward_decode_rope", counted)
-    sched, col = make_tp_scheduler(path, 1, max_running_requests=1, attention_backend="triton")
+    sched, col = make_tp_scheduler(path, 1, max_running_requests=1, attention_backend="triton",
+                                   disable_decode_rope_fusion=disabled)
     try:
         layers.enable_gemv(sched.runner.model)
         for i, ids in enumerate(PROMPTS):
@@ -104,7 +107,7 @@ def test_decode_attention_with_the_rotary_inside_gives_transformers_greedy_token
         assert [col.tokens[f"r{i}"] for i in range(len(PROMPTS))] == want
     finally:
         close_scheduler(sched)
-    fused_layers = 0 if kind == "mixtral" else 1 if qk_norm_fusion else 3
+    fused_layers = 0 if kind == "mixtral" or disabled else 1 if qk_norm_fusion else 3
     assert calls["decode_rope"] == len(PROMPTS) * (MAX_NEW - 1) * fused_layers, calls
 
 

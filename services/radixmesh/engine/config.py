@@ -123,6 +123,10 @@ class EngineConfig:
     PyTorch's SDPA (cuDNN's fused attention on CUDA: 1.5-2.2x the Triton kernel's speed at 2-4K tokens; a 4K-token
     8B prefill 98-102 ms instead of 109 on an H100) instead of the extend kernel. Off by default: the 500-prompt
     offline benchmark did not gain (docs/benchmarks/README.md)."""
+    disable_decode_rope_fusion: bool = False
+    """Triton backend: run Qwen3's q/k norms, rotary and new-token KV store as a launch of their own before decode
+    attention, not inside its split kernel (on by default: one launch fewer per layer; Qwen3-30B-A3B at batch 1 on
+    an H200 2.552 -> 2.520 ms a step, the offline run unchanged; docs/benchmarks/README.md)."""
     disable_pdl: bool = False
     """Launch the decode kernels without programmatic dependent launch (on by default on Hopper and later: a
     kernel's programs start, and a GEMV loads its first weights, while the kernel before it finishes)."""

@@ -282,6 +282,8 @@ def build_attention(runner: ModelRunner) -> AttentionBackend:
     backend = create_backend(config.attention_backend)
     if config.enable_dense_prefill:
         backend.enable_dense_prefill()
+    if config.disable_decode_rope_fusion:
+        backend.disable_decode_rope_fusion()
     backend.warm_up(runner.kv_pool, runner.layout.num_heads, min(runner.context_len, config.prefill_token_budget))
     return backend
 

@@ -168,6 +168,10 @@ class AttentionBackend(abc.ABC):
         """Whether `forward_decode_rope` runs this pass of `layer` (default: no backend can)."""
         return False
 
+    def disable_decode_rope_fusion(self) -> None:  # noqa: B027
+        """Never fuse the rotary into decode attention (`--disable-decode-rope-fusion`); nothing to do for a backend
+        that does not."""
+
     def forward_decode_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
                             forward_batch: ForwardBatch, rope: DecodeRopeWork) -> torch.Tensor:
         """`forward` of a DECODE pass whose q, k and v are raw (not normed, not rotated): the backend does `rope`

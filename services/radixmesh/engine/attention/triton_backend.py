@@ -123,6 +123,8 @@ class TritonBackend(AttentionBackend):
         self._num_sms: dict[torch.device, int] = {}
         self._graph: _GraphState | None = None
         self._short_scratch: DecodeScratch | None = None  # short extends in verify graphs (static)
+        self.fuse_decode_rope = True
+        """Decode passes may take the split kernel's rotary path (`--disable-decode-rope-fusion` turns it off)."""
 
     def enable_dense_prefill(self) -> None:
         self.dense_min_tokens = DENSE_PREFILL_MIN_TOKENS
@@ -311,8 +313,12 @@ class TritonBackend(AttentionBackend):
         return out.view(num_tokens, layer.num_heads * layer.head_dim)
 
     def can_fuse_decode_rope(self, layer: AttentionLayerSpec, forward_batch: ForwardBatch) -> bool:
-        """DECODE passes of a power-of-2 head_dim: the split kernel's `ROPE` path (`radixmesh.kernels.decode_rope`)."""
-        return forward_batch.is_decode and layer.head_dim & (layer.head_dim - 1) == 0
+        """DECODE passes of a power-of-2 head_dim: the split kernel's `ROPE` path (`radixmesh.kernels.decode_rope`),
+        unless turned off."""
+        return self.fuse_decode_rope and forward_batch.is_decode and layer.head_dim & (layer.head_dim - 1) == 0
+
+    def disable_decode_rope_fusion(self) -> None:
+        self.fuse_decode_rope = False
 
     def forward_decode_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
                             forward_batch: ForwardBatch, rope: DecodeRopeWork) -> torch.Tensor:

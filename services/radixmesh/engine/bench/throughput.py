@@ -162,6 +162,7 @@ def settings(sched: Any, args: argparse.Namespace) -> dict[str, Any]:
     return {"model": cfg.model, "load_format": cfg.load_format, "dtype": cfg.dtype, "tp_size": cfg.tp_size,
             "ep_size": cfg.ep_size, "dp_attention": cfg.enable_dp_attention,
             "custom_all_reduce": cfg.enable_custom_all_reduce, "gemv_fusion": not cfg.disable_gemv_fusion,
+            "decode_rope_fusion": not cfg.disable_decode_rope_fusion,
             "fp8_quant_fusion": bool(cfg.quantization) and not cfg.disable_fp8_quant_fusion,
             "dense_prefill": cfg.enable_dense_prefill,
             "pdl": _pdl_on(sched.runner.device), "attention_backend": cfg.attention_backend,
