@@ -27,6 +27,23 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter o
                                 "compiled in tests/gpu/test_qwen3_fusion_gpu.py")
 
 
+def _run_one_at_a_time(path: Path, want: list[list[int]], before: Any = None, **overrides: Any) -> None:
+    """Greedy PROMPTS through a scheduler of one request at a time (one-row decode steps) equal `want`; `before(sched)`
+    runs once the scheduler is built."""
+    sched, col = make_tp_scheduler(path, 1, max_running_requests=1, **overrides)
+    try:
+        if before is not None:
+            before(sched)
+        for i, ids in enumerate(PROMPTS):
+            params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+            sched.add_request(Req(rid=f"r{i}", origin_input_ids=list(ids), params=params))
+        run_until_idle(sched)
+        assert not col.errors, col.errors
+        assert [col.tokens[f"r{i}"] for i in range(len(PROMPTS))] == want
+    finally:
+        close_scheduler(sched)
+
+
 def _counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     counts = {"rope_qk_norm": 0, "router": 0}
     rope, router = gemv_rope.gemv_add_rmsnorm_rope, gemv_norm_out.gemv_add_rmsnorm_out
@@ -53,17 +70,11 @@ def test_batch_one_kernels_give_transformers_greedy_tokens(tmp_path: Path, monke
     monkeypatch.setattr(layers, "_fused", lambda x: True)
     monkeypatch.setenv("RADIXMESH_QWEN3_FUSION", "1")
     counts = _counted(monkeypatch)
-    sched, col = make_tp_scheduler(path, 1, max_running_requests=1)  # one request at a time: one-row decode steps
-    try:
+
+    def enable(sched: Any) -> None:
         assert layers.enable_gemv(sched.runner.model, fuse_prologues=fuse) > 0
-        for i, ids in enumerate(PROMPTS):
-            params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-            sched.add_request(Req(rid=f"r{i}", origin_input_ids=list(ids), params=params))
-        run_until_idle(sched)
-        assert not col.errors, col.errors
-        assert [col.tokens[f"r{i}"] for i in range(len(PROMPTS))] == want
-    finally:
-        close_scheduler(sched)
+
+    _run_one_at_a_time(path, want, enable)
     decode_steps = len(PROMPTS) * (MAX_NEW - 1)
     # moe_factory: 3 layers (the first one's attention without a residual add before it), qwen3_moe's 0 and 2 sparse,
     # mixtral's all three (its attention has no q/k norms); the router takes the fusion in every sparse layer
@@ -95,18 +106,8 @@ def test_decode_attention_with_the_rotary_inside_gives_transformers_greedy_token
         return fused_decode(self, *args, **kwargs)
 
     monkeypatch.setattr(TritonBackend, "forward_decode_rope", counted)
-    sched, col = make_tp_scheduler(path, 1, max_running_requests=1, attention_backend="triton",
-                                   disable_decode_rope_fusion=disabled)
-    try:
-        layers.enable_gemv(sched.runner.model)
-        for i, ids in enumerate(PROMPTS):
-            params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-            sched.add_request(Req(rid=f"r{i}", origin_input_ids=list(ids), params=params))
-        run_until_idle(sched)
-        assert not col.errors, col.errors
-        assert [col.tokens[f"r{i}"] for i in range(len(PROMPTS))] == want
-    finally:
-        close_scheduler(sched)
+    _run_one_at_a_time(path, want, lambda sched: layers.enable_gemv(sched.runner.model), attention_backend="triton",
+                       disable_decode_rope_fusion=disabled)
     fused_layers = 0 if kind == "mixtral" or disabled else 1 if qk_norm_fusion else 3
     assert calls["decode_rope"] == len(PROMPTS) * (MAX_NEW - 1) * fused_layers, calls
 

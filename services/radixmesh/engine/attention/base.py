@@ -14,13 +14,14 @@ import abc
 import enum
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from radixmesh.engine.memory import ReqToTokenPool, TokenToKVPool
     from radixmesh.engine.mm.runtime import MultimodalForward
+    from radixmesh.kernels.decode_rope import DecodeRope
 
 
 class ForwardMode(enum.Enum):
@@ -95,19 +96,6 @@ class AttentionLayerSpec:
         self.scaling = scaling
 
 
-class DecodeRopeWork(NamedTuple):
-    """A decode layer's rotary work that `AttentionBackend.forward_decode_rope` does itself: Qwen3's per-head
-    RMSNorm of q and k (weights `[head_dim]`, one eps), then neox rotary from float32 tables
-    `[max_positions, head_dim // 2]` at `positions` `[batch]`."""
-
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
-    eps: float
-    cos_cache: torch.Tensor
-    sin_cache: torch.Tensor
-    positions: torch.Tensor
-
-
 class AttentionBackend(abc.ABC):
     """Computes attention for packed tokens and stores their k/v in the KV pool.
 
@@ -172,9 +160,10 @@ class AttentionBackend(abc.ABC):
         """Never fuse the rotary into decode attention (`--disable-decode-rope-fusion`); nothing to do for a backend
         that does not."""
 
-    def forward_decode_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                            forward_batch: ForwardBatch, rope: DecodeRopeWork) -> torch.Tensor:
-        """`forward` of a DECODE pass whose q, k and v are raw (not normed, not rotated): the backend does `rope`
-        and the new k/v's store at `out_cache_loc` itself, and returns what `forward` would after the model's
-        rotary. Only where `can_fuse_decode_rope`; q and k are left as they were."""
+    def forward_decode_rope(self, q: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch,
+                            rope: DecodeRope) -> torch.Tensor:
+        """`forward` of a DECODE pass whose q `[n, heads, head_dim]` and `rope.k`, `rope.v` are raw (not normed, not
+        rotated): the backend does the q/k norms and rotary and stores the new k/v at `rope.loc` itself, and returns
+        what `forward` would after the model's rotary. Only where `can_fuse_decode_rope`; q and k are left as they
+        were."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the rotary into decode attention")

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixmesh.common.env import DecodeFp8Tuning, decode_fp8_tuning
-from radixmesh.engine.attention.base import AttentionBackend, AttentionLayerSpec, DecodeRopeWork, ForwardBatch
+from radixmesh.engine.attention.base import AttentionBackend, AttentionLayerSpec, ForwardBatch
 from radixmesh.engine.attention.dense_prefill import DENSE_PREFILL_MIN_TOKENS, DenseAttention, DensePlan, plan_dense
 from radixmesh.engine.device_io import to_device
 from radixmesh.kernels._checks import FP8_DTYPES
@@ -289,7 +289,7 @@ class TritonBackend(AttentionBackend):
                                  rows_scratch, k_scale, v_scale, tiles=tuning.tiles, fp8_widen=tuning.widen,
                                  kv_lens=lens)
         elif forward_batch.is_decode:
-            self._decode(q, out, layer, forward_batch)
+            self._decode(q, out, layer, forward_batch, (k_buf, v_buf, k_scale, v_scale))
         else:
             assert meta.qo_indptr is not None, "extend pass planned without qo_indptr"
             # k/v hold what the pool now holds for the new tokens when the dtypes agree (no FP8 rounding):
@@ -320,33 +320,26 @@ class TritonBackend(AttentionBackend):
     def disable_decode_rope_fusion(self) -> None:
         self.fuse_decode_rope = False
 
-    def forward_decode_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                            forward_batch: ForwardBatch, rope: DecodeRopeWork) -> torch.Tensor:
+    def forward_decode_rope(self, q: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch,
+                            rope: DecodeRope) -> torch.Tensor:
         assert self.can_fuse_decode_rope(layer, forward_batch), (
             f"the fused decode rotary needs a DECODE pass and a power-of-2 head_dim, got {forward_batch.mode} "
             f"and {layer.head_dim}")
-        num_tokens = q.shape[0]
-        # [num_tokens, heads, head_dim]: raw views of the q/k/v projection
-        q = q.view(num_tokens, layer.num_heads, layer.head_dim)
-        k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
-        v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
+        pool = forward_batch.token_to_kv_pool
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        fused = DecodeRope(k, v, rope.q_norm, rope.k_norm, rope.eps, rope.cos_cache, rope.sin_cache, rope.positions,
-                           forward_batch.out_cache_loc)
-        self._decode(q, out, layer, forward_batch, fused)
-        return out.view(num_tokens, layer.num_heads * layer.head_dim)
+        self._decode(q, out, layer, forward_batch, (*pool.get_kv(layer.layer_id), *pool.scales(layer.layer_id)), rope)
+        return out.view(q.shape[0], layer.num_heads * layer.head_dim)
 
     def _decode(self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch,
-                rope: DecodeRope | None = None) -> None:
-        """The split-KV decode kernel over the pass's plan (with `rope`: q raw, its rotary and store fused in)."""
+                kv: tuple[torch.Tensor, torch.Tensor, float, float], rope: DecodeRope | None = None) -> None:
+        """The split-KV decode kernel over the pass's plan, q and out `[n, heads, head_dim]`, `kv` the layer's pool
+        buffers and scales (with `rope`: q raw, its rotary and the new k/v's store fused in)."""
         meta = self.metadata
         assert meta is not None, "TritonBackend decode called before init_forward_metadata"
         num_tokens = q.shape[0]
         assert num_tokens == forward_batch.batch_size, (
             f"decode expects one token per request: {num_tokens} tokens, {forward_batch.batch_size} requests")
-        pool = forward_batch.token_to_kv_pool
-        k_buf, v_buf = pool.get_kv(layer.layer_id)
-        k_scale, v_scale = pool.scales(layer.layer_id)
+        k_buf, v_buf, k_scale, v_scale = kv
         scratch = meta.scratch
         if scratch is None:
             scratch = self._decode_scratch(num_tokens, layer, meta.num_kv_splits, q.device)

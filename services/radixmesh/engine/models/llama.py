@@ -12,13 +12,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radixmesh.engine.attention.base import AttentionLayerSpec, DecodeRopeWork, ForwardBatch
+from radixmesh.engine.attention.base import AttentionLayerSpec, ForwardBatch
 from radixmesh.engine.distributed.dp_attention import DpAttention
 from radixmesh.engine.distributed.layout import ShardLayout
 from radixmesh.engine.distributed.sharding import TP_NONE, TensorParallel, WeightSource, take_shard
 from radixmesh.engine.model_config import ModelConfig
 from radixmesh.engine.models.layers import AddRMSNorm, GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from radixmesh.engine.models.parallel import ParallelLMHead, VocabParallelEmbedding, row_parallel_linear
+from radixmesh.kernels.decode_rope import DecodeRope
 
 # checkpoint projection -> (stacked parameter, shard index): q/k/v and gate/up are one GEMM each
 STACKED_PARAMS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -79,9 +80,9 @@ class Attention(nn.Module):
             q, k = rotary(positions, q, k)
             return batch.attn_backend.forward(q, k, v, spec, batch)
         if norms is not None and self._may_fuse_decode_rope(batch):  # all of it in the attention kernel
-            work = DecodeRopeWork(norms[0].weight, norms[1].weight, norms[0].eps, rotary.cos_cache, rotary.sin_cache,
-                                  positions)
-            return batch.attn_backend.forward_decode_rope(q, k, v, spec, batch, work)
+            rope = DecodeRope(k, v, norms[0].weight, norms[1].weight, norms[0].eps, rotary.cos_cache, rotary.sin_cache,
+                              positions, batch.out_cache_loc)
+            return batch.attn_backend.forward_decode_rope(q, spec, batch, rope)
         # the q/k norms (Qwen3), rotary and the KV store in one launch
         pool = batch.token_to_kv_pool
         k_buf, v_buf = pool.get_kv(spec.layer_id)
