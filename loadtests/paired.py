@@ -6,13 +6,19 @@ near the median: on an H100 at 1 req/s two runs of one server on one machine dif
 and by 2.05 ms in the median of their per-request differences (docs/benchmarks/README.md, twelfth session). This
 command reports the per-request differences (B minus A) of TTFT and of each request's mean inter-token latency:
 their median and mean, by prompt length, and for the first requests of the run apart (a fresh server's first
-requests pay for what it loads or compiles on first use).
+requests pay for what it loads or compiles on first use); and each run's TTFT slope over its own prompt lengths with
+the difference of the two slopes, whose spread comes from resampling the twins together (a paired bootstrap: the two
+runs' residuals move together, so the difference is known about twice as well as from two separate fits).
+
+`random` (text) against `random-ids` of one seed pairs too: the text prompts are the ids decoded, re-tokenized by
+the server into a few percent more tokens, so each run's slope is taken over its own prompt lengths.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 from dataclasses import dataclass
@@ -20,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 FIRST_REQUESTS = 20
+BOOTSTRAP_RESAMPLES = 2000
+TEXT_AND_IDS = frozenset({"random", "random-ids"})
+"""Workloads whose runs of one seed send the same prompts (as text, as token ids)."""
 LENGTH_EDGES = (1536, 3000)
 """Prompt-length buckets: below 1,536 tokens, 1,536-2,999, 3,000 and more."""
 
@@ -29,6 +38,8 @@ class Twin:
     prompt_len: int
     ttft_ms: tuple[float, float]
     itl_ms: tuple[float | None, float | None]
+    prompt_len_b: int = 0
+    """B's prompt length (differs from A's where one run sent text and the other ids); 0: A's."""
 
 
 def load_run(path: Path, label: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -48,8 +59,10 @@ def _mean_itl_ms(request: dict[str, Any]) -> float | None:
     return 1e3 * sum(gaps) / len(gaps) if gaps else None
 
 
-def pair_requests(run_a: dict[str, Any], run_b: dict[str, Any]) -> tuple[list[Twin], list[str]]:
-    """Successful requests of both runs matched by (session, turn), in order of arrival; and warnings."""
+def pair_requests(run_a: dict[str, Any], run_b: dict[str, Any], lengths_may_differ: bool = False
+                  ) -> tuple[list[Twin], list[str]]:
+    """Successful requests of both runs matched by (session, turn), in order of arrival; and warnings (a prompt
+    length that differs between twins is one, unless `lengths_may_differ`: text against ids)."""
     def index(run: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
         return {(r["session_id"], r["turn_index"]): r for r in run["requests"]
                 if r.get("success") and r.get("ttft_s") is not None}
@@ -59,10 +72,10 @@ def pair_requests(run_a: dict[str, Any], run_b: dict[str, Any]) -> tuple[list[Tw
     twins = []
     for key in sorted(a.keys() & b.keys(), key=lambda k: a[k]["start_s"]):
         ra, rb = a[key], b[key]
-        if ra["prompt_len"] != rb["prompt_len"]:
+        if ra["prompt_len"] != rb["prompt_len"] and not lengths_may_differ:
             warnings.append(f"request {key}: prompt of {ra['prompt_len']} vs {rb['prompt_len']} tokens")
         twins.append(Twin(ra["prompt_len"], (1e3 * ra["ttft_s"], 1e3 * rb["ttft_s"]),
-                          (_mean_itl_ms(ra), _mean_itl_ms(rb))))
+                          (_mean_itl_ms(ra), _mean_itl_ms(rb)), rb["prompt_len"]))
     unmatched = len(a.keys() ^ b.keys())
     if unmatched:
         warnings.append(f"{unmatched} requests succeeded in one run only (left out)")
@@ -83,6 +96,38 @@ def _bucket(prompt_len: int) -> str:
     return BUCKETS[sum(prompt_len >= edge for edge in LENGTH_EDGES)]
 
 
+def _slope(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares ms per 1,000 tokens of (prompt_len, ms) points; None when every length is the same."""
+    x_mean = statistics.fmean(x for x, _ in points)
+    y_mean = statistics.fmean(y for _, y in points)
+    spread = sum((x - x_mean) ** 2 for x, _ in points)
+    if spread == 0:
+        return None
+    return 1000 * sum((x - x_mean) * (y - y_mean) for x, y in points) / spread
+
+
+def slope_difference(twins: list[Twin], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> dict[str, Any]:
+    """Each run's TTFT per 1,000 prompt tokens (over its own lengths), B's minus A's, and that difference's standard
+    error and 95% interval from resampling the twins together."""
+    def fits(sample: list[Twin]) -> tuple[float | None, float | None]:
+        return (_slope([(t.prompt_len, t.ttft_ms[0]) for t in sample]),
+                _slope([(t.prompt_len_b or t.prompt_len, t.ttft_ms[1]) for t in sample]))
+
+    slope_a, slope_b = fits(twins) if len(twins) >= 3 else (None, None)
+    if slope_a is None or slope_b is None:
+        return {"n": len(twins)}
+    rng = random.Random(seed)
+    diffs = []
+    for _ in range(resamples):
+        a, b = fits(rng.choices(twins, k=len(twins)))
+        if a is not None and b is not None:
+            diffs.append(b - a)
+    diffs.sort()
+    return {"n": len(twins), "a_per_1k_ms": round(slope_a, 2), "b_per_1k_ms": round(slope_b, 2),
+            "diff_per_1k_ms": round(slope_b - slope_a, 2), "diff_se_ms": round(statistics.pstdev(diffs), 2),
+            "diff_95_ms": [round(diffs[int(0.025 * len(diffs))], 2), round(diffs[int(0.975 * len(diffs)) - 1], 2)]}
+
+
 def compare(twins: list[Twin]) -> dict[str, Any]:
     """B minus A per request: TTFT overall, by prompt length, first requests and the rest; mean ITL."""
     ttft = [b - a for a, b in (t.ttft_ms for t in twins)]
@@ -99,6 +144,7 @@ def compare(twins: list[Twin]) -> dict[str, Any]:
         f"ttft_diff_first_{FIRST_REQUESTS}": _stats(ttft[:FIRST_REQUESTS]),
         "ttft_diff_rest": _stats(ttft[FIRST_REQUESTS:]),
         "mean_itl_diff": _stats(itl),
+        "ttft_slope": slope_difference(twins),
     }
 
 
@@ -116,6 +162,12 @@ def format_result(result: dict[str, Any], name_a: str, name_b: str) -> str:
     lines += [line(f"  first {FIRST_REQUESTS} requests", result[f"ttft_diff_first_{FIRST_REQUESTS}"]),
               line("  the rest", result["ttft_diff_rest"]),
               line("mean ITL of each request", result["mean_itl_diff"])]
+    fit = result["ttft_slope"]
+    if "diff_per_1k_ms" in fit:
+        low, high = fit["diff_95_ms"]
+        lines.append(f"{'TTFT per 1k prompt tokens':<34} A {fit['a_per_1k_ms']}   B {fit['b_per_1k_ms']}   B - A "
+                     f"{fit['diff_per_1k_ms']:+.2f} +- {fit['diff_se_ms']:.2f} (95%: {low:+.2f} .. {high:+.2f}; "
+                     "twins resampled together)")
     return "\n".join(lines)
 
 
@@ -130,6 +182,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=cmd_paired)
 
 
+def _text_and_ids(a: Any, b: Any) -> bool:
+    """Whether two workload headers are `random` and `random-ids` with the same parameters and sizes."""
+    if not (isinstance(a, dict) and isinstance(b, dict)) or {a.get("name"), b.get("name")} != TEXT_AND_IDS:
+        return False
+    return {k: v for k, v in a.items() if k != "name"} == {k: v for k, v in b.items() if k != "name"}
+
+
 def cmd_paired(args: argparse.Namespace) -> int:
     try:
         head_a, run_a = load_run(args.a, args.label_a)
@@ -137,12 +196,15 @@ def cmd_paired(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"bench paired: error: {exc}", file=sys.stderr)
         return 2
-    if head_a.get("workload") != head_b.get("workload") or (head_a.get("load") or {}).get("seed") != (
-            head_b.get("load") or {}).get("seed"):
+    text_and_ids = _text_and_ids(head_a.get("workload"), head_b.get("workload"))
+    if (head_a.get("workload") != head_b.get("workload") and not text_and_ids) or (head_a.get("load") or {}).get(
+            "seed") != (head_b.get("load") or {}).get("seed"):
         print("bench paired: error: the two files ran different workloads or seeds; requests have no twins",
               file=sys.stderr)
         return 2
-    twins, warnings = pair_requests(run_a, run_b)
+    if text_and_ids:
+        print("bench paired: text against ids of one seed: each run's prompt lengths are its own")
+    twins, warnings = pair_requests(run_a, run_b, lengths_may_differ=text_and_ids)
     for warning in warnings:
         print(f"bench paired: warning: {warning}", file=sys.stderr)
     if not twins:

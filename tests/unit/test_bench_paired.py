@@ -74,3 +74,39 @@ def test_command_refuses_different_workloads(tmp_path: Path, capsys: pytest.Capt
     assert "median    -1.00" in printed
     assert json.loads(out.read_text())["ttft_diff"]["median_ms"] == -1.0
     assert cmd_paired(argparse.Namespace(a=a, b=b, label_a="missing", label_b=None, output_file=None)) == 2
+
+
+def test_slope_difference_over_each_runs_own_lengths() -> None:
+    """B's TTFT grows 1.5 ms more per 1k tokens of its own (10% longer) prompts; residuals shared by the twins leave
+    the difference's spread small, and a run with its own noise widens it."""
+    from loadtests.paired import slope_difference
+
+    wobble = [(-1) ** i * (i % 7) for i in range(40)]  # the same in both runs (the load each request met)
+    a = _run([20 + 15 * n / 1000 + w for n, w in zip(PROMPTS, wobble)], PROMPTS)
+    b_lens = [int(n * 1.1) for n in PROMPTS]
+    b = _run([22 + 16.5 * n / 1000 + w for n, w in zip(b_lens, wobble)], b_lens)
+    twins, warnings = pair_requests(a, b, lengths_may_differ=True)
+    assert warnings == [] and twins[3].prompt_len == 400 and twins[3].prompt_len_b == 440
+    fit = slope_difference(twins)
+    assert abs(fit["a_per_1k_ms"] - 15) < 0.6 and abs(fit["diff_per_1k_ms"] - 1.5) < 0.3, fit
+    assert fit["diff_se_ms"] < 0.3 and fit["diff_95_ms"][0] < fit["diff_per_1k_ms"] < fit["diff_95_ms"][1]
+    own = [((-1) ** (i // 2)) * (i % 5) * 3 for i in range(40)]  # B's own noise: not shared with A
+    b_noisy = _run([22 + 16.5 * n / 1000 + w + o for n, w, o in zip(b_lens, wobble, own)], b_lens)
+    assert slope_difference(pair_requests(a, b_noisy, True)[0])["diff_se_ms"] > 2 * fit["diff_se_ms"]
+    assert slope_difference(twins[:2]) == {"n": 2}
+
+
+def test_text_and_ids_runs_of_one_seed_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    a = _write(tmp_path / "ids.json", _run(BASE, PROMPTS))
+    text = _run([t + 3 for t in BASE], [n + 5 for n in PROMPTS])
+    b = tmp_path / "text.json"
+    b.write_text(json.dumps({"workload": {"name": "random", "params": {}}, "load": {"seed": 1}, "runs": [text]}))
+    assert cmd_paired(argparse.Namespace(a=a, b=b, label_a=None, label_b=None, output_file=None)) == 0
+    captured = capsys.readouterr()
+    assert "text against ids" in captured.out and "TTFT per 1k prompt tokens" in captured.out
+    assert "prompt of" not in captured.err  # lengths differ by design: no warning per request
+    b.write_text(json.dumps({"workload": {"name": "random", "params": {"x": 1}}, "load": {"seed": 1},
+                             "runs": [text]}))
+    assert cmd_paired(argparse.Namespace(a=a, b=b, label_a=None, label_b=None, output_file=None)) == 2
