@@ -50,7 +50,8 @@ ACT_DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class MoeBlockWorkspace:
-    """What `moe_block_decode`'s programs share, allocated once (a CUDA graph replays over it)."""
+    """What `moe_block_decode`'s programs share, allocated once (a CUDA graph replays over it); one launch at a
+    time uses it (the layers of one stream may share it)."""
 
     sync: torch.Tensor  # int32 [3]: barrier arrivals, exits (both back at 0 after every launch), error flag
     logits: torch.Tensor  # [1, E] in the activations' dtype
@@ -236,7 +237,7 @@ def _runs_on(device: torch.device) -> bool:
 
 def moe_block_supported(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         spec: RouterSpec, *, w13_scale: torch.Tensor | None = None, expert_start: int = 0) -> bool:
-    """Whether `moe_block_decode` runs this layer: one row, CUDA (or CPU under the interpreter), bf16/fp16
+    """Whether `moe_block_decode` runs this layer: one row, CUDA (or CPU under the interpreter), contiguous bf16/fp16
     weights in x's dtype (no FP8 scales), all experts local (`expert_start == 0` and as many as router rows),
     at most `MAX_EXPERTS` experts, rows of at most `MAX_ROW` features, shapes consistent."""
     if w13_scale is not None or expert_start != 0 or x.dim() != 2 or x.shape[0] != 1 or x.dtype not in ACT_DTYPES:
@@ -248,7 +249,8 @@ def moe_block_supported(x: torch.Tensor, router_weight: torch.Tensor, w13: torch
     return (hidden == x.shape[1] <= MAX_ROW and 1 <= spec.top_k <= num_experts <= MAX_EXPERTS and inter >= 1
             and tuple(w13.shape) == (num_experts, 2 * inter, hidden)
             and tuple(w2.shape) == (num_experts, hidden, inter)
-            and all(t.dtype == x.dtype and t.device == x.device for t in (router_weight, w13, w2)))
+            and all(t.dtype == x.dtype and t.device == x.device and t.is_contiguous()
+                    for t in (x, router_weight, w13, w2)))
 
 
 def _check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
