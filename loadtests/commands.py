@@ -56,6 +56,7 @@ MODULE_BENCHMARKS = {
     "radixmesh.kernels.bench_lora": "batched LoRA next to the base GEMMs",
     "radixmesh.kernels.bench_moe": "the fused MoE layer at real shapes",
     "radixmesh.kernels.bench_moe_sweep": "tile sweep of the MoE layer for one shape",
+    "radixmesh.kernels.bench_moe_block": "Qwen3-30B-A3B's MoE block of one token: one launch against four",
     "radixmesh.engine.distributed.bench_allreduce": "all-reduce at decode sizes across the GPUs of one host",
 }
 """Micro-benchmarks run as `python -m MODULE` (GPU only; each prints JSON)."""

@@ -6,6 +6,7 @@ the weights (local ones under expert parallelism), N the moe intermediate size, 
 of `DTYPE_KEYS`, and the batch's token count rounded up to a bucket. `bench_moe --sweep` prints the best
 entry per M, in this form, from a GPU run. Elsewhere `default_config` picks by the expected rows per
 expert; tiles are never autotuned at run time (a new M must not start a benchmark in a CUDA-graph capture).
+The small-batch path (`moe_small`) and the one-launch block of one token (`moe_block`) keep their own tiles here.
 """
 
 from __future__ import annotations
@@ -164,3 +165,52 @@ def small_default_config(num_experts: int, inter: int, hidden: int, top_k: int, 
     block_k = {"fp8-w8a16": 512, "fp32": 128}.get(key, 256)
     tk = 1 << (top_k - 1).bit_length()
     return SmallMoeConfig(SmallTiles(8, block_k, 4, 3), SmallTiles(max(1, 16 // tk), block_k, 4, 3))
+
+
+# ---- the one-launch block of one token (moe_block) ------------------------------------------------------
+
+@dataclass(frozen=True)
+class MoeBlockConfig:
+    """Tiles of the one-launch MoE block (`moe_block.moe_block_decode`) and its programs per SM."""
+
+    block_i: int = 8
+    """Intermediate features per gate/up unit (each with its gate row and its up row)."""
+    up_block_k: int = 256
+    """Gate/up reduction step (hidden features per load)."""
+    block_h: int = 4
+    """Hidden features per down unit (each over all top-k experts)."""
+    down_block_k: int = 128
+    """Down reduction step (intermediate features per load)."""
+    num_warps: int = 4
+    """Warps per program."""
+    up_stages: int = 3
+    """Loads in flight in the gate/up loop."""
+    down_stages: int = 3
+    """Loads in flight in the down loop."""
+    ctas_per_sm: int = 2
+    """Programs per SM (P = SMs x this), lowered by the launcher to what fits."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_i", "up_block_k", "block_h", "down_block_k"):
+            value = getattr(self, name)
+            assert value >= 1 and value & (value - 1) == 0, f"{name} must be a power of 2, got {value}"
+        assert self.up_block_k >= 16 and self.down_block_k >= 16, f"block_k must be >= 16: {self}"
+        assert self.num_warps in (1, 2, 4, 8, 16), f"num_warps must be 1..16, a power of 2: {self}"
+        assert 1 <= self.up_stages <= 8 and 1 <= self.down_stages <= 8, f"stages must be 1..8: {self}"
+        assert 1 <= self.ctas_per_sm <= 32, f"ctas_per_sm must be 1..32: {self}"
+
+
+BLOCK_TUNED: dict[tuple[int, int, int, int], MoeBlockConfig] = {
+    # (E, I, H, top_k) -> the best of `bench_moe_block --sweep` (bf16); empty until a GPU run fills it
+}
+BLOCK_CPU_CONFIG = MoeBlockConfig(8, 32, 8, 16, num_warps=1, up_stages=1, down_stages=1, ctas_per_sm=1)
+"""The interpreter's: small tiles, few ops per step."""
+
+
+def block_default_config(num_experts: int, inter: int, hidden: int, top_k: int,
+                         device: torch.device) -> MoeBlockConfig:
+    """The tuned configuration of this shape, else the small path's tuned Qwen3-30B-A3B tiles (gate/up 8 x 256,
+    down 4 x 128, 4 warps, 3 stages) with 2 programs per SM."""
+    if device.type == "cpu":
+        return BLOCK_CPU_CONFIG
+    return BLOCK_TUNED.get((num_experts, inter, hidden, top_k), MoeBlockConfig())
