@@ -46,7 +46,8 @@
 #   tests, the CPU kernel tests compiled, the benchmarks (MoE tile sweep at MOE_SWEEP_MS) and a table of each at the end
 #   STAGES=moe-small TIMEOUT_moe_small=590 (issue 48, one GPU): the MoE small-batch path vs the sorted one per M and
 #   its tile sweep (bench_moe_small); STAGES=moe-small-decode: Qwen3-30B-A3B batch-1 decode with each path
-#   (RADIXMESH_MOE_PATH=sorted, then auto)
+#   (RADIXMESH_MOE_PATH=sorted, then auto; MOE_DECODE_PATHS="auto block": the whole-block kernel against today's);
+#   STAGES=moe-block: the whole-block kernel's GPU tests and its bench against the four-launch chain
 #   STAGES=moe TIMEOUT_moe=590 (issue 48, two GPUs, about 6 minutes): Qwen3-30B-A3B batch-1 decode against its bandwidth
 #   floor (active experts + attention + embeddings over the measured copy bandwidth), the 500-prompt offline run of
 #   Qwen3-30B-A3B (with --profile: the MoE kernels' share) beside the dense Qwen3-8B's on the other GPU at the same
@@ -244,6 +245,10 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       done
       spy_collect online
       kill -INT $server; wait $server
+      pre="$OUT/online${ONLINE_TAG:+-$ONLINE_TAG}"  # text against ids request by request: TTFT and slope differences
+      if [ -f "$pre-random.json" ] && [ -f "$pre-random-ids.json" ]; then
+        $RM bench paired "$pre-random-ids.json" "$pre-random.json" --output-file "$pre-text-vs-ids.json"
+      fi
       for f in $(ls "$OUT"/step-trace${ONLINE_TAG:+-$ONLINE_TAG}-*.jsonl 2>/dev/null); do
         python3 scripts/step_trace_summary.py "$f" --json "${f%.jsonl}-summary.json"
       done ;;
@@ -627,9 +632,15 @@ PY
           || tail -n 20 /tmp/qwen3-fusion$fusion.log
         tail -n 3 /tmp/qwen3-fusion$fusion.log
       done ;;
+    moe-block)  # the whole MoE block of one token in one persistent kernel (issue 48): GPU tests, the CPU tests
+      # compiled, then per layer the four-launch chain vs the block kernel with a sweep (bench_moe_block)
+      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_moe_block_gpu.py
+      python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_moe_block.py
+      python3 -m radixmesh.kernels.bench_moe_block --check ${MOE_BLOCK_ARGS:---sweep} | tee "$OUT/moe-block.jsonl" ;;
     moe-small-decode)  # Qwen3-30B-A3B batch-1 decode against its bandwidth floor, the MoE layer on each path
-      # (RADIXMESH_MOE_PATH=sorted, then auto: the small-batch path at batch 1), with the graph's kernel profile
-      for path in sorted auto; do
+      # (MOE_DECODE_PATHS, default "sorted auto": RADIXMESH_MOE_PATH=sorted, then auto, the small-batch path at batch
+      # 1; block: the whole-block kernel), with the graph's kernel profile
+      for path in ${MOE_DECODE_PATHS:-sorted auto}; do
         RADIXMESH_MOE_PATH=$path $RM bench one-batch --model-shape qwen3-30b-a3b --batch-size 1 --input-len 1024 \
           --output-len 256 --context-length 8192 --cuda-graph-max-bs 8 --bandwidth-floor --profile-graph \
           --result-file "$OUT/moe-small-decode-$path.jsonl" > /tmp/moe-small-decode-$path.log 2>&1 \

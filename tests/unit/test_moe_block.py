@@ -138,7 +138,9 @@ def test_supported_layers() -> None:
     assert not moe_block_supported(b.x, b.router, b.w13, b.w2, spec, expert_start=4)
     assert not moe_block_supported(b.x, b.router, b.w13[:4], b.w2[:4], spec)  # a rank's share of the experts
     assert not moe_block_supported(torch.cat([b.x, b.x]), b.router, b.w13, b.w2, spec)
-    assert not moe_block_supported(b.x.float(), b.router.float(), b.w13.float(), b.w2.float(), spec)
+    assert moe_block_supported(b.x.float(), b.router.float(), b.w13.float(), b.w2.float(), spec)  # (CPU tests)
+    assert not moe_block_supported(b.x.double(), b.router.double(), b.w13.double(), b.w2.double(), spec)
+    assert not moe_block_supported(b.x.float(), b.router, b.w13, b.w2, spec)  # weights in another dtype
     assert not moe_block_supported(b.x, b.router, b.w13, b.w2, RouterSpec(9))
 
 
@@ -156,7 +158,7 @@ def test_launcher_names_what_it_refuses() -> None:
     with pytest.raises(AssertionError, match="one row"):
         call(x=torch.cat([b.x, b.x]))
     with pytest.raises(AssertionError, match="the block runs"):
-        call(x=b.x.float())
+        call(x=b.x.double())
     with pytest.raises(AssertionError, match="residual must be"):
         call(residual=b.residual.half())
     with pytest.raises(AssertionError, match="w13 must be"):

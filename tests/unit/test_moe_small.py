@@ -243,11 +243,13 @@ def test_radixmesh_moe_path_sets_the_models_path(monkeypatch: pytest.MonkeyPatch
     from radixmesh.engine.models.moe_runtime import MoeRuntime
     from radixmesh.kernels.moe import MOE_PATHS
 
-    assert ENV_PATHS == MOE_PATHS
+    assert ENV_PATHS == (*MOE_PATHS, "block")
     monkeypatch.delenv("RADIXMESH_MOE_PATH", raising=False)
     assert moe_path() == "auto" and MoeRuntime(8).path == "auto"
     monkeypatch.setenv("RADIXMESH_MOE_PATH", " Sorted ")
-    assert MoeRuntime(8).path == "sorted"
+    assert MoeRuntime(8).path == "sorted" and not MoeRuntime(8).block_kernel
+    monkeypatch.setenv("RADIXMESH_MOE_PATH", "block")  # the whole-block kernel at one token, fused_moe's auto path else
+    assert MoeRuntime(8).path == "auto" and MoeRuntime(8).block_kernel
     monkeypatch.setenv("RADIXMESH_MOE_PATH", "fast")
     with pytest.raises(RadixMeshError) as info:
         moe_path()

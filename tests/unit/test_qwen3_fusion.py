@@ -112,6 +112,35 @@ def test_decode_attention_with_the_rotary_inside_gives_transformers_greedy_token
     assert calls["decode_rope"] == len(PROMPTS) * (MAX_NEW - 1) * fused_layers, calls
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_the_whole_moe_block_in_one_kernel_gives_transformers_greedy_tokens(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch,
+                                                                           kind: str) -> None:
+    """RADIXMESH_MOE_PATH=block: every sparse layer's one-row decode pass runs its post-attention norm, router, top-k
+    and experts in the persistent kernel (`kernels.moe_block`; one program under the interpreter)."""
+    from radixmesh.kernels import moe_block
+
+    path, hf = write_hf_checkpoint(kind, tmp_path / kind)
+    want = hf_greedy(hf, PROMPTS, MAX_NEW)
+    monkeypatch.setattr(layers, "_fused", lambda x: True)
+    monkeypatch.setenv("RADIXMESH_MOE_PATH", "block")
+    calls = {"block": 0}
+    block = moe_block.moe_block_decode
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls["block"] += 1
+        return block(*args, **kwargs)
+
+    def enable(sched: Any) -> None:
+        layers.enable_gemv(sched.runner.model)
+        sched.runner.model.moe_runtime.use_kernels = True  # the Triton MoE kernels on the CPU (interpreter)
+
+    monkeypatch.setattr(moe_block, "moe_block_decode", counted)
+    _run_one_at_a_time(path, want, enable)
+    sparse_layers = {"qwen3_moe": 2, "mixtral": 3}[kind]
+    assert calls["block"] == len(PROMPTS) * (MAX_NEW - 1) * sparse_layers, calls
+
+
 def test_the_qwen3_router_fusion_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     model = torch.nn.Sequential(layers.Linear(8, 8, bias=False))
     monkeypatch.delenv("RADIXMESH_QWEN3_FUSION", raising=False)

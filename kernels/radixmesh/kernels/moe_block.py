@@ -45,7 +45,8 @@ from radixmesh.kernels.moe_small import _store_topk, _topk_of
 SPIN_POLLS = 1 << 22
 """Polls of a barrier's counter before a program gives up (sets the error flag and carries on): seconds, far
 beyond any healthy wait."""
-ACT_DTYPES = (torch.bfloat16, torch.float16)
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""float32: the CPU model tests (under the interpreter); a GPU serves bf16 or fp16."""
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,7 @@ def _runs_on(device: torch.device) -> bool:
 
 def moe_block_supported(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         spec: RouterSpec, *, w13_scale: torch.Tensor | None = None, expert_start: int = 0) -> bool:
-    """Whether `moe_block_decode` runs this layer: one row, CUDA (or CPU under the interpreter), contiguous bf16/fp16
+    """Whether `moe_block_decode` runs this layer: one row, CUDA (or CPU under the interpreter), contiguous bf16/fp16/fp32
     weights in x's dtype (no FP8 scales), all experts local (`expert_start == 0` and as many as router rows),
     at most `MAX_EXPERTS` experts, rows of at most `MAX_ROW` features, shapes consistent."""
     if w13_scale is not None or expert_start != 0 or x.dim() != 2 or x.shape[0] != 1 or x.dtype not in ACT_DTYPES:
@@ -319,7 +320,7 @@ def moe_block_decode(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
     takes it (into `workspace.topk_ids` / `topk_weights`; `expert_load` `[E]` int64 gets 1 per chosen expert);
     `out` `[1, H]` the experts' sum as `small_gate_up` + `small_down` compute it.
 
-    `x`, `residual` `[1, H]` bf16/fp16; `router_weight` `[E, H]`, `w13` `[E, 2I, H]` (gate rows, then up rows),
+    `x`, `residual` `[1, H]` bf16/fp16/fp32; `router_weight` `[E, H]`, `w13` `[E, 2I, H]` (gate rows, then up rows),
     `w2` `[E, H, I]` in x's dtype (check `moe_block_supported` first). No host sync: a CUDA graph captures it.
     The grid spins on `workspace.sync`, so its programs must all be resident: nothing else may hold the SMs
     (another stream's kernel, MPS) while it runs, or a wait gives up after `SPIN_POLLS` polls, sets the

@@ -42,13 +42,15 @@ def tokenize_min_piece_chars() -> int | None:
     return value
 
 
-MOE_PATHS = ("auto", "small", "sorted")
-"""Values of RADIXMESH_MOE_PATH (radixmesh.kernels.moe.MOE_PATHS)."""
+MOE_PATHS = ("auto", "small", "sorted", "block")
+"""Values of RADIXMESH_MOE_PATH (radixmesh.kernels.moe.MOE_PATHS, and `block`: a one-token pass runs its whole MoE
+block, norm and router included, in one persistent kernel, `radixmesh.kernels.moe_block`)."""
 
 
 def moe_path() -> str:
     """RADIXMESH_MOE_PATH: how the MoE layers run on CUDA, checked (INVALID_ARGUMENT when not one of `MOE_PATHS`):
-    `auto` (the small-batch path up to its token threshold), `small` or `sorted` always (A/B runs)."""
+    `auto` (the small-batch path up to its token threshold), `small` or `sorted` always (A/B runs), `block` (auto, and
+    the whole-block kernel at one token)."""
     value = (env_str("MOE_PATH") or "auto").strip().lower()
     if value not in MOE_PATHS:
         raise invalid_argument(f"RADIXMESH_MOE_PATH must be one of {', '.join(MOE_PATHS)} (got {value!r})",

@@ -152,10 +152,16 @@ class SparseMoeBlock(nn.Module):
         if self.runtime.kernels_for(weight):
             self.runtime.workspace(self.runtime.graph_max_tokens, self.router.top_k, self.layout, ex.hidden_size,
                                    weight.dtype, ex.w13.dtype if ex.is_fp8 else None, weight.device)
+            if self.runtime.block_kernel:
+                self.runtime.block_workspace(self.router.top_k, self.layout, ex.hidden_size, weight.dtype,
+                                             weight.device)
 
     def forward(self, x: torch.Tensor, prologue: AddRMSNorm | None = None) -> torch.Tensor:
         """The layer's output `[tokens, hidden]` for `x` (for `prologue(x)` with one: the post-attention norm)."""
-        if prologue is not None:  # the norm, with the router at batch 1 (one kernel)
+        if prologue is not None:  # the norm, with the router at batch 1 (one kernel; or the whole block in one)
+            out = self.whole_block(x, prologue)
+            if out is not None:
+                return out
             x, logits = self.gate.forward_normed(x, prologue)
         else:
             logits = self.gate(x)  # [tokens, E]
@@ -166,6 +172,26 @@ class SparseMoeBlock(nn.Module):
 
             return all_to_all_moe(self, x, logits)
         return self.tp.all_reduce(self.local_experts(x, logits))
+
+    def whole_block(self, x: torch.Tensor, prologue: AddRMSNorm) -> torch.Tensor | None:
+        """The block's output for one token from one persistent kernel (norm, router, top-k, experts:
+        `kernels.moe_block`), where the runtime asks for it and the layer is one it runs (one rank, bf16/fp16
+        experts, the batch-1 router fusion on); None elsewhere. Sets `prologue.summed` as the norm would."""
+        ex, gate, residual = self.experts, self.gate, prologue.residual
+        if not (self.runtime.block_kernel and self.tp.size == 1 and gate.use_gemv and gate.fuse_qwen3_router
+                and self.runtime.kernels_for(x) and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
+                and residual.is_contiguous() and residual.shape == x.shape):
+            return None
+        from radixmesh.kernels.moe_block import moe_block_decode, moe_block_supported
+
+        if not moe_block_supported(x, gate.weight, ex.w13, ex.w2, self.router, w13_scale=ex.w13_scale,
+                                   expert_start=self.layout.expert_start):
+            return None
+        ws = self.runtime.block_workspace(self.router.top_k, self.layout, ex.hidden_size, x.dtype, x.device)
+        out, _, prologue.summed = moe_block_decode(
+            x, residual, prologue.norm.weight, prologue.norm.eps, gate.weight, ex.w13, ex.w2, self.router, ws,
+            expert_load=self.runtime.load_counter(x.device))
+        return out
 
     def dispatch_own(self, x: torch.Tensor, num_tokens_all: int) -> torch.Tensor | None:
         """Data-parallel attention: the layer's output for this rank's own tokens `x` by all-to-all (each token to

@@ -23,8 +23,11 @@ from radixmesh.common.env import moe_path
 if TYPE_CHECKING:
     from radixmesh.engine.models.moe_spec import ExpertLayout
     from radixmesh.kernels.moe import MoeWorkspace
+    from radixmesh.kernels.moe_block import MoeBlockWorkspace
 
 MOE_DISPATCHES = ("all-reduce", "all-to-all", "auto")
+BLOCK_BY_DEFAULT = False
+"""Whether `RADIXMESH_MOE_PATH=auto` (the default) runs one-token passes through the whole-block kernel too."""
 
 
 class MoeRuntime:
@@ -37,13 +40,18 @@ class MoeRuntime:
         self.a2a_min_tokens = 1024
         self.graph_max_tokens = 512
         """Batches up to this many tokens use the workspace graphs may capture."""
-        self.path = moe_path()
-        """How the Triton layer runs (`kernels.moe.MOE_PATHS`): auto | small | sorted (RADIXMESH_MOE_PATH)."""
+        path = moe_path()
+        self.block_kernel = path == "block" or (path == "auto" and BLOCK_BY_DEFAULT)
+        """A one-token pass runs its whole MoE block (post-attention norm, router, top-k, experts) in one persistent
+        kernel where it can (`kernels.moe_block`; RADIXMESH_MOE_PATH=block)."""
+        self.path = "auto" if path == "block" else path
+        """How `fused_moe` runs the experts (`kernels.moe.MOE_PATHS`): auto | small | sorted (RADIXMESH_MOE_PATH)."""
         self.use_kernels: bool | None = None
         """None: the Triton kernels on CUDA, the PyTorch reference elsewhere; True: the kernels everywhere (on the
         CPU under TRITON_INTERPRET=1: tests); False: the reference everywhere."""
         self.expert_load: torch.Tensor | None = None  # [E] int64 on the model's device
         self._workspaces: dict[tuple[object, ...], MoeWorkspace] = {}
+        self._block_workspaces: dict[tuple[object, ...], MoeBlockWorkspace] = {}
         self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self._last: list[int] = [0] * num_experts
 
@@ -83,6 +91,19 @@ class MoeRuntime:
         ws = MoeWorkspace.allocate(rows, top_k, layout.num_experts, layout.num_local, hidden, layout.inter_local,
                                    dtype, device, max_block_m, fp8_dtype)
         self._workspaces[key] = ws
+        return ws
+
+    def block_workspace(self, top_k: int, layout: ExpertLayout, hidden: int, dtype: torch.dtype,
+                        device: torch.device) -> MoeBlockWorkspace:
+        """The whole-block kernel's buffers (its barrier counters start at 0 and every launch leaves them at 0, so
+        the layers share one), made at the first call: before any capture (`SparseMoeBlock.prepare_runtime`)."""
+        from radixmesh.kernels.moe_block import MoeBlockWorkspace
+
+        key = (top_k, layout.num_experts, layout.inter_local, hidden, dtype, device)
+        ws = self._block_workspaces.get(key)
+        if ws is None:
+            ws = MoeBlockWorkspace.allocate(layout.num_experts, top_k, layout.inter_local, hidden, dtype, device)
+            self._block_workspaces[key] = ws
         return ws
 
     # ---- expert load ---------------------------------------------------------------------------
