@@ -243,7 +243,7 @@ def test_radixmesh_moe_path_sets_the_models_path(monkeypatch: pytest.MonkeyPatch
     from radixmesh.engine.models.moe_runtime import MoeRuntime
     from radixmesh.kernels.moe import MOE_PATHS
 
-    assert ENV_PATHS == (*MOE_PATHS, "block")
+    assert (*MOE_PATHS, "block") == ENV_PATHS
     monkeypatch.delenv("RADIXMESH_MOE_PATH", raising=False)
     assert moe_path() == "auto" and MoeRuntime(8).path == "auto"
     monkeypatch.setenv("RADIXMESH_MOE_PATH", " Sorted ")
