@@ -239,8 +239,8 @@ def _runs_on(device: torch.device) -> bool:
 def moe_block_supported(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         spec: RouterSpec, *, w13_scale: torch.Tensor | None = None, expert_start: int = 0) -> bool:
     """Whether `moe_block_decode` runs this layer: one row, CUDA (or CPU under the interpreter), contiguous
-    bf16/fp16/fp32 weights in x's dtype (no FP8 scales), all experts local (`expert_start == 0` and as many as router rows),
-    at most `MAX_EXPERTS` experts, rows of at most `MAX_ROW` features, shapes consistent."""
+    bf16/fp16/fp32 weights in x's dtype (no FP8 scales), all experts local (`expert_start == 0` and as many as
+    router rows), at most `MAX_EXPERTS` experts, rows of at most `MAX_ROW` features, shapes consistent."""
     if w13_scale is not None or expert_start != 0 or x.dim() != 2 or x.shape[0] != 1 or x.dtype not in ACT_DTYPES:
         return False
     if not _runs_on(x.device) or router_weight.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
