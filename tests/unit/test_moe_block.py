@@ -186,7 +186,8 @@ def test_programs_per_sm_from_registers_threads_and_shared_memory() -> None:
 
 def test_block_config() -> None:
     qwen3 = block_default_config(128, 768, 2048, 8, torch.device("cuda"))  # the H200 sweep's best
-    assert (qwen3.block_i, qwen3.up_block_k, qwen3.block_h, qwen3.down_block_k, qwen3.ctas_per_sm) == (4, 512, 4, 256, 4)
+    tiles = (qwen3.block_i, qwen3.up_block_k, qwen3.block_h, qwen3.down_block_k, qwen3.ctas_per_sm)
+    assert tiles == (4, 512, 4, 256, 4)
     other = block_default_config(64, 1408, 2048, 6, torch.device("cuda"))  # an untuned shape: the defaults
     assert (other.block_i, other.up_block_k, other.block_h, other.down_block_k) == (8, 256, 4, 128)
     assert block_default_config(128, 768, 2048, 8, torch.device("cpu")).num_warps == 1
