@@ -11,6 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before radixmesh.kernels is imported (see test_triton_kernels)
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import pytest
@@ -18,7 +19,7 @@ import pytest
 from radixmesh.kernels._occupancy import HOPPER_SM, fitting_ctas
 from radixmesh.kernels.gemv_norm_out import gemv_add_rmsnorm_out
 from radixmesh.kernels.moe_block import MoeBlockWorkspace, moe_block_decode, moe_block_supported
-from radixmesh.kernels.moe_config import MoeBlockConfig, SmallTiles, block_default_config
+from radixmesh.kernels.moe_config import BLOCK_CPU_CONFIG, MoeBlockConfig, SmallTiles, block_default_config
 from radixmesh.kernels.moe_ref import moe_ref, route_ref
 from radixmesh.kernels.moe_routing import RouterSpec
 from radixmesh.kernels.moe_small import small_down, small_gate_up, small_topk
@@ -65,7 +66,7 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def assert_synced_back(ws: MoeBlockWorkspace) -> None:
-    assert ws.sync.tolist() == [0, 0, 0], f"counters not back at 0 or a timed-out wait: {ws.sync.tolist()}"
+    assert ws.sync.tolist() == [0, 0, 0, 0], f"counters not back at 0 or a timed-out wait: {ws.sync.tolist()}"
     assert not ws.timed_out()
 
 
@@ -74,6 +75,7 @@ def assert_synced_back(ws: MoeBlockWorkspace) -> None:
     (16, 64, 48, RouterSpec(4, renormalize=False), None),
     (12, 64, 40, RouterSpec(3, scoring="sigmoid", routed_scaling_factor=2.5), None),
     (16, 80, 36, RouterSpec(4), TAILS),
+    (8, 64, 32, RouterSpec(2), replace(TAILS, barrier="flag")),
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_block_equals_the_unfused_chain(experts: int, hidden: int, inter: int, spec: RouterSpec,
@@ -119,15 +121,16 @@ def test_launches_in_a_row_count_the_expert_load_and_reset_the_counters() -> Non
     assert load.cpu().tolist() == (7 + torch.bincount(torch.cat(chosen), minlength=12)).tolist()
 
 
-def test_a_wait_that_never_fills_sets_the_error_flag_and_still_resets_the_counters() -> None:
+@pytest.mark.parametrize("barrier", ["count", "flag"])
+def test_a_wait_that_never_fills_sets_the_error_flag_and_still_resets_the_counters(barrier: str) -> None:
     b = make_block(8, 64, 32)
     ws = MoeBlockWorkspace.allocate(8, 2, 32, 64, torch.bfloat16, DEVICE)
     if DEVICE.type == "cuda":
         pytest.skip("a compiled wait spins SPIN_POLLS times; the interpreter polls once")
     ws.sync[0] = -5  # as if arrivals went missing: the first barrier's count never reaches the grid
-    run_block(b, RouterSpec(2), ws)
+    run_block(b, RouterSpec(2), ws, replace(BLOCK_CPU_CONFIG, barrier=barrier))
     assert ws.timed_out()
-    assert ws.sync[:2].tolist() == [0, 0]
+    assert ws.sync[:2].tolist() == [0, 0] and int(ws.sync[3]) == 0
 
 
 def test_supported_layers() -> None:

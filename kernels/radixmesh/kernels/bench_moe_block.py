@@ -1,7 +1,7 @@
 """Qwen3-30B-A3B's MoE block at batch 1: the four launches of today (`gemv_add_rmsnorm_out`, `small_topk`,
 `small_gate_up`, `small_down` with the tuned tiles) against `moe_block_decode`'s one, per layer.
 
-    python -m radixmesh.kernels.bench_moe_block [--layers 48] [--check] [--sweep]
+    python -m radixmesh.kernels.bench_moe_block [--layers 48] [--check] [--sweep] [--trace]
     python -m radixmesh.kernels.bench_moe_block --table moe-block.jsonl
 
 Every timed CUDA graph runs the block of `--layers` layers of distinct weights (1.2 GB each: every layer's
@@ -11,7 +11,11 @@ bytes read (router + the distinct experts chosen); `of_copy` = active bytes / ti
 of the floor reached. The chain's launches are also timed alone (`norm_router_us`, `topk_us`, `up_us`,
 `down_us`). `--check`: the block against the chain on layer 0 (exact `h`/`summed`, logits, the top-k of its own
 logits, the outputs' relative error and whether they are bit-equal). `--sweep` times programs per SM (1, 2, 4)
-x gate/up tiles, then x down tiles with the best gate/up ones, and prints the best as a `BLOCK_TUNED` entry.
+x gate/up tiles, then x down tiles with the best gate/up ones, then the best with the other barrier, and prints
+the best as a `BLOCK_TUNED` entry.
+`--trace`: launches one at a time (PDL off) with every program stamping its clocks at each step
+(`moe_block.TRACE_POINTS`): per launch, microseconds from the first program's entry to the last program done
+with each step (`*_last_us`) and to the first past each barrier (`barrier*_first_us`); medians over the launches.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from radixmesh.kernels._bench import copy_bandwidth_tb_s, print_table, run_info,
 from radixmesh.kernels._pdl import set_pdl
 from radixmesh.kernels.bench_moe import SHAPES
 from radixmesh.kernels.gemv_norm_out import gemv_add_rmsnorm_out
-from radixmesh.kernels.moe_block import MoeBlockWorkspace, moe_block_decode
+from radixmesh.kernels.moe_block import TRACE_POINTS, MoeBlockWorkspace, moe_block_decode
 from radixmesh.kernels.moe_config import MoeBlockConfig, block_default_config, small_default_config
 from radixmesh.kernels.moe_routing import RouterSpec
 from radixmesh.kernels.moe_small import small_down, small_gate_up, small_topk
@@ -178,6 +182,11 @@ def sweep(lay: Layers) -> list[dict[str, object]]:
         for ctas in CTAS:
             cfg = replace(best_up, block_h=bh, down_block_k=bk, down_stages=stages, ctas_per_sm=ctas)
             timed_cfgs.append(("down", timed(lay, lay.block_calls(cfg)), cfg))
+    ran = [(us, cfg) for _, us, cfg in timed_cfgs if us is not None]
+    if ran:  # the best tiles with the other barrier
+        best = min(ran, key=lambda r: r[0])[1]
+        cfg = replace(best, barrier="flag" if best.barrier == "count" else "count")
+        timed_cfgs.append(("barrier", timed(lay, lay.block_calls(cfg)), cfg))
     rows: list[dict[str, object]] = [{"part": part, "us": us, "config": asdict(cfg)} for part, us, cfg in timed_cfgs]
     ran = [(us, cfg) for _, us, cfg in timed_cfgs if us is not None]
     if ran:
@@ -192,11 +201,36 @@ COLUMNS = [("path", "path"), ("pdl", "pdl"), ("us", "us"), ("active_MB", "active
 SWEEP_COLUMNS = [("part", "part"), ("us", "us"), ("config", "config"), ("entry", "table_entry")]
 
 
+def trace(lay: Layers, cfg: MoeBlockConfig, rounds: int = 4) -> dict[str, object]:
+    """When each step of a launch ends (see the module docstring), medians over `rounds` x the layers."""
+    stamps = torch.zeros(torch.cuda.get_device_properties(0).multi_processor_count * 32, 16, dtype=torch.int64,
+                         device="cuda")
+    set_pdl(False)
+    per_launch: dict[str, list[float]] = {}
+    try:
+        for _ in range(rounds):
+            for x, r, nw, rw, w13, w2 in zip(lay.xs, lay.residuals, lay.norms, lay.routers, lay.w13s, lay.w2s):
+                stamps.zero_()
+                moe_block_decode(x, r, nw, EPS, rw, w13, w2, lay.spec, lay.ws, out=lay.out, config=cfg, trace=stamps)
+                ns = stamps[:, :len(TRACE_POINTS)]
+                ns = ns[ns[:, 0] > 0].double()  # the grid's rows
+                start = ns[:, 0].min()
+                for i, point in enumerate(TRACE_POINTS[1:], 1):
+                    per_launch.setdefault(f"{point}_last_us", []).append(float(ns[:, i].max() - start) / 1e3)
+                    if point.startswith("barrier"):
+                        per_launch.setdefault(f"{point}_first_us", []).append(float(ns[:, i].min() - start) / 1e3)
+                per_launch.setdefault("programs", []).append(float(ns.shape[0]))
+    finally:
+        set_pdl(True)
+    return {k: round(float(torch.tensor(v).median()), 2) for k, v in per_launch.items()} | {"config": asdict(cfg)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=48, help="layers of distinct weights per graph (1.2 GB each)")
     p.add_argument("--check", action="store_true", help="compare the block with the chain on layer 0 first")
     p.add_argument("--sweep", action="store_true", help="time programs per SM and tiles")
+    p.add_argument("--trace", action="store_true", help="when each step of a launch ends (PDL off)")
     p.add_argument("--table", nargs="+", metavar="JSONL", help="print a table of earlier results and exit")
     args = p.parse_args(argv)
     if args.table:
@@ -212,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     info["active_mb"] = round(active_bytes(lay) / 1e6, 2)
     if args.check:
         print(json.dumps({"bench": "moe-block-check", **check(lay), **info}), flush=True)
+    if args.trace:
+        for barrier in ("count", "flag"):
+            row = trace(lay, replace(default_config(), barrier=barrier))
+            print(json.dumps({"bench": "moe-block-trace", **row, **info}), flush=True)
     for row in measure(lay, copy_tb_s):
         print(json.dumps({"bench": "moe-block", **row, **info}), flush=True)
     if args.sweep:

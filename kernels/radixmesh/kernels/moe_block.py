@@ -42,6 +42,11 @@ from radixmesh.kernels.moe_config import MoeBlockConfig, block_default_config
 from radixmesh.kernels.moe_routing import MAX_EXPERTS, RouterSpec
 from radixmesh.kernels.moe_small import _store_topk, _topk_of
 
+try:  # Triton's CUDA clocks (for `trace`; the interpreter has none)
+    from triton.language.extra.cuda import globaltimer
+except ImportError:  # pragma: no cover
+    globaltimer = None
+
 SPIN_POLLS = 1 << 22
 """Polls of a barrier's counter before a program gives up (sets the error flag and carries on): seconds, far
 beyond any healthy wait."""
@@ -54,7 +59,8 @@ class MoeBlockWorkspace:
     """What `moe_block_decode`'s programs share, allocated once (a CUDA graph replays over it); one launch at a
     time uses it (the layers of one stream may share it)."""
 
-    sync: torch.Tensor  # int32 [3]: barrier arrivals, exits (both back at 0 after every launch), error flag
+    sync: torch.Tensor  # int32 [4]: barrier arrivals, exits, error flag, barrier generation (all but the error 0
+    # after every launch)
     logits: torch.Tensor  # [1, E] in the activations' dtype
     topk_ids: torch.Tensor  # [1, top_k] int32
     topk_weights: torch.Tensor  # [1, top_k] float32
@@ -66,7 +72,7 @@ class MoeBlockWorkspace:
         """Buffers for a block of `num_experts` experts (none holds a hidden row: `hidden` is only checked)."""
         assert 1 <= top_k <= num_experts and inter >= 1 and hidden >= 1, (
             f"bad block: {num_experts} experts, top_k {top_k}, inter {inter}, hidden {hidden}")
-        return cls(torch.zeros(3, dtype=torch.int32, device=device),
+        return cls(torch.zeros(4, dtype=torch.int32, device=device),
                    torch.empty(1, num_experts, dtype=dtype, device=device),
                    torch.zeros(1, top_k, dtype=torch.int32, device=device),
                    torch.zeros(1, top_k, dtype=torch.float32, device=device),
@@ -79,19 +85,44 @@ class MoeBlockWorkspace:
 
 # ---- the kernel -----------------------------------------------------------------------------------------
 
+TRACE_POINTS = ("entry", "router", "barrier1", "topk", "gate_up", "barrier2", "down")
+"""Where a traced launch stamps each program's clocks (`moe_block_decode(trace=...)`): on entry and after each step."""
+
+
 @triton.jit
-def _grid_barrier(sync_ptr, target, max_polls):
+def _stamp(trace_ptr, pid, POINT: tl.constexpr, TRACE: tl.constexpr):
+    """Program `pid`'s global timer (ns) and SM cycle counter at trace point POINT: `trace[pid, POINT]`,
+    `trace[pid, 8 + POINT]`."""
+    if TRACE:
+        cycles = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(trace_ptr + pid * 16 + POINT, globaltimer())
+        tl.store(trace_ptr + pid * 16 + 8 + POINT, cycles)
+
+@triton.jit
+def _grid_barrier(sync_ptr, target, gen, max_polls, FLAG: tl.constexpr):
     """Wait until `target` arrivals (P per barrier so far); every program's stores before it are then visible.
 
     A scalar atomic runs in one thread of the program (its result broadcast through shared memory), so each
-    program arrives once; `debug_barrier` orders the other threads' stores before that release."""
+    program arrives once; `debug_barrier` orders the other threads' stores before that release. FLAG: the last
+    to arrive (its acq_rel add follows every other arrival's) releases `sync[3] = gen`, which the others poll
+    instead of the counter."""
     tl.debug_barrier()
     count = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
     polls = 0
-    while (count < target) & (polls < max_polls):
-        count = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-        polls += 1
-    if count < target:
+    if FLAG:
+        seen = tl.where(count == target, gen, 0)
+        if count == target:
+            tl.atomic_xchg(sync_ptr + 3, gen, sem="release", scope="gpu")
+        while (seen < gen) & (polls < max_polls):
+            seen = tl.atomic_add(sync_ptr + 3, 0, sem="acquire", scope="gpu")
+            polls += 1
+        passed = seen >= gen
+    else:
+        while (count < target) & (polls < max_polls):
+            count = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+            polls += 1
+        passed = count >= target
+    if not passed:
         tl.store(sync_ptr + 2, 1)  # the error flag: not all programs were resident
     tl.debug_barrier()
 
@@ -197,35 +228,44 @@ def _down_units(inter_ptr, w_ptr, out_ptr, ids, weights, pid, P, H: tl.constexpr
 
 @triton.jit
 def _moe_block_kernel(x_ptr, r_ptr, nw_ptr, rw_ptr, w13_ptr, w2_ptr, summed_ptr, h_ptr, out_ptr, sync_ptr,
-                      logits_ptr, ids_ptr, weights_ptr, inter_ptr, load_ptr, eps, scaling, max_polls,
+                      logits_ptr, ids_ptr, weights_ptr, inter_ptr, load_ptr, trace_ptr, eps, scaling, max_polls,
                       H: tl.constexpr, INTER: tl.constexpr,
                       E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr,
                       BLOCK_ROW: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
                       COUNT_LOAD: tl.constexpr, BLOCK_I: tl.constexpr, UP_BLOCK_K: tl.constexpr,
                       UP_STAGES: tl.constexpr, BLOCK_H: tl.constexpr, DOWN_BLOCK_K: tl.constexpr,
-                      DOWN_STAGES: tl.constexpr, PDL: tl.constexpr):
+                      DOWN_STAGES: tl.constexpr, FLAG_BARRIER: tl.constexpr, PDL: tl.constexpr,
+                      TRACE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
+    _stamp(trace_ptr, pid, 0, TRACE)
     _router_rows(x_ptr, r_ptr, nw_ptr, rw_ptr, summed_ptr, h_ptr, logits_ptr, eps, pid, P, H, E, BLOCK_ROW, PDL)
-    _grid_barrier(sync_ptr, P, max_polls)
+    _stamp(trace_ptr, pid, 1, TRACE)
+    _grid_barrier(sync_ptr, P, 1, max_polls, FLAG_BARRIER)
+    _stamp(trace_ptr, pid, 2, TRACE)
 
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
     logits = tl.load(logits_ptr + cols, mask=col_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     ids, weights = _topk_of(logits, logits, cols, col_ok, scaling, TOP_K, BLOCK_TK, SIGMOID, RENORM, False)
+    _stamp(trace_ptr, pid, 3, TRACE)
     if pid == 0:
         _store_topk(ids, weights, ids_ptr, weights_ptr, load_ptr, 0, TOP_K, BLOCK_TK, COUNT_LOAD)
     _gate_up_units(h_ptr, w13_ptr, inter_ptr, ids, pid, P, H, INTER, TOP_K, BLOCK_TK, BLOCK_I, UP_BLOCK_K, UP_STAGES)
-    _grid_barrier(sync_ptr, 2 * P, max_polls)
+    _stamp(trace_ptr, pid, 4, TRACE)
+    _grid_barrier(sync_ptr, 2 * P, 2, max_polls, FLAG_BARRIER)
+    _stamp(trace_ptr, pid, 5, TRACE)
 
     if PDL:  # every program is resident and past its last wait: the next kernel may start
         gdc_launch_dependents()
     _down_units(inter_ptr, w2_ptr, out_ptr, ids, weights, pid, P, H, INTER, TOP_K, BLOCK_TK, BLOCK_H, DOWN_BLOCK_K,
                 DOWN_STAGES)
+    _stamp(trace_ptr, pid, 6, TRACE)
     # the last program out resets both counters for the next launch (every program is past every wait)
     if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == P - 1:
         tl.store(sync_ptr, 0)
         tl.store(sync_ptr + 1, 0)
+        tl.store(sync_ptr + 3, 0)
 
 
 
@@ -284,7 +324,7 @@ def _check_block(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Ten
 
 
 def _check_workspace(ws: MoeBlockWorkspace, num_experts: int, top_k: int, inter: int, x: torch.Tensor) -> None:
-    for name, t, shape, dtype in (("sync", ws.sync, (3,), torch.int32),
+    for name, t, shape, dtype in (("sync", ws.sync, (4,), torch.int32),
                                   ("logits", ws.logits, (1, num_experts), x.dtype),
                                   ("topk_ids", ws.topk_ids, (1, top_k), torch.int32),
                                   ("topk_weights", ws.topk_weights, (1, top_k), torch.float32),
@@ -311,8 +351,8 @@ def _num_programs(key: tuple[object, ...], device: torch.device, cfg: MoeBlockCo
 def moe_block_decode(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                      router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, spec: RouterSpec,
                      workspace: MoeBlockWorkspace, *, out: torch.Tensor | None = None,
-                     expert_load: torch.Tensor | None = None, config: MoeBlockConfig | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     expert_load: torch.Tensor | None = None, config: MoeBlockConfig | None = None,
+                     trace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(out, h, summed)` of one token's MoE block, in one launch:
 
     `summed = x + residual` and `h = rmsnorm(summed) * norm_weight` `[1, H]` as `gemv_add_rmsnorm_out` returns
@@ -325,7 +365,10 @@ def moe_block_decode(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
     The grid spins on `workspace.sync`, so its programs must all be resident: nothing else may hold the SMs
     (another stream's kernel, MPS) while it runs, or a wait gives up after `SPIN_POLLS` polls, sets the
     workspace's error flag (`workspace.timed_out()`) and the outputs are garbage. The first call of a shape
-    compiles the kernel and sizes its grid: make it before a capture."""
+    compiles the kernel and sizes its grid: make it before a capture.
+
+    `trace` (CUDA, a benchmark's): int64 `[N, 16]` with a row for each program (N >= the grid); every program
+    writes its global timer (ns, columns 0..6) and SM cycle counter (8..14) at each of `TRACE_POINTS`."""
     num_experts, hidden, inter = _check_block(x, residual, norm_weight, router_weight, w13, w2, spec)
     _check_workspace(workspace, num_experts, spec.top_k, inter, x)
     if expert_load is not None:
@@ -336,8 +379,14 @@ def moe_block_decode(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
     cfg = config or block_default_config(num_experts, inter, hidden, spec.top_k, x.device)
     h, summed = torch.empty_like(x), torch.empty_like(x)
     ws = workspace
+    if trace is not None:
+        assert x.is_cuda and globaltimer is not None, "trace needs CUDA (the interpreter has no clocks)"
+        check_device("trace", trace, x.device)
+        assert trace.dtype == torch.int64 and trace.dim() == 2 and trace.shape[1] == 16 and trace.is_contiguous(), (
+            f"trace must be a contiguous int64 [N, 16], got {trace.dtype} {tuple(trace.shape)}")
     args = (x, residual, norm_weight, router_weight, w13, w2, summed, h, out, ws.sync, ws.logits, ws.topk_ids,
-            ws.topk_weights, ws.inter, expert_load if expert_load is not None else ws.topk_ids, eps,
+            ws.topk_weights, ws.inter, expert_load if expert_load is not None else ws.topk_ids,
+            trace if trace is not None else ws.topk_ids, eps,
             spec.routed_scaling_factor, SPIN_POLLS if x.is_cuda else 1)  # (interpreted, no other program runs)
     meta: dict[str, object] = {
         "H": hidden, "INTER": inter, "E": num_experts, "TOP_K": spec.top_k, "BLOCK_TK": next_power_of_2(spec.top_k),
@@ -345,7 +394,9 @@ def moe_block_decode(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
         "SIGMOID": spec.scoring == "sigmoid", "RENORM": spec.renormalize, "COUNT_LOAD": expert_load is not None,
         "BLOCK_I": cfg.block_i, "UP_BLOCK_K": cfg.up_block_k, "UP_STAGES": cfg.up_stages, "BLOCK_H": cfg.block_h,
         "DOWN_BLOCK_K": cfg.down_block_k, "DOWN_STAGES": cfg.down_stages, "num_warps": cfg.num_warps,
-        **pdl_args(x.device)}
+        "FLAG_BARRIER": cfg.barrier == "flag", "TRACE": trace is not None, **pdl_args(x.device)}
     key = (x.device, x.dtype, norm_weight.dtype, cfg, *sorted(meta.items()))
-    _moe_block_kernel[(_num_programs(key, x.device, cfg, args, meta),)](*args, **meta)
+    programs = _num_programs(key, x.device, cfg, args, meta)
+    assert trace is None or trace.shape[0] >= programs, f"trace has {trace.shape[0]} rows for {programs} programs"
+    _moe_block_kernel[(programs,)](*args, **meta)
     return out, h, summed

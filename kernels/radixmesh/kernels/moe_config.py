@@ -189,6 +189,9 @@ class MoeBlockConfig:
     """Loads in flight in the down loop."""
     ctas_per_sm: int = 2
     """Programs per SM (P = SMs x this), lowered by the launcher to what fits."""
+    barrier: str = "count"
+    """How a program waits at a grid barrier: `count` (it polls the arrival counter itself) or `flag` (the last to
+    arrive raises a flag the others poll, so polls and arrivals hit different words)."""
 
     def __post_init__(self) -> None:
         for name in ("block_i", "up_block_k", "block_h", "down_block_k"):
@@ -198,6 +201,7 @@ class MoeBlockConfig:
         assert self.num_warps in (1, 2, 4, 8, 16), f"num_warps must be 1..16, a power of 2: {self}"
         assert 1 <= self.up_stages <= 8 and 1 <= self.down_stages <= 8, f"stages must be 1..8: {self}"
         assert 1 <= self.ctas_per_sm <= 32, f"ctas_per_sm must be 1..32: {self}"
+        assert self.barrier in ("count", "flag"), f"barrier must be count or flag: {self}"
 
 
 BLOCK_TUNED: dict[tuple[int, int, int, int], MoeBlockConfig] = {
