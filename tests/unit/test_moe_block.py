@@ -76,6 +76,7 @@ def assert_synced_back(ws: MoeBlockWorkspace) -> None:
     (12, 64, 40, RouterSpec(3, scoring="sigmoid", routed_scaling_factor=2.5), None),
     (16, 80, 36, RouterSpec(4), TAILS),
     (8, 64, 32, RouterSpec(2), replace(TAILS, barrier="flag")),
+    (160, 64, 32, RouterSpec(4), TAILS),  # beyond RANKED_MAX_EXPERTS: the argmax rounds of moe_small
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_block_equals_the_unfused_chain(experts: int, hidden: int, inter: int, spec: RouterSpec,
@@ -104,6 +105,27 @@ def test_block_equals_the_unfused_chain(experts: int, hidden: int, inter: int, s
     assert_same(ws.inter, inter_want)
     assert_same(out, small_down(ws.inter, ws.topk_ids, ws.topk_weights, b.w2, down, torch.empty_like(out)))
     assert _rel_err(out, moe_ref(h.cpu(), b.w13.cpu(), b.w2.cpu(), weights, ids)) < 3e-2
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_tied_scores_go_to_the_lower_expert_as_the_top_k_launch_sends_them(scoring: str) -> None:
+    """Router rows repeated (equal logits, so equal scores) and all-zero rows (many ties at one score): the ranks
+    choose the slots and order `small_topk` (argmax rounds, ties to the lower index) chooses."""
+    b = make_block(16, 64, 32, seed=4)
+    router = b.router.clone()
+    router[9], router[12] = router[2], router[2]  # three experts tied, maybe among the best
+    router[5], router[14] = router[0], router[0]
+    router[[3, 7, 10, 11]] = 0
+    b = b._replace(router=router)
+    for spec in (RouterSpec(6, scoring=scoring), RouterSpec(6, scoring=scoring, renormalize=False)):
+        ws = MoeBlockWorkspace.allocate(16, 6, 32, 64, b.x.dtype, DEVICE)
+        run_block(b, spec, ws)
+        assert_synced_back(ws)
+        ids, weights = torch.empty_like(ws.topk_ids), torch.empty_like(ws.topk_weights)
+        small_topk(ws.logits, spec, ids, weights)
+        assert torch.equal(ws.topk_ids, ids) and torch.equal(ws.topk_weights, weights), (ws.topk_ids, ids)
+        logits = ws.logits[0].float()
+        assert len(set(logits.tolist())) < 16  # (the ties are there)
 
 
 def test_launches_in_a_row_count_the_expert_load_and_reset_the_counters() -> None:
