@@ -265,7 +265,7 @@ def _moe_block_kernel(x_ptr, r_ptr, nw_ptr, rw_ptr, w13_ptr, w2_ptr, summed_ptr,
                       BLOCK_ROW: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
                       COUNT_LOAD: tl.constexpr, BLOCK_I: tl.constexpr, UP_BLOCK_K: tl.constexpr,
                       UP_STAGES: tl.constexpr, BLOCK_H: tl.constexpr, DOWN_BLOCK_K: tl.constexpr,
-                      DOWN_STAGES: tl.constexpr, FLAG_BARRIER: tl.constexpr, PDL: tl.constexpr,
+                      DOWN_STAGES: tl.constexpr, FLAG_BARRIER: tl.constexpr, RANKED: tl.constexpr, PDL: tl.constexpr,
                       TRACE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -278,7 +278,7 @@ def _moe_block_kernel(x_ptr, r_ptr, nw_ptr, rw_ptr, w13_ptr, w2_ptr, summed_ptr,
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
     logits = tl.load(logits_ptr + cols, mask=col_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-    if BLOCK_E <= RANKED_MAX_EXPERTS:
+    if RANKED:
         ids, weights = _topk_ranked(logits, cols, col_ok, scaling, TOP_K, BLOCK_TK, SIGMOID, RENORM)
     else:
         ids, weights = _topk_of(logits, logits, cols, col_ok, scaling, TOP_K, BLOCK_TK, SIGMOID, RENORM, False)
@@ -428,7 +428,8 @@ def moe_block_decode(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
         "SIGMOID": spec.scoring == "sigmoid", "RENORM": spec.renormalize, "COUNT_LOAD": expert_load is not None,
         "BLOCK_I": cfg.block_i, "UP_BLOCK_K": cfg.up_block_k, "UP_STAGES": cfg.up_stages, "BLOCK_H": cfg.block_h,
         "DOWN_BLOCK_K": cfg.down_block_k, "DOWN_STAGES": cfg.down_stages, "num_warps": cfg.num_warps,
-        "FLAG_BARRIER": cfg.barrier == "flag", "TRACE": trace is not None, **pdl_args(x.device)}
+        "FLAG_BARRIER": cfg.barrier == "flag", "RANKED": next_power_of_2(num_experts) <= RANKED_MAX_EXPERTS,
+        "TRACE": trace is not None, **pdl_args(x.device)}
     key = (x.device, x.dtype, norm_weight.dtype, cfg, *sorted(meta.items()))
     programs = _num_programs(key, x.device, cfg, args, meta)
     assert trace is None or trace.shape[0] >= programs, f"trace has {trace.shape[0]} rows for {programs} programs"
