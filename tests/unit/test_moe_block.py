@@ -76,7 +76,7 @@ def assert_synced_back(ws: MoeBlockWorkspace) -> None:
     (12, 64, 40, RouterSpec(3, scoring="sigmoid", routed_scaling_factor=2.5), None),
     (16, 80, 36, RouterSpec(4), TAILS),
     (8, 64, 32, RouterSpec(2), replace(TAILS, barrier="flag")),
-    (160, 64, 32, RouterSpec(4), TAILS),  # beyond RANKED_MAX_EXPERTS: the argmax rounds of moe_small
+    (160, 64, 32, RouterSpec(4), TAILS),
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_block_equals_the_unfused_chain(experts: int, hidden: int, inter: int, spec: RouterSpec,
@@ -109,8 +109,8 @@ def test_block_equals_the_unfused_chain(experts: int, hidden: int, inter: int, s
 
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 def test_tied_scores_go_to_the_lower_expert_as_the_top_k_launch_sends_them(scoring: str) -> None:
-    """Router rows repeated (equal logits, so equal scores) and all-zero rows (many ties at one score): the ranks
-    choose the slots and order `small_topk` (argmax rounds, ties to the lower index) chooses."""
+    """Router rows repeated (equal logits, so equal scores) and all-zero rows (many ties at one score): the block
+    chooses the slots and order `small_topk` chooses (ties to the lower index)."""
     b = make_block(16, 64, 32, seed=4)
     router = b.router.clone()
     router[9], router[12] = router[2], router[2]  # three experts tied, maybe among the best
