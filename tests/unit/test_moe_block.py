@@ -107,8 +107,9 @@ def test_block_equals_the_unfused_chain(experts: int, hidden: int, inter: int, s
     assert _rel_err(out, moe_ref(h.cpu(), b.w13.cpu(), b.w2.cpu(), weights, ids)) < 3e-2
 
 
+@pytest.mark.parametrize("topk", ["sort", "argmax"])
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
-def test_tied_scores_go_to_the_lower_expert_as_the_top_k_launch_sends_them(scoring: str) -> None:
+def test_tied_scores_go_to_the_lower_expert_as_the_top_k_launch_sends_them(scoring: str, topk: str) -> None:
     """Router rows repeated (equal logits, so equal scores) and all-zero rows (many ties at one score): the block
     chooses the slots and order `small_topk` chooses (ties to the lower index)."""
     b = make_block(16, 64, 32, seed=4)
@@ -119,7 +120,7 @@ def test_tied_scores_go_to_the_lower_expert_as_the_top_k_launch_sends_them(scori
     b = b._replace(router=router)
     for spec in (RouterSpec(6, scoring=scoring), RouterSpec(6, scoring=scoring, renormalize=False)):
         ws = MoeBlockWorkspace.allocate(16, 6, 32, 64, b.x.dtype, DEVICE)
-        run_block(b, spec, ws)
+        run_block(b, spec, ws, replace(BLOCK_CPU_CONFIG, topk=topk))
         assert_synced_back(ws)
         ids, weights = torch.empty_like(ws.topk_ids), torch.empty_like(ws.topk_weights)
         small_topk(ws.logits, spec, ids, weights)

@@ -193,6 +193,10 @@ class MoeBlockConfig:
     """How a program waits at a grid barrier: `count` (it polls the arrival counter itself) or `flag` (the last to
     arrive raises a flag the others poll, so polls and arrivals hit different words)."""
 
+    topk: str = "sort"
+    """How every program takes the top-k: `sort` (one partial bitonic sort of packed score/index keys) or `argmax`
+    (an argmax round per slot, as `moe_small`'s top-k launch does)."""
+
     def __post_init__(self) -> None:
         for name in ("block_i", "up_block_k", "block_h", "down_block_k"):
             value = getattr(self, name)
@@ -202,6 +206,7 @@ class MoeBlockConfig:
         assert 1 <= self.up_stages <= 8 and 1 <= self.down_stages <= 8, f"stages must be 1..8: {self}"
         assert 1 <= self.ctas_per_sm <= 32, f"ctas_per_sm must be 1..32: {self}"
         assert self.barrier in ("count", "flag"), f"barrier must be count or flag: {self}"
+        assert self.topk in ("sort", "argmax"), f"topk must be sort or argmax: {self}"
 
 
 BLOCK_TUNED: dict[tuple[int, int, int, int], MoeBlockConfig] = {
