@@ -210,9 +210,9 @@ class MoeBlockConfig:
 
 
 BLOCK_TUNED: dict[tuple[int, int, int, int], MoeBlockConfig] = {
-    # (E, I, H, top_k) -> the best of `bench_moe_block --sweep` (bf16). Qwen3-30B-A3B on an H200
-    # (docs/benchmarks/h200-moe-block-2026-11-30c.jsonl): 29.34 us a layer against 31.42 at the defaults, and 27.03 for
-    # the four launches it replaces
+    # (E, I, H, top_k) -> the best of `bench_moe_block --sweep` (bf16). Qwen3-30B-A3B on an H200, the top-k by sort
+    # (docs/benchmarks/h200-moe-block-sorted-topk-2026-11-30c.jsonl): 27.03-27.08 us a layer, against 26.78 for the four
+    # launches it replaces; with the argmax top-k 29.75 (the first sweep's best, 29.34, was the same tiles)
     (128, 768, 2048, 8): MoeBlockConfig(block_i=4, up_block_k=512, block_h=4, down_block_k=256, num_warps=4,
                                         up_stages=3, down_stages=2, ctas_per_sm=4),
 }
