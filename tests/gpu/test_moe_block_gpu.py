@@ -62,7 +62,7 @@ def _run(b: Block, ws: MoeBlockWorkspace, config: MoeBlockConfig = DEFAULT, **kw
 def _check_synced(ws: MoeBlockWorkspace) -> None:
     torch.cuda.synchronize()
     assert not ws.timed_out(), "a grid barrier timed out: the programs were not all resident"
-    assert ws.sync[:2].tolist() == [0, 0] and int(ws.sync[3]) == 0, f"counters not reset: {ws.sync.tolist()}"
+    assert ws.sync[:2].tolist() == [0, 0], f"counters not reset: {ws.sync.tolist()}"
 
 
 def _small_path(ws: MoeBlockWorkspace, h: torch.Tensor, b: Block, cfg: MoeBlockConfig
@@ -74,15 +74,14 @@ def _small_path(ws: MoeBlockWorkspace, h: torch.Tensor, b: Block, cfg: MoeBlockC
     return inter, small_down(inter, ws.topk_ids, ws.topk_weights, b.w2, down, torch.empty_like(h))
 
 
-@pytest.mark.parametrize("barrier", ["count", "flag"])
 @pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("ctas_per_sm", [1, 2, 4])
-def test_block_matches_the_unfused_chain(qwen3: Block, ctas_per_sm: int, pdl: bool, barrier: str) -> None:
+def test_block_matches_the_unfused_chain(qwen3: Block, ctas_per_sm: int, pdl: bool) -> None:
     assert moe_block_supported(qwen3.x, qwen3.router, qwen3.w13, qwen3.w2, SPEC)
     set_pdl(pdl)
     try:
         ws, load = _workspace(), torch.zeros(EXPERTS, dtype=torch.int64, device=DEVICE)
-        out, h, summed = _run(qwen3, ws, replace(DEFAULT, ctas_per_sm=ctas_per_sm, barrier=barrier), expert_load=load)
+        out, h, summed = _run(qwen3, ws, replace(DEFAULT, ctas_per_sm=ctas_per_sm), expert_load=load)
         _check_synced(ws)
         logits, want_h, want_summed = gemv_add_rmsnorm_out(qwen3.x, qwen3.residual, qwen3.norm_weight, EPS,
                                                            qwen3.router)
@@ -126,8 +125,8 @@ def test_200_launches_in_a_row(qwen3: Block) -> None:
     assert int(load.sum()) == 200 * TOP_K
 
 
-@pytest.mark.parametrize("pdl,barrier", [(True, "count"), (False, "count"), (True, "flag")])
-def test_chained_blocks_replay_in_a_cuda_graph(qwen3: Block, pdl: bool, barrier: str) -> None:
+@pytest.mark.parametrize("pdl", [True, False])
+def test_chained_blocks_replay_in_a_cuda_graph(qwen3: Block, pdl: bool) -> None:
     """Three blocks sharing one workspace, each fed the one before it (as layers are), captured once and replayed
     50 times over five inputs: each replay equals the same chain run eagerly."""
     set_pdl(pdl)
@@ -139,7 +138,7 @@ def test_chained_blocks_replay_in_a_cuda_graph(qwen3: Block, pdl: bool, barrier:
             h_in, res = x, residual
             for _ in range(3):
                 out, _, res = moe_block_decode(h_in, res, qwen3.norm_weight, EPS, qwen3.router, qwen3.w13, qwen3.w2,
-                                               SPEC, ws, config=replace(DEFAULT, barrier=barrier))
+                                               SPEC, ws)
                 h_in = out
             return out
 

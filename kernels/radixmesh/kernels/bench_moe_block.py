@@ -11,8 +11,7 @@ bytes read (router + the distinct experts chosen); `of_copy` = active bytes / ti
 of the floor reached. The chain's launches are also timed alone (`norm_router_us`, `topk_us`, `up_us`,
 `down_us`). `--check`: the block against the chain on layer 0 (exact `h`/`summed`, logits, the top-k of its own
 logits, the outputs' relative error and whether they are bit-equal). `--sweep` times programs per SM (1, 2, 4)
-x gate/up tiles, then x down tiles with the best gate/up ones, then the best with the other barrier and with the
-other top-k, and prints the best as a `BLOCK_TUNED` entry.
+x gate/up tiles, then x down tiles with the best gate/up ones, and prints the best as a `BLOCK_TUNED` entry.
 `--trace`: launches one at a time (PDL off) with every program stamping its clocks at each step
 (`moe_block.TRACE_POINTS`): per launch, microseconds from the first program's entry to the last program done
 with each step (`*_last_us`) and to the first past each barrier (`barrier*_first_us`); medians over the launches.
@@ -182,13 +181,6 @@ def sweep(lay: Layers) -> list[dict[str, object]]:
         for ctas in CTAS:
             cfg = replace(best_up, block_h=bh, down_block_k=bk, down_stages=stages, ctas_per_sm=ctas)
             timed_cfgs.append(("down", timed(lay, lay.block_calls(cfg)), cfg))
-    ran = [(us, cfg) for _, us, cfg in timed_cfgs if us is not None]
-    if ran:  # the best tiles with the other barrier, and with the other top-k
-        best = min(ran, key=lambda r: r[0])[1]
-        cfg = replace(best, barrier="flag" if best.barrier == "count" else "count")
-        timed_cfgs.append(("barrier", timed(lay, lay.block_calls(cfg)), cfg))
-        cfg = replace(best, topk="argmax" if best.topk == "sort" else "sort")
-        timed_cfgs.append(("topk", timed(lay, lay.block_calls(cfg)), cfg))
     rows: list[dict[str, object]] = [{"part": part, "us": us, "config": asdict(cfg)} for part, us, cfg in timed_cfgs]
     ran = [(us, cfg) for _, us, cfg in timed_cfgs if us is not None]
     if ran:
@@ -249,9 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         print(json.dumps({"bench": "moe-block-check", **check(lay), **info}), flush=True)
     if args.trace:
-        for topk in ("sort", "argmax"):
-            row = trace(lay, replace(default_config(), topk=topk))
-            print(json.dumps({"bench": "moe-block-trace", **row, **info}), flush=True)
+        print(json.dumps({"bench": "moe-block-trace", **trace(lay, default_config()), **info}), flush=True)
     for row in measure(lay, copy_tb_s):
         print(json.dumps({"bench": "moe-block", **row, **info}), flush=True)
     if args.sweep:

@@ -10,8 +10,7 @@ three phases separated by grid barriers (a counter in the workspace, spun on in 
 
 1. norm and router: each program with router rows norms the row (redundantly: a few KB) and writes its rows'
    logits, rounded to the activations' dtype; program 0 writes `summed` and `h`.
-2. top-k and gate/up: every program takes the top-k of the logits itself (`_topk_sorted`, or `moe_small._topk_of`
-   as `MoeBlockConfig.topk` says; program 0
+2. top-k and gate/up: every program takes the top-k of the logits itself (`_topk_sorted`; program 0
    stores it and counts the expert load), then streams its share of the (slot, intermediate tile) units, each
    a `[2, BLOCK_I, BLOCK_K]` gate/up tile as `small_gate_up` loads it, into `silu(gate) * up` in `inter`.
 3. down: its share of the hidden tiles, each all top-k experts' `[TK, BLOCK_H, BLOCK_K]` tiles as `small_down`
@@ -24,6 +23,9 @@ grid must be co-resident or a barrier never fills: the launcher sizes P from the
 shared memory; a wait gives up after `SPIN_POLLS` polls and sets the workspace's error flag instead of hanging the
 GPU (`MoeBlockWorkspace.timed_out`). The next kernel may start (PDL) once every program is past the last barrier.
 Under the interpreter (CPU) P = 1 and every barrier passes at once.
+
+On an H200 it matches the four launches (Qwen3-30B-A3B: 27.03 against 26.78 us a layer; benchmarks, 2026-11-30
+midday), so the model takes it only with RADIXMESH_MOE_PATH=block.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from radixmesh.kernels.gemv_norm_out import MAX_ROW, _normed_tile
 from radixmesh.kernels.moe_config import MoeBlockConfig, block_default_config
 from radixmesh.kernels.moe_routing import MAX_EXPERTS, RouterSpec
-from radixmesh.kernels.moe_small import _store_topk, _topk_of
+from radixmesh.kernels.moe_small import _scores, _store_topk
 
 try:  # Triton's CUDA clocks (for `trace`; the interpreter has none)
     from triton.language.extra.cuda import globaltimer
@@ -60,8 +62,7 @@ class MoeBlockWorkspace:
     """What `moe_block_decode`'s programs share, allocated once (a CUDA graph replays over it); one launch at a
     time uses it (the layers of one stream may share it)."""
 
-    sync: torch.Tensor  # int32 [4]: barrier arrivals, exits, error flag, barrier generation (all but the error 0
-    # after every launch)
+    sync: torch.Tensor  # int32 [3]: barrier arrivals, exits (both back at 0 after every launch), error flag
     logits: torch.Tensor  # [1, E] in the activations' dtype
     topk_ids: torch.Tensor  # [1, top_k] int32
     topk_weights: torch.Tensor  # [1, top_k] float32
@@ -73,7 +74,7 @@ class MoeBlockWorkspace:
         """Buffers for a block of `num_experts` experts (none holds a hidden row: `hidden` is only checked)."""
         assert 1 <= top_k <= num_experts and inter >= 1 and hidden >= 1, (
             f"bad block: {num_experts} experts, top_k {top_k}, inter {inter}, hidden {hidden}")
-        return cls(torch.zeros(4, dtype=torch.int32, device=device),
+        return cls(torch.zeros(3, dtype=torch.int32, device=device),
                    torch.empty(1, num_experts, dtype=dtype, device=device),
                    torch.zeros(1, top_k, dtype=torch.int32, device=device),
                    torch.zeros(1, top_k, dtype=torch.float32, device=device),
@@ -99,31 +100,21 @@ def _stamp(trace_ptr, pid, POINT: tl.constexpr, TRACE: tl.constexpr):
         tl.store(trace_ptr + pid * 16 + POINT, globaltimer())
         tl.store(trace_ptr + pid * 16 + 8 + POINT, cycles)
 
+
 @triton.jit
-def _grid_barrier(sync_ptr, target, gen, max_polls, FLAG: tl.constexpr):
+def _grid_barrier(sync_ptr, target, max_polls):
     """Wait until `target` arrivals (P per barrier so far); every program's stores before it are then visible.
 
     A scalar atomic runs in one thread of the program (its result broadcast through shared memory), so each
-    program arrives once; `debug_barrier` orders the other threads' stores before that release. FLAG: the last
-    to arrive (its acq_rel add follows every other arrival's) releases `sync[3] = gen`, which the others poll
-    instead of the counter."""
+    program arrives once; `debug_barrier` orders the other threads' stores before that release. (A flag the last
+    arrival raises, polled apart from the counter, was slower on an H200: benchmarks, 2026-11-30 midday.)"""
     tl.debug_barrier()
     count = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
     polls = 0
-    if FLAG:
-        seen = tl.where(count == target, gen, 0)
-        if count == target:
-            tl.atomic_xchg(sync_ptr + 3, gen, sem="release", scope="gpu")
-        while (seen < gen) & (polls < max_polls):
-            seen = tl.atomic_add(sync_ptr + 3, 0, sem="acquire", scope="gpu")
-            polls += 1
-        passed = seen >= gen
-    else:
-        while (count < target) & (polls < max_polls):
-            count = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-            polls += 1
-        passed = count >= target
-    if not passed:
+    while (count < target) & (polls < max_polls):
+        count = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+        polls += 1
+    if count < target:
         tl.store(sync_ptr + 2, 1)  # the error flag: not all programs were resident
     tl.debug_barrier()
 
@@ -134,13 +125,9 @@ def _topk_sorted(x, cols, col_ok, scaling, TOP_K: tl.constexpr, BLOCK_TK: tl.con
     """`moe_small._topk_of` (no bias) by one partial bitonic sort (`tl.topk`) instead of an argmax round per slot:
     each expert's key is its score's bits (scores are >= 0, so their bits order as they do) above its index
     reversed, so equal scores go to the lower expert, as argmax's ties do. The scores and weights are `_topk_of`'s.
-    On an H200 the argmax rounds took ~4.3 us of a Qwen3-30B-A3B block's ~29 (bench_moe_block --trace)."""
-    if SIGMOID:
-        scores = tl.sigmoid(x)
-    else:
-        x = tl.where(col_ok, x, float("-inf"))
-        p = tl.exp(x - tl.max(x, axis=0))
-        scores = p / tl.sum(p, axis=0)
+    On an H200 the argmax rounds took ~4.3 us of a Qwen3-30B-A3B block's ~29 in every program, the sort 2.3
+    (bench_moe_block --trace)."""
+    scores = _scores(x, col_ok, SIGMOID)
     bits = tl.where(col_ok, scores.to(tl.int32, bitcast=True), -1).to(tl.int64)
     top = tl.topk((bits << 32) | (BLOCK_E - 1 - cols).to(tl.int64), BLOCK_TK)  # [BLOCK_TK], best first
     slot_ok = tl.arange(0, BLOCK_TK) < TOP_K
@@ -258,30 +245,25 @@ def _moe_block_kernel(x_ptr, r_ptr, nw_ptr, rw_ptr, w13_ptr, w2_ptr, summed_ptr,
                       BLOCK_ROW: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
                       COUNT_LOAD: tl.constexpr, BLOCK_I: tl.constexpr, UP_BLOCK_K: tl.constexpr,
                       UP_STAGES: tl.constexpr, BLOCK_H: tl.constexpr, DOWN_BLOCK_K: tl.constexpr,
-                      DOWN_STAGES: tl.constexpr, FLAG_BARRIER: tl.constexpr, SORTED_TOPK: tl.constexpr,
-                      PDL: tl.constexpr,
-                      TRACE: tl.constexpr):
+                      DOWN_STAGES: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     _stamp(trace_ptr, pid, 0, TRACE)
     _router_rows(x_ptr, r_ptr, nw_ptr, rw_ptr, summed_ptr, h_ptr, logits_ptr, eps, pid, P, H, E, BLOCK_ROW, PDL)
     _stamp(trace_ptr, pid, 1, TRACE)
-    _grid_barrier(sync_ptr, P, 1, max_polls, FLAG_BARRIER)
+    _grid_barrier(sync_ptr, P, max_polls)
     _stamp(trace_ptr, pid, 2, TRACE)
 
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
     logits = tl.load(logits_ptr + cols, mask=col_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-    if SORTED_TOPK:
-        ids, weights = _topk_sorted(logits, cols, col_ok, scaling, TOP_K, BLOCK_TK, BLOCK_E, SIGMOID, RENORM)
-    else:
-        ids, weights = _topk_of(logits, logits, cols, col_ok, scaling, TOP_K, BLOCK_TK, SIGMOID, RENORM, False)
+    ids, weights = _topk_sorted(logits, cols, col_ok, scaling, TOP_K, BLOCK_TK, BLOCK_E, SIGMOID, RENORM)
     _stamp(trace_ptr, pid, 3, TRACE)
     if pid == 0:
         _store_topk(ids, weights, ids_ptr, weights_ptr, load_ptr, 0, TOP_K, BLOCK_TK, COUNT_LOAD)
     _gate_up_units(h_ptr, w13_ptr, inter_ptr, ids, pid, P, H, INTER, TOP_K, BLOCK_TK, BLOCK_I, UP_BLOCK_K, UP_STAGES)
     _stamp(trace_ptr, pid, 4, TRACE)
-    _grid_barrier(sync_ptr, 2 * P, 2, max_polls, FLAG_BARRIER)
+    _grid_barrier(sync_ptr, 2 * P, max_polls)
     _stamp(trace_ptr, pid, 5, TRACE)
 
     if PDL:  # every program is resident and past its last wait: the next kernel may start
@@ -293,8 +275,6 @@ def _moe_block_kernel(x_ptr, r_ptr, nw_ptr, rw_ptr, w13_ptr, w2_ptr, summed_ptr,
     if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == P - 1:
         tl.store(sync_ptr, 0)
         tl.store(sync_ptr + 1, 0)
-        tl.store(sync_ptr + 3, 0)
-
 
 
 # ---- launcher -------------------------------------------------------------------------------------------
@@ -352,7 +332,7 @@ def _check_block(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Ten
 
 
 def _check_workspace(ws: MoeBlockWorkspace, num_experts: int, top_k: int, inter: int, x: torch.Tensor) -> None:
-    for name, t, shape, dtype in (("sync", ws.sync, (4,), torch.int32),
+    for name, t, shape, dtype in (("sync", ws.sync, (3,), torch.int32),
                                   ("logits", ws.logits, (1, num_experts), x.dtype),
                                   ("topk_ids", ws.topk_ids, (1, top_k), torch.int32),
                                   ("topk_weights", ws.topk_weights, (1, top_k), torch.float32),
@@ -422,8 +402,7 @@ def moe_block_decode(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
         "SIGMOID": spec.scoring == "sigmoid", "RENORM": spec.renormalize, "COUNT_LOAD": expert_load is not None,
         "BLOCK_I": cfg.block_i, "UP_BLOCK_K": cfg.up_block_k, "UP_STAGES": cfg.up_stages, "BLOCK_H": cfg.block_h,
         "DOWN_BLOCK_K": cfg.down_block_k, "DOWN_STAGES": cfg.down_stages, "num_warps": cfg.num_warps,
-        "FLAG_BARRIER": cfg.barrier == "flag", "SORTED_TOPK": cfg.topk == "sort", "TRACE": trace is not None,
-        **pdl_args(x.device)}
+        "TRACE": trace is not None, **pdl_args(x.device)}
     key = (x.device, x.dtype, norm_weight.dtype, cfg, *sorted(meta.items()))
     programs = _num_programs(key, x.device, cfg, args, meta)
     assert trace is None or trace.shape[0] >= programs, f"trace has {trace.shape[0]} rows for {programs} programs"

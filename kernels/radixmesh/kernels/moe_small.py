@@ -46,15 +46,20 @@ from radixmesh.kernels.moe_routing import MAX_EXPERTS, RouterSpec
 
 
 @triton.jit
+def _scores(x, col_ok, SIGMOID: tl.constexpr):
+    """The router's scores of one row of float32 logits `x` `[BLOCK_E]` (`col_ok`: the experts that exist)."""
+    if SIGMOID:
+        return tl.sigmoid(x)
+    x = tl.where(col_ok, x, float("-inf"))
+    p = tl.exp(x - tl.max(x, axis=0))
+    return p / tl.sum(p, axis=0)
+
+
+@triton.jit
 def _topk_of(x, bias, cols, col_ok, scaling, TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, SIGMOID: tl.constexpr,
              RENORM: tl.constexpr, HAS_BIAS: tl.constexpr):
     """`(ids [BLOCK_TK] int32, weights [BLOCK_TK] float32)` of one row of float32 logits `x` `[BLOCK_E]`."""
-    if SIGMOID:
-        scores = tl.sigmoid(x)
-    else:
-        x = tl.where(col_ok, x, float("-inf"))
-        p = tl.exp(x - tl.max(x, axis=0))
-        scores = p / tl.sum(p, axis=0)
+    scores = _scores(x, col_ok, SIGMOID)
     select = scores
     if HAS_BIAS:
         select += bias
