@@ -11,7 +11,10 @@ the difference of the two slopes, whose spread comes from resampling the twins t
 runs' residuals move together, so the difference is known about twice as well as from two separate fits).
 
 `random` (text) against `random-ids` of one seed pairs too: the text prompts are the ids decoded, re-tokenized by
-the server into a few percent more tokens, so each run's slope is taken over its own prompt lengths.
+the server into a few percent more tokens, so each run's slope is taken over its own prompt lengths. TTFT is convex in
+prompt length, so two lines fitted over different lengths differ by themselves: for the cost of the text path alone,
+pair `random` with `random-text-ids`, the same text sent as the ids the server makes of it. Those twins' prompts are
+equal token for token; a length that differs there is warned about (the client's tokenization left the server's).
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from typing import Any
 
 FIRST_REQUESTS = 20
 BOOTSTRAP_RESAMPLES = 2000
-TEXT_AND_IDS = frozenset({"random", "random-ids"})
-"""Workloads whose runs of one seed send the same prompts (as text, as token ids)."""
+TEXT_AND_IDS = {frozenset({"random", "random-ids"}): True, frozenset({"random", "random-text-ids"}): False}
+"""Workloads whose runs of one seed send the same prompts, as text and as token ids -> whether twins' prompt lengths
+may differ (the sampled ids are fewer than the server's tokens of their text; `random-text-ids` sends those tokens)."""
 LENGTH_EDGES = (1536, 3000)
 """Prompt-length buckets: below 1,536 tokens, 1,536-2,999, 3,000 and more."""
 
@@ -182,11 +186,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=cmd_paired)
 
 
-def _text_and_ids(a: Any, b: Any) -> bool:
-    """Whether two workload headers are `random` and `random-ids` with the same parameters and sizes."""
-    if not (isinstance(a, dict) and isinstance(b, dict)) or {a.get("name"), b.get("name")} != TEXT_AND_IDS:
-        return False
-    return {k: v for k, v in a.items() if k != "name"} == {k: v for k, v in b.items() if k != "name"}
+def _text_and_ids(a: Any, b: Any) -> frozenset[str] | None:
+    """The pair of `TEXT_AND_IDS` that two workload headers are, with the same parameters and sizes; else None."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return None
+    names = frozenset({a.get("name"), b.get("name")})
+    same_rest = {k: v for k, v in a.items() if k != "name"} == {k: v for k, v in b.items() if k != "name"}
+    return names if names in TEXT_AND_IDS and same_rest else None
 
 
 def cmd_paired(args: argparse.Namespace) -> int:
@@ -197,14 +203,17 @@ def cmd_paired(args: argparse.Namespace) -> int:
         print(f"bench paired: error: {exc}", file=sys.stderr)
         return 2
     text_and_ids = _text_and_ids(head_a.get("workload"), head_b.get("workload"))
-    if (head_a.get("workload") != head_b.get("workload") and not text_and_ids) or (head_a.get("load") or {}).get(
+    if (head_a.get("workload") != head_b.get("workload") and text_and_ids is None) or (head_a.get("load") or {}).get(
             "seed") != (head_b.get("load") or {}).get("seed"):
         print("bench paired: error: the two files ran different workloads or seeds; requests have no twins",
               file=sys.stderr)
         return 2
-    if text_and_ids:
+    lengths_may_differ = text_and_ids is not None and TEXT_AND_IDS[text_and_ids]
+    if lengths_may_differ:
         print("bench paired: text against ids of one seed: each run's prompt lengths are its own")
-    twins, warnings = pair_requests(run_a, run_b, lengths_may_differ=text_and_ids)
+    elif text_and_ids is not None:
+        print("bench paired: text against the server's ids of that text, one seed: twins' prompts are equal")
+    twins, warnings = pair_requests(run_a, run_b, lengths_may_differ=lengths_may_differ)
     for warning in warnings:
         print(f"bench paired: warning: {warning}", file=sys.stderr)
     if not twins:

@@ -221,6 +221,9 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       # requests and the prefix cache flushed first (the same seed's text and ids share tokens), into
       # online[-TAG]-WORKLOAD.json: `random` (text the server tokenizes, as SGLang's CI sends it) is
       # the headline figure; `random-ids` (token ids in) the line without tokenization. ONLINE_WORKLOAD=W: W alone.
+      # ONLINE_WORKLOADS="random random-text-ids random-ids" adds `random`'s text sent as the server's ids of it: the
+      # same prompts token for token, so its pairing with `random` (text-vs-text-ids.json) is the text path's cost
+      # alone; random-ids' prompts are a few percent shorter, and TTFT is convex in length (text-vs-ids.json).
       # The first server on a fresh machine is slower (its first 20 requests +21 ms; benchmarks README, eleventh
       # session): compare settings on one machine after a first run, or per request on the same prompts.
       # (ONLINE_SHAPE, ONLINE_IN, ONLINE_OUT: another model shape and lengths, e.g. to try the stage on a CPU)
@@ -248,6 +251,9 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       pre="$OUT/online${ONLINE_TAG:+-$ONLINE_TAG}"  # text against ids request by request: TTFT and slope differences
       if [ -f "$pre-random.json" ] && [ -f "$pre-random-ids.json" ]; then
         $RM bench paired "$pre-random-ids.json" "$pre-random.json" --output-file "$pre-text-vs-ids.json"
+      fi
+      if [ -f "$pre-random.json" ] && [ -f "$pre-random-text-ids.json" ]; then  # the same prompts: text path alone
+        $RM bench paired "$pre-random-text-ids.json" "$pre-random.json" --output-file "$pre-text-vs-text-ids.json"
       fi
       for f in $(ls "$OUT"/step-trace${ONLINE_TAG:+-$ONLINE_TAG}-*.jsonl 2>/dev/null); do
         python3 scripts/step_trace_summary.py "$f" --json "${f%.jsonl}-summary.json"

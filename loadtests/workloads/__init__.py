@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 WORKLOADS: LazyRegistry[WorkloadBuilder] = LazyRegistry("workload", {
     "random": "loadtests.workloads.random_prompts:RANDOM",
     "random-ids": "loadtests.workloads.random_prompts:RANDOM_IDS",
+    "random-text-ids": "loadtests.workloads.random_prompts:RANDOM_TEXT_IDS",
     "sharegpt": "loadtests.workloads.sharegpt:SHAREGPT",
     "generated-shared-prefix": "loadtests.workloads.shared_prefix:SHARED_PREFIX",
     "multi-turn": "loadtests.workloads.multi_turn:MULTI_TURN",
@@ -26,7 +27,7 @@ def get_workload(name: str) -> WorkloadBuilder:
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    """Every workload's flags; builders of one class (random, random-ids) share theirs."""
+    """Every workload's flags; builders of one class (the random ones) share theirs."""
     seen: set[type] = set()
     for name in WORKLOADS:
         builder = get_workload(name)

@@ -113,6 +113,12 @@ def count_tokens(tokenizer: Tokenizer, text: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
+def completion_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The ids a radixmesh server makes of a text prompt of /v1/completions or /generate: the tokenizer's encode with
+    the special tokens (a BOS where the model's tokenizer adds one), as the gateway's `TokenizerPool.encode` does."""
+    return list(tokenizer.encode(text, add_special_tokens=True))
+
+
 def check_positive(**values: int) -> None:
     for name, value in values.items():
         if value < 1:

@@ -1,7 +1,10 @@
-"""`random` and `random-ids`: prompts of random tokens, lengths uniform up to a maximum.
+"""`random`, `random-ids` and `random-text-ids`: prompts of random tokens, lengths uniform up to a maximum.
 
-`random` sends the decoded text (its re-tokenized length is close to, not exactly, the
-sampled one); `random-ids` sends the token ids themselves, so prompt lengths are exact.
+`random` sends the sampled ids decoded to text; the server tokenizes it again, into a few percent more tokens than
+were sampled. `random-ids` sends the sampled ids themselves, so its prompt lengths are exact. `random-text-ids` sends
+`random`'s text of the same seed and flags as the ids the server makes of it (`completion_ids`: with the special
+tokens), so each of its prompts is its `random` twin token for token, without the server's tokenization.
+`random` and `random-text-ids` both count a prompt as the server does: `prompt_len` is the same for twins.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 import random
 from dataclasses import dataclass
+from typing import Literal
 
 from loadtests.workloads.base import (
     Session,
@@ -16,22 +20,25 @@ from loadtests.workloads.base import (
     Turn,
     Workload,
     check_positive,
-    count_tokens,
+    completion_ids,
     random_token_ids,
     sample_lens,
     usable_token_ids,
 )
 
+PromptForm = Literal["text", "ids", "text-ids"]
+"""What a random prompt is sent as: the decoded text, the sampled ids, or the server's ids of that text."""
+
 
 @dataclass(frozen=True)
 class RandomWorkload:
-    """Random prompts; `send_ids` picks `random-ids` (token ids) over `random` (text)."""
+    """Random prompts sent as `form`: `random` (text), `random-ids` (sampled ids), `random-text-ids` (text's ids)."""
 
     name: str
-    send_ids: bool
+    form: PromptForm
 
     def add_args(self, parser: argparse.ArgumentParser) -> None:
-        group = parser.add_argument_group("random / random-ids workloads")
+        group = parser.add_argument_group("random / random-ids / random-text-ids workloads")
         group.add_argument("--random-input-len", type=int, default=1024, help="most prompt tokens")
         group.add_argument("--random-output-len", type=int, default=1024, help="most output tokens")
         group.add_argument("--random-range-ratio", type=float, default=0.0,
@@ -53,11 +60,14 @@ class RandomWorkload:
         return Workload(name=self.name, sessions=tuple(sessions), params=params)
 
     def _turn(self, tokenizer: Tokenizer, ids: list[int], output_len: int) -> Turn:
-        if self.send_ids:
+        if self.form == "ids":
             return Turn(prompt=ids, prompt_len=len(ids), output_len=output_len)
         text = tokenizer.decode(ids, skip_special_tokens=True)
-        return Turn(prompt=text, prompt_len=count_tokens(tokenizer, text), output_len=output_len)
+        text_ids = completion_ids(tokenizer, text)
+        return Turn(prompt=text_ids if self.form == "text-ids" else text, prompt_len=len(text_ids),
+                    output_len=output_len)
 
 
-RANDOM = RandomWorkload(name="random", send_ids=False)
-RANDOM_IDS = RandomWorkload(name="random-ids", send_ids=True)
+RANDOM = RandomWorkload(name="random", form="text")
+RANDOM_IDS = RandomWorkload(name="random-ids", form="ids")
+RANDOM_TEXT_IDS = RandomWorkload(name="random-text-ids", form="text-ids")

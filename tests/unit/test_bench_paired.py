@@ -110,3 +110,24 @@ def test_text_and_ids_runs_of_one_seed_pair(tmp_path: Path, capsys: pytest.Captu
     b.write_text(json.dumps({"workload": {"name": "random", "params": {"x": 1}}, "load": {"seed": 1},
                              "runs": [text]}))
     assert cmd_paired(argparse.Namespace(a=a, b=b, label_a=None, label_b=None, output_file=None)) == 2
+
+
+def test_text_against_text_ids_pairs_equal_lengths_and_warns_when_they_differ(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`random-text-ids` sends the server's own tokens of `random`'s text: a twin of another length means the
+    client's tokenization left the server's."""
+    import argparse
+
+    def write(path: Path, name: str, run: dict[str, Any]) -> Path:
+        path.write_text(json.dumps({"workload": {"name": name, "params": {}}, "load": {"seed": 1}, "runs": [run]}))
+        return path
+
+    a = write(tmp_path / "text-ids.json", "random-text-ids", _run(BASE, PROMPTS))
+    b = write(tmp_path / "text.json", "random", _run([t + 3 for t in BASE], PROMPTS))
+    assert cmd_paired(argparse.Namespace(a=a, b=b, label_a=None, label_b=None, output_file=None)) == 0
+    captured = capsys.readouterr()
+    assert "twins' prompts are equal" in captured.out and "B - A +0.00" in captured.out
+    assert "warning" not in captured.err
+    b = write(tmp_path / "text.json", "random", _run(BASE, [n + 1 for n in PROMPTS]))  # e.g. a BOS left out
+    assert cmd_paired(argparse.Namespace(a=a, b=b, label_a=None, label_b=None, output_file=None)) == 0
+    assert capsys.readouterr().err.count("prompt of") == 40

@@ -46,7 +46,8 @@ def make_sharegpt_file(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["random", "random-ids", "generated-shared-prefix", "multi-turn", "json-schema"])
+@pytest.mark.parametrize("name", ["random", "random-ids", "random-text-ids", "generated-shared-prefix", "multi-turn",
+                                  "json-schema"])
 def test_same_seed_same_workload(name: str) -> None:
     small = ["--gsp-num-groups", "2", "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "20",
              "--gsp-question-len", "5", "--random-input-len", "30", "--multi-turn-input-len", "10"]
