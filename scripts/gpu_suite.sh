@@ -653,19 +653,11 @@ PY
           || tail -n 20 /tmp/moe-small-decode-$path.log
         tail -n 3 /tmp/moe-small-decode-$path.log
       done ;;
-    decode-variants)  # issue 48: batch-1 decode of DECODE_VARIANT_SHAPES (default qwen3-30b-a3b) under each of
-      # DECODE_VARIANTS, "name:VAR=value,VAR=value" (RADIXMESH_ prefixes left out), e.g. "launch:DECODE_MERGE=launch
-      # last:DECODE_MERGE=last pf:DECODE_MERGE=last,DECODE_PREFETCH=1", one after the other on this GPU, into
-      # decode-variant-SHAPE-NAME.jsonl; first the decode kernels' GPU tests and bench_decode at batch 1 (both merges,
-      # with and without a 16 MB prefetch, in CUDA graphs)
-      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_triton_kernels_gpu.py -k decode \
-        tests/gpu/test_decode_rope_gpu.py
-      for merge in launch last; do for mb in 0 16; do
-        python3 -m radixmesh.kernels.bench_decode --batch 1 --seq-len 1280 --heads 32 --kv-heads 4 --num-kv-splits 32 \
-          --cuda-graph --check --merge $merge --prefetch-mb $mb | tee -a "$OUT/decode-variants-kernel.jsonl"
-      done; done
+    decode-variants)  # batch-1 decode of DECODE_VARIANT_SHAPES (default qwen3-30b-a3b) under each of DECODE_VARIANTS,
+      # "name:VAR=value,VAR=value" (RADIXMESH_ prefixes left out; default "auto:MOE_PATH=auto"), one after the other
+      # on this GPU, into decode-variant-SHAPE-NAME.jsonl, with the graph's kernel profile
       for shape in ${DECODE_VARIANT_SHAPES:-qwen3-30b-a3b}; do
-        for variant in ${DECODE_VARIANTS:-launch:DECODE_MERGE=launch last:DECODE_MERGE=last}; do
+        for variant in ${DECODE_VARIANTS:-auto:MOE_PATH=auto}; do
           name=${variant%%:*}; envs=()
           for kv in $(echo "${variant#*:}" | tr ',' ' '); do envs+=("RADIXMESH_$kv"); done
           env "${envs[@]}" $RM bench one-batch --model-shape $shape --batch-size 1 --input-len 1024 --output-len 256 \

@@ -23,7 +23,6 @@ from radixmesh.engine.attention.torch_native import TorchNativeBackend
 from radixmesh.engine.attention.triton_backend import TritonBackend
 from radixmesh.engine.memory import ReqToTokenPool, TokenToKVPool
 from radixmesh.kernels.decode_attention import (
-    MERGES,
     DecodeScratch,
     choose_num_kv_splits,
     decode_attention_fwd,
@@ -133,51 +132,20 @@ def test_kv_indices_match_row_slices(index_dtype: torch.dtype, compute_indptr: b
 DECODE_SEQ_LENS = [1, 37, 300, 64]
 
 
-def poisoned_scratch(batch: int, heads: int, head_dim: int, num_kv_splits: int) -> DecodeScratch:
-    """Scratch full of NaN: a merge that reads a partial before its split wrote it gives NaN."""
-    scratch = DecodeScratch.allocate(batch, heads, head_dim, num_kv_splits, DEVICE)
-    scratch.mid_out.fill_(float("nan"))
-    scratch.mid_lse.fill_(float("nan"))
-    return scratch
-
-
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa4", "gqa8"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_kv_splits", [1, 4])
 @pytest.mark.parametrize("head_major", [False, True], ids=["req-major", "head-major"])
-@pytest.mark.parametrize("merge", MERGES)
 def test_decode_matches_reference(heads: int, kv_heads: int, head_dim: int, num_kv_splits: int,
-                                  head_major: bool, merge: str) -> None:
-    """One split writes the output itself (no merge); more go through the merge (a launch, or the last split
-    program of each group); either grid order."""
+                                  head_major: bool) -> None:
+    """One split writes the output itself (no merge); more go through the merge; either grid order."""
     p = make_problem([n - 1 for n in DECODE_SEQ_LENS], [1] * len(DECODE_SEQ_LENS), heads, kv_heads, head_dim,
                      torch.float32)
     kv_indptr, kv_indices = index_tensors(p)
     out = torch.full_like(p.q, float("nan"))
-    scratch = poisoned_scratch(len(DECODE_SEQ_LENS), heads, head_dim, num_kv_splits)
     decode_attention_fwd(p.q, p.k_buf, p.v_buf, out, kv_indptr, kv_indices, head_dim**-0.5, num_kv_splits,
-                         scratch, head_major=head_major, merge=merge)
+                         head_major=head_major)
     assert_close_to_reference(out, p, kv_indptr, kv_indices, head_dim**-0.5)
-
-
-@pytest.mark.parametrize("num_kv_splits", [3, 32])
-def test_decode_merge_by_last_program_repeats_and_matches_the_merge_launch(num_kv_splits: int) -> None:
-    """The in-kernel merge equals the merge launch (32 splits: its heads in several loads), leaves every arrival
-    counter at zero, and a second launch on the same scratch (the next layer, a graph replay) merges again."""
-    p = make_problem([n - 1 for n in DECODE_SEQ_LENS], [1] * len(DECODE_SEQ_LENS), 16, 2, 64, torch.float32, seed=4)
-    kv_indptr, kv_indices = index_tensors(p)
-    scratch = DecodeScratch.allocate(len(DECODE_SEQ_LENS), 16, 64, num_kv_splits, DEVICE)
-    expected = torch.full_like(p.q, float("nan"))
-    decode_attention_fwd(p.q, p.k_buf, p.v_buf, expected, kv_indptr, kv_indices, 0.125, num_kv_splits, scratch,
-                         merge="launch")
-    for _ in range(2):
-        out = torch.full_like(p.q, float("nan"))
-        scratch.mid_out.fill_(float("nan"))  # what the merge reads must be this launch's
-        scratch.mid_lse.fill_(float("nan"))
-        decode_attention_fwd(p.q, p.k_buf, p.v_buf, out, kv_indptr, kv_indices, 0.125, num_kv_splits, scratch,
-                             merge="last")
-        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
-        assert int(scratch.counts.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -191,15 +159,14 @@ def test_decode_half_precision(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("num_kv_splits", [16, 1])
-@pytest.mark.parametrize("merge", MERGES)
-def test_decode_more_splits_than_tiles_and_empty_request(num_kv_splits: int, merge: str) -> None:
+def test_decode_more_splits_than_tiles_and_empty_request(num_kv_splits: int) -> None:
     """Splits past a short request's end, and a request with no KV at all (padding), stay finite:
     through the merge (16 splits) and when the one split writes the output itself."""
     p = make_problem([0, 0, 9], [1, 1, 1], 4, 2, 32, torch.float32, seed=2)
     p.seq_lens[1] = 0
     kv_indptr, kv_indices = index_tensors(p)
     out = torch.full_like(p.q, float("nan"))
-    decode_attention_fwd(p.q, p.k_buf, p.v_buf, out, kv_indptr, kv_indices, 0.2, num_kv_splits, merge=merge)
+    decode_attention_fwd(p.q, p.k_buf, p.v_buf, out, kv_indptr, kv_indices, 0.2, num_kv_splits)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     # kv_indices holds request 0's one slot, then request 2's ten
     expected = attention_reference(p.q[[0, 2]], p.k_buf, p.v_buf, [0, 1, 2], [0, 1, 11], kv_indices, 0.2)

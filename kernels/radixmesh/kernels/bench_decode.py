@@ -40,9 +40,7 @@ import triton
 from radixmesh.kernels._checks import FP8_DTYPES
 from radixmesh.kernels.decode_attention import (
     DEFAULT_MAX_KV_SPLITS,
-    DEFAULT_MERGE,
     FP8_WIDENS,
-    MERGES,
     DecodeScratch,
     choose_num_kv_splits,
     decode_attention_fwd,
@@ -86,10 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-widen", nargs="+", choices=FP8_WIDENS, default=["f32"],
                    help="FP8 pools: the widenings to sweep (default: f32, the kernel's default)")
     p.add_argument("--fp8-widen", choices=FP8_WIDENS, default="f32", help="FP8 pools: the widening of a single run")
-    p.add_argument("--merge", choices=MERGES, default=DEFAULT_MERGE,
-                   help="how splits merge: a second launch, or the last split program of each group")
-    p.add_argument("--prefetch-mb", type=float, default=0.0,
-                   help="the programs also ask L2 for this many MB of another tensor (the o_proj weight's role)")
     p.add_argument("--grid-orders", choices=("both", "head-major"), default="both",
                    help="--sweep: both grid orders, or the default head-major one alone")
     p.add_argument("--pick", nargs="+", metavar="JSONL", help="print the best FP8 tiles and widening of these "
@@ -187,8 +181,6 @@ def main(argv: list[str] | None = None) -> int:
     chosen = args.num_kv_splits or choose_num_kv_splits(batch, args.kv_heads, max(seq_lens), num_sms,
                                                         DEFAULT_MAX_KV_SPLITS)
     scale = args.head_dim**-0.5
-    prefetched = (torch.empty(int(args.prefetch_mb * 2**20), dtype=torch.uint8, device=device)
-                  if args.prefetch_mb > 0 else None)
     kv_bytes = 2 * total * args.kv_heads * args.head_dim * k_buf.element_size()
     base = {
         "bench": "decode_attention",
@@ -200,7 +192,6 @@ def main(argv: list[str] | None = None) -> int:
         "batch": batch, "seq_len": args.seq_len, "min_seq_len": args.min_seq_len,
         "mean_seq_len": round(total / batch, 1), "slots": args.slots, "heads": args.heads,
         "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype,
-        "merge": args.merge, "prefetch_mb": args.prefetch_mb,
         "cuda_graph": args.cuda_graph, "iters": args.iters, "warmup": args.warmup, "kv_bytes": kv_bytes,
     }
 
@@ -211,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         def run() -> None:
             decode_attention_fwd(q, k_buf, v_buf, out, inputs["kv_indptr"], inputs["kv_indices"], scale,
                                  num_kv_splits, scratch, inputs["k_scale"], inputs["v_scale"], tiles=tiles,
-                                 head_major=head_major, fp8_widen=widen, merge=args.merge,
-                                 prefetch=prefetched)
+                                 head_major=head_major, fp8_widen=widen)
 
         max_abs_err = None
         if args.check:

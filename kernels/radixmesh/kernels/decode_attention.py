@@ -13,10 +13,7 @@ up to `num_kv_splits` chunks, processed in parallel:
   on an H100, the same at small batches;
 - stage 2, grid (batch, heads): merges a request's chunks, weighting each by exp(lse).
   With one split (a large batch already fills the GPU) stage 1 writes the output itself and
-  stage 2 is not launched. With `merge="last"` there is no stage-2 launch either: each stage-1 program counts
-  itself in (an acq_rel atomic per (request, KV head), after a CTA barrier orders its threads' partial stores),
-  and the last of a group's splits to arrive merges the group's partials, reading them through L2, and zeroes
-  the counter for the next launch. At batch 1 the merge launch is one more dependent launch per layer.
+  stage 2 is not launched.
 
 The chunk length is decided on the device from the request's own length
 (`ceil(seq_len / num_kv_splits)` rounded up to the KV tile), so a short request only
@@ -62,7 +59,6 @@ from radixmesh.kernels._checks import (
 from radixmesh.kernels._fp8_cast import emulate_cast
 from radixmesh.kernels._jit import unspecialized
 from radixmesh.kernels._pdl import gdc_launch_dependents, gdc_wait, pdl_args
-from radixmesh.kernels._prefetch import bulk_prefetch_l2, plan_prefetch
 from radixmesh.kernels.decode_rope import (
     DecodeRope,
     rope_cos_sin,
@@ -81,11 +77,6 @@ _PROGRAMS_PER_SM = 16
 _CPU_NUM_SMS = 4
 FP8_WIDENS = ("f32", "direct", "f16")
 """How an FP8 pool's K/V tiles become `tl.dot` operands (see the module docstring)."""
-MERGES = ("launch", "last")
-"""How splits are merged: a second launch, or the last split program of each (request, KV head) to finish."""
-DEFAULT_MERGE = "launch"
-MERGE_TILE_ELEMS = 8192
-"""fp32 partials one merge load holds (heads x splits x head_dim): 64 registers a thread at 4 warps."""
 
 
 @triton.jit
@@ -108,27 +99,18 @@ def _decode_split_kernel(
     k_new_ptr, v_new_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, loc_ptr,
     stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head, stride_cache,
     eps, inv_k_scale, inv_v_scale, fp8_max,
-    # MERGE_LAST: one arrival counter per (request, KV head); PREFETCH: bytes the next kernel reads
-    count_ptr, pf_ptr, pf_total_bytes, pf_chunk_bytes,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
     HEAD_MAJOR: tl.constexpr, DIRECT: tl.constexpr, THROUGH_F32: tl.constexpr, Q_CLAMP: tl.constexpr,
     HAS_LENS: tl.constexpr, ROPE: tl.constexpr, EMULATE: tl.constexpr,
-    MERGE_LAST: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_G: tl.constexpr,
-    PREFETCH: tl.constexpr, PF_THREADS: tl.constexpr,
 ):
     if HEAD_MAJOR:  # grid (kv_heads, batch, splits): a request's KV heads are dispatched side by side
         kv_head = tl.program_id(0)
         req = tl.program_id(1)
-        num_kv_heads = tl.num_programs(0)
     else:
         req = tl.program_id(0)
         kv_head = tl.program_id(1)
-        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
-    if PREFETCH:  # weights, read by nothing before: ask L2 for them before waiting on the kernel before
-        pid = (split * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-        bulk_prefetch_l2(pf_ptr, pf_total_bytes, pf_chunk_bytes, pid, PF_THREADS)
     if PDL:  # q and the new token's K/V come from the kernel before (radixmesh.kernels._pdl)
         gdc_wait()
 
@@ -205,47 +187,6 @@ def _decode_split_kernel(
     tl.store(mid_o_ptr + req64 * stride_mo_req + heads[:, None] * stride_mo_head + split * stride_mo_split
              + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
     tl.store(mid_lse_ptr + req64 * stride_ml_req + heads * stride_ml_head + split, lse, mask=mask_h)
-    if MERGE_LAST:  # the last of the group's splits to arrive merges them: no merge launch
-        counter = count_ptr + req64 * num_kv_heads + kv_head
-        tl.debug_barrier()  # every thread's partial stores before the one-thread release below
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_kv_splits - 1:
-            _merge_group(mid_o_ptr, mid_lse_ptr, o_ptr, req64, kv_head, num_kv_splits, stride_mo_req,
-                         stride_mo_head, stride_mo_split, stride_ml_req, stride_ml_head, stride_o_tok,
-                         stride_o_head, head_dim, GROUP, BLOCK_G, BLOCK_S, BLOCK_D, CHUNK_G)
-            tl.store(counter, 0)  # zero again for the next launch (a CUDA-graph replay, the next layer)
-
-
-@triton.jit
-def _merge_group(mid_o_ptr, mid_lse_ptr, o_ptr, req64, kv_head, num_kv_splits, stride_mo_req, stride_mo_head,
-                 stride_mo_split, stride_ml_req, stride_ml_head, stride_o_tok, stride_o_head, head_dim,
-                 GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                 CHUNK_G: tl.constexpr):
-    """A (request, KV head)'s GROUP query heads: every split's partial weighted by exp2(lse), CHUNK_G heads per
-    load (unrolled, so their loads are in flight together). Empty splits hold lse = -inf and weigh nothing.
-    Partials come from other SMs' programs: read through L2 (`.cg`), never a stale L1 line."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < num_kv_splits
-    mask_d = offs_d < head_dim
-    for g0 in tl.static_range(0, BLOCK_G, CHUNK_G):
-        offs_c = g0 + tl.arange(0, CHUNK_G)
-        mask_c = offs_c < GROUP
-        heads = kv_head * GROUP + offs_c
-        # [CHUNK_G, BLOCK_S]
-        lse = tl.load(mid_lse_ptr + req64 * stride_ml_req + heads[:, None] * stride_ml_head + offs_s[None, :],
-                      mask=mask_c[:, None] & mask_s[None, :], other=float("-inf"), cache_modifier=".cg")
-        m = tl.max(lse, 1)
-        m = tl.where(m == float("-inf"), 0.0, m)  # a request with no keys: weights all 0, output 0
-        w = tl.exp2(lse - m[:, None])
-        # [CHUNK_G, BLOCK_S, BLOCK_D]
-        part = tl.load(mid_o_ptr + req64 * stride_mo_req + heads[:, None, None] * stride_mo_head
-                       + offs_s[None, :, None] * stride_mo_split + offs_d[None, None, :],
-                       mask=(mask_c[:, None] & mask_s[None, :])[:, :, None] & mask_d[None, None, :], other=0.0,
-                       cache_modifier=".cg")
-        denom = tl.sum(w, 1)
-        out = tl.sum(part * w[:, :, None], 1) / tl.where(denom > 0, denom, 1.0)[:, None]
-        tl.store(o_ptr + req64 * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=mask_c[:, None] & mask_d[None, :])
 
 
 @triton.jit
@@ -303,8 +244,6 @@ class DecodeScratch:
         self.head_dim = head_dim
         self.mid_out = torch.empty(max_rows * head_dim, dtype=torch.float32, device=device)
         self.mid_lse = torch.empty(max_rows, dtype=torch.float32, device=device)
-        # arrivals per (request, KV head) for `merge="last"`: zero between launches (the merging program resets its own)
-        self.counts = torch.zeros(max_rows, dtype=torch.int32, device=device)
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
@@ -372,8 +311,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          scratch: DecodeScratch | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                          tiles: tuple[int, int, int] | None = None, head_major: bool = True,
                          fp8_widen: str = "f32", kv_lens: torch.Tensor | None = None,
-                         rope: DecodeRope | None = None, merge: str = DEFAULT_MERGE,
-                         prefetch: torch.Tensor | None = None) -> None:
+                         rope: DecodeRope | None = None) -> None:
     """Attention of one query per request over its KV, written to `out`.
 
     q, out: `[batch, num_heads, head_dim]`; k_buffer, v_buffer: `[num_slots, kv_heads, head_dim]`;
@@ -390,10 +328,6 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     `rope` (decode passes only, not with `kv_lens`): q is the raw q of the q/k/v projection, and the kernel does
     `apply_rotary_`'s work with its KV store and q/k norms itself (the same bits); the new token's slot `rope.loc[i]`
     must be request i's last slot. q is not written back.
-    `merge` (one of MERGES): with several splits, the last program of each (request, KV head) to finish merges
-    them (`last`: one launch) or a second kernel does (`launch`). `prefetch`: a contiguous tensor the next kernel
-    reads (the o_proj weight): the programs ask L2 for its bytes as they start (`radixmesh.kernels._prefetch`;
-    sm_90+, otherwise ignored). Neither changes the output.
     """
     _check_decode_args(q, k_buffer, v_buffer, out, kv_indptr, kv_indices, num_kv_splits)
     if rope is not None:
@@ -419,12 +353,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     block_d = next_power_of_2(head_dim)
     block_n, num_warps, num_stages = tiles or _block_sizes(head_dim, kv_fp8)
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"BLOCK_N must be a power of 2 >= 16, got {block_n}"
-    assert merge in MERGES, f"merge must be one of {MERGES}, got {merge!r}"
-    merge_last = merge == "last" and num_kv_splits > 1
-    block_g = next_power_of_2(group)
-    block_s = next_power_of_2(num_kv_splits)
     grid = (num_kv_heads, batch, num_kv_splits) if head_major else (batch, num_kv_heads, num_kv_splits)
-    plan = plan_prefetch(prefetch, batch * num_kv_heads * num_kv_splits, 32 * num_warps)
     _decode_split_kernel[grid](
         q, k_buffer, v_buffer, kv_indptr, kv_lens if kv_lens is not None else kv_indptr, kv_indices, mid_o, mid_lse,
         out, sm_scale * LOG2E * k_scale, v_scale, num_kv_splits,
@@ -432,18 +361,14 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         head_dim, *split_kernel_args(rope, k_buffer, k_scale, v_scale),
-        scratch.counts, plan.tensor if plan else q, plan.total_bytes if plan else 0, plan.chunk_bytes if plan else 0,
         GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision(operand_dtype), KV_FP8=kv_fp8,
         HEAD_MAJOR=head_major, DIRECT=num_kv_splits == 1, THROUGH_F32=fp8_widen == "f32",
         Q_CLAMP=operand_dtype == tl.float16 and q.dtype != torch.float16, HAS_LENS=kv_lens is not None,
         ROPE=rope is not None, EMULATE=rope is not None and kv_fp8 and emulate_cast(q.device),
-        MERGE_LAST=merge_last, BLOCK_G=block_g, BLOCK_S=block_s,
-        CHUNK_G=max(1, min(block_g, MERGE_TILE_ELEMS // (block_s * block_d))),
-        PREFETCH=plan is not None, PF_THREADS=32 * num_warps,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device),
     )
-    if num_kv_splits == 1 or merge_last:
+    if num_kv_splits == 1:
         return
     _decode_merge_kernel[(batch, num_heads)](
         kv_indptr, kv_lens if kv_lens is not None else kv_indptr, mid_o, mid_lse, out,
@@ -451,7 +376,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         head_dim,
-        BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_N=block_n, HAS_LENS=kv_lens is not None,
+        BLOCK_S=next_power_of_2(num_kv_splits), BLOCK_D=block_d, BLOCK_N=block_n, HAS_LENS=kv_lens is not None,
         num_warps=4 if block_d >= 128 else 2, **pdl_args(q.device),
     )
 

@@ -25,7 +25,7 @@ class DecodeRope(NamedTuple):
     (strided views of the q/k/v projection, contiguous last dim); `q_norm`, `k_norm`: Qwen3's per-head RMSNorm
     weights `[head_dim]` with `eps`; `cos_cache`, `sin_cache`: float32 `[max_positions, head_dim // 2]` indexed by
     `positions` `[batch]`; `loc` `[batch]`: each new token's pool slot, the last of its request's KV slots. The pool
-    scales are the attention's own `k_scale`/`v_scale`. `prefetch`: see `decode_attention_fwd`.
+    scales are the attention's own `k_scale`/`v_scale`.
     """
 
     k: torch.Tensor
@@ -37,8 +37,6 @@ class DecodeRope(NamedTuple):
     sin_cache: torch.Tensor
     positions: torch.Tensor
     loc: torch.Tensor
-    prefetch: torch.Tensor | None = None
-    """The weight the kernel after attention reads (the o_proj's), asked of L2 while attention runs (sm_90+)."""
 
     def check(self, q: torch.Tensor, num_kv_heads: int) -> None:
         """Assert that these inputs fit q `[batch, num_heads, head_dim]` and a pool of `num_kv_heads`."""

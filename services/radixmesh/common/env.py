@@ -42,34 +42,6 @@ def tokenize_min_piece_chars() -> int | None:
     return value
 
 
-DECODE_MERGES = ("launch", "last")
-"""Values of RADIXMESH_DECODE_MERGE (radixmesh.kernels.decode_attention.MERGES)."""
-
-
-def decode_merge() -> str | None:
-    """RADIXMESH_DECODE_MERGE: how decode attention merges its KV splits (`launch`: a second kernel; `last`: the
-    last split program of each group), checked (INVALID_ARGUMENT when not one of `DECODE_MERGES`); None: the
-    kernel's default."""
-    value = (env_str("DECODE_MERGE") or "").strip().lower()
-    if not value:
-        return None
-    if value not in DECODE_MERGES:
-        raise invalid_argument(f"RADIXMESH_DECODE_MERGE must be one of {', '.join(DECODE_MERGES)} (got {value!r})",
-                               "RADIXMESH_DECODE_MERGE")
-    return value
-
-
-def decode_prefetch() -> bool | None:
-    """RADIXMESH_DECODE_PREFETCH=1/0: whether decode attention asks L2 for the o_proj weight while it runs
-    (`radixmesh.kernels._prefetch`); None: the model's default."""
-    raw = (env_str("DECODE_PREFETCH") or "").strip().lower()
-    if not raw:
-        return None
-    if raw not in ("0", "1", "true", "false", "on", "off", "yes", "no"):
-        raise invalid_argument(f"RADIXMESH_DECODE_PREFETCH must be 1 or 0 (got {raw!r})", "RADIXMESH_DECODE_PREFETCH")
-    return raw in ("1", "true", "on", "yes")
-
-
 MOE_PATHS = ("auto", "small", "sorted", "block")
 """Values of RADIXMESH_MOE_PATH (radixmesh.kernels.moe.MOE_PATHS, and `block`: a one-token pass runs its whole MoE
 block, norm and router included, in one persistent kernel, `radixmesh.kernels.moe_block`)."""

@@ -34,14 +34,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixmesh.common.env import DecodeFp8Tuning, decode_fp8_tuning, decode_merge
+from radixmesh.common.env import DecodeFp8Tuning, decode_fp8_tuning
 from radixmesh.engine.attention.base import AttentionBackend, AttentionLayerSpec, ForwardBatch
 from radixmesh.engine.attention.dense_prefill import DENSE_PREFILL_MIN_TOKENS, DenseAttention, DensePlan, plan_dense
 from radixmesh.engine.device_io import to_device
 from radixmesh.kernels._checks import FP8_DTYPES
 from radixmesh.kernels.decode_attention import (
     DEFAULT_MAX_KV_SPLITS,
-    DEFAULT_MERGE,
     DecodeScratch,
     choose_num_kv_splits,
     decode_attention_fwd,
@@ -117,8 +116,6 @@ class TritonBackend(AttentionBackend):
         if not self.fp8_tuning.is_default:
             logger.info("decode attention over FP8 pools: tiles %s, widening %s", self.fp8_tuning.tiles,
                         self.fp8_tuning.widen)
-        self.merge = decode_merge() or DEFAULT_MERGE
-        """How decode attention merges its splits (`radixmesh.kernels.decode_attention.MERGES`)."""
         self.dense_min_tokens = dense_min_tokens
         self.dense = dense or DenseAttention()
         self.metadata: TritonForwardMetadata | None = None
@@ -290,7 +287,7 @@ class TritonBackend(AttentionBackend):
             tuning = self.fp8_tuning if k_buf.dtype in FP8_DTYPES else _KERNEL_DEFAULTS
             decode_attention_fwd(q, k_buf, v_buf, out, starts, meta.kv_indices, layer.scaling, meta.num_kv_splits,
                                  rows_scratch, k_scale, v_scale, tiles=tuning.tiles, fp8_widen=tuning.widen,
-                                 kv_lens=lens, merge=self.merge)
+                                 kv_lens=lens)
         elif forward_batch.is_decode:
             self._decode(q, out, layer, forward_batch, (k_buf, v_buf, k_scale, v_scale))
         else:
@@ -349,8 +346,7 @@ class TritonBackend(AttentionBackend):
         tuning = self.fp8_tuning if k_buf.dtype in FP8_DTYPES else _KERNEL_DEFAULTS
         decode_attention_fwd(q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, layer.scaling,
                              meta.num_kv_splits, scratch, k_scale, v_scale, tiles=tuning.tiles,
-                             fp8_widen=tuning.widen, rope=rope, merge=self.merge,
-                             prefetch=rope.prefetch if rope is not None else None)
+                             fp8_widen=tuning.widen, rope=rope)
 
     def _decode_scratch(self, batch: int, layer: AttentionLayerSpec, num_kv_splits: int,
                         device: torch.device) -> DecodeScratch:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radixmesh.common.env import decode_prefetch
 from radixmesh.engine.attention.base import AttentionLayerSpec, ForwardBatch
 from radixmesh.engine.distributed.dp_attention import DpAttention
 from radixmesh.engine.distributed.layout import ShardLayout
@@ -45,8 +44,6 @@ class Attention(nn.Module):
         self.fuse_decode_rope = True
         """Decode passes may hand raw q/k/v to `forward_decode_rope` (draft heads whose passes are not plain
         decode steps turn it off)."""
-        self.prefetch_o_proj = bool(decode_prefetch())
-        """Fused decode attention asks L2 for the o_proj weight while it runs (RADIXMESH_DECODE_PREFETCH=1)."""
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
                 prologue: AddRMSNorm | None = None) -> torch.Tensor:
@@ -84,7 +81,7 @@ class Attention(nn.Module):
             return batch.attn_backend.forward(q, k, v, spec, batch)
         if norms is not None and self._may_fuse_decode_rope(batch):  # all of it in the attention kernel
             rope = DecodeRope(k, v, norms[0].weight, norms[1].weight, norms[0].eps, rotary.cos_cache, rotary.sin_cache,
-                              positions, batch.out_cache_loc, self._o_proj_weight() if self.prefetch_o_proj else None)
+                              positions, batch.out_cache_loc)
             return batch.attn_backend.forward_decode_rope(q, spec, batch, rope)
         # the q/k norms (Qwen3), rotary and the KV store in one launch
         pool = batch.token_to_kv_pool
@@ -92,11 +89,6 @@ class Attention(nn.Module):
         rotary.forward_store(positions, q, k, v, k_buf, v_buf, batch.out_cache_loc, *pool.scales(spec.layer_id),
                              qk_norm=norms)
         return batch.attn_backend.forward(q, k, v, spec, batch, save_kv=False)
-
-    def _o_proj_weight(self) -> torch.Tensor | None:
-        """The o_proj's weight when it is one contiguous tensor (what a prefetch can cover)."""
-        weight = getattr(self.o_proj, "weight", None)
-        return weight if isinstance(weight, torch.Tensor) and weight.is_contiguous() else None
 
     def _may_fuse_decode_rope(self, batch: ForwardBatch) -> bool:
         """Whether a pass's rotary and KV store go into the decode attention kernel: plain DECODE passes of a
