@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtests.metrics import LengthFit
+
 FIRST_REQUESTS = 20
 BOOTSTRAP_RESAMPLES = 2000
 TEXT_AND_IDS = {frozenset({"random", "random-ids"}): True, frozenset({"random", "random-text-ids"}): False}
@@ -100,14 +102,10 @@ def _bucket(prompt_len: int) -> str:
     return BUCKETS[sum(prompt_len >= edge for edge in LENGTH_EDGES)]
 
 
-def _slope(points: list[tuple[float, float]]) -> float | None:
-    """Least-squares ms per 1,000 tokens of (prompt_len, ms) points; None when every length is the same."""
-    x_mean = statistics.fmean(x for x, _ in points)
-    y_mean = statistics.fmean(y for _, y in points)
-    spread = sum((x - x_mean) ** 2 for x, _ in points)
-    if spread == 0:
-        return None
-    return 1000 * sum((x - x_mean) * (y - y_mean) for x, y in points) / spread
+def _slope(points: list[tuple[int, float]]) -> float | None:
+    """`LengthFit`'s ms per 1,000 tokens of (prompt_len, ms) points; None when every length is the same."""
+    fit = LengthFit.of([n for n, _ in points], [ms / 1e3 for _, ms in points])
+    return fit.per_1k_ms if fit is not None else None
 
 
 def slope_difference(twins: list[Twin], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> dict[str, Any]:

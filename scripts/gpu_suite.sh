@@ -653,19 +653,6 @@ PY
           || tail -n 20 /tmp/moe-small-decode-$path.log
         tail -n 3 /tmp/moe-small-decode-$path.log
       done ;;
-    decode-variants)  # batch-1 decode of DECODE_VARIANT_SHAPES (default qwen3-30b-a3b) under each of DECODE_VARIANTS,
-      # "name:VAR=value,VAR=value" (RADIXMESH_ prefixes left out; default "auto:MOE_PATH=auto"), one after the other
-      # on this GPU, into decode-variant-SHAPE-NAME.jsonl, with the graph's kernel profile
-      for shape in ${DECODE_VARIANT_SHAPES:-qwen3-30b-a3b}; do
-        for variant in ${DECODE_VARIANTS:-auto:MOE_PATH=auto}; do
-          name=${variant%%:*}; envs=()
-          for kv in $(echo "${variant#*:}" | tr ',' ' '); do envs+=("RADIXMESH_$kv"); done
-          env "${envs[@]}" $RM bench one-batch --model-shape $shape --batch-size 1 --input-len 1024 --output-len 256 \
-            --context-length 8192 --cuda-graph-max-bs 8 --bandwidth-floor --profile-graph \
-            --result-file "$OUT/decode-variant-$shape-$name.jsonl" > /tmp/decode-variant.log 2>&1 || tail -n 20 /tmp/decode-variant.log
-          echo "$shape $name (${envs[*]}): $(tail -n 1 /tmp/decode-variant.log)"
-        done
-      done ;;
     lora)  # issue 46: adapters in the engine (graphs vs eager vs CPU), then 16 rank-16 adapters mixed in a batch of 32
       # vs the base model, batch 1 with and without an adapter, and a run-time load (8B shape, random weights);
       # LORA_KERNELS="auto rows": one run per --lora-kernels setting (auto: the adapter in the batch-1 GEMVs'

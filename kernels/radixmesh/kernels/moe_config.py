@@ -189,13 +189,6 @@ class MoeBlockConfig:
     """Loads in flight in the down loop."""
     ctas_per_sm: int = 2
     """Programs per SM (P = SMs x this), lowered by the launcher to what fits."""
-    barrier: str = "count"
-    """How a program waits at a grid barrier: `count` (it polls the arrival counter itself) or `flag` (the last to
-    arrive raises a flag the others poll, so polls and arrivals hit different words)."""
-
-    topk: str = "sort"
-    """How every program takes the top-k: `sort` (one partial bitonic sort of packed score/index keys) or `argmax`
-    (an argmax round per slot, as `moe_small`'s top-k launch does)."""
 
     def __post_init__(self) -> None:
         for name in ("block_i", "up_block_k", "block_h", "down_block_k"):
