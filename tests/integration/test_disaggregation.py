@@ -157,12 +157,29 @@ def load(services: dict[str, ServiceProc], name: str) -> worker_pb2.GetLoadRespo
     return reply
 
 
-def is_idle(services: dict[str, ServiceProc], name: str) -> bool:
+def busy_counters(services: dict[str, ServiceProc], name: str) -> dict[str, int]:
+    """The load counters of worker `name` that are not zero (an idle worker has none)."""
     reply = load(services, name)
-    disagg = reply.disagg
-    return (reply.load.kv_used_tokens == 0 and reply.load.num_running_reqs == 0 and reply.load.num_waiting_reqs == 0
-            and disagg.num_reservations_active == 0 and disagg.num_reservations_pending == 0
-            and disagg.num_transfers_held == 0)
+    load_, disagg = reply.load, reply.disagg
+    counters = {"kv_used_tokens": load_.kv_used_tokens, "num_running_reqs": load_.num_running_reqs,
+                "num_waiting_reqs": load_.num_waiting_reqs,
+                "num_reservations_active": disagg.num_reservations_active,
+                "num_reservations_pending": disagg.num_reservations_pending,
+                "num_transfers_held": disagg.num_transfers_held}
+    return {key: value for key, value in counters.items() if value}
+
+
+def is_idle(services: dict[str, ServiceProc], name: str) -> bool:
+    return not busy_counters(services, name)
+
+
+def wait_both_idle(services: dict[str, ServiceProc], timeout_s: float, what: str) -> None:
+    """Waits for both workers to be idle; on a timeout the message names what each still holds."""
+    try:
+        wait_for(lambda: is_idle(services, "decode") and is_idle(services, "prefill"), timeout_s, what)
+    except AssertionError as exc:
+        held = {name: busy_counters(services, name) for name in ("prefill", "decode")}
+        raise AssertionError(f"{exc}; still held: {held}") from None
 
 
 def metric(proc: ServiceProc, name: str, **labels: str) -> float:
@@ -189,7 +206,7 @@ def test_prefill_and_decode_give_the_unified_greedy_tokens(services: dict[str, S
     short = generate(services, tokenizer.encode("Hi"))  # under --pd-min-prefill-tokens: decode computes it
     assert short[0].routing.pd_reason == "short-prompt" and not short[0].routing.prefill_worker_id
     assert load(services, "decode").disagg.num_committed == after.num_committed
-    wait_for(lambda: is_idle(services, "decode") and is_idle(services, "prefill"), 30, "both workers idle")
+    wait_both_idle(services, 30, "both workers idle")
 
 
 def test_the_transport_used_is_reported(services: dict[str, ServiceProc], kv_transport: str,
@@ -282,7 +299,7 @@ def test_burst_with_aborts_leaves_both_kv_pools_empty(services: dict[str, Servic
     assert [calls[i][1]["msgs"][-1].finish_reason for i in (1, 3, 4, 5)] == [
         common_pb2.FINISH_REASON_ABORT, *[common_pb2.FINISH_REASON_LENGTH] * 3]
     assert [len(tokens(calls[i][1]["msgs"])) for i in (3, 4, 5)] == [48] * 3
-    wait_for(lambda: is_idle(services, "decode") and is_idle(services, "prefill"), 30, "both KV pools empty")
+    wait_both_idle(services, 30, "both KV pools empty")
 
 
 def start_queued_behind(services: dict[str, ServiceProc], seed: int, rid: str, busy_len: int = LONG_PROMPT_LEN
@@ -319,7 +336,7 @@ def test_aborts_on_either_side_reach_the_other(services: dict[str, ServiceProc])
     busy_thread.join(300)
     assert result["msgs"][-1].finish_reason == common_pb2.FINISH_REASON_ABORT and tokens(result["msgs"]) == []
     assert load(services, "prefill").disagg.num_exports == exports + 2
-    wait_for(lambda: is_idle(services, "decode") and is_idle(services, "prefill"), 30, "both KV pools empty")
+    wait_both_idle(services, 30, "both KV pools empty")
 
 
 def answer_despite(services: dict[str, ServiceProc], ids: list[int],
@@ -347,7 +364,7 @@ def test_prefill_timeout_falls_back_and_the_prefill_worker_cleans_up(services: d
     assert tokens(msgs) == reference[str(long_ids(0))]
     assert metric(services["decode"], "radixmesh_kv_transfer_fallbacks_total", reason="prefill_timeout") == timeouts + 1
     # the decode worker cancelled the call: the prefill worker aborted or released it, and holds nothing
-    wait_for(lambda: is_idle(services, "prefill") and is_idle(services, "decode"), 30, "both KV pools empty")
+    wait_both_idle(services, 30, "both KV pools empty")
     wait_for(lambda: roles_seen(services["router"].address) == {"prefill", "decode"}, 30, "the prefill worker back")
 
 

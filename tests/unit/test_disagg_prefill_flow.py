@@ -117,6 +117,28 @@ def test_without_a_release_the_lease_ends_the_wait() -> None:
     assert out[-1].HasField("result") and disagg.released == [disagg.prefills[0].transfer_id]
 
 
+def closed_at_the_result(flow: Any) -> list[Any]:
+    """Serve a call that the peer drops while the result is on its way (the transport's write of it is cancelled):
+    the generator is closed at the result's yield. Returns the messages it gave."""
+    async def run() -> list[Any]:
+        out: list[Any] = []
+        gen = flow.serve(requests_of(start(), hang=True))
+        async for msg in gen:
+            out.append(msg)
+            if msg.HasField("result"):
+                await gen.aclose()
+                break
+        return out
+
+    return asyncio.run(run())
+
+
+def test_a_call_closed_at_the_result_releases_the_kv() -> None:
+    flow, disagg, _ = flow_of([CHUNK, FIRST])
+    out = closed_at_the_result(flow)
+    assert out[-1].HasField("result") and disagg.released == [disagg.prefills[0].transfer_id]
+
+
 def test_an_aborted_prefill_releases_nothing_and_says_abort() -> None:
     flow, disagg, _ = flow_of([TokenOut("r", [], 5, 0, 0, finish_reason="abort")])
     out = serve(flow, requests_of(start(), hang=True))

@@ -82,6 +82,21 @@ def test_cached_kv_streams_then_says_where_it_ends_and_is_released() -> None:
     assert engine.sent[0].transfer_id == asked.transfer_id
 
 
+def test_a_call_closed_at_the_result_releases_the_export() -> None:
+    engine = FakeEngine(end=8)
+
+    async def run() -> None:  # the peer drops the call while the result is on its way
+        gen = flow_of(engine).serve(calls(start(), hang=True))
+        async for msg in gen:
+            if msg.HasField("result"):
+                await gen.aclose()
+                break
+
+    asyncio.run(run())
+    assert [type(m).__name__ for m in engine.sent] == ["ReleaseTransferMsg"]
+    assert engine.sent[0].transfer_id == engine.asked[0].transfer_id
+
+
 def test_nothing_cached_past_the_start_sends_no_kv_and_holds_nothing() -> None:
     engine = FakeEngine(end=2)
     out = serve(flow_of(engine), calls(start(start_pos=2), hang=True))

@@ -61,11 +61,13 @@ class PrefillFlow:
                 else:
                     last = item
         assert last is not None and last.finish_reason is not None, "the prefill stream ended early"
-        yield worker_pb2.PrefillResponse(result=prefill_result_to_proto(last, num_bytes, self.config.worker_id))
-        if last.finish_reason == "abort":
+        result = worker_pb2.PrefillResponse(result=prefill_result_to_proto(last, num_bytes, self.config.worker_id))
+        if last.finish_reason == "abort":  # nothing stays exported
+            yield result
             return
         sent_at = time.time()
-        try:
+        try:  # the KV is held from here: a call closed at the result's yield (the decode worker gone) releases it
+            yield result
             await wait_release(requests, msg.lease_s)
         finally:
             await self.disagg.release(msg.transfer_id)

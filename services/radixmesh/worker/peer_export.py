@@ -54,12 +54,14 @@ class PeerExportFlow:
                     yield worker_pb2.FetchKVResponse(kv_chunk=kv_chunk_to_proto(item))
                 else:
                     end = item.cached_tokens
-        yield worker_pb2.FetchKVResponse(result=worker_pb2.FetchKVResult(
+        result = worker_pb2.FetchKVResponse(result=worker_pb2.FetchKVResult(
             end_pos=end, kv_bytes=num_bytes, worker_id=self.config.worker_id))
         tier_metrics.observe_peer_export(num_bytes)
-        if end <= msg.start_pos:
+        if end <= msg.start_pos:  # nothing exported
+            yield result
             return
-        try:
+        try:  # the KV is held from here: a call closed at the result's yield (the peer gone) releases it
+            yield result
             await wait_release(requests, msg.lease_s)
         finally:
             await self.disagg.release(msg.transfer_id)
