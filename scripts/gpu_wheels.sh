@@ -19,7 +19,7 @@ pure=(grpcio protobuf msgspec pyzmq gguf fastapi starlette uvicorn annotated-doc
   grpcio-reflection googleapis-common-protos opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions
   opentelemetry-proto opentelemetry-exporter-otlp-proto-grpc opentelemetry-exporter-otlp-proto-common
   opentelemetry-instrumentation opentelemetry-instrumentation-grpc pytest-timeout sniffio
-  pydantic pydantic-core annotated-types typing-inspection)
+  pydantic pydantic-core annotated-types typing-inspection uvloop httptools)
 specs=()
 for name in "${pure[@]}"; do specs+=("$(venv_pin "$name")"); done
 specs+=(xgrammar==0.2.8 apache-tvm-ffi==0.1.11 py-spy)

@@ -4,10 +4,13 @@ outlasts code which swallows one."""
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
 from radixmesh.common import aio
+from radixmesh.common.env import http_parser
+from radixmesh.common.errors import RadixMeshError
 
 
 def test_a_cancellation_that_meets_the_result_still_cancels() -> None:
@@ -74,3 +77,48 @@ def test_cancel_and_wait_gives_up_on_a_task_that_never_ends() -> None:
         await task
 
     asyncio.run(run())
+
+
+async def _loop_kind() -> str:
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+
+@pytest.mark.parametrize(("setting", "expected"), [("asyncio", "asyncio"), ("uvloop", "uvloop"), ("", "uvloop")])
+def test_run_main_runs_on_the_loop_the_environment_names(monkeypatch: pytest.MonkeyPatch, setting: str,
+                                                         expected: str) -> None:
+    pytest.importorskip("uvloop")
+    monkeypatch.setenv("RADIXMESH_EVENT_LOOP", setting)
+    assert aio.run_main(_loop_kind()) == expected
+
+
+def test_run_main_without_uvloop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # an import of it fails
+    monkeypatch.setenv("RADIXMESH_EVENT_LOOP", "auto")
+    assert aio.run_main(_loop_kind()) == "asyncio"
+    monkeypatch.setenv("RADIXMESH_EVENT_LOOP", "uvloop")
+    main = _loop_kind()
+    with pytest.raises(RadixMeshError, match="uvloop is not installed"):
+        aio.run_main(main)
+    assert main.cr_frame is None  # closed: never left un-awaited
+
+
+def test_a_bad_event_loop_or_http_parser_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RADIXMESH_EVENT_LOOP", "trio")
+    main = _loop_kind()
+    with pytest.raises(RadixMeshError, match="RADIXMESH_EVENT_LOOP must be one of auto, uvloop, asyncio"):
+        aio.run_main(main)
+    assert main.cr_frame is None
+    monkeypatch.setenv("RADIXMESH_HTTP_PARSER", "fast")
+    with pytest.raises(RadixMeshError, match="RADIXMESH_HTTP_PARSER must be one of"):
+        http_parser()
+
+
+@pytest.mark.parametrize("setting", ["h11", "httptools", ""])
+def test_the_http_server_parses_with_the_parser_the_environment_names(monkeypatch: pytest.MonkeyPatch,
+                                                                      setting: str) -> None:
+    from radixmesh.gateway.config import GatewayConfig
+    from radixmesh.gateway.server import http_server
+
+    monkeypatch.setenv("RADIXMESH_HTTP_PARSER", setting)
+    server = http_server(lambda *args: None, GatewayConfig(host="127.0.0.1", port=0))
+    assert server.config.http == (setting or "auto")

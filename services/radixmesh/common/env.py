@@ -102,3 +102,29 @@ def decode_fp8_tuning() -> DecodeFp8Tuning:
                                    f"(got {raw_tiles!r})", "RADIXMESH_DECODE_FP8_TILES") from None
         tiles = (block_n, warps, stages)
     return DecodeFp8Tuning(tiles, (env_str("DECODE_FP8_WIDEN") or "f32").strip())
+
+
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+"""Values of RADIXMESH_EVENT_LOOP (`radixmesh.common.aio.run_main`)."""
+HTTP_PARSERS = ("auto", "httptools", "h11")
+"""Values of RADIXMESH_HTTP_PARSER (uvicorn's `http` setting)."""
+
+
+def _choice(name: str, choices: tuple[str, ...]) -> str:
+    value = (env_str(name) or choices[0]).strip().lower()
+    if value not in choices:
+        raise invalid_argument(f"RADIXMESH_{name} must be one of {', '.join(choices)} (got {value!r})",
+                               f"RADIXMESH_{name}")
+    return value
+
+
+def event_loop() -> str:
+    """RADIXMESH_EVENT_LOOP: the event loop the services run on, checked: `auto` (uvloop when installed), `uvloop`
+    (an error without it) or `asyncio` (the standard library's)."""
+    return _choice("EVENT_LOOP", EVENT_LOOPS)
+
+
+def http_parser() -> str:
+    """RADIXMESH_HTTP_PARSER: how the HTTP servers parse requests, checked: `auto` (httptools when installed),
+    `httptools` or `h11` (pure Python)."""
+    return _choice("HTTP_PARSER", HTTP_PARSERS)

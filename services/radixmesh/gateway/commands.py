@@ -95,17 +95,17 @@ def _gateway_config(args: argparse.Namespace) -> GatewayConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import asyncio
     import logging
 
     from radixmesh.common import tracing
+    from radixmesh.common.aio import run_main
     from radixmesh.engine.args import engine_kwargs
     from radixmesh.engine.config import EngineConfig
     from radixmesh.gateway.server import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tracing.configure("serve", args.otlp_endpoint)
-    return asyncio.run(serve(_gateway_config(args), EngineConfig(**engine_kwargs(args))))
+    return run_main(serve(_gateway_config(args), EngineConfig(**engine_kwargs(args))))
 
 
 def _register_gateway(sub: argparse._SubParsersAction) -> None:
@@ -149,10 +149,10 @@ def _register_gateway(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    import asyncio
     import logging
 
     from radixmesh.common import tracing
+    from radixmesh.common.aio import run_main
     from radixmesh.gateway.cluster_backend import ClusterBackend
     from radixmesh.gateway.server import serve_backend
 
@@ -162,12 +162,12 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     if args.embedded_router is not None:
         from radixmesh.gateway.embedded_router import start_embedded
 
-        return asyncio.run(serve_backend(
+        return run_main(serve_backend(
             config, lambda: start_embedded(args.tokenizer, args.embedded_router, config.served_model_name,
                                            args.detokenize, args.tokenize, config.tokenizer_workers),
             f"routing in this process ({args.embedded_router}); the tokenizer at {args.tokenizer}"))
     kind, address = ("router", args.router) if args.router else ("worker", args.worker)
-    return asyncio.run(serve_backend(
+    return run_main(serve_backend(
         config, lambda: ClusterBackend.start(args.tokenizer, address, kind, config.served_model_name,
                                           detokenize=args.detokenize, transport=args.generate_transport,
                                           tokenize=args.tokenize, tokenizer_workers=config.tokenizer_workers),

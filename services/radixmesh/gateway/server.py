@@ -22,6 +22,7 @@ from typing import Any
 
 import uvicorn
 
+from radixmesh.common.env import http_parser
 from radixmesh.common.errors import ErrorCode, RadixMeshError
 from radixmesh.common.gc_tuning import freeze_startup_objects
 from radixmesh.engine.config import EngineConfig
@@ -129,9 +130,10 @@ async def serve_backend(config: GatewayConfig, start_backend: Callable[[], Await
 
 
 def http_server(app: Any, config: GatewayConfig) -> _Server:
-    """uvicorn over `app`, serving TLS when the gateway has a certificate."""
+    """uvicorn over `app`, serving TLS when the gateway has a certificate; httptools parses the requests when
+    installed (RADIXMESH_HTTP_PARSER)."""
     tls = config.tls if config.serves_tls else None
-    return _Server(uvicorn.Config(app, log_level=config.log_level.lower(), lifespan="off",
+    return _Server(uvicorn.Config(app, log_level=config.log_level.lower(), lifespan="off", http=http_parser(),
                                   timeout_graceful_shutdown=round(config.graceful_shutdown_s) + 5,
                                   ssl_certfile=tls.cert_file if tls else None,
                                   ssl_keyfile=tls.key_file if tls else None))

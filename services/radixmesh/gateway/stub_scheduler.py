@@ -21,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from radixmesh.common.aio import run_main
 from radixmesh.engine.client import EngineClient
 from radixmesh.engine.config import EngineConfig
 from radixmesh.engine.hf_tokenizer import load_tokenizer
@@ -110,7 +111,7 @@ def main() -> None:
         client = await StubSchedulerClient.start_stub(args.model, os.path.abspath(args.record))
         return LocalEngineBackend(client, tokenizer_workers=args.tokenizer_workers)
 
-    raise SystemExit(asyncio.run(serve_backend(config, start, "starting the front end over a stub scheduler")))
+    raise SystemExit(run_main(serve_backend(config, start, "starting the front end over a stub scheduler")))
 
 
 if __name__ == "__main__":

@@ -27,8 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_grammar(args: argparse.Namespace) -> int:
-    import asyncio
-
+    from radixmesh.common.aio import run_main
     from radixmesh.common.errors import invalid_argument
     from radixmesh.common.grpc_server import server_config, setup_logging
     from radixmesh.grammar_service.server import serve_grammar
@@ -38,5 +37,5 @@ def cmd_grammar(args: argparse.Namespace) -> int:
         raise invalid_argument("--compile-threads must be >= 1", "compile_threads")
     setup_logging(args.log_level, "grammar")
     store = StoreConfig(memory_bytes=args.cache_bytes, redis_url=args.redis_url or None, ttl_s=args.cache_ttl_s)
-    return asyncio.run(serve_grammar(server_config(args), args.model, args.load_format, store, args.grammar_backend,
+    return run_main(serve_grammar(server_config(args), args.model, args.load_format, store, args.grammar_backend,
                                      args.compile_threads, args.tokenizer))

@@ -114,8 +114,7 @@ def embedded_router_flags(flags: str) -> tuple[RouterConfig, BaseDiscovery]:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    import asyncio
-
+    from radixmesh.common.aio import run_main
     from radixmesh.common.grpc_server import server_config, setup_logging
 
     setup_logging(args.log_level, "router")
@@ -123,7 +122,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     discovery = make_discovery(args)
     from radixmesh.router.server import serve_router
 
-    return asyncio.run(serve_router(server_config(args), config, discovery, epp_config(args)))
+    return run_main(serve_router(server_config(args), config, discovery, epp_config(args)))
 
 
 def epp_config(args: argparse.Namespace) -> EppConfig | None:

@@ -29,12 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> int:
-    import asyncio
-
+    from radixmesh.common.aio import run_main
     from radixmesh.common.grpc_server import server_config, setup_logging
     from radixmesh.engine.mm.config import image_limits_from_args
     from radixmesh.tokenizer_service.server import serve_tokenizer
 
     setup_logging(args.log_level, "tokenizer")
-    return asyncio.run(serve_tokenizer(server_config(args), args.model, args.load_format, args.block_size,
+    return run_main(serve_tokenizer(server_config(args), args.model, args.load_format, args.block_size,
                                        args.tokenizer, image_limits_from_args(args), args.tokenizer_workers))

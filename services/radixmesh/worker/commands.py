@@ -53,8 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    import asyncio
-
+    from radixmesh.common.aio import run_main
     from radixmesh.common.grpc_server import server_config, setup_logging
     from radixmesh.engine.args import engine_kwargs
     from radixmesh.engine.config import EngineConfig
@@ -68,4 +67,4 @@ def cmd_worker(args: argparse.Namespace) -> int:
                           peer_fetch=args.peer_fetch, peer_fetch_timeout_s=args.peer_fetch_timeout_s,
                           peer_fetch_min_tokens=args.peer_fetch_min_tokens, http_port=args.http_port,
                           served_model_name=args.served_model_name)
-    return asyncio.run(serve_worker(server_config(args), config, EngineConfig(**engine_kwargs(args))))
+    return run_main(serve_worker(server_config(args), config, EngineConfig(**engine_kwargs(args))))
