@@ -18,6 +18,7 @@ BENCH_COMMANDS: LazyRegistry[Callable[[argparse._SubParsersAction], None]] = Laz
     "paired": "loadtests.paired:register",
     "tool-calls": "loadtests.tool_calls:register",
     "front-end": "loadtests.front_end:register",
+    "front-end-load": "loadtests.front_end_load:register",
     # the engine in-process
     "one-batch": "radixmesh.engine.bench.throughput:register_one_batch",
     "offline": "radixmesh.engine.bench.throughput:register_offline",

@@ -90,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="radixmesh-front-end-") as tmp:
         record = Path(tmp) / "arrivals"
         record.touch()
-        port = _free_port()
-        server = _start_server(args, port, record)
+        port = free_port()
+        server = start_stub_server(args, port, record)
         try:
             samples = _measure(port, cells, bodies, record, args.warmup_requests, args.gap_ms / 1e3)
         finally:
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(samples, args.lengths)
     _print(summary)
     if args.output_file:
-        out = {"bench": "front-end", "command": " ".join(sys.argv), "machine": _machine(), "summary": summary,
+        out = {"bench": "front-end", "command": " ".join(sys.argv), "machine": machine(), "summary": summary,
                "samples": [asdict(s) for s in samples]}
         Path(args.output_file).write_text(json.dumps(out, indent=1) + "\n")
     return 0
@@ -116,14 +116,18 @@ def _request(kind: str, ids: list[int], tokenizer: Any, stream: bool = False) ->
     return "/v1/completions", json.dumps({"prompt": text, **params}).encode()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
-def _start_server(args: argparse.Namespace, port: int, record: Path) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "radixmesh.gateway.stub_scheduler", "--port", str(port), "--record", str(record)]
+def start_stub_server(args: argparse.Namespace, port: int, record: Path,
+                      extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+    """`serve`'s front end over the stub scheduler (`args.model`, `args.tokenizer_workers`; `extra`: more of the
+    stub's flags), once it answers /health."""
+    command = [sys.executable, "-m", "radixmesh.gateway.stub_scheduler", "--port", str(port), "--record", str(record),
+               *extra]
     if args.model:
         command += ["--model", args.model]
     if args.tokenizer_workers is not None:
@@ -230,6 +234,6 @@ def _print(summary: dict[str, Any]) -> None:
         print(f"{kind}: {slope:.2f} ms per 1,000 prompt tokens")
 
 
-def _machine() -> dict[str, Any]:
+def machine() -> dict[str, Any]:
     return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "load_average": os.getloadavg()}
