@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.front_end import free_port, machine, start_stub_server
+from radixmesh.common.env import event_loop, http_parser
 
 
 @dataclass
@@ -74,8 +75,7 @@ def run(args: argparse.Namespace) -> int:
           f"p99 {summary['itl_ms_p99']:.2f} ms")
     if args.output_file:
         out = {"bench": "front-end-load", "command": " ".join(sys.argv), "machine": machine(),
-               "event_loop": os.environ.get("RADIXMESH_EVENT_LOOP", "auto"),
-               "http_parser": os.environ.get("RADIXMESH_HTTP_PARSER", "auto"), "summary": summary}
+               "event_loop": event_loop(), "http_parser": http_parser(), "summary": summary}
         Path(args.output_file).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
