@@ -41,7 +41,8 @@ BENCH_COMMANDS: LazyRegistry[Callable[[argparse._SubParsersAction], None]] = Laz
 """`radixmesh bench` subcommand -> "module:function" adding it to the `bench` subparsers object."""
 
 GROUPS = {
-    "serving endpoint": ("serving", "goodput", "grpc-vs-http", "paired", "tool-calls", "front-end"),
+    "serving endpoint": ("serving", "goodput", "grpc-vs-http", "paired", "tool-calls", "front-end",
+                         "front-end-load"),
     "engine (in-process)": ("one-batch", "offline", "structured", "fp8-accuracy", "kv-capacity", "images",
                             "hicache", "speculative", "kv-transfer", "lora"),
     "local cluster": ("routing", "epp", "peer-fetch", "faults", "soak", "lora-routing"),
