@@ -42,6 +42,15 @@ def tokenize_min_piece_chars() -> int | None:
     return value
 
 
+def _choice(name: str, choices: tuple[str, ...]) -> str:
+    """RADIXMESH_<name>, lower-cased, one of `choices` (INVALID_ARGUMENT otherwise); unset: the first."""
+    value = (env_str(name) or choices[0]).strip().lower()
+    if value not in choices:
+        raise invalid_argument(f"RADIXMESH_{name} must be one of {', '.join(choices)} (got {value!r})",
+                               f"RADIXMESH_{name}")
+    return value
+
+
 MOE_PATHS = ("auto", "small", "sorted", "block")
 """Values of RADIXMESH_MOE_PATH (radixmesh.kernels.moe.MOE_PATHS, and `block`: a one-token pass runs its whole MoE
 block, norm and router included, in one persistent kernel, `radixmesh.kernels.moe_block`)."""
@@ -51,11 +60,7 @@ def moe_path() -> str:
     """RADIXMESH_MOE_PATH: how the MoE layers run on CUDA, checked (INVALID_ARGUMENT when not one of `MOE_PATHS`):
     `auto` (the small-batch path up to its token threshold), `small` or `sorted` always (A/B runs), `block` (auto, and
     the whole-block kernel at one token)."""
-    value = (env_str("MOE_PATH") or "auto").strip().lower()
-    if value not in MOE_PATHS:
-        raise invalid_argument(f"RADIXMESH_MOE_PATH must be one of {', '.join(MOE_PATHS)} (got {value!r})",
-                               "RADIXMESH_MOE_PATH")
-    return value
+    return _choice("MOE_PATH", MOE_PATHS)
 
 
 DECODE_FP8_WIDENS = ("f32", "direct", "f16")
@@ -108,14 +113,6 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 """Values of RADIXMESH_EVENT_LOOP (`radixmesh.common.aio.run_main`)."""
 HTTP_PARSERS = ("auto", "httptools", "h11")
 """Values of RADIXMESH_HTTP_PARSER (uvicorn's `http` setting)."""
-
-
-def _choice(name: str, choices: tuple[str, ...]) -> str:
-    value = (env_str(name) or choices[0]).strip().lower()
-    if value not in choices:
-        raise invalid_argument(f"RADIXMESH_{name} must be one of {', '.join(choices)} (got {value!r})",
-                               f"RADIXMESH_{name}")
-    return value
 
 
 def event_loop() -> str:

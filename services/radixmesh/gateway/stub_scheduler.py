@@ -89,7 +89,7 @@ def run_stub_scheduler(recv_addr: str, send_addr: str, record_path: str, itl_ms:
 
 
 class _Steps:
-    """The streaming stub's running requests: rid -> [prompt length, tokens to go, tokens sent]."""
+    """The streaming stub's running requests: rid -> [prompt length, max_new_tokens, tokens sent]."""
 
     def __init__(self, itl_s: float) -> None:
         self.itl_s = itl_s
@@ -108,9 +108,9 @@ class _Steps:
         self.next_at += self.itl_s
         outs = []
         for rid, state in list(self.running.items()):
-            prompt_len, to_go, sent = state
+            prompt_len, max_new_tokens, sent = state
             state[2] = sent + 1
-            finished = sent + 1 >= to_go
+            finished = sent + 1 >= max_new_tokens
             outs.append(TokenOut(rid, [STUB_TOKEN_BASE + sent % 1000], prompt_len, 0, sent + 1,
                                  finish_reason="length" if finished else None, admitted_at=time.time()))
             if finished:
