@@ -140,6 +140,7 @@ def to_json(runs: Sequence[RunReport], workload: Workload, load: LoadConfig, wit
             "summary": run.summary.to_dict(),
             "warmup_errors": run.record.warmup_errors,
             "flush_error": run.record.flush_error,
+            "clock_origin_s": run.record.clock_origin_s,
             "requests": [r.to_dict(with_text=with_text) for r in run.record.results],
         } for run in runs],
     }

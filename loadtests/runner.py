@@ -70,6 +70,9 @@ class RunRecord:
     warmup_errors: list[str] = field(default_factory=list)
     flush_error: str | None = None
     """Why POST /flush_cache failed (None: it worked or was not asked for)."""
+    clock_origin_s: float | None = None
+    """`time.perf_counter()` when the run started: each request's `start_s` counts from it (the host's monotonic
+    clock, which the server's request and step traces on the same machine read too)."""
 
 
 def arrival_times_s(num: int, rate: float, seed: int) -> list[float]:
@@ -110,7 +113,8 @@ async def run_load(workload: Workload, backend: BaseBackend, load: LoadConfig,
         await backend.aclose()
     results = [r for session_results in per_session for r in session_results]
     end = max((r.end_s for r in results), default=0.0)
-    return RunRecord(results=results, duration_s=end, warmup_errors=warmup_errors, flush_error=flush_error)
+    return RunRecord(results=results, duration_s=end, warmup_errors=warmup_errors, flush_error=flush_error,
+                     clock_origin_s=start)
 
 
 async def _warm_up(http: Any, backend: BaseBackend, num: int) -> list[str]:

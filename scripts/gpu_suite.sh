@@ -64,6 +64,8 @@
 #   STAGES="extend-kernel prefill-profile": where a prefill's time goes (the extend kernel's tiles against torch SDPA,
 #   one 8B prefill's kernels and host phases, with and without --enable-dense-prefill)
 #   STEP_TRACE=1 STAGES=online: also the scheduler's step timeline, summed up per request (scripts/step_trace_summary.py)
+#   REQUEST_TRACE=1 (with STEP_TRACE=1): also the front end's request trace, and each request's TTFT phase by phase
+#   from the client's send to its first text (scripts/request_timeline.py -> online[-TAG]-WORKLOAD-timeline.json)
 #   ONLINE_TAG=x SERVE_ARGS=--disable-launch-pacing STAGES=online: the online results land in online-x-WORKLOAD.json (a
 #   second call's online-WORKLOAD.json would replace the first one's while $OUT holds too few files to be packed); compare
 #   two such runs request by request with `radixmesh bench paired online-random.json online-x-random.json`
@@ -234,7 +236,9 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
       trace=""  # STEP_TRACE=1: the scheduler's per-step timeline (RADIXMESH_STEP_TRACE), summed up below
       [ -n "${STEP_TRACE:-}" ] && trace="$OUT/step-trace${ONLINE_TAG:+-$ONLINE_TAG}-{pid}.jsonl"
-      RADIXMESH_STEP_TRACE="$trace" $RM serve --model "$model" --load-format dummy --context-length 8192 --port "$port" \
+      rtrace=""  # REQUEST_TRACE=1: the front end's per-request timeline (RADIXMESH_REQUEST_TRACE), joined below
+      [ -n "${REQUEST_TRACE:-}" ] && rtrace="$OUT/request-trace${ONLINE_TAG:+-$ONLINE_TAG}-{pid}.jsonl"
+      RADIXMESH_STEP_TRACE="$trace" RADIXMESH_REQUEST_TRACE="$rtrace" $RM serve --model "$model" --load-format dummy --context-length 8192 --port "$port" \
         ${SERVE_ARGS:-} > "$OUT/online${ONLINE_TAG:+-$ONLINE_TAG}-server.log" 2>&1 &
       server=$!
       for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null || ! kill -0 $server 2>/dev/null && break; sleep 1; done
@@ -257,6 +261,14 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       fi
       for f in $(ls "$OUT"/step-trace${ONLINE_TAG:+-$ONLINE_TAG}-*.jsonl 2>/dev/null); do
         python3 scripts/step_trace_summary.py "$f" --json "${f%.jsonl}-summary.json"
+      done
+      # each request's TTFT phase by phase, client to scheduler and back (scripts/request_timeline.py)
+      fronts=$(ls "$OUT"/request-trace${ONLINE_TAG:+-$ONLINE_TAG}-*.jsonl 2>/dev/null)
+      steps=$(ls "$OUT"/step-trace${ONLINE_TAG:+-$ONLINE_TAG}-*[0-9].jsonl 2>/dev/null | head -1)
+      for w in ${fronts:+${ONLINE_WORKLOAD:-${ONLINE_WORKLOADS:-random random-ids}}}; do
+        echo "request timeline, $w"
+        python3 scripts/request_timeline.py "$pre-$w.json" --front $fronts ${steps:+--steps "$steps"} \
+          --json "$pre-$w-timeline.json"
       done ;;
     front-end)  # issue 50: serve's front-end time per prompt (request -> the scheduler holds its token ids) on this
       # host's CPU, over a stub scheduler (no GPU): text, chat and ids at 1k and 4k tokens, the tokenizer pool at one

@@ -3,11 +3,13 @@ went, from its arrival at the scheduler to its first token's results on the host
 
     python scripts/step_trace_summary.py TRACE.jsonl [--json OUT.json]
 
-Per request (the server's warm-up requests left out unless --with-warmup; medians by prompt length, milliseconds): `queue` arrival -> the start of the step that admits it;
-`schedule` that step's host scheduling; `launch` its prefill's launch on the host; `device_wait` the device still busy
-with earlier work after scheduling; `device` the prefill's device time (first chunk's start to last chunk's end);
-`results` device end -> results read on the host; `total` arrival -> results. Decode steps: median device and
-host launch times.
+Per request (the server's warm-up requests left out unless --with-warmup; medians by prompt length,
+milliseconds): `queue` arrival -> the start of the step that admits it; `schedule` that step's host scheduling;
+`launch` its prefill's launch on the host; `device_wait` the device still busy with earlier work after scheduling;
+`device` the prefill's device time (first chunk's start to last chunk's end); `results` device end -> results read
+on the host; `total` arrival -> results. Decode steps: median device and
+host launch times. The JSON's per-request rows also carry the request id and the arrival and results times
+(seconds, the host's monotonic clock) for `scripts/request_timeline.py`.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ WARMUP_PREFIX = "warmup-"
 
 
 def per_request(arrivals: dict[str, dict[str, Any]], batches: list[dict[str, Any]],
-                with_warmup: bool = False) -> list[dict[str, float]]:
+                with_warmup: bool = False) -> list[dict[str, Any]]:
     firsts: dict[str, dict[str, Any]] = {}
     starts: dict[str, dict[str, Any]] = {}
     for b in batches:
@@ -59,7 +61,8 @@ def per_request(arrivals: dict[str, dict[str, Any]], batches: list[dict[str, Any
         if first is None or start is None or "t_results" not in first or "t_launched" not in start:
             continue
         t_a = arrive["t"]
-        row = {"prompt": arrive["prompt"], "chunks": sum(1 for b in batches if rid in b.get("rids", [])),
+        row = {"rid": rid, "t_arrive": t_a, "t_results": first["t_results"], "prompt": arrive["prompt"],
+               "chunks": sum(1 for b in batches if rid in b.get("rids", [])),
                "queue": start["t_step"] - t_a, "schedule": start["t_sched"] - start["t_step"],
                "launch": start["t_launched"] - start["t_sched"], "total": first["t_results"] - t_a}
         if start.get("t_dev_start") is not None and first.get("t_dev_end") is not None:
@@ -70,7 +73,7 @@ def per_request(arrivals: dict[str, dict[str, Any]], batches: list[dict[str, Any
     return rows
 
 
-def summarise(rows: list[dict[str, float]], batches: list[dict[str, Any]]) -> dict[str, Any]:
+def summarise(rows: list[dict[str, Any]], batches: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"requests": len(rows), "buckets": []}
     for lo, hi in ((0, 10**9), *BUCKETS):
         sel = [r for r in rows if lo <= r["prompt"] < hi]

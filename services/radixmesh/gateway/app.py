@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from radixmesh import __version__
 from radixmesh.common import tracing
 from radixmesh.common.errors import ErrorCode, RadixMeshError, invalid_argument
-from radixmesh.gateway import lora_api, native_api, openai_api, responses_api, tokenize_api
+from radixmesh.gateway import lora_api, native_api, openai_api, request_trace, responses_api, tokenize_api
 from radixmesh.gateway.auth import ApiKeys, api_keys_of
 from radixmesh.gateway.backend import GatewayBackend
 from radixmesh.gateway.cluster_backend import ClusterBackend
@@ -76,6 +76,9 @@ def create_app(backend: GatewayBackend, config: GatewayConfig, api_keys: ApiKeys
 
         # outermost: the span covers everything; probes and scrapes get none
         app.add_middleware(HttpTracingMiddleware, routes=routes, untraced=OPEN_PATHS - {"/health_generate"})
+    trace_out = request_trace.trace_file()
+    if trace_out is not None:  # outermost: the timeline starts before any other middleware runs
+        app.add_middleware(request_trace.RequestTraceMiddleware, out=trace_out)
     return app
 
 

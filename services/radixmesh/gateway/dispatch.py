@@ -17,6 +17,7 @@ from typing import Any
 
 from radixmesh.common import tracing
 from radixmesh.common.errors import ErrorCode, RadixMeshError
+from radixmesh.gateway import request_trace
 from radixmesh.gateway.backend import GatewayBackend, GenerationChunk, SamplingParams
 from radixmesh.gateway.metrics import GatewayMetrics
 from radixmesh.wire.images import MultimodalInputs
@@ -95,6 +96,10 @@ class Dispatcher:
         self.num_in_flight += num_seqs
         self.active[request_id] = generation
         num_prompt_tokens = sum(len(job.input_ids) for job in jobs)
+        request_trace.mark("t_open")
+        request_trace.note("rid", generation.rids[0])
+        request_trace.note("prompt_tokens", num_prompt_tokens)
+        request_trace.note("tokenize_s", tokenize_s)
         self.metrics.observe_admitted(endpoint, num_prompt_tokens)
         if tracing.enabled():  # on the HTTP span: which request this trace is
             tracing.set_attributes({"radixmesh.request_id": request_id, "radixmesh.endpoint": endpoint,
@@ -214,6 +219,7 @@ class Generation:
         last = self._last_token_s[index]
         if chunk.token_ids:
             if last is None:  # a branch of n > 1 waited for the shared prompt first: no engine share to subtract
+                request_trace.mark("t_first_chunk", now)
                 engine_s = chunk.engine_ttft_s if self.num_seqs == 1 else None
                 metrics.observe_first_token(now - self.start_s, chunk.cached_tokens, engine_s)
             metrics.observe_tokens(len(chunk.token_ids), None if last is None else now - last)

@@ -27,6 +27,7 @@ from radixmesh.engine.mm.config import ImageLimits
 from radixmesh.engine.mm.prompt import MultimodalProcessor, MultimodalPrompt, PromptWithImages, text_only_error
 from radixmesh.engine.output import TextAssembler
 from radixmesh.engine.tokenize_pool import DEFAULT_TOKENIZER_WORKERS, TokenizerPool, traced
+from radixmesh.gateway import request_trace
 from radixmesh.gateway.backend import GatewayBackend, GenerationChunk, ModelCard, SamplingParams
 from radixmesh.wire.images import MultimodalInputs
 from radixmesh.worker.timeline import RequestTimeline
@@ -135,6 +136,7 @@ class LocalEngineBackend(GatewayBackend):
                 detokenize_ns += time.perf_counter_ns() - start_ns
                 if engine_start is not None:
                     chunk.engine_ttft_s, engine_start = start_ns / 1e9 - engine_start, None
+                    request_trace.mark("t_first_out", start_ns / 1e9)
                 yield chunk
         finally:
             timeline.close()

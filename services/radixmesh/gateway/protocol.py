@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.grammar.spec import json_depth
+from radixmesh.gateway import request_trace
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -33,6 +34,7 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     Types are checked strictly, as OpenAI does: `"16"` is not an integer and `"yes"` not a boolean
     (integers are accepted where numbers are expected).
     """
+    request_trace.mark("t_body")
     try:
         data = json.loads(raw)
     except UnicodeDecodeError as exc:
