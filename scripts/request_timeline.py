@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (with PYTHONSAFEPATH set, as gpu_suite.sh runs it)
 from step_trace_summary import BUCKETS, load, per_request
 
 PHASES = ("client_to_app", "body", "tokenize", "admit", "to_scheduler", "scheduler", "to_front", "engine",
