@@ -55,9 +55,6 @@ class FakeClient:
     def branch_params(self, params: SamplingParams) -> list[SamplingParams]:
         return [params] * params.n
 
-    async def prompt_coming(self, tokenize_s: float) -> None:
-        pass
-
     async def abort(self, rid: str) -> None:
         self.log.append(f"abort {rid}")
 

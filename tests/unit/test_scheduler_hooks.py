@@ -35,16 +35,14 @@ class Busy(SchedulerHook):
 
 
 def test_the_protocol_lists_its_methods_and_defaults_do_nothing() -> None:
-    assert set(_METHODS) == {"take_request", "remove", "prompt_coming", "on_step_start", "needs_host_tokens",
-                             "idle_wait", "admissible", "decode_batch", "launch", "vocab_mask", "on_launched",
-                             "launch_deadline", "prompt_deadline", "on_results", "token_verdict", "settle",
-                             "after_tokens", "flush", "stats"}
+    assert set(_METHODS) == {"take_request", "remove", "on_step_start", "needs_host_tokens", "idle_wait",
+                             "admissible", "decode_batch", "launch", "vocab_mask", "on_launched", "launch_deadline",
+                             "on_results", "token_verdict", "settle", "after_tokens", "flush", "stats"}
     hook, r = Quiet(), Req(rid="r", origin_input_ids=[1], params=make_requests(1)[0].params)
     waiting = [r]
     assert hook.take_request(r) is False and hook.remove("r") == [] and hook.admissible(waiting) is waiting
     assert hook.idle_wait(1.0) is False and hook.busy is False and hook.flush() is True and hook.stats() == {}
     assert hook.launch_deadline() is None and hook.decode_batch([r]) is None and hook.token_verdict(r, 1) is None
-    assert hook.prompt_deadline() is None and hook.prompt_coming(0.01) is None
 
 
 def test_a_hook_set_calls_only_the_hooks_that_override_a_method() -> None:
@@ -62,7 +60,7 @@ def test_answers_combine_any_all_and_first() -> None:
     assert hooks.busy and hooks.idle_wait(0.5) and idle.waited == [0.5] and waiting.waited == [0.5]
     assert not HookSet([idle]).busy and not HookSet([idle]).idle_wait(0.1)
     assert HookSet([Busy(flushes=True), Busy(flushes=False)]).flush() is False
-    assert HookSet().flush() is True and HookSet().launch_deadline() is None and HookSet().prompt_deadline() is None
+    assert HookSet().flush() is True and HookSet().launch_deadline() is None
 
 
 def test_the_first_waiting_hook_ends_the_idle_wait() -> None:

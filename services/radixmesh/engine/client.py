@@ -53,7 +53,6 @@ from radixmesh.wire.messages import (
     LoraListReqMsg,
     LoraLoadReqMsg,
     LoraUnloadReqMsg,
-    PromptComingMsg,
     QueryOutMsg,
     ReadyMsg,
     ServerInfoReqMsg,
@@ -244,13 +243,6 @@ class EngineClient:
     async def abort(self, rid: str) -> None:
         if self._fatal is None:
             await self._send.send(encoder.encode(AbortReqMsg(rid)))
-
-    async def prompt_coming(self, tokenize_s: float) -> None:
-        """Tell the scheduler a prompt is being tokenized, due in about `tokenize_s` (launch pacing may wait for
-        it). A hint: nothing when the scheduler is gone, and a failed send is the request's own send's to report."""
-        if self._fatal is None:
-            with contextlib.suppress(zmq.ZMQError):
-                await self._send.send(encoder.encode(PromptComingMsg(tokenize_s)))
 
     async def send(self, msg: Any) -> None:
         """Send a message that has no answer (a KV chunk, a cancellation, a release) to the scheduler."""

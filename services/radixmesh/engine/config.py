@@ -114,11 +114,6 @@ class EngineConfig:
     running step ends, listening for requests, so that one arriving meanwhile starts its prefill a step sooner
     (scheduler/pacing.py; on an H100, 8B, 100 prompts at 1 req/s, the same prompts with and without on one machine:
     time to first token 3.0 ms shorter per request (median of the differences), ITL 7.11 vs 7.09 ms)."""
-    disable_prompt_wait: bool = False
-    """Launch pacing does not wait for prompts the front end is tokenizing. By default `serve`'s front end tells
-    the scheduler when it starts tokenizing a prompt; while nobody waits for admission the scheduler then launches no
-    further decode step until that prompt arrives (or its estimated tokenization time has passed), so its prefill
-    runs as soon as the running step ends instead of after the next one (scheduler/pacing.py)."""
     disable_prefill_warmup: bool = False
     """Report ready without first running one prefill of each of a range of prompt lengths and a few decode steps
     at each batch-size bucket (CUDA only; a few seconds at start for an 8B model): the first requests then load the

@@ -44,10 +44,6 @@ idle workers)."""
 MAX_TOKENIZER_WORKERS = 64
 MAX_BATCH_TEXTS = 64
 """Most waiting texts one worker takes at once."""
-DEFAULT_S_PER_CHAR = 5e-7
-"""A worker's time per character of text before any was measured (the `random` workload's text on a GPU host's
-CPU: ~3.7 ms for 10k characters, in pieces on idle workers)."""
-EMA_WEIGHT = 0.2
 
 T = TypeVar("T")
 
@@ -156,12 +152,6 @@ class TokenizerPool:
         """Texts encoded so far (each prompt's text counts once)."""
         self.num_batches = 0
         """`encode_batch` calls so far (a batch holds the texts that waited together)."""
-        self.s_per_char = DEFAULT_S_PER_CHAR
-        """A batch's encode time per character of its texts (a running average)."""
-
-    def estimate_s(self, num_chars: int) -> float:
-        """About how long a text of `num_chars` characters takes to encode now (from the batches so far)."""
-        return num_chars * self.s_per_char
 
     def _num_idle(self) -> int:
         """Workers without a batch now (read on a worker: an int the loop thread writes)."""
@@ -235,9 +225,6 @@ class TokenizerPool:
                     job.future.set_exception(error)
         else:
             results, extras, encode_s = done.result()
-            num_chars = sum(len(job.text) for job in batch)
-            if num_chars:
-                self.s_per_char += EMA_WEIGHT * (encode_s / num_chars - self.s_per_char)
             for job, result, extra in zip(batch, results, extras):
                 if job.future.done():  # its caller went away
                     continue

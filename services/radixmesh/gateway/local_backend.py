@@ -81,15 +81,12 @@ class LocalEngineBackend(GatewayBackend):
         return self.tokenize_pool
 
     async def encode(self, text: str) -> list[int]:
-        pool = self._pool("prompt")
-        await self.client.prompt_coming(pool.estimate_s(len(text)))
-        return (await traced("serve.tokenize", "text", pool.encode(text))).ids
+        return (await traced("serve.tokenize", "text", self._pool("prompt").encode(text))).ids
 
     async def apply_chat_template(self, messages: list[dict[str, Any]],
                                   tools: list[dict[str, Any]] | None = None) -> list[int]:
-        pool = self._pool("messages")
-        await self.client.prompt_coming(pool.estimate_s(sum(len(str(m.get("content") or "")) for m in messages)))
-        return (await traced("serve.tokenize", "chat", pool.encode_chat(messages, tools=tools))).ids
+        return (await traced("serve.tokenize", "chat",
+                              self._pool("messages").encode_chat(messages, tools=tools))).ids
 
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         return render_chat(self._tokenizer("messages"), messages, add_generation_prompt)

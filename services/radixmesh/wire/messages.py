@@ -30,13 +30,6 @@ class AbortReqMsg(msgspec.Struct, tag="abort", frozen=True):
     rid: str
 
 
-class PromptComingMsg(msgspec.Struct, tag="prompt_coming", frozen=True):
-    """The front end started tokenizing a prompt; its GenerateReqMsg follows in about `tokenize_s` (the front end's
-    estimate). Launch pacing may wait for it (scheduler/pacing.py)."""
-
-    tokenize_s: float
-
-
 class FlushCacheReqMsg(msgspec.Struct, tag="flush_cache", frozen=True):
     query_id: str
 
@@ -66,8 +59,8 @@ class LoraListReqMsg(msgspec.Struct, tag="lora_list", frozen=True):
     query_id: str
 
 
-ToSchedulerMsg = (GenerateReqMsg | AbortReqMsg | PromptComingMsg | FlushCacheReqMsg | ServerInfoReqMsg
-                  | ShutdownReqMsg | LoraLoadReqMsg | LoraUnloadReqMsg | LoraListReqMsg | DisaggToSchedulerMsg)
+ToSchedulerMsg = (GenerateReqMsg | AbortReqMsg | FlushCacheReqMsg | ServerInfoReqMsg | ShutdownReqMsg
+                  | LoraLoadReqMsg | LoraUnloadReqMsg | LoraListReqMsg | DisaggToSchedulerMsg)
 
 
 class TokenOut(msgspec.Struct, frozen=True):

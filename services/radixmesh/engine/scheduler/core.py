@@ -146,18 +146,6 @@ class Scheduler:
             return None
         return self.hooks.launch_deadline()
 
-    def prompt_deadline(self) -> float | None:
-        """Until when the loop may process the running decode step and then launch nothing, listening for a prompt
-        the front end is tokenizing, so that its prefill starts on an idle device rather than after one more decode
-        step (scheduler/pacing.py); only while that step is in flight and nobody waits for admission. None: step."""
-        if self.prefill.has_work or self.in_flight is None or not self.in_flight.batch.is_decode:
-            return None
-        return self.hooks.prompt_deadline()
-
-    def prompt_coming(self, tokenize_s: float) -> None:
-        """The front end started tokenizing a prompt, due in about `tokenize_s`."""
-        self.hooks.prompt_coming(tokenize_s)
-
     @property
     def running(self) -> list[Req]:
         """The running requests (the decode manager's)."""

@@ -3,10 +3,10 @@
 A hook overrides the methods of `SchedulerHook` it needs; every other method keeps its no-op default. The
 scheduler calls them through one `HookSet`, in the order of `SCHEDULER_HOOKS`, at fixed points of a step:
 
-    intake      take_request, remove, prompt_coming
+    intake      take_request, remove
     step        on_step_start, needs_host_tokens, idle_wait, busy
     schedule    admissible (prefill), decode_batch (decode)
-    launch      launch, vocab_mask, on_launched, launch_deadline, prompt_deadline
+    launch      launch, vocab_mask, on_launched, launch_deadline
     results     on_results, token_verdict, settle, after_tokens
     other       flush, stats
 
@@ -43,9 +43,6 @@ class SchedulerHook:
     def remove(self, rid: str) -> list[Req]:
         """An abort: the requests of `rid` the hook holds, now dropped (the scheduler finishes them)."""
         return []
-
-    def prompt_coming(self, tokenize_s: float) -> None:
-        """The front end started tokenizing a prompt, due in about `tokenize_s`."""
 
     # ---- the step ---------------------------------------------------------------------------------
     def on_step_start(self) -> None:
@@ -88,11 +85,6 @@ class SchedulerHook:
 
     def launch_deadline(self) -> float | None:
         """Until when (`time.perf_counter()`) the loop may hold the next launch; None: no hold."""
-        return None
-
-    def prompt_deadline(self) -> float | None:
-        """Until when the loop may leave the device idle after the running decode step, waiting for a prompt that
-        is being tokenized (its prefill then starts at once); None: no wait."""
         return None
 
     # ---- results ----------------------------------------------------------------------------------
@@ -184,10 +176,6 @@ class HookSet:
     def remove(self, rid: str) -> list[Req]:
         return [req for h in self._by_method["remove"] for req in h.remove(rid)]
 
-    def prompt_coming(self, tokenize_s: float) -> None:
-        for h in self._by_method["prompt_coming"]:
-            h.prompt_coming(tokenize_s)
-
     def on_step_start(self) -> None:
         for h in self._by_method["on_step_start"]:
             h.on_step_start()
@@ -222,9 +210,6 @@ class HookSet:
 
     def launch_deadline(self) -> float | None:
         return _first(h.launch_deadline() for h in self._by_method["launch_deadline"])
-
-    def prompt_deadline(self) -> float | None:
-        return _first(h.prompt_deadline() for h in self._by_method["prompt_deadline"])
 
     def on_results(self, batch: ScheduleBatch) -> None:
         for h in self._by_method["on_results"]:

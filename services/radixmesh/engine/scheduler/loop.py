@@ -21,7 +21,6 @@ from radixmesh.wire.messages import (
     AbortReqMsg,
     FlushCacheReqMsg,
     GenerateReqMsg,
-    PromptComingMsg,
     QueryOutMsg,
     ServerInfoReqMsg,
     ShutdownReqMsg,
@@ -44,7 +43,6 @@ class SchedulerLoop:
         self.stopping = False
         self.handlers: dict[type, Callable[[Any], None]] = {
             GenerateReqMsg: self._generate, AbortReqMsg: self._abort, FlushCacheReqMsg: self._flush,
-            PromptComingMsg: lambda msg: self.scheduler.prompt_coming(msg.tokenize_s),
             ServerInfoReqMsg: lambda msg: self.reply(msg.query_id, self.info()),
             ShutdownReqMsg: self._shutdown,
         }
@@ -72,10 +70,6 @@ class SchedulerLoop:
             deadline = self.scheduler.launch_deadline()
             if deadline is not None:
                 self._listen_until(poller, recv, deadline)
-                awaited = self.scheduler.prompt_deadline()
-                if awaited is not None:  # a prompt being tokenized prefills right after the running step
-                    self.scheduler.process_in_flight()
-                    self._listen_until(poller, recv, awaited)
             stepped = self.scheduler.step()
             if self.kv_events is not None:
                 self._send_kv_events()

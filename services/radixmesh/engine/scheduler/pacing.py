@@ -14,14 +14,6 @@ before it, counted only when the step was queued while that one still ran (so no
 it) and read once both completed (never waited on). A step that finds the device already idle widens the margin
 (BUBBLE_MARGIN_S, up to MAX_EXTRA_MARGIN_S); steps that find it busy narrow it again.
 
-A prompt sent as text spends a few milliseconds in the front end's tokenizer before the scheduler sees it: it
-arrives at a random point of the decode cycle and waits on average most of a step. `serve`'s front end says when
-it starts tokenizing one (`PromptComingMsg`, with its estimate of the time). While nobody waits for admission the
-loop then reads the running step's tokens (they stream out as usual) and launches nothing further until that prompt
-arrives or `PROMPT_SLACK` times the estimate plus `PROMPT_HOP_S` has passed (at most `MAX_PROMPT_WAIT_S`): its prefill
-starts once the running step ends, and the running requests give up the idle gap, once per such prompt.
-`--disable-prompt-wait` turns this part off.
-
 On by default (`--disable-launch-pacing` turns it off). On an H100 (8B, 100 prompts of <= 4,096 tokens at 1 req/s
 through `serve`, one machine, runs with / without / with): the same prompts reached their first token 3.0 ms sooner
 with it (median of the per-request differences; mean 2.7 ms), median TTFT 73.37 vs 73.29 ms, ITL 7.11 vs 7.09 ms,
@@ -42,7 +34,6 @@ from radixmesh.engine.scheduler.hooks import SchedulerHook
 if TYPE_CHECKING:
     from radixmesh.engine.batch import ScheduleBatch
     from radixmesh.engine.config import EngineConfig
-    from radixmesh.engine.request import Req
     from radixmesh.engine.scheduler.core import Scheduler
 
 EMA_WEIGHT = 0.2
@@ -57,12 +48,6 @@ BUBBLE_MARGIN_S = 0.0002
 MAX_EXTRA_MARGIN_S = 0.003
 MAX_HOLD_S = 0.05
 """Never hold a launch longer than this (a decode step estimate above it is not trusted)."""
-PROMPT_SLACK = 1.5
-"""A prompt being tokenized is waited for up to this many times the front end's estimate of its tokenization..."""
-PROMPT_HOP_S = 0.002
-"""... plus this (the front end's work around the tokenization and the hop to the scheduler)..."""
-MAX_PROMPT_WAIT_S = 0.02
-"""... and never longer than this after the front end said it was coming."""
 
 
 class LaunchPacer:
@@ -123,33 +108,12 @@ def _ema(current: float | None, sample: float) -> float:
 
 class PacingHook(SchedulerHook):
     """The scheduler's side of launch pacing: times each step's host work and each decode step's device time,
-    and proposes how long the loop may hold the next decode launch, and how long it may then wait for a prompt
-    that the front end is tokenizing."""
+    and proposes how long the loop may hold the next decode launch."""
 
-    def __init__(self, sched: Scheduler, pacer: LaunchPacer, wait_for_prompts: bool = True) -> None:
+    def __init__(self, sched: Scheduler, pacer: LaunchPacer) -> None:
         self.sched = sched
         self.pacer = pacer
         self.step_start = 0.0
-        self.wait_for_prompts = wait_for_prompts
-        self.awaited: list[float] = []
-        """When each prompt announced by the front end and not yet here stops being waited for."""
-
-    def prompt_coming(self, tokenize_s: float) -> None:
-        if self.wait_for_prompts:
-            wait_s = min(MAX_PROMPT_WAIT_S, PROMPT_SLACK * max(0.0, tokenize_s) + PROMPT_HOP_S)
-            self.awaited.append(time.perf_counter() + wait_s)
-
-    def take_request(self, req: Req) -> bool:
-        if self.awaited:  # it may be another than the one announced first: that one's wait ends all the same
-            self.awaited.pop(0)
-        return False
-
-    def prompt_deadline(self) -> float | None:
-        if not self.awaited:
-            return None
-        now = time.perf_counter()
-        self.awaited = [t for t in self.awaited if t > now]
-        return min(self.awaited, default=None)
 
     def on_step_start(self) -> None:
         self.step_start = time.perf_counter()
@@ -172,4 +136,4 @@ def create_hook(sched: Scheduler) -> PacingHook | None:
     if sched.config.speculative_algorithm:
         return None
     pacer = LaunchPacer.create(sched.config, sched.runner.device)
-    return PacingHook(sched, pacer, not sched.config.disable_prompt_wait) if pacer is not None else None
+    return PacingHook(sched, pacer) if pacer is not None else None
