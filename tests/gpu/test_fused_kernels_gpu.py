@@ -131,4 +131,7 @@ def test_staging_compiles_one_variant_for_any_row_count_and_slot_slice():
         assert torch.equal(slots_dst[:num_rows], src) and not slots_dst[num_rows:].any()
         assert torch.equal(req_to_token[:num_rows, 9].long(), src)
         counts.append(_num_variants(_stage_decode_kernel))
+        # the same rows with every id on the host (a step launched with nothing in flight): no variant of its own
+        stage_decode_inputs(input_ids, None, None, src, slots_dst, req_to_token, rows, positions)
+        counts.append(_num_variants(_stage_decode_kernel))
     assert counts[-1] == counts[0], f"variants compiled along the way: {counts}"

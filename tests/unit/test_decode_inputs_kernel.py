@@ -73,3 +73,24 @@ def test_stage_decode_inputs_checks_its_inputs():
         stage_decode_inputs(ids, ids, None, ids[:1], ids[:2], r2t, ids, ids)
     with pytest.raises(AssertionError, match="req_to_token must be"):
         stage_decode_inputs(ids, None, None, ids[:1], ids[:2], ids, ids, ids)
+
+
+def test_host_ids_and_futures_launch_the_same_compiled_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose ids are all on the host (nothing was in flight) must not need a kernel variant of its own: the
+    warm-up's steps, which read futures, compile the only ones a server launches (one per padded size)."""
+    import radixmesh.kernels.decode_inputs as staging
+
+    launches: list[dict[str, object]] = []
+
+    class Recorder:
+        def __getitem__(self, grid: object) -> object:
+            return lambda *args, **constexprs: launches.append(constexprs)
+
+    monkeypatch.setattr(staging, "_stage_decode_kernel", Recorder())
+    ids = torch.zeros(8, dtype=torch.int64)
+    r2t = torch.zeros(8, 16, dtype=torch.int64)
+    prev = torch.arange(5, dtype=torch.int64)
+    stage_decode_inputs(ids, torch.arange(6, dtype=torch.int64), prev, ids[:6], ids[:8], r2t, ids, ids)
+    stage_decode_inputs(ids, None, None, ids[:6], ids[:8], r2t, ids, ids)
+    stage_decode_inputs(ids, None, prev, ids[:3], ids[:8], r2t, ids, ids)
+    assert launches == [{"BLOCK": 8}] * 3

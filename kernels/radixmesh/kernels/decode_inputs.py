@@ -25,11 +25,14 @@ def _stage_decode_kernel(
     input_ids_ptr, gather_ptr, prev_ptr, slots_src_ptr, slots_dst_ptr, req_to_token_ptr, pool_rows_ptr,
     positions_ptr,
     num_rows, num_padded, num_prev, stride_r2t_row,
-    HAS_FUTURES: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     offs = tl.arange(0, BLOCK)
     live = offs < num_rows
-    if HAS_FUTURES:
+    # a branch at run time, not a compile-time variant: a step whose inputs are all on the host (nothing was in
+    # flight) runs the variant the warm-up's steps compiled; a variant of its own compiled while serving (~60 ms on
+    # an H200 host) stalled such steps' launches
+    if num_prev > 0:
         # gather index < num_prev: the previous launch's token of that row; else the row keeps its id
         gather = tl.load(gather_ptr + offs, mask=live, other=num_prev)
         is_future = live & (gather < num_prev)
@@ -80,5 +83,5 @@ def stage_decode_inputs(input_ids: torch.Tensor, gather: torch.Tensor | None, pr
         prev_tokens if gather is not None and prev_tokens is not None else input_ids,
         slots_src, slots_dst, req_to_token, pool_rows, positions,
         num_rows, num_padded, num_prev, req_to_token.stride(0),
-        HAS_FUTURES=gather is not None, BLOCK=next_power_of_2(num_padded),
+        BLOCK=next_power_of_2(num_padded),
     )
