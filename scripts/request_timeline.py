@@ -10,10 +10,11 @@ Per request (milliseconds; they add up to the client's TTFT):
   body           -> its body read
   tokenize       the prompt's tokenization (the server's own figure)
   admit          -> admitted with its ids (parsing, validation, the rest of the handler)
+  start          -> handed to the engine client (`serve`: the request's message sent)
   to_scheduler   -> the scheduler took it (the hop, and its loop not listening)        [--steps]
   scheduler      -> its first token's results on the scheduler's host                  [--steps]
   to_front       -> that output reached the front end                                  [--steps]
-  engine         admitted -> first output at the front end (the three above together, without --steps)
+  engine         handed to the engine -> its first output at the front end (the three above, without --steps)
   detokenize     -> the first token's text out of the detokenizer
   to_wire        -> the first bytes handed to the HTTP server (SSE formatting, the stream's task)
   to_client      -> the client read the first text (the socket, the client's own loop)
@@ -33,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (with PYTHONSAFEPATH set, as gpu_suite.sh runs it)
 from step_trace_summary import BUCKETS, load, per_request
 
-PHASES = ("client_to_app", "body", "tokenize", "admit", "to_scheduler", "scheduler", "to_front", "engine",
+PHASES = ("client_to_app", "body", "tokenize", "admit", "start", "to_scheduler", "scheduler", "to_front", "engine",
           "detokenize", "to_wire", "to_client", "ttft")
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 
@@ -89,8 +90,8 @@ def timeline(c: dict[str, Any], f: dict[str, Any], step: dict[str, Any] | None) 
     """One request's phases in milliseconds (a phase whose ends are missing is left out)."""
     tokenize = f.get("tokenize_s") or 0.0
     points = {"send": c["send"], "http": f.get("t_http"), "body": f.get("t_body"), "open": f.get("t_open"),
-              "first_out": f.get("t_first_out"), "first_chunk": f.get("t_first_chunk"),
-              "first_body": f.get("t_first_body"), "first_text": c["first_text"]}
+              "submit": f.get("t_submit", f.get("t_open")), "first_out": f.get("t_first_out"),
+              "first_chunk": f.get("t_first_chunk"), "first_body": f.get("t_first_body"), "first_text": c["first_text"]}
 
     def span(a: str, b: str, less: float = 0.0) -> float | None:
         if points[a] is None or points[b] is None:
@@ -99,12 +100,14 @@ def timeline(c: dict[str, Any], f: dict[str, Any], step: dict[str, Any] | None) 
 
     row: dict[str, Any] = {"rid": f["rid"], "prompt": c["prompt"], "client_to_app": span("send", "http"),
                            "body": span("http", "body"), "tokenize": tokenize * 1000,
-                           "admit": span("body", "open", tokenize), "engine": span("open", "first_out"),
+                           "admit": span("body", "open", tokenize), "engine": span("submit", "first_out"),
                            "detokenize": span("first_out", "first_chunk"), "to_wire": span("first_chunk", "first_body"),
                            "to_client": span("first_body", "first_text"), "ttft": c["ttft"] * 1000}
+    if "t_submit" in f:
+        row["start"] = span("open", "submit")
     if step is not None:
         points["arrive"], points["results"] = step["t_arrive"], step["t_results"]
-        row.update(to_scheduler=span("open", "arrive"), scheduler=span("arrive", "results"),
+        row.update(to_scheduler=span("submit", "arrive"), scheduler=span("arrive", "results"),
                    to_front=span("results", "first_out"))
         row.update({f"sched_{k}": v for k, v in step.items() if k in ("queue", "device_wait", "device")})
     return {k: v for k, v in row.items() if v is not None}

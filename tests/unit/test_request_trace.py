@@ -23,7 +23,7 @@ from tests.unit.test_serve_tokenize import ScriptedEngineClient
 from tests.unit.test_tokenize_pool import random_text
 
 ROOT = Path(__file__).resolve().parents[2]
-ORDER = ("t_http", "t_body", "t_open", "t_first_out", "t_first_chunk", "t_first_body", "t_end")
+ORDER = ("t_http", "t_body", "t_open", "t_submit", "t_first_out", "t_first_chunk", "t_first_body", "t_end")
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +104,8 @@ def test_the_phases_add_up_to_the_clients_ttft(traced: Any, tokenizer: Any) -> N
         {"success": True, "start_s": send - origin, "ttft_s": first_text - send, "prompt_len": rec["prompt_tokens"]},
         {"success": False, "start_s": 0.5, "ttft_s": None, "prompt_len": 7}]}]}
     (folder / "result.json").write_text(json.dumps(result))
-    arrive = rec["t_open"] + (rec["t_first_out"] - rec["t_open"]) / 3
-    results = rec["t_open"] + 2 * (rec["t_first_out"] - rec["t_open"]) / 3
+    arrive = rec["t_submit"] + (rec["t_first_out"] - rec["t_submit"]) / 3
+    results = rec["t_submit"] + 2 * (rec["t_first_out"] - rec["t_submit"]) / 3
     steps = [{"ev": "arrive", "rid": rec["rid"], "t": arrive, "prompt": rec["prompt_tokens"]},
              {"ev": "batch", "id": 1, "kind": "extend", "rows": 1, "tokens": rec["prompt_tokens"], "t_step": arrive,
               "t_sched": arrive, "t_launched": arrive, "t_results": results, "rids": [rec["rid"]],
@@ -117,8 +117,8 @@ def test_the_phases_add_up_to_the_clients_ttft(traced: Any, tokenizer: Any) -> N
                           "--steps", str(folder / "steps.jsonl"), "--json", str(out)])
     assert code == 0
     (row,) = json.loads(out.read_text())["requests"]
-    parts = ("client_to_app", "body", "tokenize", "admit", "to_scheduler", "scheduler", "to_front", "detokenize",
-             "to_wire", "to_client")
+    parts = ("client_to_app", "body", "tokenize", "admit", "start", "to_scheduler", "scheduler", "to_front",
+             "detokenize", "to_wire", "to_client")
     assert set(parts) <= set(row) and row["rid"] == rec["rid"]
     assert sum(row[p] for p in parts) == pytest.approx(row["ttft"], abs=1e-6)
     assert row["to_scheduler"] == pytest.approx(row["scheduler"]) == pytest.approx(row["to_front"])

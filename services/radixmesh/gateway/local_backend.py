@@ -128,6 +128,7 @@ class LocalEngineBackend(GatewayBackend):
                                    itl=None, span_prefix="serve")  # the gateway's metrics observe the gaps
         detokenize_ns = 0
         engine_start: float | None = time.perf_counter()
+        request_trace.mark("t_submit", engine_start)
         try:
             async for out in self.client.generate_tokens(input_ids, params, rid, mm=mm, lora=lora):
                 timeline.on_output(out)

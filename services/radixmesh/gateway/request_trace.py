@@ -8,6 +8,7 @@ scheduler's step trace (RADIXMESH_STEP_TRACE) and a benchmark client on the same
     t_http         the request reached the app (its headers parsed)
     t_body         its body was read
     t_open         admitted with its token ids (`tokenize_s` of the time before it was tokenization)
+    t_submit       handed to the engine client (`serve`'s local engine: its message to the scheduler goes now)
     t_first_out    the engine's first output for it reached the front end (`serve`'s local engine)
     t_first_chunk  the first token's text came out of the detokenizer
     t_first_body   the first response bytes after the headers were handed to the HTTP server
