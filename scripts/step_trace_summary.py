@@ -7,9 +7,9 @@ Per request (the server's warm-up requests left out unless --with-warmup; median
 milliseconds): `queue` arrival -> the start of the step that admits it; `schedule` that step's host scheduling;
 `launch` its prefill's launch on the host; `device_wait` the device still busy with earlier work after scheduling;
 `device` the prefill's device time (first chunk's start to last chunk's end); `results` device end -> results read
-on the host; `total` arrival -> results. Decode steps: median device and
-host launch times. The JSON's per-request rows also carry the request id and the arrival and results times
-(seconds, the host's monotonic clock) for `scripts/request_timeline.py`.
+on the host; `total` arrival -> results. Decode steps: median device and host launch times. The JSON's
+per-request rows also carry the request id and the arrival and results times (seconds, the host's monotonic
+clock) for `scripts/request_timeline.py`.
 """
 
 from __future__ import annotations

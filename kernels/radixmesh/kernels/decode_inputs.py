@@ -30,8 +30,8 @@ def _stage_decode_kernel(
     offs = tl.arange(0, BLOCK)
     live = offs < num_rows
     # a branch at run time, not a compile-time variant: a step whose inputs are all on the host (nothing was in
-    # flight) runs the variant the warm-up's steps compiled; a variant of its own compiled while serving (~60 ms on
-    # an H200 host) stalled such steps' launches
+    # flight) runs the variant the warm-up's steps compiled (a variant of its own, compiled on first use while
+    # serving, is the likely cause of 54-68 ms decode launches once seen on an H200 host)
     if num_prev > 0:
         # gather index < num_prev: the previous launch's token of that row; else the row keeps its id
         gather = tl.load(gather_ptr + offs, mask=live, other=num_prev)
