@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -25,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtests.client import CompletionsBackend, RequestInput
 from loadtests.front_end import free_port, machine, start_stub_server
+from loadtests.workloads.base import Turn
 from radixmesh.common.env import event_loop, http_parser
 
 
@@ -87,41 +90,36 @@ def process_cpu_s(pid: int) -> float:
 
 
 async def _load(args: argparse.Namespace, port: int, pid: int) -> tuple[StreamStats, float, float]:
-    import httpx
+    import aiohttp
 
-    body = {"prompt": [1 + (i * 7919) % 9000 for i in range(args.prompt_len)], "max_tokens": args.output_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}
+    backend = CompletionsBackend(f"http://127.0.0.1:{port}")
+    req = RequestInput(Turn([1 + (i * 7919) % 9000 for i in range(args.prompt_len)], args.prompt_len,
+                            args.output_tokens))
     streams = StreamStats()
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=args.streams + 4)) as client:
-        await _one(client, url, body, StreamStats())  # a warm-up request, not counted
+    connector = aiohttp.TCPConnector(limit=args.streams + 4)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120), connector=connector) as http:
+        await _one(backend, http, req, StreamStats())  # a warm-up request, not counted
         end = time.perf_counter() + args.duration_s
 
         async def stream() -> None:
             while time.perf_counter() < end:
-                await _one(client, url, body, streams)
+                await _one(backend, http, req, streams)
 
         cpu_0, start = process_cpu_s(pid), time.perf_counter()
         await asyncio.gather(*(stream() for _ in range(args.streams)))
         return streams, process_cpu_s(pid) - cpu_0, time.perf_counter() - start
 
 
-async def _one(client: Any, url: str, body: dict[str, Any], streams: StreamStats) -> None:
-    start = last = time.perf_counter()
-    tokens = 0
-    async with client.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            raise SystemExit(f"/v1/completions answered {response.status_code}: {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            now = time.perf_counter()
-            if tokens == 0:
-                streams.ttft_s.append(now - start)
-            else:
-                streams.itl_s.append(now - last)
-            last, tokens = now, tokens + 1
-    streams.tokens += tokens
+async def _one(backend: CompletionsBackend, http: Any, req: RequestInput, streams: StreamStats) -> None:
+    """One streamed request through the benchmarks' client (`loadtests.client`), its times into `streams`."""
+    outcome = await backend.send(http, req)
+    if not outcome.success:
+        raise SystemExit(f"/v1/completions failed: {outcome.error}")
+    times = outcome.chunk_times
+    if times:
+        streams.ttft_s.append(times[0] - outcome.start)
+        streams.itl_s += [b - a for a, b in itertools.pairwise(times)]
+    streams.tokens += outcome.usage.completion_tokens or len(times)
     streams.requests += 1
 
 

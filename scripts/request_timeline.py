@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (with PYTHONSAFEPATH set, as gpu_suite.sh runs it)
-from step_trace_summary import BUCKETS, load, per_request
+from step_trace_summary import bucket_medians, load, per_request
 
 PHASES = ("client_to_app", "body", "tokenize", "admit", "start", "to_scheduler", "scheduler", "to_front", "engine",
           "detokenize", "to_wire", "to_client", "ttft")
@@ -113,21 +112,6 @@ def timeline(c: dict[str, Any], f: dict[str, Any], step: dict[str, Any] | None) 
     return {k: v for k, v in row.items() if v is not None}
 
 
-def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    cells = []
-    for lo, hi in ((0, 10**9), *BUCKETS):
-        sel = [r for r in rows if lo <= r["prompt"] < hi]
-        if not sel:
-            continue
-        cell: dict[str, Any] = {"prompt": f"{lo}-{hi if hi < 10**9 else ''}", "count": len(sel)}
-        for phase in PHASES:
-            vals = [r[phase] for r in sel if phase in r]
-            if vals:
-                cell[phase] = round(statistics.median(vals), 2)
-        cells.append(cell)
-    return cells
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("result", type=Path, help="a `bench serving --output-file` JSON")
@@ -147,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print("no client request matched a traced one", file=sys.stderr)
         return 1
-    cells = summarise(rows)
+    cells = bucket_medians(rows, PHASES)
     print(f"{len(rows)} of {len(clients)} requests matched; medians in ms")
     shown = ["prompt", "count", *[p for p in PHASES if any(p in c for c in cells)]]
     print(" | ".join(shown))

@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from typing import Any
 
 BUCKETS = ((0, 1000), (1000, 2000), (2000, 3000), (3000, 10**9))
@@ -73,20 +74,28 @@ def per_request(arrivals: dict[str, dict[str, Any]], batches: list[dict[str, Any
     return rows
 
 
-def summarise(rows: list[dict[str, Any]], batches: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"requests": len(rows), "buckets": []}
+def bucket_medians(rows: list[dict[str, Any]], parts: tuple[str, ...],
+                   extra: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Per prompt-length bucket (all requests first): its count, `extra(rows of the bucket)`, and the median of each
+    of `parts` over the rows that have it (milliseconds, two decimals)."""
+    cells = []
     for lo, hi in ((0, 10**9), *BUCKETS):
         sel = [r for r in rows if lo <= r["prompt"] < hi]
         if not sel:
             continue
         cell: dict[str, Any] = {"prompt": f"{lo}-{hi if hi < 10**9 else ''}", "count": len(sel),
-                                "prompt_median": statistics.median(r["prompt"] for r in sel),
-                                "chunks_max": max(r["chunks"] for r in sel)}
-        for part in PARTS:
+                                **(extra(sel) if extra is not None else {})}
+        for part in parts:
             vals = [r[part] for r in sel if part in r]
             if vals:
                 cell[part] = round(statistics.median(vals), 2)
-        out["buckets"].append(cell)
+        cells.append(cell)
+    return cells
+
+
+def summarise(rows: list[dict[str, Any]], batches: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"requests": len(rows), "buckets": bucket_medians(rows, PARTS, lambda sel: {
+        "prompt_median": statistics.median(r["prompt"] for r in sel), "chunks_max": max(r["chunks"] for r in sel)})}
     decode = [b for b in batches if b["kind"] == "decode" and b.get("t_dev_end") is not None]
     if decode:
         out["decode_device_ms"] = round(statistics.median((b["t_dev_end"] - b["t_dev_start"]) * 1000
