@@ -193,6 +193,14 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
         | tee -a "$OUT/extend-kernel.jsonl"
       # what a prompt length never seen before costs each library (cuDNN builds a plan per shape)
       python3 -m radixmesh.kernels.bench_extend --new-len 2048 --churn 8 | tee -a "$OUT/extend-kernel.jsonl" ;;
+    extend-ab)  # the extend kernel of this tree against another revision's file (EXTEND_BASE_FILE, e.g. from
+      # `git show REV:kernels/radixmesh/kernels/extend_attention.py`), every tile of the sweep, checked, both in turn
+      for kfile in "" "${EXTEND_BASE_FILE:?EXTEND_BASE_FILE names the other kernel file}"; do
+        python3 -m radixmesh.kernels.bench_extend --new-len 1024 2048 3072 4096 --sweep --check \
+          ${kfile:+--kernel-file "$kfile"} | tee -a "$OUT/extend-ab.jsonl"
+        python3 -m radixmesh.kernels.bench_extend --new-len 1024 --requests 4 --prefix-len 512 --check \
+          ${kfile:+--kernel-file "$kfile"} | tee -a "$OUT/extend-ab.jsonl"
+      done ;;
     prefill-profile)  # one 8B request's prefill alone at the online workload's lengths: wall, kernels by kind;
       # with the Triton kernel alone (the default), then with cuDNN's attention for long prompts
       for extra in "" --enable-dense-prefill; do

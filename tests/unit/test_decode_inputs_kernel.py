@@ -87,10 +87,10 @@ def test_host_ids_and_futures_launch_the_same_compiled_variant(monkeypatch: pyte
             return lambda *args, **constexprs: launches.append(constexprs)
 
     monkeypatch.setattr(staging, "_stage_decode_kernel", Recorder())
-    ids = torch.zeros(8, dtype=torch.int64)
-    r2t = torch.zeros(8, 16, dtype=torch.int64)
-    prev = torch.arange(5, dtype=torch.int64)
-    stage_decode_inputs(ids, torch.arange(6, dtype=torch.int64), prev, ids[:6], ids[:8], r2t, ids, ids)
+    ids = torch.zeros(8, dtype=torch.int64, device=DEVICE)  # (the launcher's checks run; the kernel is recorded)
+    r2t = torch.zeros(8, 16, dtype=torch.int64, device=DEVICE)
+    prev = torch.arange(5, dtype=torch.int64, device=DEVICE)
+    stage_decode_inputs(ids, torch.arange(6, dtype=torch.int64, device=DEVICE), prev, ids[:6], ids[:8], r2t, ids, ids)
     stage_decode_inputs(ids, None, None, ids[:6], ids[:8], r2t, ids, ids)
     stage_decode_inputs(ids, None, prev, ids[:3], ids[:8], r2t, ids, ids)
     assert launches == [{"BLOCK": 8}] * 3

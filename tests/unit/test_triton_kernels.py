@@ -229,13 +229,14 @@ def test_decode_tiles_override_matches_reference() -> None:
 
 # ---- extend ------------------------------------------------------------------------------------
 
-PREFIXES = {"no-prefix": [0, 0, 0], "prefix": [70, 0, 130]}
+PREFIXES = {"no-prefix": [0, 0, 0], "prefix": [70, 0, 130], "whole-tiles": [64, 32, 0]}
+"""Prefixes ending inside a key tile (a masked last tile) and on a tile's end (whole tiles alone, unmasked)."""
 NEW_LENS = [5, 33, 1]
 
 
 @pytest.mark.parametrize("prefix", sorted(PREFIXES))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1), (6, 2)], ids=["mha", "gqa4", "gqa8", "gqa3"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])  # 80: a padded head (masked loads in every tile)
 @pytest.mark.parametrize("heavy_first", [True, False], ids=["heavy-first", "natural-order"])
 def test_extend_matches_reference(prefix: str, heads: int, kv_heads: int, head_dim: int, heavy_first: bool) -> None:
     """Either order of the query blocks (several per request here) computes every row once."""

@@ -33,7 +33,8 @@ from radixmesh.kernels.extend_attention import extend_attention_fwd
 from radixmesh.kernels.reference import attention_reference
 
 SWEEP = [(128, 32, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
-         (64, 64, 4, 3), (64, 64, 4, 4), (256, 32, 8, 3), (256, 64, 8, 2), (128, 32, 8, 4)]
+         (64, 64, 4, 3), (64, 64, 4, 4), (256, 32, 8, 3), (256, 64, 8, 2), (128, 32, 8, 4), (128, 32, 4, 4),
+         (128, 64, 4, 2), (64, 32, 4, 3)]
 """(BLOCK_M, BLOCK_N, num_warps, num_stages) tried by `--sweep`, after the default."""
 
 

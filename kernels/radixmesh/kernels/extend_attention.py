@@ -48,24 +48,37 @@ def _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, 
                  stride_k_row, stride_v_row, offs_d, mask_d, qk_scale, mask_ptr, mask_start, ext_len,
                  CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, FROM_SLOTS: tl.constexpr,
-                 HAS_MASK: tl.constexpr):
+                 HAS_MASK: tl.constexpr, FULL: tl.constexpr = False, EVEN_D: tl.constexpr = False):
     """One online-softmax step over keys [n, n + BLOCK_N) ∩ [.., hi).
 
     FROM_SLOTS: key j's row is the pool slot `kv_indices[kv_start + j]`; else row `kv_start + j` of a
     contiguous tensor (the new tokens' own K/V, `kv_start` then being their first row less `new_start`).
     CAUSAL with HAS_MASK: new token t sees new token j where `mask[mask_start + t * ext_len + j]` is set.
+    FULL (not CAUSAL): every key of the tile is below `hi`, so nothing is masked by position; with EVEN_D
+    (head_dim == BLOCK_D) the tile's loads carry no mask at all, which the loop's pipelined copies prefer.
     """
     offs_n = n + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < hi
-    if FROM_SLOTS:
-        rows = tl.load(kv_indices_ptr + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+    if FULL:
+        mask_n = offs_n >= 0  # (all true: only the causal branch below reads it, and FULL is never causal)
+        if FROM_SLOTS:
+            rows = tl.load(kv_indices_ptr + kv_start + offs_n).to(tl.int64)
+        else:
+            rows = kv_start + offs_n
     else:
-        rows = kv_start + offs_n
+        mask_n = offs_n < hi
+        if FROM_SLOTS:
+            rows = tl.load(kv_indices_ptr + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+        else:
+            rows = kv_start + offs_n
     mask_kv = mask_n[:, None] & mask_d[None, :]
     # [BLOCK_N, BLOCK_D]
-    k = tl.load(k_base + rows[:, None] * stride_k_row + offs_d[None, :], mask=mask_kv, other=0.0)
-    # [BLOCK_M, BLOCK_N], log2 units
-    s = tl.dot(q, tl.trans(from_pool(k, DOT_DTYPE, KV_FP8)), input_precision=DOT_PRECISION) * qk_scale
+    k_ptrs = k_base + rows[:, None] * stride_k_row + offs_d[None, :]
+    if FULL and EVEN_D:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=mask_kv, other=0.0)
+    # [BLOCK_M, BLOCK_N], unscaled: the scale is applied with the max's subtraction below (one FMA per score)
+    s = tl.dot(q, tl.trans(from_pool(k, DOT_DTYPE, KV_FP8)), input_precision=DOT_PRECISION)
     if CAUSAL and HAS_MASK:
         cols = offs_n - new_start
         in_tree = (rows_t < ext_len)[:, None] & mask_n[None, :]
@@ -75,13 +88,17 @@ def _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, 
     elif CAUSAL:
         visible = mask_n[None, :] & ((offs_n - new_start)[None, :] <= rows_t[:, None])
         s = tl.where(visible, s, float("-inf"))
-    else:
+    elif not FULL:
         s = tl.where(mask_n[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # (log2 units; qk_scale > 0 keeps the max's row)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + rows[:, None] * stride_v_row + offs_d[None, :], mask=mask_kv, other=0.0)
+    v_ptrs = v_base + rows[:, None] * stride_v_row + offs_d[None, :]
+    if FULL and EVEN_D:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=mask_kv, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), from_pool(v, DOT_DTYPE, KV_FP8),
                                         input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -98,7 +115,7 @@ def _extend_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr, HAS_MAP: tl.constexpr, HEAVY_FIRST: tl.constexpr, NEW_FROM_SLOTS: tl.constexpr,
-    HAS_MASK: tl.constexpr,
+    HAS_MASK: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     req = tl.program_id(0)
     if HAS_MAP:  # only the requests listed run here (the others' attention is computed elsewhere)
@@ -141,10 +158,16 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_base = k_buf_ptr + kv_head * stride_kb_head
     v_base = v_buf_ptr + kv_head * stride_vb_head
-    for n in range(0, prefix_hi, BLOCK_N):
+    prefix_full = (prefix_hi // BLOCK_N) * BLOCK_N
+    for n in range(0, prefix_full, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, n, prefix_hi,
                                      rows_t, prefix_len, stride_kb_slot, stride_vb_slot, offs_d, mask_d, qk_scale,
                                      mask_ptr, mask_start, ext_len,
+                                     False, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_FP8, True, False, True, EVEN_D)
+    if prefix_full < prefix_hi:  # the prefix's last, partial tile
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_base, v_base, kv_indices_ptr, kv_start, prefix_full,
+                                     prefix_hi, rows_t, prefix_len, stride_kb_slot, stride_vb_slot, offs_d, mask_d,
+                                     qk_scale, mask_ptr, mask_start, ext_len,
                                      False, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_FP8, True, False)
     if NEW_FROM_SLOTS:
         new_k = k_base
@@ -158,11 +181,12 @@ def _extend_kernel(
         new_base = q_start - prefix_len
         stride_k_row = stride_kn_tok
         stride_v_row = stride_vn_tok
-    for n in range(prefix_len, open_hi, BLOCK_N):
+    for n in range(prefix_len, open_hi, BLOCK_N):  # (whole tiles: open_hi - prefix_len is a multiple of BLOCK_N)
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, new_k, new_v, kv_indices_ptr, new_base, n, open_hi,
                                      rows_t, prefix_len, stride_k_row, stride_v_row, offs_d, mask_d, qk_scale,
                                      mask_ptr, mask_start, ext_len,
-                                     False, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_FP8, NEW_FROM_SLOTS, False)
+                                     False, BLOCK_N, DOT_DTYPE, DOT_PRECISION, KV_FP8, NEW_FROM_SLOTS, False,
+                                     True, EVEN_D)
     for n in range(open_hi, new_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, new_k, new_v, kv_indices_ptr, new_base, n, new_hi,
                                      rows_t, prefix_len, stride_k_row, stride_v_row, offs_d, mask_d, qk_scale,
@@ -186,8 +210,10 @@ def _block_sizes(head_dim: int, group_pad: int, dtype: torch.dtype,
     elif block_d <= 64:
         block_m, block_n, num_warps, num_stages = 128, 64, 4, 3
     elif block_d <= 128:
-        # H100, bf16, GQA 4: 250 TFLOP/s causal without prefix, 310 with a 4K prefix; (128, 64, 8, 2): 210, 230
-        block_m, block_n, num_warps, num_stages = 128, 32, 4, 3
+        # H200, bf16, GQA 4, causal without prefix, 1K / 2K / 3K / 4K new tokens: 266 / 361 / 406 / 433 TFLOP/s,
+        # against 187 / 325 / 329 / 368 for (128, 32, 4, 3), the best before the whole tiles' loads lost their masks
+        # (`bench_extend --sweep`, docs/benchmarks/h200-extend-ab-2026-11-30f.jsonl)
+        block_m, block_n, num_warps, num_stages = 128, 64, 8, 3
     else:
         block_m, block_n, num_warps, num_stages = 64, 32, 4, 2
     # a group wider than block_m gets one token per block: still >= 16 rows, as tl.dot needs
@@ -262,7 +288,7 @@ def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         BLOCK_D=next_power_of_2(head_dim), BLOCK_N=block_n,
         DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision(operand_dtype), KV_FP8=k_buffer.dtype in FP8_DTYPES,
         HAS_MAP=req_map is not None, HEAVY_FIRST=heavy_first, NEW_FROM_SLOTS=from_slots,
-        HAS_MASK=custom_mask is not None,
+        HAS_MASK=custom_mask is not None, EVEN_D=next_power_of_2(head_dim) == head_dim,
         num_warps=num_warps, num_stages=num_stages,
     )
 
