@@ -210,9 +210,11 @@ def _block_sizes(head_dim: int, group_pad: int, dtype: torch.dtype,
     elif block_d <= 64:
         block_m, block_n, num_warps, num_stages = 128, 64, 4, 3
     elif block_d <= 128:
-        # H200, bf16, GQA 4, causal without prefix, 1K / 2K / 3K / 4K new tokens: 266 / 361 / 406 / 433 TFLOP/s,
-        # against 187 / 325 / 329 / 368 for (128, 32, 4, 3), the best before the whole tiles' loads lost their masks
-        # (`bench_extend --sweep`, docs/benchmarks/h200-extend-ab-2026-11-30f.jsonl)
+        # H200, bf16, GQA 4, causal without prefix, 1K / 2K / 3K / 4K new tokens: 266 / 361 / 406 / 433 TFLOP/s;
+        # this kernel with the former tiles (128, 32, 4, 3): 187 / 325 / 330 / 369; the kernel before whole tiles
+        # lost their masks, with those tiles: 184 / 321 / 331 / 370 (`bench_extend --sweep`,
+        # docs/benchmarks/h200-extend-ab-2026-11-30f.jsonl). Not measured on an H100, where that older kernel ran
+        # (128, 64, 8, 3) slower than (128, 32, 4, 3).
         block_m, block_n, num_warps, num_stages = 128, 64, 8, 3
     else:
         block_m, block_n, num_warps, num_stages = 64, 32, 4, 2
