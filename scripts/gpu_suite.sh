@@ -198,7 +198,7 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       for kfile in "" "${EXTEND_BASE_FILE:?EXTEND_BASE_FILE names the other kernel file}"; do
         python3 -m radixmesh.kernels.bench_extend --new-len 1024 2048 3072 4096 --sweep --check \
           ${kfile:+--kernel-file "$kfile"} | tee -a "$OUT/extend-ab.jsonl"
-        python3 -m radixmesh.kernels.bench_extend --new-len 1024 --requests 4 --prefix-len 512 --check \
+        python3 -m radixmesh.kernels.bench_extend --new-len 1024 --requests 4 --prefix-len 512 --sweep --check \
           ${kfile:+--kernel-file "$kfile"} | tee -a "$OUT/extend-ab.jsonl"
       done ;;
     prefill-profile)  # one 8B request's prefill alone at the online workload's lengths: wall, kernels by kind;
