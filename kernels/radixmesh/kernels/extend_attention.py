@@ -198,9 +198,10 @@ def _extend_kernel(
     tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=mask_rd)
 
 
-def _block_sizes(head_dim: int, group_pad: int, dtype: torch.dtype,
-                 device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_N, num_warps, num_stages); BLOCK_M = BLOCK_T * group_pad query rows."""
+def _block_sizes(head_dim: int, group_pad: int, dtype: torch.dtype, device: torch.device,
+                 new_from_slots: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_N, num_warps, num_stages); BLOCK_M = BLOCK_T * group_pad query rows. `new_from_slots`: the
+    new tokens' K/V are gathered through their slots too (an FP8 pool), not read from their own rows."""
     block_d = next_power_of_2(head_dim)
     if device.type == "cpu":
         block_m, block_n, num_warps, num_stages = 64, 32, 4, 1
@@ -215,7 +216,9 @@ def _block_sizes(head_dim: int, group_pad: int, dtype: torch.dtype,
         # lost their masks, with those tiles: 184 / 321 / 331 / 370 (`bench_extend --sweep`,
         # docs/benchmarks/h200-extend-ab-2026-11-30f.jsonl). Not measured on an H100, where that older kernel ran
         # (128, 64, 8, 3) slower than (128, 32, 4, 3).
-        block_m, block_n, num_warps, num_stages = 128, 64, 8, 3
+        # Every K/V tile gathered through the slots (bf16 pool, the same shapes): (128, 32, 4, 3) ran 312 / 314 / 347
+        # at 2K / 3K / 4K and 305 with a 512-token prefix, where (128, 64, 8, 3) ran 281 / 305 / 324 and 265
+        block_m, block_n, num_warps, num_stages = (128, 32, 4, 3) if new_from_slots else (128, 64, 8, 3)
     else:
         block_m, block_n, num_warps, num_stages = 64, 32, 4, 2
     # a group wider than block_m gets one token per block: still >= 16 rows, as tl.dot needs
@@ -268,7 +271,8 @@ def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         return
     group = num_heads // num_kv_heads
     group_pad = next_power_of_2(group)
-    block_t, block_n, num_warps, num_stages = _block_sizes(head_dim, group_pad, q.dtype, q.device)
+    block_t, block_n, num_warps, num_stages = _block_sizes(head_dim, group_pad, q.dtype, q.device,
+                                                           new_from_slots=k_new is None)
     if blocks is not None:
         block_m, block_n, num_warps, num_stages = blocks
         assert block_m >= 16 and block_n >= 16, f"tiles must be >= 16 rows, got {blocks}"
