@@ -271,16 +271,15 @@ def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         return
     group = num_heads // num_kv_heads
     group_pad = next_power_of_2(group)
-    block_t, block_n, num_warps, num_stages = _block_sizes(head_dim, group_pad, q.dtype, q.device,
-                                                           new_from_slots=k_new is None)
+    k_rows, v_rows = (k_new, v_new) if k_new is not None and v_new is not None else (k_buffer, v_buffer)
+    from_slots = k_rows is k_buffer
+    block_t, block_n, num_warps, num_stages = _block_sizes(head_dim, group_pad, q.dtype, q.device, from_slots)
     if blocks is not None:
         block_m, block_n, num_warps, num_stages = blocks
         assert block_m >= 16 and block_n >= 16, f"tiles must be >= 16 rows, got {blocks}"
         block_t = max(1, block_m // group_pad)
     operand_dtype = dot_dtype(q.dtype, q.device)
     grid = (batch, num_kv_heads, triton.cdiv(max_extend_len, block_t))
-    k_rows, v_rows = (k_new, v_new) if k_new is not None and v_new is not None else (k_buffer, v_buffer)
-    from_slots = k_rows is k_buffer
     _extend_kernel[grid](
         q, k_buffer, v_buffer, k_rows, v_rows, out, qo_indptr, kv_indptr, kv_indices,
         req_map if req_map is not None else qo_indptr,

@@ -96,10 +96,7 @@ class Dispatcher:
         self.num_in_flight += num_seqs
         self.active[request_id] = generation
         num_prompt_tokens = sum(len(job.input_ids) for job in jobs)
-        request_trace.mark("t_open")
-        request_trace.note("rid", generation.rids[0])
-        request_trace.note("prompt_tokens", num_prompt_tokens)
-        request_trace.note("tokenize_s", tokenize_s)
+        request_trace.mark("t_open", rid=generation.rids[0], prompt_tokens=num_prompt_tokens, tokenize_s=tokenize_s)
         self.metrics.observe_admitted(endpoint, num_prompt_tokens)
         if tracing.enabled():  # on the HTTP span: which request this trace is
             tracing.set_attributes({"radixmesh.request_id": request_id, "radixmesh.endpoint": endpoint,

@@ -15,7 +15,7 @@ scheduler's step trace (RADIXMESH_STEP_TRACE) and a benchmark client on the same
     t_end          the response ended
 
 `scripts/request_timeline.py` joins these lines with a step trace and a `bench serving` result file. Off unless
-set: no records, and `mark` and `note` cost one context-variable read.
+set: no records, and `mark` costs one context-variable read.
 """
 
 from __future__ import annotations
@@ -33,18 +33,16 @@ ENV = "RADIXMESH_REQUEST_TRACE"
 _record: ContextVar[dict[str, Any] | None] = ContextVar("radixmesh_request_trace", default=None)
 
 
-def mark(name: str, at: float | None = None) -> None:
-    """Note time `name` (now, or `at` on the same clock) on the current request's record; the first one stays."""
+def mark(name: str, at: float | None = None, **values: Any) -> None:
+    """Note time `name` (now, or `at` on the same clock) and `values` on the current request's record; the first
+    of each stays."""
     record = _record.get()
-    if record is not None and name not in record:
+    if record is None:
+        return
+    if name not in record:
         record[name] = time.perf_counter() if at is None else at
-
-
-def note(name: str, value: Any) -> None:
-    """Note `value` as `name` on the current request's record; the first one stays."""
-    record = _record.get()
-    if record is not None and name not in record:
-        record[name] = value
+    for key, value in values.items():
+        record.setdefault(key, value)
 
 
 def trace_file() -> IO[str] | None:
