@@ -151,6 +151,10 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
     pdl-tests)  # programmatic dependent launch: decode kernel chains in graphs vs without PDL, engine vs transformers
       python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/gpu/test_pdl_gpu.py tests/gpu/test_engine_gpu.py
       python3 -m pytest -q -p no:cacheprovider -rfE tests/unit/test_gemv_rope_kernel.py tests/unit/test_gemv_fused_kernel.py ;;
+    prefill-graph-tests)  # one-request prefills through CUDA graphs against eager passes (float32 and FP8 pools), then
+      # the engine against transformers and the hot-path checks with the graphs on (their default)
+      python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_prefill_graphs_gpu.py \
+        tests/gpu/test_engine_gpu.py tests/gpu/test_hot_path_gpu.py ;;
     engine-tests)
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_engine_gpu.py ;;
     hot-path)  # no implicit host-device sync in scheduling, launch, sampling, results (graphs + overlap)
@@ -201,6 +205,13 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
         python3 -m radixmesh.kernels.bench_extend --new-len 1024 --requests 4 --prefix-len 512 --sweep --check \
           ${kfile:+--kernel-file "$kfile"} | tee -a "$OUT/extend-ab.jsonl"
       done ;;
+    prefill-gemm)  # a prefill's four 8B projections through cuBLAS at every M from 1,024 to 4,096 (step 64): as the model
+      # runs them, on M rounded up to 128 / 256, with the weight stored transposed, through cuBLASLt (where the rate dips)
+      # (then, every 256 rows, PyTorch's TunableOp: the fastest GEMM solution it finds per shape)
+      python3 -m radixmesh.kernels.bench_prefill_gemm --rows ${PREFILL_GEMM_ROWS:-1024:4160:64} \
+        | tee "$OUT/prefill-gemm.jsonl"
+      python3 -m radixmesh.kernels.bench_prefill_gemm --rows ${PREFILL_GEMM_TUNED_ROWS:-1024:4160:256} \
+        --variants linear tuned | tee -a "$OUT/prefill-gemm.jsonl" ;;
     prefill-profile)  # one 8B request's prefill alone at the online workload's lengths: wall, kernels by kind;
       # with the Triton kernel alone (the default), then with cuDNN's attention for long prompts
       for extra in "" --enable-dense-prefill; do

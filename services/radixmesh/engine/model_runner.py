@@ -21,6 +21,7 @@ from radixmesh.engine.grammar.vocab_mask import VocabMask
 from radixmesh.engine.loader import PreparedModel
 from radixmesh.engine.memory import KVSlotAllocator, ReqToTokenPool, TokenToKVPool
 from radixmesh.engine.mm.runtime import MultimodalRuntime, sampling_prompt_ids
+from radixmesh.engine.prefill_graphs import PrefillGraphRunner
 from radixmesh.engine.quant.base import LinearMethod
 from radixmesh.engine.request import Req
 from radixmesh.engine.runner_build import MemoryPlan, build_runner
@@ -56,6 +57,8 @@ class ModelRunner:
     sampler: Sampler
     sampling_cache: SamplingInfoCache
     graph_runner: CudaGraphRunner | None
+    prefill_graphs: PrefillGraphRunner | None = None
+    """One-request prefills of up to `--prefill-graph-max-tokens` new tokens through captured graphs."""
     lora: LoraRuntime | None = None
     """Adapter slots and the per-pass slot choice (LoRA on)."""
     dp: DpAttention | None = None
@@ -128,6 +131,10 @@ class ModelRunner:
             return self._forward_share(batch)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch, self.last_tokens)
+        if self.prefill_graphs is not None:
+            length = self.prefill_graphs.length(batch)
+            if length is not None:
+                return self.prefill_graphs.replay(batch, length)
         fb = self._forward_batch(batch)
         if self.lora is not None:
             self.lora.prepare(batch)

@@ -2,7 +2,8 @@
 
 `build_runner` runs the steps in their order; each step reads what the steps before it set on the runner:
 device -> quantization -> KV dtype -> tensor-parallel checks -> load -> LoRA slots -> memory plan -> pools -> FP8 scales
--> multimodal -> EAGLE feature capture -> attention backend (and its warm-up) -> sampler -> CUDA graphs.
+-> multimodal -> EAGLE feature capture -> attention backend (and its warm-up) -> sampler -> CUDA graphs (decode,
+then one-request prefills).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from radixmesh.engine.mm.runtime import MultimodalRuntime
 from radixmesh.engine.models.layers import enable_gemv
 from radixmesh.engine.models.registry import LoadsWeights, model_class, model_family
 from radixmesh.engine.models.weights import materialize
+from radixmesh.engine.prefill_graphs import make_prefill_graphs
 from radixmesh.engine.quant.build import build_linear_method
 from radixmesh.engine.quant.device import resolve_kv_dtype
 from radixmesh.engine.sampling.batch_info import SamplingInfoCache
@@ -80,6 +82,7 @@ def build_runner(runner: ModelRunner, config: EngineConfig, prepared: PreparedMo
     runner.sampler = Sampler(seed=config.random_seed)
     runner.sampling_cache = SamplingInfoCache()
     runner.graph_runner = build_graphs(runner)
+    runner.prefill_graphs = make_prefill_graphs(runner) if runner.graph_runner is not None else None
 
 
 def pick_device(config: EngineConfig, runner: ModelRunner) -> torch.device:

@@ -219,6 +219,10 @@ class CausalLM(nn.Module):
     """Returns next-token logits `[batch, vocab]` for the last new token of each request, followed by
     the logits of `batch.extra_logit_rows` when an extend pass asks for them."""
 
+    rows_independent = True
+    """Every layer works on a pass's token rows one by one (attention apart, which sees only its own request's), so
+    rows no request owns never reach a real one (prefill graphs pad with such rows: engine/prefill_graphs.py)."""
+
     def __init__(self, config: ModelConfig, tp: TensorParallel = TP_NONE) -> None:
         super().__init__()
         self.config = config

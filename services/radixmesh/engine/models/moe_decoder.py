@@ -35,6 +35,9 @@ _RENAMES = ((".block_sparse_moe.", ".mlp."),)
 class MoeCausalLM(CausalLM):
     """A Llama-family causal LM whose sparse layers' MLPs are `SparseMoeBlock`s (Qwen3-MoE, Mixtral)."""
 
+    rows_independent = False
+    """The router sends padding rows to experts too: their work and the dispatch's token counts change."""
+
     def __init__(self, config: ModelConfig, tp: TensorParallel = TP_NONE) -> None:
         super().__init__(config, tp)
         spec = self.moe
