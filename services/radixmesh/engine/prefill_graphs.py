@@ -29,8 +29,9 @@ import bisect
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -63,9 +64,11 @@ def graph_lengths(max_tokens: int) -> list[int]:
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph | None
+    run: Callable[[], torch.Tensor]
+    """The pass over the static buffers (what the graph captured; run as it is without a graph)."""
     logits: torch.Tensor
-    """`[1, vocab]` float32: the request's next-token logits (the graph's output)."""
+    """`[1, vocab]` float32: the request's next-token logits (the pass's output)."""
+    graph: torch.cuda.CUDAGraph | None = None
 
 
 class PrefillGraphRunner:
@@ -87,7 +90,6 @@ class PrefillGraphRunner:
         self.kv_indptr = torch.zeros(2, dtype=torch.int64, device=device)
         self.kv_indices = torch.zeros(self.max_seq_len, dtype=torch.int32, device=device)
         self.graphs: dict[int, _Graph] = {}
-        self.runs: dict[int, Any] = {}
         self.num_replays = 0
         start = time.perf_counter()
         self._build_all(capture)
@@ -100,7 +102,7 @@ class PrefillGraphRunner:
         f = self.flat
         return f[:e], f[e:2 * e], f[2 * e:2 * e + 1], f[2 * e + 1:2 * e + 2], f[2 * e + 2:2 * e + 3], f[:2 * e + 3]
 
-    def _make(self, e: int) -> Any:
+    def _make(self, e: int) -> _Graph:
         """The pass over the static buffers for `e` rows (captured with a dummy request: row 0, `e` tokens)."""
         r = self.runner
         device = r.device
@@ -124,13 +126,11 @@ class PrefillGraphRunner:
             r.attn_backend.init_extend_metadata_graph(fb, e, self.kv_indptr, self.kv_indices)
             return logits.copy_(r.model(fb.input_ids, fb.positions, fb))
 
-        self.runs[e] = run
-        return run, logits
+        return _Graph(run, logits)
 
     def _build_all(self, capture: bool) -> None:
         if not capture:
-            for e in self.lengths:
-                self.graphs[e] = _Graph(None, self._make(e)[1])
+            self.graphs = {e: self._make(e) for e in self.lengths}
             return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
@@ -139,15 +139,15 @@ class PrefillGraphRunner:
         gc.disable()  # a collected CUDA object would invalidate the capture (see cuda_graph_runner)
         try:
             for e in reversed(self.lengths):  # largest first: the smaller ones reuse its memory
-                run, logits = self._make(e)
+                item = self._make(e)
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # warm up: Triton compiles, the allocator settles
-                        run()
+                        item.run()
                     torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                        run()
-                self.graphs[e] = _Graph(graph, logits)
+                    item.graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(item.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                        item.run()
+                self.graphs[e] = item
         finally:
             if gc_was_enabled:
                 gc.enable()
@@ -178,7 +178,7 @@ class PrefillGraphRunner:
         if item.graph is not None:
             item.graph.replay()
         else:
-            self.runs[e]()
+            item.run()
         self.num_replays += 1
         return item.logits
 
