@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from radixmesh.common.errors import RadixMeshError
+from radixmesh.engine import prefill_graphs
 from radixmesh.engine.attention.base import ForwardMode
 from radixmesh.engine.batch import PromptLogprobPlan, ScheduleBatch
 from radixmesh.engine.config import EngineConfig
@@ -65,10 +66,31 @@ def test_which_batches_replay_and_in_which_graph() -> None:
     assert graphs.length(_batch([20], prompt_logprobs=logprobs)) is None
 
 
+def _runner(**config: Any) -> SimpleNamespace:
+    """What the refusals and the limit read of a runner that may capture."""
+    return SimpleNamespace(graph_runner=object(), attn_backend=SimpleNamespace(supports_extend_graph=True),
+                           model=SimpleNamespace(rows_independent=True), lora=None, mm=None, dp=None,
+                           tp=SimpleNamespace(enabled=False), context_len=8192,
+                           config=SimpleNamespace(**{"speculative_algorithm": None, "prefill_graph_max_tokens": 1024,
+                                                     "prefill_token_budget": 4096, **config}))
+
+
+def test_the_limit_is_capped_by_the_prefill_budget_and_the_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[int] = []
+    monkeypatch.setattr(prefill_graphs, "PrefillGraphRunner", lambda runner, n: made.append(n) or "graphs")
+    assert make_prefill_graphs(_runner()) == "graphs"  # type: ignore[arg-type]
+    assert make_prefill_graphs(_runner(prefill_token_budget=512)) == "graphs"  # type: ignore[arg-type]
+    short_context = _runner()
+    short_context.context_len = 300
+    assert make_prefill_graphs(short_context) == "graphs"  # type: ignore[arg-type]
+    assert made == [1024, 512, 299]
+    assert make_prefill_graphs(_runner(prefill_graph_max_tokens=0)) is None  # type: ignore[arg-type]
+    assert make_prefill_graphs(_runner(prefill_graph_max_tokens=15)) is None  # type: ignore[arg-type]
+    assert made == [1024, 512, 299]
+
+
 def test_refusals_name_the_reason() -> None:
-    runner = SimpleNamespace(graph_runner=object(), attn_backend=SimpleNamespace(supports_extend_graph=True),
-                             model=SimpleNamespace(rows_independent=True), lora=None, mm=None, dp=None,
-                             tp=SimpleNamespace(enabled=False), config=SimpleNamespace(speculative_algorithm=None))
+    runner = _runner()
     assert prefill_graph_refusal(runner) is None  # type: ignore[arg-type]
     moe = SimpleNamespace(**{**vars(runner), "model": SimpleNamespace(rows_independent=False)})
     assert "MoE" in (prefill_graph_refusal(moe) or "")  # type: ignore[arg-type]

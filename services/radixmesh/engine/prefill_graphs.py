@@ -202,7 +202,8 @@ def prefill_graph_refusal(runner: ModelRunner) -> str | None:
 def make_prefill_graphs(runner: ModelRunner) -> PrefillGraphRunner | None:
     """Prefill graphs up to `--prefill-graph-max-tokens` new tokens when the runner can replay them (None: every
     prefill eager; also when capturing fails, logged)."""
-    max_tokens = min(runner.config.prefill_graph_max_tokens, runner.context_len - 1)
+    config = runner.config  # no pass holds more new tokens than the prefill budget (the chunk) or the context
+    max_tokens = min(config.prefill_graph_max_tokens, config.prefill_token_budget, runner.context_len - 1)
     if max_tokens < 16:
         return None
     refusal = prefill_graph_refusal(runner)
