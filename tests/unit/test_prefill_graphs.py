@@ -77,7 +77,12 @@ def _runner(**config: Any) -> SimpleNamespace:
 
 def test_the_limit_is_capped_by_the_prefill_budget_and_the_context(monkeypatch: pytest.MonkeyPatch) -> None:
     made: list[int] = []
-    monkeypatch.setattr(prefill_graphs, "PrefillGraphRunner", lambda runner, n: made.append(n) or "graphs")
+
+    def record(runner: Any, max_tokens: int) -> str:
+        made.append(max_tokens)
+        return "graphs"
+
+    monkeypatch.setattr(prefill_graphs, "PrefillGraphRunner", record)
     assert make_prefill_graphs(_runner()) == "graphs"  # type: ignore[arg-type]
     assert make_prefill_graphs(_runner(prefill_token_budget=512)) == "graphs"  # type: ignore[arg-type]
     short_context = _runner()
