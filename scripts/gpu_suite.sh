@@ -154,8 +154,8 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
     prefill-graph-tests)  # one-request prefills through CUDA graphs against eager passes (float32 and FP8 pools), then
       # the hot-path checks and the engine against transformers with the graphs on (their default);
       # TIMEOUT_prefill_graph_tests=400 (150 s ran out within the engine tests)
-      python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_prefill_graphs_gpu.py \
-        tests/gpu/test_hot_path_gpu.py tests/gpu/test_engine_gpu.py ;;
+      python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_graph_capture_gpu.py \
+        tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_hot_path_gpu.py tests/gpu/test_engine_gpu.py ;;
     engine-tests)
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_engine_gpu.py ;;
     hot-path)  # no implicit host-device sync in scheduling, launch, sampling, results (graphs + overlap)

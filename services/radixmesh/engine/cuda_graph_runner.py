@@ -19,17 +19,17 @@ batch of base requests pays nothing for LoRA being on.
 from __future__ import annotations
 
 import bisect
-import gc
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from radixmesh.engine.attention.base import ForwardBatch, ForwardMode
 from radixmesh.engine.batch import future_index, resolve_futures
 from radixmesh.engine.device_io import copy_to_device
+from radixmesh.engine.graph_capture import GraphCapture
 
 if TYPE_CHECKING:
     from radixmesh.engine.batch import ScheduleBatch
@@ -154,37 +154,14 @@ class CudaGraphRunner:
 
     def _capture_all(self) -> None:
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        # No garbage collection while capturing: freeing an old pinned buffer or event from a
-        # collected cycle would make CUDA calls that invalidate the capture. Other threads
-        # (grammar compilation) may use CUDA meanwhile: only this thread's calls are captured.
-        gc.collect()
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            self._capture_sizes(pool, stream)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        torch.cuda.synchronize()
+        with GraphCapture() as session:
+            for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
+                for with_lora in self.variants:
+                    run = self._make_run(self._forward_batch(bs), bs, with_lora)
+                    self.graphs[bs, with_lora], self.outputs[bs, with_lora] = session.capture(run)
         logger.info("captured %d decode CUDA graphs (batch sizes up to %d%s) in %.1f s", len(self.graphs),
                     self.max_bs, ", with and without LoRA" if len(self.variants) > 1 else "",
                     time.perf_counter() - start)
-
-    def _capture_sizes(self, pool: Any, stream: torch.cuda.Stream) -> None:  # pool: an opaque handle
-        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            for with_lora in self.variants:
-                fb = self._forward_batch(bs)
-                run = self._make_run(fb, bs, with_lora)
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm up: Triton compiles, allocator settles
-                        run()
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                        self.outputs[bs, with_lora] = run()
-                self.graphs[bs, with_lora] = graph
 
     def _make_run(self, fb: ForwardBatch, bs: int, with_lora: bool) -> Callable[[], torch.Tensor]:
         backend = self.runner.attn_backend

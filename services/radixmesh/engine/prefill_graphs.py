@@ -30,7 +30,6 @@ sooner (median per request; 0.3-0.7 ms for longer ones), the 500-prompt offline 
 from __future__ import annotations
 
 import bisect
-import gc
 import logging
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from radixmesh.engine.attention.base import ForwardBatch, ForwardMode
 from radixmesh.engine.attention.triton_backend import SHORT_EXTEND_MAX
 from radixmesh.engine.batch import ScheduleBatch
 from radixmesh.engine.device_io import copy_to_device
+from radixmesh.engine.graph_capture import GraphCapture
 
 if TYPE_CHECKING:
     from radixmesh.engine.model_runner import ModelRunner
@@ -136,30 +136,14 @@ class PrefillGraphRunner:
         if not capture:
             self.graphs = {e: self._make(e) for e in self.lengths}
             return
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        gc.collect()
-        gc_was_enabled = gc.isenabled()
-        gc.disable()  # a collected CUDA object would invalidate the capture (see cuda_graph_runner)
-        try:
+        with GraphCapture() as session:
             for e in reversed(self.lengths):  # largest first: the smaller ones reuse its memory
-                item = self._make(e)
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm up: Triton compiles, the allocator settles
-                        item.run()
-                    torch.cuda.synchronize()
-                    item.graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(item.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                        item.run()
-                self.graphs[e] = item
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        torch.cuda.synchronize()
+                item = self.graphs[e] = self._make(e)
+                item.graph = session.capture(item.run)[0]
 
     def length(self, batch: ScheduleBatch) -> int | None:
         """The captured length that takes `batch`, or None (it runs eagerly)."""
-        if type(batch) is not ScheduleBatch or batch.is_decode or len(batch.reqs) != 1 or batch.future_rows:
+        if batch.is_decode or len(batch.reqs) != 1 or batch.future_rows:
             return None
         if batch.prompt_logprobs is not None and batch.prompt_logprobs.rows:
             return None

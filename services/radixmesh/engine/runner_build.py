@@ -82,7 +82,7 @@ def build_runner(runner: ModelRunner, config: EngineConfig, prepared: PreparedMo
     runner.sampler = Sampler(seed=config.random_seed)
     runner.sampling_cache = SamplingInfoCache()
     runner.graph_runner = build_graphs(runner)
-    runner.prefill_graphs = make_prefill_graphs(runner) if runner.graph_runner is not None else None
+    runner.prefill_graphs = make_prefill_graphs(runner)
 
 
 def pick_device(config: EngineConfig, runner: ModelRunner) -> torch.device:

@@ -12,17 +12,18 @@ backend under its interpreter) the same code runs eagerly. Padding rows use the 
 from __future__ import annotations
 
 import bisect
-import gc
+import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixmesh.engine.attention.base import ForwardBatch, ForwardMode
 from radixmesh.engine.cuda_graph_runner import graph_batch_sizes
 from radixmesh.engine.device_io import copy_to_device
+from radixmesh.engine.graph_capture import GraphCapture
 from radixmesh.engine.sampling.sampler import argmax
 
 if TYPE_CHECKING:
@@ -149,24 +150,8 @@ def capture_step_graphs(run: Callable[[int, int], None], sizes: list[int],
     """A CUDA graph of `run(bs, steps)` for every batch size and step count (largest first, one memory pool),
     each after two uncaptured warm-up runs; the draft loop's and the tree loop's passes."""
     graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-    pool: Any = torch.cuda.graph_pool_handle()
-    stream = torch.cuda.Stream()
-    gc.collect()
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # a collected CUDA object would invalidate the capture (see cuda_graph_runner)
-    try:
+    with GraphCapture() as session:
         for bs in reversed(sizes):
             for steps in range(max_steps, 0, -1):
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm up: Triton compiles, the allocator settles
-                        run(bs, steps)
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                        run(bs, steps)
-                graphs[(bs, steps)] = graph
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    torch.cuda.synchronize()
+                graphs[(bs, steps)] = session.capture(functools.partial(run, bs, steps))[0]
     return graphs

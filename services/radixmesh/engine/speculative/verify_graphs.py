@@ -21,18 +21,18 @@ of their own request); positions are the batch's own (a node's depth), padding c
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixmesh.engine.attention.base import ForwardBatch, ForwardMode, TreeMask
 from radixmesh.engine.cuda_graph_runner import graph_batch_sizes
 from radixmesh.engine.device_io import copy_to_device, rows_to_device
+from radixmesh.engine.graph_capture import GraphCapture
 from radixmesh.engine.speculative.tree import ancestor_mask
 
 if TYPE_CHECKING:
@@ -147,30 +147,10 @@ class VerifyGraphRunner:
         if not capture:
             self.graphs = {key: self._make(*key) for key in self.keys}
             return
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        gc.collect()
-        gc_was_enabled = gc.isenabled()
-        gc.disable()  # a collected CUDA object would invalidate the capture (see cuda_graph_runner)
-        try:
+        with GraphCapture() as session:
             for key in sorted(self.keys, key=lambda k: k[0] * k[1], reverse=True):  # largest first: pool reuse
-                self.graphs[key] = self._capture(self._make(*key), pool, stream)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        torch.cuda.synchronize()
-
-    @staticmethod
-    def _capture(item: _Graph, pool: Any, stream: torch.cuda.Stream) -> _Graph:
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: Triton compiles, the allocator settles
-                item.run()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                item.run()
-        item.graph = graph
-        return item
+                item = self.graphs[key] = self._make(*key)
+                item.graph = session.capture(item.run)[0]
 
     def key(self, batch: ScheduleBatch) -> tuple[int, int] | None:
         """The graph (batch size, tokens per request) that holds `batch`, or None (verify eagerly)."""
