@@ -156,6 +156,10 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
       # TIMEOUT_prefill_graph_tests=400 (150 s ran out within the engine tests)
       python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_graph_capture_gpu.py \
         tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_hot_path_gpu.py tests/gpu/test_engine_gpu.py ;;
+    decode-stream-tests)  # prefills beside running decode steps (two streams) against one stream, then the
+      # hot-path checks (the two streams are on by default there; prefill-graph-tests runs the engine tests too)
+      python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_decode_stream_gpu.py \
+        tests/gpu/test_hot_path_gpu.py ;;
     engine-tests)
       python3 -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_engine_gpu.py ;;
     hot-path)  # no implicit host-device sync in scheduling, launch, sampling, results (graphs + overlap)

@@ -36,13 +36,15 @@ class Busy(SchedulerHook):
 
 def test_the_protocol_lists_its_methods_and_defaults_do_nothing() -> None:
     assert set(_METHODS) == {"take_request", "remove", "on_step_start", "needs_host_tokens", "idle_wait",
-                             "admissible", "decode_batch", "launch", "vocab_mask", "on_launched", "launch_deadline",
+                             "admissible", "decode_batch", "launch_scope", "launch", "vocab_mask", "on_launched",
+                             "launch_deadline",
                              "on_results", "token_verdict", "settle", "after_tokens", "flush", "stats"}
     hook, r = Quiet(), Req(rid="r", origin_input_ids=[1], params=make_requests(1)[0].params)
     waiting = [r]
     assert hook.take_request(r) is False and hook.remove("r") == [] and hook.admissible(waiting) is waiting
     assert hook.idle_wait(1.0) is False and hook.busy is False and hook.flush() is True and hook.stats() == {}
     assert hook.launch_deadline() is None and hook.decode_batch([r]) is None and hook.token_verdict(r, 1) is None
+    assert hook.launch_scope(None) is None  # type: ignore[arg-type]
 
 
 def test_a_hook_set_calls_only_the_hooks_that_override_a_method() -> None:
@@ -61,6 +63,8 @@ def test_answers_combine_any_all_and_first() -> None:
     assert not HookSet([idle]).busy and not HookSet([idle]).idle_wait(0.1)
     assert HookSet([Busy(flushes=True), Busy(flushes=False)]).flush() is False
     assert HookSet().flush() is True and HookSet().launch_deadline() is None
+    with HookSet([idle]).launch_scope(None):  # type: ignore[arg-type]  # (no hook gives one: an empty context)
+        pass
 
 
 def test_the_first_waiting_hook_ends_the_idle_wait() -> None:
@@ -197,7 +201,8 @@ def test_a_step_calls_the_hooks_at_their_points_and_changes_no_output(overlap: s
 
 
 def test_every_registered_hook_factory_imports_and_only_the_needed_ones_are_on() -> None:
-    assert SCHEDULER_HOOKS.ids == ("step-trace", "launch-pacing", "grammar", "host-tier", "speculative", "lora")
+    assert SCHEDULER_HOOKS.ids == ("step-trace", "launch-pacing", "decode-stream", "grammar", "host-tier",
+                                   "speculative", "lora")
     for hook_id in SCHEDULER_HOOKS.ids:
         assert callable(SCHEDULER_HOOKS.load(hook_id))
     sched, _ = make_scheduler()  # CPU, no host tier, no speculation, no LoRA: the grammar hook alone

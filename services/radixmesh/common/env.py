@@ -125,3 +125,14 @@ def http_parser() -> str:
     """RADIXMESH_HTTP_PARSER: how the HTTP servers parse requests, checked: `auto` (httptools when installed),
     `httptools` or `h11` (pure Python)."""
     return _choice("HTTP_PARSER", HTTP_PARSERS)
+
+
+STREAM_PRIORITIES = ("decode", "equal", "main")
+"""Values of RADIXMESH_STREAM_PRIORITY (`radixmesh.engine.scheduler.decode_stream`)."""
+
+
+def stream_priority() -> str:
+    """RADIXMESH_STREAM_PRIORITY: with decode steps on a CUDA stream of their own, which stream has the device's
+    greatest priority, checked: `decode` (the running step ends first; a prefill beside it takes what the step leaves),
+    `equal` (both the least) or `main` (a prefill runs ahead of the step it was launched beside)."""
+    return _choice("STREAM_PRIORITY", STREAM_PRIORITIES)

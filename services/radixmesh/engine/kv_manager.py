@@ -6,6 +6,8 @@ radix tree, or a live request's row beyond its locked prefix.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from radixmesh.engine.memory import KVSlotAllocator, ReqToTokenPool, TokenToKVPool
@@ -14,6 +16,10 @@ from radixmesh.engine.request import Req
 
 
 class KVCacheManager:
+    before_release: Callable[[Req], None] | None = None
+    """Called first by `release` (a decode step on another CUDA stream may still use the request's slots and row:
+    scheduler/decode_stream.py)."""
+
     def __init__(self, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, allocator: KVSlotAllocator,
                  tree: RadixCache) -> None:
         self.req_pool = req_pool
@@ -114,6 +120,8 @@ class KVCacheManager:
 
     def release(self, req: Req) -> None:
         """Request done, aborted or retracted: its KV goes to the tree (evictable), its row is freed."""
+        if self.before_release is not None:
+            self.before_release(req)
         if req.req_pool_idx is None:
             self.unlock(req)
             return

@@ -187,7 +187,7 @@ class ModelRunner:
     def sample(self, batch: ScheduleBatch, logits: torch.Tensor, vocab_mask: VocabMask | None = None) -> SampleOutput:
         reqs = batch.reqs
         info = self.sampling_cache.get(reqs, [r.num_output_tokens for r in reqs],
-                                       lambda: self._build_sampling_info(reqs))
+                                       lambda: self._build_sampling_info(reqs), keep=batch.is_decode)
         info.vocab_mask = vocab_mask
         return self.sampler(logits, info, return_logprobs=info.return_logprobs,
                             top_logprobs_num=info.top_logprobs_num)

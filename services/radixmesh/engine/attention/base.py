@@ -132,6 +132,10 @@ class AttentionBackend(abc.ABC):
     supports_extend_graph: bool = False
     """Whether `init_extend_metadata_graph` is implemented (verify passes of speculative decoding)."""
 
+    concurrent_passes: bool = False
+    """Whether an EXTEND pass may run on one CUDA stream while a DECODE pass (graph or eager) runs on another: no
+    buffer written by one is used by the other (the metadata is host state, set before each pass's launch)."""
+
     def init_extend_metadata_graph(self, forward_batch: ForwardBatch, extend_len: int, kv_indptr: torch.Tensor,
                                    kv_indices: torch.Tensor) -> None:
         """Plan an EXTEND pass of exactly `extend_len` new tokens per request into the caller's static

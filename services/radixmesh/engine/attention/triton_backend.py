@@ -102,6 +102,7 @@ class TritonBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_extend_graph = True
     supports_tree_mask = True
+    concurrent_passes = True  # (eager decode and eager short extends keep separate scratch)
     # graph-mode kv_indices capacity, as a multiple of the pool's slots (shared prefixes repeat slots)
     GRAPH_INDICES_PER_SLOT = 4
 
@@ -120,6 +121,7 @@ class TritonBackend(AttentionBackend):
         self.dense = dense or DenseAttention()
         self.metadata: TritonForwardMetadata | None = None
         self._scratch: DecodeScratch | None = None
+        self._extend_scratch: DecodeScratch | None = None  # short extends run eagerly (apart from decode's)
         self._num_sms: dict[torch.device, int] = {}
         self._graph: _GraphState | None = None
         self._short_scratch: DecodeScratch | None = None  # short extends in verify graphs (static)
@@ -283,7 +285,7 @@ class TritonBackend(AttentionBackend):
         if meta.short_rows is not None and not forward_batch.is_decode:
             starts, lens = meta.short_rows
             rows_scratch = (self._short_graph_scratch(forward_batch, num_tokens, layer) if meta.short_graph
-                            else self._decode_scratch(num_tokens, layer, meta.num_kv_splits, q.device))
+                            else self._decode_scratch(num_tokens, layer, meta.num_kv_splits, q.device, extend=True))
             tuning = self.fp8_tuning if k_buf.dtype in FP8_DTYPES else _KERNEL_DEFAULTS
             decode_attention_fwd(q, k_buf, v_buf, out, starts, meta.kv_indices, layer.scaling, meta.num_kv_splits,
                                  rows_scratch, k_scale, v_scale, tiles=tuning.tiles, fp8_widen=tuning.widen,
@@ -349,14 +351,19 @@ class TritonBackend(AttentionBackend):
                              fp8_widen=tuning.widen, rope=rope)
 
     def _decode_scratch(self, batch: int, layer: AttentionLayerSpec, num_kv_splits: int,
-                        device: torch.device) -> DecodeScratch:
-        """Grow-only scratch shared by all layers (they run one after another on one stream)."""
-        scratch = self._scratch
+                        device: torch.device, extend: bool = False) -> DecodeScratch:
+        """Grow-only scratch shared by all layers (they run one after another on one stream); eager decode passes
+        and eager short extends (`extend`) each have their own (they may run at once on two streams)."""
+        scratch = self._extend_scratch if extend else self._scratch
         if (scratch is not None and scratch.mid_out.device == device
                 and scratch.fits(batch, layer.num_heads, layer.head_dim, num_kv_splits)):
             return scratch
         rows = batch * layer.num_heads * num_kv_splits
         if scratch is not None and scratch.head_dim == layer.head_dim:
             rows = max(rows, scratch.max_rows)
-        self._scratch = DecodeScratch(rows, layer.head_dim, device)
-        return self._scratch
+        scratch = DecodeScratch(rows, layer.head_dim, device)
+        if extend:
+            self._extend_scratch = scratch
+        else:
+            self._scratch = scratch
+        return scratch

@@ -207,8 +207,10 @@ class SamplingInfoCache:
         self._info: SamplingBatchInfo | None = None
 
     def get(self, rows: Sequence[object], output_lens: list[int],
-            build: Callable[[], SamplingBatchInfo]) -> SamplingBatchInfo:
-        """The info for `rows` (compared by identity, in order); `build()` makes a fresh one."""
+            build: Callable[[], SamplingBatchInfo], keep: bool = True) -> SamplingBatchInfo:
+        """The info for `rows` (compared by identity, in order); `build()` makes a fresh one, kept for the next call
+        unless `keep` is False (a prefill's: made on another CUDA stream than the decode steps that would reuse it;
+        the kept one stays)."""
         info = self._info
         if (info is not None and len(rows) == len(self._rows)
                 and all(a is b for a, b in zip(rows, self._rows))):
@@ -218,6 +220,8 @@ class SamplingInfoCache:
             return info
         info = build()
         self.num_builds += 1
+        if not keep:
+            return info
         keep = self.enabled and info.is_step_invariant
         self._rows, self._info = (list(rows), info) if keep else ([], None)
         return info

@@ -95,16 +95,17 @@ class Scheduler:
         self.launch_id += 1
         self.counters.num_forward_passes += 1
         launch_id = self.launch_id
-        sampled = self.hooks.launch(batch, launch_id)
-        if sampled is not None:
-            return LaunchedBatch(launch_id, batch, sampled)
+        with self.hooks.launch_scope(batch):
+            sampled = self.hooks.launch(batch, launch_id)
+            if sampled is not None:
+                return LaunchedBatch(launch_id, batch, sampled)
 
-        def before_sample() -> VocabMask | None:
-            self._commit_launch(batch, launch_id)
-            return self.hooks.vocab_mask(batch, launch_id)
+            def before_sample() -> VocabMask | None:
+                self._commit_launch(batch, launch_id)
+                return self.hooks.vocab_mask(batch, launch_id)
 
-        sampled = self.runner.launch(batch, before_sample)
-        self.hooks.on_launched(batch)
+            sampled = self.runner.launch(batch, before_sample)
+            self.hooks.on_launched(batch)
         return LaunchedBatch(launch_id, batch, sampled)
 
     def process_in_flight(self, then: LaunchedBatch | None = None) -> bool:

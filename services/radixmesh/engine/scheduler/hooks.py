@@ -6,7 +6,7 @@ scheduler calls them through one `HookSet`, in the order of `SCHEDULER_HOOKS`, a
     intake      take_request, remove
     step        on_step_start, needs_host_tokens, idle_wait, busy
     schedule    admissible (prefill), decode_batch (decode)
-    launch      launch, vocab_mask, on_launched, launch_deadline
+    launch      launch_scope, launch, vocab_mask, on_launched, launch_deadline
     results     on_results, token_verdict, settle, after_tokens
     other       flush, stats
 
@@ -15,7 +15,9 @@ scheduler calls them through one `HookSet`, in the order of `SCHEDULER_HOOKS`, a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from radixmesh.common.registry import LazyRegistry
@@ -72,6 +74,10 @@ class SchedulerHook:
         return None
 
     # ---- launch -----------------------------------------------------------------------------------
+    def launch_scope(self, batch: ScheduleBatch) -> AbstractContextManager[None] | None:
+        """A context the batch's launch runs in (a CUDA stream), from its `launch` to its `on_launched`; None: none."""
+        return None
+
     def launch(self, batch: ScheduleBatch, launch_id: int) -> SampleOutput | None:
         """Launch a batch of the hook's own kind (None: the model runner launches it)."""
         return None
@@ -115,6 +121,7 @@ HookFactory = Callable[["Scheduler"], "SchedulerHook | None"]
 SCHEDULER_HOOKS: LazyRegistry[HookFactory] = LazyRegistry("scheduler hook", {
     "step-trace": "radixmesh.engine.scheduler.step_trace:create_hook",
     "launch-pacing": "radixmesh.engine.scheduler.pacing:create_hook",
+    "decode-stream": "radixmesh.engine.scheduler.decode_stream:create_hook",
     "grammar": "radixmesh.engine.grammar.hook:create_hook",
     "host-tier": "radixmesh.engine.hicache.hook:create_hook",
     "speculative": "radixmesh.engine.speculative.decoder:create_hook",
@@ -198,6 +205,10 @@ class HookSet:
     def decode_batch(self, reqs: list[Req]) -> ScheduleBatch | None:
         return _first(h.decode_batch(reqs) for h in self._by_method["decode_batch"])
 
+    def launch_scope(self, batch: ScheduleBatch) -> AbstractContextManager[None]:
+        scope = _first(h.launch_scope(batch) for h in self._by_method["launch_scope"])
+        return scope if scope is not None else _NO_SCOPE
+
     def launch(self, batch: ScheduleBatch, launch_id: int) -> SampleOutput | None:
         return _first(h.launch(batch, launch_id) for h in self._by_method["launch"])
 
@@ -223,6 +234,7 @@ class HookSet:
 
 
 T = TypeVar("T")
+_NO_SCOPE = contextlib.nullcontext()
 
 
 def _first(values: Iterator[T | None]) -> T | None:

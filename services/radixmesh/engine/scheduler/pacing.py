@@ -75,6 +75,8 @@ class LaunchPacer:
         """A batch's launch returned, `host_s` after its step began on the host."""
         if not is_decode:
             self._last_end = None  # the next interval would hold this batch's work
+            # and so may the running step's: a prefill on a stream of higher priority runs ahead of it
+            self._pending = deque((None, end) for _, end in self._pending)
             return
         end = self.cuda.Event(enable_timing=True)
         end.record()
