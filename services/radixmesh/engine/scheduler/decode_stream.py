@@ -132,17 +132,6 @@ class _DecodeScope:
         self.hook.exit_decode()
 
 
-class _NoScope:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        return None
-
-
-NO_SCOPE = _NoScope()
-
-
 class DecodeStreamHook(SchedulerHook):
     """Puts decode launches on the decode stream and decides, per prefill, whether it waits for the running step."""
 
@@ -162,11 +151,11 @@ class DecodeStreamHook(SchedulerHook):
         """Releases of requests that made `main` wait for the running decode step."""
         sched.kv.before_release = self.before_release
 
-    def launch_scope(self, batch: ScheduleBatch) -> Any:
+    def launch_scope(self, batch: ScheduleBatch) -> _DecodeScope | None:
         if batch.is_decode:
             return self.scope
         self._before_prefill(batch)
-        return NO_SCOPE
+        return None  # (on `main`, the thread's stream)
 
     def enter_decode(self) -> None:
         tokens = self.sched.runner.last_tokens
