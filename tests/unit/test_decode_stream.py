@@ -172,7 +172,8 @@ def test_a_prefill_never_reuses_a_slot_the_running_step_writes() -> None:
 def test_where_decode_steps_get_their_own_stream(overrides: dict[str, Any], runner: dict[str, Any],
                                                  reason: str | None) -> None:
     config = EngineConfig(**{"device": "cpu", "overlap_schedule": "on", **overrides})
-    parts: dict[str, Any] = dict(device=torch.device("cuda"), graph_runner=object(), attn_backend=TritonBackend(),
+    parts: dict[str, Any] = dict(config=config, device=torch.device("cuda"), graph_runner=object(),
+                                 attn_backend=TritonBackend(),
                                  model=SimpleNamespace(rows_independent=True), lora=None, mm=None, dp=None,
                                  tp=SimpleNamespace(enabled=False))
     parts.update(runner)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixmesh.engine import plain_runner
 from radixmesh.engine.attention.base import ForwardBatch, ForwardMode
 from radixmesh.engine.attention.triton_backend import SHORT_EXTEND_MAX
 from radixmesh.engine.batch import ScheduleBatch
@@ -173,18 +174,9 @@ class PrefillGraphRunner:
 
 def prefill_graph_refusal(runner: ModelRunner) -> str | None:
     """Why this runner captures no prefill graphs (None: it may)."""
-    config = runner.config
-    if runner.graph_runner is None:
-        return "no decode CUDA graphs"
     if not runner.attn_backend.supports_extend_graph:
         return f"the {type(runner.attn_backend).__name__} backend captures no extend passes"
-    if not getattr(runner.model, "rows_independent", False):
-        return "the model's layers mix a pass's rows (MoE routing)"
-    if runner.lora is not None or runner.mm is not None or runner.dp is not None or runner.tp.enabled:
-        return "LoRA, a multimodal model and tensor or data parallelism run prefills eagerly"
-    if config.speculative_algorithm:
-        return "speculative decoding runs prefills eagerly"
-    return None
+    return plain_runner.refusal(runner)
 
 
 def make_prefill_graphs(runner: ModelRunner) -> PrefillGraphRunner | None:

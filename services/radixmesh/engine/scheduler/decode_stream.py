@@ -41,6 +41,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from radixmesh.common.env import stream_priority
+from radixmesh.engine import plain_runner
 from radixmesh.engine.scheduler.hooks import SchedulerHook
 
 if TYPE_CHECKING:
@@ -58,17 +59,11 @@ def refusal(sched: Scheduler) -> str | None:
         return "--disable-decode-stream"
     if runner.device.type != "cuda" or not config.overlap_enabled:
         return "no overlap on a CUDA device"
-    if runner.graph_runner is None:
-        return "no decode CUDA graphs"
     if not getattr(runner.attn_backend, "concurrent_passes", False):
         return f"the {type(runner.attn_backend).__name__} backend shares state between passes"
-    if not getattr(runner.model, "rows_independent", False):
-        return "the model's layers share workspaces between passes (MoE)"
-    if runner.lora is not None or runner.mm is not None or runner.dp is not None or runner.tp.enabled:
-        return "LoRA, multimodal inputs and tensor or data parallelism keep one stream"
-    if config.speculative_algorithm or config.enable_hierarchical_cache:
-        return "speculative decoding and the host tier keep one stream"
-    return None
+    if config.enable_hierarchical_cache:
+        return "the host tier"
+    return plain_runner.refusal(runner)
 
 
 def create_hook(sched: Scheduler) -> DecodeStreamHook | None:
@@ -77,9 +72,7 @@ def create_hook(sched: Scheduler) -> DecodeStreamHook | None:
         if sched.runner.device.type == "cuda":
             logger.info("decode steps and prefills share one CUDA stream: %s", reason)
         return None
-    import torch
-
-    streams = TorchStreams(torch, sched.runner.device)
+    streams = TorchStreams(sched.runner.device)
     logger.info("decode steps on a CUDA stream of their own (priority %d), prefills on the main stream (priority %d)",
                 streams.decode.priority, streams.main.priority)
     return DecodeStreamHook(sched, streams)
@@ -88,8 +81,10 @@ def create_hook(sched: Scheduler) -> DecodeStreamHook | None:
 class TorchStreams:
     """The two streams and the CUDA calls the hook makes (tests pass a recording stand-in)."""
 
-    def __init__(self, torch: Any, device: Any) -> None:
-        self.cuda = torch.cuda
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.cuda: Any = torch.cuda  # (its stubs call priority_range an instance method; it is static)
         least, greatest = self.cuda.Stream.priority_range()
         first = stream_priority()
         self.main = self.cuda.Stream(device, priority=greatest if first == "main" else least)
