@@ -7,7 +7,8 @@
 # exporter-otlp-common, instrumentation and instrumentation-grpc at the versions of .venv; xgrammar needs
 # apache-tvm-ffi; flashinfer and cudnn-frontend only for --attention-backend flashinfer (64 MiB in all);
 # the default model's tokenizer files in .gpu-model,
-# copied there by scripts/gpu_tokenizer_model.py --stage). Results go to $OUT as JSON.
+# copied there by scripts/gpu_tokenizer_model.py --stage; Redis for the services in .gpu-redis, staged by
+# scripts/gpu_redis.sh). Results go to $OUT as JSON.
 #   STAGES="tests hot-path kernel one-batch offline profile-offline online services trace-split compare grpc-api" bash scripts/gpu_suite.sh
 #   STAGES=serve-vs-services TIMEOUT_serve_vs_services=580: serve and the services on the same workloads (issue 18;
 #   SVS_WORKLOADS, SVS_CLUSTER_ARGS e.g. "--gateway-args='--detokenize service'"; SVS_EXTRA="direct embedded
@@ -102,6 +103,18 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/device.txt"
 
 STAGE_TIMEOUT_S=${STAGE_TIMEOUT_S:-240}
+stage_limit() {  # stage_limit STAGE: TIMEOUT_<stage> when set; for online, the server's start (90 s) plus each
+  # workload's send time (prompts / rate) and 60 s of tail, so the default two workloads of 100 prompts finish (the
+  # flat 240 s cut the second one off, 2026-12-01); else STAGE_TIMEOUT_S
+  local own; own=$(eval echo "\${TIMEOUT_${1//-/_}:-}")
+  if [ -n "$own" ]; then echo "$own"; return; fi
+  if [ "$1" = online ]; then
+    local n; n=$(echo ${ONLINE_WORKLOAD:-${ONLINE_WORKLOADS:-random random-ids}} | wc -w)
+    python3 -c "import math; print(90 + $n * (math.ceil(${ONLINE_PROMPTS:-100} / ${ONLINE_RATE:-1}) + 60))"
+    return
+  fi
+  echo "$STAGE_TIMEOUT_S"
+}
 # PYSPY=1: the online and services stages sample every process of the server with py-spy (carried in
 # .whl) for PYSPY_S seconds; raw stacks land in $OUT/pyspy-<stage>.tar.gz (summarise with scripts/pyspy_summary.py).
 spy() {  # spy STAGE NAME=PID ...
@@ -893,7 +906,7 @@ PY
   esac
 }
 for stage in $STAGES; do
-  limit=$(eval echo "\${TIMEOUT_${stage//-/_}:-$STAGE_TIMEOUT_S}")  # TIMEOUT_pd_goodput=500: one stage's own limit
+  limit=$(stage_limit "$stage")  # TIMEOUT_pd_goodput=500: one stage's own limit
   timeout "$limit" bash -c "$(declare -f run_stage spy spy_collect nixl_env); RM='$RM' OUT='$OUT' TREE='$TREE' run_stage $stage" \
     > "$OUT/$stage.log" 2>&1
   echo "=== stage $stage: exit $? (log: $stage.log)"; tail -5 "$OUT/$stage.log"
