@@ -288,6 +288,10 @@ run_stage() {  # every stage is time-boxed and logged whole under $OUT
           --output-file "$OUT/online${ONLINE_TAG:+-$ONLINE_TAG}-$w.json"
       done
       spy_collect online
+      # the scheduler's own counters: how many prefills ran beside a decode step (the decode stream is on), retractions
+      curl -sf "http://127.0.0.1:$port/server_info" | python3 -c 'import json, sys; d = json.load(sys.stdin)
+print("server counters:", {k: v for k, v in sorted(d.items()) if k.startswith(("num_prefills_", "num_releases_"))
+                           or k in ("num_retractions", "num_forward_passes")})' || echo "no /server_info"
       kill -INT $server; wait $server
       pre="$OUT/online${ONLINE_TAG:+-$ONLINE_TAG}"  # text against ids request by request: TTFT and slope differences
       if [ -f "$pre-random.json" ] && [ -f "$pre-random-ids.json" ]; then
