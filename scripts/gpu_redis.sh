@@ -2,8 +2,8 @@
 # Stage this machine's redis-server for the GPU machine (which has none): the binary in DIR/bin and the shared
 # libraries `ldd` lists in DIR/lib, except the C and C++ runtimes the GPU machine has itself. gpu_suite.sh puts
 # DIR (default .gpu-redis, git-ignored) on PATH and LD_LIBRARY_PATH for the stages that start Redis (services,
-# serve-vs-services, pd-*). About 12 MB: with .whl and .gpu-model the tree passes the 64 MiB the device carries, so
-# leave the grammar wheels (xgrammar, apache-tvm-ffi) out of .whl for such a call, or set docs/ aside.
+# serve-vs-services, pd-*). About 12 MB: with .whl (25 MB), .gpu-model (3.4 MB) and the tracked tree (19 MB) it
+# stays under the 64 MiB the device carries; a NIXL wheel or a second tree (.base) on top does not fit.
 #   bash scripts/gpu_redis.sh [DIR]
 set -euo pipefail
 dir=${1:-.gpu-redis}
