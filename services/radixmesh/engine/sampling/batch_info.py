@@ -222,6 +222,6 @@ class SamplingInfoCache:
         self.num_builds += 1
         if not keep:
             return info
-        keep = self.enabled and info.is_step_invariant
-        self._rows, self._info = (list(rows), info) if keep else ([], None)
+        cache = self.enabled and info.is_step_invariant
+        self._rows, self._info = (list(rows), info) if cache else ([], None)
         return info
