@@ -49,6 +49,9 @@
 #   its tile sweep (bench_moe_small); STAGES=moe-small-decode: Qwen3-30B-A3B batch-1 decode with each path
 #   (RADIXMESH_MOE_PATH=sorted, then auto; MOE_DECODE_PATHS="auto block": the whole-block kernel against today's);
 #   STAGES=moe-block: the whole-block kernel's GPU tests and its bench against the four-launch chain
+#   STAGES=attn-block: the one-launch attention half's GPU tests and its bench (check, trace, sweep) against today's
+#   launches; STAGES=attn-block-decode: batch-1 decode of ATTN_DECODE_SHAPES (default qwen3-30b-a3b) with
+#   RADIXMESH_ATTN_BLOCK set to each of ATTN_DECODE_MODES (default "off on prefetch")
 #   STAGES=moe TIMEOUT_moe=590 (issue 48, two GPUs, about 6 minutes): Qwen3-30B-A3B batch-1 decode against its bandwidth
 #   floor (active experts + attention + embeddings over the measured copy bandwidth), the 500-prompt offline run of
 #   Qwen3-30B-A3B (with --profile: the MoE kernels' share) beside the dense Qwen3-8B's on the other GPU at the same
@@ -696,6 +699,22 @@ PY
       python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_moe_block_gpu.py
       python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_moe_block.py
       python3 -m radixmesh.kernels.bench_moe_block --check ${MOE_BLOCK_ARGS:---sweep} | tee "$OUT/moe-block.jsonl" ;;
+    attn-block)  # the attention half of a decode token in one persistent kernel (issue 48): GPU tests, the CPU tests
+      # compiled, then per layer today's launches vs the block (bench_attn_block: check, trace, sweep)
+      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_attn_block_gpu.py
+      python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_attn_block.py
+      python3 -m radixmesh.kernels.bench_attn_block ${ATTN_BLOCK_ARGS:---check --trace --sweep} \
+        | tee "$OUT/attn-block.jsonl" ;;
+    attn-block-decode)  # batch-1 decode with RADIXMESH_ATTN_BLOCK at each of ATTN_DECODE_MODES, per shape
+      for shape in ${ATTN_DECODE_SHAPES:-qwen3-30b-a3b}; do
+        for mode in ${ATTN_DECODE_MODES:-off on prefetch}; do
+          RADIXMESH_ATTN_BLOCK=$mode $RM bench one-batch --model-shape "$shape" --batch-size 1 --input-len 1024 \
+            --output-len 256 --context-length 8192 --cuda-graph-max-bs 8 --bandwidth-floor --profile-graph \
+            --result-file "$OUT/attn-block-decode.jsonl" > /tmp/attn-block-decode-$shape-$mode.log 2>&1 \
+            || tail -n 20 /tmp/attn-block-decode-$shape-$mode.log
+          echo "== $shape RADIXMESH_ATTN_BLOCK=$mode"; tail -n 3 /tmp/attn-block-decode-$shape-$mode.log
+        done
+      done ;;
     moe-small-decode)  # Qwen3-30B-A3B batch-1 decode against its bandwidth floor, the MoE layer on each path
       # (MOE_DECODE_PATHS, default "sorted auto": RADIXMESH_MOE_PATH=sorted, then auto, the small-batch path at batch
       # 1; block: the whole-block kernel), with the graph's kernel profile

@@ -157,3 +157,41 @@ def test_the_qwen3_router_fusion_is_on_unless_turned_off(monkeypatch: pytest.Mon
     monkeypatch.setenv("RADIXMESH_QWEN3_FUSION", "bogus")
     with pytest.raises(RadixMeshError, match="RADIXMESH_QWEN3_FUSION"):
         layers.enable_gemv(model)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "mixtral"])
+def test_the_whole_attention_half_in_one_kernel_gives_transformers_greedy_tokens(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                                kind: str) -> None:
+    """RADIXMESH_ATTN_BLOCK=on: every one-row decode pass of a layer after the first (the first has no residual add
+    before its attention) runs its input norm, q/k/v, (q/k norms,) rotary, KV store, attention and o projection in
+    the persistent kernel (`kernels.attn_block`; one program under the interpreter), Mixtral's without q/k norms."""
+    from radixmesh.kernels import attn_block
+
+    path, hf = write_hf_checkpoint(kind, tmp_path / kind, head_dim=16)
+    want = hf_greedy(hf, PROMPTS, MAX_NEW)
+    monkeypatch.setattr(layers, "_fused", lambda x: True)
+    monkeypatch.setenv("RADIXMESH_ATTN_BLOCK", "on")
+    calls = {"block": 0}
+    block = attn_block.attn_block_decode
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls["block"] += 1
+        return block(*args, **kwargs)
+
+    monkeypatch.setattr(attn_block, "attn_block_decode", counted)
+    _run_one_at_a_time(path, want, lambda sched: layers.enable_gemv(sched.runner.model), attention_backend="triton")
+    assert calls["block"] == len(PROMPTS) * (MAX_NEW - 1) * 2, calls
+
+
+def test_the_whole_attention_half_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixmesh.engine.models.attn_block_runtime import AttnBlockRuntime
+
+    monkeypatch.delenv("RADIXMESH_ATTN_BLOCK", raising=False)
+    assert AttnBlockRuntime.from_env() is None
+    monkeypatch.setenv("RADIXMESH_ATTN_BLOCK", "prefetch")
+    runtime = AttnBlockRuntime.from_env()
+    assert runtime is not None and runtime.config.o_prefetch
+    monkeypatch.setenv("RADIXMESH_ATTN_BLOCK", "sometimes")
+    with pytest.raises(RadixMeshError, match="RADIXMESH_ATTN_BLOCK"):
+        AttnBlockRuntime.from_env()

@@ -40,6 +40,29 @@ def time_us(calls: Sequence[Callable[[], object]]) -> float | None:
         return None
 
 
+def trace_medians(launch: Callable[[torch.Tensor], object], points: Sequence[str], rounds: int) -> dict[str, float]:
+    """Medians over `rounds` launches of a persistent kernel whose programs stamp their global timer at `points`
+    (`moe_block.TRACE_POINTS`-style: row per program, ns in columns 0.., the first the entry): per launch the
+    microseconds from the first program's entry to the last program done with each point (`<point>_last_us`) and to
+    the first program past each barrier (`barrier*_first_us`), and the programs that ran. `launch(stamps)` runs
+    one launch with the stamps tensor (PDL is the caller's business)."""
+    stamps = torch.zeros(torch.cuda.get_device_properties(0).multi_processor_count * 32, 16, dtype=torch.int64,
+                         device="cuda")
+    per_launch: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        stamps.zero_()
+        launch(stamps)
+        ns = stamps[:, :len(points)]
+        ns = ns[ns[:, 0] > 0].double()  # the grid's rows
+        start = ns[:, 0].min()
+        for i, point in enumerate(points[1:], 1):
+            per_launch.setdefault(f"{point}_last_us", []).append(float(ns[:, i].max() - start) / 1e3)
+            if point.startswith("barrier"):
+                per_launch.setdefault(f"{point}_first_us", []).append(float(ns[:, i].min() - start) / 1e3)
+        per_launch.setdefault("programs", []).append(float(ns.shape[0]))
+    return {k: round(float(torch.tensor(v).median()), 2) for k, v in per_launch.items()}
+
+
 def run_info(module: str) -> dict[str, object]:
     """Device, versions and command line of this run (every result line carries them)."""
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from radixmesh.kernels._bench import copy_bandwidth_tb_s, print_table, run_info, time_us
+from radixmesh.kernels._bench import copy_bandwidth_tb_s, print_table, run_info, time_us, trace_medians
 from radixmesh.kernels._pdl import set_pdl
 from radixmesh.kernels.bench_moe import SHAPES
 from radixmesh.kernels.gemv_norm_out import gemv_add_rmsnorm_out
@@ -197,26 +197,19 @@ SWEEP_COLUMNS = [("part", "part"), ("us", "us"), ("config", "config"), ("entry",
 
 def trace(lay: Layers, cfg: MoeBlockConfig, rounds: int = 4) -> dict[str, object]:
     """When each step of a launch ends (see the module docstring), medians over `rounds` x the layers."""
-    stamps = torch.zeros(torch.cuda.get_device_properties(0).multi_processor_count * 32, 16, dtype=torch.int64,
-                         device="cuda")
+    layers = list(zip(lay.xs, lay.residuals, lay.norms, lay.routers, lay.w13s, lay.w2s))
+    done = [0]
+
+    def launch(stamps: torch.Tensor) -> None:
+        x, r, nw, rw, w13, w2 = layers[done[0] % len(layers)]
+        done[0] += 1
+        moe_block_decode(x, r, nw, EPS, rw, w13, w2, lay.spec, lay.ws, out=lay.out, config=cfg, trace=stamps)
+
     set_pdl(False)
-    per_launch: dict[str, list[float]] = {}
     try:
-        for _ in range(rounds):
-            for x, r, nw, rw, w13, w2 in zip(lay.xs, lay.residuals, lay.norms, lay.routers, lay.w13s, lay.w2s):
-                stamps.zero_()
-                moe_block_decode(x, r, nw, EPS, rw, w13, w2, lay.spec, lay.ws, out=lay.out, config=cfg, trace=stamps)
-                ns = stamps[:, :len(TRACE_POINTS)]
-                ns = ns[ns[:, 0] > 0].double()  # the grid's rows
-                start = ns[:, 0].min()
-                for i, point in enumerate(TRACE_POINTS[1:], 1):
-                    per_launch.setdefault(f"{point}_last_us", []).append(float(ns[:, i].max() - start) / 1e3)
-                    if point.startswith("barrier"):
-                        per_launch.setdefault(f"{point}_first_us", []).append(float(ns[:, i].min() - start) / 1e3)
-                per_launch.setdefault("programs", []).append(float(ns.shape[0]))
+        return trace_medians(launch, TRACE_POINTS, rounds * len(layers)) | {"config": asdict(cfg)}
     finally:
         set_pdl(True)
-    return {k: round(float(torch.tensor(v).median()), 2) for k, v in per_launch.items()} | {"config": asdict(cfg)}
 
 
 def main(argv: list[str] | None = None) -> int:

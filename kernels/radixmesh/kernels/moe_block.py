@@ -120,6 +120,15 @@ def _grid_barrier(sync_ptr, target, max_polls):
 
 
 @triton.jit
+def _grid_exit(sync_ptr, P):
+    """The last program out resets both counters (arrivals, exits) for the next launch: every program is past every
+    wait by then."""
+    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == P - 1:
+        tl.store(sync_ptr, 0)
+        tl.store(sync_ptr + 1, 0)
+
+
+@triton.jit
 def _topk_sorted(x, cols, col_ok, scaling, TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr,
                  SIGMOID: tl.constexpr, RENORM: tl.constexpr):
     """`moe_small._topk_of` (no bias) by one partial bitonic sort (`tl.topk`) instead of an argmax round per slot:
@@ -271,10 +280,7 @@ def _moe_block_kernel(x_ptr, r_ptr, nw_ptr, rw_ptr, w13_ptr, w2_ptr, summed_ptr,
     _down_units(inter_ptr, w2_ptr, out_ptr, ids, weights, pid, P, H, INTER, TOP_K, BLOCK_TK, BLOCK_H, DOWN_BLOCK_K,
                 DOWN_STAGES)
     _stamp(trace_ptr, pid, 6, TRACE)
-    # the last program out resets both counters for the next launch (every program is past every wait)
-    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == P - 1:
-        tl.store(sync_ptr, 0)
-        tl.store(sync_ptr + 1, 0)
+    _grid_exit(sync_ptr, P)
 
 
 # ---- launcher -------------------------------------------------------------------------------------------

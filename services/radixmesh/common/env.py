@@ -63,6 +63,17 @@ def moe_path() -> str:
     return _choice("MOE_PATH", MOE_PATHS)
 
 
+ATTN_BLOCK_MODES = ("off", "on", "prefetch")
+"""Values of RADIXMESH_ATTN_BLOCK: a one-token decode pass runs each layer's attention half (input norm, q/k/v,
+rotary, KV store, attention, o) in one persistent kernel (`radixmesh.kernels.attn_block`), `prefetch` with the o
+weight asked of L2 ahead; `off` (the default until measured ahead) runs today's launches."""
+
+
+def attn_block_mode() -> str:
+    """RADIXMESH_ATTN_BLOCK, checked (INVALID_ARGUMENT when not one of `ATTN_BLOCK_MODES`)."""
+    return _choice("ATTN_BLOCK", ATTN_BLOCK_MODES)
+
+
 DECODE_FP8_WIDENS = ("f32", "direct", "f16")
 """Values of RADIXMESH_DECODE_FP8_WIDEN (radixmesh.kernels.decode_attention.FP8_WIDENS)."""
 

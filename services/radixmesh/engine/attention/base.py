@@ -160,6 +160,12 @@ class AttentionBackend(abc.ABC):
         """Whether `forward_decode_rope` runs this pass of `layer` (default: no backend can)."""
         return False
 
+    def decode_kv_ranges(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(kv_indptr, kv_indices)` of a DECODE pass (request i attends to slots
+        `kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`, its new token's last), for a kernel that attends by itself
+        (`radixmesh.kernels.attn_block`); None where the backend keeps no such plan (the default)."""
+        return None
+
     def disable_decode_rope_fusion(self) -> None:  # noqa: B027
         """Never fuse the rotary into decode attention (`--disable-decode-rope-fusion`); nothing to do for a backend
         that does not."""

@@ -322,6 +322,12 @@ class TritonBackend(AttentionBackend):
     def disable_decode_rope_fusion(self) -> None:
         self.fuse_decode_rope = False
 
+    def decode_kv_ranges(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        meta = self.metadata
+        if not forward_batch.is_decode or meta is None:
+            return None
+        return meta.kv_indptr, meta.kv_indices
+
     def forward_decode_rope(self, q: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch,
                             rope: DecodeRope) -> torch.Tensor:
         assert self.can_fuse_decode_rope(layer, forward_batch), (

@@ -17,6 +17,7 @@ from radixmesh.engine.distributed.dp_attention import DpAttention
 from radixmesh.engine.distributed.layout import ShardLayout
 from radixmesh.engine.distributed.sharding import TP_NONE, TensorParallel, WeightSource, take_shard
 from radixmesh.engine.model_config import ModelConfig
+from radixmesh.engine.models.attn_block_runtime import AttnBlockRuntime
 from radixmesh.engine.models.layers import AddRMSNorm, GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from radixmesh.engine.models.parallel import ParallelLMHead, VocabParallelEmbedding, row_parallel_linear
 from radixmesh.kernels.decode_rope import DecodeRope
@@ -44,6 +45,9 @@ class Attention(nn.Module):
         self.fuse_decode_rope = True
         """Decode passes may hand raw q/k/v to `forward_decode_rope` (draft heads whose passes are not plain
         decode steps turn it off)."""
+        self.block: AttnBlockRuntime | None = None
+        """Set by the model (RADIXMESH_ATTN_BLOCK): a one-token decode pass may run this layer's whole attention
+        half in one kernel (`whole_block`)."""
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
                 prologue: AddRMSNorm | None = None) -> torch.Tensor:
@@ -53,6 +57,10 @@ class Attention(nn.Module):
             if prologue is not None:
                 prologue.apply(x)
             return x.new_zeros(0, x.shape[-1])
+        if prologue is not None and n == 1 and self.block is not None:
+            out = self.whole_block(positions, x, batch, prologue)
+            if out is not None:
+                return out
         spec = self.spec
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         qkv = self._qkv_rope_store(positions, x, batch, prologue) if prologue is not None and n == 1 else None
@@ -66,6 +74,43 @@ class Attention(nn.Module):
         if stored:
             return self.o_proj(batch.attn_backend.forward(q, k, v, spec, batch, save_kv=False))
         return self.o_proj(self._rope_attend(positions, q, k, v, batch))  # [n, hidden]
+
+    def whole_block(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
+                    prologue: AddRMSNorm) -> torch.Tensor | None:
+        """One decode token's input norm, q/k/v, (Qwen3: q/k norms,) rotary, KV store, attention and o projection
+        in one persistent kernel (`radixmesh.kernels.attn_block`) where the layer is one it runs (16-bit weights
+        without bias, LoRA or TP, a pool in the activations' dtype, the plain rotary, a backend that hands over its
+        decode plan); None elsewhere. Sets `prologue.summed` as the norm would."""
+        assert self.block is not None
+        spec, rotary, o_proj = self.spec, self.rotary[0], self.o_proj
+        if not (batch.is_decode and type(rotary) is RotaryEmbedding and type(o_proj) is Linear
+                and o_proj.quant_method is None and o_proj.bias is None
+                and all(p.lora is None or not p.lora.active for p in (o_proj, self.qkv_proj))
+                and self.qkv_proj.bias is None
+                and (self.q_norm is None) == (self.k_norm is None)
+                and (self.q_norm is None or self.k_norm is None or self.q_norm.eps == self.k_norm.eps)
+                and prologue.residual.is_contiguous()):
+            return None
+        weights = self.qkv_proj.gemv_weights(x)
+        ranges = batch.attn_backend.decode_kv_ranges(batch)
+        if weights is None or weights[1] is not None or ranges is None:
+            return None
+        from radixmesh.kernels.attn_block import BlockRope, attn_block_decode, attn_block_supported
+
+        pool = batch.token_to_kv_pool
+        k_buf, v_buf = pool.get_kv(spec.layer_id)
+        if pool.scales(spec.layer_id) != (1.0, 1.0) or not attn_block_supported(
+                x, weights[0], o_proj.weight, k_buf, spec.num_heads, spec.num_kv_heads, spec.head_dim):
+            return None
+        rope = BlockRope(None if self.q_norm is None else self.q_norm.weight,
+                         None if self.k_norm is None else self.k_norm.weight,
+                         self.q_norm.eps if self.q_norm is not None else 0.0, rotary.cos_cache, rotary.sin_cache,
+                         positions, batch.out_cache_loc)
+        ws = self.block.workspace(spec.num_heads, spec.num_kv_heads, spec.head_dim, x.dtype, x.device)
+        out, prologue.summed = attn_block_decode(
+            x, prologue.residual, prologue.norm.weight, prologue.norm.eps, weights[0], o_proj.weight, rope, k_buf,
+            v_buf, *ranges, spec.scaling, ws, config=self.block.config)
+        return out
 
     def _rope_attend(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      batch: ForwardBatch) -> torch.Tensor:
@@ -184,9 +229,11 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(make_layer(config, i, self.rotary, tp) for i in range(config.num_layers))
         self.dp = DpAttention(tp) if tp.dp_attention else None
         """The token exchange of data-parallel attention (None without it)."""
+        block = AttnBlockRuntime.from_env() if not tp.enabled else None
         for layer in self.layers:
             if isinstance(layer, DecoderLayer):
                 layer.dp = self.dp
+                layer.self_attn.block = block
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.capture: HiddenCapture | None = None
         """Set (before CUDA graphs are captured) when an EAGLE head drafts for this model."""
