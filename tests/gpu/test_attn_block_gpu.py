@@ -41,28 +41,33 @@ def _compare(lay, cfg: AttnBlockConfig) -> None:  # type: ignore[no-untyped-def]
     assert rel < 1e-2, rel
 
 
+PRELOADED = AttnBlockConfig(num_splits=64, kv_preload=32, o_preload=True)
+
+
 @pytest.mark.parametrize("ctas", [1, 2, 4])
 @pytest.mark.parametrize("pdl", [True, False])
-def test_block_matches_the_chain(ctas: int, pdl: bool) -> None:
+@pytest.mark.parametrize("preload", [False, True])
+def test_block_matches_the_chain(ctas: int, pdl: bool, preload: bool) -> None:
     lay = _layers(1024)
     set_pdl(pdl)
     try:
-        _compare(lay, AttnBlockConfig(ctas_per_sm=ctas))
+        _compare(lay, replace(PRELOADED if preload else AttnBlockConfig(), ctas_per_sm=ctas))
     finally:
         set_pdl(True)
 
 
 @pytest.mark.parametrize("context", [1, 15, 16, 17, 300, 4099])
 @pytest.mark.parametrize("cfg", [AttnBlockConfig(), AttnBlockConfig(num_splits=64, o_prefetch=True),
-                                 AttnBlockConfig(num_splits=8, qkv_block_r=8, qkv_block_k=256)],
-                         ids=["default", "splits64-prefetch", "splits8-tiles"])
+                                 AttnBlockConfig(num_splits=8, qkv_block_r=8, qkv_block_k=256), PRELOADED,
+                                 AttnBlockConfig(kv_preload=16, o_preload=True, ctas_per_sm=2)],
+                         ids=["default", "splits64-prefetch", "splits8-tiles", "preloaded", "preload16-ctas2"])
 def test_request_lengths_and_configs(context: int, cfg: AttnBlockConfig) -> None:
     _compare(_layers(context), cfg)
 
 
 def test_a_graph_of_chained_layers_replays() -> None:
     lay = _layers(777, num=4)
-    cfg = replace(AttnBlockConfig(), o_prefetch=True)
+    cfg = PRELOADED
     want = [lay.block(i, cfg)[0].clone() for i in range(4)]  # eager (the layers share `lay.out`)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -11,6 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before radixmesh.kernels is imported (see test_triton_kernels)
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import pytest
@@ -28,6 +29,10 @@ EPS = 1e-6
 SMALL = AttnBlockConfig(qkv_block_r=4, qkv_block_k=32, o_block_r=2, o_block_k=16, num_stages=1, num_splits=4,
                         block_n=16, num_warps=1, ctas_per_sm=1)
 """At H = 48: a ragged last K tile in the q/k/v phase."""
+CONFIGS = {"streamed": SMALL, "preloaded": replace(SMALL, kv_preload=16, o_preload=True),
+           "preloaded-wide": replace(SMALL, kv_preload=32, num_splits=2)}
+"""Every read streamed; the first unit's K/V (a whole split here, or more than one: the tail masked) and the o
+rows read into registers ahead."""
 
 
 class Layer(NamedTuple):
@@ -116,13 +121,14 @@ def run(layer: Layer, heads: int, kv_heads: int, head_dim: int, pos: int, slot_i
 
 @pytest.mark.parametrize("length", [1, 5, 16, 37, 64])
 @pytest.mark.parametrize("qk_norm", [True, False])
-def test_block_matches_reference(length: int, qk_norm: bool) -> None:
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_block_matches_reference(length: int, qk_norm: bool, config: str) -> None:
     heads, kv_heads, head_dim, hidden, slots = 4, 2, 16, 48, 80
     dtype = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
     layer = make_layer(hidden, heads, kv_heads, head_dim, slots, dtype, seed=length)
     slot_ids = torch.randperm(slots, generator=torch.Generator().manual_seed(length))[:length].to(DEVICE)
     want_out, want_summed, want_k, want_v = reference(layer, heads, kv_heads, head_dim, length - 1, slot_ids, qk_norm)
-    out, summed = run(layer, heads, kv_heads, head_dim, length - 1, slot_ids, qk_norm, SMALL)
+    out, summed = run(layer, heads, kv_heads, head_dim, length - 1, slot_ids, qk_norm, CONFIGS[config])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.equal(summed, want_summed)
     torch.testing.assert_close(layer.k_buf, want_k, atol=tol, rtol=tol)  # the new token's row, the rest untouched

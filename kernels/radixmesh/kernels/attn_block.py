@@ -75,8 +75,14 @@ class AttnBlockConfig:
     """Programs per SM (P = SMs x this), lowered by the launcher to what fits."""
     o_prefetch: bool = False
     """Ask L2 for the program's o rows before the first wait (`cp.async.bulk.prefetch.L2`)."""
+    kv_preload: int = 0
+    """A power of 2 (0: off): the K/V of each program's first attention unit, up to this many positions, read at
+    the launch's start into registers."""
+    o_preload: bool = False
+    """Each program reads its o rows into registers when the attention phase begins (Hq * D a power of 2)."""
 
     def __post_init__(self) -> None:
+        assert self.kv_preload == 0 or self.kv_preload & (self.kv_preload - 1) == 0, f"kv_preload: {self}"
         for name in ("qkv_block_r", "qkv_block_k", "o_block_r", "o_block_k", "block_n"):
             value = getattr(self, name)
             assert value >= 1 and value & (value - 1) == 0, f"{name} must be a power of 2, got {value}"
@@ -189,28 +195,59 @@ def _norm_rotate(ptrs, mask, w_ptr, eps, cos, sin, half, offs, QK_NORM: tl.const
 def _store_new_kv(qkv_ptr, k_buf_ptr, v_buf_ptr, slot, kv_head, kw_ptr, eps, cos, sin, stride_kb_slot,
                   stride_kb_head, stride_vb_slot, stride_vb_head, HQ: tl.constexpr, HKV: tl.constexpr,
                   D: tl.constexpr, QK_NORM: tl.constexpr):
-    """The new token's k head (normed, rotated) and raw v head into pool row `slot`."""
+    """The new token's k head (normed, rotated) and raw v head into pool row `slot`; returns both as the pool
+    holds them, `[1, D]` each."""
     half: tl.constexpr = D // 2
     offs = tl.arange(0, half)
     k_src = qkv_ptr + (HQ + kv_head) * D + offs[None, :]  # [1, half]: one head as a one-row tile
     k1, k2 = _norm_rotate(k_src, offs[None, :] < half, kw_ptr, eps, cos, sin, half, offs, QK_NORM)
-    kb = k_buf_ptr + slot * stride_kb_slot + kv_head * stride_kb_head + offs[None, :]
-    tl.store(kb, k1.to(k_buf_ptr.dtype.element_ty))
-    tl.store(kb + half, k2.to(k_buf_ptr.dtype.element_ty))
-    v_src = qkv_ptr + (HQ + HKV + kv_head) * D + offs
-    vb = v_buf_ptr + slot * stride_vb_slot + kv_head * stride_vb_head + offs
-    tl.store(vb, tl.load(v_src, cache_modifier=".cg").to(v_buf_ptr.dtype.element_ty))
-    tl.store(vb + half, tl.load(v_src + half, cache_modifier=".cg").to(v_buf_ptr.dtype.element_ty))
+    k_row = tl.reshape(tl.permute(tl.join(k1, k2), (0, 2, 1)), (1, D)).to(k_buf_ptr.dtype.element_ty)
+    offs_d = tl.arange(0, D)
+    tl.store(k_buf_ptr + slot * stride_kb_slot + kv_head * stride_kb_head + offs_d[None, :], k_row)
+    v_row = tl.load(qkv_ptr + (HQ + HKV + kv_head) * D + offs_d[None, :], cache_modifier=".cg").to(
+        v_buf_ptr.dtype.element_ty)
+    tl.store(v_buf_ptr + slot * stride_vb_slot + kv_head * stride_vb_head + offs_d[None, :], v_row)
+    return k_row, v_row
+
+
+@triton.jit
+def _kv_tile(k_buf_ptr, v_buf_ptr, kv_indices_ptr, kv_start, n, hi, kv_head, stride_kb_slot, stride_kb_head,
+             stride_vb_slot, stride_vb_head, D: tl.constexpr, BLOCK: tl.constexpr):
+    """K and V `[BLOCK, D]` of positions n .. n + BLOCK (those < hi; the others 0) of one KV head."""
+    offs_n = n + tl.arange(0, BLOCK)
+    mask_n = offs_n < hi
+    slots = tl.load(kv_indices_ptr + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    k = tl.load(k_buf_ptr + kv_head * stride_kb_head + slots[:, None] * stride_kb_slot + offs_d[None, :],
+                mask=mask_n[:, None], other=0.0)
+    v = tl.load(v_buf_ptr + kv_head * stride_vb_head + slots[:, None] * stride_vb_slot + offs_d[None, :],
+                mask=mask_n[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One K/V tile into the running softmax `(m_i, l_i, acc)` of the group's q rows (base-2 scores)."""
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
 def _attention_units(qkv_ptr, k_buf_ptr, v_buf_ptr, kv_start, seq_len, split_len, kv_indices_ptr, mid_o_ptr,
                      mid_lse_ptr, qw_ptr, kw_ptr, qk_eps, cos, sin, slot, qk_scale, pid, P,
-                     stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, S,
+                     stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, S, k_pre, v_pre,
                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_N: tl.constexpr, QK_NORM: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
-    """Phase 2: units (KV head, split) pid, pid + P, ...; empty splits (past the request's end) write nothing."""
+                     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PRELOAD_KV: tl.constexpr,
+                     QK_NORM: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Phase 2: units (KV head, split) pid, pid + P, ...; empty splits (past the request's end) write nothing.
+    PRELOAD_KV: `k_pre`, `v_pre` hold unit pid's first BLOCK_C positions, read before the phase began (the new
+    token's row, stale there, is replaced by the one this unit computes)."""
     GROUP: tl.constexpr = HQ // HKV
     half: tl.constexpr = D // 2
     offs_g = tl.arange(0, BLOCK_H)
@@ -228,31 +265,29 @@ def _attention_units(qkv_ptr, k_buf_ptr, v_buf_ptr, kv_start, seq_len, split_len
             r1, r2 = _norm_rotate(q_src, mask_h[:, None], qw_ptr, qk_eps, cos, sin, half, offs_half, QK_NORM)
             # [BLOCK_H, half, 2] -> [BLOCK_H, 2, half] -> the halves side by side; padded rows are zero
             q = tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (BLOCK_H, D)).to(DOT_DTYPE)
+            k_row = tl.zeros([1, D], dtype=k_buf_ptr.dtype.element_ty)
+            v_row = tl.zeros([1, D], dtype=v_buf_ptr.dtype.element_ty)
             if hi == seq_len:  # this unit holds the new token: store its k and v before reading the slot
-                _store_new_kv(qkv_ptr, k_buf_ptr, v_buf_ptr, slot, kv_head, kw_ptr, qk_eps, cos, sin,
-                              stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, HQ, HKV, D, QK_NORM)
+                k_row, v_row = _store_new_kv(qkv_ptr, k_buf_ptr, v_buf_ptr, slot, kv_head, kw_ptr, qk_eps, cos,
+                                             sin, stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
+                                             HQ, HKV, D, QK_NORM)
                 tl.debug_barrier()
             m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
             acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-            k_base = k_buf_ptr + kv_head * stride_kb_head
-            v_base = v_buf_ptr + kv_head * stride_vb_head
-            for n in range(lo, hi, BLOCK_N):
-                offs_n = n + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < hi
-                slots = tl.load(kv_indices_ptr + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-                k = tl.load(k_base + slots[:, None] * stride_kb_slot + offs_d[None, :], mask=mask_n[:, None],
-                            other=0.0)
-                s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
-                s = tl.where(mask_n[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_base + slots[:, None] * stride_vb_slot + offs_d[None, :], mask=mask_n[:, None],
-                            other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-                m_i = m_new
+            start = lo
+            if PRELOAD_KV:  # noqa: SIM102 (a compile-time branch around a run-time one)
+                if u == pid:
+                    offs_c = lo + tl.arange(0, BLOCK_C)
+                    new = (offs_c == seq_len - 1)[:, None]
+                    m_i, l_i, acc = _attend(q, tl.where(new, k_row, k_pre), tl.where(new, v_row, v_pre),
+                                            offs_c < hi, m_i, l_i, acc, qk_scale, DOT_DTYPE, DOT_PRECISION)
+                    start = lo + BLOCK_C
+            for n in range(start, hi, BLOCK_N):
+                k, v = _kv_tile(k_buf_ptr, v_buf_ptr, kv_indices_ptr, kv_start, n, hi, kv_head, stride_kb_slot,
+                                stride_kb_head, stride_vb_slot, stride_vb_head, D, BLOCK_N)
+                m_i, l_i, acc = _attend(q, k, v, n + tl.arange(0, BLOCK_N) < hi, m_i, l_i, acc, qk_scale,
+                                        DOT_DTYPE, DOT_PRECISION)
             out = acc / l_i[:, None]  # (l_i > 0: the unit has at least one slot)
             tl.store(mid_o_ptr + (split * HQ + heads)[:, None] * D + offs_d[None, :], out, mask=mask_h[:, None])
             tl.store(mid_lse_ptr + split * HQ + heads, m_i + tl.log2(l_i), mask=mask_h)
@@ -287,6 +322,7 @@ def _attn_block_kernel(x_ptr, r_ptr, nw_ptr, wqkv_ptr, wo_ptr, summed_ptr, out_p
                        QKV_BLOCK_R: tl.constexpr, QKV_BLOCK_K: tl.constexpr, O_BLOCK_R: tl.constexpr,
                        O_BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, QK_NORM: tl.constexpr,
                        DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, O_PREFETCH: tl.constexpr,
+                       BLOCK_C: tl.constexpr, PRELOAD_KV: tl.constexpr, O_ROWS: tl.constexpr,
                        THREADS: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -301,6 +337,15 @@ def _attn_block_kernel(x_ptr, r_ptr, nw_ptr, wqkv_ptr, wo_ptr, summed_ptr, out_p
                          THREADS)
     if PDL:
         gdc_wait()
+    # the request's slots (kv_indptr [2]: one request) and, PRELOAD_KV, unit pid's first BLOCK_C of them, read
+    # now so that the attention phase finds them in registers (the new token's row is patched in there)
+    kv_start = tl.load(kv_indptr_ptr).to(tl.int64)
+    seq_len = tl.load(kv_indptr_ptr + 1).to(tl.int64) - kv_start
+    split_len = tl.cdiv(tl.cdiv(seq_len, S), BLOCK_N) * BLOCK_N
+    lo = (pid // HKV) * split_len
+    k_pre, v_pre = _kv_tile(k_buf_ptr, v_buf_ptr, kv_indices_ptr, kv_start, lo,
+                            tl.minimum(lo + split_len, seq_len) if PRELOAD_KV else lo, pid % HKV, stride_kb_slot,
+                            stride_kb_head, stride_vb_slot, stride_vb_head, D, BLOCK_C)
     # phase 1: the norm (each program takes the whole row's scale) and the q/k/v rows
     act = summed_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_ROW)
@@ -317,16 +362,18 @@ def _attn_block_kernel(x_ptr, r_ptr, nw_ptr, wqkv_ptr, wo_ptr, summed_ptr, out_p
     _grid_barrier(sync_ptr, P, max_polls)
     _stamp(trace_ptr, pid, 2, TRACE)
 
-    # phase 2: attention over the request's slots (kv_indptr [2]: one request)
-    kv_start = tl.load(kv_indptr_ptr).to(tl.int64)
-    seq_len = tl.load(kv_indptr_ptr + 1).to(tl.int64) - kv_start
-    split_len = tl.cdiv(tl.cdiv(seq_len, S), BLOCK_N) * BLOCK_N
+    # phase 2: attention; O_ROWS > 0: this program's o rows are read first, for phase 4 to find in registers
+    K_O: tl.constexpr = HQ * D
+    if O_ROWS > 0:
+        o_rows = pid * O_ROWS + tl.arange(0, O_ROWS)
+        w_o = tl.load(wo_ptr + tl.where(o_rows < H, o_rows, H - 1).to(tl.int64)[:, None] * K_O
+                      + tl.arange(0, K_O)[None, :])
     cos, sin = rope_cos_sin(cos_ptr, sin_ptr, pos_ptr, 0, stride_cache, D // 2)
     slot = tl.load(loc_ptr).to(tl.int64)
     _attention_units(qkv_ptr, k_buf_ptr, v_buf_ptr, kv_start, seq_len, split_len, kv_indices_ptr, mid_o_ptr,
                      mid_lse_ptr, qw_ptr, kw_ptr, qk_eps, cos, sin, slot, qk_scale, pid, P, stride_kb_slot,
-                     stride_kb_head, stride_vb_slot, stride_vb_head, S, HQ, HKV, D, BLOCK_H, BLOCK_N, QK_NORM,
-                     DOT_DTYPE, DOT_PRECISION)
+                     stride_kb_head, stride_vb_slot, stride_vb_head, S, k_pre, v_pre, HQ, HKV, D, BLOCK_H, BLOCK_N,
+                     BLOCK_C, PRELOAD_KV, QK_NORM, DOT_DTYPE, DOT_PRECISION)
     _stamp(trace_ptr, pid, 3, TRACE)
     _grid_barrier(sync_ptr, 2 * P, max_polls)
     _stamp(trace_ptr, pid, 4, TRACE)
@@ -340,8 +387,15 @@ def _attn_block_kernel(x_ptr, r_ptr, nw_ptr, wqkv_ptr, wo_ptr, summed_ptr, out_p
     if PDL:  # every program is resident and past its last wait: the next kernel may start
         gdc_launch_dependents()
     # phase 4: the o rows
-    _gemv_rows(wo_ptr, out_ptr, attn_ptr, x_ptr, r_ptr, nw_ptr, rstd, pid, P, H, HQ * D, False, O_BLOCK_R,
-               O_BLOCK_K, NUM_STAGES)
+    if O_ROWS > 0:
+        a = tl.load(attn_ptr + tl.arange(0, K_O), cache_modifier=".cg").to(tl.float32)
+        tl.store(out_ptr + o_rows, tl.sum(w_o.to(tl.float32) * a[None, :], axis=1).to(act), mask=o_rows < H)
+        for row in range(P * O_ROWS + pid, H, P):  # rows past the planned grid's (a smaller grid than planned)
+            w = tl.load(wo_ptr + row * K_O + tl.arange(0, K_O)).to(tl.float32)  # (H * Hq * D < 2**31)
+            tl.store(out_ptr + row, tl.sum(w * a, axis=0).to(act))
+    else:
+        _gemv_rows(wo_ptr, out_ptr, attn_ptr, x_ptr, r_ptr, nw_ptr, rstd, pid, P, H, K_O, False, O_BLOCK_R,
+                   O_BLOCK_K, NUM_STAGES)
     _stamp(trace_ptr, pid, 7, TRACE)
     _grid_exit(sync_ptr, P)
 
@@ -468,10 +522,16 @@ def attn_block_decode(x: torch.Tensor, residual: torch.Tensor, norm_weight: torc
         "BLOCK_N": cfg.block_n, "QKV_BLOCK_R": cfg.qkv_block_r, "QKV_BLOCK_K": cfg.qkv_block_k,
         "O_BLOCK_R": cfg.o_block_r, "O_BLOCK_K": cfg.o_block_k, "NUM_STAGES": cfg.num_stages,
         "QK_NORM": rope.q_norm is not None, "DOT_DTYPE": operand, "DOT_PRECISION": dot_precision(operand),
-        "O_PREFETCH": cfg.o_prefetch and x.is_cuda, "TRACE": trace is not None, "THREADS": 32 * cfg.num_warps,
+        "O_PREFETCH": cfg.o_prefetch and x.is_cuda, "BLOCK_C": max(cfg.kv_preload, 1),
+        "PRELOAD_KV": cfg.kv_preload > 0, "O_ROWS": 0, "TRACE": trace is not None, "THREADS": 32 * cfg.num_warps,
         "num_warps": cfg.num_warps,
         **pdl_args(x.device)}
     programs = 1
+    if cfg.o_preload and (num_heads * head_dim) & (num_heads * head_dim - 1) == 0:
+        # rows per program for the grid the configuration plans (the compiled kernel may fit fewer programs: then
+        # the rows past the grid's are streamed one by one in phase 4)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+        meta["O_ROWS"] = next_power_of_2(-(-hidden // (sms * cfg.ctas_per_sm)))
     if x.is_cuda:  # (the interpreter runs programs one after another: 1)
         key = (x.device, x.dtype, norm_weight.dtype, cfg, *sorted(meta.items(), key=lambda kv: kv[0]))
         found = _PROGRAMS.get(key)

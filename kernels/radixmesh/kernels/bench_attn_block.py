@@ -193,13 +193,16 @@ def check(lay: Layers, cfg: AttnBlockConfig) -> dict[str, object]:
             "counters_zero": lay.ws.sync[:2].tolist() == [0, 0]}
 
 
+PRELOADED = AttnBlockConfig(num_splits=64, kv_preload=32, o_preload=True)
+"""The K/V of each program's unit and its o rows read into registers ahead (`attn_block_runtime`'s `on`)."""
+
+
 def sweep(lay: Layers, base: AttnBlockConfig) -> list[dict[str, object]]:
-    cfgs = [replace(base, ctas_per_sm=c) for c in (1, 2, 3)]
-    cfgs += [replace(base, num_splits=s) for s in (8, 16, MAX_SPLITS)]
-    cfgs += [replace(base, o_prefetch=not base.o_prefetch)]
-    cfgs += [replace(base, qkv_block_r=r, qkv_block_k=k, o_block_r=r, o_block_k=k) for r, k in ((8, 256), (2, 1024))]
-    cfgs += [replace(base, num_stages=s) for s in (2, 4)]
-    cfgs += [replace(base, num_warps=8, ctas_per_sm=2)]
+    cfgs = [replace(base, num_splits=64, kv_preload=32), replace(base, o_preload=True), PRELOADED]
+    cfgs += [replace(PRELOADED, ctas_per_sm=c) for c in (2, 3)]
+    cfgs += [replace(PRELOADED, num_stages=4), replace(PRELOADED, qkv_block_r=2, qkv_block_k=1024),
+             replace(PRELOADED, num_splits=32, kv_preload=64), replace(PRELOADED, o_prefetch=True)]
+    cfgs += [replace(base, ctas_per_sm=2), replace(base, num_stages=4)]
     return [{"us": timed(lay, c), "config": asdict(c)} for c in cfgs]
 
 
@@ -247,10 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         "shape": args.shape, "layers": args.layers, "context": args.context, "copy_tb_s": round(copy_tb_s, 3),
         "weights_mb": round(weights / 1e6, 2), "kv_mb": round(kv / 1e6, 2)}
     if args.check:
-        print(json.dumps({"bench": "attn-block-check", **check(lay, cfg), **info}), flush=True)
+        for c in (cfg, PRELOADED):
+            print(json.dumps({"bench": "attn-block-check", **check(lay, c), **info}), flush=True)
     if args.trace:
-        print(json.dumps({"bench": "attn-block-trace", **trace(lay, cfg), **info}), flush=True)
-    for row in measure(lay, cfg, copy_tb_s):
+        for c in (cfg, PRELOADED):
+            print(json.dumps({"bench": "attn-block-trace", **trace(lay, c), **info}), flush=True)
+    for row in measure(lay, cfg, copy_tb_s) + measure(lay, PRELOADED, copy_tb_s)[2:]:
         print(json.dumps({"bench": "attn-block", **row, **info}), flush=True)
     if args.sweep:
         for row in sweep(lay, cfg):

@@ -63,10 +63,11 @@ def moe_path() -> str:
     return _choice("MOE_PATH", MOE_PATHS)
 
 
-ATTN_BLOCK_MODES = ("off", "on", "prefetch")
+ATTN_BLOCK_MODES = ("off", "on", "streamed")
 """Values of RADIXMESH_ATTN_BLOCK: a one-token decode pass runs each layer's attention half (input norm, q/k/v,
-rotary, KV store, attention, o) in one persistent kernel (`radixmesh.kernels.attn_block`), `prefetch` with the o
-weight asked of L2 ahead; `off` (the default until measured ahead) runs today's launches."""
+rotary, KV store, attention, o) in one persistent kernel (`radixmesh.kernels.attn_block`), `on` with each program's
+K/V and o rows read into registers ahead, `streamed` without; `off` (the default until measured ahead) runs
+today's launches."""
 
 
 def attn_block_mode() -> str:

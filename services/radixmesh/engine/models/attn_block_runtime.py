@@ -16,17 +16,18 @@ if TYPE_CHECKING:
 
 
 class AttnBlockRuntime:
-    def __init__(self, o_prefetch: bool = False) -> None:
+    def __init__(self, preload: bool = True) -> None:
         from radixmesh.kernels.attn_block import AttnBlockConfig
 
-        self.config: AttnBlockConfig = AttnBlockConfig(o_prefetch=o_prefetch)
+        self.config: AttnBlockConfig = (AttnBlockConfig(num_splits=64, kv_preload=32, o_preload=True) if preload
+                                        else AttnBlockConfig())
         self._workspaces: dict[tuple[object, ...], AttnBlockWorkspace] = {}
 
     @classmethod
     def from_env(cls) -> AttnBlockRuntime | None:
         """The runtime RADIXMESH_ATTN_BLOCK asks for, or None (`off`)."""
         mode = attn_block_mode()
-        return None if mode == "off" else cls(o_prefetch=mode == "prefetch")
+        return None if mode == "off" else cls(preload=mode == "on")
 
     def workspace(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                   device: torch.device) -> AttnBlockWorkspace:
