@@ -189,10 +189,10 @@ def test_the_whole_attention_half_setting_is_checked(monkeypatch: pytest.MonkeyP
 
     monkeypatch.delenv("RADIXMESH_ATTN_BLOCK", raising=False)
     assert AttnBlockRuntime.from_env() is None
-    monkeypatch.setenv("RADIXMESH_ATTN_BLOCK", "streamed")
+    monkeypatch.setenv("RADIXMESH_ATTN_BLOCK", "on")
     runtime = AttnBlockRuntime.from_env()
     assert runtime is not None and not runtime.config.o_preload and runtime.config.kv_preload == 0
-    monkeypatch.setenv("RADIXMESH_ATTN_BLOCK", "on")
+    monkeypatch.setenv("RADIXMESH_ATTN_BLOCK", "preload")
     runtime = AttnBlockRuntime.from_env()
     assert runtime is not None and runtime.config.o_preload and runtime.config.kv_preload > 0
     monkeypatch.setenv("RADIXMESH_ATTN_BLOCK", "sometimes")

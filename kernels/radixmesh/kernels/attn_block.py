@@ -18,12 +18,20 @@ resident (a few per SM), runs four phases separated by grid barriers (`moe_block
 3. merge: one unit per q head, the splits weighted by their log-sum-exp, into the workspace's `attn` row.
 4. o: its share of the o projection's row tiles over `attn`, into `out`.
 
-Before phase 1 waits (PDL) and while the barriers wait, each program may ask L2 for its share of the o weight
-(`O_PREFETCH`), which no phase before the o GEMV needs: the attention, the merge and the barriers otherwise leave
-the memory idle. A split's chunk length is decided on the device from the request's length (as the decode split
-kernel decides it), so the launch depends on host ints alone and a CUDA graph captures it. Data another program
-wrote in this launch is read only after a barrier's acquire, with `.cg` loads (L2, not the SM's own L1). Under
-the interpreter (CPU) P = 1 and every barrier passes at once.
+Optional reads ahead (`AttnBlockConfig`): each program's first attention unit's K/V read into registers at the
+launch's start (`kv_preload`; the new token's row, stale there, is patched in), its o rows read into registers when
+the attention phase begins (`o_preload`), or asked of L2 before the first wait (`o_prefetch`). A split's chunk
+length is decided on the device from the request's length (as the decode split kernel decides it), so the launch
+depends on host ints alone and a CUDA graph captures it. Data another program wrote in this launch is read only
+after a barrier's acquire, with `.cg` loads (L2, not the SM's own L1). Under the interpreter (CPU) P = 1 and every
+barrier passes at once.
+
+Measured on an H200 (Qwen3-30B-A3B's attention, 1,024 slots; benchmarks, 2026-12-01): 26.0 us a layer against
+25.1 for today's launches with PDL; each read ahead made it slower (the registers they hold halve the programs an
+SM keeps), and in the model batch-1 decode ran at 352.1 tok/s against 391.9 (309.9 with both reads ahead). So
+the model takes it only with RADIXMESH_ATTN_BLOCK=on (or `preload`). Where the time goes (`bench_attn_block
+--trace`): q/k/v 9.5 us for 21 MB, a barrier ~1 us, attention 5.1 us for 2 MB of K/V (a chain of dependent
+loads), the merge 1.5, o 5.6 us for 16.8 MB.
 """
 
 from __future__ import annotations

@@ -194,7 +194,7 @@ def check(lay: Layers, cfg: AttnBlockConfig) -> dict[str, object]:
 
 
 PRELOADED = AttnBlockConfig(num_splits=64, kv_preload=32, o_preload=True)
-"""The K/V of each program's unit and its o rows read into registers ahead (`attn_block_runtime`'s `on`)."""
+"""The K/V of each program's unit and its o rows read into registers ahead (RADIXMESH_ATTN_BLOCK=preload)."""
 
 
 def sweep(lay: Layers, base: AttnBlockConfig) -> list[dict[str, object]]:

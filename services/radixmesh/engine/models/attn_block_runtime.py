@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 class AttnBlockRuntime:
-    def __init__(self, preload: bool = True) -> None:
+    def __init__(self, preload: bool = False) -> None:
         from radixmesh.kernels.attn_block import AttnBlockConfig
 
         self.config: AttnBlockConfig = (AttnBlockConfig(num_splits=64, kv_preload=32, o_preload=True) if preload
@@ -27,7 +27,7 @@ class AttnBlockRuntime:
     def from_env(cls) -> AttnBlockRuntime | None:
         """The runtime RADIXMESH_ATTN_BLOCK asks for, or None (`off`)."""
         mode = attn_block_mode()
-        return None if mode == "off" else cls(preload=mode == "on")
+        return None if mode == "off" else cls(preload=mode == "preload")
 
     def workspace(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                   device: torch.device) -> AttnBlockWorkspace:
