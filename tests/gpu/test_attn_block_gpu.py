@@ -59,8 +59,10 @@ def test_block_matches_the_chain(ctas: int, pdl: bool, preload: bool) -> None:
 @pytest.mark.parametrize("context", [1, 15, 16, 17, 300, 4099])
 @pytest.mark.parametrize("cfg", [AttnBlockConfig(), AttnBlockConfig(num_splits=64, o_prefetch=True),
                                  AttnBlockConfig(num_splits=8, qkv_block_r=8, qkv_block_k=256), PRELOADED,
-                                 AttnBlockConfig(kv_preload=16, o_preload=True, ctas_per_sm=2)],
-                         ids=["default", "splits64-prefetch", "splits8-tiles", "preloaded", "preload16-ctas2"])
+                                 AttnBlockConfig(kv_preload=16, o_preload=True, ctas_per_sm=2),
+                                 AttnBlockConfig(qkv_prefetch=True, o_prefetch=True)],
+                         ids=["default", "splits64-prefetch", "splits8-tiles", "preloaded", "preload16-ctas2",
+                              "prefetched"])
 def test_request_lengths_and_configs(context: int, cfg: AttnBlockConfig) -> None:
     _compare(_layers(context), cfg)
 

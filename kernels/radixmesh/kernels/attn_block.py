@@ -20,7 +20,8 @@ resident (a few per SM), runs four phases separated by grid barriers (`moe_block
 
 Optional reads ahead (`AttnBlockConfig`): each program's first attention unit's K/V read into registers at the
 launch's start (`kv_preload`; the new token's row, stale there, is patched in), its o rows read into registers when
-the attention phase begins (`o_preload`), or asked of L2 before the first wait (`o_prefetch`). A split's chunk
+the attention phase begins (`o_preload`) or asked of L2 then (`o_prefetch`), the q/k/v rows asked of L2 before the
+PDL wait (`qkv_prefetch`). A split's chunk
 length is decided on the device from the request's length (as the decode split kernel decides it), so the launch
 depends on host ints alone and a CUDA graph captures it. Data another program wrote in this launch is read only
 after a barrier's acquire, with `.cg` loads (L2, not the SM's own L1). Under the interpreter (CPU) P = 1 and every
@@ -82,7 +83,9 @@ class AttnBlockConfig:
     ctas_per_sm: int = 4
     """Programs per SM (P = SMs x this), lowered by the launcher to what fits."""
     o_prefetch: bool = False
-    """Ask L2 for the program's o rows before the first wait (`cp.async.bulk.prefetch.L2`)."""
+    """Ask L2 for the program's o rows when the attention phase begins (`cp.async.bulk.prefetch.L2`)."""
+    qkv_prefetch: bool = False
+    """Ask L2 for the program's q/k/v rows before the PDL wait (while the kernel before still runs)."""
     kv_preload: int = 0
     """A power of 2 (0: off): the K/V of each program's first attention unit, up to this many positions, read at
     the launch's start into registers."""
@@ -152,6 +155,17 @@ def _prefetch_l2(ptr, nbytes, THREADS: tl.constexpr):
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r", [ptr.to(tl.pointer_type(tl.uint8)) + offs, sizes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, pid, P, N: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, THREADS: tl.constexpr):
+    """Ask L2 for the rows of `w` `[N, K]` that `_gemv_rows` gives this program."""
+    R_TILES: tl.constexpr = (N + BLOCK_R - 1) // BLOCK_R
+    ELEM: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    first = pid * R_TILES // P * BLOCK_R
+    last = tl.minimum((pid + 1) * R_TILES // P * BLOCK_R, N)
+    if last > first:
+        _prefetch_l2(w_ptr + first.to(tl.int64) * K, (last - first).to(tl.int64) * (K * ELEM), THREADS)
 
 
 @triton.jit
@@ -330,19 +344,13 @@ def _attn_block_kernel(x_ptr, r_ptr, nw_ptr, wqkv_ptr, wo_ptr, summed_ptr, out_p
                        QKV_BLOCK_R: tl.constexpr, QKV_BLOCK_K: tl.constexpr, O_BLOCK_R: tl.constexpr,
                        O_BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, QK_NORM: tl.constexpr,
                        DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, O_PREFETCH: tl.constexpr,
-                       BLOCK_C: tl.constexpr, PRELOAD_KV: tl.constexpr, O_ROWS: tl.constexpr,
-                       THREADS: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
+                       QKV_PREFETCH: tl.constexpr, BLOCK_C: tl.constexpr, PRELOAD_KV: tl.constexpr,
+                       O_ROWS: tl.constexpr, THREADS: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     _stamp(trace_ptr, pid, 0, TRACE)
-    if O_PREFETCH:  # this program's o rows (weights: nothing before this launch writes them)
-        O_TILES: tl.constexpr = (H + O_BLOCK_R - 1) // O_BLOCK_R
-        ELEM: tl.constexpr = wo_ptr.dtype.element_ty.primitive_bitwidth // 8
-        first = pid * O_TILES // P * O_BLOCK_R
-        last = tl.minimum((pid + 1) * O_TILES // P * O_BLOCK_R, H)
-        if last > first:
-            _prefetch_l2(wo_ptr + first.to(tl.int64) * (HQ * D), (last - first).to(tl.int64) * (HQ * D * ELEM),
-                         THREADS)
+    if QKV_PREFETCH:  # this program's q/k/v rows (weights: nothing before this launch writes them)
+        _prefetch_rows(wqkv_ptr, pid, P, (HQ + 2 * HKV) * D, H, QKV_BLOCK_R, THREADS)
     if PDL:
         gdc_wait()
     # the request's slots (kv_indptr [2]: one request) and, PRELOAD_KV, unit pid's first BLOCK_C of them, read
@@ -370,8 +378,11 @@ def _attn_block_kernel(x_ptr, r_ptr, nw_ptr, wqkv_ptr, wo_ptr, summed_ptr, out_p
     _grid_barrier(sync_ptr, P, max_polls)
     _stamp(trace_ptr, pid, 2, TRACE)
 
-    # phase 2: attention; O_ROWS > 0: this program's o rows are read first, for phase 4 to find in registers
+    # phase 2: attention; O_PREFETCH: this program's o rows asked of L2 first (the phases before the o GEMV leave
+    # the memory idle); O_ROWS > 0: read into registers instead, for phase 4 to find there
     K_O: tl.constexpr = HQ * D
+    if O_PREFETCH:
+        _prefetch_rows(wo_ptr, pid, P, H, K_O, O_BLOCK_R, THREADS)
     if O_ROWS > 0:
         o_rows = pid * O_ROWS + tl.arange(0, O_ROWS)
         w_o = tl.load(wo_ptr + tl.where(o_rows < H, o_rows, H - 1).to(tl.int64)[:, None] * K_O
@@ -530,7 +541,8 @@ def attn_block_decode(x: torch.Tensor, residual: torch.Tensor, norm_weight: torc
         "BLOCK_N": cfg.block_n, "QKV_BLOCK_R": cfg.qkv_block_r, "QKV_BLOCK_K": cfg.qkv_block_k,
         "O_BLOCK_R": cfg.o_block_r, "O_BLOCK_K": cfg.o_block_k, "NUM_STAGES": cfg.num_stages,
         "QK_NORM": rope.q_norm is not None, "DOT_DTYPE": operand, "DOT_PRECISION": dot_precision(operand),
-        "O_PREFETCH": cfg.o_prefetch and x.is_cuda, "BLOCK_C": max(cfg.kv_preload, 1),
+        "O_PREFETCH": cfg.o_prefetch and x.is_cuda, "QKV_PREFETCH": cfg.qkv_prefetch and x.is_cuda,
+        "BLOCK_C": max(cfg.kv_preload, 1),
         "PRELOAD_KV": cfg.kv_preload > 0, "O_ROWS": 0, "TRACE": trace is not None, "THREADS": 32 * cfg.num_warps,
         "num_warps": cfg.num_warps,
         **pdl_args(x.device)}

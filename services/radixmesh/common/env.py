@@ -63,11 +63,11 @@ def moe_path() -> str:
     return _choice("MOE_PATH", MOE_PATHS)
 
 
-ATTN_BLOCK_MODES = ("off", "on", "preload")
+ATTN_BLOCK_MODES = ("off", "on", "prefetch", "preload")
 """Values of RADIXMESH_ATTN_BLOCK: a one-token decode pass runs each layer's attention half (input norm, q/k/v,
-rotary, KV store, attention, o) in one persistent kernel (`radixmesh.kernels.attn_block`), `preload` with each
-program's K/V and o rows read into registers ahead; `off`, the default, runs today's launches (on an H200 the block
-was slower: Qwen3-30B-A3B batch 1 352.1 tok/s `on`, 309.9 `preload`, 391.9 `off`; docs/moe.md)."""
+rotary, KV store, attention, o) in one persistent kernel (`radixmesh.kernels.attn_block`); `prefetch` with the
+q/k/v and o weights asked of L2 ahead, `preload` with each program's K/V and o rows read into registers ahead; `off`,
+the default, runs today's launches (on an H200 the block was slower: docs/moe.md)."""
 
 
 def attn_block_mode() -> str:
