@@ -11,11 +11,6 @@ nothing it writes, comes before its `gdc_wait`, which every program runs. Then a
 after the one before it ended, so ordering stays transitive down the stream. Kernels launched
 without PDL (PyTorch's, cuBLAS) keep the stream's ordinary ordering on both sides.
 
-What was written before the most recent launch without PDL is exempt: that launch started only once everything
-before it had ended, and no kernel after it starts before it has ended, so any PDL kernel after it may read those
-bytes before its wait. The decode attention kernels read a pass's slot ranges and positions that way (written by
-the staging and KV-index kernels and followed by the embedding lookup, none of them launched with PDL).
-
 One pair bends the rule on purpose: a LoRA shrink (`radixmesh.kernels.lora_gemv`) lets the next kernel start
 right after its own `gdc_wait`, when every kernel before it has ended, and the GEMV launched next with the
 shrink's epilogue reads x (written before the shrink) at once and waits only before its epilogue, which reads

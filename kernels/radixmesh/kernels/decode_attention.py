@@ -111,9 +111,9 @@ def _decode_split_kernel(
         req = tl.program_id(0)
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # the pass's slot ranges and positions are read before the wait: they were written before the step's
-    # embedding lookup, a launch without PDL, so they are complete when any PDL kernel after it starts
-    # (radixmesh.kernels._pdl); q and the new token's K/V come from the kernel before and are read after it
+    if PDL:  # q and the new token's K/V come from the kernel before (radixmesh.kernels._pdl)
+        gdc_wait()
+
     kv_start = tl.load(kv_indptr_ptr + req).to(tl.int64)
     if HAS_LENS:  # ranges given as (start, length): rows may share slots (a verify pass's tokens)
         seq_len = tl.load(kv_lens_ptr + req).to(tl.int64)
@@ -128,12 +128,9 @@ def _decode_split_kernel(
     mask_h = offs_g < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
-    if ROPE:
-        cos, sin = rope_cos_sin(cos_ptr, sin_ptr, pos_ptr, req, stride_cache, BLOCK_D // 2)
-    if PDL:
-        gdc_wait()
     if ROPE:  # q arrives raw: norm and rotate it here; the new token's K/V is stored by its split's program
         half = head_dim // 2
+        cos, sin = rope_cos_sin(cos_ptr, sin_ptr, pos_ptr, req, stride_cache, BLOCK_D // 2)
         # [BLOCK_H, BLOCK_D]: the group's query heads, as `apply_rotary_` would have left them; padded rows are zero
         q = rope_group_q(q_ptr, req, heads, mask_h, stride_q_tok, stride_q_head, qw_ptr, eps, cos, sin, half,
                          BLOCK_D // 2)
@@ -203,13 +200,13 @@ def _decode_merge_kernel(
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
-    if HAS_LENS:  # (before the wait, as in the split kernel: written before the step's embedding lookup)
-        seq_len = tl.load(kv_lens_ptr + req).to(tl.int64)
-    else:
-        seq_len = tl.load(kv_indptr_ptr + req + 1).to(tl.int64) - tl.load(kv_indptr_ptr + req).to(tl.int64)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+    if HAS_LENS:
+        seq_len = tl.load(kv_lens_ptr + req).to(tl.int64)
+    else:
+        seq_len = tl.load(kv_indptr_ptr + req + 1).to(tl.int64) - tl.load(kv_indptr_ptr + req).to(tl.int64)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N
 
     offs_s = tl.arange(0, BLOCK_S)
