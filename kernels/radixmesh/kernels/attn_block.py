@@ -21,18 +21,17 @@ resident (a few per SM), runs four phases separated by grid barriers (`moe_block
 Optional reads ahead (`AttnBlockConfig`): each program's first attention unit's K/V read into registers at the
 launch's start (`kv_preload`; the new token's row, stale there, is patched in), its o rows read into registers when
 the attention phase begins (`o_preload`) or asked of L2 then (`o_prefetch`), the q/k/v rows asked of L2 before the
-PDL wait (`qkv_prefetch`). A split's chunk
-length is decided on the device from the request's length (as the decode split kernel decides it), so the launch
-depends on host ints alone and a CUDA graph captures it. Data another program wrote in this launch is read only
-after a barrier's acquire, with `.cg` loads (L2, not the SM's own L1). Under the interpreter (CPU) P = 1 and every
-barrier passes at once.
+PDL wait (`qkv_prefetch`). A split's chunk length is decided on the device from the request's length (as the decode
+split kernel decides it), so the launch depends on host ints alone and a CUDA graph captures it. Data another
+program wrote in this launch is read only after a barrier's acquire, with `.cg` loads (L2, not the SM's own L1).
+Under the interpreter (CPU) P = 1 and every barrier passes at once.
 
-Measured on an H200 (Qwen3-30B-A3B's attention, 1,024 slots; benchmarks, 2026-12-01): 26.0 us a layer against
-25.1 for today's launches with PDL; each read ahead made it slower (the registers they hold halve the programs an
-SM keeps), and in the model batch-1 decode ran at 352.1 tok/s against 391.9 (309.9 with both reads ahead). So
-the model takes it only with RADIXMESH_ATTN_BLOCK=on (or `preload`). Where the time goes (`bench_attn_block
---trace`): q/k/v 9.5 us for 21 MB, a barrier ~1 us, attention 5.1 us for 2 MB of K/V (a chain of dependent
-loads), the merge 1.5, o 5.6 us for 16.8 MB.
+Measured on an H200 (Qwen3-30B-A3B's attention, 1,024 slots; benchmarks, 2026-12-01 second stop): 25.9-26.1 us a
+layer against 25.1 for today's launches with PDL; every read ahead made it slower (registers held cut the programs
+an SM keeps; L2 prefetches slowed the phase issuing them), and in the model batch-1 decode ran at 352.4 tok/s
+against 392.1 (325.6 `prefetch`, 309.9 `preload`). So the model takes it only with RADIXMESH_ATTN_BLOCK set. Where
+the time goes (`bench_attn_block --trace`): q/k/v 9.5 us for 21 MB, a barrier ~1 us, attention 5.1 us for 2 MB of
+K/V (a chain of dependent loads), the merge 1.3, o 5.4 us for 16.8 MB.
 """
 
 from __future__ import annotations
