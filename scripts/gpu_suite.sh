@@ -51,7 +51,7 @@
 #   STAGES=moe-block: the whole-block kernel's GPU tests and its bench against the four-launch chain
 #   STAGES=attn-block: the one-launch attention half's GPU tests and its bench (check, trace, sweep) against today's
 #   launches; STAGES=attn-block-decode: batch-1 decode of ATTN_DECODE_SHAPES (default qwen3-30b-a3b) with
-#   RADIXMESH_ATTN_BLOCK set to each of ATTN_DECODE_MODES (default "off on prefetch")
+#   RADIXMESH_ATTN_BLOCK set to each of ATTN_DECODE_MODES (default "off on")
 #   STAGES=moe TIMEOUT_moe=590 (issue 48, two GPUs, about 6 minutes): Qwen3-30B-A3B batch-1 decode against its bandwidth
 #   floor (active experts + attention + embeddings over the measured copy bandwidth), the 500-prompt offline run of
 #   Qwen3-30B-A3B (with --profile: the MoE kernels' share) beside the dense Qwen3-8B's on the other GPU at the same
@@ -707,7 +707,7 @@ PY
         | tee "$OUT/attn-block.jsonl" ;;
     attn-block-decode)  # batch-1 decode with RADIXMESH_ATTN_BLOCK at each of ATTN_DECODE_MODES, per shape
       for shape in ${ATTN_DECODE_SHAPES:-qwen3-30b-a3b}; do
-        for mode in ${ATTN_DECODE_MODES:-off on prefetch}; do
+        for mode in ${ATTN_DECODE_MODES:-off on}; do
           RADIXMESH_ATTN_BLOCK=$mode $RM bench one-batch --model-shape "$shape" --batch-size 1 --input-len 1024 \
             --output-len 256 --context-length 8192 --cuda-graph-max-bs 8 --bandwidth-floor --profile-graph \
             --result-file "$OUT/attn-block-decode.jsonl" > /tmp/attn-block-decode-$shape-$mode.log 2>&1 \

@@ -29,10 +29,10 @@ EPS = 1e-6
 SMALL = AttnBlockConfig(qkv_block_r=4, qkv_block_k=32, o_block_r=2, o_block_k=16, num_stages=1, num_splits=4,
                         block_n=16, num_warps=1, ctas_per_sm=1)
 """At H = 48: a ragged last K tile in the q/k/v phase."""
-CONFIGS = {"streamed": SMALL, "preloaded": replace(SMALL, kv_preload=16, o_preload=True),
-           "preloaded-wide": replace(SMALL, kv_preload=32, num_splits=2)}
-"""Every read streamed; the first unit's K/V (a whole split here, or more than one: the tail masked) and the o
-rows read into registers ahead."""
+CONFIGS = {"four-splits": SMALL, "one-split": replace(SMALL, num_splits=1),
+           "wide-tiles": replace(SMALL, qkv_block_r=8, qkv_block_k=16, o_block_r=8, o_block_k=64, num_stages=2)}
+"""Four splits (a unit of one tile, splits past a short request empty), one split (a unit of up to four tiles),
+other GEMV tiles (8 rows; q/k/v's K in three steps of 16, o's 64 in one)."""
 
 
 class Layer(NamedTuple):

@@ -18,20 +18,18 @@ resident (a few per SM), runs four phases separated by grid barriers (`moe_block
 3. merge: one unit per q head, the splits weighted by their log-sum-exp, into the workspace's `attn` row.
 4. o: its share of the o projection's row tiles over `attn`, into `out`.
 
-Optional reads ahead (`AttnBlockConfig`): each program's first attention unit's K/V read into registers at the
-launch's start (`kv_preload`; the new token's row, stale there, is patched in), its o rows read into registers when
-the attention phase begins (`o_preload`) or asked of L2 then (`o_prefetch`), the q/k/v rows asked of L2 before the
-PDL wait (`qkv_prefetch`). A split's chunk length is decided on the device from the request's length (as the decode
-split kernel decides it), so the launch depends on host ints alone and a CUDA graph captures it. Data another
-program wrote in this launch is read only after a barrier's acquire, with `.cg` loads (L2, not the SM's own L1).
-Under the interpreter (CPU) P = 1 and every barrier passes at once.
+A split's chunk length is decided on the device from the request's length (as the decode split kernel decides
+it), so the launch depends on host ints alone and a CUDA graph captures it. Data another program wrote in this
+launch is read only after a barrier's acquire, with `.cg` loads (L2, not the SM's own L1). Under the interpreter
+(CPU) P = 1 and every barrier passes at once.
 
 Measured on an H200 (Qwen3-30B-A3B's attention, 1,024 slots; benchmarks, 2026-12-01 second stop): 25.9-26.1 us a
-layer against 25.1 for today's launches with PDL; every read ahead made it slower (registers held cut the programs
-an SM keeps; L2 prefetches slowed the phase issuing them), and in the model batch-1 decode ran at 352.4 tok/s
-against 392.1 (325.6 `prefetch`, 309.9 `preload`). So the model takes it only with RADIXMESH_ATTN_BLOCK set. Where
-the time goes (`bench_attn_block --trace`): q/k/v 9.5 us for 21 MB, a barrier ~1 us, attention 5.1 us for 2 MB of
-K/V (a chain of dependent loads), the merge 1.3, o 5.4 us for 16.8 MB.
+layer against 25.1 for today's launches with PDL, and in the model batch-1 decode ran at 352.4 tok/s against 392.1,
+so the model takes it only with RADIXMESH_ATTN_BLOCK=on. Where the time goes (`bench_attn_block --trace`): q/k/v
+9.5 us for 21 MB, a barrier ~1 us, attention 5.1 us for 2 MB of K/V (a chain of dependent loads), the merge 1.3,
+o 5.4 us for 16.8 MB. Reads ahead were tried and removed, each slower (3dcacde, 5bb2d5e): a unit's K/V and the o
+rows held in registers (fewer programs an SM keeps), the q/k/v and o rows asked of L2 (the phase issuing them
+slowed more than the one reading them gained).
 """
 
 from __future__ import annotations
@@ -81,18 +79,8 @@ class AttnBlockConfig:
     num_warps: int = 4
     ctas_per_sm: int = 4
     """Programs per SM (P = SMs x this), lowered by the launcher to what fits."""
-    o_prefetch: bool = False
-    """Ask L2 for the program's o rows when the attention phase begins (`cp.async.bulk.prefetch.L2`)."""
-    qkv_prefetch: bool = False
-    """Ask L2 for the program's q/k/v rows before the PDL wait (while the kernel before still runs)."""
-    kv_preload: int = 0
-    """A power of 2 (0: off): the K/V of each program's first attention unit, up to this many positions, read at
-    the launch's start into registers."""
-    o_preload: bool = False
-    """Each program reads its o rows into registers when the attention phase begins (Hq * D a power of 2)."""
 
     def __post_init__(self) -> None:
-        assert self.kv_preload == 0 or self.kv_preload & (self.kv_preload - 1) == 0, f"kv_preload: {self}"
         for name in ("qkv_block_r", "qkv_block_k", "o_block_r", "o_block_k", "block_n"):
             value = getattr(self, name)
             assert value >= 1 and value & (value - 1) == 0, f"{name} must be a power of 2, got {value}"
@@ -145,29 +133,6 @@ class AttnBlockWorkspace:
 # ---- the kernel -----------------------------------------------------------------------------------------
 
 @triton.jit
-def _prefetch_l2(ptr, nbytes, THREADS: tl.constexpr):
-    """Ask L2 for `nbytes` (a multiple of 16, 16-aligned) at `ptr`: each thread one slice of a multiple of 16
-    bytes (`cp.async.bulk.prefetch.L2`, sm_90+; fire and forget, nothing is written)."""
-    chunk = (nbytes + THREADS * 16 - 1) // (THREADS * 16) * 16
-    offs = tl.arange(0, THREADS).to(tl.int64) * chunk
-    sizes = tl.minimum(tl.maximum(nbytes - offs, 0), chunk).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr.to(tl.pointer_type(tl.uint8)) + offs, sizes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, pid, P, N: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, THREADS: tl.constexpr):
-    """Ask L2 for the rows of `w` `[N, K]` that `_gemv_rows` gives this program."""
-    R_TILES: tl.constexpr = (N + BLOCK_R - 1) // BLOCK_R
-    ELEM: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    first = pid * R_TILES // P * BLOCK_R
-    last = tl.minimum((pid + 1) * R_TILES // P * BLOCK_R, N)
-    if last > first:
-        _prefetch_l2(w_ptr + first.to(tl.int64) * K, (last - first).to(tl.int64) * (K * ELEM), THREADS)
-
-
-@triton.jit
 def _gemv_rows(w_ptr, y_ptr, in_ptr, x_ptr, r_ptr, nw_ptr, rstd, pid, P, N: tl.constexpr, K: tl.constexpr,
                NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     """`y[rows] = w[rows] @ v` over this program's row tiles, v the normed row (NORM: `_normed_tile` of x + r)
@@ -216,8 +181,7 @@ def _norm_rotate(ptrs, mask, w_ptr, eps, cos, sin, half, offs, QK_NORM: tl.const
 def _store_new_kv(qkv_ptr, k_buf_ptr, v_buf_ptr, slot, kv_head, kw_ptr, eps, cos, sin, stride_kb_slot,
                   stride_kb_head, stride_vb_slot, stride_vb_head, HQ: tl.constexpr, HKV: tl.constexpr,
                   D: tl.constexpr, QK_NORM: tl.constexpr):
-    """The new token's k head (normed, rotated) and raw v head into pool row `slot`; returns both as the pool
-    holds them, `[1, D]` each."""
+    """The new token's k head (normed, rotated) and raw v head into pool row `slot`."""
     half: tl.constexpr = D // 2
     offs = tl.arange(0, half)
     k_src = qkv_ptr + (HQ + kv_head) * D + offs[None, :]  # [1, half]: one head as a one-row tile
@@ -228,7 +192,6 @@ def _store_new_kv(qkv_ptr, k_buf_ptr, v_buf_ptr, slot, kv_head, kw_ptr, eps, cos
     v_row = tl.load(qkv_ptr + (HQ + HKV + kv_head) * D + offs_d[None, :], cache_modifier=".cg").to(
         v_buf_ptr.dtype.element_ty)
     tl.store(v_buf_ptr + slot * stride_vb_slot + kv_head * stride_vb_head + offs_d[None, :], v_row)
-    return k_row, v_row
 
 
 @triton.jit
@@ -262,13 +225,11 @@ def _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr, D
 @triton.jit
 def _attention_units(qkv_ptr, k_buf_ptr, v_buf_ptr, kv_start, seq_len, split_len, kv_indices_ptr, mid_o_ptr,
                      mid_lse_ptr, qw_ptr, kw_ptr, qk_eps, cos, sin, slot, qk_scale, pid, P,
-                     stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, S, k_pre, v_pre,
+                     stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head, S,
                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PRELOAD_KV: tl.constexpr,
-                     QK_NORM: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Phase 2: units (KV head, split) pid, pid + P, ...; empty splits (past the request's end) write nothing.
-    PRELOAD_KV: `k_pre`, `v_pre` hold unit pid's first BLOCK_C positions, read before the phase began (the new
-    token's row, stale there, is replaced by the one this unit computes)."""
+                     BLOCK_N: tl.constexpr, QK_NORM: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    """Phase 2: units (KV head, split) pid, pid + P, ...; empty splits (past the request's end) write nothing."""
     GROUP: tl.constexpr = HQ // HKV
     half: tl.constexpr = D // 2
     offs_g = tl.arange(0, BLOCK_H)
@@ -286,25 +247,14 @@ def _attention_units(qkv_ptr, k_buf_ptr, v_buf_ptr, kv_start, seq_len, split_len
             r1, r2 = _norm_rotate(q_src, mask_h[:, None], qw_ptr, qk_eps, cos, sin, half, offs_half, QK_NORM)
             # [BLOCK_H, half, 2] -> [BLOCK_H, 2, half] -> the halves side by side; padded rows are zero
             q = tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (BLOCK_H, D)).to(DOT_DTYPE)
-            k_row = tl.zeros([1, D], dtype=k_buf_ptr.dtype.element_ty)
-            v_row = tl.zeros([1, D], dtype=v_buf_ptr.dtype.element_ty)
             if hi == seq_len:  # this unit holds the new token: store its k and v before reading the slot
-                k_row, v_row = _store_new_kv(qkv_ptr, k_buf_ptr, v_buf_ptr, slot, kv_head, kw_ptr, qk_eps, cos,
-                                             sin, stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
-                                             HQ, HKV, D, QK_NORM)
+                _store_new_kv(qkv_ptr, k_buf_ptr, v_buf_ptr, slot, kv_head, kw_ptr, qk_eps, cos, sin, stride_kb_slot,
+                              stride_kb_head, stride_vb_slot, stride_vb_head, HQ, HKV, D, QK_NORM)
                 tl.debug_barrier()
             m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
             acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-            start = lo
-            if PRELOAD_KV:  # noqa: SIM102 (a compile-time branch around a run-time one)
-                if u == pid:
-                    offs_c = lo + tl.arange(0, BLOCK_C)
-                    new = (offs_c == seq_len - 1)[:, None]
-                    m_i, l_i, acc = _attend(q, tl.where(new, k_row, k_pre), tl.where(new, v_row, v_pre),
-                                            offs_c < hi, m_i, l_i, acc, qk_scale, DOT_DTYPE, DOT_PRECISION)
-                    start = lo + BLOCK_C
-            for n in range(start, hi, BLOCK_N):
+            for n in range(lo, hi, BLOCK_N):
                 k, v = _kv_tile(k_buf_ptr, v_buf_ptr, kv_indices_ptr, kv_start, n, hi, kv_head, stride_kb_slot,
                                 stride_kb_head, stride_vb_slot, stride_vb_head, D, BLOCK_N)
                 m_i, l_i, acc = _attend(q, k, v, n + tl.arange(0, BLOCK_N) < hi, m_i, l_i, acc, qk_scale,
@@ -342,25 +292,13 @@ def _attn_block_kernel(x_ptr, r_ptr, nw_ptr, wqkv_ptr, wo_ptr, summed_ptr, out_p
                        BLOCK_ROW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
                        QKV_BLOCK_R: tl.constexpr, QKV_BLOCK_K: tl.constexpr, O_BLOCK_R: tl.constexpr,
                        O_BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, QK_NORM: tl.constexpr,
-                       DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, O_PREFETCH: tl.constexpr,
-                       QKV_PREFETCH: tl.constexpr, BLOCK_C: tl.constexpr, PRELOAD_KV: tl.constexpr,
-                       O_ROWS: tl.constexpr, THREADS: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
+                       DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+                       TRACE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     _stamp(trace_ptr, pid, 0, TRACE)
-    if QKV_PREFETCH:  # this program's q/k/v rows (weights: nothing before this launch writes them)
-        _prefetch_rows(wqkv_ptr, pid, P, (HQ + 2 * HKV) * D, H, QKV_BLOCK_R, THREADS)
     if PDL:
         gdc_wait()
-    # the request's slots (kv_indptr [2]: one request) and, PRELOAD_KV, unit pid's first BLOCK_C of them, read
-    # now so that the attention phase finds them in registers (the new token's row is patched in there)
-    kv_start = tl.load(kv_indptr_ptr).to(tl.int64)
-    seq_len = tl.load(kv_indptr_ptr + 1).to(tl.int64) - kv_start
-    split_len = tl.cdiv(tl.cdiv(seq_len, S), BLOCK_N) * BLOCK_N
-    lo = (pid // HKV) * split_len
-    k_pre, v_pre = _kv_tile(k_buf_ptr, v_buf_ptr, kv_indices_ptr, kv_start, lo,
-                            tl.minimum(lo + split_len, seq_len) if PRELOAD_KV else lo, pid % HKV, stride_kb_slot,
-                            stride_kb_head, stride_vb_slot, stride_vb_head, D, BLOCK_C)
     # phase 1: the norm (each program takes the whole row's scale) and the q/k/v rows
     act = summed_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_ROW)
@@ -377,21 +315,16 @@ def _attn_block_kernel(x_ptr, r_ptr, nw_ptr, wqkv_ptr, wo_ptr, summed_ptr, out_p
     _grid_barrier(sync_ptr, P, max_polls)
     _stamp(trace_ptr, pid, 2, TRACE)
 
-    # phase 2: attention; O_PREFETCH: this program's o rows asked of L2 first (the phases before the o GEMV leave
-    # the memory idle); O_ROWS > 0: read into registers instead, for phase 4 to find there
-    K_O: tl.constexpr = HQ * D
-    if O_PREFETCH:
-        _prefetch_rows(wo_ptr, pid, P, H, K_O, O_BLOCK_R, THREADS)
-    if O_ROWS > 0:
-        o_rows = pid * O_ROWS + tl.arange(0, O_ROWS)
-        w_o = tl.load(wo_ptr + tl.where(o_rows < H, o_rows, H - 1).to(tl.int64)[:, None] * K_O
-                      + tl.arange(0, K_O)[None, :])
+    # phase 2: attention over the request's slots (kv_indptr [2]: one request)
+    kv_start = tl.load(kv_indptr_ptr).to(tl.int64)
+    seq_len = tl.load(kv_indptr_ptr + 1).to(tl.int64) - kv_start
+    split_len = tl.cdiv(tl.cdiv(seq_len, S), BLOCK_N) * BLOCK_N
     cos, sin = rope_cos_sin(cos_ptr, sin_ptr, pos_ptr, 0, stride_cache, D // 2)
     slot = tl.load(loc_ptr).to(tl.int64)
     _attention_units(qkv_ptr, k_buf_ptr, v_buf_ptr, kv_start, seq_len, split_len, kv_indices_ptr, mid_o_ptr,
                      mid_lse_ptr, qw_ptr, kw_ptr, qk_eps, cos, sin, slot, qk_scale, pid, P, stride_kb_slot,
-                     stride_kb_head, stride_vb_slot, stride_vb_head, S, k_pre, v_pre, HQ, HKV, D, BLOCK_H, BLOCK_N,
-                     BLOCK_C, PRELOAD_KV, QK_NORM, DOT_DTYPE, DOT_PRECISION)
+                     stride_kb_head, stride_vb_slot, stride_vb_head, S, HQ, HKV, D, BLOCK_H, BLOCK_N, QK_NORM,
+                     DOT_DTYPE, DOT_PRECISION)
     _stamp(trace_ptr, pid, 3, TRACE)
     _grid_barrier(sync_ptr, 2 * P, max_polls)
     _stamp(trace_ptr, pid, 4, TRACE)
@@ -405,15 +338,8 @@ def _attn_block_kernel(x_ptr, r_ptr, nw_ptr, wqkv_ptr, wo_ptr, summed_ptr, out_p
     if PDL:  # every program is resident and past its last wait: the next kernel may start
         gdc_launch_dependents()
     # phase 4: the o rows
-    if O_ROWS > 0:
-        a = tl.load(attn_ptr + tl.arange(0, K_O), cache_modifier=".cg").to(tl.float32)
-        tl.store(out_ptr + o_rows, tl.sum(w_o.to(tl.float32) * a[None, :], axis=1).to(act), mask=o_rows < H)
-        for row in range(P * O_ROWS + pid, H, P):  # rows past the planned grid's (a smaller grid than planned)
-            w = tl.load(wo_ptr + row * K_O + tl.arange(0, K_O)).to(tl.float32)  # (H * Hq * D < 2**31)
-            tl.store(out_ptr + row, tl.sum(w * a, axis=0).to(act))
-    else:
-        _gemv_rows(wo_ptr, out_ptr, attn_ptr, x_ptr, r_ptr, nw_ptr, rstd, pid, P, H, K_O, False, O_BLOCK_R,
-                   O_BLOCK_K, NUM_STAGES)
+    _gemv_rows(wo_ptr, out_ptr, attn_ptr, x_ptr, r_ptr, nw_ptr, rstd, pid, P, H, HQ * D, False, O_BLOCK_R, O_BLOCK_K,
+               NUM_STAGES)
     _stamp(trace_ptr, pid, 7, TRACE)
     _grid_exit(sync_ptr, P)
 
@@ -540,17 +466,9 @@ def attn_block_decode(x: torch.Tensor, residual: torch.Tensor, norm_weight: torc
         "BLOCK_N": cfg.block_n, "QKV_BLOCK_R": cfg.qkv_block_r, "QKV_BLOCK_K": cfg.qkv_block_k,
         "O_BLOCK_R": cfg.o_block_r, "O_BLOCK_K": cfg.o_block_k, "NUM_STAGES": cfg.num_stages,
         "QK_NORM": rope.q_norm is not None, "DOT_DTYPE": operand, "DOT_PRECISION": dot_precision(operand),
-        "O_PREFETCH": cfg.o_prefetch and x.is_cuda, "QKV_PREFETCH": cfg.qkv_prefetch and x.is_cuda,
-        "BLOCK_C": max(cfg.kv_preload, 1),
-        "PRELOAD_KV": cfg.kv_preload > 0, "O_ROWS": 0, "TRACE": trace is not None, "THREADS": 32 * cfg.num_warps,
-        "num_warps": cfg.num_warps,
+        "TRACE": trace is not None, "num_warps": cfg.num_warps,
         **pdl_args(x.device)}
     programs = 1
-    if cfg.o_preload and (num_heads * head_dim) & (num_heads * head_dim - 1) == 0:
-        # rows per program for the grid the configuration plans (the compiled kernel may fit fewer programs: then
-        # the rows past the grid's are streamed one by one in phase 4)
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-        meta["O_ROWS"] = next_power_of_2(-(-hidden // (sms * cfg.ctas_per_sm)))
     if x.is_cuda:  # (the interpreter runs programs one after another: 1)
         key = (x.device, x.dtype, norm_weight.dtype, cfg, *sorted(meta.items(), key=lambda kv: kv[0]))
         found = _PROGRAMS.get(key)

@@ -9,7 +9,7 @@ Every timed CUDA graph runs `--layers` layers of distinct weights and KV pools (
 long, the new token's slot last), all sharing one workspace; `us` is the graph's time per layer with PDL on (and
 off). `weights_mb` is a layer's q/k/v and o weights, `kv_mb` its KV read; `of_copy` = their sum / time / copy
 bandwidth. `--check`: layer 0's block against its chain (relative error of the output, `summed` equal, the new
-K/V row). `--sweep`: programs per SM, splits, tiles and the o weight's L2 prefetch. `--trace`: launches one at a
+K/V row). `--sweep`: programs per SM, splits, tiles and stages. `--trace`: launches one at a
 time (PDL off), every program stamping its clocks after each step (`attn_block.TRACE_POINTS`): medians of the
 microseconds from the first program's entry to the last program done with each step.
 """
@@ -193,17 +193,11 @@ def check(lay: Layers, cfg: AttnBlockConfig) -> dict[str, object]:
             "counters_zero": lay.ws.sync[:2].tolist() == [0, 0]}
 
 
-PRELOADED = AttnBlockConfig(num_splits=64, kv_preload=32, o_preload=True)
-PREFETCHED = AttnBlockConfig(qkv_prefetch=True, o_prefetch=True)
-"""The q/k/v rows asked of L2 before the PDL wait, the o rows when the attention phase begins."""
-"""The K/V of each program's unit and its o rows read into registers ahead (RADIXMESH_ATTN_BLOCK=preload)."""
-
-
 def sweep(lay: Layers, base: AttnBlockConfig) -> list[dict[str, object]]:
-    cfgs = [replace(base, o_prefetch=True), replace(base, qkv_prefetch=True), PREFETCHED,
-            replace(PREFETCHED, num_stages=4), replace(PREFETCHED, num_splits=64),
-            replace(PREFETCHED, o_block_r=2, o_block_k=1024), replace(PREFETCHED, ctas_per_sm=2), PRELOADED,
-            replace(base, num_splits=64, kv_preload=32), replace(base, num_stages=4)]
+    cfgs = [replace(base, ctas_per_sm=c) for c in (1, 2, 3)]
+    cfgs += [replace(base, num_splits=s) for s in (8, 16, MAX_SPLITS)]
+    cfgs += [replace(base, qkv_block_r=r, qkv_block_k=k, o_block_r=r, o_block_k=k) for r, k in ((8, 256), (2, 1024))]
+    cfgs += [replace(base, num_stages=s) for s in (2, 4)]
     return [{"us": timed(lay, c), "config": asdict(c)} for c in cfgs]
 
 
@@ -231,9 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=48, help="layers of distinct weights and pools per graph")
     p.add_argument("--context", type=int, default=1024, help="the request's slots, the new token's included")
     p.add_argument("--check", action="store_true", help="compare the block with the chain on layer 0 first")
-    p.add_argument("--sweep", action="store_true", help="time programs per SM, splits, tiles, the prefetch")
+    p.add_argument("--sweep", action="store_true", help="time programs per SM, splits, tiles and stages")
     p.add_argument("--trace", action="store_true", help="when each step of a launch ends (PDL off)")
-    p.add_argument("--o-prefetch", action="store_true", help="the measured configuration prefetches the o weight")
     p.add_argument("--table", nargs="+", metavar="JSONL", help="print a table of earlier results and exit")
     args = p.parse_args(argv)
     if args.table:
@@ -243,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_attn_block needs a CUDA device", file=sys.stderr)
         return 2
-    cfg = AttnBlockConfig(o_prefetch=args.o_prefetch)
+    cfg = AttnBlockConfig()
     copy_tb_s = copy_bandwidth_tb_s()
     lay = make_layers(SHAPES[args.shape], args.layers, args.context, MAX_SPLITS)
     weights, kv = layer_bytes(lay)
@@ -251,12 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         "shape": args.shape, "layers": args.layers, "context": args.context, "copy_tb_s": round(copy_tb_s, 3),
         "weights_mb": round(weights / 1e6, 2), "kv_mb": round(kv / 1e6, 2)}
     if args.check:
-        for c in (cfg, PREFETCHED):
-            print(json.dumps({"bench": "attn-block-check", **check(lay, c), **info}), flush=True)
+        print(json.dumps({"bench": "attn-block-check", **check(lay, cfg), **info}), flush=True)
     if args.trace:
-        for c in (cfg, PREFETCHED):
-            print(json.dumps({"bench": "attn-block-trace", **trace(lay, c), **info}), flush=True)
-    for row in measure(lay, cfg, copy_tb_s) + measure(lay, PREFETCHED, copy_tb_s)[2:]:
+        print(json.dumps({"bench": "attn-block-trace", **trace(lay, cfg), **info}), flush=True)
+    for row in measure(lay, cfg, copy_tb_s):
         print(json.dumps({"bench": "attn-block", **row, **info}), flush=True)
     if args.sweep:
         for row in sweep(lay, cfg):

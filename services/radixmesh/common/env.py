@@ -63,11 +63,10 @@ def moe_path() -> str:
     return _choice("MOE_PATH", MOE_PATHS)
 
 
-ATTN_BLOCK_MODES = ("off", "on", "prefetch", "preload")
-"""Values of RADIXMESH_ATTN_BLOCK: a one-token decode pass runs each layer's attention half (input norm, q/k/v,
-rotary, KV store, attention, o) in one persistent kernel (`radixmesh.kernels.attn_block`); `prefetch` with the
-q/k/v and o weights asked of L2 ahead, `preload` with each program's K/V and o rows read into registers ahead; `off`,
-the default, runs today's launches (on an H200 the block was slower: docs/moe.md)."""
+ATTN_BLOCK_MODES = ("off", "on")
+"""Values of RADIXMESH_ATTN_BLOCK: `on`, a one-token decode pass runs each layer's attention half (input norm, q/k/v,
+rotary, KV store, attention, o) in one persistent kernel (`radixmesh.kernels.attn_block`); `off`, the default,
+runs today's launches (on an H200 the block was slower: docs/moe.md)."""
 
 
 def attn_block_mode() -> str:

@@ -16,20 +16,16 @@ if TYPE_CHECKING:
 
 
 class AttnBlockRuntime:
-    def __init__(self, mode: str = "on") -> None:
+    def __init__(self) -> None:
         from radixmesh.kernels.attn_block import AttnBlockConfig
 
-        configs = {"on": AttnBlockConfig(), "prefetch": AttnBlockConfig(qkv_prefetch=True, o_prefetch=True),
-                   "preload": AttnBlockConfig(num_splits=64, kv_preload=32, o_preload=True)}
-        assert mode in configs, f"mode must be one of {sorted(configs)}, got {mode!r}"
-        self.config: AttnBlockConfig = configs[mode]
+        self.config: AttnBlockConfig = AttnBlockConfig()
         self._workspaces: dict[tuple[object, ...], AttnBlockWorkspace] = {}
 
     @classmethod
     def from_env(cls) -> AttnBlockRuntime | None:
-        """The runtime RADIXMESH_ATTN_BLOCK asks for, or None (`off`)."""
-        mode = attn_block_mode()
-        return None if mode == "off" else cls(mode)
+        """A runtime when RADIXMESH_ATTN_BLOCK=on, else None."""
+        return cls() if attn_block_mode() == "on" else None
 
     def workspace(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                   device: torch.device) -> AttnBlockWorkspace:
