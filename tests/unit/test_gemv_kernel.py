@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from radixmesh.kernels.gemv import GemvConfig, default_config, gemv
+from radixmesh.kernels.gemv import GemvConfig, default_config, fused_config, gemv, parse_tiles
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -64,3 +64,14 @@ def test_default_config_is_tuned_or_many_small_programs():
     assert default_config(3, 300) == GemvConfig(4, 512, 4, 4)  # K rounded up to a power of two
     assert default_config(3, 100) == GemvConfig(4, 128, 4, 4)  # one tile covers a short K
     assert default_config(3, 5) == GemvConfig(4, 64, 4, 4)  # never under 64
+
+
+def test_gemv_tiles_from_the_environment() -> None:
+    """RADIXMESH_GEMV_TILES, read when the module loads, replaces tuned tiles (for sweeps inside a model)."""
+    tiles = parse_tiles("plain:2048x4096=8,4096,8,1; norm/fp8:5120x2048=4,2048,4,1")
+    assert tiles == {("plain", "bf16", 2048, 4096): GemvConfig(8, 4096, 8, 1),
+                     ("norm", "fp8", 5120, 2048): GemvConfig(4, 2048, 4, 1)}
+    assert parse_tiles("") == {} == parse_tiles(None)
+    with pytest.raises(ValueError, match="RADIXMESH_GEMV_TILES"):
+        parse_tiles("plain:2048x4096=8,4096")
+    assert fused_config("plain", 2048, 4096, fp8=False) == GemvConfig(8, 512, 2, 4)  # the tuned tiles

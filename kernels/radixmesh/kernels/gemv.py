@@ -14,6 +14,7 @@ quantization at batch 1).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -179,10 +180,35 @@ TUNED_FUSED: dict[tuple[str, str, int, int], GemvConfig] = {
 }
 
 
+def parse_tiles(value: str | None) -> dict[tuple[str, str, int, int], GemvConfig]:
+    """`RADIXMESH_GEMV_TILES`: tiles that replace the tuned ones for a kind and shape, for sweeps inside a model;
+    `;`-separated `kind[/fp8]:NxK=block_n,block_k,num_warps,num_stages` (e.g. `plain:2048x4096=8,4096,8,1`)."""
+    out: dict[tuple[str, str, int, int], GemvConfig] = {}
+    for item in (value or "").split(";"):
+        if not item.strip():
+            continue
+        try:
+            key, tiles = item.split("=")
+            kind, shape = key.strip().split(":")
+            kind, _, weights = kind.partition("/")
+            n, k = (int(v) for v in shape.lower().split("x"))
+            bn, bk, warps, stages = (int(v) for v in tiles.split(","))
+        except ValueError:
+            raise ValueError(f"RADIXMESH_GEMV_TILES: cannot read {item!r}; expected "
+                             "kind[/fp8]:NxK=block_n,block_k,num_warps,num_stages") from None
+        out[(kind, weights or "bf16", n, k)] = GemvConfig(bn, bk, warps, stages)
+    return out
+
+
+TILES_OVERRIDE = parse_tiles(os.environ.get("RADIXMESH_GEMV_TILES"))
+"""Tiles from `RADIXMESH_GEMV_TILES`, ahead of `TUNED_FUSED`."""
+
+
 def fused_config(kind: str, n: int, k: int, fp8: bool) -> GemvConfig:
-    """The tiles of a batch-1 GEMV of `kind` (plain, norm, gated, rope) over an `[n, k]` weight: tuned for that
-    kernel where measured, else the plain GEMV's choice for the shape."""
-    tuned = TUNED_FUSED.get((kind, "fp8" if fp8 else "bf16", n, k))
+    """The tiles of a batch-1 GEMV of `kind` (plain, norm, gated, rope, router) over an `[n, k]` weight:
+    `RADIXMESH_GEMV_TILES`'s, else tuned for that kernel where measured, else the plain GEMV's choice."""
+    key = (kind, "fp8" if fp8 else "bf16", n, k)
+    tuned = TILES_OVERRIDE.get(key) or TUNED_FUSED.get(key)
     if tuned is not None:
         return tuned
     return default_config_fp8(n, k) if fp8 else default_config(n, k)
