@@ -66,12 +66,53 @@ def test_default_config_is_tuned_or_many_small_programs():
     assert default_config(3, 5) == GemvConfig(4, 64, 4, 4)  # never under 64
 
 
-def test_gemv_tiles_from_the_environment() -> None:
-    """RADIXMESH_GEMV_TILES, read when the module loads, replaces tuned tiles (for sweeps inside a model)."""
-    tiles = parse_tiles("plain:2048x4096=8,4096,8,1; norm/fp8:5120x2048=4,2048,4,1")
+def test_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RADIXMESH_GEMV_TILES (read by the model runner, set with `set_tiles`) replaces tuned tiles, for sweeps inside
+    a model; a value that does not read names its item."""
+    from radixmesh.common.env import gemv_tiles
+    from radixmesh.kernels import gemv as gemv_module
+
+    value = "plain:2048x4096=8,4096,8,1; norm/fp8:5120x2048=4,2048,4,1"
+    monkeypatch.setenv("RADIXMESH_GEMV_TILES", f" {value} ")
+    assert gemv_tiles() == value
+    tiles = parse_tiles(gemv_tiles())
     assert tiles == {("plain", "bf16", 2048, 4096): GemvConfig(8, 4096, 8, 1),
                      ("norm", "fp8", 5120, 2048): GemvConfig(4, 2048, 4, 1)}
     assert parse_tiles("") == {} == parse_tiles(None)
-    with pytest.raises(ValueError, match="RADIXMESH_GEMV_TILES"):
-        parse_tiles("plain:2048x4096=8,4096")
+    for bad in ("plain:2048x4096=8,4096", "plain:2048x4096=8,0,8,1", "plain/int4:8x8=1,8,1,1"):
+        with pytest.raises(ValueError, match="cannot read"):
+            parse_tiles(bad)
     assert fused_config("plain", 2048, 4096, fp8=False) == GemvConfig(8, 512, 2, 4)  # the tuned tiles
+    try:
+        gemv_module.set_tiles(tiles)
+        assert fused_config("plain", 2048, 4096, fp8=False) == GemvConfig(8, 4096, 8, 1)
+        assert fused_config("norm", 5120, 2048, fp8=True) == GemvConfig(4, 2048, 4, 1)
+        assert fused_config("norm", 5120, 2048, fp8=False) == GemvConfig(8, 512, 2, 3)  # bf16 keeps its tuned tiles
+    finally:
+        gemv_module.set_tiles({})
+    assert fused_config("plain", 2048, 4096, fp8=False) == GemvConfig(8, 512, 2, 4)
+    monkeypatch.setenv("RADIXMESH_GEMV_TILES", "  ")
+    assert gemv_tiles() is None
+
+
+def test_the_model_runner_sets_and_refuses_gemv_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the runner's fast-path setup sets RADIXMESH_GEMV_TILES's tiles, and refuses a value that does not
+    read with INVALID_ARGUMENT naming the variable (before any kernel launches)."""
+    from types import SimpleNamespace
+
+    from radixmesh.common.errors import ErrorCode, RadixMeshError
+    from radixmesh.engine import runner_build
+    from radixmesh.kernels import gemv as gemv_module
+
+    runner = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float32,
+                             config=SimpleNamespace(disable_pdl=True, disable_gemv=True, disable_gemv_fusion=False))
+    monkeypatch.setenv("RADIXMESH_GEMV_TILES", "plain:2048x4096=8,4096")
+    with pytest.raises(RadixMeshError) as err:
+        runner_build._enable_fast_paths(runner, None)  # type: ignore[arg-type]
+    assert err.value.code == ErrorCode.INVALID_ARGUMENT and "RADIXMESH_GEMV_TILES" in str(err.value)
+    monkeypatch.setenv("RADIXMESH_GEMV_TILES", "plain:2048x4096=8,4096,8,1")
+    try:
+        runner_build._enable_fast_paths(runner, None)  # type: ignore[arg-type]
+        assert gemv_module.TILES_OVERRIDE == {("plain", "bf16", 2048, 4096): GemvConfig(8, 4096, 8, 1)}
+    finally:
+        gemv_module.set_tiles({})

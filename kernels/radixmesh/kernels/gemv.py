@@ -14,7 +14,7 @@ quantization at batch 1).
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -181,8 +181,9 @@ TUNED_FUSED: dict[tuple[str, str, int, int], GemvConfig] = {
 
 
 def parse_tiles(value: str | None) -> dict[tuple[str, str, int, int], GemvConfig]:
-    """`RADIXMESH_GEMV_TILES`: tiles that replace the tuned ones for a kind and shape, for sweeps inside a model;
-    `;`-separated `kind[/fp8]:NxK=block_n,block_k,num_warps,num_stages` (e.g. `plain:2048x4096=8,4096,8,1`)."""
+    """Tiles that replace the tuned ones for a kind and shape (`RADIXMESH_GEMV_TILES`, for sweeps inside a model):
+    `;`-separated `kind[/fp8]:NxK=block_n,block_k,num_warps,num_stages` (e.g. `plain:2048x4096=8,4096,8,1`);
+    ValueError naming the item that does not read."""
     out: dict[tuple[str, str, int, int], GemvConfig] = {}
     for item in (value or "").split(";"):
         if not item.strip():
@@ -194,19 +195,28 @@ def parse_tiles(value: str | None) -> dict[tuple[str, str, int, int], GemvConfig
             n, k = (int(v) for v in shape.lower().split("x"))
             bn, bk, warps, stages = (int(v) for v in tiles.split(","))
         except ValueError:
-            raise ValueError(f"RADIXMESH_GEMV_TILES: cannot read {item!r}; expected "
+            raise ValueError(f"cannot read {item.strip()!r}: expected "
                              "kind[/fp8]:NxK=block_n,block_k,num_warps,num_stages") from None
-        out[(kind, weights or "bf16", n, k)] = GemvConfig(bn, bk, warps, stages)
+        if weights not in ("", "fp8") or min(n, k, bn, bk, warps, stages) < 1:
+            raise ValueError(f"cannot read {item.strip()!r}: weights are bf16 (no suffix) or /fp8, and every number "
+                             "is positive")
+        out[(kind.strip(), weights or "bf16", n, k)] = GemvConfig(bn, bk, warps, stages)
     return out
 
 
-TILES_OVERRIDE = parse_tiles(os.environ.get("RADIXMESH_GEMV_TILES"))
-"""Tiles from `RADIXMESH_GEMV_TILES`, ahead of `TUNED_FUSED`."""
+TILES_OVERRIDE: dict[tuple[str, str, int, int], GemvConfig] = {}
+"""Tiles ahead of `TUNED_FUSED` (`set_tiles`; the model runner sets them from RADIXMESH_GEMV_TILES)."""
+
+
+def set_tiles(tiles: Mapping[tuple[str, str, int, int], GemvConfig]) -> None:
+    """Launch the batch-1 GEMVs of these (kind, weights, N, K) with these tiles from now on (empty: the tuned)."""
+    TILES_OVERRIDE.clear()
+    TILES_OVERRIDE.update(tiles)
 
 
 def fused_config(kind: str, n: int, k: int, fp8: bool) -> GemvConfig:
-    """The tiles of a batch-1 GEMV of `kind` (plain, norm, gated, rope, router) over an `[n, k]` weight:
-    `RADIXMESH_GEMV_TILES`'s, else tuned for that kernel where measured, else the plain GEMV's choice."""
+    """The tiles of a batch-1 GEMV of `kind` (plain, norm, gated, rope, router) over an `[n, k]` weight: those
+    `set_tiles` gave, else tuned for that kernel where measured, else the plain GEMV's choice."""
     key = (kind, "fp8" if fp8 else "bf16", n, k)
     tuned = TILES_OVERRIDE.get(key) or TUNED_FUSED.get(key)
     if tuned is not None:

@@ -120,6 +120,12 @@ def decode_fp8_tuning() -> DecodeFp8Tuning:
     return DecodeFp8Tuning(tiles, (env_str("DECODE_FP8_WIDEN") or "f32").strip())
 
 
+def gemv_tiles() -> str | None:
+    """RADIXMESH_GEMV_TILES: batch-1 GEMV tiles that replace the tuned ones, for sweeps inside a model
+    (`radixmesh.kernels.gemv.parse_tiles` reads it); None when unset or empty."""
+    return (env_str("GEMV_TILES") or "").strip() or None
+
+
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 """Values of RADIXMESH_EVENT_LOOP (`radixmesh.common.aio.run_main`)."""
 HTTP_PARSERS = ("auto", "httptools", "h11")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from radixmesh.common.env import gemv_tiles
 from radixmesh.common.errors import invalid_argument
 from radixmesh.engine.attention.base import AttentionBackend
 from radixmesh.engine.attention.registry import create_backend
@@ -179,10 +180,18 @@ def _enable_fast_paths(runner: ModelRunner, model: torch.nn.Module) -> None:
     if runner.device.type != "cuda":
         return
     from radixmesh.kernels._pdl import pdl_enabled, set_pdl
+    from radixmesh.kernels.gemv import parse_tiles, set_tiles
 
     config = runner.config
     set_pdl(not config.disable_pdl)
     logger.info("programmatic dependent launch %s", "on" if pdl_enabled(runner.device) else "off")
+    try:
+        tiles = parse_tiles(gemv_tiles())
+    except ValueError as exc:
+        raise invalid_argument(f"RADIXMESH_GEMV_TILES: {exc}", "RADIXMESH_GEMV_TILES") from None
+    set_tiles(tiles)
+    if tiles:
+        logger.info("batch-1 GEMV tiles from RADIXMESH_GEMV_TILES: %s", gemv_tiles())
     if runner.dtype in GEMV_DTYPES and not config.disable_gemv:
         layers = enable_gemv(model, fuse_prologues=not config.disable_gemv_fusion)
         logger.info("batch-1 GEMV kernel on for %d linear layers", layers)
