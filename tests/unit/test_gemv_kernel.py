@@ -113,6 +113,7 @@ def test_the_model_runner_sets_and_refuses_gemv_tiles(monkeypatch: pytest.Monkey
     monkeypatch.setenv("RADIXMESH_GEMV_TILES", "plain:2048x4096=8,4096,8,1")
     try:
         runner_build._enable_fast_paths(runner, None)  # type: ignore[arg-type]
-        assert gemv_module.TILES_OVERRIDE == {("plain", "bf16", 2048, 4096): GemvConfig(8, 4096, 8, 1)}
+        overrides = dict(gemv_module.TILES_OVERRIDE)
+        assert overrides == {("plain", "bf16", 2048, 4096): GemvConfig(8, 4096, 8, 1)}
     finally:
         gemv_module.set_tiles({})
