@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from radixmesh.kernels.gemv import GemvConfig, default_config, fused_config, gemv, parse_tiles
+from radixmesh.kernels.gemv import TUNED_FUSED, GemvConfig, default_config, fused_config, gemv, parse_tiles
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -82,15 +82,16 @@ def test_gemv_tiles_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
     for bad in ("plain:2048x4096=8,4096", "plain:2048x4096=8,0,8,1", "plain/int4:8x8=1,8,1,1"):
         with pytest.raises(ValueError, match="cannot read"):
             parse_tiles(bad)
-    assert fused_config("plain", 2048, 4096, fp8=False) == GemvConfig(8, 512, 2, 4)  # the tuned tiles
+    tuned_o, tuned_qkv = TUNED_FUSED[("plain", "bf16", 2048, 4096)], TUNED_FUSED[("norm", "bf16", 5120, 2048)]
+    assert fused_config("plain", 2048, 4096, fp8=False) == tuned_o
     try:
         gemv_module.set_tiles(tiles)
         assert fused_config("plain", 2048, 4096, fp8=False) == GemvConfig(8, 4096, 8, 1)
         assert fused_config("norm", 5120, 2048, fp8=True) == GemvConfig(4, 2048, 4, 1)
-        assert fused_config("norm", 5120, 2048, fp8=False) == GemvConfig(8, 512, 2, 3)  # bf16 keeps its tuned tiles
+        assert fused_config("norm", 5120, 2048, fp8=False) == tuned_qkv  # bf16 keeps its tuned tiles
     finally:
         gemv_module.set_tiles({})
-    assert fused_config("plain", 2048, 4096, fp8=False) == GemvConfig(8, 512, 2, 4)
+    assert fused_config("plain", 2048, 4096, fp8=False) == tuned_o
     monkeypatch.setenv("RADIXMESH_GEMV_TILES", "  ")
     assert gemv_tiles() is None
 

@@ -185,13 +185,13 @@ def _enable_fast_paths(runner: ModelRunner, model: torch.nn.Module) -> None:
     config = runner.config
     set_pdl(not config.disable_pdl)
     logger.info("programmatic dependent launch %s", "on" if pdl_enabled(runner.device) else "off")
+    value = gemv_tiles()
     try:
-        tiles = parse_tiles(gemv_tiles())
+        set_tiles(parse_tiles(value))
     except ValueError as exc:
         raise invalid_argument(f"RADIXMESH_GEMV_TILES: {exc}", "RADIXMESH_GEMV_TILES") from None
-    set_tiles(tiles)
-    if tiles:
-        logger.info("batch-1 GEMV tiles from RADIXMESH_GEMV_TILES: %s", gemv_tiles())
+    if value:
+        logger.info("batch-1 GEMV tiles from RADIXMESH_GEMV_TILES: %s", value)
     if runner.dtype in GEMV_DTYPES and not config.disable_gemv:
         layers = enable_gemv(model, fuse_prologues=not config.disable_gemv_fusion)
         logger.info("batch-1 GEMV kernel on for %d linear layers", layers)

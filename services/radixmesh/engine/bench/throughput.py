@@ -170,18 +170,16 @@ def settings(sched: Any, args: argparse.Namespace) -> dict[str, Any]:
             **sched.runner.memory_info(),
             "cuda_graph": sched.runner.graph_runner is not None, "max_total_tokens": sched.kv.capacity,
             "max_running_requests": sched.runner.plan.max_running_requests,
-            "chunked_prefill_size": cfg.chunked_prefill_size, **_decode_fp8_settings(), **_launch_settings(),
+            "chunked_prefill_size": cfg.chunked_prefill_size, **_decode_fp8_settings(), **_gemv_tiles_settings(),
             "command": " ".join(sys.argv)}
 
 
-def _launch_settings() -> dict[str, Any]:
-    """The batch-1 GEMV tiles set through the environment (RADIXMESH_GEMV_TILES; nothing when unset)."""
-    from radixmesh.kernels.gemv import TILES_OVERRIDE
+def _gemv_tiles_settings() -> dict[str, Any]:
+    """The batch-1 GEMV tiles set through the environment (RADIXMESH_GEMV_TILES as given; nothing when unset)."""
+    from radixmesh.common.env import gemv_tiles
 
-    if not TILES_OVERRIDE:
-        return {}
-    return {"gemv_tiles": {f"{kind}/{w}:{n}x{k}": [c.block_n, c.block_k, c.num_warps, c.num_stages]
-                           for (kind, w, n, k), c in TILES_OVERRIDE.items()}}
+    value = gemv_tiles()
+    return {} if value is None else {"gemv_tiles": value}
 
 
 def _decode_fp8_settings() -> dict[str, Any]:
